@@ -1,0 +1,866 @@
+#!/usr/bin/env python3
+"""Run the project's real services on this machine, without Docker.
+
+    python deploy/services.py up [SERVICE ...]      install once, start, wait until ready
+    python deploy/services.py down [SERVICE ...]    stop (no process is left behind)
+    python deploy/services.py status [--json]       where each service listens and whether it answers
+    python deploy/services.py install [SERVICE ...] download/extract only (for warming a cache)
+    python deploy/services.py env                   shell exports of the CDC_TEST_* variables
+    python deploy/services.py endpoints             every service's address as JSON (holds the password)
+
+Services: postgres (Debian packages, wal_level=logical), kafka (KRaft, jars from Maven Central),
+registry (Apicurio Registry, Confluent-compatible API), opensearch (integ-test zip from Maven
+Central), redis (Debian packages), spark-jars (Kafka source, spark-avro and Delta Lake for the
+installed pyspark; nothing to run).
+
+Only the standard library is used, so this runs before the project's virtualenv exists.
+
+Where things go (all outside the repository):
+    $CDC_LOCAL_CACHE  (default ~/.cache/pgcdc)             downloads, verified by Maven's SHA-1
+    $CDC_LOCAL_STATE  (default ~/.local/state/pgcdc,       installs, data, logs/, run/, endpoints.json
+                       or /var/tmp/pgcdc when run as root)
+Ports: CDC_LOCAL_PG_PORT, CDC_LOCAL_KAFKA_PORT, CDC_LOCAL_KAFKA_CONTROLLER_PORT,
+CDC_LOCAL_REGISTRY_PORT, CDC_LOCAL_OPENSEARCH_PORT, CDC_LOCAL_REDIS_PORT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import hashlib
+import json
+import os
+import pwd
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tarfile
+import textwrap
+import time
+import urllib.error
+import urllib.request
+import uuid
+import zipfile
+from pathlib import Path
+from typing import Any, Callable
+
+# --- versions: the one place they are pinned -------------------------------------------------
+KAFKA_VERSION = "4.1.1"
+LOG4J_VERSION = "2.24.3"
+SLF4J_VERSION = "2.0.17"
+APICURIO_VERSION = "3.3.3"
+OPENSEARCH_VERSION = "3.6.0"  # needs Java >= 21
+OPENSEARCH_VERSION_JAVA17 = "2.19.6"  # used when no Java 21+ is installed
+# Spark 4.0.0 is the newest release whose Kafka token provider, spark-avro and Delta Lake jars are all
+# on Maven Central as reached from here; it must equal the installed pyspark (pyproject pins it).
+SPARK_VERSION = "4.0.0"
+DELTA_VERSION = "4.0.0"
+SCALA_BINARY = "2.13"
+
+MAVEN = os.environ.get("CDC_LOCAL_MAVEN", "https://repo1.maven.org/maven2")
+SERVICE_USER = "pgcdc"  # PostgreSQL and OpenSearch refuse to run as root
+PG_USER = "postgres"
+PG_PASSWORD = os.environ.get("CDC_LOCAL_PG_PASSWORD", "postgres")
+
+
+def _home(var: str, default: Path) -> Path:
+    value = os.environ.get(var)
+    return Path(value).expanduser().resolve() if value else default
+
+
+IS_ROOT = os.geteuid() == 0
+CACHE = _home("CDC_LOCAL_CACHE", Path.home() / ".cache" / "pgcdc")
+STATE = _home(
+    "CDC_LOCAL_STATE",
+    Path("/var/tmp/pgcdc") if IS_ROOT else Path.home() / ".local" / "state" / "pgcdc",
+)
+LOGS = STATE / "logs"
+RUN = STATE / "run"
+OPT = STATE / "opt"
+DATA = STATE / "data"
+ENDPOINTS = STATE / "endpoints.json"
+
+
+def _port(name: str, default: int) -> int:
+    raw = os.environ.get(name, str(default))
+    try:
+        return int(raw)
+    except ValueError:
+        sys.exit(f"deploy: {name}={raw!r} is not a port number; set it to an integer such as {default}")
+
+
+PORTS = {
+    "postgres": _port("CDC_LOCAL_PG_PORT", 54329),
+    "kafka": _port("CDC_LOCAL_KAFKA_PORT", 19092),
+    "kafka-controller": _port("CDC_LOCAL_KAFKA_CONTROLLER_PORT", 19093),
+    "registry": _port("CDC_LOCAL_REGISTRY_PORT", 18081),
+    "opensearch": _port("CDC_LOCAL_OPENSEARCH_PORT", 19200),
+    "opensearch-transport": _port("CDC_LOCAL_OPENSEARCH_TRANSPORT_PORT", 19300),
+    "redis": _port("CDC_LOCAL_REDIS_PORT", 16379),
+}
+
+
+class DeployError(Exception):
+    """A step failed; the message says what and how to fix it."""
+
+
+def say(msg: str) -> None:
+    print(f"deploy: {msg}", flush=True)
+
+
+# --- small utilities ---------------------------------------------------------------------------
+
+
+def run(cmd: list[str], *, user: str | None = None, **kw: Any) -> subprocess.CompletedProcess[str]:
+    if user and IS_ROOT:
+        cmd = ["runuser", "-u", user, "--", *cmd]
+    proc = subprocess.run(cmd, text=True, capture_output=True, **kw)
+    if proc.returncode != 0:
+        raise DeployError(
+            f"command failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}"
+        )
+    return proc
+
+
+def maven_url(group: str, artifact: str, version: str, ext: str, classifier: str = "") -> str:
+    suffix = f"-{classifier}" if classifier else ""
+    return f"{MAVEN}/{group.replace('.', '/')}/{artifact}/{version}/{artifact}-{version}{suffix}.{ext}"
+
+
+def download(url: str) -> Path:
+    """Fetch url into the cache once; verify the SHA-1 Maven Central publishes beside it."""
+    target = CACHE / "downloads" / url.rsplit("/", 1)[1]
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    say(f"downloading {url}")
+    tmp = target.with_suffix(target.suffix + ".part")
+    sha1 = hashlib.sha1()
+    try:
+        with urllib.request.urlopen(url, timeout=60) as resp, open(tmp, "wb") as out:
+            while chunk := resp.read(1 << 20):
+                sha1.update(chunk)
+                out.write(chunk)
+        with urllib.request.urlopen(url + ".sha1", timeout=60) as resp:
+            expected = resp.read().decode().split()[0].strip()
+    except (urllib.error.URLError, OSError) as exc:
+        tmp.unlink(missing_ok=True)
+        raise DeployError(f"cannot download {url}: {exc}; check network access to {MAVEN}") from exc
+    if sha1.hexdigest() != expected:
+        tmp.unlink(missing_ok=True)
+        raise DeployError(f"checksum mismatch for {url}: got {sha1.hexdigest()}, expected {expected}")
+    tmp.rename(target)  # only complete, verified files ever appear under their final name
+    return target
+
+
+def extract(archive: Path, dest: Path, top: str) -> Path:
+    """Extract archive so that its top-level folder becomes dest; idempotent."""
+    if dest.exists():
+        return dest
+    tmp = dest.with_name(dest.name + ".part")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    say(f"extracting {archive.name}")
+    if archive.suffix == ".zip":
+        with zipfile.ZipFile(archive) as zf:
+            zf.extractall(tmp)
+            for info in zf.infolist():  # zipfile drops the executable bits
+                mode = info.external_attr >> 16
+                if mode:
+                    os.chmod(tmp / info.filename, mode & 0o7777)
+    else:
+        with tarfile.open(archive) as tf:
+            tf.extractall(tmp, filter="tar")
+    src = tmp / top if top else tmp
+    src.rename(dest)
+    shutil.rmtree(tmp, ignore_errors=True)
+    return dest
+
+
+def maven_copy_dependencies(coords: list[str], dest: Path, exclusions: dict[str, list[str]]) -> Path:
+    """Resolve artifacts and their runtime dependencies with Maven into dest (idempotent)."""
+    if dest.exists():
+        return dest
+    if not shutil.which("mvn"):
+        raise DeployError("Maven (mvn) is needed to fetch jars: apt-get install -y maven")
+    deps = []
+    for coord in coords:
+        g, a, v = coord.split(":")
+        excl = "".join(
+            f"<exclusion><groupId>{eg}</groupId><artifactId>{ea}</artifactId></exclusion>"
+            for eg, ea in (e.split(":") for e in exclusions.get(coord, []))
+        )
+        deps.append(
+            f"<dependency><groupId>{g}</groupId><artifactId>{a}</artifactId><version>{v}</version>"
+            f"<exclusions>{excl}</exclusions></dependency>"
+        )
+    work = dest.with_name(dest.name + ".pom")
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    (work / "pom.xml").write_text(
+        '<project xmlns="http://maven.apache.org/POM/4.0.0"><modelVersion>4.0.0</modelVersion>'
+        "<groupId>local.pgcdc</groupId><artifactId>deps</artifactId><version>1</version>"
+        f"<packaging>pom</packaging><dependencies>{''.join(deps)}</dependencies></project>"
+    )
+    # Some POMs (Spark's) name extra repositories that are unreachable here; send every request to
+    # the one repository we trust.
+    (work / "settings.xml").write_text(
+        "<settings><mirrors><mirror><id>only</id><mirrorOf>*</mirrorOf>"
+        f"<url>{MAVEN}</url></mirror></mirrors></settings>"
+    )
+    tmp = dest.with_name(dest.name + ".part")
+    shutil.rmtree(tmp, ignore_errors=True)
+    say(f"resolving {len(coords)} artifact(s) with Maven into {dest}")
+    run(
+        ["mvn", "-q", "-B", "-s", "settings.xml", "dependency:copy-dependencies", f"-DoutputDirectory={tmp}", "-DincludeScope=runtime"],
+        cwd=work,
+    )
+    tmp.rename(dest)
+    shutil.rmtree(work, ignore_errors=True)
+    return dest
+
+
+def java_home(min_version: int) -> Path | None:
+    """The first installed JDK whose major version is at least min_version."""
+    candidates = []
+    if os.environ.get("JAVA_HOME"):
+        candidates.append(Path(os.environ["JAVA_HOME"]))
+    candidates += sorted(Path("/usr/lib/jvm").glob("*"), reverse=True)
+    for home in candidates:
+        release = home / "release"
+        if not release.is_file() or not (home / "bin" / "java").exists():
+            continue
+        for line in release.read_text().splitlines():
+            if line.startswith("JAVA_VERSION="):
+                major = int(line.split("=", 1)[1].strip('"').split(".")[0])
+                if major >= min_version:
+                    return home
+    return None
+
+
+def ensure_service_user() -> str | None:
+    """When root, the user PostgreSQL and OpenSearch run as (created once)."""
+    if not IS_ROOT:
+        return None
+    try:
+        pwd.getpwnam(SERVICE_USER)
+    except KeyError:
+        run(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", SERVICE_USER])
+    return SERVICE_USER
+
+
+def chown_tree(path: Path, user: str | None) -> None:
+    if user:
+        run(["chown", "-R", f"{user}:{user}", str(path)])
+
+
+def apt_install(binary: str, package: str) -> None:
+    if shutil.which(binary) or Path(binary).exists():
+        return
+    if not IS_ROOT:
+        raise DeployError(f"{binary} is missing: run `sudo apt-get install -y {package}`")
+    say(f"installing Debian package {package}")
+    run(["apt-get", "update", "-q"])
+    run(["apt-get", "install", "-y", "-q", "--no-install-recommends", package],
+        env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
+
+
+def port_open(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        return s.connect_ex((host, port)) == 0
+
+
+def http_get(url: str, timeout: float = 2.0) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+    except (urllib.error.URLError, OSError):
+        return 0, b""
+
+
+# --- process bookkeeping -----------------------------------------------------------------------
+
+
+def pid_file(name: str) -> Path:
+    return RUN / f"{name}.pid"
+
+
+_CHILDREN: dict[str, subprocess.Popen[bytes]] = {}
+
+
+def running_pid(name: str) -> int | None:
+    child = _CHILDREN.get(name)
+    if child is not None and child.poll() is not None:  # our own child: reap it, or it lingers as a zombie
+        return None
+    try:
+        pid = int(pid_file(name).read_text())
+        os.kill(pid, 0)
+    except (FileNotFoundError, ValueError, ProcessLookupError):
+        return None
+    except PermissionError:
+        pass  # alive, owned by the service user
+    return pid
+
+
+def spawn(name: str, cmd: list[str], *, env: dict[str, str] | None = None, cwd: Path | None = None,
+          user: str | None = None) -> int:
+    """Start cmd detached in its own session (so `down` can signal the whole group), log to logs/."""
+    LOGS.mkdir(parents=True, exist_ok=True)
+    RUN.mkdir(parents=True, exist_ok=True)
+    log = open(LOGS / f"{name}.log", "ab")
+    log.write(f"\n==== {time.strftime('%Y-%m-%d %H:%M:%S')} starting: {' '.join(cmd)}\n".encode())
+    log.flush()
+    proc = subprocess.Popen(
+        cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=cwd,
+        env={**os.environ, **(env or {})}, start_new_session=True,
+        user=user if (user and IS_ROOT) else None, group=user if (user and IS_ROOT) else None,
+        extra_groups=[] if (user and IS_ROOT) else None,
+    )
+    pid_file(name).write_text(str(proc.pid))
+    _CHILDREN[name] = proc
+    return proc.pid
+
+
+def stop_pid(name: str, sig: int = signal.SIGTERM, timeout: float = 45.0) -> None:
+    pid = running_pid(name)
+    if pid is None:
+        pid_file(name).unlink(missing_ok=True)
+        return
+    say(f"stopping {name} (pid {pid})")
+    try:
+        os.killpg(pid, sig)
+    except ProcessLookupError:
+        pass
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.2)
+    else:
+        say(f"{name} did not stop within {timeout:.0f}s; killing it")
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    pid_file(name).unlink(missing_ok=True)
+
+
+def wait_until(what: str, check: Callable[[], bool], name: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return
+        if running_pid(name) is None:
+            raise DeployError(f"{what} exited during start-up; see {LOGS / (name + '.log')}")
+        time.sleep(0.5)
+    raise DeployError(f"{what} not ready after {timeout:.0f}s; see {LOGS / (name + '.log')}")
+
+
+# --- services ----------------------------------------------------------------------------------
+
+
+class Service:
+    name = ""
+    needs: tuple[str, ...] = ()
+    ready_timeout = 120.0
+
+    def install(self) -> None: ...
+    def start(self) -> None: ...
+    def ready(self) -> bool:
+        return True
+    def stop(self) -> None:
+        stop_pid(self.name)
+    def endpoint(self) -> dict[str, Any]:
+        return {}
+    def version(self) -> str:
+        return ""
+
+    def up(self) -> None:
+        self.install()
+        if running_pid(self.name) is not None and self.ready():
+            say(f"{self.name} already running")
+            return
+        if running_pid(self.name) is None:
+            port = self.endpoint().get("port")
+            if port and port_open(port):
+                raise DeployError(
+                    f"port {port} for {self.name} is taken by another process; "
+                    f"stop it or choose another port (see `deploy/services.py --help`)"
+                )
+            self.start()
+
+    def wait(self) -> None:
+        wait_until(self.name, self.ready, self.name, self.ready_timeout)
+
+
+class Postgres(Service):
+    name = "postgres"
+    ready_timeout = 60.0
+
+    def bindir(self) -> Path:
+        found = sorted(Path("/usr/lib/postgresql").glob("*/bin/postgres"), reverse=True)
+        if not found:
+            raise DeployError("PostgreSQL server is missing: apt-get install -y postgresql")
+        return found[0].parent
+
+    def version(self) -> str:
+        return run([str(self.bindir() / "postgres"), "--version"]).stdout.split()[2]
+
+    def install(self) -> None:
+        apt_install("/usr/lib/postgresql", "postgresql")
+        user = ensure_service_user()
+        data = DATA / "postgres"
+        if (data / "PG_VERSION").exists():
+            return
+        say("initialising a PostgreSQL cluster")
+        data.mkdir(parents=True, exist_ok=True)
+        (DATA / "postgres-sock").mkdir(parents=True, exist_ok=True)
+        pwfile = DATA / "postgres.pw"
+        pwfile.write_text(PG_PASSWORD + "\n")
+        chown_tree(data, user)
+        chown_tree(DATA / "postgres-sock", user)
+        chown_tree(pwfile, user)
+        run([str(self.bindir() / "initdb"), "-D", str(data), "-U", PG_USER, "--auth-local=trust",
+             "--auth-host=scram-sha-256", f"--pwfile={pwfile}", "-E", "UTF8", "--locale=C.UTF-8"], user=user)
+        pwfile.unlink()
+        # Settings for change data capture; the rest stays at PostgreSQL's defaults.
+        with open(data / "postgresql.conf", "a") as conf:
+            conf.write(textwrap.dedent(f"""
+                # --- pgcdc local service ---
+                listen_addresses = '127.0.0.1'
+                unix_socket_directories = '{DATA / "postgres-sock"}'
+                wal_level = logical
+                max_wal_senders = 20
+                max_replication_slots = 20
+                logical_decoding_work_mem = '64MB'
+                log_min_messages = warning
+            """))
+
+    def start(self) -> None:
+        spawn(self.name, [str(self.bindir() / "postgres"), "-D", str(DATA / "postgres"),
+                          "-p", str(PORTS["postgres"])], user=ensure_service_user())
+
+    def ready(self) -> bool:
+        proc = subprocess.run([str(self.bindir() / "pg_isready"), "-q", "-h", "127.0.0.1",
+                               "-p", str(PORTS["postgres"])], capture_output=True)
+        return proc.returncode == 0
+
+    def stop(self) -> None:
+        stop_pid(self.name, signal.SIGINT)  # SIGINT = fast shutdown: clean, does not wait for clients
+
+    def endpoint(self) -> dict[str, Any]:
+        port = PORTS["postgres"]
+        return {"port": port, "dsn": f"postgresql://{PG_USER}:{PG_PASSWORD}@127.0.0.1:{port}/postgres",
+                "display": f"postgresql://{PG_USER}:***@127.0.0.1:{port}/postgres"}
+
+
+class Kafka(Service):
+    name = "kafka"
+    ready_timeout = 120.0
+
+    def home(self) -> Path:
+        return OPT / f"kafka-{KAFKA_VERSION}"
+
+    def version(self) -> str:
+        return KAFKA_VERSION
+
+    def install(self) -> None:
+        libs = maven_copy_dependencies(
+            [f"org.apache.kafka:kafka_{SCALA_BINARY}:{KAFKA_VERSION}",
+             # the Maven artifact has no logging binding; Kafka 4 logs through log4j2
+             f"org.apache.logging.log4j:log4j-slf4j2-impl:{LOG4J_VERSION}",
+             f"org.apache.logging.log4j:log4j-core:{LOG4J_VERSION}",
+             f"org.slf4j:slf4j-api:{SLF4J_VERSION}"],
+            self.home() / "libs", {},
+        )
+        assert libs.exists()
+        (self.home() / "log4j2.properties").write_text(textwrap.dedent("""
+            status = warn
+            appender.out.type = Console
+            appender.out.name = out
+            appender.out.layout.type = PatternLayout
+            appender.out.layout.pattern = [%d] %p %m (%c)%n
+            rootLogger.level = info
+            rootLogger.appenderRef.out.ref = out
+            logger.kafka.name = kafka
+            logger.kafka.level = info
+            logger.state.name = state.change.logger
+            logger.state.level = warn
+            logger.request.name = kafka.request.logger
+            logger.request.level = warn
+            """))
+        data = DATA / "kafka"
+        props = self.home() / "server.properties"
+        p, c = PORTS["kafka"], PORTS["kafka-controller"]
+        props.write_text(textwrap.dedent(f"""
+            process.roles=broker,controller
+            node.id=1
+            controller.quorum.bootstrap.servers=127.0.0.1:{c}
+            listeners=PLAINTEXT://127.0.0.1:{p},CONTROLLER://127.0.0.1:{c}
+            advertised.listeners=PLAINTEXT://127.0.0.1:{p}
+            controller.listener.names=CONTROLLER
+            listener.security.protocol.map=PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT
+            inter.broker.listener.name=PLAINTEXT
+            log.dirs={data}
+            num.partitions=1
+            offsets.topic.replication.factor=1
+            transaction.state.log.replication.factor=1
+            transaction.state.log.min.isr=1
+            share.coordinator.state.topic.replication.factor=1
+            share.coordinator.state.topic.min.isr=1
+            group.initial.rebalance.delay.ms=0
+            auto.create.topics.enable=false
+            log.cleaner.enable=true
+            """))
+        if not (data / "meta.properties").exists():
+            say("formatting Kafka storage (KRaft, single node)")
+            cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+            run(self.java() + ["kafka.tools.StorageTool", "format", "-t", cluster_id, "-c", str(props),
+                               "--standalone"])
+
+    def java(self) -> list[str]:
+        jh = java_home(17)
+        if jh is None:
+            raise DeployError("Kafka needs Java 17+: apt-get install -y openjdk-17-jre-headless")
+        return [str(jh / "bin" / "java"), "-Xms256m", "-Xmx768m", "-XX:+UseG1GC",
+                f"-Dlog4j2.configurationFile={self.home() / 'log4j2.properties'}",
+                "-cp", f"{self.home() / 'libs'}/*"]
+
+    def start(self) -> None:
+        spawn(self.name, self.java() + ["kafka.Kafka", str(self.home() / "server.properties")])
+
+    def ready(self) -> bool:
+        if not port_open(PORTS["kafka"]):
+            return False
+        try:
+            from confluent_kafka.admin import AdminClient  # present in the project's virtualenv
+        except ImportError:
+            return True
+        try:
+            md = AdminClient({"bootstrap.servers": f"127.0.0.1:{PORTS['kafka']}"}).list_topics(timeout=2)
+            return bool(md.brokers)
+        except Exception:
+            return False
+
+    def endpoint(self) -> dict[str, Any]:
+        return {"port": PORTS["kafka"], "bootstrap": f"127.0.0.1:{PORTS['kafka']}"}
+
+
+class Registry(Service):
+    name = "registry"
+    needs = ("kafka",)
+    ready_timeout = 120.0
+
+    def home(self) -> Path:
+        return OPT / f"apicurio-registry-{APICURIO_VERSION}"
+
+    def version(self) -> str:
+        return f"Apicurio Registry {APICURIO_VERSION}"
+
+    def install(self) -> None:
+        archive = download(maven_url("io.apicurio", "apicurio-registry-app", APICURIO_VERSION, "tar.gz", "all"))
+        extract(archive, self.home(), "")
+
+    def start(self) -> None:
+        jh = java_home(17)
+        if jh is None:
+            raise DeployError("the registry needs Java 17+: apt-get install -y openjdk-17-jre-headless")
+        # Schemas are kept in a Kafka topic (like Confluent Schema Registry's _schemas), so schema ids
+        # survive a registry restart: events already in Kafka stay decodable.
+        spawn(self.name, [
+            str(jh / "bin" / "java"), "-Xms128m", "-Xmx384m",
+            f"-Dquarkus.http.port={PORTS['registry']}", "-Dquarkus.http.host=127.0.0.1",
+            "-Dapicurio.storage.kind=kafkasql",
+            f"-Dapicurio.kafkasql.bootstrap.servers=127.0.0.1:{PORTS['kafka']}",
+            "-Dapicurio.kafkasql.topic=_apicurio_registry",
+            "-Dquarkus.log.level=WARN", "-Dquarkus.log.category.\"io.apicurio\".level=INFO",
+            "-jar", str(self.home() / "quarkus-run.jar"),
+        ], cwd=self.home())
+
+    def ready(self) -> bool:
+        status, _ = http_get(self.endpoint()["url"] + "/subjects")
+        return status == 200
+
+    def endpoint(self) -> dict[str, Any]:
+        port = PORTS["registry"]
+        return {"port": port, "url": f"http://127.0.0.1:{port}/apis/ccompat/v7"}
+
+
+class OpenSearch(Service):
+    name = "opensearch"
+    ready_timeout = 180.0
+
+    def flavour(self) -> tuple[str, Path]:
+        jh = java_home(21)
+        if jh is not None:
+            return OPENSEARCH_VERSION, jh
+        jh = java_home(17)
+        if jh is None:
+            raise DeployError("OpenSearch needs Java 17+ (21+ for 3.x): apt-get install -y openjdk-17-jre-headless")
+        return OPENSEARCH_VERSION_JAVA17, jh
+
+    def home(self) -> Path:
+        return OPT / f"opensearch-{self.flavour()[0]}"
+
+    def version(self) -> str:
+        return f"OpenSearch {self.flavour()[0]}"
+
+    def install(self) -> None:
+        ver, _ = self.flavour()
+        archive = download(maven_url("org.opensearch.distribution.integ-test-zip", "opensearch", ver, "zip"))
+        extract(archive, self.home(), f"opensearch-{ver}")
+        user = ensure_service_user()
+        conf = DATA / "opensearch" / "config"
+        if not conf.exists():
+            # A config copy of our own: OpenSearch writes its keystore beside the config.
+            shutil.copytree(self.home() / "config", conf)
+            (DATA / "opensearch" / "data").mkdir(parents=True, exist_ok=True)
+            (DATA / "opensearch" / "logs").mkdir(parents=True, exist_ok=True)
+            # jvm.options names paths relative to the install, which the service user cannot write.
+            d = DATA / "opensearch"
+            options = (conf / "jvm.options").read_text()
+            options = options.replace("logs/", f"{d / 'logs'}/").replace("HeapDumpPath=data",
+                                                                         f"HeapDumpPath={d / 'data'}")
+            (conf / "jvm.options").write_text(options + "\n-Xms512m\n-Xmx512m\n")
+            chown_tree(DATA / "opensearch", user)
+
+    def start(self) -> None:
+        _, jh = self.flavour()
+        d = DATA / "opensearch"
+        spawn(self.name, [
+            str(self.home() / "bin" / "opensearch"),
+            "-Ecluster.name=pgcdc-local", "-Enode.name=local", "-Ediscovery.type=single-node",
+            "-Enetwork.host=127.0.0.1", f"-Ehttp.port={PORTS['opensearch']}",
+            f"-Etransport.port={PORTS['opensearch-transport']}",
+            f"-Epath.data={d / 'data'}", f"-Epath.logs={d / 'logs'}",
+            # a nearly full dev disk must not turn indices read-only under the tests
+            "-Ecluster.routing.allocation.disk.threshold_enabled=false",
+        ], cwd=d, env={"OPENSEARCH_JAVA_HOME": str(jh), "OPENSEARCH_PATH_CONF": str(d / "config"),
+                "JAVA_HOME": str(jh)}, user=ensure_service_user())
+
+    def ready(self) -> bool:
+        status, body = http_get(self.endpoint()["url"] + "/_cluster/health")
+        return status == 200 and json.loads(body).get("status") in ("green", "yellow")
+
+    def endpoint(self) -> dict[str, Any]:
+        port = PORTS["opensearch"]
+        return {"port": port, "url": f"http://127.0.0.1:{port}"}
+
+
+class Redis(Service):
+    name = "redis"
+    ready_timeout = 30.0
+
+    def version(self) -> str:
+        return run(["redis-server", "--version"]).stdout.split()[2].removeprefix("v=")
+
+    def install(self) -> None:
+        apt_install("redis-server", "redis-server")
+        (DATA / "redis").mkdir(parents=True, exist_ok=True)
+
+    def start(self) -> None:
+        spawn(self.name, ["redis-server", "--port", str(PORTS["redis"]), "--bind", "127.0.0.1",
+                          "--dir", str(DATA / "redis"), "--appendonly", "yes", "--save", "",
+                          "--daemonize", "no", "--protected-mode", "yes"])
+
+    def ready(self) -> bool:
+        try:
+            with socket.create_connection(("127.0.0.1", PORTS["redis"]), timeout=1) as s:
+                s.sendall(b"PING\r\n")
+                return s.recv(16).startswith(b"+PONG")
+        except OSError:
+            return False
+
+    def endpoint(self) -> dict[str, Any]:
+        port = PORTS["redis"]
+        return {"port": port, "url": f"redis://127.0.0.1:{port}/0"}
+
+
+class SparkJars(Service):
+    """Jars Spark lacks for our sinks; nothing runs. Jars pyspark already ships are left out."""
+
+    name = "spark-jars"
+
+    def dir(self) -> Path:
+        return OPT / f"spark-jars-{SPARK_VERSION}-delta-{DELTA_VERSION}"
+
+    def version(self) -> str:
+        return f"Spark {SPARK_VERSION} connectors, Delta {DELTA_VERSION}"
+
+    def install(self) -> None:
+        s, sb = SPARK_VERSION, SCALA_BINARY
+        # Delta names its artifact after the Spark version from Delta 4.1 on (delta-spark_4.1_2.13).
+        delta = f"delta-spark_{sb}" if DELTA_VERSION.startswith("4.0.") else \
+            f"delta-spark_{'.'.join(s.split('.')[:2])}_{sb}"
+        maven_copy_dependencies(
+            [f"org.apache.spark:spark-sql-kafka-0-10_{sb}:{s}",
+             f"org.apache.spark:spark-avro_{sb}:{s}",
+             f"io.delta:{delta}:{DELTA_VERSION}"],
+            self.dir(), {},
+        )
+
+    def jars(self) -> list[str]:
+        shipped: set[str] = set()
+        try:
+            import pyspark  # the project's virtualenv has it
+            shipped = {_artifact(p.name) for p in (Path(pyspark.__file__).parent / "jars").glob("*.jar")}
+        except ImportError:
+            pass
+        return sorted(str(p) for p in self.dir().glob("*.jar") if _artifact(p.name) not in shipped)
+
+    def up(self) -> None:
+        self.install()
+
+    def ready(self) -> bool:
+        return self.dir().exists()
+
+    def stop(self) -> None:
+        pass
+
+    def endpoint(self) -> dict[str, Any]:
+        return {"jars": self.jars() if self.dir().exists() else []}
+
+
+def _artifact(jar_name: str) -> str:
+    """'kafka-clients-3.9.1.jar' -> 'kafka-clients' (artifact name without its version)."""
+    parts = jar_name.removesuffix(".jar").split("-")
+    for i, part in enumerate(parts):
+        if part[:1].isdigit():
+            return "-".join(parts[:i])
+    return "-".join(parts)
+
+
+SERVICES: dict[str, Service] = {s.name: s for s in
+                                (Postgres(), Kafka(), Registry(), OpenSearch(), Redis(), SparkJars())}
+
+
+def select(names: list[str]) -> list[Service]:
+    unknown = [n for n in names if n not in SERVICES]
+    if unknown:
+        raise DeployError(f"unknown service(s) {', '.join(unknown)}; choose from {', '.join(SERVICES)}")
+    chosen = set(names or SERVICES)
+    for name in list(chosen):  # a service's dependencies come with it
+        chosen.update(SERVICES[name].needs)
+    return [s for s in SERVICES.values() if s.name in chosen]
+
+
+def cmd_up(names: list[str]) -> int:
+    services = select(names)
+    for s in services:
+        s.install()
+    # Start everything whose dependencies are ready, in order; wait as late as possible so the slow
+    # JVMs warm up side by side.
+    started: list[Service] = []
+    for s in services:
+        for dep in s.needs:
+            SERVICES[dep].wait()
+        s.up()
+        started.append(s)
+    for s in started:
+        s.wait()
+    write_endpoints()
+    return cmd_status([s.name for s in services], as_json=False)
+
+
+def cmd_down(names: list[str]) -> None:
+    chosen = names or list(SERVICES)
+    # Reverse order: the registry before Kafka, which it uses.
+    for s in reversed(select(chosen) if names else list(SERVICES.values())):
+        if s.name in chosen:
+            s.stop()
+
+
+def endpoints() -> dict[str, dict[str, Any]]:
+    return {name: {**s.endpoint(), "running": s.ready()} for name, s in SERVICES.items()}
+
+
+def write_endpoints() -> None:
+    STATE.mkdir(parents=True, exist_ok=True)
+    ENDPOINTS.write_text(json.dumps(endpoints(), indent=2))
+    ENDPOINTS.chmod(0o600)  # holds the local database password
+
+
+def status_rows(names: list[str]) -> list[dict[str, Any]]:
+    rows = []
+    for name, s in SERVICES.items():
+        if names and name not in names:
+            continue
+        ep = s.endpoint()
+        healthy = s.ready()
+        if name == "spark-jars":
+            where = f"{len(ep['jars'])} jars in {s.dir()}" if healthy else "not installed"
+        else:
+            where = ep.get("display") or ep.get("url") or ep.get("bootstrap") or ""
+        try:
+            version = s.version()
+        except DeployError:
+            version = "?"
+        rows.append({"service": name, "healthy": healthy, "pid": running_pid(name), "where": where,
+                     "version": version, "log": str(LOGS / f"{name}.log") if name != "spark-jars" else ""})
+    return rows
+
+
+def cmd_status(names: list[str], as_json: bool) -> int:
+    rows = status_rows(names)
+    if as_json:
+        print(json.dumps(rows, indent=2))
+    else:
+        print(f"{'SERVICE':<11} {'STATE':<8} {'PID':<8} {'VERSION':<34} WHERE")
+        for r in rows:
+            state = "ok" if r["healthy"] else "down"
+            print(f"{r['service']:<11} {state:<8} {r['pid'] or '-'!s:<8} {r['version']:<34} {r['where']}")
+        print(f"logs: {LOGS}/<service>.log   state: {STATE}   cache: {CACHE}")
+    return 0 if all(r["healthy"] for r in rows) else 3
+
+
+def cmd_env() -> None:
+    ep = {name: s.endpoint() for name, s in SERVICES.items()}
+    print(f"export CDC_TEST_PG_DSN='{ep['postgres']['dsn']}'")
+    print(f"export CDC_TEST_KAFKA='{ep['kafka']['bootstrap']}'")
+    print(f"export CDC_TEST_REGISTRY='{ep['registry']['url']}'")
+    print(f"export CDC_TEST_OPENSEARCH='{ep['opensearch']['url']}'")
+    print(f"export CDC_TEST_REDIS='{ep['redis']['url']}'")
+    print(f"export CDC_TEST_SPARK_JARS='{','.join(ep['spark-jars']['jars'])}'")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="deploy/services.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("command", choices=["up", "down", "status", "install", "env", "endpoints"])
+    parser.add_argument("services", nargs="*", help=f"any of: {', '.join(SERVICES)} (default: all)")
+    parser.add_argument("--json", action="store_true", help="status as JSON")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "up":
+            return cmd_up(args.services)
+        if args.command == "down":
+            cmd_down(args.services)
+            return 0
+        if args.command == "install":
+            for s in select(args.services):
+                s.install()
+            return 0
+        if args.command == "env":
+            cmd_env()
+            return 0
+        if args.command == "endpoints":
+            print(json.dumps(endpoints(), indent=2))
+            return 0
+        return cmd_status(args.services, args.json)
+    except DeployError as exc:
+        print(f"deploy: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

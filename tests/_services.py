@@ -1,0 +1,218 @@
+"""Finding the real services the integration tests talk to.
+
+For each service, in order:
+1. an environment variable names it (``CDC_TEST_PG_DSN``, ``CDC_TEST_KAFKA``, ``CDC_TEST_REGISTRY``,
+   ``CDC_TEST_OPENSEARCH``, ``CDC_TEST_REDIS``; ``CDC_TEST_SPARK_JARS`` is a comma-separated jar list);
+2. else, where a Docker engine answers, testcontainers starts it (once per test run);
+3. else the local services of ``deploy/services.py`` are used, started on demand.
+
+When none of these yields the service, its tests skip, saying why — unless ``CDC_TEST_REQUIRE_SERVICES=1``
+(set by the README's test command and CI), where a missing service fails the run instead.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+DEPLOY = ROOT / "deploy" / "services.py"
+
+ENV_VARS = {
+    "postgres": "CDC_TEST_PG_DSN",
+    "kafka": "CDC_TEST_KAFKA",
+    "registry": "CDC_TEST_REGISTRY",
+    "opensearch": "CDC_TEST_OPENSEARCH",
+    "redis": "CDC_TEST_REDIS",
+    "spark-jars": "CDC_TEST_SPARK_JARS",
+}
+
+
+class ServiceUnavailable(Exception):
+    """A service could not be found or started; the message says how each way failed."""
+
+
+@dataclass(frozen=True)
+class Found:
+    """Where a service is, and which of the three ways found it."""
+
+    value: str
+    source: str  # "env", "testcontainers" or "deploy"
+
+
+def require_services() -> bool:
+    return os.environ.get("CDC_TEST_REQUIRE_SERVICES", "") not in ("", "0", "false", "no")
+
+
+def from_env(name: str, environ: dict[str, str] | None = None) -> str | None:
+    value = (environ if environ is not None else os.environ).get(ENV_VARS[name], "").strip()
+    return value or None
+
+
+@cache
+def docker_engine_answers() -> bool:
+    try:
+        import docker
+
+        client = docker.from_env(timeout=3)
+        client.ping()
+        return True
+    except Exception:  # no client library, no socket, engine down: all mean "no Docker here"
+        return False
+
+
+# --- testcontainers --------------------------------------------------------------------------
+
+_containers: list[Any] = []
+
+
+def _keep(container: Any) -> Any:
+    container.start()
+    _containers.append(container)
+    return container
+
+
+@atexit.register
+def _stop_containers() -> None:
+    for container in reversed(_containers):
+        try:
+            container.stop()
+        except Exception as exc:  # a container that is already gone is what we wanted
+            print(f"warning: stopping {container!r}: {exc}", file=sys.stderr)
+
+
+def _tc_postgres() -> str:
+    from testcontainers.postgres import PostgresContainer
+
+    pg = PostgresContainer("postgres:16", username="postgres", password="postgres", dbname="postgres")
+    pg.with_command("postgres -c wal_level=logical -c max_wal_senders=20 -c max_replication_slots=20")
+    _keep(pg)
+    return f"postgresql://postgres:postgres@{pg.get_container_host_ip()}:{pg.get_exposed_port(5432)}/postgres"
+
+
+@cache
+def _tc_kafka() -> str:
+    from testcontainers.kafka import KafkaContainer
+
+    kafka = KafkaContainer("confluentinc/cp-kafka:7.8.0").with_kraft()
+    _keep(kafka)
+    return str(kafka.get_bootstrap_server())
+
+
+def _tc_registry() -> str:
+    from testcontainers.core.container import DockerContainer
+    from testcontainers.core.waiting_utils import wait_for_logs
+
+    registry = DockerContainer("apicurio/apicurio-registry:3.3.3").with_exposed_ports(8080)
+    _keep(registry)
+    wait_for_logs(registry, "Installed features", timeout=120)
+    host, port = registry.get_container_host_ip(), registry.get_exposed_port(8080)
+    return f"http://{host}:{port}/apis/ccompat/v7"
+
+
+def _tc_opensearch() -> str:
+    from testcontainers.opensearch import OpenSearchContainer
+
+    search = _keep(OpenSearchContainer("opensearchproject/opensearch:3.6.0"))
+    config = search.get_config()
+    return f"http://{config['host']}:{config['port']}"
+
+
+def _tc_redis() -> str:
+    from testcontainers.redis import RedisContainer
+
+    redis = _keep(RedisContainer("redis:7.4"))
+    return f"redis://{redis.get_container_host_ip()}:{redis.get_exposed_port(6379)}/0"
+
+
+_TESTCONTAINERS: dict[str, Callable[[], str]] = {
+    "postgres": _tc_postgres,
+    "kafka": _tc_kafka,
+    "registry": _tc_registry,
+    "opensearch": _tc_opensearch,
+    "redis": _tc_redis,
+}
+
+
+# --- deploy/services.py ----------------------------------------------------------------------
+
+
+def _deploy(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(DEPLOY), *args], capture_output=True, text=True, check=False, timeout=900
+    )
+
+
+@cache
+def _deploy_endpoints(name: str) -> dict[str, Any]:
+    """Start (or find running) the local service and return its endpoint record."""
+    proc = _deploy("up", name)
+    if proc.returncode != 0:
+        raise ServiceUnavailable(
+            f"deploy/services.py up {name} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}"
+        )
+    record: dict[str, Any] = json.loads(_deploy("endpoints").stdout)[name]
+    if not record.get("running"):
+        raise ServiceUnavailable(f"deploy/services.py started {name} but it does not answer; see its log")
+    return record
+
+
+_DEPLOY_KEYS = {
+    "postgres": "dsn",
+    "kafka": "bootstrap",
+    "registry": "url",
+    "opensearch": "url",
+    "redis": "url",
+}
+
+
+def _from_deploy(name: str) -> str:
+    record = _deploy_endpoints(name)
+    if name == "spark-jars":
+        return ",".join(record["jars"])
+    return str(record[_DEPLOY_KEYS[name]])
+
+
+# --- the one entry point ----------------------------------------------------------------------
+
+
+@cache
+def find(name: str) -> Found:
+    """Locate service ``name`` (see the module docstring for the order); raise ServiceUnavailable."""
+    value = from_env(name)
+    if value:
+        return Found(value, "env")
+    failures = []
+    if name in _TESTCONTAINERS and docker_engine_answers():
+        try:
+            return Found(_TESTCONTAINERS[name](), "testcontainers")
+        except Exception as exc:  # fall through to the local services, but keep the reason
+            failures.append(f"testcontainers: {exc}")
+    try:
+        return Found(_from_deploy(name), "deploy")
+    except (ServiceUnavailable, OSError, subprocess.SubprocessError, ValueError, KeyError) as exc:
+        failures.append(f"deploy/services.py: {exc}")
+    raise ServiceUnavailable(
+        f"{name} not available: set {ENV_VARS[name]}, run a Docker engine, or run "
+        f"`python deploy/services.py up {name}`. Tried: " + "; ".join(failures)
+    )
+
+
+def find_or_skip(name: str) -> str:
+    """The service's address, or skip (fail when services are required) with the reason."""
+    try:
+        return find(name).value
+    except ServiceUnavailable as exc:
+        if require_services():
+            pytest.fail(f"required service missing (CDC_TEST_REQUIRE_SERVICES is set): {exc}")
+        pytest.skip(str(exc))
