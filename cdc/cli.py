@@ -11,7 +11,10 @@ from cdc import __version__
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="cdc",
-        description="PostgreSQL change data capture into compacted Kafka topics, and the derived views kept from them.",
+        description=(
+            "PostgreSQL change data capture into compacted Kafka topics, "
+            "and the derived views kept from them."
+        ),
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     return parser

@@ -27,10 +27,12 @@ from __future__ import annotations
 
 import argparse
 import base64
+import contextlib
 import hashlib
 import json
 import os
 import pwd
+import re
 import shutil
 import signal
 import socket
@@ -43,8 +45,9 @@ import urllib.error
 import urllib.request
 import uuid
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 # --- versions: the one place they are pinned -------------------------------------------------
 KAFKA_VERSION = "4.1.1"
@@ -116,7 +119,7 @@ def say(msg: str) -> None:
 def run(cmd: list[str], *, user: str | None = None, **kw: Any) -> subprocess.CompletedProcess[str]:
     if user and IS_ROOT:
         cmd = ["runuser", "-u", user, "--", *cmd]
-    proc = subprocess.run(cmd, text=True, capture_output=True, **kw)
+    proc = subprocess.run(cmd, text=True, capture_output=True, check=False, **kw)
     if proc.returncode != 0:
         raise DeployError(
             f"command failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}"
@@ -165,14 +168,14 @@ def extract(archive: Path, dest: Path, top: str) -> Path:
     say(f"extracting {archive.name}")
     if archive.suffix == ".zip":
         with zipfile.ZipFile(archive) as zf:
-            zf.extractall(tmp)
+            zf.extractall(tmp)  # noqa: S202 - zipfile drops ".." and absolute path parts
             for info in zf.infolist():  # zipfile drops the executable bits
                 mode = info.external_attr >> 16
                 if mode:
                     os.chmod(tmp / info.filename, mode & 0o7777)
     else:
         with tarfile.open(archive) as tf:
-            tf.extractall(tmp, filter="tar")
+            tf.extractall(tmp, filter="data")
     src = tmp / top if top else tmp
     src.rename(dest)
     shutil.rmtree(tmp, ignore_errors=True)
@@ -214,7 +217,16 @@ def maven_copy_dependencies(coords: list[str], dest: Path, exclusions: dict[str,
     shutil.rmtree(tmp, ignore_errors=True)
     say(f"resolving {len(coords)} artifact(s) with Maven into {dest}")
     run(
-        ["mvn", "-q", "-B", "-s", "settings.xml", "dependency:copy-dependencies", f"-DoutputDirectory={tmp}", "-DincludeScope=runtime"],
+        [
+            "mvn",
+            "-q",
+            "-B",
+            "-s",
+            "settings.xml",
+            "dependency:copy-dependencies",
+            f"-DoutputDirectory={tmp}",
+            "-DincludeScope=runtime",
+        ],
         cwd=work,
     )
     tmp.rename(dest)
@@ -263,8 +275,10 @@ def apt_install(binary: str, package: str) -> None:
         raise DeployError(f"{binary} is missing: run `sudo apt-get install -y {package}`")
     say(f"installing Debian package {package}")
     run(["apt-get", "update", "-q"])
-    run(["apt-get", "install", "-y", "-q", "--no-install-recommends", package],
-        env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
+    run(
+        ["apt-get", "install", "-y", "-q", "--no-install-recommends", package],
+        env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"},
+    )
 
 
 def port_open(port: int, host: str = "127.0.0.1") -> bool:
@@ -307,20 +321,32 @@ def running_pid(name: str) -> int | None:
     return pid
 
 
-def spawn(name: str, cmd: list[str], *, env: dict[str, str] | None = None, cwd: Path | None = None,
-          user: str | None = None) -> int:
+def spawn(
+    name: str,
+    cmd: list[str],
+    *,
+    env: dict[str, str] | None = None,
+    cwd: Path | None = None,
+    user: str | None = None,
+) -> int:
     """Start cmd detached in its own session (so `down` can signal the whole group), log to logs/."""
     LOGS.mkdir(parents=True, exist_ok=True)
     RUN.mkdir(parents=True, exist_ok=True)
-    log = open(LOGS / f"{name}.log", "ab")
-    log.write(f"\n==== {time.strftime('%Y-%m-%d %H:%M:%S')} starting: {' '.join(cmd)}\n".encode())
-    log.flush()
-    proc = subprocess.Popen(
-        cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=cwd,
-        env={**os.environ, **(env or {})}, start_new_session=True,
-        user=user if (user and IS_ROOT) else None, group=user if (user and IS_ROOT) else None,
-        extra_groups=[] if (user and IS_ROOT) else None,
-    )
+    with open(LOGS / f"{name}.log", "ab") as log:  # the child keeps its own copy of the descriptor
+        log.write(f"\n==== {time.strftime('%Y-%m-%d %H:%M:%S')} starting: {' '.join(cmd)}\n".encode())
+        log.flush()
+        proc = subprocess.Popen(
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            cwd=cwd,
+            env={**os.environ, **(env or {})},
+            start_new_session=True,
+            user=user if (user and IS_ROOT) else None,
+            group=user if (user and IS_ROOT) else None,
+            extra_groups=[] if (user and IS_ROOT) else None,
+        )
     pid_file(name).write_text(str(proc.pid))
     _CHILDREN[name] = proc
     return proc.pid
@@ -332,10 +358,8 @@ def stop_pid(name: str, sig: int = signal.SIGTERM, timeout: float = 45.0) -> Non
         pid_file(name).unlink(missing_ok=True)
         return
     say(f"stopping {name} (pid {pid})")
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(pid, sig)
-    except ProcessLookupError:
-        pass
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
@@ -345,10 +369,8 @@ def stop_pid(name: str, sig: int = signal.SIGTERM, timeout: float = 45.0) -> Non
         time.sleep(0.2)
     else:
         say(f"{name} did not stop within {timeout:.0f}s; killing it")
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
     pid_file(name).unlink(missing_ok=True)
 
 
@@ -375,10 +397,13 @@ class Service:
     def start(self) -> None: ...
     def ready(self) -> bool:
         return True
+
     def stop(self) -> None:
         stop_pid(self.name)
+
     def endpoint(self) -> dict[str, Any]:
         return {}
+
     def version(self) -> str:
         return ""
 
@@ -427,12 +452,27 @@ class Postgres(Service):
         chown_tree(data, user)
         chown_tree(DATA / "postgres-sock", user)
         chown_tree(pwfile, user)
-        run([str(self.bindir() / "initdb"), "-D", str(data), "-U", PG_USER, "--auth-local=trust",
-             "--auth-host=scram-sha-256", f"--pwfile={pwfile}", "-E", "UTF8", "--locale=C.UTF-8"], user=user)
+        run(
+            [
+                str(self.bindir() / "initdb"),
+                "-D",
+                str(data),
+                "-U",
+                PG_USER,
+                "--auth-local=trust",
+                "--auth-host=scram-sha-256",
+                f"--pwfile={pwfile}",
+                "-E",
+                "UTF8",
+                "--locale=C.UTF-8",
+            ],
+            user=user,
+        )
         pwfile.unlink()
         # Settings for change data capture; the rest stays at PostgreSQL's defaults.
         with open(data / "postgresql.conf", "a") as conf:
-            conf.write(textwrap.dedent(f"""
+            conf.write(
+                textwrap.dedent(f"""
                 # --- pgcdc local service ---
                 listen_addresses = '127.0.0.1'
                 unix_socket_directories = '{DATA / "postgres-sock"}'
@@ -441,15 +481,22 @@ class Postgres(Service):
                 max_replication_slots = 20
                 logical_decoding_work_mem = '64MB'
                 log_min_messages = warning
-            """))
+            """)
+            )
 
     def start(self) -> None:
-        spawn(self.name, [str(self.bindir() / "postgres"), "-D", str(DATA / "postgres"),
-                          "-p", str(PORTS["postgres"])], user=ensure_service_user())
+        spawn(
+            self.name,
+            [str(self.bindir() / "postgres"), "-D", str(DATA / "postgres"), "-p", str(PORTS["postgres"])],
+            user=ensure_service_user(),
+        )
 
     def ready(self) -> bool:
-        proc = subprocess.run([str(self.bindir() / "pg_isready"), "-q", "-h", "127.0.0.1",
-                               "-p", str(PORTS["postgres"])], capture_output=True)
+        proc = subprocess.run(
+            [str(self.bindir() / "pg_isready"), "-q", "-h", "127.0.0.1", "-p", str(PORTS["postgres"])],
+            capture_output=True,
+            check=False,
+        )
         return proc.returncode == 0
 
     def stop(self) -> None:
@@ -457,8 +504,11 @@ class Postgres(Service):
 
     def endpoint(self) -> dict[str, Any]:
         port = PORTS["postgres"]
-        return {"port": port, "dsn": f"postgresql://{PG_USER}:{PG_PASSWORD}@127.0.0.1:{port}/postgres",
-                "display": f"postgresql://{PG_USER}:***@127.0.0.1:{port}/postgres"}
+        return {
+            "port": port,
+            "dsn": f"postgresql://{PG_USER}:{PG_PASSWORD}@127.0.0.1:{port}/postgres",
+            "display": f"postgresql://{PG_USER}:***@127.0.0.1:{port}/postgres",
+        }
 
 
 class Kafka(Service):
@@ -473,15 +523,19 @@ class Kafka(Service):
 
     def install(self) -> None:
         libs = maven_copy_dependencies(
-            [f"org.apache.kafka:kafka_{SCALA_BINARY}:{KAFKA_VERSION}",
-             # the Maven artifact has no logging binding; Kafka 4 logs through log4j2
-             f"org.apache.logging.log4j:log4j-slf4j2-impl:{LOG4J_VERSION}",
-             f"org.apache.logging.log4j:log4j-core:{LOG4J_VERSION}",
-             f"org.slf4j:slf4j-api:{SLF4J_VERSION}"],
-            self.home() / "libs", {},
+            [
+                f"org.apache.kafka:kafka_{SCALA_BINARY}:{KAFKA_VERSION}",
+                # the Maven artifact has no logging binding; Kafka 4 logs through log4j2
+                f"org.apache.logging.log4j:log4j-slf4j2-impl:{LOG4J_VERSION}",
+                f"org.apache.logging.log4j:log4j-core:{LOG4J_VERSION}",
+                f"org.slf4j:slf4j-api:{SLF4J_VERSION}",
+            ],
+            self.home() / "libs",
+            {},
         )
         assert libs.exists()
-        (self.home() / "log4j2.properties").write_text(textwrap.dedent("""
+        (self.home() / "log4j2.properties").write_text(
+            textwrap.dedent("""
             status = warn
             appender.out.type = Console
             appender.out.name = out
@@ -495,11 +549,13 @@ class Kafka(Service):
             logger.state.level = warn
             logger.request.name = kafka.request.logger
             logger.request.level = warn
-            """))
+            """)
+        )
         data = DATA / "kafka"
         props = self.home() / "server.properties"
         p, c = PORTS["kafka"], PORTS["kafka-controller"]
-        props.write_text(textwrap.dedent(f"""
+        props.write_text(
+            textwrap.dedent(f"""
             process.roles=broker,controller
             node.id=1
             controller.quorum.bootstrap.servers=127.0.0.1:{c}
@@ -518,23 +574,40 @@ class Kafka(Service):
             group.initial.rebalance.delay.ms=0
             auto.create.topics.enable=false
             log.cleaner.enable=true
-            """))
+            """)
+        )
         if not (data / "meta.properties").exists():
             say("formatting Kafka storage (KRaft, single node)")
             cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
-            run(self.java() + ["kafka.tools.StorageTool", "format", "-t", cluster_id, "-c", str(props),
-                               "--standalone"])
+            run(
+                [
+                    *self.java(),
+                    "kafka.tools.StorageTool",
+                    "format",
+                    "-t",
+                    cluster_id,
+                    "-c",
+                    str(props),
+                    "--standalone",
+                ]
+            )
 
     def java(self) -> list[str]:
         jh = java_home(17)
         if jh is None:
             raise DeployError("Kafka needs Java 17+: apt-get install -y openjdk-17-jre-headless")
-        return [str(jh / "bin" / "java"), "-Xms256m", "-Xmx768m", "-XX:+UseG1GC",
-                f"-Dlog4j2.configurationFile={self.home() / 'log4j2.properties'}",
-                "-cp", f"{self.home() / 'libs'}/*"]
+        return [
+            str(jh / "bin" / "java"),
+            "-Xms256m",
+            "-Xmx768m",
+            "-XX:+UseG1GC",
+            f"-Dlog4j2.configurationFile={self.home() / 'log4j2.properties'}",
+            "-cp",
+            f"{self.home() / 'libs'}/*",
+        ]
 
     def start(self) -> None:
-        spawn(self.name, self.java() + ["kafka.Kafka", str(self.home() / "server.properties")])
+        spawn(self.name, [*self.java(), "kafka.Kafka", str(self.home() / "server.properties")])
 
     def ready(self) -> bool:
         if not port_open(PORTS["kafka"]):
@@ -565,7 +638,9 @@ class Registry(Service):
         return f"Apicurio Registry {APICURIO_VERSION}"
 
     def install(self) -> None:
-        archive = download(maven_url("io.apicurio", "apicurio-registry-app", APICURIO_VERSION, "tar.gz", "all"))
+        archive = download(
+            maven_url("io.apicurio", "apicurio-registry-app", APICURIO_VERSION, "tar.gz", "all")
+        )
         extract(archive, self.home(), "")
 
     def start(self) -> None:
@@ -574,15 +649,24 @@ class Registry(Service):
             raise DeployError("the registry needs Java 17+: apt-get install -y openjdk-17-jre-headless")
         # Schemas are kept in a Kafka topic (like Confluent Schema Registry's _schemas), so schema ids
         # survive a registry restart: events already in Kafka stay decodable.
-        spawn(self.name, [
-            str(jh / "bin" / "java"), "-Xms128m", "-Xmx384m",
-            f"-Dquarkus.http.port={PORTS['registry']}", "-Dquarkus.http.host=127.0.0.1",
-            "-Dapicurio.storage.kind=kafkasql",
-            f"-Dapicurio.kafkasql.bootstrap.servers=127.0.0.1:{PORTS['kafka']}",
-            "-Dapicurio.kafkasql.topic=_apicurio_registry",
-            "-Dquarkus.log.level=WARN", "-Dquarkus.log.category.\"io.apicurio\".level=INFO",
-            "-jar", str(self.home() / "quarkus-run.jar"),
-        ], cwd=self.home())
+        spawn(
+            self.name,
+            [
+                str(jh / "bin" / "java"),
+                "-Xms128m",
+                "-Xmx384m",
+                f"-Dquarkus.http.port={PORTS['registry']}",
+                "-Dquarkus.http.host=127.0.0.1",
+                "-Dapicurio.storage.kind=kafkasql",
+                f"-Dapicurio.kafkasql.bootstrap.servers=127.0.0.1:{PORTS['kafka']}",
+                "-Dapicurio.kafkasql.topic=_apicurio_registry",
+                "-Dquarkus.log.level=WARN",
+                '-Dquarkus.log.category."io.apicurio".level=INFO',
+                "-jar",
+                str(self.home() / "quarkus-run.jar"),
+            ],
+            cwd=self.home(),
+        )
 
     def ready(self) -> bool:
         status, _ = http_get(self.endpoint()["url"] + "/subjects")
@@ -603,7 +687,9 @@ class OpenSearch(Service):
             return OPENSEARCH_VERSION, jh
         jh = java_home(17)
         if jh is None:
-            raise DeployError("OpenSearch needs Java 17+ (21+ for 3.x): apt-get install -y openjdk-17-jre-headless")
+            raise DeployError(
+                "OpenSearch needs Java 17+ (21+ for 3.x): apt-get install -y openjdk-17-jre-headless"
+            )
         return OPENSEARCH_VERSION_JAVA17, jh
 
     def home(self) -> Path:
@@ -626,24 +712,38 @@ class OpenSearch(Service):
             # jvm.options names paths relative to the install, which the service user cannot write.
             d = DATA / "opensearch"
             options = (conf / "jvm.options").read_text()
-            options = options.replace("logs/", f"{d / 'logs'}/").replace("HeapDumpPath=data",
-                                                                         f"HeapDumpPath={d / 'data'}")
+            options = options.replace("logs/", f"{d / 'logs'}/").replace(
+                "HeapDumpPath=data", f"HeapDumpPath={d / 'data'}"
+            )
             (conf / "jvm.options").write_text(options + "\n-Xms512m\n-Xmx512m\n")
             chown_tree(DATA / "opensearch", user)
 
     def start(self) -> None:
         _, jh = self.flavour()
         d = DATA / "opensearch"
-        spawn(self.name, [
-            str(self.home() / "bin" / "opensearch"),
-            "-Ecluster.name=pgcdc-local", "-Enode.name=local", "-Ediscovery.type=single-node",
-            "-Enetwork.host=127.0.0.1", f"-Ehttp.port={PORTS['opensearch']}",
-            f"-Etransport.port={PORTS['opensearch-transport']}",
-            f"-Epath.data={d / 'data'}", f"-Epath.logs={d / 'logs'}",
-            # a nearly full dev disk must not turn indices read-only under the tests
-            "-Ecluster.routing.allocation.disk.threshold_enabled=false",
-        ], cwd=d, env={"OPENSEARCH_JAVA_HOME": str(jh), "OPENSEARCH_PATH_CONF": str(d / "config"),
-                "JAVA_HOME": str(jh)}, user=ensure_service_user())
+        spawn(
+            self.name,
+            [
+                str(self.home() / "bin" / "opensearch"),
+                "-Ecluster.name=pgcdc-local",
+                "-Enode.name=local",
+                "-Ediscovery.type=single-node",
+                "-Enetwork.host=127.0.0.1",
+                f"-Ehttp.port={PORTS['opensearch']}",
+                f"-Etransport.port={PORTS['opensearch-transport']}",
+                f"-Epath.data={d / 'data'}",
+                f"-Epath.logs={d / 'logs'}",
+                # a nearly full dev disk must not turn indices read-only under the tests
+                "-Ecluster.routing.allocation.disk.threshold_enabled=false",
+            ],
+            cwd=d,
+            env={
+                "OPENSEARCH_JAVA_HOME": str(jh),
+                "OPENSEARCH_PATH_CONF": str(d / "config"),
+                "JAVA_HOME": str(jh),
+            },
+            user=ensure_service_user(),
+        )
 
     def ready(self) -> bool:
         status, body = http_get(self.endpoint()["url"] + "/_cluster/health")
@@ -666,9 +766,26 @@ class Redis(Service):
         (DATA / "redis").mkdir(parents=True, exist_ok=True)
 
     def start(self) -> None:
-        spawn(self.name, ["redis-server", "--port", str(PORTS["redis"]), "--bind", "127.0.0.1",
-                          "--dir", str(DATA / "redis"), "--appendonly", "yes", "--save", "",
-                          "--daemonize", "no", "--protected-mode", "yes"])
+        spawn(
+            self.name,
+            [
+                "redis-server",
+                "--port",
+                str(PORTS["redis"]),
+                "--bind",
+                "127.0.0.1",
+                "--dir",
+                str(DATA / "redis"),
+                "--appendonly",
+                "yes",
+                "--save",
+                "",
+                "--daemonize",
+                "no",
+                "--protected-mode",
+                "yes",
+            ],
+        )
 
     def ready(self) -> bool:
         try:
@@ -697,19 +814,26 @@ class SparkJars(Service):
     def install(self) -> None:
         s, sb = SPARK_VERSION, SCALA_BINARY
         # Delta names its artifact after the Spark version from Delta 4.1 on (delta-spark_4.1_2.13).
-        delta = f"delta-spark_{sb}" if DELTA_VERSION.startswith("4.0.") else \
-            f"delta-spark_{'.'.join(s.split('.')[:2])}_{sb}"
+        delta = (
+            f"delta-spark_{sb}"
+            if DELTA_VERSION.startswith("4.0.")
+            else f"delta-spark_{'.'.join(s.split('.')[:2])}_{sb}"
+        )
         maven_copy_dependencies(
-            [f"org.apache.spark:spark-sql-kafka-0-10_{sb}:{s}",
-             f"org.apache.spark:spark-avro_{sb}:{s}",
-             f"io.delta:{delta}:{DELTA_VERSION}"],
-            self.dir(), {},
+            [
+                f"org.apache.spark:spark-sql-kafka-0-10_{sb}:{s}",
+                f"org.apache.spark:spark-avro_{sb}:{s}",
+                f"io.delta:{delta}:{DELTA_VERSION}",
+            ],
+            self.dir(),
+            {},
         )
 
     def jars(self) -> list[str]:
         shipped: set[str] = set()
         try:
             import pyspark  # the project's virtualenv has it
+
             shipped = {_artifact(p.name) for p in (Path(pyspark.__file__).parent / "jars").glob("*.jar")}
         except ImportError:
             pass
@@ -729,16 +853,14 @@ class SparkJars(Service):
 
 
 def _artifact(jar_name: str) -> str:
-    """'kafka-clients-3.9.1.jar' -> 'kafka-clients' (artifact name without its version)."""
-    parts = jar_name.removesuffix(".jar").split("-")
-    for i, part in enumerate(parts):
-        if part[:1].isdigit():
-            return "-".join(parts[:i])
-    return "-".join(parts)
+    """'zstd-jni-1.5.6-10.jar' -> 'zstd-jni': the name before the first '-<digits>.<digits>'."""
+    match = re.match(r"^(.*?)-\d+\.\d+", jar_name)
+    return match.group(1) if match else jar_name.removesuffix(".jar")
 
 
-SERVICES: dict[str, Service] = {s.name: s for s in
-                                (Postgres(), Kafka(), Registry(), OpenSearch(), Redis(), SparkJars())}
+SERVICES: dict[str, Service] = {
+    s.name: s for s in (Postgres(), Kafka(), Registry(), OpenSearch(), Redis(), SparkJars())
+}
 
 
 def select(names: list[str]) -> list[Service]:
@@ -795,6 +917,7 @@ def status_rows(names: list[str]) -> list[dict[str, Any]]:
         ep = s.endpoint()
         healthy = s.ready()
         if name == "spark-jars":
+            assert isinstance(s, SparkJars)
             where = f"{len(ep['jars'])} jars in {s.dir()}" if healthy else "not installed"
         else:
             where = ep.get("display") or ep.get("url") or ep.get("bootstrap") or ""
@@ -802,8 +925,16 @@ def status_rows(names: list[str]) -> list[dict[str, Any]]:
             version = s.version()
         except DeployError:
             version = "?"
-        rows.append({"service": name, "healthy": healthy, "pid": running_pid(name), "where": where,
-                     "version": version, "log": str(LOGS / f"{name}.log") if name != "spark-jars" else ""})
+        rows.append(
+            {
+                "service": name,
+                "healthy": healthy,
+                "pid": running_pid(name),
+                "where": where,
+                "version": version,
+                "log": str(LOGS / f"{name}.log") if name != "spark-jars" else "",
+            }
+        )
     return rows
 
 

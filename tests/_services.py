@@ -38,7 +38,7 @@ ENV_VARS = {
 }
 
 
-class ServiceUnavailable(Exception):
+class ServiceUnavailableError(Exception):
     """A service could not be found or started; the message says how each way failed."""
 
 
@@ -158,12 +158,14 @@ def _deploy_endpoints(name: str) -> dict[str, Any]:
     """Start (or find running) the local service and return its endpoint record."""
     proc = _deploy("up", name)
     if proc.returncode != 0:
-        raise ServiceUnavailable(
+        raise ServiceUnavailableError(
             f"deploy/services.py up {name} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}"
         )
     record: dict[str, Any] = json.loads(_deploy("endpoints").stdout)[name]
     if not record.get("running"):
-        raise ServiceUnavailable(f"deploy/services.py started {name} but it does not answer; see its log")
+        raise ServiceUnavailableError(
+            f"deploy/services.py started {name} but it does not answer; see its log"
+        )
     return record
 
 
@@ -188,7 +190,7 @@ def _from_deploy(name: str) -> str:
 
 @cache
 def find(name: str) -> Found:
-    """Locate service ``name`` (see the module docstring for the order); raise ServiceUnavailable."""
+    """Locate service ``name`` (see the module docstring for the order); raise ServiceUnavailableError."""
     value = from_env(name)
     if value:
         return Found(value, "env")
@@ -200,9 +202,9 @@ def find(name: str) -> Found:
             failures.append(f"testcontainers: {exc}")
     try:
         return Found(_from_deploy(name), "deploy")
-    except (ServiceUnavailable, OSError, subprocess.SubprocessError, ValueError, KeyError) as exc:
+    except (ServiceUnavailableError, OSError, subprocess.SubprocessError, ValueError, KeyError) as exc:
         failures.append(f"deploy/services.py: {exc}")
-    raise ServiceUnavailable(
+    raise ServiceUnavailableError(
         f"{name} not available: set {ENV_VARS[name]}, run a Docker engine, or run "
         f"`python deploy/services.py up {name}`. Tried: " + "; ".join(failures)
     )
@@ -212,7 +214,7 @@ def find_or_skip(name: str) -> str:
     """The service's address, or skip (fail when services are required) with the reason."""
     try:
         return find(name).value
-    except ServiceUnavailable as exc:
+    except ServiceUnavailableError as exc:
         if require_services():
             pytest.fail(f"required service missing (CDC_TEST_REQUIRE_SERVICES is set): {exc}")
         pytest.skip(str(exc))

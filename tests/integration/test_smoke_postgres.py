@@ -1,4 +1,4 @@
-"""PostgreSQL: a logical slot streams a committed change over the replication protocol (psycopg's pq layer)."""
+"""PostgreSQL: a logical slot streams a committed change over the replication protocol (psycopg.pq)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import time
 import psycopg
 from psycopg import pq, sql
 from psycopg.conninfo import make_conninfo
+from psycopg.pq.abc import PGconn
 
 # Standby status updates count microseconds from 2000-01-01; the Unix epoch is 946684800 s earlier.
 _PG_EPOCH_OFFSET_US = 946_684_800 * 1_000_000
@@ -19,7 +20,7 @@ def _read_cstring(buf: bytes, pos: int) -> tuple[str, int]:
     return buf[pos:end].decode(), end + 1
 
 
-def _next_copy_data(conn: pq.PGconn, deadline: float) -> bytes:
+def _next_copy_data(conn: PGconn, deadline: float) -> bytes:
     while True:
         nbytes, data = conn.get_copy_data(1)  # 1 = async: 0 bytes means "nothing buffered yet"
         if nbytes > 0:
@@ -53,11 +54,11 @@ def test_logical_slot_streams_a_committed_insert(pg_dsn: str, unique: str) -> No
                 sql.SQL("INSERT INTO {} VALUES (%s, %s)").format(sql.Identifier(table)), (42, "héllo")
             )
 
-        repl.send_query(
-            f"START_REPLICATION SLOT \"{slot}\" LOGICAL 0/0 (proto_version '1', publication_names '\"{pub}\"')".encode()
-        )
-        res = repl.get_result()
-        assert res is not None and res.status == pq.ExecStatus.COPY_BOTH, repl.get_error_message()
+        options = f"proto_version '1', publication_names '\"{pub}\"'"
+        repl.send_query(f'START_REPLICATION SLOT "{slot}" LOGICAL 0/0 ({options})'.encode())
+        started = repl.get_result()
+        assert started is not None, repl.get_error_message()
+        assert started.status == pq.ExecStatus.COPY_BOTH, repl.get_error_message()
 
         relation_name = None
         inserted: list[str | None] = []
@@ -100,9 +101,9 @@ def test_logical_slot_streams_a_committed_insert(pg_dsn: str, unique: str) -> No
 
     with psycopg.connect(pg_dsn, autocommit=True) as conn:
         deadline = time.monotonic() + 30
-        while conn.execute("SELECT active FROM pg_replication_slots WHERE slot_name = %s", (slot,)).fetchone() != (
-            False,
-        ):
+        while conn.execute(
+            "SELECT active FROM pg_replication_slots WHERE slot_name = %s", (slot,)
+        ).fetchone() != (False,):
             assert time.monotonic() < deadline, "walsender did not release the slot"
             time.sleep(0.1)
         conn.execute("SELECT pg_drop_replication_slot(%s)", (slot,))

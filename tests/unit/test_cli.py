@@ -1,0 +1,22 @@
+from __future__ import annotations
+
+import pytest
+
+from cdc import __version__
+from cdc.cli import main
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0
+    assert capsys.readouterr().out.strip() == f"cdc {__version__}"
+
+
+def test_public_surface_is_explicit() -> None:
+    import cdc
+
+    assert sorted(cdc.__all__) == ["CDCError", "TerminalError", "TransientError", "__version__"]
+    assert issubclass(cdc.TransientError, cdc.CDCError)
+    assert issubclass(cdc.TerminalError, cdc.CDCError)
+    assert not issubclass(cdc.TransientError, cdc.TerminalError)

@@ -1,0 +1,64 @@
+"""Pure logic of deploy/services.py (the services themselves are exercised by the integration tests)."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "services.py"
+
+
+@pytest.fixture(scope="module")
+def deploy() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("pgcdc_deploy_services", DEPLOY)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize(
+    ("jar", "artifact"),
+    [
+        ("kafka-clients-3.9.0.jar", "kafka-clients"),
+        ("spark-sql-kafka-0-10_2.13-4.0.0.jar", "spark-sql-kafka-0-10_2.13"),
+        ("delta-spark_2.13-4.0.0.jar", "delta-spark_2.13"),
+        ("zstd-jni-1.5.6-10.jar", "zstd-jni"),
+        ("jsr305-3.0.0.jar", "jsr305"),
+    ],
+)
+def test_artifact_name_drops_the_version(deploy: ModuleType, jar: str, artifact: str) -> None:
+    assert deploy._artifact(jar) == artifact
+
+
+def test_selecting_a_service_brings_its_dependencies(deploy: ModuleType) -> None:
+    assert [s.name for s in deploy.select(["registry"])] == ["kafka", "registry"]
+    assert [s.name for s in deploy.select([])] == list(deploy.SERVICES)
+
+
+def test_unknown_service_is_a_clear_error(deploy: ModuleType) -> None:
+    with pytest.raises(deploy.DeployError, match=r"unknown service.*kafak.*choose from"):
+        deploy.select(["kafak"])
+
+
+def test_maven_url(deploy: ModuleType) -> None:
+    url = deploy.maven_url("io.apicurio", "apicurio-registry-app", "3.3.3", "tar.gz", "all")
+    assert url.endswith("/io/apicurio/apicurio-registry-app/3.3.3/apicurio-registry-app-3.3.3-all.tar.gz")
+
+
+def test_bad_port_variable_says_what_to_do(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, str(DEPLOY), "status"],
+        env={"CDC_LOCAL_REDIS_PORT": "six", "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert proc.returncode != 0
+    assert "CDC_LOCAL_REDIS_PORT='six' is not a port number" in proc.stderr

@@ -1,0 +1,57 @@
+"""The packages' import rules: data flows one way, and the capture service never loads Spark."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# package -> top-level modules it must never import
+FORBIDDEN = {
+    "decoders": {"cdc", "schemas", "sinks", "confluent_kafka", "pyspark", "fastavro"},
+    "schemas": {"cdc", "sinks", "confluent_kafka", "pyspark", "psycopg"},
+    "cdc": {"sinks", "pyspark", "delta"},
+    "sinks": {"cdc", "decoders"},
+}
+
+
+def _imported_modules(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+@pytest.mark.parametrize("package", sorted(FORBIDDEN))
+def test_package_imports_only_upstream(package: str) -> None:
+    offences = {
+        f"{path.relative_to(ROOT)} imports {name}"
+        for path in (ROOT / package).rglob("*.py")
+        for name in _imported_modules(path) & FORBIDDEN[package]
+    }
+    assert not offences, sorted(offences)
+
+
+def test_importing_the_capture_service_does_not_load_pyspark() -> None:
+    code = (
+        "import sys, cdc, cdc.cli, decoders, schemas, sinks\n"
+        "print(sorted(m for m in sys.modules if m.startswith(('pyspark', 'py4j'))))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.strip() == "[]"
+
+
+def test_forbidden_import_is_detected(tmp_path: Path) -> None:
+    """The checker above must be able to fail."""
+    bad = tmp_path / "bad.py"
+    bad.write_text("import pyspark.sql\nfrom cdc.errors import CDCError\nfrom . import sibling\n")
+    assert _imported_modules(bad) == {"pyspark", "cdc"}
