@@ -1,30 +1,160 @@
-"""The ``cdc`` command line."""
+"""The ``cdc`` command line.
+
+    cdc attach --config cdc.toml [--dry-run]   check the source, create the publication; say what it did
+    cdc run --config cdc.toml                  attach, snapshot if needed, stream until SIGTERM/SIGINT
+    cdc detach --config cdc.toml --yes         drop the replication slot and the publication
+
+Exit codes: 0 success; 1 unexpected; 2 configuration; 3 source not ready; 4 authentication; 5 schema
+registry refused a schema; 6 Kafka set-up; 7 stream error; 130 interrupted before start.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import logging
 import sys
+import threading
+from pathlib import Path
+
+from tenacity import (
+    before_sleep_log,
+    retry,
+    retry_if_exception_type,
+    stop_after_delay,
+    wait_exponential_jitter,
+)
 
 from cdc import __version__
+from cdc._capture import Capture, install_signal_handlers
+from cdc._config import Settings, load_settings
+from cdc._source import check_and_prepare, connect, detach
+from cdc.errors import CDCError, TransientError
+
+log = logging.getLogger("cdc")
+
+
+class _JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        return json.dumps(
+            {
+                "ts": self.formatTime(record, "%Y-%m-%dT%H:%M:%S%z"),
+                "level": record.levelname.lower(),
+                "logger": record.name,
+                "msg": record.getMessage(),
+                **({"exc": self.formatException(record.exc_info)} if record.exc_info else {}),
+            }
+        )
+
+
+def _setup_logging(level: str, as_json: bool) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(
+        _JsonFormatter() if as_json else logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+    )
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="cdc",
         description=(
-            "PostgreSQL change data capture into compacted Kafka topics, "
-            "and the derived views kept from them."
+            "PostgreSQL change data capture into compacted Kafka topics, and the derived views kept from them."
         ),
+        epilog="Configuration keys can be overridden with CDC_<SECTION>__<KEY> environment variables.",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--log-json", action="store_true", help="structured JSON logs on stderr")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    def with_config(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--config", "-c", type=Path, help="TOML configuration file")
+
+    p = sub.add_parser("attach", help="check the source and create the publication (the slot comes with `run`)")
+    with_config(p)
+    p.add_argument("--dry-run", action="store_true", help="only check and print what would be done")
+    p = sub.add_parser("run", help="capture: snapshot if needed, then stream changes until stopped")
+    with_config(p)
+    p = sub.add_parser("detach", help="drop the replication slot and the publication")
+    with_config(p)
+    p.add_argument("--yes", action="store_true", help="confirm: the slot's position is lost for good")
+    p.add_argument("--dry-run", action="store_true", help="only print what would be dropped")
     return parser
+
+
+def _attach(settings: Settings, dry_run: bool) -> int:
+    with connect(settings) as conn:
+        report = check_and_prepare(conn, settings, dry_run=dry_run)
+    verb = "would run" if dry_run else "ran"
+    print(f"source {settings.source.display_dsn()}: all checks passed")
+    for table in report.tables:
+        print(
+            f"  {table.qualified}: key ({', '.join(report.key_columns[table.qualified])}) "
+            f"-> topic {settings.topic_for(table.schema, table.name)}"
+        )
+    for action in report.actions:
+        print(f"  {verb}: {action}")
+    if not report.actions:
+        print(f"  publication {settings.source.publication!r} already in place")
+    for note in report.notes:
+        print(f"  note: {note}")
+    return 0
+
+
+def _detach(settings: Settings, yes: bool, dry_run: bool) -> int:
+    if not yes and not dry_run:
+        print("detach drops the replication slot and the publication; pass --yes to confirm", file=sys.stderr)
+        return 2
+    with connect(settings) as conn:
+        done = detach(conn, settings, dry_run=dry_run)
+    for action in done or ["nothing to drop"]:
+        print(("would run: " if dry_run else "ran: ") + action)
+    return 0
+
+
+def _run(settings: Settings) -> int:
+    stop = threading.Event()
+    install_signal_handlers(stop)
+
+    # Transient faults (network, broker failover) restart the capture from its committed offset, which is
+    # safe by construction; terminal ones end the process with their exit code.
+    @retry(
+        retry=retry_if_exception_type(TransientError),
+        wait=wait_exponential_jitter(initial=0.5, max=30),
+        stop=stop_after_delay(float(3600)),
+        before_sleep=before_sleep_log(log, logging.WARNING),
+        reraise=True,
+    )
+    def attempt() -> None:
+        if not stop.is_set():
+            Capture(settings, stop=stop).run()
+
+    attempt()
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    parser.parse_args(argv)
-    parser.print_help()
-    return 0
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 0
+    _setup_logging(args.log_level, args.log_json)
+    try:
+        settings = load_settings(args.config)
+        if args.command == "attach":
+            return _attach(settings, args.dry_run)
+        if args.command == "detach":
+            return _detach(settings, args.yes, args.dry_run)
+        return _run(settings)
+    except CDCError as exc:
+        print(f"cdc: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        return 130
 
 
 if __name__ == "__main__":

@@ -1,0 +1,453 @@
+"""The capture service: snapshot, then stream every committed change into Kafka, exactly once.
+
+Delivery protocol (why nothing is lost or doubled):
+
+1. Events are produced inside a Kafka transaction, whole PostgreSQL transactions at a time; several
+   PostgreSQL transactions may share one Kafka transaction (a *batch*).
+2. The batch ends with a record in the offsets topic holding the resume LSN (the end of the last
+   PostgreSQL commit in the batch), in the same Kafka transaction, which is then committed.
+3. Only after that commit is the LSN reported to PostgreSQL as flushed, so the slot never moves past
+   what Kafka holds.
+4. On start, the resume LSN is read back (read_committed) and streaming restarts there; transactions
+   that committed before it are skipped (PostgreSQL skips them too). A crash anywhere leaves either a
+   committed batch with its offset, or an aborted one without: never half.
+5. A second instance with the same transactional.id fences the first (init_transactions), whose next
+   commit fails, so it stops without acknowledging anything.
+
+Streamed (in-progress, protocol v2) transactions are spilled to disk per transaction and replayed into
+the batch at Stream Commit, so memory stays bounded and aborted transactions never reach Kafka.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import pickle
+import signal
+import tempfile
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from types import FrameType
+from typing import IO, Any
+
+from cdc import __version__
+from cdc._catalog import TypeResolver
+from cdc._config import Settings
+from cdc._events import ColumnSpec, Position, SourceInfo, TableCodec
+from cdc._kafka import OffsetStore, Registry, Topics, TransactionalProducer
+from cdc._replication import ReplicationConnection
+from cdc._snapshot import SnapshotStoppedError, Snapshotter
+from cdc._source import AttachReport, check_and_prepare, connect
+from cdc.errors import StreamError
+from decoders import (
+    Begin,
+    Commit,
+    Delete,
+    Insert,
+    Keepalive,
+    LogicalMessage,
+    Message,
+    Origin,
+    PgOutputDecoder,
+    Relation,
+    StreamAbort,
+    StreamCommit,
+    StreamStart,
+    StreamStop,
+    Truncate,
+    TypeInfo,
+    Update,
+    parse_copy_data,
+)
+from schemas import ColumnShape, avro_mapping, avro_namespace
+
+log = logging.getLogger(__name__)
+
+HEARTBEAT_PREFIX = "pgcdc.heartbeat"
+_BATCH_LINGER_S = 0.05
+
+
+@dataclass
+class _Spill:
+    """The changes of one streamed transaction, on disk until it commits or aborts."""
+
+    file: IO[bytes]
+    aborted_subxids: set[int] = field(default_factory=set)
+    count: int = 0
+
+    def add(self, lsn: int, msg: Message) -> None:
+        pickle.dump((lsn, msg), self.file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.count += 1
+
+    def replay(self) -> Iterator[tuple[int, Message]]:
+        self.file.flush()
+        self.file.seek(0)
+        for _ in range(self.count):
+            lsn, msg = pickle.load(self.file)  # noqa: S301 - our own spill file, written just above
+            if getattr(msg, "xid", None) not in self.aborted_subxids:
+                yield lsn, msg
+
+    def close(self) -> None:
+        self.file.close()
+
+
+class Capture:
+    """One capture: a slot, its publication's tables, their topics."""
+
+    def __init__(self, settings: Settings, *, stop: threading.Event | None = None) -> None:
+        self.settings = settings
+        self.stop = stop or threading.Event()
+        self._codecs: dict[int, TableCodec] = {}
+        self._pending_relations: dict[int, Relation] = {}
+        self._stats_events = 0
+
+    # --- set-up -------------------------------------------------------------------------------
+
+    def _kafka_conf(self) -> dict[str, Any]:
+        return {"bootstrap.servers": self.settings.kafka.bootstrap_servers, **self.settings.kafka.producer}
+
+    def _registry_conf(self) -> dict[str, Any]:
+        reg = self.settings.registry
+        conf: dict[str, Any] = {"url": reg.url, **reg.extra}
+        if reg.basic_auth_user_info is not None:
+            conf["basic.auth.user.info"] = reg.basic_auth_user_info.get_secret_value()
+        return conf
+
+    def run(self) -> None:
+        """Attach, snapshot if needed, stream until ``stop`` is set; raises CDCError subclasses."""
+        s = self.settings
+        self.sql = connect(s)
+        try:
+            self.report: AttachReport = check_and_prepare(self.sql, s, dry_run=False)
+            self.types = TypeResolver(self.sql)
+            self.source_info = SourceInfo(__version__, s.kafka.topic_prefix, self.sql.info.dbname)
+            self.topics = Topics(
+                self._kafka_conf(), partitions=s.kafka.partitions, replication_factor=s.kafka.replication_factor
+            )
+            self.registry = Registry(self._registry_conf())
+            self.topics.ensure(s.offsets_topic, partitions=1)
+            self.offsets = OffsetStore(self._kafka_conf(), s.offsets_topic, s.source.slot)
+            self.producer = TransactionalProducer(self._kafka_conf(), s.transactional_id)
+            try:
+                self._run_with_producer()
+            finally:
+                self.producer.close()
+        finally:
+            self.sql.close()
+
+    def _run_with_producer(self) -> None:
+        s = self.settings
+        state = self.offsets.load() or {}
+        repl = ReplicationConnection(s.source.conninfo(replication="database"), where=s.source.display_dsn())
+        try:
+            if not self.report.slot_exists:
+                created = repl.create_slot(s.source.slot, export_snapshot=s.capture.snapshot == "initial")
+                log.info("created replication slot %s at %X", s.source.slot, created.consistent_lsn)
+                state = {"lsn": created.consistent_lsn}
+                if s.capture.snapshot == "initial":
+                    state["snapshot"] = {"status": "running", "consistent_lsn": created.consistent_lsn, "tables": {}}
+                    self._snapshot(state, created.snapshot_name)
+                else:
+                    self._commit_offsets(state)
+            elif state.get("snapshot", {}).get("status") == "running" or (
+                not state and s.capture.snapshot == "initial"
+            ):
+                # The exported snapshot died with the process that created it. Finish with a fresh
+                # snapshot: the stream restarts at the slot's position, so every change after it is
+                # replayed over the rows read now, and each key ends at its latest value.
+                slot_lsn = self._slot_confirmed_lsn()
+                state.setdefault("lsn", slot_lsn)
+                state.setdefault("snapshot", {"status": "running", "consistent_lsn": state["lsn"], "tables": {}})
+                self._snapshot(state, None)
+            if "lsn" not in state:
+                state["lsn"] = self._slot_confirmed_lsn()
+            if not self.stop.is_set():
+                self._stream(repl, state)
+        finally:
+            repl.close()
+
+    def _snapshot(self, state: dict[str, Any], snapshot_name: str | None) -> None:
+        # On SnapshotStoppedError the progress is committed; run() sees the stop flag and returns.
+        with contextlib.suppress(SnapshotStoppedError):
+            Snapshotter(self, state).run(snapshot_name)
+
+    def _slot_confirmed_lsn(self) -> int:
+        row = self.sql.execute(
+            "SELECT (confirmed_flush_lsn - '0/0')::bigint FROM pg_replication_slots WHERE slot_name = %s",
+            (self.settings.source.slot,),
+        ).fetchone()
+        return int(row[0]) if row and row[0] is not None else 0
+
+    # --- codecs -------------------------------------------------------------------------------
+
+    def codec_for(
+        self, relid: int, schema: str, table: str, columns: Sequence[ColumnSpec], key_flags: Sequence[bool]
+    ) -> TableCodec:
+        """Build (and register schemas for) the codec of a table version; cached by relid by callers."""
+        s = self.settings
+        qualified = f"{schema}.{table}"
+        shapes, mappings = [], []
+        for col in columns:
+            pgtype = self.types.resolve(col.type_oid)
+            mapping = avro_mapping(pgtype, col.typmod)
+            mappings.append(mapping)
+            shapes.append(ColumnShape(col.name, pgtype, col.typmod, mapping.schema))
+        key = self.report.key_columns.get(qualified) or tuple(
+            c.name for c, is_key in zip(columns, key_flags, strict=True) if is_key
+        )
+        if not key:
+            raise StreamError(
+                f"table {qualified} has no key columns in the stream; give it a primary key or set "
+                f"source.key_columns for it"
+            )
+        topic = s.topic_for(schema, table)
+        self.topics.ensure(topic)
+        return TableCodec(
+            schema=schema,
+            table=table,
+            topic=topic,
+            namespace=avro_namespace(s.kafka.topic_prefix, schema, table),
+            columns=shapes,
+            mappings=mappings,
+            key_columns=key,
+            source=self.source_info,
+            register=lambda subject, sch: self.registry.register(subject, sch, table=qualified),
+        )
+
+    def _codec_from_relation(self, rel: Relation) -> TableCodec:
+        cols = [ColumnSpec(c.name, c.type_oid, c.type_modifier) for c in rel.columns]
+        return self.codec_for(rel.relid, rel.namespace, rel.name, cols, [c.is_key for c in rel.columns])
+
+    # --- Kafka batches --------------------------------------------------------------------------
+
+    def _begin_batch(self) -> None:
+        if not self._in_batch:
+            self.producer.begin()
+            self._in_batch = True
+            self._batch_started = time.monotonic()
+            self._batch_events = 0
+
+    def _produce(self, topic: str, key: bytes, value: bytes | None, partition: int | None = None) -> None:
+        self._begin_batch()
+        self.producer.produce(topic, key, value, partition)
+        self._batch_events += 1
+
+    def _commit_offsets(self, state: dict[str, Any]) -> None:
+        """Write ``state`` to the offsets topic and commit the current batch with it."""
+        self._begin_batch()
+        self.producer.produce(self.offsets.topic, self.offsets.key, self.offsets.encode(state), 0)
+        self.producer.commit()
+        self._in_batch = False
+
+    _in_batch = False
+    _batch_started = 0.0
+    _batch_events = 0
+
+    # --- streaming ----------------------------------------------------------------------------
+
+    def _stream(self, repl: ReplicationConnection, state: dict[str, Any]) -> None:
+        s = self.settings
+        resume = int(state["lsn"])
+        server_version = self.sql.info.server_version
+        proto = 2 if server_version >= 140000 else 1
+        options = {"proto_version": str(proto), "publication_names": _quote_list([s.source.publication])}
+        if proto >= 2:
+            options["streaming"] = "on"
+            options["messages"] = "true"
+            if s.capture.binary:
+                options["binary"] = "true"
+        decoder = PgOutputDecoder(proto, streaming=proto >= 2)
+        repl.start(s.source.slot, resume, options)
+        repl.send_status(resume, resume, resume)
+        log.info("streaming from slot %s at %X (protocol %d)", s.source.slot, resume, proto)
+
+        acked = resume
+        batch_lsn = resume
+        received = resume
+        current: tuple[int, int, int | None, bool] | None = None  # commit_lsn, commit_time, xid, skip
+        spills: dict[int, _Spill] = {}
+        stream_xid: int | None = None
+        last_status = time.monotonic()
+        last_heartbeat = time.monotonic()
+        stopping = False
+
+        def flush() -> None:
+            nonlocal acked
+            if not self._in_batch and batch_lsn <= acked:
+                return
+            state["lsn"] = batch_lsn
+            self._commit_offsets(state)
+            acked = batch_lsn
+            repl.send_status(received, acked, acked)
+
+        try:
+            while True:
+                if self.stop.is_set() and not stopping:
+                    stopping = True
+                    log.info("stop requested: finishing the current transaction")
+                if stopping and current is None:
+                    flush()
+                    return
+                now = time.monotonic()
+                if self._in_batch and current is None and now - self._batch_started >= _BATCH_LINGER_S:
+                    flush()
+                if now - last_heartbeat >= s.capture.heartbeat_interval_s:
+                    self.sql.execute("SELECT pg_logical_emit_message(false, %s, %s)", (HEARTBEAT_PREFIX, s.source.slot))
+                    last_heartbeat = now
+                if now - last_status >= s.capture.status_interval_s:
+                    repl.send_status(received, acked, acked)
+                    last_status = now
+                timeout = _BATCH_LINGER_S if self._in_batch else min(1.0, s.capture.status_interval_s)
+                raw = repl.read(timeout)
+                if raw is None:
+                    if self._in_batch and current is None:
+                        flush()
+                    continue
+                frame = parse_copy_data(raw)
+                if isinstance(frame, Keepalive):
+                    received = max(received, frame.end_lsn)
+                    if frame.reply_requested:
+                        repl.send_status(received, acked, acked)
+                        last_status = time.monotonic()
+                    continue
+                lsn = frame.start_lsn
+                received = max(received, frame.end_lsn)
+                msg = decoder.decode(frame.payload)
+
+                if isinstance(msg, Begin):
+                    current = (msg.final_lsn, msg.commit_time_us, msg.xid, msg.final_lsn < resume)
+                elif isinstance(msg, Commit):
+                    if current is not None and not current[3]:
+                        batch_lsn = max(batch_lsn, msg.end_lsn)
+                    current = None
+                    if self._in_batch and self._batch_events >= s.capture.max_batch_events:
+                        flush()
+                elif isinstance(msg, Relation):
+                    self._codecs[msg.relid] = self._codec_from_relation(msg)
+                elif isinstance(msg, TypeInfo):
+                    self.types.invalidate(msg.oid)
+                elif isinstance(msg, (Insert, Update, Delete, Truncate)):
+                    if stream_xid is not None:
+                        spills[stream_xid].add(lsn, msg)
+                    elif current is None:
+                        raise StreamError(f"change outside a transaction at {lsn:X}")
+                    elif not current[3]:
+                        self._apply(msg, Position(current[0], lsn, current[1], current[2]))
+                elif isinstance(msg, LogicalMessage):
+                    heartbeat = msg.prefix == HEARTBEAT_PREFIX and not msg.transactional
+                    if heartbeat and current is None and stream_xid is None:
+                        batch_lsn = max(batch_lsn, msg.lsn)
+                        flush()
+                    # user messages: carried through by a later change (see README "Status")
+                elif isinstance(msg, StreamStart):
+                    stream_xid = msg.xid
+                    if msg.xid not in spills:
+                        spill_dir = os.environ.get("CDC_SPILL_DIR") or None
+                        # Closed by _Spill.close() at Stream Commit/Abort or when streaming ends.
+                        spills[msg.xid] = _Spill(tempfile.TemporaryFile(dir=spill_dir))  # noqa: SIM115
+                elif isinstance(msg, StreamStop):
+                    stream_xid = None
+                elif isinstance(msg, StreamAbort):
+                    spill = spills.get(msg.xid)
+                    if spill is not None:
+                        if msg.subxid == msg.xid:
+                            spill.close()
+                            del spills[msg.xid]
+                        else:
+                            spill.aborted_subxids.add(msg.subxid)
+                elif isinstance(msg, StreamCommit):
+                    spill = spills.pop(msg.xid, None)
+                    if spill is not None:
+                        try:
+                            if msg.commit_lsn >= resume:
+                                for change_lsn, change in spill.replay():
+                                    self._apply(
+                                        change,  # type: ignore[arg-type]
+                                        Position(msg.commit_lsn, change_lsn, msg.commit_time_us, msg.xid),
+                                    )
+                                batch_lsn = max(batch_lsn, msg.end_lsn)
+                        finally:
+                            spill.close()
+                elif isinstance(msg, Origin):
+                    pass  # replicated-in changes are captured like any other
+                else:
+                    raise StreamError(f"unexpected {type(msg).__name__} at {lsn:X} (two-phase is not enabled)")
+        finally:
+            for spill in spills.values():
+                spill.close()
+            if self._in_batch:
+                self.producer.abort()
+                self._in_batch = False
+
+    def _apply(self, msg: Insert | Update | Delete | Truncate, pos: Position) -> None:
+        now_us = time.time_ns() // 1000
+        if isinstance(msg, Truncate):
+            if not self.settings.capture.emit_truncates:
+                return
+            for relid in msg.relids:
+                truncated = self._codecs[relid]
+                value = truncated.envelope("t", pos, before=None, after=None, now_us=now_us)
+                # A truncate concerns every key: one marker per partition keeps it in order with each.
+                for partition in range(self.topics.ensure(truncated.topic)):
+                    self._produce(truncated.topic, truncated.truncate_key, value, partition)
+            return
+        codec = self._codecs.get(msg.relid)
+        if codec is None:
+            raise StreamError(f"change for relation {msg.relid} before its Relation message")
+        if isinstance(msg, Insert):
+            after, unchanged = codec.row(msg.new)
+            self._produce(
+                codec.topic,
+                codec.key_of(after),
+                codec.envelope("c", pos, before=None, after=after, unchanged=unchanged, now_us=now_us),
+            )
+        elif isinstance(msg, Update):
+            after, unchanged = codec.row(msg.new)
+            before = codec.row(msg.old)[0] if msg.old is not None else None
+            key = codec.key_of(after)
+            if before is not None:
+                old_key = codec.key_of(before)
+                if old_key != key:
+                    # The key changed: the old key's row is gone (delete + tombstone), a new one appears.
+                    self._produce(
+                        codec.topic, old_key, codec.envelope("d", pos, before=before, after=None, now_us=now_us)
+                    )
+                    self._produce(codec.topic, old_key, None)
+                    self._produce(
+                        codec.topic,
+                        key,
+                        codec.envelope("c", pos, before=None, after=after, unchanged=unchanged, now_us=now_us),
+                    )
+                    return
+            self._produce(
+                codec.topic,
+                key,
+                codec.envelope("u", pos, before=before, after=after, unchanged=unchanged, now_us=now_us),
+            )
+        else:
+            before = codec.row(msg.old)[0]
+            key = codec.key_of(before)
+            self._produce(codec.topic, key, codec.envelope("d", pos, before=before, after=None, now_us=now_us))
+            self._produce(codec.topic, key, None)  # tombstone: lets compaction drop the key
+
+
+def _quote_list(names: Sequence[str]) -> str:
+    """A publication_names value: double-quoted identifiers, so any name survives the option parser."""
+    return ",".join('"' + n.replace('"', '""') + '"' for n in names)
+
+
+def install_signal_handlers(stop: threading.Event) -> None:
+    """SIGTERM/SIGINT ask the capture to finish its current transaction, commit and exit."""
+
+    def handler(signum: int, _frame: FrameType | None) -> None:
+        log.info("received %s", signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+
+
+__all__ = ["Capture", "install_signal_handlers"]

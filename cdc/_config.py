@@ -1,0 +1,210 @@
+"""Configuration: a TOML file, overridden by environment variables, validated strictly.
+
+Every key can be set in the file or as ``CDC_<SECTION>__<KEY>`` (e.g. ``CDC_SOURCE__DSN``,
+``CDC_KAFKA__BOOTSTRAP_SERVERS``); the environment wins. Unknown keys are errors, not silently ignored —
+a mistyped ``publicaton`` must not fall back to a default. Secrets (the database password, Kafka SASL and
+registry credentials) are ``SecretStr`` and can come from files; they never appear in ``repr`` or logs.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from cdc.errors import ConfigError
+
+_IDENT = re.compile(r"^[^\x00]{1,63}$")  # PostgreSQL names: any character but NUL, at most 63 bytes
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class SourceConfig(_Section):
+    """The PostgreSQL database to capture."""
+
+    dsn: SecretStr = Field(description="libpq connection string or URI; a password in it is kept secret")
+    password: SecretStr | None = Field(default=None, description="overrides any password in dsn")
+    password_file: Path | None = Field(default=None, description="file whose first line is the password")
+    tables: tuple[str, ...] = Field(
+        default=(), description="'schema.table' names to capture; empty = every table in the publication"
+    )
+    key_columns: dict[str, tuple[str, ...]] = Field(
+        default_factory=dict,
+        description="'schema.table' -> key columns, for tables without a primary key (needs REPLICA IDENTITY FULL)",
+    )
+    publication: str = "pgcdc"
+    slot: str = "pgcdc"
+
+    @field_validator("publication", "slot")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        if not _IDENT.match(value) or len(value.encode()) > 63:
+            raise ValueError("must be 1 to 63 bytes and contain no NUL character")
+        return value
+
+    @field_validator("slot")
+    @classmethod
+    def _slot_name(cls, value: str) -> str:
+        # PostgreSQL restricts slot names further than other identifiers.
+        if not re.fullmatch(r"[a-z0-9_]{1,63}", value):
+            raise ValueError("replication slot names may contain only lower-case letters, digits and '_'")
+        return value
+
+    @field_validator("tables")
+    @classmethod
+    def _tables(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for name in value:
+            split_table_name(name)
+        return value
+
+    def conninfo(self, **extra: str) -> str:
+        """The libpq connection string with the effective password (never log it)."""
+        params: dict[str, Any] = conninfo_to_dict(self.dsn.get_secret_value())
+        password = self.effective_password()
+        if password is not None:
+            params["password"] = password
+        params.setdefault("application_name", "pgcdc")
+        params.update(extra)
+        return make_conninfo("", **params)
+
+    def effective_password(self) -> str | None:
+        if self.password is not None:
+            return self.password.get_secret_value()
+        if self.password_file is not None:
+            try:
+                return self.password_file.read_text().splitlines()[0]
+            except (OSError, IndexError) as exc:
+                raise ConfigError(
+                    f"cannot read the password from source.password_file {str(self.password_file)!r}: {exc}"
+                ) from exc
+        return None
+
+    def display_dsn(self) -> str:
+        """The DSN with any password masked: safe for logs and status output."""
+        params = conninfo_to_dict(self.dsn.get_secret_value())
+        if "password" in params or self.password or self.password_file:
+            params["password"] = "***"  # noqa: S105 - the mask, not a password
+        return make_conninfo("", **params)
+
+
+class KafkaConfig(_Section):
+    bootstrap_servers: str = "127.0.0.1:9092"
+    topic_prefix: str = "pgcdc"
+    partitions: int = Field(default=1, ge=1, description="partitions of newly created change topics")
+    replication_factor: int = Field(default=-1, description="-1 = the broker's default")
+    transactional_id: str | None = Field(
+        default=None, description="default: pgcdc-<slot>; a second instance with the same id fences the first"
+    )
+    offsets_topic: str | None = Field(default=None, description="default: <topic_prefix>.offsets")
+    producer: dict[str, str | int | float | bool] = Field(
+        default_factory=dict, description="extra librdkafka producer settings (security, compression, …)"
+    )
+
+
+class RegistryConfig(_Section):
+    url: str = "http://127.0.0.1:8081"
+    basic_auth_user_info: SecretStr | None = None
+    extra: dict[str, str] = Field(default_factory=dict, description="extra SchemaRegistryClient settings")
+
+
+class CaptureConfig(_Section):
+    snapshot: Literal["initial", "never"] = "initial"
+    snapshot_workers: int = Field(default=2, ge=1)
+    snapshot_chunk_rows: int = Field(default=10_000, ge=1)
+    heartbeat_interval_s: float = Field(default=10.0, gt=0)
+    status_interval_s: float = Field(default=1.0, gt=0)
+    emit_truncates: bool = True
+    emit_messages: bool = True
+    emit_transactions: bool = False
+    max_batch_events: int = Field(default=50_000, ge=1)
+    binary: bool = Field(default=True, description="ask pgoutput for binary values where supported")
+
+
+class Settings(BaseSettings):
+    """The whole configuration (see the module docstring for its sources)."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="CDC_", env_nested_delimiter="__", extra="forbid", frozen=True, case_sensitive=False
+    )
+
+    source: SourceConfig
+    kafka: KafkaConfig = KafkaConfig()
+    registry: RegistryConfig = RegistryConfig()
+    capture: CaptureConfig = CaptureConfig()
+
+    @model_validator(mode="after")
+    def _key_columns_name_listed_tables(self) -> Settings:
+        for name in self.source.key_columns:
+            split_table_name(name)
+        return self
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # The file's contents arrive as init arguments; the environment overrides them.
+        return env_settings, init_settings
+
+    @property
+    def transactional_id(self) -> str:
+        return self.kafka.transactional_id or f"pgcdc-{self.source.slot}"
+
+    @property
+    def offsets_topic(self) -> str:
+        return self.kafka.offsets_topic or f"{self.kafka.topic_prefix}.offsets"
+
+    def topic_for(self, schema: str, table: str) -> str:
+        return f"{self.kafka.topic_prefix}.{schema}.{table}"
+
+
+def split_table_name(name: str) -> tuple[str, str]:
+    """'schema.table' -> (schema, table); a quoted part may contain dots: '"my.schema"."t"'."""
+    parts = re.findall(r'"((?:[^"]|"")*)"|([^."]+)', name)
+    rebuilt = [quoted.replace('""', '"') if quoted else plain for quoted, plain in parts]
+    if len(rebuilt) != 2 or not all(rebuilt):
+        raise ValueError(f"table {name!r} must be written 'schema.table' (quote parts with dots in them)")
+    return rebuilt[0], rebuilt[1]
+
+
+def load_settings(path: Path | None) -> Settings:
+    """Read the TOML file (if any), apply environment overrides, validate; ConfigError says what is wrong."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            data = tomllib.loads(path.read_text())
+        except FileNotFoundError as exc:
+            raise ConfigError(f"config file {str(path)!r} not found; pass --config with an existing file") from exc
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {str(path)!r} is not valid TOML: {exc}") from exc
+    try:
+        return Settings(**data)
+    except ValidationError as exc:
+        raise ConfigError(_explain(exc, path)) from exc
+
+
+def _explain(exc: ValidationError, path: Path | None) -> str:
+    where = f"in {str(path)!r} or CDC_* environment variables" if path else "in CDC_* environment variables"
+    lines = [f"invalid configuration ({where}):"]
+    for err in exc.errors():
+        key = ".".join(str(p) for p in err["loc"])
+        env = "CDC_" + "__".join(str(p).upper() for p in err["loc"])
+        if err["type"] == "extra_forbidden":
+            lines.append(f"  {key}: unknown key; remove it or check its spelling (see docs/configuration.md)")
+        elif err["type"] == "missing":
+            lines.append(f"  {key}: required; set it in the file or as {env}")
+        else:
+            # Never echo the offending input: it may be a secret.
+            lines.append(f"  {key}: {err['msg']} (set via the file or {env})")
+    return "\n".join(lines)

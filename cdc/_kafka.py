@@ -1,0 +1,257 @@
+"""Kafka and the schema registry: compacted topics, the transactional producer, the offsets topic.
+
+confluent-kafka's errors are translated here, once, into pgcdc's own (cdc.errors).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from confluent_kafka import (
+    OFFSET_BEGINNING,
+    Consumer,
+    KafkaError,
+    KafkaException,
+    Producer,
+    TopicPartition,
+)
+from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic
+from confluent_kafka.schema_registry import Schema, SchemaRegistryClient
+from confluent_kafka.schema_registry.error import SchemaRegistryError as _RegistryHTTPError
+
+from cdc.errors import KafkaSetupError, SchemaRegistryError, TransientError
+
+log = logging.getLogger(__name__)
+
+_TIMEOUT_S = 30.0
+
+
+def _kafka_error(exc: KafkaException, doing: str) -> Exception:
+    err: KafkaError = exc.args[0]
+    code = err.code()
+    if code in (KafkaError._FENCED, KafkaError.PRODUCER_FENCED, KafkaError.INVALID_PRODUCER_EPOCH):
+        return KafkaSetupError(
+            f"{doing}: another pgcdc instance with the same transactional id took over (fenced); "
+            "this instance stops so that only one writes"
+        )
+    if code == KafkaError.MSG_SIZE_TOO_LARGE:
+        return KafkaSetupError(
+            f"{doing}: a message is larger than the broker accepts; raise the topic's max.message.bytes "
+            "and the producer's message.max.bytes (kafka.producer in the config)"
+        )
+    if code in (
+        KafkaError.TOPIC_AUTHORIZATION_FAILED,
+        KafkaError.TRANSACTIONAL_ID_AUTHORIZATION_FAILED,
+        KafkaError.CLUSTER_AUTHORIZATION_FAILED,
+        KafkaError._AUTHENTICATION,
+    ):
+        return KafkaSetupError(f"{doing}: not authorised by Kafka: {err.str()}")
+    if err.fatal():
+        return KafkaSetupError(f"{doing}: fatal Kafka error: {err.str()}")
+    return TransientError(f"{doing}: {err.str()}")
+
+
+class Topics:
+    """Creates change topics as compacted topics and refuses existing topics that are not compacted."""
+
+    def __init__(self, conf: Mapping[str, Any], *, partitions: int, replication_factor: int) -> None:
+        self._admin = AdminClient(dict(conf))
+        self._partitions = partitions
+        self._replication_factor = replication_factor
+        self._known: dict[str, int] = {}
+
+    def ensure(self, topic: str, *, partitions: int | None = None) -> int:
+        """Make sure ``topic`` exists with cleanup.policy=compact; return its partition count."""
+        if topic in self._known:
+            return self._known[topic]
+        try:
+            md = self._admin.list_topics(topic, timeout=_TIMEOUT_S)
+        except KafkaException as exc:
+            raise _kafka_error(exc, f"looking up topic {topic!r}") from exc
+        found = md.topics.get(topic)
+        if found is None or found.error is not None:
+            new = NewTopic(
+                topic,
+                num_partitions=partitions or self._partitions,
+                replication_factor=self._replication_factor,
+                config={"cleanup.policy": "compact"},
+            )
+            try:
+                self._admin.create_topics([new], operation_timeout=_TIMEOUT_S)[topic].result(_TIMEOUT_S)
+                log.info("created compacted topic %s", topic)
+            except KafkaException as exc:
+                if exc.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:
+                    raise _kafka_error(exc, f"creating topic {topic!r}") from exc
+            md = self._admin.list_topics(topic, timeout=_TIMEOUT_S)
+            found = md.topics[topic]
+        self._check_compacted(topic)
+        self._known[topic] = len(found.partitions)
+        return self._known[topic]
+
+    def _check_compacted(self, topic: str) -> None:
+        resource = ConfigResource(ConfigResource.Type.TOPIC, topic)
+        try:
+            configs = self._admin.describe_configs([resource])[resource].result(_TIMEOUT_S)
+        except KafkaException as exc:
+            raise _kafka_error(exc, f"reading the configuration of topic {topic!r}") from exc
+        policy = configs["cleanup.policy"].value or ""
+        if "compact" not in policy.split(","):
+            raise KafkaSetupError(
+                f"topic {topic!r} exists with cleanup.policy={policy}; pgcdc needs a compacted topic "
+                f"(kafka-configs --alter --entity-type topics --entity-name {topic} "
+                "--add-config cleanup.policy=compact), or delete the topic and let pgcdc create it"
+            )
+
+
+class TransactionalProducer:
+    """A producer whose writes become visible together, at commit, or not at all."""
+
+    def __init__(self, conf: Mapping[str, Any], transactional_id: str) -> None:
+        settings: dict[str, Any] = {
+            "enable.idempotence": True,
+            "acks": "all",
+            # Java's default partitioner: other Kafka tools put the same key in the same partition.
+            "partitioner": "murmur2_random",
+            "linger.ms": 5,
+            "compression.type": "lz4",
+            "queue.buffering.max.messages": 1_000_000,
+            "queue.buffering.max.kbytes": 512 * 1024,
+            "transaction.timeout.ms": 120_000,
+            **conf,
+            "transactional.id": transactional_id,
+        }
+        self._producer = Producer(settings)
+        self._errors: list[KafkaError] = []
+        self.transactional_id = transactional_id
+        try:
+            # Fences any earlier instance with our id and aborts what it left open.
+            self._producer.init_transactions(_TIMEOUT_S)
+        except KafkaException as exc:
+            raise _kafka_error(exc, "initialising Kafka transactions") from exc
+
+    def _on_delivery(self, err: KafkaError | None, _msg: Any) -> None:
+        if err is not None:
+            self._errors.append(err)
+
+    def begin(self) -> None:
+        self._errors.clear()
+        try:
+            self._producer.begin_transaction()
+        except KafkaException as exc:
+            raise _kafka_error(exc, "beginning a Kafka transaction") from exc
+
+    def produce(self, topic: str, key: bytes, value: bytes | None, partition: int | None = None) -> None:
+        while True:
+            try:
+                if partition is None:
+                    self._producer.produce(topic, value, key, on_delivery=self._on_delivery)
+                else:
+                    self._producer.produce(topic, value, key, partition, on_delivery=self._on_delivery)
+                return
+            except BufferError:
+                # The local queue is full: let librdkafka send some, then try again.
+                self._producer.poll(0.1)
+            except KafkaException as exc:
+                raise _kafka_error(exc, f"producing to {topic!r}") from exc
+
+    def commit(self) -> None:
+        try:
+            self._producer.commit_transaction(_TIMEOUT_S * 4)
+        except KafkaException as exc:
+            raise _kafka_error(exc, "committing a Kafka transaction") from exc
+        if self._errors:  # commit raises on failed deliveries; this is belt and braces
+            raise _kafka_error(KafkaException(self._errors[0]), "delivering a message")
+
+    def abort(self) -> None:
+        try:
+            self._producer.abort_transaction(_TIMEOUT_S)
+        except KafkaException as exc:
+            log.warning("aborting the Kafka transaction failed: %s", exc)
+
+    def close(self) -> None:
+        self._producer.flush(_TIMEOUT_S)
+
+
+class OffsetStore:
+    """The committed position of one capture (keyed by slot) in a compacted topic, read read_committed."""
+
+    def __init__(self, conf: Mapping[str, Any], topic: str, slot: str) -> None:
+        self._conf = dict(conf)
+        self.topic = topic
+        self.key = slot.encode()
+
+    def load(self) -> dict[str, Any] | None:
+        """The last committed state for our slot, or None when we never committed one."""
+        consumer = Consumer(
+            {
+                **self._conf,
+                "group.id": f"pgcdc-offsets-reader-{self.key.decode()}",
+                "enable.auto.commit": False,
+                "isolation.level": "read_committed",
+                "enable.partition.eof": True,
+            }
+        )
+        try:
+            md = consumer.list_topics(self.topic, timeout=_TIMEOUT_S)
+            partitions = list(md.topics[self.topic].partitions)
+            state: dict[str, Any] | None = None
+            for p in partitions:
+                low, high = consumer.get_watermark_offsets(TopicPartition(self.topic, p), timeout=_TIMEOUT_S)
+                if high <= low:
+                    continue
+                consumer.assign([TopicPartition(self.topic, p, OFFSET_BEGINNING)])
+                # read_committed stops at the last stable offset, so "high" may never be reached: the
+                # partition EOF event says we have seen everything committed.
+                while True:
+                    msg = consumer.poll(_TIMEOUT_S)
+                    if msg is None:
+                        raise TransientError(f"timed out reading offsets topic {self.topic!r}")
+                    err = msg.error()
+                    if err is not None:
+                        if err.code() == KafkaError._PARTITION_EOF:
+                            break
+                        raise _kafka_error(KafkaException(err), f"reading offsets topic {self.topic!r}")
+                    if msg.key() == self.key:
+                        value = msg.value()
+                        state = json.loads(value) if value else None
+            return state
+        except KafkaException as exc:
+            raise _kafka_error(exc, f"reading offsets topic {self.topic!r}") from exc
+        finally:
+            consumer.close()
+
+    def encode(self, state: Mapping[str, Any]) -> bytes:
+        return json.dumps(state, separators=(",", ":"), sort_keys=True).encode()
+
+
+class Registry:
+    """Registers schemas (once each) and returns their ids."""
+
+    def __init__(self, conf: Mapping[str, Any]) -> None:
+        self._client = SchemaRegistryClient(dict(conf))
+        self._ids: dict[tuple[str, str], int] = {}
+
+    def register(self, subject: str, schema: Mapping[str, Any], *, table: str) -> int:
+        text = json.dumps(schema, separators=(",", ":"), sort_keys=True)
+        cached = self._ids.get((subject, text))
+        if cached is not None:
+            return cached
+        try:
+            schema_id = int(self._client.register_schema(subject, Schema(text, "AVRO")))
+        except _RegistryHTTPError as exc:
+            if exc.http_status_code in (409, 422):
+                raise SchemaRegistryError(
+                    f"the schema registry rejected the new schema of table {table} under subject {subject!r} "
+                    f"({exc.error_message}); make the change compatible (e.g. add a column with a default "
+                    "instead of changing a type) or relax the subject's compatibility level, then restart"
+                ) from exc
+            if exc.http_status_code in (401, 403):
+                raise SchemaRegistryError(f"the schema registry refused our credentials ({exc.error_message})") from exc
+            raise TransientError(f"schema registry error for {subject!r}: {exc.error_message}") from exc
+        except OSError as exc:
+            raise TransientError(f"cannot reach the schema registry: {exc}") from exc
+        self._ids[(subject, text)] = schema_id
+        return schema_id

@@ -1,0 +1,95 @@
+"""A logical replication connection over psycopg's libpq layer (psycopg has no high-level API for it)."""
+
+from __future__ import annotations
+
+import select
+import time
+from dataclasses import dataclass
+
+import psycopg
+from psycopg import pq
+from psycopg.pq.abc import PGconn
+
+from cdc._source import translate_pg_error
+from cdc.errors import SourceCheckError, TransientError
+from decoders import format_lsn, parse_lsn, standby_status
+
+
+@dataclass(frozen=True, slots=True)
+class CreatedSlot:
+    consistent_lsn: int
+    snapshot_name: str | None
+
+
+class ReplicationConnection:
+    """One walsender session: create a slot, start streaming, read CopyData, send standby status."""
+
+    def __init__(self, conninfo: str, *, where: str) -> None:
+        self._where = where
+        self._conn: PGconn = pq.PGconn.connect(conninfo.encode())
+        if self._conn.status != pq.ConnStatus.OK:
+            message = self._error()
+            self._conn.finish()
+            raise translate_pg_error(psycopg.OperationalError(message), where)
+        self._closed = False
+
+    def _error(self) -> str:
+        return self._conn.get_error_message().strip()
+
+    def create_slot(self, slot: str, *, export_snapshot: bool) -> CreatedSlot:
+        """CREATE_REPLICATION_SLOT; with export_snapshot, the snapshot stays valid until the next command."""
+        option = "(SNAPSHOT 'export')" if export_snapshot else "(SNAPSHOT 'nothing')"
+        # Slot names are validated to [a-z0-9_] in the configuration; quoting is still applied.
+        res = self._conn.exec_(f'CREATE_REPLICATION_SLOT "{slot}" LOGICAL pgoutput {option}'.encode())
+        if res.status != pq.ExecStatus.TUPLES_OK:
+            raise SourceCheckError(f"cannot create replication slot {slot!r}: {self._error()}", check="create-slot")
+        consistent = res.get_value(0, 1)
+        snapshot = res.get_value(0, 2)
+        assert consistent is not None
+        return CreatedSlot(parse_lsn(consistent.decode()), snapshot.decode() if snapshot else None)
+
+    def start(self, slot: str, start_lsn: int, options: dict[str, str]) -> None:
+        opts = ", ".join(f"{k} '{v.replace(chr(39), chr(39) * 2)}'" for k, v in options.items())
+        self._conn.send_query(f'START_REPLICATION SLOT "{slot}" LOGICAL {format_lsn(start_lsn)} ({opts})'.encode())
+        res = self._conn.get_result()
+        if res is None or res.status != pq.ExecStatus.COPY_BOTH:
+            message = self._error()
+            if "is active for PID" in message:
+                raise SourceCheckError(
+                    f"replication slot {slot!r} is in use by another process: {message}", check="slot-in-use"
+                )
+            raise TransientError(f"START_REPLICATION failed on {self._where}: {message}")
+        self._conn.nonblocking = 1
+
+    def read(self, timeout: float) -> memoryview | None:
+        """The next CopyData payload, or None when nothing arrived within ``timeout`` seconds."""
+        conn = self._conn
+        deadline = time.monotonic() + timeout
+        while True:
+            nbytes, data = conn.get_copy_data(1)
+            if nbytes > 0:
+                return memoryview(data)
+            if nbytes == -1:
+                res = conn.get_result()
+                detail = res.error_message.decode(errors="replace") if res is not None else self._error()
+                raise TransientError(f"replication stream from {self._where} ended: {detail.strip()}")
+            if nbytes == -2:
+                raise TransientError(f"replication stream from {self._where} failed: {self._error()}")
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return None
+            readable, _, _ = select.select([conn.socket], [], [], remaining)
+            if readable:
+                conn.consume_input()
+
+    def send_status(self, write: int, flush: int, apply: int, *, reply: bool = False) -> None:
+        msg = standby_status(write, flush, apply, time.time_ns() // 1000, reply)
+        if self._conn.put_copy_data(msg) != 1:
+            raise TransientError(f"cannot send standby status to {self._where}: {self._error()}")
+        while self._conn.flush() == 1:  # non-blocking: 1 means "more to send"
+            select.select([], [self._conn.socket], [], 1.0)
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._conn.finish()

@@ -1,0 +1,226 @@
+"""The initial snapshot: every row of the captured tables as ``op=r`` events, chunked by key, resumable.
+
+Rows are read with ``COPY (SELECT … ORDER BY key LIMIT n) TO STDOUT (FORMAT binary)``: binary COPY
+carries each value in the same send format pgoutput uses with ``binary 'true'``, so the stream's
+converters serve both paths. Tables are read by several connections in parallel; each chunk is written
+to Kafka in one transaction together with the snapshot's progress (per table: the last key read), so a
+crash loses at most the chunk in flight and a restart continues after the last committed key.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import struct
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import psycopg
+from psycopg import sql
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+from cdc._catalog import TableInfo
+from cdc._events import ColumnSpec, Position, TableCodec
+from cdc.errors import StreamError
+from decoders import TupleData
+
+if TYPE_CHECKING:
+    from cdc._capture import Capture
+
+log = logging.getLogger(__name__)
+
+_COPY_SIGNATURE = b"PGCOPY\n\xff\r\n\x00"
+_I16 = struct.Struct(">h")
+_I32 = struct.Struct(">i")
+_B, _T, _N = ord("b"), ord("t"), ord("n")
+
+
+@dataclass
+class _Chunk:
+    table: str
+    rows: list[TupleData]
+    last_key: list[str] | None
+    done: bool
+
+
+def parse_binary_copy(data: bytes | bytearray | memoryview) -> list[list[bytes | None]]:
+    """Rows of a ``COPY … (FORMAT binary)`` stream, each a list of raw field values (None for NULL)."""
+    buf = memoryview(data)
+    if bytes(buf[:11]) != _COPY_SIGNATURE:
+        raise StreamError("COPY output does not start with the binary COPY signature")
+    (ext_len,) = _I32.unpack_from(buf, 15)
+    pos = 19 + ext_len
+    rows: list[list[bytes | None]] = []
+    while True:
+        (nfields,) = _I16.unpack_from(buf, pos)
+        pos += 2
+        if nfields == -1:
+            return rows
+        row: list[bytes | None] = []
+        for _ in range(nfields):
+            (length,) = _I32.unpack_from(buf, pos)
+            pos += 4
+            if length < 0:
+                row.append(None)
+            else:
+                row.append(bytes(buf[pos : pos + length]))
+                pos += length
+        rows.append(row)
+
+
+class Snapshotter:
+    def __init__(self, capture: Capture, state: dict[str, Any]) -> None:
+        self.capture = capture
+        self.state = state
+        self.snap: dict[str, Any] = state["snapshot"]
+        self.settings = capture.settings
+
+    def run(self, snapshot_name: str | None) -> None:
+        tables = [t for t in self.capture.report.tables if not self.snap["tables"].get(t.qualified, {}).get("done")]
+        consistent = int(self.snap["consistent_lsn"])
+        codecs = {t.qualified: self._codec(t) for t in tables}
+        chunks: queue.Queue[_Chunk | BaseException] = queue.Queue(maxsize=4)
+        cancel = threading.Event()
+        progress = Progress(
+            TextColumn("snapshot {task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeRemainingColumn(),
+            disable=not sys.stderr.isatty(),
+            transient=False,
+        )
+        tasks = {t.qualified: progress.add_task(t.qualified, total=self._estimate(t)) for t in tables}
+        log.info(
+            "snapshot of %d table(s) at %X%s",
+            len(tables),
+            consistent,
+            "" if snapshot_name else " (resumed with a fresh snapshot)",
+        )
+
+        def worker(table: TableInfo) -> None:
+            try:
+                self._read_table(table, codecs[table.qualified], snapshot_name, chunks, cancel)
+            except BaseException as exc:
+                chunks.put(exc)
+                raise
+
+        with progress, ThreadPoolExecutor(self.settings.capture.snapshot_workers, "snapshot") as pool:
+            futures = [pool.submit(worker, t) for t in tables]
+            remaining = len(tables)
+            try:
+                while remaining:
+                    item = chunks.get()
+                    if isinstance(item, BaseException):
+                        raise item
+                    self._write_chunk(item, codecs[item.table], consistent)
+                    progress.advance(tasks[item.table], len(item.rows))
+                    if item.done:
+                        remaining -= 1
+                    if self.capture.stop.is_set():
+                        log.info("stop requested during the snapshot; it resumes on the next start")
+                        raise SnapshotStoppedError
+            except BaseException:
+                cancel.set()
+                while not all(f.done() for f in futures):  # unblock workers waiting on a full queue
+                    with contextlib.suppress(queue.Empty):
+                        chunks.get(timeout=0.1)
+                raise
+        self.snap["status"] = "done"
+        self.capture._commit_offsets(self.state)
+        log.info("snapshot done")
+
+    def _codec(self, table: TableInfo) -> TableCodec:
+        key = set(self.capture.report.key_columns[table.qualified])
+        cols = [ColumnSpec(c.name, c.type_oid, c.typmod) for c in table.columns]
+        return self.capture.codec_for(table.oid, table.schema, table.name, cols, [c.name in key for c in cols])
+
+    def _estimate(self, table: TableInfo) -> int | None:
+        row = self.capture.sql.execute("SELECT reltuples::bigint FROM pg_class WHERE oid = %s", (table.oid,)).fetchone()
+        return int(row[0]) if row and row[0] and row[0] > 0 else None
+
+    def _read_table(
+        self,
+        table: TableInfo,
+        codec: TableCodec,
+        snapshot_name: str | None,
+        out: queue.Queue[_Chunk | BaseException],
+        cancel: threading.Event,
+    ) -> None:
+        key_names = self.capture.report.key_columns[table.qualified]
+        after: list[str] | None = self.snap["tables"].get(table.qualified, {}).get("after")
+        limit = self.settings.capture.snapshot_chunk_rows
+        with psycopg.connect(self.settings.source.conninfo(), autocommit=False) as conn:
+            conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
+            if snapshot_name:
+                conn.execute(sql.SQL("SET TRANSACTION SNAPSHOT {}").format(sql.Literal(snapshot_name)))
+            key_types = self._key_types(conn, table, key_names)
+            select_cols = [
+                sql.Identifier(c.name) if binary else sql.SQL("{}::text").format(sql.Identifier(c.name))
+                for c, binary in zip(table.columns, codec.binary_capable, strict=True)
+            ]
+            select_cols += [sql.SQL("{}::text").format(sql.Identifier(k)) for k in key_names]
+            order = sql.SQL(", ").join(sql.Identifier(k) for k in key_names)
+            kinds = bytes(_B if b else _T for b in codec.binary_capable)
+            ncols = len(table.columns)
+            while not cancel.is_set():
+                where: sql.Composable = sql.SQL("")
+                params: list[str] = []
+                if after is not None:
+                    where = sql.SQL("WHERE ({}) > ({})").format(
+                        order,
+                        sql.SQL(", ").join(sql.SQL("%s::" + t) for t in key_types),  # format_type output
+                    )
+                    params = after
+                query = sql.SQL("COPY (SELECT {} FROM {} {} ORDER BY {} LIMIT {}) TO STDOUT (FORMAT binary)").format(
+                    sql.SQL(", ").join(select_cols), table.ident(), where, order, sql.Literal(limit)
+                )
+                data = bytearray()
+                with conn.cursor() as cur, cur.copy(query, params or None) as copy:
+                    for block in copy:
+                        data += block
+                raw_rows = parse_binary_copy(data)
+                rows = [
+                    TupleData(
+                        bytes(_N if v is None else k for v, k in zip(r[:ncols], kinds, strict=True)), tuple(r[:ncols])
+                    )
+                    for r in raw_rows
+                ]
+                done = len(raw_rows) < limit
+                if raw_rows:
+                    after = [(v or b"").decode() for v in raw_rows[-1][ncols:]]
+                out.put(_Chunk(table.qualified, rows, after, done))
+                if done:
+                    return
+
+    @staticmethod
+    def _key_types(conn: psycopg.Connection[Any], table: TableInfo, key_names: Sequence[str]) -> list[str]:
+        types = []
+        for name in key_names:
+            row = conn.execute(
+                "SELECT format_type(atttypid, atttypmod) FROM pg_attribute WHERE attrelid = %s AND attname = %s",
+                (table.oid, name),
+            ).fetchone()
+            assert row is not None
+            types.append(str(row[0]))
+        return types
+
+    def _write_chunk(self, chunk: _Chunk, codec: TableCodec, consistent: int) -> None:
+        pos = Position(consistent, consistent, time.time_ns() // 1000, None, "true")
+        now_us = time.time_ns() // 1000
+        for tup in chunk.rows:
+            after, _ = codec.row(tup)
+            self.capture._produce(
+                codec.topic, codec.key_of(after), codec.envelope("r", pos, before=None, after=after, now_us=now_us)
+            )
+        self.snap["tables"][chunk.table] = {"after": chunk.last_key, "done": chunk.done}
+        self.capture._commit_offsets(self.state)
+
+
+class SnapshotStoppedError(Exception):
+    """The snapshot was interrupted on request; its progress is committed."""

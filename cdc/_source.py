@@ -1,0 +1,275 @@
+"""The source database: connecting, checking it is ready for capture, creating the publication.
+
+``attach`` never drops or alters anything the user made; ``detach`` (an explicit command) drops the
+slot and the publication.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import psycopg
+from psycopg import sql
+
+from cdc._catalog import TableInfo, load_table
+from cdc._config import Settings, split_table_name
+from cdc.errors import AuthenticationError, SourceCheckError, TransientError
+
+log = logging.getLogger(__name__)
+
+# SQLSTATE classes that mean "your credentials or privileges", never worth retrying.
+_AUTH_STATES = {"28000", "28P01", "42501"}
+
+
+def translate_pg_error(exc: psycopg.Error, where: str) -> Exception:
+    """One place that maps psycopg's errors to ours (the message never includes the password)."""
+    state = getattr(exc, "sqlstate", None) or ""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if state in _AUTH_STATES or "password authentication failed" in text or "no password supplied" in text:
+        return AuthenticationError(
+            f"PostgreSQL at {where} refused the login: {text}; check source.dsn's user and the password "
+            "(source.password, source.password_file or CDC_SOURCE__PASSWORD)"
+        )
+    if isinstance(exc, psycopg.OperationalError):
+        return TransientError(f"cannot reach PostgreSQL at {where}: {text}")
+    return exc
+
+
+def connect(settings: Settings, *, autocommit: bool = True, **extra: str) -> psycopg.Connection[Any]:
+    where = settings.source.display_dsn()
+    try:
+        return psycopg.connect(settings.source.conninfo(**extra), autocommit=autocommit)
+    except psycopg.Error as exc:
+        raise translate_pg_error(exc, where) from exc
+
+
+@dataclass
+class AttachReport:
+    """What attach found and did (or, in a dry run, would do)."""
+
+    tables: list[TableInfo] = field(default_factory=list)
+    key_columns: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    actions: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    slot_exists: bool = False
+    publication_exists: bool = False
+
+
+def check_and_prepare(conn: psycopg.Connection[Any], settings: Settings, *, dry_run: bool) -> AttachReport:
+    """Run every check; create the publication if absent (unless dry_run). Raises SourceCheckError."""
+    src = settings.source
+    report = AttachReport()
+    _check_wal_level(conn)
+    _check_privileges(conn)
+    report.slot_exists = _check_slot(conn, src.slot)
+    report.publication_exists = _publication_exists(conn, src.publication)
+
+    names = [split_table_name(t) for t in src.tables]
+    if not names:
+        if not report.publication_exists:
+            raise SourceCheckError(
+                'no tables to capture: list them in source.tables (e.g. tables = ["public.orders"]), '
+                f"or create the publication {src.publication!r} yourself",
+                check="tables",
+            )
+        names = _publication_tables(conn, src.publication)
+        if not names:
+            raise SourceCheckError(
+                f"publication {src.publication!r} contains no tables; add some or list them in source.tables",
+                check="tables",
+            )
+
+    configured_keys = {split_table_name(k): v for k, v in src.key_columns.items()}
+    for schema, table in names:
+        info = load_table(conn, schema, table)
+        if info is None:
+            raise SourceCheckError(
+                f"table {schema}.{table} does not exist (or is not a table) in {conn.info.dbname!r}; fix source.tables",
+                check="table-exists",
+            )
+        report.tables.append(info)
+        report.key_columns[info.qualified] = _key_columns(info, configured_keys.get((schema, table)))
+
+    if report.publication_exists:
+        present = set(_publication_tables(conn, src.publication))
+        missing = [t for t in report.tables if (t.schema, t.name) not in present]
+        if missing:
+            listing = ", ".join(_quoted(t) for t in missing)
+            raise SourceCheckError(
+                f"publication {src.publication!r} lacks {', '.join(t.qualified for t in missing)}; run "
+                f"ALTER PUBLICATION {sql.Identifier(src.publication).as_string(conn)} ADD TABLE {listing}",
+                check="publication-tables",
+            )
+        _check_publication_actions(conn, src.publication)
+    else:
+        stmt = sql.SQL("CREATE PUBLICATION {} FOR TABLE {}").format(
+            sql.Identifier(src.publication), sql.SQL(", ").join(t.ident() for t in report.tables)
+        )
+        report.actions.append(stmt.as_string(conn))
+        if not dry_run:
+            conn.execute(stmt)
+            log.info("created publication %s", src.publication)
+
+    if not report.slot_exists:
+        report.notes.append(
+            f"replication slot {src.slot!r} will be created by `cdc run`, together with the initial snapshot, "
+            "so that both start from the same consistent point"
+        )
+    return report
+
+
+def _quoted(t: TableInfo) -> str:
+    return f"{sql.Identifier(t.schema).as_string(None)}.{sql.Identifier(t.name).as_string(None)}"
+
+
+def _check_wal_level(conn: psycopg.Connection[Any]) -> None:
+    (level,) = _one(conn, "SHOW wal_level")
+    if level != "logical":
+        raise SourceCheckError(
+            f"wal_level is {level!r}; logical decoding needs 'logical': run ALTER SYSTEM SET wal_level = logical "
+            "and restart PostgreSQL (on managed services, enable logical replication in the parameter group)",
+            check="wal_level",
+        )
+
+
+def _check_privileges(conn: psycopg.Connection[Any]) -> None:
+    user, can_replicate = _one(
+        conn, "SELECT current_user, rolreplication OR rolsuper FROM pg_roles WHERE rolname = current_user"
+    )
+    if not can_replicate:
+        raise SourceCheckError(
+            f"role {user!r} lacks the REPLICATION attribute; run ALTER ROLE "
+            f"{sql.Identifier(user).as_string(conn)} WITH REPLICATION",
+            check="replication-privilege",
+        )
+
+
+def _check_slot(conn: psycopg.Connection[Any], slot: str) -> bool:
+    row = conn.execute(
+        "SELECT plugin, database, active, active_pid, wal_status FROM pg_replication_slots WHERE slot_name = %s",
+        (slot,),
+    ).fetchone()
+    if row is not None:
+        plugin, database, active, active_pid, wal_status = row
+        if plugin != "pgoutput":
+            raise SourceCheckError(
+                f"replication slot {slot!r} uses plugin {plugin!r}, not pgoutput; choose another source.slot",
+                check="slot-plugin",
+            )
+        if database != conn.info.dbname:
+            raise SourceCheckError(
+                f"replication slot {slot!r} belongs to database {database!r}, not {conn.info.dbname!r}; "
+                "choose another source.slot",
+                check="slot-database",
+            )
+        if active:
+            raise SourceCheckError(
+                f"replication slot {slot!r} is in use by another process (pid {active_pid}); stop that consumer "
+                "or choose another source.slot",
+                check="slot-in-use",
+            )
+        if wal_status == "lost":
+            raise SourceCheckError(
+                f"replication slot {slot!r} was invalidated (max_slot_wal_keep_size): the WAL it needed is gone. "
+                "Changes were lost; run `cdc detach` and `cdc run` again to re-snapshot",
+                check="slot-lost",
+            )
+        return True
+    used, limit = _one(
+        conn,
+        "SELECT (SELECT count(*) FROM pg_replication_slots), current_setting('max_replication_slots')::int",
+    )
+    if used >= limit:
+        raise SourceCheckError(
+            f"all {limit} replication slots are in use; drop an unused one (SELECT pg_drop_replication_slot(...)) "
+            "or raise max_replication_slots and restart PostgreSQL",
+            check="free-slot",
+        )
+    return False
+
+
+def _publication_exists(conn: psycopg.Connection[Any], publication: str) -> bool:
+    return conn.execute("SELECT 1 FROM pg_publication WHERE pubname = %s", (publication,)).fetchone() is not None
+
+
+def _publication_tables(conn: psycopg.Connection[Any], publication: str) -> list[tuple[str, str]]:
+    rows = conn.execute(
+        "SELECT schemaname, tablename FROM pg_publication_tables WHERE pubname = %s ORDER BY 1, 2", (publication,)
+    ).fetchall()
+    return [(s, t) for s, t in rows]
+
+
+def _check_publication_actions(conn: psycopg.Connection[Any], publication: str) -> None:
+    ins, upd, dele, trunc = _one(
+        conn,
+        "SELECT pubinsert, pubupdate, pubdelete, pubtruncate FROM pg_publication WHERE pubname = %s",
+        (publication,),
+    )
+    missing = [n for n, on in (("insert", ins), ("update", upd), ("delete", dele), ("truncate", trunc)) if not on]
+    if missing:
+        raise SourceCheckError(
+            f"publication {publication!r} does not publish {', '.join(missing)}: changes would be lost; run "
+            f"ALTER PUBLICATION {sql.Identifier(publication).as_string(conn)} "
+            "SET (publish = 'insert, update, delete, truncate')",
+            check="publication-actions",
+        )
+
+
+def _key_columns(info: TableInfo, configured: tuple[str, ...] | None) -> tuple[str, ...]:
+    names = {c.name for c in info.columns}
+    if configured:
+        unknown = [c for c in configured if c not in names]
+        if unknown:
+            raise SourceCheckError(
+                f"source.key_columns for {info.qualified} names {unknown}, which are not columns of the table",
+                check="key-columns",
+            )
+        if info.replica_identity != "f" and not set(configured) <= set(info.identity_columns):
+            raise SourceCheckError(
+                f"table {info.qualified} uses configured key columns, so deletes must carry them: run "
+                f"ALTER TABLE {_quoted(info)} REPLICA IDENTITY FULL",
+                check="replica-identity",
+            )
+        return configured
+    if info.primary_key:
+        return info.primary_key
+    if info.replica_identity == "i" and info.identity_columns:
+        return info.identity_columns
+    raise SourceCheckError(
+        f"table {info.qualified} has no primary key, so its events would have no key: add a primary key, "
+        f"or ALTER TABLE {_quoted(info)} REPLICA IDENTITY USING INDEX <unique index>, or set "
+        f'source.key_columns."{info.qualified}" and ALTER TABLE {_quoted(info)} REPLICA IDENTITY FULL',
+        check="table-key",
+    )
+
+
+def _one(conn: psycopg.Connection[Any], query: str, params: tuple[Any, ...] = ()) -> tuple[Any, ...]:
+    row = conn.execute(query, params).fetchone()
+    assert row is not None, query
+    return cast(tuple[Any, ...], row)
+
+
+def detach(conn: psycopg.Connection[Any], settings: Settings, *, dry_run: bool) -> list[str]:
+    """Drop the slot and the publication (only on the explicit `cdc detach` command)."""
+    src = settings.source
+    done = []
+    row = conn.execute(
+        "SELECT active, active_pid FROM pg_replication_slots WHERE slot_name = %s", (src.slot,)
+    ).fetchone()
+    if row is not None:
+        if row[0]:
+            raise SourceCheckError(
+                f"replication slot {src.slot!r} is in use (pid {row[1]}); stop `cdc run` first",
+                check="slot-in-use",
+            )
+        done.append(f"SELECT pg_drop_replication_slot('{src.slot}')")
+        if not dry_run:
+            conn.execute("SELECT pg_drop_replication_slot(%s)", (src.slot,))
+    if _publication_exists(conn, src.publication):
+        stmt = sql.SQL("DROP PUBLICATION {}").format(sql.Identifier(src.publication))
+        done.append(stmt.as_string(conn))
+        if not dry_run:
+            conn.execute(stmt)
+    return done
