@@ -94,6 +94,10 @@ class _Spill:
         self.file.close()
 
 
+class _TextModeNeededError(Exception):
+    """A relation arrived with a column we can only read in text form."""
+
+
 class Capture:
     """One capture: a slot, its publication's tables, their topics."""
 
@@ -103,6 +107,7 @@ class Capture:
         self._codecs: dict[int, TableCodec] = {}
         self._pending_relations: dict[int, Relation] = {}
         self._stats_events = 0
+        self._binary = settings.capture.binary
 
     # --- set-up -------------------------------------------------------------------------------
 
@@ -164,10 +169,32 @@ class Capture:
                 self._snapshot(state, None)
             if "lsn" not in state:
                 state["lsn"] = self._slot_confirmed_lsn()
-            if not self.stop.is_set():
-                self._stream(repl, state)
+            self._binary = s.capture.binary and self._all_binary_capable()
+            while not self.stop.is_set():
+                try:
+                    self._stream(repl, state)
+                    break
+                except _TextModeNeededError as exc:
+                    # pgoutput's binary option is all or nothing for a connection: go back to the committed
+                    # position and stream in text, which every type has.
+                    log.info("%s: restarting the stream in text mode", exc)
+                    repl.close()
+                    self._binary = False
+                    repl = ReplicationConnection(
+                        s.source.conninfo(replication="database"), where=s.source.display_dsn()
+                    )
         finally:
             repl.close()
+
+    def _all_binary_capable(self) -> bool:
+        for table in self.report.tables:
+            for col in table.columns:
+                if avro_mapping(self.types.resolve(col.type_oid), col.typmod).from_binary is None:
+                    log.info(
+                        "column %s.%s has no binary reader: values are streamed as text", table.qualified, col.name
+                    )
+                    return False
+        return True
 
     def _snapshot(self, state: dict[str, Any], snapshot_name: str | None) -> None:
         # On SnapshotStoppedError the progress is committed; run() sees the stop flag and returns.
@@ -257,7 +284,7 @@ class Capture:
         if proto >= 2:
             options["streaming"] = "on"
             options["messages"] = "true"
-            if s.capture.binary:
+            if self._binary:
                 options["binary"] = "true"
         decoder = PgOutputDecoder(proto, streaming=proto >= 2)
         repl.start(s.source.slot, resume, options)
@@ -326,7 +353,12 @@ class Capture:
                     if self._in_batch and self._batch_events >= s.capture.max_batch_events:
                         flush()
                 elif isinstance(msg, Relation):
-                    self._codecs[msg.relid] = self._codec_from_relation(msg)
+                    codec = self._codec_from_relation(msg)
+                    if self._binary and not all(codec.binary_capable):
+                        raise _TextModeNeededError(
+                            f"table {msg.namespace}.{msg.name} has a column without a binary reader"
+                        )
+                    self._codecs[msg.relid] = codec
                 elif isinstance(msg, TypeInfo):
                     self.types.invalidate(msg.oid)
                 elif isinstance(msg, (Insert, Update, Delete, Truncate)):

@@ -161,11 +161,18 @@ class Snapshotter:
                 conn.execute(sql.SQL("SET TRANSACTION SNAPSHOT {}").format(sql.Literal(snapshot_name)))
             key_types = self._key_types(conn, table, key_names)
             select_cols = [
-                sql.Identifier(c.name) if binary else sql.SQL("{}::text").format(sql.Identifier(c.name))
+                sql.SQL("src.{}").format(sql.Identifier(c.name))
+                if binary
+                else sql.SQL("src.{}::text").format(sql.Identifier(c.name))
                 for c, binary in zip(table.columns, codec.binary_capable, strict=True)
             ]
-            select_cols += [sql.SQL("{}::text").format(sql.Identifier(k)) for k in key_names]
-            order = sql.SQL(", ").join(sql.Identifier(k) for k in key_names)
+            # The key again, as text, to resume after the last row; aliased so no output name shadows a
+            # column, and ORDER BY qualified so it sorts by the column, not by an output text column.
+            select_cols += [
+                sql.SQL("src.{}::text AS {}").format(sql.Identifier(k), sql.Identifier(f"__pgcdc_key_{i}"))
+                for i, k in enumerate(key_names)
+            ]
+            order = sql.SQL(", ").join(sql.SQL("src.{}").format(sql.Identifier(k)) for k in key_names)
             kinds = bytes(_B if b else _T for b in codec.binary_capable)
             ncols = len(table.columns)
             while not cancel.is_set():
@@ -177,9 +184,9 @@ class Snapshotter:
                         sql.SQL(", ").join(sql.SQL("%s::" + t) for t in key_types),  # format_type output
                     )
                     params = after
-                query = sql.SQL("COPY (SELECT {} FROM {} {} ORDER BY {} LIMIT {}) TO STDOUT (FORMAT binary)").format(
-                    sql.SQL(", ").join(select_cols), table.ident(), where, order, sql.Literal(limit)
-                )
+                query = sql.SQL(
+                    "COPY (SELECT {} FROM {} AS src {} ORDER BY {} LIMIT {}) TO STDOUT (FORMAT binary)"
+                ).format(sql.SQL(", ").join(select_cols), table.ident(), where, order, sql.Literal(limit))
                 data = bytearray()
                 with conn.cursor() as cur, cur.copy(query, params or None) as copy:
                     for block in copy:

@@ -55,6 +55,9 @@ def _setup_logging(level: str, as_json: bool) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
+    # The registry client logs every HTTP request at INFO; that is noise at our INFO level.
+    for noisy in ("httpx", "httpx2", "httpcore"):
+        logging.getLogger(noisy).setLevel(max(logging.WARNING, root.level))
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,194 @@
+"""Helpers for the capture tests: a scratch database, the `cdc` process, and a plain Avro consumer."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psycopg
+from confluent_kafka import Consumer, KafkaError, TopicPartition
+from confluent_kafka.admin import AdminClient
+from confluent_kafka.schema_registry import SchemaRegistryClient
+from confluent_kafka.schema_registry.avro import AvroDeserializer
+from confluent_kafka.serialization import MessageField, SerializationContext
+from psycopg import sql
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+
+@contextmanager
+def scratch_database(admin_dsn: str, name: str) -> Iterator[str]:
+    """A fresh database for one test; dropped (with its slots) afterwards."""
+    with psycopg.connect(admin_dsn, autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    params = conninfo_to_dict(admin_dsn)
+    params["dbname"] = name
+    try:
+        yield make_conninfo("", **params)
+    finally:
+        with psycopg.connect(admin_dsn, autocommit=True) as conn:
+            for (slot,) in conn.execute(
+                "SELECT slot_name FROM pg_replication_slots WHERE database = %s", (name,)
+            ).fetchall():
+                for _ in range(50):
+                    try:
+                        conn.execute("SELECT pg_drop_replication_slot(%s)", (slot,))
+                        break
+                    except psycopg.errors.ObjectInUse:
+                        time.sleep(0.2)
+            conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+
+
+@dataclass
+class CdcConfig:
+    dsn: str
+    kafka: str
+    registry: str
+    prefix: str
+    tables: list[str]
+    slot: str
+    publication: str
+    extra: str = ""
+
+    def write(self, path: Path) -> Path:
+        tables = ", ".join(f'"{t}"' for t in self.tables)
+        path.write_text(
+            f"""
+[source]
+dsn = "{self.dsn}"
+tables = [{tables}]
+slot = "{self.slot}"
+publication = "{self.publication}"
+
+[kafka]
+bootstrap_servers = "{self.kafka}"
+topic_prefix = "{self.prefix}"
+
+[registry]
+url = "{self.registry}"
+
+[capture]
+heartbeat_interval_s = 1.0
+{self.extra}
+"""
+        )
+        return path
+
+
+class CdcProcess:
+    """`cdc run` as a child process, as an operator would run it."""
+
+    def __init__(self, config: Path, log: Path) -> None:
+        self.config = config
+        self.log = log
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        out = open(self.log, "ab")  # noqa: SIM115 - handed to the child, closed by it
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "cdc.cli", "--log-level", "info", "run", "--config", str(self.config)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ},
+        )
+        out.close()
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(30)
+
+    def terminate(self, timeout: float = 60) -> int:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout)
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def tail(self, n: int = 60) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:]) if self.log.exists() else ""
+
+
+@dataclass
+class Event:
+    key: dict[str, Any] | None
+    value: dict[str, Any] | None
+    partition: int
+    offset: int
+
+
+def read_topic(bootstrap: str, registry: str, topic: str, timeout: float = 60) -> list[Event]:
+    """Everything committed in ``topic`` (read_committed), decoded with confluent-kafka's AvroDeserializer."""
+    client = SchemaRegistryClient({"url": registry})
+    key_de, value_de = AvroDeserializer(client), AvroDeserializer(client)
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    md = admin.list_topics(topic, timeout=30)
+    if topic not in md.topics or md.topics[topic].error is not None:
+        return []
+    partitions = list(md.topics[topic].partitions)
+    consumer = Consumer(
+        {
+            "bootstrap.servers": bootstrap,
+            "group.id": f"test-reader-{time.monotonic_ns()}",
+            "enable.auto.commit": False,
+            "isolation.level": "read_committed",
+            "enable.partition.eof": True,
+        }
+    )
+    events: list[Event] = []
+    try:
+        consumer.assign([TopicPartition(topic, p, 0) for p in partitions])
+        pending = set(partitions)
+        deadline = time.monotonic() + timeout
+        while pending:
+            assert time.monotonic() < deadline, f"timed out reading {topic}"
+            msg = consumer.poll(1.0)
+            if msg is None:
+                continue
+            err = msg.error()
+            if err is not None:
+                if err.code() == KafkaError._PARTITION_EOF:
+                    pending.discard(msg.partition())
+                    continue
+                raise AssertionError(err)
+            ctx_k = SerializationContext(topic, MessageField.KEY)
+            ctx_v = SerializationContext(topic, MessageField.VALUE)
+            events.append(Event(key_de(msg.key(), ctx_k), value_de(msg.value(), ctx_v), msg.partition(), msg.offset()))
+    finally:
+        consumer.close()
+    return events
+
+
+def latest_by_key(events: list[Event], key_field: str) -> dict[Any, dict[str, Any]]:
+    """Replay events the way a compacting consumer would: the last event per key wins; deletes remove."""
+    state: dict[Any, dict[str, Any]] = {}
+    for ev in sorted(events, key=lambda e: (e.partition, e.offset)):
+        if ev.key is None or ev.key.get(key_field) is None:
+            if ev.value is not None and ev.value["op"] == "t":
+                state.clear()
+            continue
+        k = ev.key[key_field]
+        if ev.value is None or ev.value["op"] == "d":
+            state.pop(k, None)
+        else:
+            state[k] = ev.value["after"]
+    return state
+
+
+def wait_for(predicate: Any, timeout: float, what: str, proc: CdcProcess | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        if proc is not None and not proc.alive():
+            raise AssertionError(f"cdc exited while waiting for {what}:\n{proc.tail()}")
+        time.sleep(0.5)
+    raise AssertionError(f"timed out waiting for {what}" + (f"\n{proc.tail()}" if proc else ""))
