@@ -126,7 +126,7 @@ class Capture:
         s = self.settings
         self.sql = connect(s)
         try:
-            self.report: AttachReport = check_and_prepare(self.sql, s, dry_run=False)
+            self.report: AttachReport = check_and_prepare(self.sql, s, dry_run=False, allow_active_slot=True)
             self.types = TypeResolver(self.sql)
             self.source_info = SourceInfo(__version__, s.kafka.topic_prefix, self.sql.info.dbname)
             self.topics = Topics(

@@ -55,9 +55,8 @@ class ReplicationConnection:
         if res is None or res.status != pq.ExecStatus.COPY_BOTH:
             message = self._error()
             if "is active for PID" in message:
-                raise SourceCheckError(
-                    f"replication slot {slot!r} is in use by another process: {message}", check="slot-in-use"
-                )
+                # Usually an older instance we have just fenced: it stops at its next commit. Retried.
+                raise TransientError(f"replication slot {slot!r} is still in use by another process: {message}")
             raise TransientError(f"START_REPLICATION failed on {self._where}: {message}")
         self._conn.nonblocking = 1
 

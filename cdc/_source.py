@@ -57,13 +57,19 @@ class AttachReport:
     publication_exists: bool = False
 
 
-def check_and_prepare(conn: psycopg.Connection[Any], settings: Settings, *, dry_run: bool) -> AttachReport:
-    """Run every check; create the publication if absent (unless dry_run). Raises SourceCheckError."""
+def check_and_prepare(
+    conn: psycopg.Connection[Any], settings: Settings, *, dry_run: bool, allow_active_slot: bool = False
+) -> AttachReport:
+    """Run every check; create the publication if absent (unless dry_run). Raises SourceCheckError.
+
+    ``allow_active_slot``: `cdc run` passes True: a slot held by another instance is then waited for (that
+    instance is fenced by our Kafka transactional id and stops), instead of being an error.
+    """
     src = settings.source
     report = AttachReport()
     _check_wal_level(conn)
     _check_privileges(conn)
-    report.slot_exists = _check_slot(conn, src.slot)
+    report.slot_exists = _check_slot(conn, src.slot, allow_active=allow_active_slot)
     report.publication_exists = _publication_exists(conn, src.publication)
 
     names = [split_table_name(t) for t in src.tables]
@@ -146,7 +152,7 @@ def _check_privileges(conn: psycopg.Connection[Any]) -> None:
         )
 
 
-def _check_slot(conn: psycopg.Connection[Any], slot: str) -> bool:
+def _check_slot(conn: psycopg.Connection[Any], slot: str, *, allow_active: bool) -> bool:
     row = conn.execute(
         "SELECT plugin, database, active, active_pid, wal_status FROM pg_replication_slots WHERE slot_name = %s",
         (slot,),
@@ -164,7 +170,7 @@ def _check_slot(conn: psycopg.Connection[Any], slot: str) -> bool:
                 "choose another source.slot",
                 check="slot-database",
             )
-        if active:
+        if active and not allow_active:
             raise SourceCheckError(
                 f"replication slot {slot!r} is in use by another process (pid {active_pid}); stop that consumer "
                 "or choose another source.slot",
