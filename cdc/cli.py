@@ -28,6 +28,7 @@ from tenacity import (
 from cdc import __version__
 from cdc._capture import Capture, install_signal_handlers
 from cdc._config import Settings, load_settings
+from cdc._demo import run_demo
 from cdc._source import check_and_prepare, connect, detach
 from cdc.errors import CDCError, TransientError
 
@@ -85,6 +86,11 @@ def build_parser() -> argparse.ArgumentParser:
     with_config(p)
     p.add_argument("--yes", action="store_true", help="confirm: the slot's position is lost for good")
     p.add_argument("--dry-run", action="store_true", help="only print what would be dropped")
+    p = sub.add_parser("demo", help="a demo database with a live workload, captured and read back from Kafka")
+    p.add_argument("--pg", required=True, help="DSN of a PostgreSQL server (wal_level=logical) to create the demo in")
+    p.add_argument("--kafka", required=True, help="Kafka bootstrap servers")
+    p.add_argument("--registry", required=True, help="Confluent-compatible schema registry URL")
+    p.add_argument("--seconds", type=float, default=30.0, help="how long the workload runs")
     return parser
 
 
@@ -147,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     _setup_logging(args.log_level, args.log_json)
     try:
+        if args.command == "demo":
+            return run_demo(args.pg, args.kafka, args.registry, args.seconds)
         settings = load_settings(args.config)
         if args.command == "attach":
             return _attach(settings, args.dry_run)
