@@ -71,6 +71,8 @@ class SourceConfig(_Section):
         if password is not None:
             params["password"] = password
         params.setdefault("application_name", "pgcdc")
+        # Names and text values are decoded as UTF-8 everywhere; PostgreSQL converts from the server's encoding.
+        params["client_encoding"] = "UTF8"
         params.update(extra)
         return make_conninfo("", **params)
 
