@@ -137,11 +137,10 @@ def main() -> int:
             f'[registry]\nurl = "{registry}"\n[capture]\nsnapshot = "never"\n'
         )
         t0 = time.monotonic()
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "cdc.cli", "run", "--config", str(config)],
-            stdout=open(work / "cdc.log", "wb"),
-            stderr=subprocess.STDOUT,
-        )  # noqa: SIM115
+        with open(work / "cdc.log", "wb") as log:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "cdc.cli", "run", "--config", str(config)], stdout=log, stderr=subprocess.STDOUT
+            )
         peak = 0
         with psycopg.connect(dsn, autocommit=True) as conn:
             while True:

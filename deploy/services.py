@@ -638,9 +638,7 @@ class Registry(Service):
         return f"Apicurio Registry {APICURIO_VERSION}"
 
     def install(self) -> None:
-        archive = download(
-            maven_url("io.apicurio", "apicurio-registry-app", APICURIO_VERSION, "tar.gz", "all")
-        )
+        archive = download(maven_url("io.apicurio", "apicurio-registry-app", APICURIO_VERSION, "tar.gz", "all"))
         extract(archive, self.home(), "")
 
     def start(self) -> None:
@@ -687,9 +685,7 @@ class OpenSearch(Service):
             return OPENSEARCH_VERSION, jh
         jh = java_home(17)
         if jh is None:
-            raise DeployError(
-                "OpenSearch needs Java 17+ (21+ for 3.x): apt-get install -y openjdk-17-jre-headless"
-            )
+            raise DeployError("OpenSearch needs Java 17+ (21+ for 3.x): apt-get install -y openjdk-17-jre-headless")
         return OPENSEARCH_VERSION_JAVA17, jh
 
     def home(self) -> Path:

@@ -38,9 +38,7 @@ def test_logical_slot_streams_a_committed_insert(pg_dsn: str, unique: str) -> No
     with psycopg.connect(pg_dsn, autocommit=True) as conn:
         assert conn.execute("SHOW wal_level").fetchone() == ("logical",)
         conn.execute(sql.SQL("CREATE TABLE {} (id int PRIMARY KEY, note text)").format(sql.Identifier(table)))
-        conn.execute(
-            sql.SQL("CREATE PUBLICATION {} FOR TABLE {}").format(sql.Identifier(pub), sql.Identifier(table))
-        )
+        conn.execute(sql.SQL("CREATE PUBLICATION {} FOR TABLE {}").format(sql.Identifier(pub), sql.Identifier(table)))
 
     repl = pq.PGconn.connect(make_conninfo(pg_dsn, replication="database").encode())
     try:
@@ -50,9 +48,7 @@ def test_logical_slot_streams_a_committed_insert(pg_dsn: str, unique: str) -> No
         assert res.get_value(0, 0) == slot.encode()
 
         with psycopg.connect(pg_dsn, autocommit=True) as conn:
-            conn.execute(
-                sql.SQL("INSERT INTO {} VALUES (%s, %s)").format(sql.Identifier(table)), (42, "héllo")
-            )
+            conn.execute(sql.SQL("INSERT INTO {} VALUES (%s, %s)").format(sql.Identifier(table)), (42, "héllo"))
 
         options = f"proto_version '1', publication_names '\"{pub}\"'"
         repl.send_query(f'START_REPLICATION SLOT "{slot}" LOGICAL 0/0 ({options})'.encode())
@@ -101,9 +97,9 @@ def test_logical_slot_streams_a_committed_insert(pg_dsn: str, unique: str) -> No
 
     with psycopg.connect(pg_dsn, autocommit=True) as conn:
         deadline = time.monotonic() + 30
-        while conn.execute(
-            "SELECT active FROM pg_replication_slots WHERE slot_name = %s", (slot,)
-        ).fetchone() != (False,):
+        while conn.execute("SELECT active FROM pg_replication_slots WHERE slot_name = %s", (slot,)).fetchone() != (
+            False,
+        ):
             assert time.monotonic() < deadline, "walsender did not release the slot"
             time.sleep(0.1)
         conn.execute("SELECT pg_drop_replication_slot(%s)", (slot,))

@@ -33,9 +33,7 @@ def test_register_and_round_trip_confluent_wire_format(registry_url: str, unique
     assert latest.schema_id == schema_id
 
     ctx = SerializationContext(topic, MessageField.VALUE)
-    serializer = AvroSerializer(
-        client, schema_str, conf={"auto.register.schemas": False, "use.latest.version": True}
-    )
+    serializer = AvroSerializer(client, schema_str, conf={"auto.register.schemas": False, "use.latest.version": True})
     record = {"id": 7, "note": "ünïcode"}
     framed = serializer(record, ctx)
     assert framed is not None

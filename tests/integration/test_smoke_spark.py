@@ -52,12 +52,10 @@ def test_delta_table_write_merge_read(spark: SparkSession, tmp_path: Path) -> No
     from delta.tables import DeltaTable
 
     path = str(tmp_path / "table")
-    spark.createDataFrame([(1, "a", 10), (2, "b", 10)], "id INT, note STRING, lsn LONG").write.format(
-        "delta"
-    ).save(path)
-    updates = spark.createDataFrame(
-        [(1, "stale", 5), (2, "new", 20), (3, "c", 20)], "id INT, note STRING, lsn LONG"
+    spark.createDataFrame([(1, "a", 10), (2, "b", 10)], "id INT, note STRING, lsn LONG").write.format("delta").save(
+        path
     )
+    updates = spark.createDataFrame([(1, "stale", 5), (2, "new", 20), (3, "c", 20)], "id INT, note STRING, lsn LONG")
     # The shape every warehouse write takes: apply only what is newer than what the table holds.
     (
         DeltaTable.forPath(spark, path)

@@ -15,9 +15,7 @@ def test_opensearch_indexes_and_finds_a_document(opensearch_url: str, unique: st
         client.index(index=index, id="1", body={"note": "derived views"}, version=20, version_type="external")
         client.indices.refresh(index=index)
         hits = client.search(index=index, body={"query": {"match": {"note": "views"}}})["hits"]["hits"]
-        assert [(h["_id"], h["_source"]["note"], h.get("_version")) for h in hits] == [
-            ("1", "derived views", None)
-        ]
+        assert [(h["_id"], h["_source"]["note"], h.get("_version")) for h in hits] == [("1", "derived views", None)]
         assert client.get(index=index, id="1")["_version"] == 20
     finally:
         client.indices.delete(index=index)
