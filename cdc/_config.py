@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, f
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from cdc.errors import ConfigError
+from schemas import TEXT_OUTPUT_SETTINGS
 
 _IDENT = re.compile(r"^[^\x00]{1,63}$")  # PostgreSQL names: any character but NUL, at most 63 bytes
 
@@ -71,8 +72,10 @@ class SourceConfig(_Section):
         if password is not None:
             params["password"] = password
         params.setdefault("application_name", "pgcdc")
-        # Names and text values are decoded as UTF-8 everywhere; PostgreSQL converts from the server's encoding.
-        params["client_encoding"] = "UTF8"
+        # Text values (pgoutput's text mode, snapshot ::text columns) are parsed in one fixed format: ISO
+        # dates, UTF-8, hex bytea… These session settings make the server produce exactly that.
+        fixed = " ".join(f"-c {k}={v}" for k, v in TEXT_OUTPUT_SETTINGS.items())
+        params["options"] = f"{params['options']} {fixed}" if params.get("options") else fixed
         params.update(extra)
         return make_conninfo("", **params)
 

@@ -23,6 +23,7 @@ from confluent_kafka.schema_registry.avro import AvroDeserializer
 from confluent_kafka.serialization import MessageField, SerializationContext
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
+from psycopg.types.json import Jsonb
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
@@ -73,7 +74,7 @@ def _workload_step(conn: psycopg.Connection[Any], rnd: random.Random) -> None:
         items = [{"sku": f"SKU-{rnd.randint(1, 50)}", "qty": rnd.randint(1, 3)} for _ in range(rnd.randint(1, 3))]
         conn.execute(
             "INSERT INTO orders (customer_id, total, items) VALUES (%s, %s, %s::jsonb)",
-            (rnd.randint(1, 200), round(rnd.uniform(5, 500), 2), psycopg.types.json.Jsonb(items)),
+            (rnd.randint(1, 200), round(rnd.uniform(5, 500), 2), Jsonb(items)),
         )
     elif choice < 0.85:
         conn.execute(
@@ -145,15 +146,16 @@ url = "{registry}"
                     subscribed = True
                 msg = consumer.poll(0.05)
                 while msg is not None:
-                    if msg.error() is None:
-                        topic = msg.topic()
+                    err = msg.error()
+                    topic = msg.topic() or ""
+                    if err is None:
                         value = value_de(msg.value(), SerializationContext(topic, MessageField.VALUE))
                         op = value["op"] if value else "tombstone"
                         counts[topic][op] = counts[topic].get(op, 0) + 1
                         if value and value.get("after"):
                             last[topic] = ", ".join(f"{k}={v}" for k, v in list(value["after"].items())[:4])
-                    elif msg.error().code() != KafkaError._PARTITION_EOF:
-                        console.print(f"[yellow]{msg.error()}[/]")
+                    elif err.code() != KafkaError._PARTITION_EOF:
+                        console.print(f"[yellow]{err}[/]")
                     msg = consumer.poll(0)
                 live.update(_table(counts, last, deadline))
     finally:

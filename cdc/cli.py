@@ -132,7 +132,7 @@ def _run(settings: Settings) -> int:
     # safe by construction; terminal ones end the process with their exit code.
     @retry(
         retry=retry_if_exception_type(TransientError),
-        wait=wait_exponential_jitter(initial=0.5, max=30),
+        wait=wait_exponential_jitter(multiplier=0.5, max=30),
         stop=stop_after_delay(float(3600)),
         before_sleep=before_sleep_log(log, logging.WARNING),
         reraise=True,

@@ -21,6 +21,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from schemas._conv import nullable
+from schemas._names import dedupe_named_types
 from schemas._pgtype import PgType
 
 AvroSchema = dict[str, Any] | list[Any] | str
@@ -69,7 +71,7 @@ def field_names(columns: Sequence[ColumnShape]) -> tuple[str, ...]:
 def _row_fields(columns: Sequence[ColumnShape], names: Sequence[str]) -> list[dict[str, Any]]:
     fields = []
     for col, name in zip(columns, names, strict=True):
-        field: dict[str, Any] = {"name": name, "type": ["null", col.schema], "default": None}
+        field: dict[str, Any] = {"name": name, "type": nullable(col.schema), "default": None}
         if name != col.name:
             field["pgcdc.column"] = col.name
         fields.append(field)
@@ -78,7 +80,15 @@ def _row_fields(columns: Sequence[ColumnShape], names: Sequence[str]) -> list[di
 
 def key_schema(namespace: str, key_columns: Sequence[ColumnShape]) -> dict[str, Any]:
     names = field_names(key_columns)
-    return {"type": "record", "name": "Key", "namespace": namespace, "fields": _row_fields(key_columns, names)}
+    key = {"type": "record", "name": "Key", "namespace": namespace, "fields": _row_fields(key_columns, names)}
+    return _single_definitions(key)
+
+
+def _single_definitions(schema: dict[str, Any]) -> dict[str, Any]:
+    """Each column mapping defines its named types in full; Avro allows one definition per name."""
+    deduped = dedupe_named_types([schema])[0]
+    assert isinstance(deduped, dict)
+    return deduped
 
 
 def source_schema() -> dict[str, Any]:
@@ -125,18 +135,20 @@ def transaction_schema() -> dict[str, Any]:
 def envelope_schema(namespace: str, columns: Sequence[ColumnShape]) -> dict[str, Any]:
     names = field_names(columns)
     value = {"type": "record", "name": "Value", "namespace": namespace, "fields": _row_fields(columns, names)}
-    return {
-        "type": "record",
-        "name": "Envelope",
-        "namespace": namespace,
-        "fields": [
-            {"name": "before", "type": ["null", value], "default": None},
-            {"name": "after", "type": ["null", "Value"], "default": None},
-            {"name": "source", "type": source_schema()},
-            {"name": "transaction", "type": ["null", transaction_schema()], "default": None},
-            {"name": "op", "type": "string"},
-            {"name": "ts_ms", "type": ["null", "long"], "default": None},
-            {"name": "ts_us", "type": ["null", "long"], "default": None},
-            {"name": "unchanged_toast", "type": {"type": "array", "items": "string"}, "default": []},
-        ],
-    }
+    return _single_definitions(
+        {
+            "type": "record",
+            "name": "Envelope",
+            "namespace": namespace,
+            "fields": [
+                {"name": "before", "type": ["null", value], "default": None},
+                {"name": "after", "type": ["null", "Value"], "default": None},
+                {"name": "source", "type": source_schema()},
+                {"name": "transaction", "type": ["null", transaction_schema()], "default": None},
+                {"name": "op", "type": "string"},
+                {"name": "ts_ms", "type": ["null", "long"], "default": None},
+                {"name": "ts_us", "type": ["null", "long"], "default": None},
+                {"name": "unchanged_toast", "type": {"type": "array", "items": "string"}, "default": []},
+            ],
+        }
+    )
