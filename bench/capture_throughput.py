@@ -97,8 +97,8 @@ def main() -> int:
             start = time.monotonic()
             for first in range(0, args.rows, args.txn_rows):
                 conn.execute(
-                    "INSERT INTO events (id, kind, amount, payload) SELECT g, 'kind-' || (g % 10), g * 0.01, "
-                    "jsonb_build_object('n', g, 'tag', 'x') FROM generate_series(%s, %s) g",
+                    "INSERT INTO events (id, kind, amount, payload) SELECT g, 'kind-' || (g %% 10), g * 0.01, "
+                    "jsonb_build_object('n', g, 'tag', 'x') FROM generate_series(%s::bigint, %s::bigint) g",
                     (first + 1, min(first + args.txn_rows, args.rows)),
                 )
             result["write_s"] = round(time.monotonic() - start, 2)

@@ -1,0 +1,246 @@
+"""Capture behaviours beyond plain inserts: schema evolution, TOAST, truncate, large and aborted transactions."""
+
+from __future__ import annotations
+
+import json
+import secrets
+import subprocess
+import sys
+import urllib.request
+from collections import Counter
+from collections.abc import Iterator
+from decimal import Decimal
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from tests.integration._capture_helpers import (
+    CdcConfig,
+    CdcProcess,
+    read_topic,
+    scratch_database,
+    wait_for,
+)
+
+
+@pytest.fixture
+def source(pg_dsn: str, unique: str) -> Iterator[str]:
+    with scratch_database(pg_dsn, f"cdc_{unique}") as dsn:
+        yield dsn
+
+
+def _start(source: str, kafka: str, registry: str, unique: str, tmp_path: Path) -> CdcProcess:
+    cfg = CdcConfig(source, kafka, registry, f"t{unique}", ["public.items"], f"s_{unique}", f"p_{unique}")
+    proc = CdcProcess(cfg.write(tmp_path / "cdc.toml"), tmp_path / "cdc.log")
+    proc.start()
+    return proc
+
+
+def _stop(proc: CdcProcess) -> None:
+    if proc.alive():
+        assert proc.terminate() == 0, proc.tail()
+
+
+def _slot_flush(dsn: str, slot: str) -> int:
+    with psycopg.connect(dsn) as conn:
+        row = conn.execute(
+            "SELECT (confirmed_flush_lsn - '0/0')::bigint FROM pg_replication_slots WHERE slot_name = %s", (slot,)
+        ).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def test_schema_evolution_registers_new_versions_that_read_old_events(
+    source: str, kafka_bootstrap: str, registry_url: str, unique: str, tmp_path: Path
+) -> None:
+    with psycopg.connect(source, autocommit=True) as conn:
+        conn.execute("CREATE TABLE items (id int PRIMARY KEY, name text, qty int)")
+        conn.execute("INSERT INTO items VALUES (1, 'one', 1)")
+    topic = f"t{unique}.public.items"
+    proc = _start(source, kafka_bootstrap, registry_url, unique, tmp_path)
+    try:
+        wait_for(lambda: len(read_topic(kafka_bootstrap, registry_url, topic)) >= 1, 120, "the snapshot", proc)
+        with psycopg.connect(source, autocommit=True) as conn:
+            conn.execute("ALTER TABLE items ADD COLUMN price numeric(8,2)")
+            conn.execute("INSERT INTO items VALUES (2, 'two', 2, 9.99)")
+            conn.execute("ALTER TABLE items DROP COLUMN qty")
+            conn.execute("INSERT INTO items VALUES (3, 'three', 3.50)")
+            conn.execute("ALTER TABLE items RENAME COLUMN name TO title")
+            conn.execute("UPDATE items SET title = 'uno' WHERE id = 1")
+        wait_for(lambda: len(read_topic(kafka_bootstrap, registry_url, topic)) >= 4, 120, "the changes", proc)
+    finally:
+        _stop(proc)
+
+    events = read_topic(kafka_bootstrap, registry_url, topic)
+    afters = [e.value["after"] for e in events if e.value]
+    assert afters == [
+        {"id": 1, "name": "one", "qty": 1},
+        {"id": 2, "name": "two", "qty": 2, "price": Decimal("9.99")},
+        {"id": 3, "name": "three", "price": Decimal("3.50")},
+        {"id": 1, "title": "uno", "price": None},
+    ]
+    with urllib.request.urlopen(f"{registry_url}/subjects/{topic}-value/versions") as resp:  # noqa: S310
+        versions = json.load(resp)
+    assert len(versions) == 4  # initial, +price, -qty, name->title
+
+    # A consumer on the newest schema reads every older event (all fields are nullable with defaults).
+    import io
+
+    import fastavro
+
+    with urllib.request.urlopen(f"{registry_url}/subjects/{topic}-value/versions/latest") as resp:  # noqa: S310
+        latest = fastavro.parse_schema(json.loads(json.load(resp)["schema"]))
+    from confluent_kafka import Consumer, TopicPartition
+
+    consumer = Consumer(
+        {"bootstrap.servers": kafka_bootstrap, "group.id": f"evo-{unique}", "isolation.level": "read_committed"}
+    )
+    consumer.assign([TopicPartition(topic, 0, 0)])
+    read = []
+    for _ in range(len(events)):
+        msg = consumer.poll(10)
+        assert msg is not None
+        raw = msg.value()
+        assert raw is not None
+        schema_id = int.from_bytes(raw[1:5], "big")
+        with urllib.request.urlopen(f"{registry_url}/schemas/ids/{schema_id}") as resp:  # noqa: S310
+            writer = fastavro.parse_schema(json.loads(json.load(resp)["schema"]))
+        read.append(fastavro.schemaless_reader(io.BytesIO(raw[5:]), writer, latest)["after"])
+    consumer.close()
+    assert [r["id"] for r in read] == [1, 2, 3, 1]
+    assert set(read[0]) == {"id", "title", "price"}  # old events, seen through the newest schema
+
+
+def test_a_change_the_registry_rejects_stops_before_acknowledging(
+    source: str, kafka_bootstrap: str, registry_url: str, unique: str, tmp_path: Path
+) -> None:
+    with psycopg.connect(source, autocommit=True) as conn:
+        conn.execute("CREATE TABLE items (id int PRIMARY KEY, qty int)")
+        conn.execute("INSERT INTO items VALUES (1, 1)")
+    topic = f"t{unique}.public.items"
+    proc = _start(source, kafka_bootstrap, registry_url, unique, tmp_path)
+    try:
+        wait_for(lambda: len(read_topic(kafka_bootstrap, registry_url, topic)) >= 1, 120, "the snapshot", proc)
+        request = urllib.request.Request(  # noqa: S310
+            f"{registry_url}/config/{topic}-value",
+            data=json.dumps({"compatibility": "FULL"}).encode(),
+            method="PUT",
+            headers={"Content-Type": "application/vnd.schemaregistry.v1+json"},
+        )
+        urllib.request.urlopen(request).close()  # noqa: S310
+        with psycopg.connect(source, autocommit=True) as conn:
+            conn.execute("ALTER TABLE items ALTER COLUMN qty TYPE text")  # int -> string: not FULL-compatible
+            before_insert = conn.execute("SELECT (pg_current_wal_lsn() - '0/0')::bigint").fetchone()
+            conn.execute("INSERT INTO items VALUES (2, 'two')")
+        assert before_insert is not None
+        assert proc.proc is not None
+        code = proc.proc.wait(120)
+    finally:
+        _stop(proc)
+    assert code == 5, proc.tail()
+    log = proc.tail()
+    assert "public.items" in log
+    assert "rejected" in log
+    # Nothing past the rejected change was acknowledged: restarting would retry it, not skip it.
+    assert _slot_flush(source, f"s_{unique}") <= before_insert[0]
+    assert [e.value["after"] for e in read_topic(kafka_bootstrap, registry_url, topic) if e.value] == [
+        {"id": 1, "qty": 1}
+    ]
+
+
+def test_toast_truncate_and_large_transactions(
+    source: str, kafka_bootstrap: str, registry_url: str, unique: str, tmp_path: Path
+) -> None:
+    with psycopg.connect(source, autocommit=True) as conn:
+        conn.execute("CREATE TABLE items (id int PRIMARY KEY, body text, qty int)")
+    # A small decoding memory makes PostgreSQL stream transactions while they are still in progress.
+    small_mem = source + " options='-c logical_decoding_work_mem=64kB'"
+    topic = f"t{unique}.public.items"
+    cfg = CdcConfig(
+        small_mem, kafka_bootstrap, registry_url, f"t{unique}", ["public.items"], f"s_{unique}", f"p_{unique}"
+    )
+    proc = CdcProcess(cfg.write(tmp_path / "cdc.toml"), tmp_path / "cdc.log")
+    proc.start()
+    big = secrets.token_hex(20_000)  # incompressible: stored out of line, not compressed inline
+    try:
+        wait_for(lambda: "streaming from slot" in proc.tail(), 120, "streaming to start", proc)
+        with psycopg.connect(source) as conn:
+            # Aborted after PostgreSQL began streaming it: must never reach Kafka.
+            conn.execute("INSERT INTO items SELECT g, repeat('x', 200), 0 FROM generate_series(1000, 6000) g")
+            conn.rollback()
+            # Committed, streamed, with an aborted subtransaction inside.
+            conn.execute("INSERT INTO items SELECT g, repeat('y', 200), 0 FROM generate_series(1, 3000) g")
+            conn.execute("SAVEPOINT s")
+            conn.execute("INSERT INTO items SELECT g, 'gone', 0 FROM generate_series(7000, 9000) g")
+            conn.execute("ROLLBACK TO SAVEPOINT s")
+            conn.commit()
+            conn.execute("INSERT INTO items VALUES (-1, %s, 0)", (big,))
+            conn.commit()
+            conn.execute("UPDATE items SET qty = 5 WHERE id = -1")  # body unchanged: sent as 'u'
+            conn.commit()
+            conn.execute("TRUNCATE items")
+            conn.commit()
+        wait_for(
+            lambda: any(e.value and e.value["op"] == "t" for e in read_topic(kafka_bootstrap, registry_url, topic)),
+            180,
+            "the truncate",
+            proc,
+        )
+    finally:
+        _stop(proc)
+    events = read_topic(kafka_bootstrap, registry_url, topic)
+    ops = Counter(e.value["op"] for e in events if e.value)
+    assert ops == {"c": 3001, "u": 1, "t": 1}
+    ids = [e.key["id"] for e in events if e.key and e.value and e.value["op"] == "c"]
+    assert sorted(ids) == [-1, *range(1, 3001)]  # nothing of the aborted transaction or subtransaction
+    update = next(e for e in events if e.value and e.value["op"] == "u")
+    assert update.value is not None
+    assert update.value["after"] == {"id": -1, "body": None, "qty": 5}
+    assert update.value["unchanged_toast"] == ["body"]
+    inserted = next(e for e in events if e.key == {"id": -1} and e.value and e.value["op"] == "c")
+    assert inserted.value is not None
+    assert inserted.value["after"]["body"] == big
+    truncate = next(e for e in events if e.value and e.value["op"] == "t")
+    assert truncate.key == {"id": None}
+    assert truncate.value is not None
+    assert truncate.value["before"] is None
+    assert truncate.value["after"] is None
+
+
+def test_attach_dry_run_and_detach(
+    source: str, kafka_bootstrap: str, registry_url: str, unique: str, tmp_path: Path
+) -> None:
+    with psycopg.connect(source, autocommit=True) as conn:
+        conn.execute("CREATE TABLE items (id int PRIMARY KEY)")
+        conn.execute("CREATE TABLE nokey (a int)")
+    cfg = CdcConfig(source, kafka_bootstrap, registry_url, f"t{unique}", ["public.items"], f"s_{unique}", f"p_{unique}")
+    path = cfg.write(tmp_path / "cdc.toml")
+
+    def cdc(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "cdc.cli", *args], capture_output=True, text=True, check=False)
+
+    dry = cdc("attach", "--config", str(path), "--dry-run")
+    assert dry.returncode == 0, dry.stderr
+    assert f'would run: CREATE PUBLICATION "p_{unique}" FOR TABLE "public"."items"' in dry.stdout
+    with psycopg.connect(source) as conn:
+        assert conn.execute("SELECT count(*) FROM pg_publication").fetchone() == (0,)
+
+    done = cdc("attach", "--config", str(path))
+    assert done.returncode == 0, done.stderr
+    assert "ran: CREATE PUBLICATION" in done.stdout
+    assert "postgres:postgres" not in done.stdout + done.stderr  # the password never shows
+
+    bad = CdcConfig(
+        source, kafka_bootstrap, registry_url, f"t{unique}", ["public.nokey"], f"s2_{unique}", f"q_{unique}"
+    )
+    refused = cdc("attach", "--config", str(bad.write(tmp_path / "bad.toml")))
+    assert refused.returncode == 3
+    assert "public.nokey has no primary key" in refused.stderr
+    assert "REPLICA IDENTITY" in refused.stderr
+
+    assert cdc("detach", "--config", str(path)).returncode == 2  # needs --yes
+    gone = cdc("detach", "--config", str(path), "--yes")
+    assert gone.returncode == 0, gone.stderr
+    with psycopg.connect(source) as conn:
+        assert conn.execute("SELECT count(*) FROM pg_publication").fetchone() == (0,)
