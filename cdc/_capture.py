@@ -300,6 +300,7 @@ class Capture:
         last_status = time.monotonic()
         last_heartbeat = time.monotonic()
         stopping = False
+        txn_now_us = 0
 
         def flush() -> None:
             nonlocal acked
@@ -346,6 +347,7 @@ class Capture:
 
                 if isinstance(msg, Begin):
                     current = (msg.final_lsn, msg.commit_time_us, msg.xid, msg.final_lsn < resume)
+                    txn_now_us = time.time_ns() // 1000  # one "processed at" per transaction
                 elif isinstance(msg, Commit):
                     if current is not None and not current[3]:
                         batch_lsn = max(batch_lsn, msg.end_lsn)
@@ -367,7 +369,7 @@ class Capture:
                     elif current is None:
                         raise StreamError(f"change outside a transaction at {lsn:X}")
                     elif not current[3]:
-                        self._apply(msg, Position(current[0], lsn, current[1], current[2]))
+                        self._apply(msg, Position(current[0], lsn, current[1], current[2]), txn_now_us)
                 elif isinstance(msg, LogicalMessage):
                     heartbeat = msg.prefix == HEARTBEAT_PREFIX and not msg.transactional
                     if heartbeat and current is None and stream_xid is None:
@@ -395,10 +397,12 @@ class Capture:
                     if spill is not None:
                         try:
                             if msg.commit_lsn >= resume:
+                                txn_now_us = time.time_ns() // 1000
                                 for change_lsn, change in spill.replay():
                                     self._apply(
                                         change,  # type: ignore[arg-type]
                                         Position(msg.commit_lsn, change_lsn, msg.commit_time_us, msg.xid),
+                                        txn_now_us,
                                     )
                                 batch_lsn = max(batch_lsn, msg.end_lsn)
                         finally:
@@ -414,8 +418,7 @@ class Capture:
                 self.producer.abort()
                 self._in_batch = False
 
-    def _apply(self, msg: Insert | Update | Delete | Truncate, pos: Position) -> None:
-        now_us = time.time_ns() // 1000
+    def _apply(self, msg: Insert | Update | Delete | Truncate, pos: Position, now_us: int) -> None:
         if isinstance(msg, Truncate):
             if not self.settings.capture.emit_truncates:
                 return

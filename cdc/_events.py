@@ -7,17 +7,22 @@ per-row path does no lookups.
 
 from __future__ import annotations
 
-import io
-import json
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import fastavro
-
 from decoders import TupleData
-from schemas import AvroMapping, ColumnShape, envelope_schema, field_names, key_schema
+from schemas import (
+    AvroMapping,
+    ColumnShape,
+    compile_writer,
+    envelope_schema,
+    field_names,
+    key_schema,
+    write_long,
+    write_string,
+)
 
 _FRAME = struct.Struct(">bI")
 _TEXT, _BINARY, _NULL, _UNCHANGED = ord("t"), ord("b"), ord("n"), ord("u")
@@ -84,20 +89,20 @@ class TableCodec:
         self.binary_capable = tuple(b is not None for b in self._binary)
         self.key_schema = key_schema(namespace, [columns[i] for i in self.key_indexes])
         self.value_schema = envelope_schema(namespace, columns)
-        self._key_parsed = fastavro.parse_schema(self.key_schema)
-        self._value_parsed = fastavro.parse_schema(self.value_schema)
         self.key_id = register(f"{topic}-key", self.key_schema)
         self.value_id = register(f"{topic}-value", self.value_schema)
         self._key_frame = _FRAME.pack(0, self.key_id)
         self._value_frame = _FRAME.pack(0, self.value_id)
-        self._source_const = {
-            "version": source.version,
-            "connector": "postgresql",
-            "name": source.name,
-            "db": source.db,
-            "schema": schema,
-            "table": table,
-        }
+        # The hot path writes Avro itself (schemas.compile_writer); fastavro would resolve the whole envelope
+        # schema for every event, which costs more than everything else per row together.
+        self._write_key = compile_writer(self.key_schema)
+        self._write_row = compile_writer(self.value_schema["fields"][0]["type"][1])  # the Value record
+        self._source_head = _strings(source.version, "postgresql", source.name)
+        self._source_db = _strings(source.db)
+        self._source_table = _strings(schema, table)
+        self._source_info = source
+        self._txn_key: tuple[Any, ...] | None = None
+        self._txn_parts = (b"", b"", b"")
         self.truncate_key = self._encode_key(dict.fromkeys(self.key_field_names))
 
     # --- values -----------------------------------------------------------------------------
@@ -133,10 +138,9 @@ class TableCodec:
         )
 
     def _encode_key(self, record: dict[str, Any]) -> bytes:
-        buf = io.BytesIO()
-        buf.write(self._key_frame)
-        fastavro.schemaless_writer(buf, self._key_parsed, record)
-        return buf.getvalue()
+        out = bytearray(self._key_frame)
+        self._write_key(record, out)
+        return bytes(out)
 
     # --- envelopes ----------------------------------------------------------------------------
 
@@ -150,16 +154,85 @@ class TableCodec:
         unchanged: list[str] | None = None,
         now_us: int,
     ) -> bytes:
-        ts_ms = pos.commit_time_us // 1000
-        record = {
+        """The Confluent-framed envelope; the same bytes fastavro writes for :meth:`envelope_record`."""
+        out = bytearray(self._value_frame)
+        write_row = self._write_row
+        for row in (before, after):  # ["null", Value]
+            if row is None:
+                out.append(0)
+            else:
+                out.append(2)
+                write_row(row, out)
+        # Everything after the rows but the change's own LSN is the same for a whole transaction.
+        key = (pos.commit_lsn, pos.commit_time_us, pos.xid, pos.snapshot, op, now_us)
+        if key != self._txn_key:
+            self._txn_key = key
+            self._txn_parts = self._transaction_parts(op, pos, now_us)
+        head, middle, tail = self._txn_parts
+        out += head
+        write_string(f'["{pos.commit_lsn}","{pos.lsn}"]', out)
+        out += middle
+        write_long(pos.lsn, out)
+        out += tail
+        if unchanged:
+            write_long(len(unchanged), out)
+            for name in unchanged:
+                write_string(name, out)
+        out.append(0)
+        return bytes(out)
+
+    def _transaction_parts(self, op: str, pos: Position, now_us: int) -> tuple[bytes, bytes, bytes]:
+        head = bytearray(self._source_head)
+        write_long(pos.commit_time_us // 1000, head)
+        head.append(0)  # snapshot: ["string", "null"] branch 0
+        write_string(pos.snapshot, head)
+        head += self._source_db
+        head.append(2)  # sequence: ["null", "string"], the string follows
+        middle = bytearray([2])
+        write_long(pos.commit_time_us, middle)
+        middle += self._source_table
+        if pos.xid is None:
+            middle.append(0)
+        else:
+            middle.append(2)
+            write_long(pos.xid, middle)
+        middle.append(2)  # lsn: ["null", "long"], the long follows
+        tail = bytearray([0, 2])  # xmin null; commit_lsn present
+        write_long(pos.commit_lsn, tail)
+        tail.append(0)  # transaction
+        write_string(op, tail)
+        tail.append(2)
+        write_long(now_us // 1000, tail)
+        tail.append(2)
+        write_long(now_us, tail)
+        return bytes(head), bytes(middle), bytes(tail)
+
+    def envelope_record(
+        self,
+        op: str,
+        pos: Position,
+        *,
+        before: dict[str, Any] | None,
+        after: dict[str, Any] | None,
+        unchanged: list[str] | None = None,
+        now_us: int,
+    ) -> dict[str, Any]:
+        """The envelope as a plain record (what a consumer decodes; tests encode it with fastavro)."""
+        src = self._source_info
+        return {
             "before": before,
             "after": after,
             "source": {
-                **self._source_const,
-                "ts_ms": ts_ms,
+                "version": src.version,
+                "connector": "postgresql",
+                "name": src.name,
+                "db": src.db,
+                "schema": self.schema,
+                "table": self.table,
+                "ts_ms": pos.commit_time_us // 1000,
                 "ts_us": pos.commit_time_us,
                 "snapshot": pos.snapshot,
-                "sequence": json.dumps([str(pos.commit_lsn), str(pos.lsn)]),
+                "sequence": f'["{pos.commit_lsn}","{pos.lsn}"]',
                 "txId": pos.xid,
                 "lsn": pos.lsn,
                 "xmin": None,
@@ -171,7 +244,10 @@ class TableCodec:
             "ts_us": now_us,
             "unchanged_toast": unchanged or [],
         }
-        buf = io.BytesIO()
-        buf.write(self._value_frame)
-        fastavro.schemaless_writer(buf, self._value_parsed, record)
-        return buf.getvalue()
+
+
+def _strings(*values: str) -> bytes:
+    out = bytearray()
+    for v in values:
+        write_string(v, out)
+    return bytes(out)

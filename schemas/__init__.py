@@ -1,8 +1,12 @@
 """Avro schemas for change events: relation metadata to key and envelope schemas.
 
 Knows nothing of the network; registering schemas is the capture service's job.
+
+Column types: :func:`avro_mapping` maps a PostgreSQL type (:class:`PgType`) and type modifier to an Avro
+schema and to converters from both wire formats to Avro-ready values (docs/types.md has the table).
 """
 
+from schemas._conv import AvroSchema, FormatError, UnsupportedTypeError, ValueOutOfRangeError, nullable
 from schemas._envelope import (
     ColumnShape,
     avro_name,
@@ -12,16 +16,32 @@ from schemas._envelope import (
     key_schema,
     source_schema,
 )
+from schemas._names import dedupe_named_types
 from schemas._pgtype import PgType, TypeKind
+from schemas._types import TEXT_OUTPUT_SETTINGS, AvroMapping, avro_mapping
+from schemas._writer import UnsupportedSchemaError, compile_writer, write_long, write_string
 
 __all__ = [
+    "TEXT_OUTPUT_SETTINGS",
+    "AvroMapping",
+    "AvroSchema",
     "ColumnShape",
+    "FormatError",
     "PgType",
     "TypeKind",
+    "UnsupportedSchemaError",
+    "UnsupportedTypeError",
+    "ValueOutOfRangeError",
+    "avro_mapping",
     "avro_name",
     "avro_namespace",
+    "compile_writer",
+    "dedupe_named_types",
     "envelope_schema",
     "field_names",
     "key_schema",
+    "nullable",
     "source_schema",
+    "write_long",
+    "write_string",
 ]
