@@ -24,6 +24,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import psycopg
 from psycopg import sql
@@ -41,7 +42,7 @@ def _dsn_for(admin: str, db: str) -> str:
     return make_conninfo("", **params)
 
 
-def _lsn(conn: psycopg.Connection[object]) -> int:
+def _lsn(conn: psycopg.Connection[Any]) -> int:
     row = conn.execute("SELECT (pg_current_wal_lsn() - '0/0')::bigint").fetchone()
     assert row is not None
     return int(row[0])

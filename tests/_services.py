@@ -163,9 +163,7 @@ def _deploy_endpoints(name: str) -> dict[str, Any]:
         )
     record: dict[str, Any] = json.loads(_deploy("endpoints").stdout)[name]
     if not record.get("running"):
-        raise ServiceUnavailableError(
-            f"deploy/services.py started {name} but it does not answer; see its log"
-        )
+        raise ServiceUnavailableError(f"deploy/services.py started {name} but it does not answer; see its log")
     return record
 
 

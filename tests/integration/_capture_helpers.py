@@ -161,7 +161,10 @@ def read_topic(bootstrap: str, registry: str, topic: str, timeout: float = 60) -
                 raise AssertionError(err)
             ctx_k = SerializationContext(topic, MessageField.KEY)
             ctx_v = SerializationContext(topic, MessageField.VALUE)
-            events.append(Event(key_de(msg.key(), ctx_k), value_de(msg.value(), ctx_v), msg.partition(), msg.offset()))
+            partition, offset = msg.partition(), msg.offset()
+            assert partition is not None
+            assert offset is not None
+            events.append(Event(key_de(msg.key(), ctx_k), value_de(msg.value(), ctx_v), partition, offset))
     finally:
         consumer.close()
     return events

@@ -65,7 +65,8 @@ CODEC = _codec(COLUMNS)
 
 
 def _row(variant: int, nulls: frozenset[int] = frozenset()) -> tuple[dict[str, Any], list[str]]:
-    kinds, values = bytearray(), []
+    kinds = bytearray()
+    values: list[bytes | None] = []
     for i, (_, _, _, samples) in enumerate(COLUMNS):
         if i in nulls and i != 0:
             kinds.append(ord("n"))
