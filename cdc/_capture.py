@@ -67,6 +67,7 @@ from schemas import ColumnShape, avro_mapping, avro_namespace
 log = logging.getLogger(__name__)
 
 HEARTBEAT_PREFIX = "pgcdc.heartbeat"
+_CHANGES = frozenset({Insert, Update, Delete, Truncate})
 _BATCH_LINGER_S = 0.05
 
 
@@ -345,7 +346,14 @@ class Capture:
                 received = max(received, frame.end_lsn)
                 msg = decoder.decode(frame.payload)
 
-                if isinstance(msg, Begin):
+                if type(msg) in _CHANGES:  # the common case first: one type lookup, no isinstance chain
+                    if stream_xid is not None:
+                        spills[stream_xid].add(lsn, msg)
+                    elif current is None:
+                        raise StreamError(f"change outside a transaction at {lsn:X}")
+                    elif not current[3]:
+                        self._apply(msg, Position(current[0], lsn, current[1], current[2]), txn_now_us)  # type: ignore[arg-type]
+                elif isinstance(msg, Begin):
                     current = (msg.final_lsn, msg.commit_time_us, msg.xid, msg.final_lsn < resume)
                     txn_now_us = time.time_ns() // 1000  # one "processed at" per transaction
                 elif isinstance(msg, Commit):
@@ -363,13 +371,6 @@ class Capture:
                     self._codecs[msg.relid] = codec
                 elif isinstance(msg, TypeInfo):
                     self.types.invalidate(msg.oid)
-                elif isinstance(msg, (Insert, Update, Delete, Truncate)):
-                    if stream_xid is not None:
-                        spills[stream_xid].add(lsn, msg)
-                    elif current is None:
-                        raise StreamError(f"change outside a transaction at {lsn:X}")
-                    elif not current[3]:
-                        self._apply(msg, Position(current[0], lsn, current[1], current[2]), txn_now_us)
                 elif isinstance(msg, LogicalMessage):
                     heartbeat = msg.prefix == HEARTBEAT_PREFIX and not msg.transactional
                     if heartbeat and current is None and stream_xid is None:

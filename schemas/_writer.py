@@ -21,6 +21,9 @@ _DOUBLE = struct.Struct("<d").pack
 
 def write_long(n: int, out: bytearray) -> None:
     """Avro int/long: zig-zag, then base-128 varint."""
+    if 0 <= n < 64:  # most lengths, counts and small ids: one byte, no loop
+        out.append(n << 1)
+        return
     n = (n << 1) ^ (n >> 63)
     while n > 0x7F:
         out.append((n & 0x7F) | 0x80)
