@@ -487,7 +487,16 @@ class Postgres(Service):
     def start(self) -> None:
         spawn(
             self.name,
-            [str(self.bindir() / "postgres"), "-D", str(DATA / "postgres"), "-p", str(PORTS["postgres"])],
+            [
+                str(self.bindir() / "postgres"),
+                "-D",
+                str(DATA / "postgres"),
+                "-p",
+                str(PORTS["postgres"]),
+                # On the command line, so a cluster initialised by an older version of this script gets them too.
+                *("-c", "wal_level=logical", "-c", "max_wal_senders=20", "-c", "max_replication_slots=20"),
+                *("-c", "max_prepared_transactions=10"),  # two-phase decoding tests need PREPARE TRANSACTION
+            ],
             user=ensure_service_user(),
         )
 
