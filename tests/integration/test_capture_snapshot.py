@@ -1,0 +1,134 @@
+"""Snapshot under a concurrent write workload, a crash in the middle of it, and heartbeats on an idle table."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from tests.integration._capture_helpers import (
+    CdcConfig,
+    CdcProcess,
+    latest_by_key,
+    read_topic,
+    scratch_database,
+    wait_for,
+)
+
+ROWS = 100_000
+
+
+@pytest.fixture
+def source(pg_dsn: str, unique: str) -> Iterator[str]:
+    with scratch_database(pg_dsn, f"cdc_{unique}") as dsn:
+        yield dsn
+
+
+def _state(dsn: str) -> dict[int, tuple[str, int]]:
+    with psycopg.connect(dsn) as conn:
+        return {r[0]: (r[1], r[2]) for r in conn.execute("SELECT id, name, qty FROM items").fetchall()}
+
+
+def _topic_state(kafka: str, registry: str, topic: str) -> dict[int, tuple[str, int]]:
+    return {k: (v["name"], v["qty"]) for k, v in latest_by_key(read_topic(kafka, registry, topic), "id").items()}
+
+
+def _writer(dsn: str, done: threading.Event) -> None:
+    rnd = random.Random(3)
+    next_id = ROWS + 1
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        while not done.is_set():
+            choice = rnd.random()
+            if choice < 0.5:
+                conn.execute("UPDATE items SET qty = qty + 1 WHERE id = %s", (rnd.randint(1, next_id - 1),))
+            elif choice < 0.8:
+                conn.execute("INSERT INTO items VALUES (%s, 'new', 0)", (next_id,))
+                next_id += 1
+            else:
+                conn.execute("DELETE FROM items WHERE id = %s", (rnd.randint(1, next_id - 1),))
+
+
+@pytest.mark.parametrize("crash", [False, True], ids=["clean", "sigkill-mid-snapshot"])
+def test_snapshot_with_concurrent_writes_ends_at_the_source_state(
+    *, source: str, kafka_bootstrap: str, registry_url: str, unique: str, tmp_path: Path, crash: bool
+) -> None:
+    with psycopg.connect(source, autocommit=True) as conn:
+        conn.execute("CREATE TABLE items (id int PRIMARY KEY, name text NOT NULL, qty int)")
+        conn.execute("INSERT INTO items SELECT g, 'item ' || g, 0 FROM generate_series(1, %s) g", (ROWS,))
+        conn.execute("CREATE TABLE other (id int PRIMARY KEY)")
+    cfg = CdcConfig(
+        source,
+        kafka_bootstrap,
+        registry_url,
+        f"t{unique}",
+        ["public.items", "public.other"],
+        f"s_{unique}",
+        f"p_{unique}",
+        extra="snapshot_chunk_rows = 500\nsnapshot_workers = 2",
+    )
+    proc = CdcProcess(cfg.write(tmp_path / "cdc.toml"), tmp_path / "cdc.log")
+    topic = f"t{unique}.public.items"
+    done = threading.Event()
+    writer = threading.Thread(target=_writer, args=(source, done), daemon=True)
+    writer.start()
+    proc.start()
+    try:
+        if crash:
+            # Kill it once some, not all, snapshot chunks are committed; the restart must finish the job.
+            wait_for(lambda: "snapshot of" in proc.tail(), 120, "the snapshot to start", proc)
+            time.sleep(1.0)
+            proc.kill()
+            assert "snapshot done" not in proc.tail(), "the snapshot finished before the kill: test proves nothing"
+            proc.start()
+        wait_for(lambda: "streaming from slot" in proc.tail(), 180, "the snapshot to finish", proc)
+        time.sleep(2)
+        done.set()
+        writer.join(30)
+        expected = _state(source)
+        wait_for(lambda: _topic_state(kafka_bootstrap, registry_url, topic) == expected, 180, "convergence", proc)
+    finally:
+        done.set()
+        if proc.alive():
+            assert proc.terminate() == 0, proc.tail()
+    if crash:
+        assert "resumed with a fresh snapshot" in proc.tail(200)
+
+
+def test_heartbeats_move_the_slot_while_captured_tables_are_idle(
+    source: str, kafka_bootstrap: str, registry_url: str, unique: str, tmp_path: Path
+) -> None:
+    with psycopg.connect(source, autocommit=True) as conn:
+        conn.execute("CREATE TABLE items (id int PRIMARY KEY)")
+        conn.execute("CREATE TABLE busy (id bigserial PRIMARY KEY, pad text)")  # not captured
+    cfg = CdcConfig(source, kafka_bootstrap, registry_url, f"t{unique}", ["public.items"], f"s_{unique}", f"p_{unique}")
+    proc = CdcProcess(cfg.write(tmp_path / "cdc.toml"), tmp_path / "cdc.log")
+    proc.start()
+
+    def lag() -> int:
+        with psycopg.connect(source) as conn:
+            row = conn.execute(
+                "SELECT (pg_current_wal_lsn() - confirmed_flush_lsn)::bigint FROM pg_replication_slots "
+                "WHERE slot_name = %s",
+                (f"s_{unique}",),
+            ).fetchone()
+        assert row is not None
+        return int(row[0])
+
+    try:
+        wait_for(lambda: "streaming from slot" in proc.tail(), 120, "streaming to start", proc)
+        written = 0
+        with psycopg.connect(source, autocommit=True) as conn:
+            for _ in range(20):  # ~20 MB of WAL the slot does not care about
+                conn.execute("INSERT INTO busy (pad) SELECT repeat('x', 1000) FROM generate_series(1, 1000)")
+                written += 1
+        # Heartbeats every second (the test config) let the slot confirm past the unrelated WAL.
+        wait_for(lambda: lag() < 1_000_000, 30, "the slot to catch up through heartbeats", proc)
+    finally:
+        if proc.alive():
+            assert proc.terminate() == 0, proc.tail()
+    assert written == 20
