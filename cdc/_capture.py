@@ -25,6 +25,7 @@ import logging
 import os
 import pickle
 import signal
+import struct
 import tempfile
 import threading
 import time
@@ -62,7 +63,14 @@ from decoders import (
     Update,
     parse_copy_data,
 )
-from schemas import ColumnShape, avro_mapping, avro_namespace
+from schemas import (
+    ColumnShape,
+    avro_mapping,
+    avro_namespace,
+    compile_writer,
+    message_key_schema,
+    message_value_schema,
+)
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +117,7 @@ class Capture:
         self._pending_relations: dict[int, Relation] = {}
         self._stats_events = 0
         self._binary = settings.capture.binary
+        self._messages: tuple[str, bytes, Any, bytes, Any] | None = None
 
     # --- set-up -------------------------------------------------------------------------------
 
@@ -372,11 +381,21 @@ class Capture:
                 elif isinstance(msg, TypeInfo):
                     self.types.invalidate(msg.oid)
                 elif isinstance(msg, LogicalMessage):
-                    heartbeat = msg.prefix == HEARTBEAT_PREFIX and not msg.transactional
-                    if heartbeat and current is None and stream_xid is None:
-                        batch_lsn = max(batch_lsn, msg.lsn)
-                        flush()
-                    # user messages: carried through by a later change (see README "Status")
+                    if msg.transactional:
+                        if s.capture.emit_messages and stream_xid is not None:
+                            spills[stream_xid].add(lsn, msg)
+                        elif s.capture.emit_messages and current is not None and not current[3]:
+                            self._apply(msg, Position(current[0], msg.lsn, current[1], current[2]), txn_now_us)
+                    elif msg.lsn >= resume:
+                        # Not part of any transaction: PostgreSQL skips such a message only when it lies
+                        # before the start position, so the resume position must move past it.
+                        if msg.prefix != HEARTBEAT_PREFIX and s.capture.emit_messages:
+                            now_us = time.time_ns() // 1000
+                            self._apply(msg, Position(msg.lsn, msg.lsn, now_us, None), now_us)
+                        if current is None and stream_xid is None:
+                            batch_lsn = max(batch_lsn, msg.lsn + 1)
+                            if msg.prefix == HEARTBEAT_PREFIX:
+                                flush()
                 elif isinstance(msg, StreamStart):
                     stream_xid = msg.xid
                     if msg.xid not in spills:
@@ -419,7 +438,52 @@ class Capture:
                 self.producer.abort()
                 self._in_batch = False
 
-    def _apply(self, msg: Insert | Update | Delete | Truncate, pos: Position, now_us: int) -> None:
+    def _message(self, msg: LogicalMessage, pos: Position, now_us: int) -> None:
+        """A pg_logical_emit_message() message, to <prefix>.messages (an event stream: not compacted)."""
+        if self._messages is None:
+            prefix = self.settings.kafka.topic_prefix
+            topic = f"{prefix}.messages"
+            self.topics.ensure(topic, policy="delete")
+            ns = avro_namespace(prefix, "messages")
+            key_schema, value_schema = message_key_schema(ns), message_value_schema(ns)
+            frames = []
+            for subject, schema in ((f"{topic}-key", key_schema), (f"{topic}-value", value_schema)):
+                frames.append(struct.pack(">bI", 0, self.registry.register(subject, schema, table="messages")))
+            self._messages = (topic, frames[0], compile_writer(key_schema), frames[1], compile_writer(value_schema))
+        topic, key_frame, write_key, value_frame, write_value = self._messages
+        key, value = bytearray(key_frame), bytearray(value_frame)
+        write_key({"prefix": msg.prefix}, key)
+        src = self.source_info
+        write_value(
+            {
+                "op": "m",
+                "ts_ms": now_us // 1000,
+                "source": {
+                    "version": src.version,
+                    "connector": "postgresql",
+                    "name": src.name,
+                    "db": src.db,
+                    "ts_ms": pos.commit_time_us // 1000,
+                    "ts_us": pos.commit_time_us,
+                    "snapshot": "false",
+                    "sequence": f'["{pos.commit_lsn}","{pos.lsn}"]',
+                    "schema": "",
+                    "table": "",
+                    "txId": pos.xid,
+                    "lsn": pos.lsn,
+                    "xmin": None,
+                    "commit_lsn": pos.commit_lsn,
+                },
+                "message": {"prefix": msg.prefix, "content": bytes(msg.content), "transactional": msg.transactional},
+            },
+            value,
+        )
+        self._produce(topic, bytes(key), bytes(value))
+
+    def _apply(self, msg: Insert | Update | Delete | Truncate | LogicalMessage, pos: Position, now_us: int) -> None:
+        if isinstance(msg, LogicalMessage):
+            self._message(msg, pos, now_us)
+            return
         if isinstance(msg, Truncate):
             if not self.settings.capture.emit_truncates:
                 return

@@ -126,8 +126,9 @@ class CaptureConfig(_Section):
     heartbeat_interval_s: float = Field(default=10.0, gt=0)
     status_interval_s: float = Field(default=1.0, gt=0)
     emit_truncates: bool = True
-    emit_messages: bool = True
-    emit_transactions: bool = False
+    emit_messages: bool = Field(
+        default=True, description="publish pg_logical_emit_message() messages to <topic_prefix>.messages"
+    )
     max_batch_events: int = Field(default=50_000, ge=1)
     binary: bool = Field(default=True, description="ask pgoutput for binary values where supported")
 

@@ -63,8 +63,8 @@ class Topics:
         self._replication_factor = replication_factor
         self._known: dict[str, int] = {}
 
-    def ensure(self, topic: str, *, partitions: int | None = None) -> int:
-        """Make sure ``topic`` exists with cleanup.policy=compact; return its partition count."""
+    def ensure(self, topic: str, *, partitions: int | None = None, policy: str = "compact") -> int:
+        """Make sure ``topic`` exists with cleanup.policy=compact (or ``policy``); return its partition count."""
         if topic in self._known:
             return self._known[topic]
         try:
@@ -77,7 +77,7 @@ class Topics:
                 topic,
                 num_partitions=partitions or self._partitions,
                 replication_factor=self._replication_factor,
-                config={"cleanup.policy": "compact"},
+                config={"cleanup.policy": policy},
             )
             try:
                 self._admin.create_topics([new], operation_timeout=_TIMEOUT_S)[topic].result(_TIMEOUT_S)
@@ -87,7 +87,8 @@ class Topics:
                     raise _kafka_error(exc, f"creating topic {topic!r}") from exc
             md = self._admin.list_topics(topic, timeout=_TIMEOUT_S)
             found = md.topics[topic]
-        self._check_compacted(topic)
+        if policy == "compact":
+            self._check_compacted(topic)
         self._known[topic] = len(found.partitions)
         return self._known[topic]
 

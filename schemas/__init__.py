@@ -14,6 +14,8 @@ from schemas._envelope import (
     envelope_schema,
     field_names,
     key_schema,
+    message_key_schema,
+    message_value_schema,
     source_schema,
 )
 from schemas._names import dedupe_named_types
@@ -40,6 +42,8 @@ __all__ = [
     "envelope_schema",
     "field_names",
     "key_schema",
+    "message_key_schema",
+    "message_value_schema",
     "nullable",
     "source_schema",
     "write_long",

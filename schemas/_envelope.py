@@ -152,3 +152,39 @@ def envelope_schema(namespace: str, columns: Sequence[ColumnShape]) -> dict[str,
             ],
         }
     )
+
+
+def message_key_schema(namespace: str) -> dict[str, Any]:
+    """Key of a logical decoding message event (``pg_logical_emit_message``): its prefix."""
+    return {
+        "type": "record",
+        "name": "MessageKey",
+        "namespace": namespace,
+        "fields": [{"name": "prefix", "type": "string"}],
+    }
+
+
+def message_value_schema(namespace: str) -> dict[str, Any]:
+    """Value of a logical decoding message event, shaped like Debezium's (``op`` is ``m``)."""
+    return {
+        "type": "record",
+        "name": "MessageValue",
+        "namespace": namespace,
+        "fields": [
+            {"name": "op", "type": "string"},
+            {"name": "ts_ms", "type": ["null", "long"], "default": None},
+            {"name": "source", "type": source_schema()},
+            {
+                "name": "message",
+                "type": {
+                    "type": "record",
+                    "name": "Message",
+                    "fields": [
+                        {"name": "prefix", "type": "string"},
+                        {"name": "content", "type": "bytes"},
+                        {"name": "transactional", "type": "boolean"},
+                    ],
+                },
+            },
+        ],
+    }

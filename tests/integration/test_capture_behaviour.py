@@ -6,6 +6,7 @@ import json
 import secrets
 import subprocess
 import sys
+import time
 import urllib.request
 from collections import Counter
 from collections.abc import Iterator
@@ -246,3 +247,32 @@ def test_attach_dry_run_and_detach(
     assert gone.returncode == 0, gone.stderr
     with psycopg.connect(source) as conn:
         assert conn.execute("SELECT count(*) FROM pg_publication").fetchone() == (0,)
+
+
+def test_logical_decoding_messages_are_published(
+    source: str, kafka_bootstrap: str, registry_url: str, unique: str, tmp_path: Path
+) -> None:
+    with psycopg.connect(source, autocommit=True) as conn:
+        conn.execute("CREATE TABLE items (id int PRIMARY KEY)")
+    proc = _start(source, kafka_bootstrap, registry_url, unique, tmp_path)
+    topic = f"t{unique}.messages"
+    try:
+        wait_for(lambda: "streaming from slot" in proc.tail(), 120, "streaming to start", proc)
+        with psycopg.connect(source) as conn:
+            conn.execute("SELECT pg_logical_emit_message(true, 'app.audit', 'in a transaction')")
+            conn.execute("INSERT INTO items VALUES (1)")
+            conn.commit()
+            conn.execute("SELECT pg_logical_emit_message(true, 'app.audit', 'rolled back')")
+            conn.rollback()
+            conn.execute("SELECT pg_logical_emit_message(false, 'app.audit', convert_to('alone', 'UTF8'))")
+            conn.commit()
+        wait_for(lambda: len(read_topic(kafka_bootstrap, registry_url, topic)) >= 2, 60, "the messages", proc)
+        time.sleep(2)  # a rolled-back message would have arrived by now
+    finally:
+        _stop(proc)
+    messages = [e.value["message"] for e in read_topic(kafka_bootstrap, registry_url, topic) if e.value]
+    assert sorted((m["content"], m["transactional"]) for m in messages) == [
+        (b"alone", False),
+        (b"in a transaction", True),
+    ]
+    assert all(m["prefix"] == "app.audit" for m in messages)
