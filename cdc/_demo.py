@@ -18,6 +18,7 @@ from typing import Any
 
 import psycopg
 from confluent_kafka import Consumer, KafkaError
+from confluent_kafka.admin import AdminClient
 from confluent_kafka.schema_registry import SchemaRegistryClient
 from confluent_kafka.schema_registry.avro import AvroDeserializer
 from confluent_kafka.serialization import MessageField, SerializationContext
@@ -89,10 +90,24 @@ def _workload_step(conn: psycopg.Connection[Any], rnd: random.Random) -> None:
         conn.execute("DELETE FROM orders WHERE id = (SELECT min(id) FROM orders)")
 
 
+def _reset_topics(kafka: str, prefix: str) -> None:
+    """The demo starts from empty topics, so what it shows is this run's events only."""
+    admin = AdminClient({"bootstrap.servers": kafka})
+    existing = [t for t in admin.list_topics(timeout=30).topics if t.startswith(f"{prefix}.")]
+    for future in admin.delete_topics(existing, operation_timeout=30).values() if existing else []:
+        future.result(30)
+    deadline = time.monotonic() + 30  # deletion completes in the background
+    while existing and time.monotonic() < deadline:
+        if not any(t.startswith(f"{prefix}.") for t in admin.list_topics(timeout=30).topics):
+            break
+        time.sleep(0.2)
+
+
 def run_demo(admin_dsn: str, kafka: str, registry: str, seconds: float, console: Console | None = None) -> int:
     console = console or Console(stderr=False)
     dsn = _reset_database(admin_dsn)
     prefix = "demo"
+    _reset_topics(kafka, prefix)
     workdir = Path(tempfile.mkdtemp(prefix="pgcdc-demo-"))
     config = workdir / "cdc.toml"
     config.write_text(
@@ -154,7 +169,8 @@ url = "{registry}"
                         counts[topic][op] = counts[topic].get(op, 0) + 1
                         if value and value.get("after"):
                             last[topic] = ", ".join(f"{k}={v}" for k, v in list(value["after"].items())[:4])
-                    elif err.code() != KafkaError._PARTITION_EOF:
+                    elif err.code() not in (KafkaError._PARTITION_EOF, KafkaError.UNKNOWN_TOPIC_OR_PART):
+                        # An unknown topic is expected until the capture has created it.
                         console.print(f"[yellow]{err}[/]")
                     msg = consumer.poll(0)
                 live.update(_table(counts, last, deadline))

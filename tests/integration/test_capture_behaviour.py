@@ -276,3 +276,30 @@ def test_logical_decoding_messages_are_published(
         (b"in a transaction", True),
     ]
     assert all(m["prefix"] == "app.audit" for m in messages)
+
+
+def test_demo_command_captures_a_live_workload(pg_dsn: str, kafka_bootstrap: str, registry_url: str) -> None:
+    """The README's main job: `cdc demo` (what `./dev demo` runs after starting the services)."""
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "cdc.cli",
+            "demo",
+            "--pg",
+            pg_dsn,
+            "--kafka",
+            kafka_bootstrap,
+            "--registry",
+            registry_url,
+            "--seconds",
+            "6",
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "demo.public.orders" in proc.stdout
+    assert "capture stopped (exit 0)" in proc.stdout
