@@ -303,3 +303,31 @@ def test_demo_command_captures_a_live_workload(pg_dsn: str, kafka_bootstrap: str
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "demo.public.orders" in proc.stdout
     assert "capture stopped (exit 0)" in proc.stdout
+
+
+def test_a_second_instance_fences_the_first_and_takes_over(
+    source: str, kafka_bootstrap: str, registry_url: str, unique: str, tmp_path: Path
+) -> None:
+    with psycopg.connect(source, autocommit=True) as conn:
+        conn.execute("CREATE TABLE items (id int PRIMARY KEY)")
+    first = _start(source, kafka_bootstrap, registry_url, unique, tmp_path)
+    second = CdcProcess(first.config, tmp_path / "second.log")
+    topic = f"t{unique}.public.items"
+    try:
+        wait_for(lambda: "streaming from slot" in first.tail(), 120, "the first instance to stream", first)
+        with psycopg.connect(source, autocommit=True) as conn:
+            conn.execute("INSERT INTO items SELECT generate_series(1, 10)")
+        second.start()  # same transactional id: its init_transactions fences the first
+        assert first.proc is not None
+        code = first.proc.wait(60)
+        assert code == 6, first.tail()
+        assert "fenced" in first.tail()
+        wait_for(lambda: "streaming from slot" in second.tail(), 120, "the second instance to stream", second)
+        with psycopg.connect(source, autocommit=True) as conn:
+            conn.execute("INSERT INTO items SELECT generate_series(11, 20)")
+        wait_for(lambda: len(read_topic(kafka_bootstrap, registry_url, topic)) >= 20, 60, "all rows", second)
+    finally:
+        _stop(first)
+        _stop(second)
+    keys = [e.key["id"] for e in read_topic(kafka_bootstrap, registry_url, topic) if e.key]
+    assert sorted(keys) == list(range(1, 21))  # each row exactly once across the hand-over
