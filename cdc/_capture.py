@@ -70,6 +70,8 @@ from schemas import (
     compile_writer,
     message_key_schema,
     message_value_schema,
+    transaction_key_schema,
+    transaction_value_schema,
 )
 
 log = logging.getLogger(__name__)
@@ -103,6 +105,17 @@ class _Spill:
         self.file.close()
 
 
+@dataclass
+class _TxMeta:
+    """Transaction metadata being gathered for one PostgreSQL transaction (capture.emit_transactions)."""
+
+    id: str
+    commit_time_us: int
+    total: int = 0
+    per_table: dict[str, int] = field(default_factory=dict)
+    begun: bool = False
+
+
 class _TextModeNeededError(Exception):
     """A relation arrived with a column we can only read in text form."""
 
@@ -117,7 +130,8 @@ class Capture:
         self._pending_relations: dict[int, Relation] = {}
         self._stats_events = 0
         self._binary = settings.capture.binary
-        self._messages: tuple[str, bytes, Any, bytes, Any] | None = None
+        self._side: dict[str, tuple[str, bytes, Any, bytes, Any]] = {}
+        self._tx: _TxMeta | None = None
 
     # --- set-up -------------------------------------------------------------------------------
 
@@ -365,9 +379,11 @@ class Capture:
                 elif isinstance(msg, Begin):
                     current = (msg.final_lsn, msg.commit_time_us, msg.xid, msg.final_lsn < resume)
                     txn_now_us = time.time_ns() // 1000  # one "processed at" per transaction
+                    self._tx_begin(msg.xid, msg.final_lsn, msg.commit_time_us)
                 elif isinstance(msg, Commit):
                     if current is not None and not current[3]:
                         batch_lsn = max(batch_lsn, msg.end_lsn)
+                        self._tx_end()
                     current = None
                     if self._in_batch and self._batch_events >= s.capture.max_batch_events:
                         flush()
@@ -418,6 +434,7 @@ class Capture:
                         try:
                             if msg.commit_lsn >= resume:
                                 txn_now_us = time.time_ns() // 1000
+                                self._tx_begin(msg.xid, msg.commit_lsn, msg.commit_time_us)
                                 for change_lsn, change in spill.replay():
                                     self._apply(
                                         change,  # type: ignore[arg-type]
@@ -425,6 +442,7 @@ class Capture:
                                         txn_now_us,
                                     )
                                 batch_lsn = max(batch_lsn, msg.end_lsn)
+                                self._tx_end()
                         finally:
                             spill.close()
                 elif isinstance(msg, Origin):
@@ -438,23 +456,38 @@ class Capture:
                 self.producer.abort()
                 self._in_batch = False
 
-    def _message(self, msg: LogicalMessage, pos: Position, now_us: int) -> None:
-        """A pg_logical_emit_message() message, to <prefix>.messages (an event stream: not compacted)."""
-        if self._messages is None:
-            prefix = self.settings.kafka.topic_prefix
-            topic = f"{prefix}.messages"
+    def _side_event(self, name: str, schemas: tuple[dict[str, Any], dict[str, Any]], key: Any, value: Any) -> None:
+        """An event on one of the side topics (<prefix>.messages, <prefix>.transaction): event streams with
+        cleanup.policy=delete, registered on first use."""
+        side = self._side.get(name)
+        if side is None:
+            topic = f"{self.settings.kafka.topic_prefix}.{name}"
             self.topics.ensure(topic, policy="delete")
-            ns = avro_namespace(prefix, "messages")
-            key_schema, value_schema = message_key_schema(ns), message_value_schema(ns)
-            frames = []
-            for subject, schema in ((f"{topic}-key", key_schema), (f"{topic}-value", value_schema)):
-                frames.append(struct.pack(">bI", 0, self.registry.register(subject, schema, table="messages")))
-            self._messages = (topic, frames[0], compile_writer(key_schema), frames[1], compile_writer(value_schema))
-        topic, key_frame, write_key, value_frame, write_value = self._messages
-        key, value = bytearray(key_frame), bytearray(value_frame)
-        write_key({"prefix": msg.prefix}, key)
+            frames = [
+                struct.pack(">bI", 0, self.registry.register(f"{topic}-{part}", schema, table=name))
+                for part, schema in zip(("key", "value"), schemas, strict=True)
+            ]
+            side = self._side[name] = (
+                topic,
+                frames[0],
+                compile_writer(schemas[0]),
+                frames[1],
+                compile_writer(schemas[1]),
+            )
+        topic, key_frame, write_key, value_frame, write_value = side
+        key_bytes, value_bytes = bytearray(key_frame), bytearray(value_frame)
+        write_key(key, key_bytes)
+        write_value(value, value_bytes)
+        self._produce(topic, bytes(key_bytes), bytes(value_bytes))
+
+    def _message(self, msg: LogicalMessage, pos: Position, now_us: int) -> None:
+        """A pg_logical_emit_message() message, to <prefix>.messages."""
+        ns = avro_namespace(self.settings.kafka.topic_prefix, "messages")
         src = self.source_info
-        write_value(
+        self._side_event(
+            "messages",
+            (message_key_schema(ns), message_value_schema(ns)),
+            {"prefix": msg.prefix},
             {
                 "op": "m",
                 "ts_ms": now_us // 1000,
@@ -476,9 +509,50 @@ class Capture:
                 },
                 "message": {"prefix": msg.prefix, "content": bytes(msg.content), "transactional": msg.transactional},
             },
-            value,
         )
-        self._produce(topic, bytes(key), bytes(value))
+
+    # --- transaction metadata -------------------------------------------------------------------
+
+    def _tx_begin(self, xid: int | None, commit_lsn: int, commit_time_us: int) -> None:
+        self._tx = _TxMeta(f"{xid}:{commit_lsn}", commit_time_us) if self.settings.capture.emit_transactions else None
+
+    def _tx_event(self, status: str) -> None:
+        tx = self._tx
+        assert tx is not None
+        ns = avro_namespace(self.settings.kafka.topic_prefix, "transaction")
+        end = status == "END"
+        self._side_event(
+            "transaction",
+            (transaction_key_schema(ns), transaction_value_schema(ns)),
+            {"id": tx.id},
+            {
+                "status": status,
+                "id": tx.id,
+                "event_count": tx.total if end else None,
+                "data_collections": [{"data_collection": t, "event_count": n} for t, n in tx.per_table.items()]
+                if end
+                else None,
+                "ts_ms": tx.commit_time_us // 1000,
+            },
+        )
+
+    def _tx_block(self, codec: TableCodec) -> tuple[str, int, int] | None:
+        """The next change event's place in its transaction (and the BEGIN event before the first)."""
+        tx = self._tx
+        if tx is None:
+            return None
+        if not tx.begun:
+            tx.begun = True
+            self._tx_event("BEGIN")
+        name = f"{codec.schema}.{codec.table}"
+        tx.total += 1
+        tx.per_table[name] = tx.per_table.get(name, 0) + 1
+        return tx.id, tx.total, tx.per_table[name]
+
+    def _tx_end(self) -> None:
+        if self._tx is not None and self._tx.begun:
+            self._tx_event("END")
+        self._tx = None
 
     def _apply(self, msg: Insert | Update | Delete | Truncate | LogicalMessage, pos: Position, now_us: int) -> None:
         if isinstance(msg, LogicalMessage):
@@ -489,7 +563,9 @@ class Capture:
                 return
             for relid in msg.relids:
                 truncated = self._codecs[relid]
-                value = truncated.envelope("t", pos, before=None, after=None, now_us=now_us)
+                value = truncated.envelope(
+                    "t", pos, before=None, after=None, now_us=now_us, transaction=self._tx_block(truncated)
+                )
                 # A truncate concerns every key: one marker per partition keeps it in order with each.
                 for partition in range(self.topics.ensure(truncated.topic)):
                     self._produce(truncated.topic, truncated.truncate_key, value, partition)
@@ -502,7 +578,15 @@ class Capture:
             self._produce(
                 codec.topic,
                 codec.key_of(after),
-                codec.envelope("c", pos, before=None, after=after, unchanged=unchanged, now_us=now_us),
+                codec.envelope(
+                    "c",
+                    pos,
+                    before=None,
+                    after=after,
+                    unchanged=unchanged,
+                    now_us=now_us,
+                    transaction=self._tx_block(codec),
+                ),
             )
         elif isinstance(msg, Update):
             after, unchanged = codec.row(msg.new)
@@ -513,24 +597,48 @@ class Capture:
                 if old_key != key:
                     # The key changed: the old key's row is gone (delete + tombstone), a new one appears.
                     self._produce(
-                        codec.topic, old_key, codec.envelope("d", pos, before=before, after=None, now_us=now_us)
+                        codec.topic,
+                        old_key,
+                        codec.envelope(
+                            "d", pos, before=before, after=None, now_us=now_us, transaction=self._tx_block(codec)
+                        ),
                     )
                     self._produce(codec.topic, old_key, None)
                     self._produce(
                         codec.topic,
                         key,
-                        codec.envelope("c", pos, before=None, after=after, unchanged=unchanged, now_us=now_us),
+                        codec.envelope(
+                            "c",
+                            pos,
+                            before=None,
+                            after=after,
+                            unchanged=unchanged,
+                            now_us=now_us,
+                            transaction=self._tx_block(codec),
+                        ),
                     )
                     return
             self._produce(
                 codec.topic,
                 key,
-                codec.envelope("u", pos, before=before, after=after, unchanged=unchanged, now_us=now_us),
+                codec.envelope(
+                    "u",
+                    pos,
+                    before=before,
+                    after=after,
+                    unchanged=unchanged,
+                    now_us=now_us,
+                    transaction=self._tx_block(codec),
+                ),
             )
         else:
             before = codec.row(msg.old)[0]
             key = codec.key_of(before)
-            self._produce(codec.topic, key, codec.envelope("d", pos, before=before, after=None, now_us=now_us))
+            self._produce(
+                codec.topic,
+                key,
+                codec.envelope("d", pos, before=before, after=None, now_us=now_us, transaction=self._tx_block(codec)),
+            )
             self._produce(codec.topic, key, None)  # tombstone: lets compaction drop the key
 
 

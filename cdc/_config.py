@@ -126,6 +126,10 @@ class CaptureConfig(_Section):
     heartbeat_interval_s: float = Field(default=10.0, gt=0)
     status_interval_s: float = Field(default=1.0, gt=0)
     emit_truncates: bool = True
+    emit_transactions: bool = Field(
+        default=False,
+        description="BEGIN/END events on <topic_prefix>.transaction and a transaction block in every change event",
+    )
     emit_messages: bool = Field(
         default=True, description="publish pg_logical_emit_message() messages to <topic_prefix>.messages"
     )

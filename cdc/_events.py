@@ -102,7 +102,7 @@ class TableCodec:
         self._source_table = _strings(schema, table)
         self._source_info = source
         self._txn_key: tuple[Any, ...] | None = None
-        self._txn_parts = (b"", b"", b"")
+        self._txn_parts = (b"", b"", b"", b"")
         self.truncate_key = self._encode_key(dict.fromkeys(self.key_field_names))
 
     # --- values -----------------------------------------------------------------------------
@@ -153,8 +153,12 @@ class TableCodec:
         after: dict[str, Any] | None,
         unchanged: list[str] | None = None,
         now_us: int,
+        transaction: tuple[str, int, int] | None = None,
     ) -> bytes:
-        """The Confluent-framed envelope; the same bytes fastavro writes for :meth:`envelope_record`."""
+        """The Confluent-framed envelope; the same bytes fastavro writes for :meth:`envelope_record`.
+
+        ``transaction``: (id, total_order, data_collection_order) when transaction metadata is on.
+        """
         out = bytearray(self._value_frame)
         write_row = self._write_row
         for row in (before, after):  # ["null", Value]
@@ -168,12 +172,20 @@ class TableCodec:
         if key != self._txn_key:
             self._txn_key = key
             self._txn_parts = self._transaction_parts(op, pos, now_us)
-        head, middle, tail = self._txn_parts
+        head, middle, tail, ops = self._txn_parts
         out += head
         write_string(f'["{pos.commit_lsn}","{pos.lsn}"]', out)
         out += middle
         write_long(pos.lsn, out)
         out += tail
+        if transaction is None:
+            out.append(0)
+        else:
+            out.append(2)
+            write_string(transaction[0], out)
+            write_long(transaction[1], out)
+            write_long(transaction[2], out)
+        out += ops
         if unchanged:
             write_long(len(unchanged), out)
             for name in unchanged:
@@ -181,7 +193,7 @@ class TableCodec:
         out.append(0)
         return bytes(out)
 
-    def _transaction_parts(self, op: str, pos: Position, now_us: int) -> tuple[bytes, bytes, bytes]:
+    def _transaction_parts(self, op: str, pos: Position, now_us: int) -> tuple[bytes, bytes, bytes, bytes]:
         head = bytearray(self._source_head)
         write_long(pos.commit_time_us // 1000, head)
         head.append(0)  # snapshot: ["string", "null"] branch 0
@@ -199,13 +211,13 @@ class TableCodec:
         middle.append(2)  # lsn: ["null", "long"], the long follows
         tail = bytearray([0, 2])  # xmin null; commit_lsn present
         write_long(pos.commit_lsn, tail)
-        tail.append(0)  # transaction
-        write_string(op, tail)
-        tail.append(2)
-        write_long(now_us // 1000, tail)
-        tail.append(2)
-        write_long(now_us, tail)
-        return bytes(head), bytes(middle), bytes(tail)
+        ops = bytearray()  # after the transaction block
+        write_string(op, ops)
+        ops.append(2)
+        write_long(now_us // 1000, ops)
+        ops.append(2)
+        write_long(now_us, ops)
+        return bytes(head), bytes(middle), bytes(tail), bytes(ops)
 
     def envelope_record(
         self,
@@ -216,6 +228,7 @@ class TableCodec:
         after: dict[str, Any] | None,
         unchanged: list[str] | None = None,
         now_us: int,
+        transaction: tuple[str, int, int] | None = None,
     ) -> dict[str, Any]:
         """The envelope as a plain record (what a consumer decodes; tests encode it with fastavro)."""
         src = self._source_info
@@ -238,7 +251,9 @@ class TableCodec:
                 "xmin": None,
                 "commit_lsn": pos.commit_lsn,
             },
-            "transaction": None,
+            "transaction": None
+            if transaction is None
+            else {"id": transaction[0], "total_order": transaction[1], "data_collection_order": transaction[2]},
             "op": op,
             "ts_ms": now_us // 1000,
             "ts_us": now_us,

@@ -17,6 +17,8 @@ from schemas._envelope import (
     message_key_schema,
     message_value_schema,
     source_schema,
+    transaction_key_schema,
+    transaction_value_schema,
 )
 from schemas._names import dedupe_named_types
 from schemas._pgtype import PgType, TypeKind
@@ -46,6 +48,8 @@ __all__ = [
     "message_value_schema",
     "nullable",
     "source_schema",
+    "transaction_key_schema",
+    "transaction_value_schema",
     "write_long",
     "write_string",
 ]

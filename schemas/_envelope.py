@@ -188,3 +188,34 @@ def message_value_schema(namespace: str) -> dict[str, Any]:
             },
         ],
     }
+
+
+def transaction_key_schema(namespace: str) -> dict[str, Any]:
+    """Key of a transaction metadata event (Debezium's ``<prefix>.transaction`` topic)."""
+    return {
+        "type": "record",
+        "name": "TransactionKey",
+        "namespace": namespace,
+        "fields": [{"name": "id", "type": "string"}],
+    }
+
+
+def transaction_value_schema(namespace: str) -> dict[str, Any]:
+    """BEGIN and END of a transaction: END carries how many events it wrote, in total and per table."""
+    collection = {
+        "type": "record",
+        "name": "DataCollection",
+        "fields": [{"name": "data_collection", "type": "string"}, {"name": "event_count", "type": "long"}],
+    }
+    return {
+        "type": "record",
+        "name": "TransactionValue",
+        "namespace": namespace,
+        "fields": [
+            {"name": "status", "type": "string"},
+            {"name": "id", "type": "string"},
+            {"name": "event_count", "type": ["null", "long"], "default": None},
+            {"name": "data_collections", "type": ["null", {"type": "array", "items": collection}], "default": None},
+            {"name": "ts_ms", "type": "long"},
+        ],
+    }

@@ -331,3 +331,44 @@ def test_a_second_instance_fences_the_first_and_takes_over(
         _stop(second)
     keys = [e.key["id"] for e in read_topic(kafka_bootstrap, registry_url, topic) if e.key]
     assert sorted(keys) == list(range(1, 21))  # each row exactly once across the hand-over
+
+
+def test_transaction_metadata_when_enabled(
+    source: str, kafka_bootstrap: str, registry_url: str, unique: str, tmp_path: Path
+) -> None:
+    with psycopg.connect(source, autocommit=True) as conn:
+        conn.execute("CREATE TABLE items (id int PRIMARY KEY, qty int)")
+    cfg = CdcConfig(
+        source,
+        kafka_bootstrap,
+        registry_url,
+        f"t{unique}",
+        ["public.items"],
+        f"s_{unique}",
+        f"p_{unique}",
+        extra="emit_transactions = true",
+    )
+    proc = CdcProcess(cfg.write(tmp_path / "cdc.toml"), tmp_path / "cdc.log")
+    proc.start()
+    tx_topic = f"t{unique}.transaction"
+    try:
+        wait_for(lambda: "streaming from slot" in proc.tail(), 120, "streaming to start", proc)
+        with psycopg.connect(source) as conn:
+            conn.execute("INSERT INTO items VALUES (1, 1), (2, 2)")
+            conn.execute("UPDATE items SET qty = 3 WHERE id = 1")
+            conn.commit()
+        wait_for(lambda: len(read_topic(kafka_bootstrap, registry_url, tx_topic)) >= 2, 60, "BEGIN and END", proc)
+    finally:
+        _stop(proc)
+    begin, end = (e.value for e in read_topic(kafka_bootstrap, registry_url, tx_topic))
+    assert begin is not None
+    assert end is not None
+    assert (begin["status"], begin["event_count"]) == ("BEGIN", None)
+    assert (end["status"], end["event_count"], end["id"]) == ("END", 3, begin["id"])
+    assert end["data_collections"] == [{"data_collection": "public.items", "event_count": 3}]
+    changes = [e.value for e in read_topic(kafka_bootstrap, registry_url, f"t{unique}.public.items") if e.value]
+    assert [(c["op"], c["transaction"]["id"], c["transaction"]["total_order"]) for c in changes] == [
+        ("c", begin["id"], 1),
+        ("c", begin["id"], 2),
+        ("u", begin["id"], 3),
+    ]

@@ -82,9 +82,13 @@ def test_envelope_bytes_equal_fastavro(variant: int) -> None:
     after, unchanged = _row(variant)
     before, _ = _row(variant + 1, frozenset({3, 5, 9}))
     pos = Position(commit_lsn=1 << 40, lsn=(1 << 40) - 5, commit_time_us=1_700_000_000_123_456, xid=733)
-    for op, b, a in (("c", None, after), ("u", before, after), ("d", before, None)):
-        fast = CODEC.envelope(op, pos, before=b, after=a, unchanged=unchanged, now_us=1_800_000_000_000_001)
-        record = CODEC.envelope_record(op, pos, before=b, after=a, unchanged=unchanged, now_us=1_800_000_000_000_001)
+    for op, b, a, tx in (("c", None, after, None), ("u", before, after, ("733:42", 2, 1)), ("d", before, None, None)):
+        fast = CODEC.envelope(
+            op, pos, before=b, after=a, unchanged=unchanged, now_us=1_800_000_000_000_001, transaction=tx
+        )
+        record = CODEC.envelope_record(
+            op, pos, before=b, after=a, unchanged=unchanged, now_us=1_800_000_000_000_001, transaction=tx
+        )
         assert fast[:5] == b"\x00\x00\x00\x00\x07"
         assert fast[5:] == _fastavro(CODEC.value_schema, record)
     key = CODEC.key_of(after)
