@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Capture throughput against pg_recvlogical on the same WAL, in one run.
 
-    ./dev python bench/capture_throughput.py [--rows 1000000] [--txn-rows 5000]
+    ./dev python bench/capture_throughput.py [--rows 1000000] [--txn-rows 5000] [--pad 0]
+    ./dev python bench/capture_throughput.py --rows 1000000 --txn-rows 1000000 --pad 1000   # one ~1 GB transaction
 
 Creates a scratch database with one 5-column table (incl. jsonb and numeric), creates two pgoutput slots at
 the same point, writes ``--rows`` rows in transactions of ``--txn-rows``, then
@@ -66,6 +67,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, default=1_000_000)
     ap.add_argument("--txn-rows", type=int, default=5_000)
+    ap.add_argument("--pad", type=int, default=0, help="bytes of extra text per row (makes rows, and WAL, larger)")
     args = ap.parse_args()
 
     admin = _services.find("postgres").value
@@ -80,6 +82,7 @@ def main() -> int:
     dsn = _dsn_for(admin, db)
     work = Path(tempfile.mkdtemp(prefix="pgcdc-bench-"))
     result: dict[str, object] = {
+        "pad_bytes": args.pad,
         "rows": args.rows,
         "txn_rows": args.txn_rows,
         "machine": platform.node(),
@@ -90,7 +93,7 @@ def main() -> int:
         with psycopg.connect(dsn, autocommit=True) as conn:
             conn.execute(
                 "CREATE TABLE events (id bigint PRIMARY KEY, kind text NOT NULL, amount numeric(12,2), "
-                "payload jsonb, at timestamptz NOT NULL DEFAULT now())"
+                "payload jsonb, at timestamptz NOT NULL DEFAULT now(), pad text)"
             )
             conn.execute("CREATE PUBLICATION bench FOR TABLE events")
             conn.execute("SELECT pg_create_logical_replication_slot('bench_ref', 'pgoutput')")
@@ -98,12 +101,18 @@ def main() -> int:
             start = time.monotonic()
             for first in range(0, args.rows, args.txn_rows):
                 conn.execute(
-                    "INSERT INTO events (id, kind, amount, payload) SELECT g, 'kind-' || (g %% 10), g * 0.01, "
-                    "jsonb_build_object('n', g, 'tag', 'x') FROM generate_series(%s::bigint, %s::bigint) g",
-                    (first + 1, min(first + args.txn_rows, args.rows)),
+                    "INSERT INTO events (id, kind, amount, payload, pad) SELECT g, 'kind-' || (g %% 10), g * 0.01, "
+                    "jsonb_build_object('n', g, 'tag', 'x'), CASE WHEN %s > 0 THEN repeat('x', %s) END "
+                    "FROM generate_series(%s::bigint, %s::bigint) g",
+                    (args.pad, args.pad, first + 1, min(first + args.txn_rows, args.rows)),
                 )
             result["write_s"] = round(time.monotonic() - start, 2)
             end = _lsn(conn)
+            row = conn.execute(
+                "SELECT pg_size_pretty((pg_current_wal_lsn() - confirmed_flush_lsn)::bigint) "
+                "FROM pg_replication_slots WHERE slot_name = 'bench_cdc'"
+            ).fetchone()
+            result["wal_to_decode"] = row[0] if row else None
 
         # 1. the reference
         t0 = time.monotonic()
@@ -176,7 +185,8 @@ def main() -> int:
             conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(db)))
     out = ROOT / "bench" / "results"
     out.mkdir(parents=True, exist_ok=True)
-    (out / "capture_throughput.json").write_text(json.dumps(result, indent=2))
+    name = "capture_throughput" if args.txn_rows < args.rows else "capture_one_transaction"
+    (out / f"{name}.json").write_text(json.dumps(result, indent=2))
     print(json.dumps(result, indent=2))
     return 0
 

@@ -120,7 +120,10 @@ class TransactionalProducer:
             "compression.type": "lz4",
             "queue.buffering.max.messages": 1_000_000,
             "queue.buffering.max.kbytes": 512 * 1024,
-            "transaction.timeout.ms": 120_000,
+            # One PostgreSQL transaction is one Kafka transaction, so a very large one (1 GB) must fit in
+            # this; 15 min is the broker's default ceiling (transaction.max.timeout.ms). A crashed instance's
+            # open transaction is aborted at once by the next instance's init_transactions, not after this.
+            "transaction.timeout.ms": 900_000,
             **conf,
             "transactional.id": transactional_id,
         }

@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -110,6 +111,11 @@ class CdcProcess:
         self.proc.send_signal(signal.SIGTERM)
         return self.proc.wait(timeout)
 
+    def stop(self) -> None:
+        """SIGTERM if still running; a clean shutdown must exit 0."""
+        if self.alive():
+            assert self.terminate() == 0, self.tail()
+
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
@@ -195,3 +201,32 @@ def wait_for(predicate: Any, timeout: float, what: str, proc: CdcProcess | None 
             raise AssertionError(f"cdc exited while waiting for {what}:\n{proc.tail()}")
         time.sleep(0.5)
     raise AssertionError(f"timed out waiting for {what}" + (f"\n{proc.tail()}" if proc else ""))
+
+
+def source_items(dsn: str) -> dict[int, tuple[str, int]]:
+    """The ``items`` test table (id, name, qty) as PostgreSQL holds it now."""
+    with psycopg.connect(dsn) as conn:
+        return {r[0]: (r[1], r[2]) for r in conn.execute("SELECT id, name, qty FROM items").fetchall()}
+
+
+def topic_items(kafka: str, registry: str, topic: str) -> dict[int, tuple[str, int]]:
+    """The ``items`` table as a consumer replaying its topic sees it."""
+    return {k: (v["name"], v["qty"]) for k, v in latest_by_key(read_topic(kafka, registry, topic), "id").items()}
+
+
+def stop_workload_and_converge(
+    done: threading.Event,
+    writer: threading.Thread,
+    *,
+    dsn: str,
+    kafka: str,
+    registry: str,
+    topic: str,
+    proc: CdcProcess,
+) -> None:
+    """Let the workload run a little longer, stop it, then wait until the topic equals the table."""
+    time.sleep(2)
+    done.set()
+    writer.join(30)
+    expected = source_items(dsn)
+    wait_for(lambda: topic_items(kafka, registry, topic) == expected, 180, "convergence", proc)

@@ -15,9 +15,11 @@ import pytest
 from tests.integration._capture_helpers import (
     CdcConfig,
     CdcProcess,
-    latest_by_key,
     read_topic,
     scratch_database,
+    source_items,
+    stop_workload_and_converge,
+    topic_items,
     wait_for,
 )
 
@@ -40,15 +42,6 @@ def _config(source: str, kafka: str, registry: str, unique: str, tables: list[st
     )
 
 
-def _source_state(dsn: str) -> dict[int, tuple[str, int]]:
-    with psycopg.connect(dsn) as conn:
-        return {r[0]: (r[1], r[2]) for r in conn.execute("SELECT id, name, qty FROM items").fetchall()}
-
-
-def _topic_state(kafka: str, registry: str, topic: str) -> dict[int, tuple[str, int]]:
-    return {k: (v["name"], v["qty"]) for k, v in latest_by_key(read_topic(kafka, registry, topic), "id").items()}
-
-
 def test_snapshot_then_stream_reaches_the_source_state(
     source: str, kafka_bootstrap: str, registry_url: str, unique: str, tmp_path: Path
 ) -> None:
@@ -68,9 +61,9 @@ def test_snapshot_then_stream_reaches_the_source_state(
             conn.execute("UPDATE items SET qty = qty + 1000 WHERE id % 7 = 0")
             conn.execute("DELETE FROM items WHERE id % 11 = 0")
             conn.execute("INSERT INTO items SELECT g, 'new ' || g, g, 0 FROM generate_series(501, 600) g")
-        expected = _source_state(source)
+        expected = source_items(source)
         wait_for(
-            lambda: _topic_state(kafka_bootstrap, registry_url, topic) == expected, 120, "the stream to converge", proc
+            lambda: topic_items(kafka_bootstrap, registry_url, topic) == expected, 120, "the stream to converge", proc
         )
         events = read_topic(kafka_bootstrap, registry_url, topic)
         ops = Counter(e.value["op"] if e.value else "tombstone" for e in events)
@@ -95,8 +88,7 @@ def test_snapshot_then_stream_reaches_the_source_state(
         assert update.value["source"]["txId"] is not None
         assert update.value["source"]["commit_lsn"] >= update.value["source"]["lsn"]
     finally:
-        if proc.alive():
-            assert proc.terminate() == 0, proc.tail()
+        proc.stop()
 
 
 @pytest.mark.slow
@@ -145,15 +137,12 @@ def test_sigkill_during_a_write_workload_loses_and_duplicates_nothing(
             assert proc.alive(), proc.tail()
             proc.kill()
             proc.start()
-        time.sleep(2)
-        done.set()
-        writer.join(30)
-        expected = _source_state(source)
-        wait_for(lambda: _topic_state(kafka_bootstrap, registry_url, topic) == expected, 180, "convergence", proc)
+        stop_workload_and_converge(
+            done, writer, dsn=source, kafka=kafka_bootstrap, registry=registry_url, topic=topic, proc=proc
+        )
     finally:
         done.set()
-        if proc.alive():
-            assert proc.terminate() == 0, proc.tail()
+        proc.stop()
 
     events = read_topic(kafka_bootstrap, registry_url, topic)
     changes = [e for e in events if e.value is not None]

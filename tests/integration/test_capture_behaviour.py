@@ -38,11 +38,6 @@ def _start(source: str, kafka: str, registry: str, unique: str, tmp_path: Path) 
     return proc
 
 
-def _stop(proc: CdcProcess) -> None:
-    if proc.alive():
-        assert proc.terminate() == 0, proc.tail()
-
-
 def _slot_flush(dsn: str, slot: str) -> int:
     with psycopg.connect(dsn) as conn:
         row = conn.execute(
@@ -71,7 +66,7 @@ def test_schema_evolution_registers_new_versions_that_read_old_events(
             conn.execute("UPDATE items SET title = 'uno' WHERE id = 1")
         wait_for(lambda: len(read_topic(kafka_bootstrap, registry_url, topic)) >= 4, 120, "the changes", proc)
     finally:
-        _stop(proc)
+        proc.stop()
 
     events = read_topic(kafka_bootstrap, registry_url, topic)
     afters = [e.value["after"] for e in events if e.value]
@@ -140,7 +135,7 @@ def test_a_change_the_registry_rejects_stops_before_acknowledging(
         assert proc.proc is not None
         code = proc.proc.wait(120)
     finally:
-        _stop(proc)
+        proc.stop()
     assert code == 5, proc.tail()
     log = proc.tail()
     assert "public.items" in log
@@ -191,7 +186,7 @@ def test_toast_truncate_and_large_transactions(
             proc,
         )
     finally:
-        _stop(proc)
+        proc.stop()
     events = read_topic(kafka_bootstrap, registry_url, topic)
     ops = Counter(e.value["op"] for e in events if e.value)
     assert ops == {"c": 3001, "u": 1, "t": 1}
@@ -269,7 +264,7 @@ def test_logical_decoding_messages_are_published(
         wait_for(lambda: len(read_topic(kafka_bootstrap, registry_url, topic)) >= 2, 60, "the messages", proc)
         time.sleep(2)  # a rolled-back message would have arrived by now
     finally:
-        _stop(proc)
+        proc.stop()
     messages = [e.value["message"] for e in read_topic(kafka_bootstrap, registry_url, topic) if e.value]
     assert sorted((m["content"], m["transactional"]) for m in messages) == [
         (b"alone", False),
@@ -327,8 +322,8 @@ def test_a_second_instance_fences_the_first_and_takes_over(
             conn.execute("INSERT INTO items SELECT generate_series(11, 20)")
         wait_for(lambda: len(read_topic(kafka_bootstrap, registry_url, topic)) >= 20, 60, "all rows", second)
     finally:
-        _stop(first)
-        _stop(second)
+        first.stop()
+        second.stop()
     keys = [e.key["id"] for e in read_topic(kafka_bootstrap, registry_url, topic) if e.key]
     assert sorted(keys) == list(range(1, 21))  # each row exactly once across the hand-over
 
@@ -359,7 +354,7 @@ def test_transaction_metadata_when_enabled(
             conn.commit()
         wait_for(lambda: len(read_topic(kafka_bootstrap, registry_url, tx_topic)) >= 2, 60, "BEGIN and END", proc)
     finally:
-        _stop(proc)
+        proc.stop()
     begin, end = (e.value for e in read_topic(kafka_bootstrap, registry_url, tx_topic))
     assert begin is not None
     assert end is not None

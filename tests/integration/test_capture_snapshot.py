@@ -14,9 +14,8 @@ import pytest
 from tests.integration._capture_helpers import (
     CdcConfig,
     CdcProcess,
-    latest_by_key,
-    read_topic,
     scratch_database,
+    stop_workload_and_converge,
     wait_for,
 )
 
@@ -27,15 +26,6 @@ ROWS = 100_000
 def source(pg_dsn: str, unique: str) -> Iterator[str]:
     with scratch_database(pg_dsn, f"cdc_{unique}") as dsn:
         yield dsn
-
-
-def _state(dsn: str) -> dict[int, tuple[str, int]]:
-    with psycopg.connect(dsn) as conn:
-        return {r[0]: (r[1], r[2]) for r in conn.execute("SELECT id, name, qty FROM items").fetchall()}
-
-
-def _topic_state(kafka: str, registry: str, topic: str) -> dict[int, tuple[str, int]]:
-    return {k: (v["name"], v["qty"]) for k, v in latest_by_key(read_topic(kafka, registry, topic), "id").items()}
 
 
 def _writer(dsn: str, done: threading.Event) -> None:
@@ -86,15 +76,12 @@ def test_snapshot_with_concurrent_writes_ends_at_the_source_state(
             assert "snapshot done" not in proc.tail(), "the snapshot finished before the kill: test proves nothing"
             proc.start()
         wait_for(lambda: "streaming from slot" in proc.tail(), 180, "the snapshot to finish", proc)
-        time.sleep(2)
-        done.set()
-        writer.join(30)
-        expected = _state(source)
-        wait_for(lambda: _topic_state(kafka_bootstrap, registry_url, topic) == expected, 180, "convergence", proc)
+        stop_workload_and_converge(
+            done, writer, dsn=source, kafka=kafka_bootstrap, registry=registry_url, topic=topic, proc=proc
+        )
     finally:
         done.set()
-        if proc.alive():
-            assert proc.terminate() == 0, proc.tail()
+        proc.stop()
     if crash:
         assert "resumed with a fresh snapshot" in proc.tail(200)
 
@@ -129,6 +116,5 @@ def test_heartbeats_move_the_slot_while_captured_tables_are_idle(
         # Heartbeats every second (the test config) let the slot confirm past the unrelated WAL.
         wait_for(lambda: lag() < 1_000_000, 30, "the slot to catch up through heartbeats", proc)
     finally:
-        if proc.alive():
-            assert proc.terminate() == 0, proc.tail()
+        proc.stop()
     assert written == 20
