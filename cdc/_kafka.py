@@ -118,8 +118,10 @@ class TransactionalProducer:
             "partitioner": "murmur2_random",
             "linger.ms": 5,
             "compression.type": "lz4",
-            "queue.buffering.max.messages": 1_000_000,
-            "queue.buffering.max.kbytes": 512 * 1024,
+            # The local queue is what bounds memory for a huge transaction (the rest is spilled to disk):
+            # 64 MB keeps batches large without letting a 1 GB transaction sit in RAM.
+            "queue.buffering.max.messages": 200_000,
+            "queue.buffering.max.kbytes": 64 * 1024,
             # One PostgreSQL transaction is one Kafka transaction, so a very large one (1 GB) must fit in
             # this; 15 min is the broker's default ceiling (transaction.max.timeout.ms). A crashed instance's
             # open transaction is aborted at once by the next instance's init_transactions, not after this.
