@@ -61,6 +61,7 @@ from decoders import (
     Truncate,
     TypeInfo,
     Update,
+    format_lsn,
     parse_copy_data,
 )
 from schemas import (
@@ -555,6 +556,14 @@ class Capture:
         self._tx = None
 
     def _apply(self, msg: Insert | Update | Delete | Truncate | LogicalMessage, pos: Position, now_us: int) -> None:
+        try:
+            self._apply_change(msg, pos, now_us)
+        except ValueError as exc:  # a value we cannot convert, a change without its key: stop, ack nothing
+            raise StreamError(f"cannot capture the change at LSN {format_lsn(pos.lsn)}: {exc}") from exc
+
+    def _apply_change(
+        self, msg: Insert | Update | Delete | Truncate | LogicalMessage, pos: Position, now_us: int
+    ) -> None:
         if isinstance(msg, LogicalMessage):
             self._message(msg, pos, now_us)
             return

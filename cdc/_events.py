@@ -30,6 +30,10 @@ _TEXT, _BINARY, _NULL, _UNCHANGED = ord("t"), ord("b"), ord("n"), ord("u")
 Converter = Callable[[bytes], Any]
 
 
+class KeyMissingError(ValueError):
+    """A change did not carry its key columns (the capture turns this into a StreamError)."""
+
+
 @dataclass(frozen=True, slots=True)
 class ColumnSpec:
     """A column as the stream (Relation message) or the catalogs (snapshot) describe it."""
@@ -133,9 +137,15 @@ class TableCodec:
 
     def key_of(self, row: dict[str, Any]) -> bytes:
         names = self.field_names
-        return self._encode_key(
-            {kn: row[names[i]] for kn, i in zip(self.key_field_names, self.key_indexes, strict=True)}
-        )
+        record = {kn: row[names[i]] for kn, i in zip(self.key_field_names, self.key_indexes, strict=True)}
+        if None in record.values():
+            # An all-null key means "truncate"; a row's key must never look like one (or be partial).
+            missing = [self.columns[i].name for i in self.key_indexes if row[names[i]] is None]
+            raise KeyMissingError(
+                f"a change of {self.schema}.{self.table} arrived without key column(s) {missing}; the table's "
+                "REPLICA IDENTITY must include the key (REPLICA IDENTITY DEFAULT or FULL)"
+            )
+        return self._encode_key(record)
 
     def _encode_key(self, record: dict[str, Any]) -> bytes:
         out = bytearray(self._key_frame)

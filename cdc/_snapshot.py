@@ -221,7 +221,10 @@ class Snapshotter:
         pos = Position(consistent, consistent, time.time_ns() // 1000, None, "true")
         now_us = time.time_ns() // 1000
         for tup in chunk.rows:
-            after, _ = codec.row(tup)
+            try:
+                after, _ = codec.row(tup)
+            except ValueError as exc:
+                raise StreamError(f"cannot snapshot a row of {chunk.table}: {exc}") from exc
             self.capture._produce(
                 codec.topic, codec.key_of(after), codec.envelope("r", pos, before=None, after=after, now_us=now_us)
             )

@@ -240,6 +240,15 @@ def _key_columns(info: TableInfo, configured: tuple[str, ...] | None) -> tuple[s
             )
         return configured
     if info.primary_key:
+        if info.replica_identity != "f" and not set(info.primary_key) <= set(info.identity_columns):
+            # Deletes (and key-changing updates) would carry other columns than the key: events of
+            # deleted rows could not be keyed.
+            raise SourceCheckError(
+                f"table {info.qualified} has a primary key, but its REPLICA IDENTITY "
+                f"({ {'n': 'NOTHING', 'i': 'USING INDEX'}.get(info.replica_identity, info.replica_identity) }) "
+                f"does not log it for deletes: run ALTER TABLE {_quoted(info)} REPLICA IDENTITY DEFAULT",
+                check="replica-identity",
+            )
         return info.primary_key
     if info.replica_identity == "i" and info.identity_columns:
         return info.identity_columns

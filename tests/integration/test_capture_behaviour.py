@@ -212,6 +212,8 @@ def test_attach_dry_run_and_detach(
     with psycopg.connect(source, autocommit=True) as conn:
         conn.execute("CREATE TABLE items (id int PRIMARY KEY)")
         conn.execute("CREATE TABLE nokey (a int)")
+        conn.execute("CREATE TABLE otherident (id int PRIMARY KEY, code text NOT NULL UNIQUE)")
+        conn.execute("ALTER TABLE otherident REPLICA IDENTITY USING INDEX otherident_code_key")
     cfg = CdcConfig(source, kafka_bootstrap, registry_url, f"t{unique}", ["public.items"], f"s_{unique}", f"p_{unique}")
     path = cfg.write(tmp_path / "cdc.toml")
 
@@ -236,6 +238,13 @@ def test_attach_dry_run_and_detach(
     assert refused.returncode == 3
     assert "public.nokey has no primary key" in refused.stderr
     assert "REPLICA IDENTITY" in refused.stderr
+
+    bad = CdcConfig(
+        source, kafka_bootstrap, registry_url, f"t{unique}", ["public.otherident"], f"s3_{unique}", f"r_{unique}"
+    )
+    refused = cdc("attach", "--config", str(bad.write(tmp_path / "bad2.toml")))
+    assert refused.returncode == 3
+    assert "REPLICA IDENTITY DEFAULT" in refused.stderr
 
     assert cdc("detach", "--config", str(path)).returncode == 2  # needs --yes
     gone = cdc("detach", "--config", str(path), "--yes")
