@@ -34,14 +34,16 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import IO, Any
 
+import psycopg
+
 from cdc import __version__
-from cdc._catalog import TypeResolver
+from cdc._catalog import TypeResolver, qualified_name
 from cdc._config import Settings
 from cdc._events import ColumnSpec, Position, SourceInfo, TableCodec
 from cdc._kafka import OffsetStore, Registry, Topics, TransactionalProducer
 from cdc._replication import ReplicationConnection
 from cdc._snapshot import SnapshotStoppedError, Snapshotter
-from cdc._source import AttachReport, check_and_prepare, connect
+from cdc._source import AttachReport, check_and_prepare, connect, translate_pg_error
 from cdc.errors import StreamError
 from decoders import (
     Begin,
@@ -132,6 +134,7 @@ class Capture:
         self._stats_events = 0
         self._binary = settings.capture.binary
         self._side: dict[str, tuple[str, bytes, Any, bytes, Any]] = {}
+        self._stream_codecs: dict[int, TableCodec] = {}
         self._tx: _TxMeta | None = None
 
     # --- set-up -------------------------------------------------------------------------------
@@ -148,6 +151,14 @@ class Capture:
 
     def run(self) -> None:
         """Attach, snapshot if needed, stream until ``stop`` is set; raises CDCError subclasses."""
+        try:
+            self._run()
+        except psycopg.Error as exc:
+            # The one boundary for the source's errors after connecting (heartbeats, catalogs, snapshot
+            # workers): a dropped connection is transient, anything else says what PostgreSQL said.
+            raise translate_pg_error(exc, self.settings.source.display_dsn()) from exc
+
+    def _run(self) -> None:
         s = self.settings
         self.sql = connect(s)
         try:
@@ -240,7 +251,7 @@ class Capture:
     ) -> TableCodec:
         """Build (and register schemas for) the codec of a table version; cached by relid by callers."""
         s = self.settings
-        qualified = f"{schema}.{table}"
+        qualified = qualified_name(schema, table)
         shapes, mappings = [], []
         for col in columns:
             pgtype = self.types.resolve(col.type_oid)
@@ -268,6 +279,19 @@ class Capture:
             source=self.source_info,
             register=lambda subject, sch: self.registry.register(subject, sch, table=qualified),
         )
+
+    def _codec(self, relid: int) -> TableCodec:
+        """The codec a change of ``relid`` is encoded with: its streamed transaction's own schema first."""
+        codec = self._stream_codecs.get(relid) or self._codecs.get(relid)
+        if codec is None:
+            raise StreamError(f"change for relation {relid} before its Relation message")
+        return codec
+
+    def _checked_codec(self, rel: Relation) -> TableCodec:
+        codec = self._codec_from_relation(rel)
+        if self._binary and not all(codec.binary_capable):
+            raise _TextModeNeededError(f"table {rel.namespace}.{rel.name} has a column without a binary reader")
+        return codec
 
     def _codec_from_relation(self, rel: Relation) -> TableCodec:
         cols = [ColumnSpec(c.name, c.type_oid, c.type_modifier) for c in rel.columns]
@@ -389,12 +413,12 @@ class Capture:
                     if self._in_batch and self._batch_events >= s.capture.max_batch_events:
                         flush()
                 elif isinstance(msg, Relation):
-                    codec = self._codec_from_relation(msg)
-                    if self._binary and not all(codec.binary_capable):
-                        raise _TextModeNeededError(
-                            f"table {msg.namespace}.{msg.name} has a column without a binary reader"
-                        )
-                    self._codecs[msg.relid] = codec
+                    if stream_xid is not None:
+                        # Inside a streamed transaction the schema is that transaction's own (it may have
+                        # altered the table): it applies to its changes only, when it commits.
+                        spills[stream_xid].add(lsn, msg)
+                    else:
+                        self._codecs[msg.relid] = self._checked_codec(msg)
                 elif isinstance(msg, TypeInfo):
                     self.types.invalidate(msg.oid)
                 elif isinstance(msg, LogicalMessage):
@@ -406,13 +430,14 @@ class Capture:
                     elif msg.lsn >= resume:
                         # Not part of any transaction: PostgreSQL skips such a message only when it lies
                         # before the start position, so the resume position must move past it.
-                        if msg.prefix != HEARTBEAT_PREFIX and s.capture.emit_messages:
+                        heartbeat = msg.prefix == HEARTBEAT_PREFIX
+                        if not heartbeat and s.capture.emit_messages:
                             now_us = time.time_ns() // 1000
                             self._apply(msg, Position(msg.lsn, msg.lsn, now_us, None), now_us)
                         if current is None and stream_xid is None:
                             batch_lsn = max(batch_lsn, msg.lsn + 1)
-                            if msg.prefix == HEARTBEAT_PREFIX:
-                                flush()
+                            if heartbeat and bytes(msg.content) == s.source.slot.encode():
+                                flush()  # our own heartbeat (other instances' pass by)
                 elif isinstance(msg, StreamStart):
                     stream_xid = msg.xid
                     if msg.xid not in spills:
@@ -436,12 +461,17 @@ class Capture:
                             if msg.commit_lsn >= resume:
                                 txn_now_us = time.time_ns() // 1000
                                 self._tx_begin(msg.xid, msg.commit_lsn, msg.commit_time_us)
+                                self._stream_codecs = {}
                                 for change_lsn, change in spill.replay():
+                                    if isinstance(change, Relation):
+                                        self._stream_codecs[change.relid] = self._checked_codec(change)
+                                        continue
                                     self._apply(
                                         change,  # type: ignore[arg-type]
                                         Position(msg.commit_lsn, change_lsn, msg.commit_time_us, msg.xid),
                                         txn_now_us,
                                     )
+                                self._stream_codecs = {}
                                 batch_lsn = max(batch_lsn, msg.end_lsn)
                                 self._tx_end()
                         finally:
@@ -558,7 +588,7 @@ class Capture:
     def _apply(self, msg: Insert | Update | Delete | Truncate | LogicalMessage, pos: Position, now_us: int) -> None:
         try:
             self._apply_change(msg, pos, now_us)
-        except ValueError as exc:  # a value we cannot convert, a change without its key: stop, ack nothing
+        except (ValueError, IndexError) as exc:  # an unconvertible value, a missing key: stop, ack nothing
             raise StreamError(f"cannot capture the change at LSN {format_lsn(pos.lsn)}: {exc}") from exc
 
     def _apply_change(
@@ -571,7 +601,7 @@ class Capture:
             if not self.settings.capture.emit_truncates:
                 return
             for relid in msg.relids:
-                truncated = self._codecs[relid]
+                truncated = self._codec(relid)
                 value = truncated.envelope(
                     "t", pos, before=None, after=None, now_us=now_us, transaction=self._tx_block(truncated)
                 )
@@ -579,9 +609,7 @@ class Capture:
                 for partition in range(self.topics.ensure(truncated.topic)):
                     self._produce(truncated.topic, truncated.truncate_key, value, partition)
             return
-        codec = self._codecs.get(msg.relid)
-        if codec is None:
-            raise StreamError(f"change for relation {msg.relid} before its Relation message")
+        codec = self._codec(msg.relid)
         if isinstance(msg, Insert):
             after, unchanged = codec.row(msg.new)
             self._produce(

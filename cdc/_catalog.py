@@ -34,10 +34,20 @@ class TableInfo:
 
     @property
     def qualified(self) -> str:
-        return f"{self.schema}.{self.name}"
+        """'schema.table', parts quoted when they hold a dot or a quote: unambiguous, and what config uses."""
+        return qualified_name(self.schema, self.name)
 
     def ident(self) -> sql.Composed:
         return sql.SQL("{}.{}").format(sql.Identifier(self.schema), sql.Identifier(self.name))
+
+
+def qualified_name(schema: str, table: str) -> str:
+    """'schema.table', each part quoted when it holds a dot or a quote (so the result is unambiguous)."""
+    return f"{_part(schema)}.{_part(table)}"
+
+
+def _part(name: str) -> str:
+    return name if name and "." not in name and '"' not in name else '"' + name.replace('"', '""') + '"'
 
 
 def load_table(conn: psycopg.Connection[Any], schema: str, table: str) -> TableInfo | None:

@@ -96,6 +96,8 @@ class SourceConfig(_Section):
         params = conninfo_to_dict(self.dsn.get_secret_value())
         if "password" in params or self.password or self.password_file:
             params["password"] = "***"  # noqa: S105 - the mask, not a password
+        if "sslpassword" in params:
+            params["sslpassword"] = "***"
         return make_conninfo("", **params)
 
 
@@ -176,7 +178,12 @@ class Settings(BaseSettings):
         return self.kafka.offsets_topic or f"{self.kafka.topic_prefix}.offsets"
 
     def topic_for(self, schema: str, table: str) -> str:
-        return f"{self.kafka.topic_prefix}.{schema}.{table}"
+        """``<prefix>.<schema>.<table>``; characters Kafka refuses (and dots inside a part) become '_'."""
+        return f"{self.kafka.topic_prefix}.{_topic_part(schema)}.{_topic_part(table)}"
+
+
+def _topic_part(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_-]", "_", name) or "_"
 
 
 def split_table_name(name: str) -> tuple[str, str]:

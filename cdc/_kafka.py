@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -37,6 +38,8 @@ def _kafka_error(exc: KafkaException, doing: str) -> Exception:
             f"{doing}: another pgcdc instance with the same transactional id took over (fenced); "
             "this instance stops so that only one writes"
         )
+    if code == KafkaError.TOPIC_EXCEPTION:  # e.g. an invalid topic name
+        return KafkaSetupError(f"{doing}: Kafka refused the topic name: {err.str()}")
     if code == KafkaError.MSG_SIZE_TOO_LARGE:
         return KafkaSetupError(
             f"{doing}: a message is larger than the broker accepts; raise the topic's max.message.bytes "
@@ -85,12 +88,23 @@ class Topics:
             except KafkaException as exc:
                 if exc.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:
                     raise _kafka_error(exc, f"creating topic {topic!r}") from exc
-            md = self._admin.list_topics(topic, timeout=_TIMEOUT_S)
-            found = md.topics[topic]
+            found = self._wait_for_partitions(topic)
         if policy == "compact":
             self._check_compacted(topic)
         self._known[topic] = len(found.partitions)
         return self._known[topic]
+
+    def _wait_for_partitions(self, topic: str) -> Any:
+        """Metadata of a just-created topic; its partitions may take a moment to appear."""
+        for _ in range(100):
+            try:
+                found = self._admin.list_topics(topic, timeout=_TIMEOUT_S).topics.get(topic)
+            except KafkaException as exc:
+                raise _kafka_error(exc, f"looking up topic {topic!r}") from exc
+            if found is not None and found.error is None and found.partitions:
+                return found
+            time.sleep(0.1)
+        raise TransientError(f"topic {topic!r} was created but has no partitions yet")
 
     def _check_compacted(self, topic: str) -> None:
         resource = ConfigResource(ConfigResource.Type.TOPIC, topic)
@@ -126,11 +140,14 @@ class TransactionalProducer:
             # this; 15 min is the broker's default ceiling (transaction.max.timeout.ms). A crashed instance's
             # open transaction is aborted at once by the next instance's init_transactions, not after this.
             "transaction.timeout.ms": 900_000,
+            # commit_transaction fails on any failed delivery; successful reports are just work to serve.
+            "delivery.report.only.error": True,
             **conf,
             "transactional.id": transactional_id,
         }
         self._producer = Producer(settings)
         self._errors: list[KafkaError] = []
+        self._produced = 0
         self.transactional_id = transactional_id
         try:
             # Fences any earlier instance with our id and aborts what it left open.
@@ -150,6 +167,9 @@ class TransactionalProducer:
             raise _kafka_error(exc, "beginning a Kafka transaction") from exc
 
     def produce(self, topic: str, key: bytes, value: bytes | None, partition: int | None = None) -> None:
+        self._produced += 1
+        if self._produced % 1000 == 0:
+            self._producer.poll(0)  # serve callbacks now and then, not only when the queue is full
         while True:
             try:
                 if partition is None:
@@ -257,7 +277,7 @@ class Registry:
             if exc.http_status_code in (401, 403):
                 raise SchemaRegistryError(f"the schema registry refused our credentials ({exc.error_message})") from exc
             raise TransientError(f"schema registry error for {subject!r}: {exc.error_message}") from exc
-        except OSError as exc:
-            raise TransientError(f"cannot reach the schema registry: {exc}") from exc
+        except Exception as exc:  # the client's transport errors (httpx) share no base class we can name
+            raise TransientError(f"cannot reach the schema registry: {type(exc).__name__}: {exc}") from exc
         self._ids[(subject, text)] = schema_id
         return schema_id

@@ -38,7 +38,10 @@ class ReplicationConnection:
 
     def create_slot(self, slot: str, *, export_snapshot: bool) -> CreatedSlot:
         """CREATE_REPLICATION_SLOT; with export_snapshot, the snapshot stays valid until the next command."""
-        option = "(SNAPSHOT 'export')" if export_snapshot else "(SNAPSHOT 'nothing')"
+        if self._conn.server_version >= 150000:
+            option = "(SNAPSHOT 'export')" if export_snapshot else "(SNAPSHOT 'nothing')"
+        else:  # the older spelling, still accepted by 15+, but the option list is the documented one there
+            option = "EXPORT_SNAPSHOT" if export_snapshot else "NOEXPORT_SNAPSHOT"
         # Slot names are validated to [a-z0-9_] in the configuration; quoting is still applied.
         res = self._conn.exec_(f'CREATE_REPLICATION_SLOT "{slot}" LOGICAL pgoutput {option}'.encode())
         if res.status != pq.ExecStatus.TUPLES_OK:
@@ -83,7 +86,9 @@ class ReplicationConnection:
 
     def send_status(self, write: int, flush: int, apply: int, *, reply: bool = False) -> None:
         msg = standby_status(write, flush, apply, time.time_ns() // 1000, reply)
-        if self._conn.put_copy_data(msg) != 1:
+        while (sent := self._conn.put_copy_data(msg)) == 0:  # non-blocking and the buffer is full: wait
+            select.select([], [self._conn.socket], [], 1.0)
+        if sent != 1:
             raise TransientError(f"cannot send standby status to {self._where}: {self._error()}")
         while self._conn.flush() == 1:  # non-blocking: 1 means "more to send"
             select.select([], [self._conn.socket], [], 1.0)

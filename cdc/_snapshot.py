@@ -181,7 +181,9 @@ class Snapshotter:
                 if after is not None:
                     where = sql.SQL("WHERE ({}) > ({})").format(
                         order,
-                        sql.SQL(", ").join(sql.SQL("%s::" + t) for t in key_types),  # format_type output
+                        sql.SQL(", ").join(
+                            sql.SQL("%s::" + t.replace("%", "%%")) for t in key_types
+                        ),  # format_type output
                     )
                     params = after
                 query = sql.SQL(
@@ -223,11 +225,10 @@ class Snapshotter:
         for tup in chunk.rows:
             try:
                 after, _ = codec.row(tup)
-            except ValueError as exc:
+                key = codec.key_of(after)
+            except (ValueError, IndexError) as exc:
                 raise StreamError(f"cannot snapshot a row of {chunk.table}: {exc}") from exc
-            self.capture._produce(
-                codec.topic, codec.key_of(after), codec.envelope("r", pos, before=None, after=after, now_us=now_us)
-            )
+            self.capture._produce(codec.topic, key, codec.envelope("r", pos, before=None, after=after, now_us=now_us))
         self.snap["tables"][chunk.table] = {"after": chunk.last_key, "done": chunk.done}
         self.capture._commit_offsets(self.state)
 

@@ -15,7 +15,7 @@ from psycopg import sql
 
 from cdc._catalog import TableInfo, load_table
 from cdc._config import Settings, split_table_name
-from cdc.errors import AuthenticationError, SourceCheckError, TransientError
+from cdc.errors import AuthenticationError, SourceCheckError, StreamError, TransientError
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ def translate_pg_error(exc: psycopg.Error, where: str) -> Exception:
         )
     if isinstance(exc, psycopg.OperationalError):
         return TransientError(f"cannot reach PostgreSQL at {where}: {text}")
-    return exc
+    return StreamError(f"PostgreSQL at {where} refused a statement of pgcdc: {text}")
 
 
 def connect(settings: Settings, *, autocommit: bool = True, **extra: str) -> psycopg.Connection[Any]:
@@ -98,7 +98,35 @@ def check_and_prepare(
         report.tables.append(info)
         report.key_columns[info.qualified] = _key_columns(info, configured_keys.get((schema, table)))
 
+    topics: dict[str, str] = {}
+    for captured in report.tables:
+        topic = settings.topic_for(captured.schema, captured.name)
+        if len(topic) > 249:
+            raise SourceCheckError(
+                f"the topic name for {captured.qualified} would be longer than Kafka's 249 characters; "
+                "use a shorter kafka.topic_prefix",
+                check="topic-name",
+            )
+        if topic in topics:
+            raise SourceCheckError(
+                f"tables {topics[topic]} and {captured.qualified} would share topic {topic!r} (characters Kafka "
+                "refuses become '_'); rename one or capture them with separate topic prefixes",
+                check="topic-name",
+            )
+        topics[topic] = captured.qualified
+    partitioned = any(t.relkind == "p" for t in report.tables)
+
     if report.publication_exists:
+        if (
+            partitioned
+            and not _one(conn, "SELECT pubviaroot FROM pg_publication WHERE pubname = %s", (src.publication,))[0]
+        ):
+            raise SourceCheckError(
+                f"publication {src.publication!r} publishes partitioned tables through their partitions, so "
+                "changes would not reach the parent's topic: run ALTER PUBLICATION "
+                f"{sql.Identifier(src.publication).as_string(conn)} SET (publish_via_partition_root = true)",
+                check="publication-partitions",
+            )
         present = set(_publication_tables(conn, src.publication))
         missing = [t for t in report.tables if (t.schema, t.name) not in present]
         if missing:
@@ -110,8 +138,11 @@ def check_and_prepare(
             )
         _check_publication_actions(conn, src.publication)
     else:
-        stmt = sql.SQL("CREATE PUBLICATION {} FOR TABLE {}").format(
-            sql.Identifier(src.publication), sql.SQL(", ").join(t.ident() for t in report.tables)
+        # Changes of a partitioned table then arrive as the parent's, matching its snapshot and topic.
+        stmt = sql.SQL("CREATE PUBLICATION {} FOR TABLE {}{}").format(
+            sql.Identifier(src.publication),
+            sql.SQL(", ").join(t.ident() for t in report.tables),
+            sql.SQL(" WITH (publish_via_partition_root = true)") if partitioned else sql.SQL(""),
         )
         report.actions.append(stmt.as_string(conn))
         if not dry_run:
@@ -230,6 +261,13 @@ def _key_columns(info: TableInfo, configured: tuple[str, ...] | None) -> tuple[s
         if unknown:
             raise SourceCheckError(
                 f"source.key_columns for {info.qualified} names {unknown}, which are not columns of the table",
+                check="key-columns",
+            )
+        nullable = [c.name for c in info.columns if c.name in configured and not c.not_null]
+        if nullable:
+            raise SourceCheckError(
+                f"source.key_columns for {info.qualified} names nullable column(s) {nullable}; a key must never "
+                "be null: make them NOT NULL (and unique)",
                 check="key-columns",
             )
         if info.replica_identity != "f" and not set(configured) <= set(info.identity_columns):

@@ -15,13 +15,14 @@ import json
 import logging
 import sys
 import threading
+import time
 from pathlib import Path
 
 from tenacity import (
+    RetryCallState,
     before_sleep_log,
     retry,
     retry_if_exception_type,
-    stop_after_delay,
     wait_exponential_jitter,
 )
 
@@ -33,6 +34,9 @@ from cdc._source import check_and_prepare, connect, detach
 from cdc.errors import CDCError, TransientError
 
 log = logging.getLogger("cdc")
+
+RETRY_WINDOW_S = 30 * 60.0  # give up after this long without an attempt that made progress
+PROGRESS_S = 60.0  # an attempt that ran this long made progress
 
 
 class _JsonFormatter(logging.Formatter):
@@ -129,17 +133,34 @@ def _run(settings: Settings) -> int:
     install_signal_handlers(stop)
 
     # Transient faults (network, broker failover) restart the capture from its committed offset, which is
-    # safe by construction; terminal ones end the process with their exit code.
+    # safe by construction; terminal ones end the process with their exit code. The give-up clock counts
+    # from the last attempt that made progress (ran a while), not from the process start: a blip after
+    # two days of streaming is retried like one in the first minute.
+    last_progress = [time.monotonic()]
+
+    def interruptible_sleep(seconds: float) -> None:
+        stop.wait(seconds)  # SIGTERM ends a backoff at once
+
+    def gave_up(state: RetryCallState) -> bool:
+        return time.monotonic() - last_progress[0] > RETRY_WINDOW_S
+
     @retry(
         retry=retry_if_exception_type(TransientError),
         wait=wait_exponential_jitter(multiplier=0.5, max=30),
-        stop=stop_after_delay(float(3600)),
+        stop=gave_up,
+        sleep=interruptible_sleep,
         before_sleep=before_sleep_log(log, logging.WARNING),
         reraise=True,
     )
     def attempt() -> None:
-        if not stop.is_set():
+        if stop.is_set():
+            return
+        started = time.monotonic()
+        try:
             Capture(settings, stop=stop).run()
+        finally:
+            if time.monotonic() - started > PROGRESS_S:
+                last_progress[0] = time.monotonic()
 
     attempt()
     return 0
