@@ -130,11 +130,12 @@ class Capture:
         self.settings = settings
         self.stop = stop or threading.Event()
         self._codecs: dict[int, TableCodec] = {}
-        self._pending_relations: dict[int, Relation] = {}
         self._stats_events = 0
         self._binary = settings.capture.binary
         self._side: dict[str, tuple[str, bytes, Any, bytes, Any]] = {}
         self._stream_codecs: dict[int, TableCodec] = {}
+        self._relations: dict[int, Relation] = {}
+        self._stream_relations: dict[int, Relation] = {}
         self._tx: _TxMeta | None = None
 
     # --- set-up -------------------------------------------------------------------------------
@@ -281,11 +282,20 @@ class Capture:
         )
 
     def _codec(self, relid: int) -> TableCodec:
-        """The codec a change of ``relid`` is encoded with: its streamed transaction's own schema first."""
-        codec = self._stream_codecs.get(relid) or self._codecs.get(relid)
-        if codec is None:
-            raise StreamError(f"change for relation {relid} before its Relation message")
-        return codec
+        """The codec a change of ``relid`` is encoded with: its streamed transaction's own schema first.
+
+        Built on the first change, not when the Relation arrives: PostgreSQL also describes relations no
+        event will be written for (the leaf partitions of a table published via its root) and re-sends
+        unchanged ones (after a truncate, in every streamed transaction).
+        """
+        for relations, codecs in ((self._stream_relations, self._stream_codecs), (self._relations, self._codecs)):
+            rel = relations.get(relid)
+            if rel is not None:
+                codec = codecs.get(relid)
+                if codec is None:
+                    codec = codecs[relid] = self._checked_codec(rel)
+                return codec
+        raise StreamError(f"change for relation {relid} before its Relation message")
 
     def _checked_codec(self, rel: Relation) -> TableCodec:
         codec = self._codec_from_relation(rel)
@@ -417,8 +427,9 @@ class Capture:
                         # Inside a streamed transaction the schema is that transaction's own (it may have
                         # altered the table): it applies to its changes only, when it commits.
                         spills[stream_xid].add(lsn, msg)
-                    else:
-                        self._codecs[msg.relid] = self._checked_codec(msg)
+                    elif self._relations.get(msg.relid) != msg:
+                        self._relations[msg.relid] = msg
+                        self._codecs.pop(msg.relid, None)
                 elif isinstance(msg, TypeInfo):
                     self.types.invalidate(msg.oid)
                 elif isinstance(msg, LogicalMessage):
@@ -461,17 +472,18 @@ class Capture:
                             if msg.commit_lsn >= resume:
                                 txn_now_us = time.time_ns() // 1000
                                 self._tx_begin(msg.xid, msg.commit_lsn, msg.commit_time_us)
-                                self._stream_codecs = {}
+                                self._stream_relations, self._stream_codecs = {}, {}
                                 for change_lsn, change in spill.replay():
                                     if isinstance(change, Relation):
-                                        self._stream_codecs[change.relid] = self._checked_codec(change)
+                                        self._stream_relations[change.relid] = change
+                                        self._stream_codecs.pop(change.relid, None)
                                         continue
                                     self._apply(
                                         change,  # type: ignore[arg-type]
                                         Position(msg.commit_lsn, change_lsn, msg.commit_time_us, msg.xid),
                                         txn_now_us,
                                     )
-                                self._stream_codecs = {}
+                                self._stream_relations, self._stream_codecs = {}, {}
                                 batch_lsn = max(batch_lsn, msg.end_lsn)
                                 self._tx_end()
                         finally:

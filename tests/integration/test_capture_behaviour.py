@@ -376,3 +376,55 @@ def test_transaction_metadata_when_enabled(
         ("c", begin["id"], 2),
         ("u", begin["id"], 3),
     ]
+
+
+def test_schema_change_inside_a_streamed_transaction_and_partitioned_tables(
+    source: str, kafka_bootstrap: str, registry_url: str, unique: str, tmp_path: Path
+) -> None:
+    with psycopg.connect(source, autocommit=True) as conn:
+        conn.execute("CREATE TABLE items (id int PRIMARY KEY, name text)")
+        conn.execute("CREATE TABLE parts (id int, region text, PRIMARY KEY (id, region)) PARTITION BY LIST (region)")
+        conn.execute("CREATE TABLE parts_eu PARTITION OF parts FOR VALUES IN ('eu')")
+        conn.execute("CREATE TABLE parts_us PARTITION OF parts FOR VALUES IN ('us')")
+        conn.execute("INSERT INTO parts VALUES (1, 'eu'), (2, 'us')")
+    cfg = CdcConfig(
+        source + " options='-c logical_decoding_work_mem=64kB'",
+        kafka_bootstrap,
+        registry_url,
+        f"t{unique}",
+        ["public.items", "public.parts"],
+        f"s_{unique}",
+        f"p_{unique}",
+    )
+    proc = CdcProcess(cfg.write(tmp_path / "cdc.toml"), tmp_path / "cdc.log")
+    proc.start()
+    items, parts = f"t{unique}.public.items", f"t{unique}.public.parts"
+    try:
+        wait_for(lambda: "streaming from slot" in proc.tail(), 120, "streaming to start", proc)
+        with psycopg.connect(source) as conn:
+            # Streamed (large), and it changes the table's schema before writing with it.
+            conn.execute("ALTER TABLE items ADD COLUMN extra int")
+            conn.execute("INSERT INTO items SELECT g, repeat('y', 200), 7 FROM generate_series(1, 3000) g")
+            conn.commit()
+            conn.execute("INSERT INTO parts VALUES (3, 'us')")
+            conn.execute("DELETE FROM parts WHERE id = 1")
+            conn.commit()
+        wait_for(lambda: len(read_topic(kafka_bootstrap, registry_url, items)) >= 3000, 120, "the items", proc)
+        wait_for(lambda: len(read_topic(kafka_bootstrap, registry_url, parts)) >= 5, 60, "the parts", proc)
+    finally:
+        proc.stop()
+    afters = [e.value["after"] for e in read_topic(kafka_bootstrap, registry_url, items) if e.value]
+    assert len(afters) == 3000
+    assert all(a["extra"] == 7 for a in afters)
+    # Snapshot rows and streamed changes of the partitions all land on the parent's topic.
+    ops = [(e.value["op"] if e.value else "tombstone", e.key) for e in read_topic(kafka_bootstrap, registry_url, parts)]
+    assert sorted(ops, key=str) == sorted(
+        [
+            ("r", {"id": 1, "region": "eu"}),
+            ("r", {"id": 2, "region": "us"}),
+            ("c", {"id": 3, "region": "us"}),
+            ("d", {"id": 1, "region": "eu"}),
+            ("tombstone", {"id": 1, "region": "eu"}),
+        ],
+        key=str,
+    )
