@@ -134,8 +134,8 @@ url = "{registry}"
             [sys.executable, "-m", "cdc.cli", "run", "--config", str(config)], stdout=out, stderr=subprocess.STDOUT
         )
     topics = [f"{prefix}.{t}" for t in TABLES]
-    client = SchemaRegistryClient({"url": registry})
-    value_de = AvroDeserializer(client)
+    client = SchemaRegistryClient({"url": registry, "timeout": 30})
+    value_de = AvroDeserializer(client, conf={"subject.name.strategy.type": "TOPIC"})
     consumer = Consumer(
         {
             "bootstrap.servers": kafka,

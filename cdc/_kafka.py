@@ -257,7 +257,9 @@ class Registry:
     """Registers schemas (once each) and returns their ids."""
 
     def __init__(self, conf: Mapping[str, Any]) -> None:
-        self._client = SchemaRegistryClient(dict(conf))
+        # A registry request that never answers must not hang the capture (seen with Apicurio under load):
+        # time out, and the retry loop restarts from the committed offset.
+        self._client = SchemaRegistryClient({"timeout": 30, **conf})
         self._ids: dict[tuple[str, str], int] = {}
 
     def register(self, subject: str, schema: Mapping[str, Any], *, table: str) -> int:

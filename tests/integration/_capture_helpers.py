@@ -133,8 +133,11 @@ class Event:
 
 def read_topic(bootstrap: str, registry: str, topic: str, timeout: float = 60) -> list[Event]:
     """Everything committed in ``topic`` (read_committed), decoded with confluent-kafka's AvroDeserializer."""
-    client = SchemaRegistryClient({"url": registry})
-    key_de, value_de = AvroDeserializer(client), AvroDeserializer(client)
+    client = SchemaRegistryClient({"url": registry, "timeout": 30})
+    # The default strategy asks the registry for "associations" on every record (Apicurio answers 404):
+    # the topic strategy is what the capture registers under, and one request per schema is enough.
+    conf = {"subject.name.strategy.type": "TOPIC"}
+    key_de, value_de = AvroDeserializer(client, conf=conf), AvroDeserializer(client, conf=conf)
     admin = AdminClient({"bootstrap.servers": bootstrap})
     md = admin.list_topics(topic, timeout=30)
     if topic not in md.topics or md.topics[topic].error is not None:
