@@ -270,15 +270,23 @@ class PgOutputDecoder:
 
     # -- schema ------------------------------------------------------------------------------------
 
-    def _relation(self, data: bytes) -> Message:
-        xid: int | None
+    def _xid_and_oid(self, data: bytes) -> tuple[int | None, int, int]:
+        """(xid, relation or type oid, position after them): the xid is only sent inside a streamed block."""
         if self._in_stream:
-            xid, relid = _U32_U32(data, 1)
-            pos = 9
-        else:
-            xid = None
-            (relid,) = _U32(data, 1)
-            pos = 5
+            xid, oid = _U32_U32(data, 1)
+            return xid, oid, 9
+        (oid,) = _U32(data, 1)
+        return None, oid, 5
+
+    def _xid(self, data: bytes) -> tuple[int | None, int]:
+        """(xid, position after it) for messages whose streamed form starts with the xid."""
+        if self._in_stream:
+            (xid,) = _U32(data, 1)
+            return xid, 5
+        return None, 1
+
+    def _relation(self, data: bytes) -> Message:
+        xid, relid, pos = self._xid_and_oid(data)
         namespace, pos = _cstring(data, pos, 82, "namespace")
         name, pos = _cstring(data, pos, 82, "relation name")
         identity = data[pos]
@@ -301,14 +309,7 @@ class PgOutputDecoder:
         return Relation(xid, relid, namespace or _PG_CATALOG, name, chr(identity), tuple(columns))
 
     def _type(self, data: bytes) -> Message:
-        xid: int | None
-        if self._in_stream:
-            xid, oid = _U32_U32(data, 1)
-            pos = 9
-        else:
-            xid = None
-            (oid,) = _U32(data, 1)
-            pos = 5
+        xid, oid, pos = self._xid_and_oid(data)
         namespace, pos = _cstring(data, pos, 89, "namespace")
         name, pos = _cstring(data, pos, 89, "type name")
         _check_end(data, pos, 89)
@@ -317,14 +318,7 @@ class PgOutputDecoder:
     # -- row changes -------------------------------------------------------------------------------
 
     def _insert(self, data: bytes) -> Message:
-        xid: int | None
-        if self._in_stream:
-            xid, relid = _U32_U32(data, 1)
-            pos = 9
-        else:
-            xid = None
-            (relid,) = _U32(data, 1)
-            pos = 5
+        xid, relid, pos = self._xid_and_oid(data)
         if data[pos] != _NEW_TUPLE:
             raise DecodeError(f"Insert message: expected 'N' (new tuple), got {data[pos]:#04x}", offset=pos, kind="I")
         new, pos = _read_tuple(data, pos + 1, 73)
@@ -333,14 +327,7 @@ class PgOutputDecoder:
         return Insert(xid, relid, new)
 
     def _update(self, data: bytes) -> Message:
-        xid: int | None
-        if self._in_stream:
-            xid, relid = _U32_U32(data, 1)
-            pos = 9
-        else:
-            xid = None
-            (relid,) = _U32(data, 1)
-            pos = 5
+        xid, relid, pos = self._xid_and_oid(data)
         marker = data[pos]
         old: TupleData | None = None
         old_kind: str | None = None
@@ -356,14 +343,7 @@ class PgOutputDecoder:
         return Update(xid, relid, old, old_kind, new)
 
     def _delete(self, data: bytes) -> Message:
-        xid: int | None
-        if self._in_stream:
-            xid, relid = _U32_U32(data, 1)
-            pos = 9
-        else:
-            xid = None
-            (relid,) = _U32(data, 1)
-            pos = 5
+        xid, relid, pos = self._xid_and_oid(data)
         marker = data[pos]
         if marker not in _OLD_MARKERS:
             raise DecodeError(
@@ -376,13 +356,7 @@ class PgOutputDecoder:
         return Delete(xid, relid, old, chr(marker))
 
     def _truncate(self, data: bytes) -> Message:
-        xid: int | None
-        if self._in_stream:
-            (xid,) = _U32(data, 1)
-            pos = 5
-        else:
-            xid = None
-            pos = 1
+        xid, pos = self._xid(data)
         count, options = _TRUNCATE(data, pos)
         pos += 5
         end = pos + 4 * count
@@ -396,13 +370,7 @@ class PgOutputDecoder:
         return Truncate(xid, relids, bool(options & _TRUNCATE_CASCADE), bool(options & _TRUNCATE_RESTART_IDENTITY))
 
     def _message(self, data: bytes) -> Message:
-        xid: int | None
-        if self._in_stream:
-            (xid,) = _U32(data, 1)
-            pos = 5
-        else:
-            xid = None
-            pos = 1
+        xid, pos = self._xid(data)
         flags, lsn = _MESSAGE(data, pos)
         prefix, pos = _cstring(data, pos + 9, 77, "prefix")
         (length,) = _U32(data, pos)
