@@ -183,10 +183,17 @@ def main(argv: list[str] | None = None) -> int:
             return _detach(settings, args.yes, args.dry_run)
         return _run(settings)
     except CDCError as exc:
-        print(f"cdc: error: {exc}", file=sys.stderr)
+        if args.log_json:
+            log.error("%s", exc, extra={"exit_code": exc.exit_code})  # one JSON line like every other
+        else:
+            print(f"cdc: error: {exc}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
         return 130
+    except Exception:
+        # A bug, not an operating condition: keep the traceback, in the log's format.
+        log.exception("unexpected error; please report it with this log")
+        return 1
 
 
 if __name__ == "__main__":
