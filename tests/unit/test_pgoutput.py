@@ -673,7 +673,7 @@ u64s = st.integers(min_value=0, max_value=(1 << 64) - 1)
 times = st.integers(min_value=-(1 << 63), max_value=(1 << 63) - 1).map(lambda pg: pg + PG_EPOCH_US)
 flags8 = st.integers(min_value=0, max_value=255)
 # PostgreSQL names are valid UTF-8: no NUL, and no lone surrogates (which UTF-8 cannot encode).
-names = st.text(st.characters(exclude_characters="\0", exclude_categories=("Cs",)), max_size=12)
+names = st.text(st.characters(exclude_characters="\0", exclude_categories=["Cs"]), max_size=12)
 namespaces = st.one_of(st.just("pg_catalog"), names.filter(bool))
 tuples = st.lists(
     st.one_of(
