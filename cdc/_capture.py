@@ -130,8 +130,11 @@ class Capture:
         self.settings = settings
         self.stop = stop or threading.Event()
         self._codecs: dict[int, TableCodec] = {}
-        self._stats_events = 0
         self._binary = settings.capture.binary
+        # The open Kafka transaction ("batch"): whole PostgreSQL transactions, committed with their offset.
+        self._in_batch = False
+        self._batch_started = 0.0
+        self._batch_events = 0
         self._side: dict[str, tuple[str, bytes, Any, bytes, Any]] = {}
         self._stream_codecs: dict[int, TableCodec] = {}
         self._relations: dict[int, Relation] = {}
@@ -248,9 +251,9 @@ class Capture:
     # --- codecs -------------------------------------------------------------------------------
 
     def codec_for(
-        self, relid: int, schema: str, table: str, columns: Sequence[ColumnSpec], key_flags: Sequence[bool]
+        self, schema: str, table: str, columns: Sequence[ColumnSpec], key_flags: Sequence[bool]
     ) -> TableCodec:
-        """Build (and register schemas for) the codec of a table version; cached by relid by callers."""
+        """Build (and register schemas for) the codec of one version of a table; callers cache it."""
         s = self.settings
         qualified = qualified_name(schema, table)
         shapes, mappings = [], []
@@ -305,7 +308,7 @@ class Capture:
 
     def _codec_from_relation(self, rel: Relation) -> TableCodec:
         cols = [ColumnSpec(c.name, c.type_oid, c.type_modifier) for c in rel.columns]
-        return self.codec_for(rel.relid, rel.namespace, rel.name, cols, [c.is_key for c in rel.columns])
+        return self.codec_for(rel.namespace, rel.name, cols, [c.is_key for c in rel.columns])
 
     # --- Kafka batches --------------------------------------------------------------------------
 
@@ -327,10 +330,6 @@ class Capture:
         self.producer.produce(self.offsets.topic, self.offsets.key, self.offsets.encode(state), 0)
         self.producer.commit()
         self._in_batch = False
-
-    _in_batch = False
-    _batch_started = 0.0
-    _batch_events = 0
 
     # --- streaming ----------------------------------------------------------------------------
 

@@ -131,10 +131,6 @@ class TableCodec:
                     unchanged.append(names[i])
         return out, unchanged
 
-    def row_from_values(self, values: Sequence[Any]) -> dict[str, Any]:
-        """A row whose values are already Avro-ready (snapshot path)."""
-        return dict(zip(self.field_names, values, strict=True))
-
     def key_of(self, row: dict[str, Any]) -> bytes:
         names = self.field_names
         record = {kn: row[names[i]] for kn, i in zip(self.key_field_names, self.key_indexes, strict=True)}

@@ -138,7 +138,7 @@ class Snapshotter:
     def _codec(self, table: TableInfo) -> TableCodec:
         key = set(self.capture.report.key_columns[table.qualified])
         cols = [ColumnSpec(c.name, c.type_oid, c.typmod) for c in table.columns]
-        return self.capture.codec_for(table.oid, table.schema, table.name, cols, [c.name in key for c in cols])
+        return self.capture.codec_for(table.schema, table.name, cols, [c.name in key for c in cols])
 
     def _estimate(self, table: TableInfo) -> int | None:
         row = self.capture.sql.execute("SELECT reltuples::bigint FROM pg_class WHERE oid = %s", (table.oid,)).fetchone()

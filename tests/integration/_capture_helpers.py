@@ -82,6 +82,12 @@ heartbeat_interval_s = 1.0
         )
         return path
 
+    def start(self, workdir: Path) -> CdcProcess:
+        """Write the configuration into ``workdir`` and start `cdc run` on it (log: workdir/cdc.log)."""
+        proc = CdcProcess(self.write(workdir / "cdc.toml"), workdir / "cdc.log")
+        proc.start()
+        return proc
+
 
 class CdcProcess:
     """`cdc run` as a child process, as an operator would run it."""
@@ -110,6 +116,10 @@ class CdcProcess:
         assert self.proc is not None
         self.proc.send_signal(signal.SIGTERM)
         return self.proc.wait(timeout)
+
+    def wait_streaming(self, timeout: float = 120) -> None:
+        """Until the snapshot (if any) is done and changes are being streamed."""
+        wait_for(lambda: "streaming from slot" in self.tail(), timeout, "streaming to start", self)
 
     def stop(self) -> None:
         """SIGTERM if still running; a clean shutdown must exit 0."""

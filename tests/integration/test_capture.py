@@ -52,9 +52,8 @@ def test_snapshot_then_stream_reaches_the_source_state(
         )
         conn.execute("INSERT INTO items SELECT g, 'item ' || g, g, g * 1.5 FROM generate_series(1, 500) g")
     cfg = _config(source, kafka_bootstrap, registry_url, unique, ["public.items"])
-    proc = CdcProcess(cfg.write(tmp_path / "cdc.toml"), tmp_path / "cdc.log")
+    proc = cfg.start(tmp_path)
     topic = f"t{unique}.public.items"
-    proc.start()
     try:
         wait_for(lambda: len(read_topic(kafka_bootstrap, registry_url, topic)) >= 500, 180, "the snapshot", proc)
         with psycopg.connect(source, autocommit=True) as conn:

@@ -32,10 +32,9 @@ def source(pg_dsn: str, unique: str) -> Iterator[str]:
 
 
 def _start(source: str, kafka: str, registry: str, unique: str, tmp_path: Path) -> CdcProcess:
-    cfg = CdcConfig(source, kafka, registry, f"t{unique}", ["public.items"], f"s_{unique}", f"p_{unique}")
-    proc = CdcProcess(cfg.write(tmp_path / "cdc.toml"), tmp_path / "cdc.log")
-    proc.start()
-    return proc
+    return CdcConfig(source, kafka, registry, f"t{unique}", ["public.items"], f"s_{unique}", f"p_{unique}").start(
+        tmp_path
+    )
 
 
 def _slot_flush(dsn: str, slot: str) -> int:
@@ -158,11 +157,10 @@ def test_toast_truncate_and_large_transactions(
     cfg = CdcConfig(
         small_mem, kafka_bootstrap, registry_url, f"t{unique}", ["public.items"], f"s_{unique}", f"p_{unique}"
     )
-    proc = CdcProcess(cfg.write(tmp_path / "cdc.toml"), tmp_path / "cdc.log")
-    proc.start()
+    proc = cfg.start(tmp_path)
     big = secrets.token_hex(20_000)  # incompressible: stored out of line, not compressed inline
     try:
-        wait_for(lambda: "streaming from slot" in proc.tail(), 120, "streaming to start", proc)
+        proc.wait_streaming()
         with psycopg.connect(source) as conn:
             # Aborted after PostgreSQL began streaming it: must never reach Kafka.
             conn.execute("INSERT INTO items SELECT g, repeat('x', 200), 0 FROM generate_series(1000, 6000) g")
@@ -261,7 +259,7 @@ def test_logical_decoding_messages_are_published(
     proc = _start(source, kafka_bootstrap, registry_url, unique, tmp_path)
     topic = f"t{unique}.messages"
     try:
-        wait_for(lambda: "streaming from slot" in proc.tail(), 120, "streaming to start", proc)
+        proc.wait_streaming()
         with psycopg.connect(source) as conn:
             conn.execute("SELECT pg_logical_emit_message(true, 'app.audit', 'in a transaction')")
             conn.execute("INSERT INTO items VALUES (1)")
@@ -318,7 +316,7 @@ def test_a_second_instance_fences_the_first_and_takes_over(
     second = CdcProcess(first.config, tmp_path / "second.log")
     topic = f"t{unique}.public.items"
     try:
-        wait_for(lambda: "streaming from slot" in first.tail(), 120, "the first instance to stream", first)
+        first.wait_streaming()
         with psycopg.connect(source, autocommit=True) as conn:
             conn.execute("INSERT INTO items SELECT generate_series(1, 10)")
         second.start()  # same transactional id: its init_transactions fences the first
@@ -326,7 +324,7 @@ def test_a_second_instance_fences_the_first_and_takes_over(
         code = first.proc.wait(60)
         assert code == 6, first.tail()
         assert "fenced" in first.tail()
-        wait_for(lambda: "streaming from slot" in second.tail(), 120, "the second instance to stream", second)
+        second.wait_streaming()
         with psycopg.connect(source, autocommit=True) as conn:
             conn.execute("INSERT INTO items SELECT generate_series(11, 20)")
         wait_for(lambda: len(read_topic(kafka_bootstrap, registry_url, topic)) >= 20, 60, "all rows", second)
@@ -352,11 +350,10 @@ def test_transaction_metadata_when_enabled(
         f"p_{unique}",
         extra="emit_transactions = true",
     )
-    proc = CdcProcess(cfg.write(tmp_path / "cdc.toml"), tmp_path / "cdc.log")
-    proc.start()
+    proc = cfg.start(tmp_path)
     tx_topic = f"t{unique}.transaction"
     try:
-        wait_for(lambda: "streaming from slot" in proc.tail(), 120, "streaming to start", proc)
+        proc.wait_streaming()
         with psycopg.connect(source) as conn:
             conn.execute("INSERT INTO items VALUES (1, 1), (2, 2)")
             conn.execute("UPDATE items SET qty = 3 WHERE id = 1")
@@ -396,11 +393,10 @@ def test_schema_change_inside_a_streamed_transaction_and_partitioned_tables(
         f"s_{unique}",
         f"p_{unique}",
     )
-    proc = CdcProcess(cfg.write(tmp_path / "cdc.toml"), tmp_path / "cdc.log")
-    proc.start()
+    proc = cfg.start(tmp_path)
     items, parts = f"t{unique}.public.items", f"t{unique}.public.parts"
     try:
-        wait_for(lambda: "streaming from slot" in proc.tail(), 120, "streaming to start", proc)
+        proc.wait_streaming()
         with psycopg.connect(source) as conn:
             # Streamed (large), and it changes the table's schema before writing with it.
             conn.execute("ALTER TABLE items ADD COLUMN extra int")

@@ -18,7 +18,7 @@ from confluent_kafka import Consumer, KafkaError, TopicPartition
 from psycopg import sql
 
 from schemas import avro_mapping
-from tests.integration._capture_helpers import CdcConfig, CdcProcess, wait_for
+from tests.integration._capture_helpers import CdcConfig, wait_for
 from tests.integration.test_types_zoo import ZOO, Zoo, load_pgtype
 from tests.integration.test_types_zoo import zoo as zoo  # noqa: PLC0414 - the fixture, re-exported for pytest
 from tests.unit.test_types import same, strip_logical
@@ -105,11 +105,10 @@ def test_every_zoo_value_arrives_exactly(
         f"z_{unique}",
         extra=f"binary = {'true' if binary else 'false'}",
     )
-    proc = CdcProcess(cfg.write(tmp_path / "cdc.toml"), tmp_path / "cdc.log")
-    proc.start()
+    proc = cfg.start(tmp_path)
     topic = f"{prefix}.{zoo.schema}.{table}"
     try:
-        wait_for(lambda: "streaming from slot" in proc.tail(), 120, "streaming to start", proc)
+        proc.wait_streaming()
         _insert(zoo, table, 1001, rows)  # read from the stream
         wait_for(lambda: len(_raw_afters(kafka_bootstrap, registry_url, topic)) >= 2 * rows, 120, "the rows", proc)
     finally:
