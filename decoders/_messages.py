@@ -20,7 +20,6 @@ import re
 from dataclasses import dataclass
 from typing import ClassVar, Final
 
-
 PG_EPOCH_OFFSET_US: Final = 946_684_800 * 1_000_000
 """Microseconds from the Unix epoch (1970-01-01) to PostgreSQL's epoch (2000-01-01)."""
 
