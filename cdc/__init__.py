@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
 
+from cdc._expected import SourceTable, source_tables
 from cdc.errors import CDCError, TerminalError, TransientError
 
 try:
@@ -14,4 +15,4 @@ try:
 except PackageNotFoundError:  # running from a source tree that was not installed
     __version__ = "0.0.0+unknown"
 
-__all__ = ["CDCError", "TerminalError", "TransientError", "__version__"]
+__all__ = ["CDCError", "SourceTable", "TerminalError", "TransientError", "__version__", "source_tables"]

@@ -95,6 +95,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kafka", required=True, help="Kafka bootstrap servers")
     p.add_argument("--registry", required=True, help="Confluent-compatible schema registry URL")
     p.add_argument("--seconds", type=float, default=30.0, help="how long the workload runs")
+    # The derived views' commands live in sinks.cli (the only place the capture's front door reaches into
+    # sinks, lazily: `cdc run` never loads them, nor Spark).
+    for name, text in (
+        ("sinks", "list, run or rebuild the derived views (search, cache, warehouse, plugins)"),
+        ("verify", "compare a derived store with PostgreSQL key by key"),
+    ):
+        p = sub.add_parser(name, help=text, add_help=False)
+        p.add_argument("rest", nargs=argparse.REMAINDER)
     return parser
 
 
@@ -173,6 +181,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     _setup_logging(args.log_level, args.log_json)
+    if args.command in ("sinks", "verify"):
+        from sinks.cli import main as sinks_main  # noqa: PLC0415 - lazily: `cdc run` never loads sinks
+
+        return sinks_main([args.command, *args.rest])
     try:
         if args.command == "demo":
             return run_demo(args.pg, args.kafka, args.registry, args.seconds)

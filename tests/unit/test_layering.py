@@ -18,6 +18,9 @@ FORBIDDEN = {
     "cdc": {"sinks", "pyspark", "delta"},
     "sinks": {"cdc", "decoders"},
 }
+# The two deliberate crossings, both lazy (inside a function): the `cdc` front door hands `cdc sinks …`
+# to sinks.cli, and sinks.cli asks the capture's public face (cdc.source_tables) what the source holds.
+ALLOWED = {("cdc/cli.py", "sinks"), ("sinks/cli.py", "cdc")}
 
 
 def _imported_modules(path: Path) -> set[str]:
@@ -37,6 +40,7 @@ def test_package_imports_only_upstream(package: str) -> None:
         f"{path.relative_to(ROOT)} imports {name}"
         for path in (ROOT / package).rglob("*.py")
         for name in _imported_modules(path) & FORBIDDEN[package]
+        if (str(path.relative_to(ROOT)), name) not in ALLOWED
     }
     assert not offences, sorted(offences)
 

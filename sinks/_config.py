@@ -1,0 +1,158 @@
+"""The sinks' configuration: the ``[sinks]`` section of the same TOML file the capture service reads.
+
+The sinks read only what they need from the shared file — ``[kafka]`` (where the topics are), ``[registry]``
+(how to decode them) and ``[sinks]`` — and ignore the capture's other keys, which the capture validates.
+``CDC_<SECTION>__<KEY>`` environment variables override the file, as for the capture.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from sinks.errors import SinkConfigError
+
+_BUILTINS = ("search", "cache", "warehouse")
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class _Foreign(BaseModel):
+    """A section the capture owns: the sinks read a few keys and leave the rest to the capture's checks."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+
+class KafkaSection(_Foreign):
+    bootstrap_servers: str = "127.0.0.1:9092"
+    topic_prefix: str = "pgcdc"
+    consumer: dict[str, str] = Field(
+        default_factory=dict, description="extra Kafka consumer settings for Spark's Kafka source (security, …)"
+    )
+
+
+class RegistrySection(_Foreign):
+    url: str = "http://127.0.0.1:8081"
+    basic_auth_user_info: SecretStr | None = None
+
+
+class SearchConfig(_Section):
+    url: str = "http://127.0.0.1:9200"
+    username: str | None = None
+    password: SecretStr | None = None
+    verify_certs: bool = True
+    index_prefix: str | None = Field(default=None, description="default: the Kafka topic prefix")
+    replicas: int = Field(default=0, ge=0, description="number_of_replicas of created indices")
+    shards: int = Field(default=1, ge=1)
+
+
+class CacheConfig(_Section):
+    url: SecretStr = SecretStr("redis://127.0.0.1:6379/0")
+    namespace: str | None = Field(default=None, description="key prefix; default: the Kafka topic prefix")
+    ttl_s: int | None = Field(default=None, gt=0, description="expire entries this long after their last change")
+
+
+class WarehouseConfig(_Section):
+    path: str = Field(default="warehouse", description="base directory or URI of the Delta tables")
+    history: bool = Field(default=False, description="also keep an append-only change history table per table")
+
+
+class SinksConfig(_Section):
+    enabled: tuple[str, ...] = Field(default=_BUILTINS, description="sinks `cdc sinks run` starts by default")
+    state_dir: Path = Field(default=Path(".cdc-sinks"), description="checkpoints and status of the queries")
+    tables: tuple[str, ...] = Field(default=(), description="'schema.table' names to keep; empty = every table")
+    trigger_interval_s: float = Field(default=1.0, ge=0)
+    max_offsets_per_trigger: int | None = Field(default=200_000, ge=1)
+    dead_letter_topic: str | None = Field(default=None, description="default: <topic_prefix>.dead-letter")
+    spark_master: str | None = Field(default="local[2]", description="null: leave it to spark-submit")
+    spark_jars: tuple[str, ...] = Field(
+        default=(), description="local jars: Spark's Kafka source, spark-avro, Delta (deploy/services.py fetches them)"
+    )
+    spark_conf: dict[str, str] = Field(default_factory=dict)
+    search: SearchConfig = SearchConfig()
+    cache: CacheConfig = CacheConfig()
+    warehouse: WarehouseConfig = WarehouseConfig()
+    plugins: dict[str, dict[str, Any]] = Field(
+        default_factory=dict, description="settings handed to plugin sinks, by sink name"
+    )
+
+    @field_validator("spark_jars", mode="before")
+    @classmethod
+    def _split_jars(cls, value: Any) -> Any:
+        # From the environment the list arrives as one comma-separated string (as deploy prints it).
+        if isinstance(value, str):
+            return tuple(part for part in value.split(",") if part)
+        return value
+
+
+class SinkSettings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="CDC_", env_nested_delimiter="__", extra="ignore", frozen=True, case_sensitive=False
+    )
+
+    kafka: KafkaSection = KafkaSection()
+    registry: RegistrySection = RegistrySection()
+    sinks: SinksConfig = SinksConfig()
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return env_settings, init_settings
+
+    @property
+    def dead_letter_topic(self) -> str:
+        return self.sinks.dead_letter_topic or f"{self.kafka.topic_prefix}.dead-letter"
+
+    def topic_pattern(self) -> str:
+        """The change topics: ``<prefix>.<schema>.<table>`` (parts never contain dots, see docs/events.md)."""
+        if self.sinks.tables:
+            return "|".join(re.escape(self.topic_for(name)) for name in self.sinks.tables)
+        return re.escape(self.kafka.topic_prefix) + r"\.[A-Za-z0-9_-]+\.[A-Za-z0-9_-]+"
+
+    def topic_for(self, qualified: str) -> str:
+        schema, _, table = qualified.partition(".")
+        return f"{self.kafka.topic_prefix}.{_topic_part(schema)}.{_topic_part(table)}"
+
+    def registry_conf(self) -> dict[str, Any]:
+        conf: dict[str, Any] = {"url": self.registry.url, "timeout": 30}
+        if self.registry.basic_auth_user_info is not None:
+            conf["basic.auth.user.info"] = self.registry.basic_auth_user_info.get_secret_value()
+        return conf
+
+
+def _topic_part(name: str) -> str:
+    # The capture's rule (docs/events.md): characters Kafka refuses, and dots, become '_'.
+    return re.sub(r"[^A-Za-z0-9_-]", "_", name.strip('"')) or "_"
+
+
+def load_sink_settings(path: Path | None) -> SinkSettings:
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            data = tomllib.loads(path.read_text())
+        except FileNotFoundError as exc:
+            raise SinkConfigError(f"config file {str(path)!r} not found; pass --config with an existing file") from exc
+        except tomllib.TOMLDecodeError as exc:
+            raise SinkConfigError(f"config file {str(path)!r} is not valid TOML: {exc}") from exc
+    try:
+        return SinkSettings(**{k: v for k, v in data.items() if k in ("kafka", "registry", "sinks")})
+    except ValidationError as exc:
+        lines = [f"invalid sinks configuration (in {str(path)!r} or CDC_* environment variables):"]
+        for err in exc.errors():
+            key = ".".join(str(p) for p in err["loc"])
+            hint = "unknown key; check its spelling" if err["type"] == "extra_forbidden" else err["msg"]
+            lines.append(f"  {key}: {hint}")
+        raise SinkConfigError("\n".join(lines)) from exc

@@ -1,0 +1,300 @@
+"""The one reader every sink shares: Spark's Kafka source over the change topics, decoded per micro-batch.
+
+Decoding is Spark's own ``from_avro`` (on the executors), once per writer schema present in the batch: each
+record is read with the schema it was written with (``jsonFormatSchema``) and resolved to the subject's
+latest schema (the ``avroSchema`` option), so events written before an ALTER TABLE decode into today's
+shape. The capture registers every schema before writing with it and the registry enforces FULL
+compatibility, so the latest version fetched after the batch's ids were seen can read all of them.
+
+Records that are not Confluent-framed Avro, name a schema the registry does not know, or fail to decode
+are *poison*: they go to the dead-letter topic with the reason, the rest of the batch goes on.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from confluent_kafka.schema_registry import SchemaRegistryClient
+from confluent_kafka.schema_registry.error import SchemaRegistryError
+
+from sinks._api import Rejected, TableChanges
+from sinks.errors import SinkTransientError
+
+if TYPE_CHECKING:
+    from pyspark.sql import Column, DataFrame, SparkSession
+
+    from sinks._config import SinkSettings
+
+log = logging.getLogger(__name__)
+
+_APPLY_OPS = ("c", "u", "r", "d")
+
+
+def kafka_options(settings: SinkSettings) -> dict[str, str]:
+    options = {
+        "kafka.bootstrap.servers": settings.kafka.bootstrap_servers,
+        # Only committed capture transactions: an aborted one must never reach a store.
+        "kafka.isolation.level": "read_committed",
+    }
+    options.update({f"kafka.{k}": str(v) for k, v in settings.kafka.consumer.items()})
+    return options
+
+
+def open_stream(spark: SparkSession, settings: SinkSettings) -> DataFrame:
+    """The streaming DataFrame of change records (from offset zero unless a checkpoint says otherwise)."""
+    reader = spark.readStream.format("kafka").options(**kafka_options(settings))
+    reader = reader.option("subscribePattern", settings.topic_pattern())
+    reader = reader.option("startingOffsets", "earliest")
+    # Compaction removes records below a checkpointed offset now and then; that is expected, not data loss.
+    reader = reader.option("failOnDataLoss", "false")
+    # New tables (topics) are picked up within seconds rather than the consumer's default five minutes.
+    reader = reader.option("kafka.metadata.max.age.ms", "5000")
+    if settings.sinks.max_offsets_per_trigger:
+        reader = reader.option("maxOffsetsPerTrigger", str(settings.sinks.max_offsets_per_trigger))
+    return reader.load().select("topic", "partition", "offset", "key", "value")
+
+
+def _schema_id(column: Column) -> Column:
+    from pyspark.sql import functions as F
+
+    framed = (F.length(column) >= 5) & (F.hex(F.substring(column, 1, 1)) == F.lit("00"))
+    return F.when(framed, F.conv(F.hex(F.substring(column, 2, 4)), 16, 10).cast("int"))
+
+
+def _body(column: Column) -> Column:
+    from pyspark.sql import functions as F
+
+    return column.substr(F.lit(6), F.length(column) - 5)
+
+
+@dataclass
+class Decoded:
+    tables: list[TableChanges]
+    poison: DataFrame | None  # raw records with an ``error`` column
+
+
+class Decoder:
+    """Turns one micro-batch of raw records into per-table changes; caches schemas by id."""
+
+    def __init__(self, settings: SinkSettings) -> None:
+        self.settings = settings
+        self._client = SchemaRegistryClient(settings.registry_conf())
+        self._by_id: dict[int, str | None] = {}
+        self._lock = threading.Lock()
+
+    def _schema(self, schema_id: int) -> str | None:
+        with self._lock:
+            if schema_id not in self._by_id:
+                try:
+                    self._by_id[schema_id] = self._client.get_schema(schema_id).schema_str
+                except SchemaRegistryError as exc:
+                    if exc.http_status_code != 404:
+                        raise SinkTransientError(f"schema registry: cannot fetch schema id {schema_id}: {exc}") from exc
+                    self._by_id[schema_id] = None  # unknown: the records naming it are poison
+            return self._by_id[schema_id]
+
+    def _latest(self, subject: str) -> str | None:
+        try:
+            return str(self._client.get_latest_version(subject).schema.schema_str)
+        except SchemaRegistryError as exc:
+            if exc.http_status_code == 404:
+                return None
+            raise SinkTransientError(f"schema registry: cannot fetch the latest {subject}: {exc}") from exc
+        except Exception as exc:  # connection refused, timeouts
+            raise SinkTransientError(f"schema registry at {self.settings.registry.url} unreachable: {exc}") from exc
+
+    def decode(self, raw: DataFrame) -> Decoded:
+        from pyspark.sql import functions as F
+        from pyspark.sql.avro.functions import from_avro
+
+        framed = raw.withColumn("_kid", _schema_id(F.col("key"))).withColumn("_vid", _schema_id(F.col("value")))
+        groups = framed.groupBy("topic", "_kid", "_vid").count().collect()
+        poison: list[DataFrame] = []
+        by_topic: dict[str, list[DataFrame]] = {}
+        readers: dict[str, tuple[str, str]] = {}
+        for g in groups:
+            topic, kid, vid = g["topic"], g["_kid"], g["_vid"]
+            subset = framed.filter(
+                (F.col("topic") == topic) & F.col("_kid").eqNullSafe(kid) & F.col("_vid").eqNullSafe(vid)
+            )
+            if kid is None:
+                poison.append(subset.withColumn("error", F.lit("key is not Confluent-framed Avro (magic byte 0)")))
+                continue
+            if topic not in readers:
+                key_reader, value_reader = self._latest(f"{topic}-key"), self._latest(f"{topic}-value")
+                if key_reader is None or value_reader is None:
+                    poison.append(subset.withColumn("error", F.lit(f"no schema registered for {topic}")))
+                    continue
+                readers[topic] = (key_reader, value_reader)
+            key_reader, value_reader = readers[topic]
+            key_writer = self._schema(kid)
+            value_writer = value_reader if vid is None else self._schema(vid)
+            bad = (
+                "value is not Confluent-framed Avro (magic byte 0)"
+                if vid is None
+                else None
+                if value_writer
+                else f"value schema id {vid} is unknown to the registry"
+            )
+            if key_writer is None:
+                bad = f"key schema id {kid} is unknown to the registry"
+            if bad is not None:
+                # A null value (tombstone) has no id and is fine; anything else without an id is poison.
+                poison.append(subset.filter(F.col("value").isNotNull()).withColumn("error", F.lit(bad)))
+                if vid is not None or key_writer is None:
+                    continue
+                subset = subset.filter(F.col("value").isNull())
+            assert value_writer is not None
+            assert key_writer is not None
+            permissive = {"mode": "PERMISSIVE"}
+            decoded = subset.select(
+                "topic",
+                "partition",
+                "offset",
+                "key",
+                "value",
+                from_avro(_body(F.col("key")), key_writer, {**permissive, "avroSchema": key_reader}).alias("k"),
+                from_avro(_body(F.col("value")), value_writer, {**permissive, "avroSchema": value_reader}).alias("v"),
+            )
+            broken = (F.col("value").isNotNull() & F.col("v.op").isNull()) | F.col("k").isNull()
+            where = f"schema ids key {kid} / value {vid}"
+            poison.append(
+                decoded.filter(broken)
+                .select("topic", "partition", "offset", "key", "value")
+                .withColumn("error", F.lit(f"Avro decoding failed with the writer {where}"))
+            )
+            by_topic.setdefault(topic, []).append(decoded.filter(~broken))
+        tables = [self._table(topic, frames, readers[topic]) for topic, frames in sorted(by_topic.items())]
+        return Decoded(tables, _union(poison))
+
+    def _table(self, topic: str, frames: list[DataFrame], readers: tuple[str, str]) -> TableChanges:
+        from pyspark.sql import Window
+        from pyspark.sql import functions as F
+
+        frame = frames[0]
+        for more in frames[1:]:
+            frame = frame.unionByName(more)
+        events = frame.select(
+            "topic",
+            "partition",
+            "offset",
+            F.col("k").alias("key"),
+            F.col("v.after").alias("row"),
+            F.col("v.op").alias("op"),
+            F.col("v.source.commit_lsn").alias("commit_lsn"),
+            F.col("v.source.lsn").alias("lsn"),
+            F.col("v.source.ts_ms").alias("ts_ms"),
+            F.col("v.unchanged_toast").alias("unchanged"),
+            F.col("v").isNull().alias("tombstone"),
+        )
+        truncate = None
+        marks = events.filter(F.col("op") == "t").agg(F.max(F.struct("commit_lsn", "lsn")).alias("m")).first()
+        if marks is not None and marks["m"] is not None:
+            truncate = (int(marks["m"]["commit_lsn"]), int(marks["m"]["lsn"]))
+        changes = events.filter(~F.col("tombstone") & F.col("op").isin(*_APPLY_OPS))
+        if truncate is not None:
+            c, lsn = truncate
+            changes = changes.filter((F.col("commit_lsn") > c) | ((F.col("commit_lsn") == c) & (F.col("lsn") > lsn)))
+        newest = Window.partitionBy("key").orderBy(
+            F.col("commit_lsn").desc(), F.col("lsn").desc(), F.col("offset").desc()
+        )
+        latest = changes.withColumn("_n", F.row_number().over(newest)).filter(F.col("_n") == 1).drop("_n")
+        # A tombstone whose delete event is in the batch says nothing new; one alone (its delete was
+        # compacted away before we read it) is a delete without a position.
+        lone = (
+            events.filter(F.col("tombstone"))
+            .join(changes.select("key"), on="key", how="left_anti")
+            .groupBy("key")
+            .agg(F.max(F.struct("offset", "partition", "topic")).alias("m"))
+            .select(
+                F.col("m.topic").alias("topic"),
+                F.col("m.partition").alias("partition"),
+                F.col("m.offset").alias("offset"),
+                "key",
+                F.lit(None).cast(latest.schema["row"].dataType).alias("row"),
+                F.lit("d").alias("op"),
+                F.lit(None).cast("long").alias("commit_lsn"),
+                F.lit(None).cast("long").alias("lsn"),
+                F.lit(None).cast("long").alias("ts_ms"),
+                F.array().cast("array<string>").alias("unchanged"),
+                F.lit(True).alias("tombstone"),
+            )
+        )
+        result = latest.unionByName(lone).drop("tombstone")
+        result = result.withColumn("row", F.when(F.col("op") == "d", F.lit(None)).otherwise(F.col("row")))
+        envelope = json.loads(readers[1])
+        row_schema = envelope["fields"][0]["type"][1]  # before: ["null", Value]: Value is defined there
+        prefix = self.settings.kafka.topic_prefix + "."
+        return TableChanges(
+            topic=topic,
+            name=topic[len(prefix) :] if topic.startswith(prefix) else topic,
+            key_schema=json.loads(readers[0]),
+            row_schema=row_schema,
+            frame=result,
+            truncate=truncate,
+            events=changes.drop("tombstone"),
+        )
+
+
+def _union(frames: list[DataFrame]) -> DataFrame | None:
+    if not frames:
+        return None
+    out = frames[0]
+    for more in frames[1:]:
+        out = out.unionByName(more)
+    return out
+
+
+def _header(name: str, value: Column) -> Column:
+    from pyspark.sql import functions as F
+
+    return F.struct(F.lit(name).alias("key"), value.cast("binary").alias("value"))
+
+
+def send_to_dead_letter(
+    settings: SinkSettings, sink: str, poison: DataFrame | None, rejected: list[Rejected], raw: DataFrame
+) -> int:
+    """Write poison records and store rejections to the dead-letter topic; returns how many were written.
+
+    Each record keeps its original key and value bytes; headers say why and where it came from.
+    """
+    from pyspark.sql import functions as F
+
+    frames = [] if poison is None else [poison]
+    if rejected:
+        spark = raw.sparkSession
+        refused = spark.createDataFrame(
+            [tuple(r) for r in rejected], "topic string, partition int, offset long, error string"
+        )
+        frames.append(raw.join(refused, on=["topic", "partition", "offset"]))
+    out = _union([f.select("topic", "partition", "offset", "key", "value", "error") for f in frames])
+    if out is None:
+        return 0
+    out = out.persist()
+    try:
+        count = out.count()
+        if count:
+            out.select(
+                F.lit(settings.dead_letter_topic).alias("topic"),
+                "key",
+                "value",
+                F.array(
+                    _header("pgcdc.error", F.col("error")),
+                    _header("pgcdc.sink", F.lit(sink)),
+                    _header("pgcdc.topic", F.col("topic")),
+                    _header("pgcdc.partition", F.col("partition").cast("string")),
+                    _header("pgcdc.offset", F.col("offset").cast("string")),
+                ).alias("headers"),
+            ).write.format("kafka").options(
+                **{k: v for k, v in kafka_options(settings).items() if k != "kafka.isolation.level"}
+            ).save()
+            log.warning(
+                "sink %s: %d record(s) sent to the dead-letter topic %s", sink, count, settings.dead_letter_topic
+            )
+        return int(count)
+    finally:
+        out.unpersist()

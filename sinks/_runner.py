@@ -1,0 +1,349 @@
+"""Running sinks: one Structured Streaming query per sink, rebuilds beside the served copy, and verify.
+
+Each query has its own checkpoint, ``<state_dir>/<sink>/g<N>/checkpoint``: a generation's store and its
+checkpoint belong together, so a rebuilt generation is continued exactly where its rebuild stopped. A
+running query checks the served generation before each batch; when a rebuild has swapped a new one in, the
+query stops and the runner starts the new generation's query from that generation's checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from sinks._api import Batch, Rebuildable, Rejected, SinkContext, TableRef, key_id
+from sinks._plugins import load
+from sinks._reader import Decoder, open_stream, send_to_dead_letter
+from sinks._spark import build_session
+from sinks._values import Names, column_name, doc_converter
+from sinks.errors import SinkConfigError, SinkError
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+    from pyspark.sql.streaming.query import StreamingQuery
+
+    from sinks._config import SinkSettings
+
+log = logging.getLogger(__name__)
+
+_GENERATION_CHANGED = "pgcdc: served generation changed"
+
+
+def spark_session(settings: SinkSettings, app: str) -> SparkSession:
+    cfg = settings.sinks
+    if cfg.spark_master and cfg.spark_master.startswith("local") and not cfg.spark_jars:
+        raise SinkConfigError(
+            "sinks.spark_jars is empty: list the Kafka, Avro and Delta jars for Spark "
+            "(`./dev services env` prints them as CDC_TEST_SPARK_JARS; or set CDC_SINKS__SPARK_JARS)"
+        )
+    conf = {"spark.sql.session.timeZone": "UTC", **cfg.spark_conf}
+    return build_session(app, list(cfg.spark_jars), master=cfg.spark_master, conf=conf)
+
+
+def _opened(name: str, settings: SinkSettings, generation: int, spark: SparkSession) -> Any:
+    sink = load(name)
+    options: dict[str, Any] = (
+        getattr(settings.sinks, name).model_dump() if name in ("search", "cache", "warehouse") else {}
+    )
+    options = settings.sinks.plugins.get(name, options)
+    sink.open(SinkContext(name, settings, options, generation, spark))
+    return sink
+
+
+@dataclass
+class _Status:
+    path: Path
+    data: dict[str, Any] = field(default_factory=dict)
+
+    def update(self, **values: Any) -> None:
+        self.data.update(values, updated_at=time.time())
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.data, indent=2))
+        tmp.replace(self.path)
+
+
+class SinkQuery:
+    """One sink's streaming query for one generation."""
+
+    def __init__(
+        self, name: str, settings: SinkSettings, spark: SparkSession, generation: int, *, follow_swaps: bool = True
+    ) -> None:
+        self.name, self.settings, self.generation = name, settings, generation
+        self.spark = spark.newSession()  # own SQL conf per sink, one SparkContext
+        self.sink = _opened(name, settings, generation, self.spark)
+        self.decoder = Decoder(settings)
+        self.follow_swaps = follow_swaps and isinstance(self.sink, Rebuildable)
+        base = settings.sinks.state_dir / name
+        self.checkpoint = base / f"g{generation}" / "checkpoint"
+        self.checkpoint.parent.mkdir(parents=True, exist_ok=True)
+        previous = {}
+        status_path = base / "status.json"
+        if status_path.exists():
+            previous = json.loads(status_path.read_text())
+        self.status = _Status(status_path, previous)
+        self.status.update(generation=generation)
+        self.query: StreamingQuery | None = None
+
+    def start(self) -> StreamingQuery:
+        interval = self.settings.sinks.trigger_interval_s
+        writer = (
+            open_stream(self.spark, self.settings)
+            .writeStream.queryName(f"pgcdc-sink-{self.name}-g{self.generation}")
+            .option("checkpointLocation", str(self.checkpoint.resolve()))
+            .foreachBatch(self._batch)
+        )
+        writer = writer.trigger(processingTime=f"{interval} seconds") if interval else writer
+        self.query = writer.start()
+        log.info("sink %s: generation %d streaming (checkpoint %s)", self.name, self.generation, self.checkpoint)
+        return self.query
+
+    def _batch(self, raw: Any, batch_id: int) -> None:
+        if self.follow_swaps and self.sink.current_generation() != self.generation:
+            raise RuntimeError(_GENERATION_CHANGED)
+        started = time.monotonic()
+        raw = raw.persist()
+        try:
+            decoded = self.decoder.decode(raw)
+            rejected: list[Rejected] = []
+            batch = Batch(batch_id, self.generation, decoded.tables, self.spark, rejected.extend)
+            if decoded.tables:
+                self.sink.write(batch)
+            dead = send_to_dead_letter(self.settings, self.name, decoded.poison, rejected, raw)
+            rows = raw.count()
+        finally:
+            raw.unpersist()
+        totals = self.status.data
+        self.status.update(
+            batches=totals.get("batches", 0) + 1,
+            records=totals.get("records", 0) + rows,
+            dead_letters=totals.get("dead_letters", 0) + dead,
+            last_batch_id=batch_id,
+            last_batch_s=round(time.monotonic() - started, 3),
+        )
+        log.info("sink %s: batch %d: %d record(s) in %.2fs", self.name, batch_id, rows, time.monotonic() - started)
+
+    def caught_up(self) -> bool:
+        """True once a batch has read everything that was available when it started."""
+        progress = self.query.lastProgress if self.query else None
+        if not progress or not progress.get("sources"):
+            return False
+        source = progress["sources"][0]
+        return bool(source.get("endOffset")) and source.get("endOffset") == source.get("latestOffset")
+
+    def stop(self) -> None:
+        if self.query is not None and self.query.isActive:
+            self.query.stop()
+        self.sink.close()
+
+
+def _close(sink: Any) -> None:
+    sink.close()
+
+
+def served_generation(sink: Any) -> int:
+    """The served generation; a sink's first run creates and serves generation 1."""
+    if not isinstance(sink, Rebuildable):
+        return 1
+    current = sink.current_generation()
+    if current is None:
+        sink.prepare_generation(1)
+        sink.swap(1)
+        current = 1
+    repair = getattr(sink, "repair_aliases", None)
+    if repair is not None:
+        repair(current)  # a swap interrupted between its two steps leaves aliases behind: fix them
+    return current
+
+
+def run(settings: SinkSettings, names: Sequence[str], stop: threading.Event) -> int:
+    """Run the sinks until ``stop``; a failing sink is restarted with backoff, the others go on."""
+    spark = spark_session(settings, "pgcdc-sinks")
+    queries: dict[str, SinkQuery] = {}
+    backoff: dict[str, float] = {}
+    retry_at: dict[str, float] = {}
+
+    def start(name: str) -> None:
+        try:
+            probe = _opened(name, settings, 0, spark)
+            generation = served_generation(probe)
+            probe.close()
+            queries[name] = SinkQuery(name, settings, spark, generation)
+            queries[name].start()
+            backoff.pop(name, None)
+        except SinkError:
+            raise
+        except Exception as exc:
+            delay = min(backoff.get(name, 1.0) * 2, 60.0)
+            backoff[name], retry_at[name] = delay, time.monotonic() + delay
+            queries.pop(name, None)
+            log.error("sink %s could not start (%s); retrying in %.0fs", name, exc, delay)
+
+    for name in names:
+        start(name)
+    try:
+        while not stop.is_set():
+            for name in names:
+                q = queries.get(name)
+                if q is None:
+                    if time.monotonic() >= retry_at.get(name, 0):
+                        start(name)
+                    continue
+                if q.query is not None and not q.query.isActive:
+                    error = q.query.exception()
+                    q.stop()
+                    queries.pop(name)
+                    if error is not None and _GENERATION_CHANGED in str(error):
+                        log.info("sink %s: a rebuild swapped in a new generation; switching to it", name)
+                        start(name)
+                        continue
+                    delay = min(backoff.get(name, 1.0) * 2, 60.0)
+                    backoff[name], retry_at[name] = delay, time.monotonic() + delay
+                    log.error("sink %s stopped: %s; restarting in %.0fs", name, _short(error), delay)
+            stop.wait(1.0)
+    finally:
+        for q in queries.values():
+            q.stop()
+    return 0
+
+
+def _short(error: Any) -> str:
+    text = str(error) if error is not None else "stopped"
+    return text.splitlines()[0][:500] if text else "stopped"
+
+
+# --- verify -----------------------------------------------------------------------------------
+
+
+@dataclass
+class Drift:
+    table: str
+    missing: list[str]
+    extra: list[str]
+    different: list[tuple[str, dict[str, Any], dict[str, Any]]]
+
+    @property
+    def clean(self) -> bool:
+        return not (self.missing or self.extra or self.different)
+
+
+def compare(sink: Any, source_tables: Sequence[Any], generation: int, settings: SinkSettings) -> list[Drift]:
+    """Each source table against the sink's copy, key by key, in document form."""
+    drifts = []
+    for src in source_tables:
+        names = Names()
+        convs = [
+            (f["name"], column_name(f), doc_converter(f["type"], names, spark=False)) for f in src.row_schema["fields"]
+        ]
+        cols = {f["name"]: column_name(f) for f in src.row_schema["fields"]}
+        expected: dict[str, dict[str, Any]] = {}
+        for raw in src.rows():
+            row = {col: conv(raw[name]) for name, col, conv in convs}
+            expected[key_id({cols[k]: row[cols[k]] for k in src.key_fields})] = row
+        ref = TableRef(
+            settings.topic_for(f"{src.schema}.{src.table}"),
+            _topic_name(settings, src.topic),
+            src.key_fields,
+            src.row_schema,
+        )
+        actual = dict(sink.read_table(ref, generation))
+        missing = sorted(set(expected) - set(actual))
+        extra = sorted(set(actual) - set(expected))
+        different = [
+            (k, expected[k], {c: actual[k].get(c) for c in expected[k]})
+            for k in sorted(set(expected) & set(actual))
+            if any(actual[k].get(c) != v for c, v in expected[k].items())
+        ]
+        drifts.append(Drift(src.qualified, missing, extra, different))
+    return drifts
+
+
+def _topic_name(settings: SinkSettings, topic: str) -> str:
+    prefix = settings.kafka.topic_prefix + "."
+    return topic[len(prefix) :] if topic.startswith(prefix) else topic
+
+
+def verify(
+    settings: SinkSettings,
+    name: str,
+    source_tables: Callable[[], Sequence[Any]],
+    *,
+    generation: int | None = None,
+    wait_s: float = 0.0,
+    spark: SparkSession | None = None,
+) -> list[Drift]:
+    """Compare until clean or ``wait_s`` has passed (a live store converges as its query catches up)."""
+    session = spark
+    if session is None and name == "warehouse":
+        session = spark_session(settings, "pgcdc-verify")
+    sink = _opened(name, settings, generation or 0, session)  # type: ignore[arg-type]
+    try:
+        if not isinstance(sink, Rebuildable):
+            raise SinkConfigError(f"sink {name!r} cannot be read back (it does not implement sinks.Rebuildable)")
+        gen = generation if generation is not None else sink.current_generation()
+        if gen is None:
+            raise SinkConfigError(f"sink {name!r} has never run: nothing to verify")
+        deadline = time.monotonic() + wait_s
+        while True:
+            drifts = compare(sink, source_tables(), gen, settings)
+            if all(d.clean for d in drifts) or time.monotonic() >= deadline:
+                return drifts
+            time.sleep(2.0)
+    finally:
+        sink.close()
+
+
+# --- rebuild ----------------------------------------------------------------------------------
+
+
+def rebuild(
+    settings: SinkSettings,
+    name: str,
+    source_tables: Callable[[], Sequence[Any]],
+    *,
+    verify_wait_s: float = 120.0,
+    catch_up_timeout_s: float = 3600.0,
+    report: Callable[[str], None] = print,
+) -> tuple[int, list[Drift]]:
+    """Build generation N+1 from offset zero beside the served one, verify it, swap it in.
+
+    Returns the new generation and the final comparison; on drift nothing is swapped (the served copy
+    stays) and the caller reports it.
+    """
+    spark = spark_session(settings, f"pgcdc-rebuild-{name}")
+    probe: Any = _opened(name, settings, 0, spark)
+    if not isinstance(probe, Rebuildable):
+        raise SinkConfigError(f"sink {name!r} does not support rebuild (it does not implement sinks.Rebuildable)")
+    current = served_generation(probe)
+    new = current + 1
+    probe.prepare_generation(new)
+    _close(probe)
+    shutil.rmtree(settings.sinks.state_dir / name / f"g{new}", ignore_errors=True)
+    report(f"rebuilding {name}: generation {new} from offset zero, while generation {current} keeps serving")
+    q = SinkQuery(name, settings, spark, new, follow_swaps=False)
+    q.start()
+    try:
+        deadline = time.monotonic() + catch_up_timeout_s
+        while not q.caught_up():
+            if q.query is not None and not q.query.isActive:
+                raise SinkError(f"rebuild query of {name} failed: {_short(q.query.exception())}")
+            if time.monotonic() > deadline:
+                raise SinkError(f"rebuild of {name} did not catch up within {catch_up_timeout_s:.0f}s")
+            time.sleep(1.0)
+        report(f"generation {new} caught up with the topics; verifying against the source")
+        drifts = verify(settings, name, source_tables, generation=new, wait_s=verify_wait_s, spark=spark)
+    finally:
+        q.stop()
+    if not all(d.clean for d in drifts):
+        return new, drifts
+    swapper = _opened(name, settings, new, spark)
+    swapper.swap(new)
+    swapper.close()
+    report(f"generation {new} is now served; generation {current} was dropped")
+    return new, drifts

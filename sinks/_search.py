@@ -1,0 +1,226 @@
+"""The ``search`` sink: one OpenSearch index per table, served through an alias, versioned by commit LSN.
+
+Index ``<prefix>-<schema>.<table>-g<N>`` (lower-case), alias ``<prefix>-<schema>.<table>``. Document id: the
+key as a JSON array (``[42]``). Documents hold the row in document form plus ``__cdc`` {commit_lsn, lsn, op,
+ts_ms}. Every write uses external versioning with the commit LSN as version (``external_gte``: the events of
+one transaction share it and arrive in order), so a replayed or late event never overwrites a newer one.
+The served generation is kept in the ``<prefix>-cdc-sinks`` index; rebuild swaps all aliases in one request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from opensearchpy import OpenSearch, helpers
+from opensearchpy.exceptions import ConnectionError as OSConnectionError
+from opensearchpy.exceptions import ConnectionTimeout, NotFoundError, TransportError
+
+from sinks._api import BaseSink, Batch, Change, Rejected, SinkContext, TableChanges, TableRef
+from sinks._values import Names, column_name, search_mapping
+from sinks.errors import SinkTransientError
+
+_META = "__cdc"
+_BULK = 2000
+
+
+class SearchSink(BaseSink):
+    name = "search"
+
+    def open(self, context: SinkContext) -> None:
+        super().open(context)
+        cfg = context.settings.sinks.search
+        auth = (cfg.username, cfg.password.get_secret_value()) if cfg.username and cfg.password else None
+        self.client = OpenSearch(
+            cfg.url, http_auth=auth, verify_certs=cfg.verify_certs, timeout=60, max_retries=3, retry_on_timeout=True
+        )
+        self.cfg = cfg
+        self.prefix = (cfg.index_prefix or context.settings.kafka.topic_prefix).lower()
+        self.state_index = f"{self.prefix}-cdc-sinks"
+        self._mapped: dict[str, str] = {}  # index -> the row schema (json) its mapping was last put for
+
+    def close(self) -> None:
+        self.client.close()
+
+    def alias(self, table: str) -> str:
+        return f"{self.prefix}-{table}".lower()
+
+    def index(self, table: str, generation: int) -> str:
+        return f"{self.alias(table)}-g{generation}"
+
+    # --- generations -----------------------------------------------------------------------
+
+    def current_generation(self) -> int | None:
+        try:
+            doc = self._call(self.client.get, index=self.state_index, id="search")
+        except NotFoundError:
+            return None
+        return int(doc["_source"]["generation"])
+
+    def prepare_generation(self, generation: int) -> None:
+        # Indices are created with their table's first batch; leftovers of a failed rebuild go first.
+        self._call(self.client.indices.delete, index=f"{self.prefix}-*-g{generation}", ignore_unavailable=True)
+        self._mapped.clear()
+
+    def swap(self, generation: int) -> None:
+        old = self.current_generation()
+        self._call(
+            self.client.index, index=self.state_index, id="search", body={"generation": generation}, refresh=True
+        )
+        self.repair_aliases(generation, drop=old if old != generation else None)
+
+    def repair_aliases(self, generation: int, drop: int | None = None) -> None:
+        """Point every table's alias at ``generation`` (one atomic request); remove ``drop``'s indices."""
+        suffix = f"-g{generation}"
+        indices = self._call(self.client.indices.get, index=f"{self.prefix}-*{suffix}", ignore_unavailable=True)
+        actions: list[dict[str, Any]] = []
+        for index in indices:
+            alias = index[: -len(suffix)]
+            actions.append({"add": {"index": index, "alias": alias}})
+            if drop is not None:
+                old = f"{alias}-g{drop}"
+                if self.client.indices.exists(index=old):
+                    actions.append({"remove_index": {"index": old}})
+        if actions:
+            self._call(self.client.indices.update_aliases, body={"actions": actions})
+
+    def read_table(self, table: TableRef, generation: int) -> Iterator[tuple[str, dict[str, Any]]]:
+        index = self.index(table.name, generation)
+        if not self.client.indices.exists(index=index):
+            return
+        self.client.indices.refresh(index=index)
+        for hit in helpers.scan(self.client, index=index, query={"query": {"match_all": {}}}, size=2000):
+            source = dict(hit["_source"])
+            source.pop(_META, None)
+            yield hit["_id"], source
+
+    # --- writes ----------------------------------------------------------------------------
+
+    def _ensure_index(self, table: TableChanges, generation: int) -> str:
+        import json
+
+        index = self.index(table.name, generation)
+        signature = json.dumps(table.row_schema, sort_keys=True)
+        if self._mapped.get(index) == signature:
+            return index
+        names = Names()
+        properties = {column_name(f): search_mapping(f["type"], names) for f in table.row_schema["fields"]}
+        properties[_META] = {
+            "properties": {
+                "commit_lsn": {"type": "long"},
+                "lsn": {"type": "long"},
+                "op": {"type": "keyword"},
+                "ts_ms": {"type": "date", "format": "epoch_millis"},
+            }
+        }
+        # dynamic false: a column added later is mapped by put_mapping below, never guessed from a value.
+        mappings = {"dynamic": False, "properties": properties}
+        if not self._call(self.client.indices.exists, index=index):
+            body = {
+                "settings": {"number_of_shards": self.cfg.shards, "number_of_replicas": self.cfg.replicas},
+                "mappings": mappings,
+            }
+            try:
+                self.client.indices.create(index=index, body=body)
+            except TransportError as exc:
+                if "resource_already_exists_exception" not in str(exc):
+                    raise
+            if generation == self.current_generation():
+                self._call(
+                    self.client.indices.update_aliases,
+                    body={"actions": [{"add": {"index": index, "alias": self.alias(table.name)}}]},
+                )
+        else:
+            # New columns only; an existing field's mapping never changes (FULL compatibility keeps types).
+            self._call(self.client.indices.put_mapping, index=index, body=mappings)
+        self._mapped[index] = signature
+        return index
+
+    def write(self, batch: Batch) -> None:
+        rejected: list[Rejected] = []
+        for table in batch.tables:
+            index = self._ensure_index(table, batch.generation)
+            if table.truncate is not None:
+                self._truncate(index, table.truncate)
+            pending: list[Change] = []
+            for change in table.changes():
+                pending.append(change)
+                if len(pending) >= _BULK:
+                    rejected += self._apply(index, table.topic, pending)
+                    pending = []
+            if pending:
+                rejected += self._apply(index, table.topic, pending)
+        if rejected:
+            batch.reject(rejected)
+
+    def _apply(self, index: str, topic: str, changes: list[Change]) -> list[Rejected]:
+        partial = [c for c in changes if c.unchanged and c.row is not None]
+        stored: dict[str, dict[str, Any]] = {}
+        if partial:  # unchanged TOAST values: keep what the index holds
+            found = self._call(self.client.mget, index=index, body={"ids": [c.doc_id for c in partial]})
+            stored = {d["_id"]: d["_source"] for d in found["docs"] if d.get("found")}
+        actions: list[dict[str, Any]] = []
+        for c in changes:
+            action: dict[str, Any] = {"_index": index, "_id": c.doc_id}
+            if c.commit_lsn is not None:
+                action.update(_version=c.commit_lsn, _version_type="external_gte")
+            if c.row is None:
+                action["_op_type"] = "delete"
+            else:
+                row = c.row
+                old = stored.get(c.doc_id)
+                if c.unchanged and old is not None:
+                    row = {**row, **{col: old.get(col) for col in c.unchanged}}
+                action["_source"] = {
+                    **row,
+                    _META: {"commit_lsn": c.commit_lsn, "lsn": c.lsn, "op": c.op, "ts_ms": c.ts_ms},
+                }
+            actions.append(action)
+        try:
+            _, errors = helpers.bulk(self.client, actions, raise_on_error=False, raise_on_exception=True)
+        except (OSConnectionError, ConnectionTimeout) as exc:
+            raise SinkTransientError(f"OpenSearch unreachable: {exc}") from exc
+        rejected = []
+        by_id = {c.doc_id: c for c in changes}
+        for item in errors if isinstance(errors, list) else []:
+            ((op, result),) = item.items()
+            status = int(result.get("status", 0))
+            if status in (404, 409):  # already gone / a newer version is stored: nothing to do
+                continue
+            if status == 429 or status >= 500:
+                raise SinkTransientError(f"OpenSearch refused a bulk {op} with {status}; retrying the batch")
+            change = by_id[result["_id"]]
+            rejected.append(Rejected(topic, change.partition, change.offset, f"OpenSearch {op}: {result.get('error')}"))
+        return rejected
+
+    def _truncate(self, index: str, before: tuple[int, int]) -> None:
+        commit, lsn = before
+        older = {
+            "bool": {
+                "should": [
+                    {"range": {f"{_META}.commit_lsn": {"lt": commit}}},
+                    {
+                        "bool": {
+                            "filter": [
+                                {"term": {f"{_META}.commit_lsn": commit}},
+                                {"range": {f"{_META}.lsn": {"lt": lsn}}},
+                            ]
+                        }
+                    },
+                ]
+            }
+        }
+        self._call(
+            self.client.delete_by_query,
+            index=index,
+            body={"query": older},
+            refresh=True,
+            conflicts="proceed",
+        )
+
+    @staticmethod
+    def _call(fn: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except (OSConnectionError, ConnectionTimeout) as exc:
+            raise SinkTransientError(f"OpenSearch unreachable: {exc}") from exc

@@ -1,0 +1,184 @@
+"""The ``warehouse`` sink: one Delta Lake table per source table, kept by MERGE guarded by position.
+
+Layout under ``sinks.warehouse.path`` (docs/sinks.md):
+
+    _cdc_current                    the served generation N (replaced atomically)
+    current -> g<N>                 a symlink to it, where the base path is a local directory
+    g<N>/<schema>.<table>/          the table: the row's columns (Spark's types from the Avro schema)
+                                    plus __op, __commit_lsn, __lsn, __ts_ms
+    g<N>/<schema>.<table>__history/ with ``history = true``: every change appended, in order
+
+MERGE applies a change only when its (commit_lsn, lsn) is at least the stored one, so replays are no-ops and
+nothing goes backwards; history appends use Delta's idempotent writes (txnAppId/txnVersion = batch id).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from sinks._api import BaseSink, Batch, SinkContext, TableChanges, TableRef, key_id
+from sinks._values import Names, column_name, doc_converter, spark_projection
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame
+
+_META = ("__op", "__commit_lsn", "__lsn", "__ts_ms")
+
+
+def _q(name: str) -> str:
+    return "`" + name.replace("`", "``") + "`"
+
+
+class WarehouseSink(BaseSink):
+    name = "warehouse"
+
+    def open(self, context: SinkContext) -> None:
+        super().open(context)
+        self.base = context.settings.sinks.warehouse.path.rstrip("/")
+        self.history = context.settings.sinks.warehouse.history
+        self.local = "://" not in self.base or self.base.startswith("file://")
+        if self.local:
+            Path(self._local(self.base)).mkdir(parents=True, exist_ok=True)
+
+    @staticmethod
+    def _local(path: str) -> str:
+        return path.removeprefix("file://")
+
+    def path(self, table: str, generation: int) -> str:
+        return f"{self.base}/g{generation}/{table}"
+
+    # --- generations -----------------------------------------------------------------------
+
+    def current_generation(self) -> int | None:
+        if not self.local:
+            raise NotImplementedError("generations on non-local warehouse paths are not supported yet")
+        try:
+            return int(Path(self._local(self.base), "_cdc_current").read_text().strip())
+        except FileNotFoundError:
+            return None
+
+    def prepare_generation(self, generation: int) -> None:
+        import shutil
+
+        # Leftovers of an earlier, failed rebuild to this number go first.
+        shutil.rmtree(self._local(f"{self.base}/g{generation}"), ignore_errors=True)
+        Path(self._local(f"{self.base}/g{generation}")).mkdir(parents=True, exist_ok=True)
+
+    def swap(self, generation: int) -> None:
+        import shutil
+
+        base = Path(self._local(self.base))
+        old = self.current_generation()
+        tmp = base / "_cdc_current.tmp"
+        tmp.write_text(f"{generation}\n")
+        os.replace(tmp, base / "_cdc_current")  # atomic: readers see the old or the new number
+        link = base / "current.tmp"
+        with contextlib.suppress(FileNotFoundError):
+            link.unlink()
+        link.symlink_to(f"g{generation}")
+        os.replace(link, base / "current")
+        if old is not None and old != generation:
+            shutil.rmtree(base / f"g{old}", ignore_errors=True)
+
+    def read_table(self, table: TableRef, generation: int) -> Iterator[tuple[str, dict[str, Any]]]:
+        from pyspark.sql import functions as F
+
+        path = self.path(table.name, generation)
+        if not Path(self._local(path), "_delta_log").exists():
+            return
+        frame = self.context.spark.read.format("delta").load(path)
+        present = set(frame.columns)
+        names = Names()
+        fields = table.row_schema["fields"]
+        projected = frame.select(
+            *[
+                spark_projection(f["type"], F.col(_q(f["name"])), names).alias(f["name"])
+                if f["name"] in present
+                else F.lit(None).alias(f["name"])
+                for f in fields
+            ]
+        )
+        convs = [(f["name"], column_name(f), doc_converter(f["type"], Names(), spark=True)) for f in fields]
+        key_fields = {f["name"]: column_name(f) for f in fields if f["name"] in table.key_fields}
+        for r in projected.toLocalIterator():
+            row = {col: conv(r[name]) for name, col, conv in convs}
+            yield key_id({key_fields[k]: row[key_fields[k]] for k in table.key_fields}), row
+
+    # --- writes ----------------------------------------------------------------------------
+
+    def write(self, batch: Batch) -> None:
+        for table in batch.tables:
+            self._write_table(batch, table)
+
+    def _source(self, table: TableChanges, frame: DataFrame) -> DataFrame:
+        from pyspark.sql import functions as F
+
+        key_names = [f["name"] for f in table.key_schema["fields"]]
+        cols = [
+            (F.col(f"key.{_q(f['name'])}") if f["name"] in key_names else F.col(f"row.{_q(f['name'])}")).alias(
+                f["name"]
+            )
+            for f in table.row_schema["fields"]
+        ]
+        return frame.select(
+            *cols,
+            F.col("op").alias("__op"),
+            F.col("commit_lsn").alias("__commit_lsn"),
+            F.col("lsn").alias("__lsn"),
+            F.col("ts_ms").alias("__ts_ms"),
+            F.col("unchanged").alias("__unchanged"),
+        )
+
+    def _write_table(self, batch: Batch, table: TableChanges) -> None:
+        from delta.tables import DeltaTable
+        from pyspark.sql import functions as F
+
+        spark = batch.spark
+        path = self.path(table.name, batch.generation)
+        source = self._source(table, table.frame)
+        columns = [f["name"] for f in table.row_schema["fields"]]
+        keys = [f["name"] for f in table.key_schema["fields"]]
+        if not DeltaTable.isDeltaTable(spark, path):
+            source.drop("__unchanged").limit(0).write.format("delta").mode("ignore").save(path)
+        target = DeltaTable.forPath(spark, path)
+        existing = set(target.toDF().columns)
+        added = [f for f in source.drop("__unchanged").schema.fields if f.name not in existing]
+        if added:  # ALTER TABLE ADD COLUMN at the source: the Delta table gains the column (older rows: null)
+            ddl = ", ".join(f"{_q(f.name)} {f.dataType.simpleString()}" for f in added)
+            spark.sql(f"ALTER TABLE delta.{_q(path)} ADD COLUMNS ({ddl})")
+        if table.truncate is not None:
+            c, lsn = table.truncate
+            target.delete((F.col("__commit_lsn") < c) | ((F.col("__commit_lsn") == c) & (F.col("__lsn") < lsn)))
+        newer = "(s.__commit_lsn > t.__commit_lsn OR (s.__commit_lsn = t.__commit_lsn AND s.__lsn >= t.__lsn))"
+        on = " AND ".join(f"t.{_q(k)} <=> s.{_q(k)}" for k in keys)
+        kept = {
+            _q(c): f"CASE WHEN array_contains(s.__unchanged, {_sql_string(c)}) THEN t.{_q(c)} ELSE s.{_q(c)} END"
+            for c in columns
+        }
+        meta = {_q(m): f"s.{m}" for m in _META}
+        (
+            target.alias("t")
+            .merge(source.alias("s"), on)
+            .whenMatchedDelete(f"s.__op = 'd' AND (s.__commit_lsn IS NULL OR {newer})")
+            .whenMatchedUpdate(f"s.__op <> 'd' AND {newer}", {**kept, **meta})
+            .whenNotMatchedInsert("s.__op <> 'd'", {**{_q(c): f"s.{_q(c)}" for c in columns}, **meta})
+            .execute()
+        )
+        if self.history and table.events is not None:
+            (
+                self._source(table, table.events)
+                .write.format("delta")
+                .mode("append")
+                .option("mergeSchema", "true")
+                .option("txnAppId", f"pgcdc-{self.context.name}-{table.name}-g{batch.generation}")
+                .option("txnVersion", str(batch.batch_id))
+                .save(f"{path}__history")
+            )
+
+
+def _sql_string(text: str) -> str:
+    return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"

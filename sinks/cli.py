@@ -1,0 +1,117 @@
+"""``cdc sinks …`` and ``cdc verify``: the derived views' commands (the ``cdc`` front door hands them over).
+
+    cdc sinks list                               every sink found (built-ins and plugins), where it came from
+    cdc sinks run [NAME …] --config cdc.toml     one streaming query per sink until SIGTERM/SIGINT
+    cdc sinks rebuild NAME --config cdc.toml     rebuild from offset zero beside the served copy, verify, swap
+    cdc verify NAME --config cdc.toml            compare the store with PostgreSQL key by key
+
+Exit codes: 0 fine; 1 unexpected; 2 configuration; 8 plugin failed to load; 9 drift found.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+from sinks._config import load_sink_settings
+from sinks.errors import DriftError, SinkError
+
+log = logging.getLogger("cdc.sinks")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="cdc", description="Derived views of the change topics.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    sinks = sub.add_parser("sinks", help="list, run or rebuild sinks")
+    ssub = sinks.add_subparsers(dest="action", metavar="ACTION", required=True)
+    ssub.add_parser("list", help="every sink found, with where it came from")
+    p = ssub.add_parser("run", help="keep the sinks in sync until stopped")
+    p.add_argument("names", nargs="*", metavar="NAME", help="default: sinks.enabled")
+    p.add_argument("--config", "-c", type=Path)
+    p = ssub.add_parser("rebuild", help="rebuild a store from offset zero, verify it, swap it in")
+    p.add_argument("name", metavar="NAME")
+    p.add_argument("--config", "-c", type=Path)
+    p.add_argument("--verify-wait", type=float, default=120.0, help="seconds to wait for the copy to converge")
+    p = sub.add_parser("verify", help="compare a store with PostgreSQL key by key")
+    p.add_argument("name", metavar="NAME")
+    p.add_argument("--config", "-c", type=Path)
+    p.add_argument("--wait", type=float, default=0.0, help="keep comparing this long while there is drift")
+    return parser
+
+
+def _list() -> int:
+    from sinks._plugins import discover
+
+    found = discover()
+    width = max((len(n) for n in found), default=4)
+    for name, entry in sorted(found.items()):
+        if entry.error:
+            print(f"{name:<{width}}  BROKEN  {entry.target}  ({entry.origin}): {entry.error}")
+        else:
+            caps = "rebuild, verify" if entry.rebuildable else "-"
+            print(f"{name:<{width}}  ok      {entry.target}  ({entry.origin})  [{caps}]")
+    return 0
+
+
+def _source_tables(config: Path | None) -> Any:
+    def read() -> Any:
+        import cdc  # the capture's public face: how its events describe the source's rows
+
+        return cdc.source_tables(config)
+
+    return read
+
+
+def _print_drift(name: str, drifts: list[Any]) -> bool:
+    clean = True
+    for d in drifts:
+        if d.clean:
+            print(f"{name} {d.table}: no drift")
+            continue
+        clean = False
+        print(f"{name} {d.table}: DRIFT missing {len(d.missing)}, extra {len(d.extra)}, different {len(d.different)}")
+        for key in d.missing[:10]:
+            print(f"  missing  {key}")
+        for key in d.extra[:10]:
+            print(f"  extra    {key}")
+        for key, want, got in d.different[:10]:
+            cols = [c for c in want if want[c] != got.get(c)]
+            print(f"  differs  {key}: " + ", ".join(f"{c}: source {want[c]!r} store {got.get(c)!r}" for c in cols))
+    return clean
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "sinks" and args.action == "list":
+            return _list()
+        settings = load_sink_settings(args.config)
+        from sinks import _runner
+
+        if args.command == "verify":
+            drifts = _runner.verify(settings, args.name, _source_tables(args.config), wait_s=args.wait)
+            if not _print_drift(args.name, drifts):
+                raise DriftError(f"{args.name} differs from the source (details above)")
+            return 0
+        if args.action == "rebuild":
+            generation, drifts = _runner.rebuild(
+                settings, args.name, _source_tables(args.config), verify_wait_s=args.verify_wait
+            )
+            if not _print_drift(args.name, drifts):
+                raise DriftError(
+                    f"generation {generation} of {args.name} differs from the source; it was NOT swapped in"
+                )
+            return 0
+        names = args.names or list(settings.sinks.enabled)
+        stop = threading.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
+        return _runner.run(settings, names, stop)
+    except SinkError as exc:
+        print(f"cdc: error: {exc}", file=sys.stderr)
+        return exc.exit_code

@@ -1,0 +1,35 @@
+"""The sinks' errors: one root, transient and terminal branches, an exit code each.
+
+SinkError                       root                                           exit 1
+├── SinkTransientError          a store or Kafka is unreachable for now; the query retries
+└── SinkTerminalError           the operator has to act
+    ├── SinkConfigError         bad configuration, unknown sink                exit 2
+    ├── PluginError             a plugin failed to load or to start            exit 8
+    └── DriftError              `cdc verify` found the store differs           exit 9
+"""
+
+from __future__ import annotations
+
+
+class SinkError(Exception):
+    exit_code = 1
+
+
+class SinkTransientError(SinkError):
+    """Retrying may help: the store or Kafka did not answer."""
+
+
+class SinkTerminalError(SinkError):
+    """Retrying cannot help."""
+
+
+class SinkConfigError(SinkTerminalError):
+    exit_code = 2
+
+
+class PluginError(SinkTerminalError):
+    exit_code = 8
+
+
+class DriftError(SinkTerminalError):
+    exit_code = 9
