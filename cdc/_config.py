@@ -150,6 +150,8 @@ class Settings(BaseSettings):
     kafka: KafkaConfig = KafkaConfig()
     registry: RegistryConfig = RegistryConfig()
     capture: CaptureConfig = CaptureConfig()
+    # The derived views' section: read and validated by the sinks (sinks/_config.py), opaque to the capture.
+    sinks: dict[str, Any] = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _key_columns_name_listed_tables(self) -> Settings:

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _APPLY_OPS = ("c", "u", "r", "d")
+_RAW = ("topic", "partition", "offset", "key", "value")
 
 
 def kafka_options(settings: SinkSettings) -> dict[str, str]:
@@ -168,10 +169,29 @@ class Decoder:
                 .withColumn("error", F.lit(f"Avro decoding failed with the writer {where}"))
             )
             by_topic.setdefault(topic, []).append(decoded.filter(~broken))
-        tables = [self._table(topic, frames, readers[topic]) for topic, frames in sorted(by_topic.items())]
-        return Decoded(tables, _union(poison))
+        # Truncates of every table in one job (a job per table costs a second each on a small machine).
+        marks = _union(
+            [
+                f.filter(F.col("v.op") == "t").select(
+                    "topic", F.col("v.source.commit_lsn").alias("c"), F.col("v.source.lsn").alias("l")
+                )
+                for frames in by_topic.values()
+                for f in frames
+            ]
+        )
+        truncates: dict[str, tuple[int, int]] = {}
+        if marks is not None:
+            for m in marks.groupBy("topic").agg(F.max(F.struct("c", "l")).alias("m")).collect():
+                truncates[m["topic"]] = (int(m["m"]["c"]), int(m["m"]["l"]))
+        tables = [
+            self._table(topic, frames, readers[topic], truncates.get(topic))
+            for topic, frames in sorted(by_topic.items())
+        ]
+        return Decoded(tables, _union(poison, (*_RAW, "error")))
 
-    def _table(self, topic: str, frames: list[DataFrame], readers: tuple[str, str]) -> TableChanges:
+    def _table(
+        self, topic: str, frames: list[DataFrame], readers: tuple[str, str], truncate: tuple[int, int] | None
+    ) -> TableChanges:
         from pyspark.sql import Window
         from pyspark.sql import functions as F
 
@@ -191,10 +211,6 @@ class Decoder:
             F.col("v.unchanged_toast").alias("unchanged"),
             F.col("v").isNull().alias("tombstone"),
         )
-        truncate = None
-        marks = events.filter(F.col("op") == "t").agg(F.max(F.struct("commit_lsn", "lsn")).alias("m")).first()
-        if marks is not None and marks["m"] is not None:
-            truncate = (int(marks["m"]["commit_lsn"]), int(marks["m"]["lsn"]))
         changes = events.filter(~F.col("tombstone") & F.col("op").isin(*_APPLY_OPS))
         if truncate is not None:
             c, lsn = truncate
@@ -240,9 +256,11 @@ class Decoder:
         )
 
 
-def _union(frames: list[DataFrame]) -> DataFrame | None:
+def _union(frames: list[DataFrame], columns: tuple[str, ...] | None = None) -> DataFrame | None:
     if not frames:
         return None
+    if columns is not None:
+        frames = [f.select(*columns) for f in frames]
     out = frames[0]
     for more in frames[1:]:
         out = out.unionByName(more)

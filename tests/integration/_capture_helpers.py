@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import os
 import signal
 import subprocess
@@ -59,7 +61,7 @@ class CdcConfig:
     extra: str = ""
 
     def write(self, path: Path) -> Path:
-        tables = ", ".join(f'"{t}"' for t in self.tables)
+        tables = ", ".join(json.dumps(t) for t in self.tables)  # a JSON string is a valid TOML basic string
         path.write_text(
             f"""
 [source]
