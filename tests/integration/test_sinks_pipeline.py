@@ -21,7 +21,7 @@ from opensearchpy import OpenSearch
 from tests.integration._capture_helpers import CdcConfig, scratch_database, wait_for
 from tests.integration._sinks_helpers import SinksProcess, cdc, sinks_section
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 SINKS = ("search", "cache", "warehouse")
 
