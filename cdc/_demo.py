@@ -3,16 +3,23 @@
 It creates (or resets) the database ``pgcdc_demo`` on the given server, starts the capture service as a
 child process (exactly as `cdc run` would run), writes orders, updates and deletes for a while, and prints
 what a plain Avro consumer reads from each table's topic, then stops the capture with SIGTERM.
+
+With ``--opensearch``, ``--redis`` and ``--spark-jars`` it runs the whole pipeline: `cdc sinks run` keeps
+the search index, the cache and the warehouse as the workload goes, the live table shows them filling, and
+at the end `cdc verify` compares each with PostgreSQL.
 """
 
 from __future__ import annotations
 
+import json
 import random
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -103,10 +110,74 @@ def _reset_topics(kafka: str, prefix: str) -> None:
         time.sleep(0.2)
 
 
-def run_demo(admin_dsn: str, kafka: str, registry: str, seconds: float, console: Console | None = None) -> int:
+@dataclass(frozen=True)
+class DemoSinks:
+    opensearch: str
+    redis: str
+    spark_jars: str  # comma-separated local paths
+
+
+def _sinks_section(sinks: DemoSinks, workdir: Path, run_id: str) -> str:
+    jars = json.dumps([j for j in sinks.spark_jars.split(",") if j])
+    return f"""
+[sinks]
+state_dir = "{workdir / "sinks-state"}"
+spark_jars = {jars}
+trigger_interval_s = 1.0
+
+[sinks.search]
+url = "{sinks.opensearch}"
+index_prefix = "demo-{run_id}"
+
+[sinks.cache]
+url = "{sinks.redis}"
+namespace = "demo-{run_id}"
+
+[sinks.warehouse]
+path = "{workdir / "warehouse"}"
+"""
+
+
+def _store_counts(sinks: DemoSinks, workdir: Path, run_id: str) -> dict[str, str]:
+    """How much each store holds now: documents per index, cache entries, warehouse batches applied."""
+    import redis  # noqa: PLC0415 - the sinks' client, only for the whole-pipeline demo
+
+    out: dict[str, str] = {}
+    for table in TABLES:
+        url = f"{sinks.opensearch}/demo-{run_id}-{table}/_count"
+        try:
+            with urllib.request.urlopen(url, timeout=5) as resp:  # noqa: S310 - the configured OpenSearch URL
+                out[f"search {table}"] = f"{json.load(resp)['count']} documents"
+        except OSError:
+            out[f"search {table}"] = "-"
+    try:
+        client = redis.Redis.from_url(sinks.redis, socket_timeout=5)
+        generation = str(int(client.get(f"demo-{run_id}:current") or 0))
+        for table in TABLES:
+            n = sum(1 for _ in client.scan_iter(match=f"demo-{run_id}:g{generation}:{table}:*", count=1000))
+            out[f"cache {table}"] = f"{n} entries"
+    except redis.RedisError:
+        out["cache"] = "-"
+    status = workdir / "sinks-state" / "warehouse" / "status.json"
+    if status.exists():
+        data = json.loads(status.read_text())
+        out["warehouse"] = f"{data.get('batches', 0)} batches, {data.get('records', 0)} events merged into Delta"
+    return out
+
+
+def run_demo(
+    admin_dsn: str,
+    kafka: str,
+    registry: str,
+    seconds: float,
+    *,
+    console: Console | None = None,
+    sinks: DemoSinks | None = None,
+) -> int:
     console = console or Console(stderr=False)
     dsn = _reset_database(admin_dsn)
     prefix = "demo"
+    run_id = str(int(time.time()))
     _reset_topics(kafka, prefix)
     workdir = Path(tempfile.mkdtemp(prefix="pgcdc-demo-"))
     config = workdir / "cdc.toml"
@@ -126,6 +197,7 @@ offsets_topic = "{prefix}.offsets.{int(time.time())}"
 [registry]
 url = "{registry}"
 """.replace("'", '"')
+        + (_sinks_section(sinks, workdir, run_id) if sinks else "")
     )
     log = workdir / "cdc.log"
     console.print(f"[bold]pgcdc demo[/]: database {DEMO_DB!r}, topics {prefix}.public.*, capture log {log}")
@@ -133,6 +205,18 @@ url = "{registry}"
         proc = subprocess.Popen(
             [sys.executable, "-m", "cdc.cli", "run", "--config", str(config)], stdout=out, stderr=subprocess.STDOUT
         )
+    sinks_proc = None
+    if sinks:
+        sinks_log = workdir / "sinks.log"
+        console.print(f"sinks: search index, cache and warehouse kept by `cdc sinks run` (log {sinks_log})")
+        with open(sinks_log, "wb") as out:
+            sinks_proc = subprocess.Popen(
+                [sys.executable, "-m", "cdc.cli", "sinks", "run", "--config", str(config)],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
+    stores: dict[str, str] = {}
+    last_counted = 0.0
     topics = [f"{prefix}.{t}" for t in TABLES]
     client = SchemaRegistryClient({"url": registry, "timeout": 30})
     value_de = AvroDeserializer(client, conf={"subject.name.strategy.type": "TOPIC"})
@@ -173,17 +257,38 @@ url = "{registry}"
                         # An unknown topic is expected until the capture has created it.
                         console.print(f"[yellow]{err}[/]")
                     msg = consumer.poll(0)
-                live.update(_table(counts, last, deadline))
+                if sinks and time.monotonic() - last_counted > 2:
+                    stores, last_counted = _store_counts(sinks, workdir, run_id), time.monotonic()
+                live.update(_table(counts, last, deadline, stores))
     finally:
         consumer.close()
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
             proc.wait(60)
     console.print(f"capture stopped (exit {proc.returncode}). Topics stay in Kafka; read them again any time.")
-    return 0 if proc.returncode == 0 else 1
+    verified = True
+    if sinks_proc is not None and sinks is not None:
+        console.print(
+            "the workload stopped; `cdc verify` compares each store with PostgreSQL (waits for it to catch up)"
+        )
+        for name in ("search", "cache", "warehouse"):
+            result = subprocess.run(
+                [sys.executable, "-m", "cdc.cli", "verify", name, "--config", str(config), "--wait", "180"],
+                capture_output=True,
+                text=True,
+                check=False,
+            )
+            console.print(result.stdout.rstrip() or result.stderr.rstrip())
+            verified = verified and result.returncode == 0
+        for key, value in _store_counts(sinks, workdir, run_id).items():
+            console.print(f"  {key}: {value}")
+        sinks_proc.send_signal(signal.SIGTERM)
+        sinks_proc.wait(120)
+        console.print(f"sinks stopped (exit {sinks_proc.returncode}); the warehouse is in {workdir / 'warehouse'}")
+    return 0 if proc.returncode == 0 and verified else 1
 
 
-def _table(counts: dict[str, dict[str, int]], last: dict[str, str], deadline: float) -> Table:
+def _table(counts: dict[str, dict[str, int]], last: dict[str, str], deadline: float, stores: dict[str, str]) -> Table:
     table = Table(
         title=f"events read back from Kafka (read_committed) — {max(0, deadline - time.monotonic()):.0f}s left"
     )
@@ -191,4 +296,6 @@ def _table(counts: dict[str, dict[str, int]], last: dict[str, str], deadline: fl
         table.add_column(col)
     for topic, ops in counts.items():
         table.add_row(topic, *(str(ops.get(op, 0)) for op in ("r", "c", "u", "d", "tombstone")), last.get(topic, ""))
+    for store, what in stores.items():
+        table.add_row(f"[bold]{store}[/]", "", "", "", "", "", what)
     return table

@@ -29,9 +29,9 @@ from tenacity import (
 from cdc import __version__
 from cdc._capture import Capture, install_signal_handlers
 from cdc._config import Settings, load_settings
-from cdc._demo import run_demo
+from cdc._demo import DemoSinks, run_demo
 from cdc._source import check_and_prepare, connect, detach
-from cdc.errors import CDCError, TransientError
+from cdc.errors import CDCError, ConfigError, TransientError
 
 log = logging.getLogger("cdc")
 
@@ -95,6 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kafka", required=True, help="Kafka bootstrap servers")
     p.add_argument("--registry", required=True, help="Confluent-compatible schema registry URL")
     p.add_argument("--seconds", type=float, default=30.0, help="how long the workload runs")
+    p.add_argument("--opensearch", help="with --redis and --spark-jars: run the whole pipeline into the stores")
+    p.add_argument("--redis", help="Redis URL for the cache sink")
+    p.add_argument("--spark-jars", help="comma-separated Spark jars (Kafka source, spark-avro, Delta)")
     # The derived views' commands live in sinks.cli (the only place the capture's front door reaches into
     # sinks, lazily: `cdc run` never loads them, nor Spark).
     for name, text in (
@@ -187,7 +190,12 @@ def main(argv: list[str] | None = None) -> int:
         return sinks_main([args.command, *args.rest])
     try:
         if args.command == "demo":
-            return run_demo(args.pg, args.kafka, args.registry, args.seconds)
+            sinks = None
+            if args.opensearch or args.redis or args.spark_jars:
+                if not (args.opensearch and args.redis and args.spark_jars):
+                    raise ConfigError("the pipeline demo needs all of --opensearch, --redis and --spark-jars")
+                sinks = DemoSinks(args.opensearch, args.redis, args.spark_jars)
+            return run_demo(args.pg, args.kafka, args.registry, args.seconds, sinks=sinks)
         settings = load_settings(args.config)
         if args.command == "attach":
             return _attach(settings, args.dry_run)

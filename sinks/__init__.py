@@ -9,7 +9,7 @@ service's internals are never imported.
 
 from __future__ import annotations
 
-from sinks._api import Batch, BaseSink, Change, Rebuildable, Rejected, Sink, SinkContext, TableChanges, TableRef, key_id
+from sinks._api import BaseSink, Batch, Change, Rebuildable, Rejected, Sink, SinkContext, TableChanges, TableRef, key_id
 from sinks.errors import SinkError, SinkTerminalError, SinkTransientError
 
 __all__ = [

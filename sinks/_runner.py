@@ -23,7 +23,7 @@ from sinks._plugins import load
 from sinks._reader import Decoder, open_stream, send_to_dead_letter
 from sinks._spark import build_session
 from sinks._values import Names, column_name, doc_converter
-from sinks.errors import SinkConfigError, SinkError
+from sinks.errors import PluginError, SinkConfigError, SinkError
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -163,7 +163,21 @@ def served_generation(sink: Any) -> int:
 
 
 def run(settings: SinkSettings, names: Sequence[str], stop: threading.Event) -> int:
-    """Run the sinks until ``stop``; a failing sink is restarted with backoff, the others go on."""
+    """Run the sinks until ``stop``; a failing sink is restarted with backoff, the others go on.
+
+    A sink that cannot be loaded is reported and skipped; only when none is left is it an error.
+    """
+    usable, problems = [], []
+    for name in names:
+        try:
+            load(name)
+            usable.append(name)
+        except PluginError as exc:
+            problems.append(exc)
+            log.error("%s; running the other sinks", exc)
+    if not usable:
+        raise problems[0] if problems else SinkConfigError("no sinks to run: name some or set sinks.enabled")
+    names = usable
     spark = spark_session(settings, "pgcdc-sinks")
     queries: dict[str, SinkQuery] = {}
     backoff: dict[str, float] = {}

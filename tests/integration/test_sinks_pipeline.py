@@ -60,7 +60,8 @@ def _workload(dsn: str, stop: threading.Event, errors: list[BaseException], seed
         raise
 
 
-def test_pipeline_survives_kills_and_rebuilds_with_no_drift(  # noqa: PLR0915 - one scenario, told in order
+def test_pipeline_survives_kills_and_rebuilds_with_no_drift(
+    *,
     source: str,
     kafka_bootstrap: str,
     registry_url: str,
@@ -152,7 +153,9 @@ def test_pipeline_survives_kills_and_rebuilds_with_no_drift(  # noqa: PLR0915 - 
                     generation = int(cache.get(f"{prefix}:current") or b"0")
                     got = cache.hget(f"{prefix}:g{generation}:public.items:[1]", "row")
                     current = (tmp_path / "warehouse" / "_cdc_current").read_text().strip()
-                    assert hits > 0 and got is not None and current
+                    assert hits > 0
+                    assert got is not None
+                    assert current
                     ok_reads[0] += 1
                 except Exception as exc:  # recorded: the test fails on any
                     failed_reads.append(repr(exc))

@@ -27,8 +27,11 @@ def test_list_shows_builtins_and_the_example_plugin() -> None:
     assert out.returncode == 0, out.stderr
     lines = {line.split()[0]: line for line in out.stdout.splitlines()}
     for name in ("search", "cache", "warehouse"):
-        assert "ok" in lines[name] and "pgcdc" in lines[name] and "[rebuild, verify]" in lines[name]
-    assert "cdc_sink_jsonl:JsonlSink" in lines["jsonl"] and "cdc-sink-jsonl 0.1.0" in lines["jsonl"]
+        assert " ok " in lines[name]
+        assert "(pgcdc " in lines[name]
+        assert "[rebuild, verify]" in lines[name]
+    assert "cdc_sink_jsonl:JsonlSink" in lines["jsonl"]
+    assert "(cdc-sink-jsonl 0.1.0)" in lines["jsonl"]
 
 
 def test_a_broken_plugin_is_reported_and_the_others_still_load(tmp_path: Path) -> None:
@@ -40,7 +43,8 @@ def test_a_broken_plugin_is_reported_and_the_others_still_load(tmp_path: Path) -
     out = _list(env)
     assert out.returncode == 0, out.stderr
     lines = {line.split()[0]: line for line in out.stdout.splitlines()}
-    assert "BROKEN" in lines["broken"] and "no_such_module_here" in lines["broken"], out.stdout
+    assert "BROKEN" in lines["broken"], out.stdout
+    assert "no_such_module_here" in lines["broken"], out.stdout
     assert all("ok" in lines[n] for n in ("search", "cache", "warehouse", "jsonl"))
     run = subprocess.run(
         [sys.executable, "-m", "cdc.cli", "sinks", "run", "broken"],
@@ -50,12 +54,13 @@ def test_a_broken_plugin_is_reported_and_the_others_still_load(tmp_path: Path) -
         check=False,
     )
     assert run.returncode == 8, run.stderr
-    assert "cannot be loaded" in run.stderr and "ModuleNotFoundError" in run.stderr
+    assert "cannot be loaded" in run.stderr
+    assert "ModuleNotFoundError" in run.stderr
 
 
 @pytest.mark.slow
 def test_the_example_plugin_receives_the_events(
-    pg_dsn: str, kafka_bootstrap: str, registry_url: str, spark_jars: list[str], unique: str, tmp_path: Path
+    *, pg_dsn: str, kafka_bootstrap: str, registry_url: str, spark_jars: list[str], unique: str, tmp_path: Path
 ) -> None:
     with scratch_database(pg_dsn, f"plug_{unique}") as dsn:
         with psycopg.connect(dsn, autocommit=True) as conn:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from sinks import Batch, BaseSink, SinkContext
+from sinks import BaseSink, Batch, SinkContext
 
 
 class JsonlSink(BaseSink):
