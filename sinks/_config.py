@@ -10,10 +10,10 @@ from __future__ import annotations
 import re
 import tomllib
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
 
 from sinks.errors import SinkConfigError
 
@@ -72,7 +72,7 @@ class SinksConfig(_Section):
     max_offsets_per_trigger: int | None = Field(default=200_000, ge=1)
     dead_letter_topic: str | None = Field(default=None, description="default: <topic_prefix>.dead-letter")
     spark_master: str | None = Field(default="local[2]", description="null: leave it to spark-submit")
-    spark_jars: tuple[str, ...] = Field(
+    spark_jars: Annotated[tuple[str, ...], NoDecode] = Field(
         default=(), description="local jars: Spark's Kafka source, spark-avro, Delta (deploy/services.py fetches them)"
     )
     spark_conf: dict[str, str] = Field(default_factory=dict)

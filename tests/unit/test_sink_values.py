@@ -1,0 +1,150 @@
+"""Document form from raw Avro values (verify's PostgreSQL side) and from Spark's values (the write path).
+
+Both directions must give the same document for the same value; Spark's side is checked on the JVM in
+tests/integration/test_sinks_values.py.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import io
+from decimal import Decimal
+from typing import Any
+
+import fastavro
+import pytest
+
+from schemas import avro_mapping, nullable
+from sinks._config import SinkSettings, load_sink_settings
+from sinks._values import Names, doc_converter, search_mapping
+from sinks.errors import SinkConfigError
+from tests.unit.test_types import numeric_typmod, pg
+
+
+def raw(schema: Any, value: Any) -> Any:
+    return doc_converter(schema, Names(), spark=False)(value)
+
+
+DATE = {"type": "int", "logicalType": "date"}
+TSTZ = {"type": "long", "logicalType": "timestamp-micros"}
+TS = {"type": "long", "logicalType": "local-timestamp-micros"}
+TIME = {"type": "long", "logicalType": "time-micros"}
+DEC = {"type": "bytes", "logicalType": "decimal", "precision": 10, "scale": 2}
+
+
+@pytest.mark.parametrize(
+    ("schema", "value", "doc"),
+    [
+        (DATE, 0, "1970-01-01"),
+        (DATE, 2**31 - 1, "infinity"),
+        (DATE, -(2**31), "-infinity"),
+        (DATE, -719_162, "0001-01-01"),
+        (DATE, -719_163, -719_163),  # 1 BC: ISO 8601 as Python prints it cannot, the number stays
+        (TSTZ, 1_767_323_045_123_456, "2026-01-02T03:04:05.123456Z"),
+        (TSTZ, 2**63 - 1, "infinity"),
+        (TSTZ, -(2**63), "-infinity"),
+        (TS, 0, "1970-01-01T00:00:00.000000"),
+        (TIME, 86_400_000_000, "24:00:00.000000"),
+        (TIME, 3_723_000_004, "01:02:03.000004"),
+        ("double", float("nan"), "NaN"),
+        ("float", float("-inf"), "-Infinity"),
+        ("double", -0.0, -0.0),
+        ("bytes", b"\x00\xff", "AP8="),
+        ("string", "x", "x"),
+        (["null", "long"], None, None),
+    ],
+)
+def test_raw_values_in_document_form(schema: Any, value: Any, doc: Any) -> None:
+    assert raw(schema, value) == doc
+
+
+def test_decimals_are_exact_strings_from_both_sides() -> None:
+    for text in ("0.00", "-0.01", "12345678.90", "-99999999.99"):
+        unscaled = int(Decimal(text).scaleb(2))
+        as_bytes = unscaled.to_bytes((unscaled.bit_length() + 8) // 8, "big", signed=True)
+        assert raw(DEC, as_bytes) == text
+        assert doc_converter(DEC, Names(), spark=True)(Decimal(text)) == text
+
+
+def test_numeric_union_from_raw_and_from_spark_members() -> None:
+    schema = nullable(avro_mapping_numeric())
+    assert raw(schema, "NaN") == "NaN"
+    assert raw(schema, (150).to_bytes(2, "big", signed=True)) == "1.50"
+    spark = doc_converter(schema, Names(), spark=True)
+    assert spark({"member0": Decimal("1.50"), "member1": None}) == "1.50"
+    assert spark({"member0": None, "member1": "NaN"}) == "NaN"
+
+
+def avro_mapping_numeric() -> Any:
+    return avro_mapping(pg("numeric"), numeric_typmod(10, 2)).schema
+
+
+def test_records_use_column_names_and_named_types_resolve() -> None:
+    interval = {
+        "type": "record",
+        "name": "interval",
+        "namespace": "pg_catalog",
+        "fields": [
+            {"name": "months", "type": "int"},
+            {"name": "days", "type": "int"},
+            {"name": "micros", "type": "long"},
+        ],
+    }
+    row = {
+        "type": "record",
+        "name": "Value",
+        "fields": [
+            {"name": "a_b", "type": ["null", interval], "pgcdc.column": "a b"},
+            {"name": "later", "type": ["null", "pg_catalog.interval"]},
+            {"name": "days", "type": {"type": "array", "items": ["null", DATE]}},
+        ],
+    }
+    value = {"a_b": {"months": 1, "days": 2, "micros": 3}, "later": None, "days": [0, None]}
+    assert raw(row, value) == {
+        "a b": {"months": 1, "days": 2, "micros": 3},
+        "later": None,
+        "days": ["1970-01-01", None],
+    }
+
+
+def test_raw_form_equals_what_fastavro_round_trips() -> None:
+    """The raw side reads exactly what the Avro writer wrote (logical types left as numbers)."""
+    schema = {"type": "record", "name": "R", "fields": [{"name": "d", "type": DATE}, {"name": "t", "type": TSTZ}]}
+    buf = io.BytesIO()
+    fastavro.schemaless_writer(buf, fastavro.parse_schema(schema), {"d": 19_000, "t": 0})
+    assert raw(schema, {"d": 19_000, "t": 0}) == {
+        "d": dt.date(2022, 1, 8).isoformat(),
+        "t": "1970-01-01T00:00:00.000000Z",
+    }
+
+
+def test_search_mappings() -> None:
+    assert search_mapping(["null", "long"], Names()) == {"type": "long"}
+    assert search_mapping(["null", DEC, "string"], Names())["type"] == "double"
+    assert search_mapping(DATE, Names())["ignore_malformed"] is True
+    assert search_mapping({"type": "array", "items": "int"}, Names()) == {"type": "object", "enabled": False}
+
+
+def test_sink_settings_read_the_shared_file_and_ignore_capture_keys(tmp_path: Any) -> None:
+    path = tmp_path / "cdc.toml"
+    path.write_text(
+        '[source]\ndsn = "x"\n[kafka]\ntopic_prefix = "shop"\npartitions = 3\n'
+        '[sinks]\nspark_jars = ["a.jar"]\n[sinks.cache]\nttl_s = 60\n'
+    )
+    settings = load_sink_settings(path)
+    assert settings.kafka.topic_prefix == "shop"
+    assert settings.sinks.cache.ttl_s == 60
+    assert settings.dead_letter_topic == "shop.dead-letter"
+    assert settings.topic_for('public."My.Table"') == "shop.public.My_Table"
+
+
+def test_sink_settings_refuse_unknown_sink_keys(tmp_path: Any) -> None:
+    path = tmp_path / "cdc.toml"
+    path.write_text("[sinks.search]\nurll = 'x'\n")
+    with pytest.raises(SinkConfigError, match=r"sinks\.search\.urll: unknown key"):
+        load_sink_settings(path)
+
+
+def test_spark_jars_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CDC_SINKS__SPARK_JARS", "a.jar,b.jar")
+    assert SinkSettings().sinks.spark_jars == ("a.jar", "b.jar")
