@@ -3,7 +3,7 @@
 Key scheme (docs/sinks.md):
 
     <namespace>:current                                  the served generation N
-    <namespace>:g<N>:<schema>.<table>:<key>              hash {row, commit_lsn, lsn, op, ts_ms}
+    <namespace>:g<N>:<schema>.<table>:<key>              hash {row, commit_lsn, lsn, op, ts_ms, applied_ms}
 
 ``<key>`` is the JSON array of the key's values (``[42]``, ``["eu",7]``), ``row`` the row in document form
 (JSON), ``commit_lsn``/``lsn`` 16 hex digits so that string order is position order. A Lua script compares
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -22,23 +23,35 @@ import redis
 from sinks._api import BaseSink, Batch, Change, SinkContext, TableRef
 from sinks.errors import SinkTransientError
 
-# KEYS[1] entry; ARGV commit_lsn, lsn (hex16), row json, op, ts_ms, ttl seconds (0 = none)
-_UPSERT = """
-local cur = redis.call('HMGET', KEYS[1], 'commit_lsn', 'lsn')
-if cur[1] and (ARGV[1] < cur[1] or (ARGV[1] == cur[1] and ARGV[2] < cur[2])) then return 0 end
-redis.call('HSET', KEYS[1], 'row', ARGV[3], 'commit_lsn', ARGV[1], 'lsn', ARGV[2], 'op', ARGV[4], 'ts_ms', ARGV[5])
-if tonumber(ARGV[6]) > 0 then redis.call('EXPIRE', KEYS[1], ARGV[6]) end
-return 1
-"""
-# KEYS[1] entry; ARGV commit_lsn, lsn ('' = unconditional): delete unless the stored row is newer
-_DELETE = """
-if ARGV[1] ~= '' then
-  local cur = redis.call('HMGET', KEYS[1], 'commit_lsn', 'lsn')
-  if cur[1] and (ARGV[1] < cur[1] or (ARGV[1] == cur[1] and ARGV[2] < cur[2])) then return 0 end
+# Many entries per call (a round trip and a command per row would cost more than the work itself).
+# KEYS: entries; ARGV: ttl, then per entry 7 values: kind ('u' upsert / 'd' delete / 'D' unconditional delete),
+# commit_lsn, lsn (16 hex digits: string order is position order), row json, op, ts_ms, applied_ms.
+_APPLY = """
+local ttl = tonumber(ARGV[1])
+local applied = 0
+for i, key in ipairs(KEYS) do
+  local b = 1 + (i - 1) * 7
+  local kind, c, l = ARGV[b + 1], ARGV[b + 2], ARGV[b + 3]
+  local older = false
+  if kind ~= 'D' then
+    local cur = redis.call('HMGET', key, 'commit_lsn', 'lsn')
+    older = cur[1] and (c < cur[1] or (c == cur[1] and l < cur[2]))
+  end
+  if not older then
+    applied = applied + 1
+    if kind == 'u' then
+      redis.call('HSET', key, 'row', ARGV[b + 4], 'commit_lsn', c, 'lsn', l, 'op', ARGV[b + 5], 'ts_ms', ARGV[b + 6],
+                 'applied_ms', ARGV[b + 7])
+      if ttl > 0 then redis.call('EXPIRE', key, ttl) end
+    else
+      redis.call('DEL', key)
+    end
+  end
 end
-return redis.call('DEL', KEYS[1])
+return applied
 """
 _PIPELINE = 1000
+_PER_CALL = 200  # entries per script call
 
 
 def _hex(value: int) -> str:
@@ -58,8 +71,7 @@ class CacheSink(BaseSink):
         self.namespace = cfg.namespace or context.settings.kafka.topic_prefix
         self.ttl = cfg.ttl_s or 0
         self.client = redis.Redis.from_url(cfg.url.get_secret_value(), socket_timeout=30)
-        self._upsert = self.client.register_script(_UPSERT)
-        self._delete = self.client.register_script(_DELETE)
+        self._script = self.client.register_script(_APPLY)
 
     def close(self) -> None:
         self.client.close()
@@ -130,38 +142,40 @@ class CacheSink(BaseSink):
                 pipe.hget(prefix + c.doc_id, "row")
             rows = self._call(pipe.execute)
             stored = {c.doc_id: json.loads(r) for c, r in zip(partial, rows, strict=True) if r is not None}
+        now_ms = str(int(time.time() * 1000))
+        keys: list[str] = []
+        args: list[Any] = []
         pipe = self.client.pipeline(transaction=False)
         for c in changes:
-            key = prefix + c.doc_id
+            doc_id = c.doc_id
+            keys.append(prefix + doc_id)
+            pos = c.position
+            commit, lsn = ("", "") if pos is None else (_hex(pos[0]), _hex(pos[1]))
             if c.row is None:
-                pos = c.position
-                self._delete(keys=[key], args=["", ""] if pos is None else [_hex(pos[0]), _hex(pos[1])], client=pipe)
-                continue
-            row = c.row
-            old = stored.get(c.doc_id)
-            if c.unchanged and old is not None:
-                row = {**row, **{col: old.get(col) for col in c.unchanged}}
-            assert c.commit_lsn is not None
-            assert c.lsn is not None
-            self._upsert(
-                keys=[key],
-                args=[
-                    _hex(c.commit_lsn),
-                    _hex(c.lsn),
-                    json.dumps(row, separators=(",", ":"), ensure_ascii=False),
-                    c.op,
-                    c.ts_ms or 0,
-                    self.ttl,
-                ],
-                client=pipe,
-            )
+                args += ["D" if pos is None else "d", commit, lsn, "", "", "", ""]
+            else:
+                row = c.row
+                old = stored.get(doc_id)
+                if c.unchanged and old is not None:
+                    row = {**row, **{col: old.get(col) for col in c.unchanged}}
+                row_json = json.dumps(row, separators=(",", ":"), ensure_ascii=False)
+                args += ["u", commit, lsn, row_json, c.op, c.ts_ms or 0, now_ms]
+            if len(keys) >= _PER_CALL:
+                self._script(keys=keys, args=[self.ttl, *args], client=pipe)
+                keys, args = [], []
+        if keys:
+            self._script(keys=keys, args=[self.ttl, *args], client=pipe)
         self._call(pipe.execute)
 
     def _truncate(self, prefix: str, before: tuple[int, int]) -> None:
         keys = list(self.client.scan_iter(match=_glob_escape(prefix) + "*", count=1000))
         pipe = self.client.pipeline(transaction=False)
-        for key in keys:
-            self._delete(keys=[key], args=[_hex(before[0]), _hex(before[1])], client=pipe)
+        for start in range(0, len(keys), _PER_CALL):
+            chunk = keys[start : start + _PER_CALL]
+            args: list[Any] = []
+            for _ in chunk:
+                args += ["d", _hex(before[0]), _hex(before[1]), "", "", "", ""]
+            self._script(keys=chunk, args=[self.ttl, *args], client=pipe)
         self._call(pipe.execute)
 
     @staticmethod

@@ -111,10 +111,12 @@ class SinkQuery:
         raw = raw.persist()
         try:
             decoded = self.decoder.decode(raw)
+            t_decoded = time.monotonic()
             rejected: list[Rejected] = []
             batch = Batch(batch_id, self.generation, decoded.tables, self.spark, rejected.extend)
             if decoded.tables:
                 self.sink.write(batch)
+            t_written = time.monotonic()
             dead = send_to_dead_letter(self.settings, self.name, decoded.poison, rejected, raw)
             rows = raw.count()
         finally:
@@ -127,7 +129,16 @@ class SinkQuery:
             last_batch_id=batch_id,
             last_batch_s=round(time.monotonic() - started, 3),
         )
-        log.info("sink %s: batch %d: %d record(s) in %.2fs", self.name, batch_id, rows, time.monotonic() - started)
+        log.info(
+            "sink %s: batch %d: %d record(s) in %.2fs (decode %.2fs, write %.2fs, dead letters %.2fs)",
+            self.name,
+            batch_id,
+            rows,
+            time.monotonic() - started,
+            t_decoded - started,
+            t_written - t_decoded,
+            time.monotonic() - t_written,
+        )
 
     def caught_up(self) -> bool:
         """True once a batch has read everything that was available when it started."""

@@ -9,6 +9,7 @@ The served generation is kept in the ``<prefix>-cdc-sinks`` index; rebuild swaps
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -111,6 +112,7 @@ class SearchSink(BaseSink):
                 "lsn": {"type": "long"},
                 "op": {"type": "keyword"},
                 "ts_ms": {"type": "date", "format": "epoch_millis"},
+                "applied_ms": {"type": "date", "format": "epoch_millis"},
             }
         }
         # dynamic false: a column added later is mapped by put_mapping below, never guessed from a value.
@@ -160,6 +162,7 @@ class SearchSink(BaseSink):
             found = self._call(self.client.mget, index=index, body={"ids": [c.doc_id for c in partial]})
             stored = {d["_id"]: d["_source"] for d in found["docs"] if d.get("found")}
         actions: list[dict[str, Any]] = []
+        now = int(time.time() * 1000)  # when the change was applied: freshness = applied_ms - ts_ms
         for c in changes:
             action: dict[str, Any] = {"_index": index, "_id": c.doc_id}
             if c.commit_lsn is not None:
@@ -173,7 +176,7 @@ class SearchSink(BaseSink):
                     row = {**row, **{col: old.get(col) for col in c.unchanged}}
                 action["_source"] = {
                     **row,
-                    _META: {"commit_lsn": c.commit_lsn, "lsn": c.lsn, "op": c.op, "ts_ms": c.ts_ms},
+                    _META: {"commit_lsn": c.commit_lsn, "lsn": c.lsn, "op": c.op, "ts_ms": c.ts_ms, "applied_ms": now},
                 }
             actions.append(action)
         try:

@@ -170,7 +170,8 @@ def doc_converter(avro: AvroType, names: Names, *, spark: bool, namespace: str |
         return _nullsafe(lambda v: [item(x) for x in v])
     if kind == "map":
         val = doc_converter(avro["values"], names, spark=spark, namespace=namespace)
-        return _nullsafe(lambda v: {k: val(x) for k, x in v.items()})
+        # Spark's Rows give a map as a dict, Arrow as a list of (key, value) pairs.
+        return _nullsafe(lambda v: {k: val(x) for k, x in (v if isinstance(v, list) else v.items())})
     return _ident
 
 

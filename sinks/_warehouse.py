@@ -26,7 +26,7 @@ from sinks._values import Names, column_name, doc_converter, spark_projection
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame
 
-_META = ("__op", "__commit_lsn", "__lsn", "__ts_ms")
+_META = ("__op", "__commit_lsn", "__lsn", "__ts_ms", "__applied_ms")
 
 
 def _q(name: str) -> str:
@@ -130,6 +130,7 @@ class WarehouseSink(BaseSink):
             F.col("commit_lsn").alias("__commit_lsn"),
             F.col("lsn").alias("__lsn"),
             F.col("ts_ms").alias("__ts_ms"),
+            F.expr("unix_millis(current_timestamp())").alias("__applied_ms"),  # freshness = applied - ts_ms
             F.col("unchanged").alias("__unchanged"),
         )
 
@@ -150,6 +151,7 @@ class WarehouseSink(BaseSink):
         if added:  # ALTER TABLE ADD COLUMN at the source: the Delta table gains the column (older rows: null)
             ddl = ", ".join(f"{_q(f.name)} {f.dataType.simpleString()}" for f in added)
             spark.sql(f"ALTER TABLE delta.{_q(path)} ADD COLUMNS ({ddl})")
+            target = DeltaTable.forPath(spark, path)  # the handle above still has the old schema
         if table.truncate is not None:
             c, lsn = table.truncate
             target.delete((F.col("__commit_lsn") < c) | ((F.col("__commit_lsn") == c) & (F.col("__lsn") < lsn)))
