@@ -73,11 +73,22 @@ class SinkQuery:
     """One sink's streaming query for one generation."""
 
     def __init__(
-        self, name: str, settings: SinkSettings, spark: SparkSession, generation: int, *, follow_swaps: bool = True
+        self,
+        name: str,
+        settings: SinkSettings,
+        spark: SparkSession,
+        generation: int,
+        *,
+        follow_swaps: bool = True,
+        sink: Any | None = None,
     ) -> None:
         self.name, self.settings, self.generation = name, settings, generation
         self.spark = spark.newSession()  # own SQL conf per sink, one SparkContext
-        self.sink = _opened(name, settings, generation, self.spark)
+        if sink is None:
+            self.sink = _opened(name, settings, generation, self.spark)
+        else:  # an instance made elsewhere (benchmarks: a reference sink that is not installed)
+            self.sink = sink
+            sink.open(SinkContext(name, settings, {}, generation, self.spark))
         self.decoder = Decoder(settings)
         self.follow_swaps = follow_swaps and isinstance(self.sink, Rebuildable)
         base = settings.sinks.state_dir / name
