@@ -1,0 +1,113 @@
+"""Poison events and store rejections go to the dead-letter topic with the reason; the query keeps going."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import psycopg
+import pytest
+import redis
+from confluent_kafka import Consumer, Producer
+from opensearchpy import OpenSearch
+
+from tests.integration._capture_helpers import CdcConfig, scratch_database, wait_for
+from tests.integration._sinks_helpers import SinksProcess, sinks_section
+
+pytestmark = pytest.mark.slow
+
+
+def _dead_letters(kafka: str, topic: str) -> list[dict[str, str]]:
+    consumer = Consumer(
+        {"bootstrap.servers": kafka, "group.id": f"dlq-{time.time_ns()}", "auto.offset.reset": "earliest"}
+    )
+    consumer.subscribe([topic])
+    out = []
+    try:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            msg = consumer.poll(0.5)
+            if msg is None or msg.error():
+                continue
+            pairs: list[tuple[str, bytes]] = list(msg.headers() or [])  # type: ignore[arg-type]
+            headers = {k: v.decode() for k, v in pairs}
+            out.append(headers | {"value": repr(msg.value())})
+    finally:
+        consumer.close()
+    return out
+
+
+def test_poison_and_rejected_changes_reach_the_dead_letter_topic(
+    *,
+    pg_dsn: str,
+    kafka_bootstrap: str,
+    registry_url: str,
+    opensearch_url: str,
+    redis_url: str,
+    spark_jars: list[str],
+    unique: str,
+    tmp_path: Path,
+) -> None:
+    prefix = f"d{unique}"
+    with scratch_database(pg_dsn, f"dlq_{unique}") as dsn:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute("CREATE TABLE t (k text PRIMARY KEY, v int)")
+            # OpenSearch refuses ids over 512 bytes: this row is rejected by the search index only.
+            conn.execute("INSERT INTO t VALUES ('a', 1), ('b', 2), (repeat('x', 600), 3)")
+        extra = sinks_section(
+            state=tmp_path / "state",
+            warehouse=tmp_path / "wh",
+            jars=spark_jars,
+            opensearch=opensearch_url,
+            redis=redis_url,
+        )
+        cfg = CdcConfig(dsn, kafka_bootstrap, registry_url, prefix, ["public.t"], f"s_{unique}", f"p_{unique}", extra)
+        capture = cfg.start(tmp_path)
+        sinks = SinksProcess(tmp_path / "cdc.toml", tmp_path / "sinks.log", ["search", "cache"])
+        try:
+            capture.wait_streaming(180)
+            topic = f"{prefix}.public.t"
+            producer = Producer({"bootstrap.servers": kafka_bootstrap})
+            producer.produce(topic, key=b"not avro", value=b"\x00\x00\x00\x00\x07garbage")  # a record nobody can read
+            producer.flush(30)
+            sinks.start()
+            with psycopg.connect(dsn, autocommit=True) as conn:
+                conn.execute("UPDATE t SET v = 20 WHERE k = 'b'")
+            cache = redis.Redis.from_url(redis_url)
+
+            def applied() -> bool:
+                row = cache.hget(f'{prefix}:g1:public.t:["b"]', "row")
+                return row is not None and json.loads(row)["v"] == 20
+
+            wait_for(applied, 300, "the update after the poison record to reach the cache", None)
+            dead_topic = f"{prefix}.dead-letter"
+            wait_for(
+                lambda: (
+                    sum("Avro" in d.get("pgcdc.error", "") for d in _dead_letters(kafka_bootstrap, dead_topic)) >= 2
+                    and any(
+                        d.get("pgcdc.sink") == "search" and "OpenSearch" in d["pgcdc.error"]
+                        for d in _dead_letters(kafka_bootstrap, dead_topic)
+                    )
+                ),
+                240,
+                "the dead letters",
+                None,
+            )
+            letters = _dead_letters(kafka_bootstrap, dead_topic)
+            poison = [d for d in letters if "not Confluent-framed" in d["pgcdc.error"]]
+            assert {d["pgcdc.sink"] for d in poison} == {"search", "cache"}  # each sink reports what it skipped
+            assert all(d["pgcdc.topic"] == topic and d["pgcdc.offset"].isdigit() for d in poison)
+            assert all("garbage" in d["value"] for d in poison)  # the original bytes, untouched
+            rejected = [d for d in letters if d["pgcdc.sink"] == "search" and "OpenSearch" in d["pgcdc.error"]]
+            assert len(rejected) == 1
+            search = OpenSearch(opensearch_url)
+            search.indices.refresh(index=f"{prefix}-public.t")
+            assert search.count(index=f"{prefix}-public.t")["count"] == 2  # a and b; the long key is dead-lettered
+            status = json.loads((tmp_path / "state" / "search" / "status.json").read_text())
+            assert status["dead_letters"] >= 2
+            assert sinks.stop() == 0, sinks.tail()
+        finally:
+            if sinks.alive():
+                sinks.kill()
+            capture.stop()
