@@ -267,6 +267,30 @@ def _union(frames: list[DataFrame], columns: tuple[str, ...] | None = None) -> D
     return out
 
 
+def ensure_dead_letter_topic(settings: SinkSettings) -> None:
+    """Create the dead-letter topic if it is missing (brokers often refuse to create topics implicitly)."""
+    from confluent_kafka import KafkaException
+    from confluent_kafka.admin import AdminClient, NewTopic
+
+    conf: dict[str, str | int | float | bool] = {
+        "bootstrap.servers": settings.kafka.bootstrap_servers,
+        **settings.kafka.consumer,
+    }
+    admin = AdminClient(conf)
+    topic = settings.dead_letter_topic
+    try:
+        if topic in admin.list_topics(timeout=30).topics:
+            return
+        # delete, not compact: dead letters are a log to inspect and replay, not state (and keys may be garbage).
+        future = admin.create_topics([NewTopic(topic, num_partitions=1, config={"cleanup.policy": "delete"})])[topic]
+        future.result(30)
+        log.info("created the dead-letter topic %s", topic)
+    except KafkaException as exc:
+        if "TOPIC_ALREADY_EXISTS" in str(exc):
+            return
+        raise SinkTransientError(f"cannot create the dead-letter topic {topic}: {exc}") from exc
+
+
 def _header(name: str, value: Column) -> Column:
     from pyspark.sql import functions as F
 

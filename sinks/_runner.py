@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from sinks._api import Batch, Rebuildable, Rejected, SinkContext, TableRef, key_id
 from sinks._plugins import load
-from sinks._reader import Decoder, open_stream, send_to_dead_letter
+from sinks._reader import Decoder, ensure_dead_letter_topic, open_stream, send_to_dead_letter
 from sinks._spark import build_session
 from sinks._values import Names, column_name, doc_converter
 from sinks.errors import PluginError, SinkConfigError, SinkError
@@ -200,6 +200,7 @@ def run(settings: SinkSettings, names: Sequence[str], stop: threading.Event) -> 
     if not usable:
         raise problems[0] if problems else SinkConfigError("no sinks to run: name some or set sinks.enabled")
     names = usable
+    ensure_dead_letter_topic(settings)
     spark = spark_session(settings, "pgcdc-sinks")
     queries: dict[str, SinkQuery] = {}
     backoff: dict[str, float] = {}
@@ -361,6 +362,7 @@ def rebuild(
     probe.prepare_generation(new)
     _close(probe)
     shutil.rmtree(settings.sinks.state_dir / name / f"g{new}", ignore_errors=True)
+    ensure_dead_letter_topic(settings)
     report(f"rebuilding {name}: generation {new} from offset zero, while generation {current} keeps serving")
     q = SinkQuery(name, settings, spark, new, follow_swaps=False)
     q.start()

@@ -9,19 +9,22 @@ The served generation is kept in the ``<prefix>-cdc-sinks`` index; rebuild swaps
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator
 from typing import Any
 
 from opensearchpy import OpenSearch, helpers
 from opensearchpy.exceptions import ConnectionError as OSConnectionError
-from opensearchpy.exceptions import ConnectionTimeout, NotFoundError, TransportError
+from opensearchpy.exceptions import ConnectionTimeout, NotFoundError, RequestError, TransportError
 
 from sinks._api import BaseSink, Batch, Change, Rejected, SinkContext, TableChanges, TableRef
 from sinks._values import Names, column_name, search_mapping
 from sinks.errors import SinkTransientError
 
 _META = "__cdc"
+_MAX_ID_BYTES = 512
+log = logging.getLogger(__name__)
 _BULK = 2000
 
 
@@ -162,9 +165,16 @@ class SearchSink(BaseSink):
             found = self._call(self.client.mget, index=index, body={"ids": [c.doc_id for c in partial]})
             stored = {d["_id"]: d["_source"] for d in found["docs"] if d.get("found")}
         actions: list[dict[str, Any]] = []
+        rejected: list[Rejected] = []
         now = int(time.time() * 1000)  # when the change was applied: freshness = applied_ms - ts_ms
         for c in changes:
-            action: dict[str, Any] = {"_index": index, "_id": c.doc_id}
+            doc_id = c.doc_id
+            if len(doc_id.encode()) > _MAX_ID_BYTES:  # OpenSearch refuses the whole bulk request for one such id
+                rejected.append(
+                    Rejected(topic, c.partition, c.offset, f"OpenSearch: document id over {_MAX_ID_BYTES} bytes")
+                )
+                continue
+            action: dict[str, Any] = {"_index": index, "_id": doc_id}
             if c.commit_lsn is not None:
                 action.update(_version=c.commit_lsn, _version_type="external_gte")
             if c.row is None:
@@ -183,7 +193,23 @@ class SearchSink(BaseSink):
             _, errors = helpers.bulk(self.client, actions, raise_on_error=False, raise_on_exception=True)
         except (OSConnectionError, ConnectionTimeout) as exc:
             raise SinkTransientError(f"OpenSearch unreachable: {exc}") from exc
-        rejected = []
+        except RequestError as exc:
+            # The request as a whole was refused (validation): find the culprits one action at a time.
+            errors = []
+            for action in actions:
+                try:
+                    helpers.bulk(self.client, [action], raise_on_error=False, raise_on_exception=True)
+                except RequestError as one:
+                    errors.append(
+                        {
+                            action.get("_op_type", "index"): {
+                                "_id": action["_id"],
+                                "status": 400,
+                                "error": str(one.info or one),
+                            }
+                        }
+                    )
+            log.warning("OpenSearch refused a bulk request (%s); applied its actions one by one", exc.error)
         by_id = {c.doc_id: c for c in changes}
         for item in errors if isinstance(errors, list) else []:
             ((op, result),) = item.items()
