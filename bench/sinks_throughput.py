@@ -114,7 +114,7 @@ def main() -> int:
             "at timestamptz DEFAULT now(), payload jsonb)"
         )
         conn.execute(
-            "INSERT INTO events SELECT g, 'name ' || g, g % 1000, g / 100.0, now(), "
+            "INSERT INTO events SELECT g, 'name ' || g, g %% 1000, g / 100.0, now(), "
             "jsonb_build_object('g', g, 'tags', jsonb_build_array('a', 'b')) FROM generate_series(1, %s) g",
             (args.rows,),
         )

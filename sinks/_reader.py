@@ -170,27 +170,44 @@ class Decoder:
             )
             by_topic.setdefault(topic, []).append(decoded.filter(~broken))
         # Truncates of every table in one job (a job per table costs a second each on a small machine).
+        # Truncates, and which tables have partial (unchanged TOAST) updates, for every table in one job (a job
+        # per table costs about a second each on a small machine).
         marks = _union(
             [
-                f.filter(F.col("v.op") == "t").select(
-                    "topic", F.col("v.source.commit_lsn").alias("c"), F.col("v.source.lsn").alias("l")
+                f.filter(F.col("v").isNotNull()).select(
+                    "topic",
+                    F.when(
+                        F.col("v.op") == "t",
+                        F.struct(F.col("v.source.commit_lsn").alias("c"), F.col("v.source.lsn").alias("l")),
+                    ).alias("t"),
+                    (F.size(F.col("v.unchanged_toast")) > 0).cast("int").alias("p"),
                 )
                 for frames in by_topic.values()
                 for f in frames
             ]
         )
         truncates: dict[str, tuple[int, int]] = {}
+        partial: set[str] = set()
         if marks is not None:
-            for m in marks.groupBy("topic").agg(F.max(F.struct("c", "l")).alias("m")).collect():
-                truncates[m["topic"]] = (int(m["m"]["c"]), int(m["m"]["l"]))
+            for m in marks.groupBy("topic").agg(F.max("t").alias("t"), F.max("p").alias("p")).collect():
+                if m["t"] is not None:
+                    truncates[m["topic"]] = (int(m["t"]["c"]), int(m["t"]["l"]))
+                if m["p"]:
+                    partial.add(m["topic"])
         tables = [
-            self._table(topic, frames, readers[topic], truncates.get(topic))
+            self._table(topic, frames, readers[topic], truncates.get(topic), partial=topic in partial)
             for topic, frames in sorted(by_topic.items())
         ]
         return Decoded(tables, _union(poison, (*_RAW, "error")))
 
     def _table(
-        self, topic: str, frames: list[DataFrame], readers: tuple[str, str], truncate: tuple[int, int] | None
+        self,
+        topic: str,
+        frames: list[DataFrame],
+        readers: tuple[str, str],
+        truncate: tuple[int, int] | None,
+        *,
+        partial: bool = False,
     ) -> TableChanges:
         from pyspark.sql import Window
         from pyspark.sql import functions as F
@@ -215,6 +232,8 @@ class Decoder:
         if truncate is not None:
             c, lsn = truncate
             changes = changes.filter((F.col("commit_lsn") > c) | ((F.col("commit_lsn") == c) & (F.col("lsn") > lsn)))
+        if partial:
+            changes = _fill_unchanged(changes)
         newest = Window.partitionBy("key").orderBy(
             F.col("commit_lsn").desc(), F.col("lsn").desc(), F.col("offset").desc()
         )
@@ -254,6 +273,49 @@ class Decoder:
             truncate=truncate,
             events=changes.drop("tombstone"),
         )
+
+
+def _fill_unchanged(changes: DataFrame) -> DataFrame:
+    """Unchanged-TOAST columns of a partial update take the key's latest value from earlier in the batch.
+
+    Only the last event per key is applied, so a partial update must carry what an earlier event of the same
+    batch set (otherwise a row inserted and then updated within one batch would lose its large values).
+    Values still unknown stay listed in ``unchanged``: the store keeps what it holds.
+    """
+    from pyspark.sql import Window
+    from pyspark.sql import functions as F
+
+    fields = [f.name for f in changes.schema["row"].dataType.fields]  # type: ignore[attr-defined]
+    upto = (
+        Window.partitionBy("key")
+        .orderBy("commit_lsn", "lsn", "offset")
+        .rowsBetween(Window.unboundedPreceding, Window.currentRow)
+    )
+    known = {}
+    for name in fields:
+        # Wrapped in a struct so that a real NULL counts as a known value and "unknown" is the only null.
+        sent = F.when(
+            (F.col("op") != "d") & ~F.array_contains(F.col("unchanged"), name),
+            F.struct(F.col("row").getField(name).alias("v")),
+        )
+        known[name] = F.last(sent, ignorenulls=True).over(upto)
+    filled = changes.select("*", *[known[n].alias(f"_k{i}") for i, n in enumerate(fields)])
+    missing = F.col("unchanged")
+    row = F.struct(
+        *[
+            F.when(F.array_contains(missing, n) & F.col(f"_k{i}").isNotNull(), F.col(f"_k{i}.v"))
+            .otherwise(F.col("row").getField(n))
+            .alias(n)
+            for i, n in enumerate(fields)
+        ]
+    )
+    still = F.filter(
+        missing,
+        lambda x: F.coalesce(*[F.when(x == n, F.col(f"_k{i}").isNull()) for i, n in enumerate(fields)], F.lit(True)),
+    )
+    out = filled.withColumn("row", F.when(F.col("row").isNull(), F.lit(None)).otherwise(row))
+    out = out.withColumn("unchanged", still)
+    return out.drop(*[f"_k{i}" for i in range(len(fields))])
 
 
 def _union(frames: list[DataFrame], columns: tuple[str, ...] | None = None) -> DataFrame | None:
