@@ -115,3 +115,10 @@ def main(argv: list[str]) -> int:
     except SinkError as exc:
         print(f"cdc: error: {exc}", file=sys.stderr)
         return exc.exit_code
+    except Exception as exc:
+        from cdc import CDCError  # verify reads the source through the capture's public face
+
+        if not isinstance(exc, CDCError):
+            raise
+        print(f"cdc: error: {exc}", file=sys.stderr)
+        return exc.exit_code
