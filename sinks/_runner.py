@@ -323,11 +323,14 @@ def verify(
     try:
         if not isinstance(sink, Rebuildable):
             raise SinkConfigError(f"sink {name!r} cannot be read back (it does not implement sinks.Rebuildable)")
-        gen = generation if generation is not None else sink.current_generation()
-        if gen is None:
-            raise SinkConfigError(f"sink {name!r} has never run: nothing to verify")
         deadline = time.monotonic() + wait_s
         while True:
+            gen = generation if generation is not None else sink.current_generation()
+            if gen is None:
+                if time.monotonic() < deadline:  # a sink started moments ago has not set up its store yet
+                    time.sleep(2.0)
+                    continue
+                raise SinkConfigError(f"sink {name!r} has never run: nothing to verify")
             drifts = compare(sink, source_tables(), gen, settings)
             if all(d.clean for d in drifts) or time.monotonic() >= deadline:
                 return drifts
