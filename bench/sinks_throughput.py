@@ -173,7 +173,7 @@ path = "{work / "warehouse"}"
         query.stop()
         if name != "warm-up":
             throughput[name] = args.rows / elapsed
-        print(f"{name}: {throughput[name]:,.0f} events/s ({elapsed:.1f} s)", file=sys.stderr)
+        print(f"{name}: {args.rows / elapsed:,.0f} events/s ({elapsed:.1f} s)", file=sys.stderr)
     spark.stop()
 
     # Freshness: the production shape, capture and all three sinks as processes, on a state of their own.

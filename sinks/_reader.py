@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from confluent_kafka.schema_registry import SchemaRegistryClient
@@ -75,7 +75,13 @@ def _body(column: Column) -> Column:
 @dataclass
 class Decoded:
     tables: list[TableChanges]
-    poison: DataFrame | None  # raw records with an ``error`` column
+    poison: DataFrame | None  # raw records with an ``error`` column; None when the batch cannot hold any
+    records: int = 0
+    persisted: list[DataFrame] = field(default_factory=list)
+
+    def release(self) -> None:
+        for frame in self.persisted:
+            frame.unpersist()
 
 
 class Decoder:
@@ -85,6 +91,8 @@ class Decoder:
         self.settings = settings
         self._client = SchemaRegistryClient(settings.registry_conf())
         self._by_id: dict[int, str | None] = {}
+        # topic -> (latest key schema, latest value schema, writer ids known when they were fetched)
+        self._readers: dict[str, tuple[str, str, set[int]]] = {}
         self._lock = threading.Lock()
 
     def _schema(self, schema_id: int) -> str | None:
@@ -113,7 +121,15 @@ class Decoder:
         from pyspark.sql.avro.functions import from_avro
 
         framed = raw.withColumn("_kid", _schema_id(F.col("key"))).withColumn("_vid", _schema_id(F.col("value")))
-        groups = framed.groupBy("topic", "_kid", "_vid").count().collect()
+        unframed = F.col("value").isNotNull() & F.col("_vid").isNull()
+        groups = (
+            framed.groupBy("topic", "_kid", "_vid")
+            .agg(F.count(F.lit(1)).alias("n"), F.sum(unframed.cast("int")).alias("unframed"))
+            .collect()
+        )
+        records = sum(int(g["n"]) for g in groups)
+        suspect = False  # whether any record may be poison: only then is the dead-letter job run
+        persisted: list[DataFrame] = []
         poison: list[DataFrame] = []
         by_topic: dict[str, list[DataFrame]] = {}
         readers: dict[str, tuple[str, str]] = {}
@@ -123,14 +139,26 @@ class Decoder:
                 (F.col("topic") == topic) & F.col("_kid").eqNullSafe(kid) & F.col("_vid").eqNullSafe(vid)
             )
             if kid is None:
+                suspect = True
                 poison.append(subset.withColumn("error", F.lit("key is not Confluent-framed Avro (magic byte 0)")))
                 continue
             if topic not in readers:
-                key_reader, value_reader = self._latest(f"{topic}-key"), self._latest(f"{topic}-value")
-                if key_reader is None or value_reader is None:
+                cached = self._readers.get(topic)
+                key_reader_: str | None
+                value_reader_: str | None
+                if cached is not None and {kid, vid} - {None} <= cached[2]:
+                    key_reader_, value_reader_ = cached[0], cached[1]  # no new writer schema since it was fetched
+                else:
+                    key_reader_, value_reader_ = self._latest(f"{topic}-key"), self._latest(f"{topic}-value")
+                    seen = set(self._by_id)
+                    if key_reader_ is not None and value_reader_ is not None:
+                        # The latest versions, fetched after these ids were registered, can read all of them.
+                        self._readers[topic] = (key_reader_, value_reader_, seen | ({kid, vid} - {None}))
+                if key_reader_ is None or value_reader_ is None:
+                    suspect = True
                     poison.append(subset.withColumn("error", F.lit(f"no schema registered for {topic}")))
                     continue
-                readers[topic] = (key_reader, value_reader)
+                readers[topic] = (key_reader_, value_reader_)
             key_reader, value_reader = readers[topic]
             key_writer = self._schema(kid)
             value_writer = value_reader if vid is None else self._schema(vid)
@@ -145,6 +173,7 @@ class Decoder:
                 bad = f"key schema id {kid} is unknown to the registry"
             if bad is not None:
                 # A null value (tombstone) has no id and is fine; anything else without an id is poison.
+                suspect = suspect or vid is not None or key_writer is None or bool(g["unframed"])
                 poison.append(subset.filter(F.col("value").isNotNull()).withColumn("error", F.lit(bad)))
                 if vid is not None or key_writer is None:
                     continue
@@ -162,25 +191,28 @@ class Decoder:
                 from_avro(_body(F.col("value")), value_writer, {**permissive, "avroSchema": value_reader}).alias("v"),
             )
             broken = (F.col("value").isNotNull() & F.col("v.op").isNull()) | F.col("k").isNull()
+            # Decoded once per batch: the marks below, each sink's write and the dead letters all read it.
+            decoded = decoded.withColumn("_bad", broken).persist()
+            persisted.append(decoded)
             where = f"schema ids key {kid} / value {vid}"
             poison.append(
-                decoded.filter(broken)
+                decoded.filter(F.col("_bad"))
                 .select("topic", "partition", "offset", "key", "value")
                 .withColumn("error", F.lit(f"Avro decoding failed with the writer {where}"))
             )
-            by_topic.setdefault(topic, []).append(decoded.filter(~broken))
-        # Truncates of every table in one job (a job per table costs a second each on a small machine).
-        # Truncates, and which tables have partial (unchanged TOAST) updates, for every table in one job (a job
+            by_topic.setdefault(topic, []).append(decoded)
+        # Truncates, which tables have partial (unchanged TOAST) updates, for every table in one job (a job
         # per table costs about a second each on a small machine).
         marks = _union(
             [
-                f.filter(F.col("v").isNotNull()).select(
+                f.select(
                     "topic",
                     F.when(
-                        F.col("v.op") == "t",
+                        ~F.col("_bad") & (F.col("v.op") == "t"),
                         F.struct(F.col("v.source.commit_lsn").alias("c"), F.col("v.source.lsn").alias("l")),
                     ).alias("t"),
-                    (F.size(F.col("v.unchanged_toast")) > 0).cast("int").alias("p"),
+                    (F.col("v").isNotNull() & (F.size(F.col("v.unchanged_toast")) > 0)).cast("int").alias("p"),
+                    F.col("_bad").cast("int").alias("b"),
                 )
                 for frames in by_topic.values()
                 for f in frames
@@ -189,7 +221,12 @@ class Decoder:
         truncates: dict[str, tuple[int, int]] = {}
         partial: set[str] = set()
         if marks is not None:
-            for m in marks.groupBy("topic").agg(F.max("t").alias("t"), F.max("p").alias("p")).collect():
+            for m in (
+                marks.groupBy("topic")
+                .agg(F.max("t").alias("t"), F.max("p").alias("p"), F.max("b").alias("b"))
+                .collect()
+            ):
+                suspect = suspect or bool(m["b"])
                 if m["t"] is not None:
                     truncates[m["topic"]] = (int(m["t"]["c"]), int(m["t"]["l"]))
                 if m["p"]:
@@ -198,7 +235,7 @@ class Decoder:
             self._table(topic, frames, readers[topic], truncates.get(topic), partial=topic in partial)
             for topic, frames in sorted(by_topic.items())
         ]
-        return Decoded(tables, _union(poison, (*_RAW, "error")))
+        return Decoded(tables, _union(poison, (*_RAW, "error")) if suspect else None, records, persisted)
 
     def _table(
         self,
@@ -215,6 +252,7 @@ class Decoder:
         frame = frames[0]
         for more in frames[1:]:
             frame = frame.unionByName(more)
+        frame = frame.filter(~F.col("_bad"))
         events = frame.select(
             "topic",
             "partition",

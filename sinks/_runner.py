@@ -122,14 +122,19 @@ class SinkQuery:
         raw = raw.persist()
         try:
             decoded = self.decoder.decode(raw)
-            t_decoded = time.monotonic()
-            rejected: list[Rejected] = []
-            batch = Batch(batch_id, self.generation, decoded.tables, self.spark, rejected.extend)
-            if decoded.tables:
-                self.sink.write(batch)
-            t_written = time.monotonic()
-            dead = send_to_dead_letter(self.settings, self.name, decoded.poison, rejected, raw)
-            rows = raw.count()
+            try:
+                t_decoded = time.monotonic()
+                rejected: list[Rejected] = []
+                batch = Batch(batch_id, self.generation, decoded.tables, self.spark, rejected.extend)
+                if decoded.tables:
+                    self.sink.write(batch)
+                t_written = time.monotonic()
+                dead = 0
+                if decoded.poison is not None or rejected:
+                    dead = send_to_dead_letter(self.settings, self.name, decoded.poison, rejected, raw)
+                rows = decoded.records
+            finally:
+                decoded.release()
         finally:
             raw.unpersist()
         totals = self.status.data
