@@ -90,6 +90,7 @@ class CacheSink(BaseSink):
         old = self.current_generation()
         self._call(self.client.set, f"{self.namespace}:current", str(generation))
         if old is not None and old != generation:
+            time.sleep(self.context.settings.sinks.swap_grace_s)  # readers that read the old number finish first
             self._drop(f"{_glob_escape(self.namespace)}:g{old}:*")
 
     def _drop(self, pattern: str) -> None:

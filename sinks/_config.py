@@ -76,6 +76,9 @@ class SinksConfig(_Section):
         default=(), description="local jars: Spark's Kafka source, spark-avro, Delta (deploy/services.py fetches them)"
     )
     spark_conf: dict[str, str] = Field(default_factory=dict)
+    swap_grace_s: float = Field(
+        default=15.0, ge=0, description="after a rebuild's swap, how long the replaced copy stays for reads in flight"
+    )
     search: SearchConfig = SearchConfig()
     cache: CacheConfig = CacheConfig()
     warehouse: WarehouseConfig = WarehouseConfig()

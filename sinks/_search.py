@@ -71,20 +71,25 @@ class SearchSink(BaseSink):
         self._call(
             self.client.index, index=self.state_index, id="search", body={"generation": generation}, refresh=True
         )
-        self.repair_aliases(generation, drop=old if old != generation else None)
+        self.repair_aliases(generation)
+        if old is not None and old != generation:
+            # Searches that resolved an alias just before the swap are still running on the old indices;
+            # deleting them at once would fail those searches ("all shards failed").
+            time.sleep(self.context.settings.sinks.swap_grace_s)
+            self._call(self.client.indices.delete, index=f"{self.prefix}-*-g{old}", ignore_unavailable=True)
 
-    def repair_aliases(self, generation: int, drop: int | None = None) -> None:
-        """Point every table's alias at ``generation`` (one atomic request); remove ``drop``'s indices."""
+    def repair_aliases(self, generation: int) -> None:
+        """Point every table's alias at ``generation`` only, in one atomic request."""
         suffix = f"-g{generation}"
         indices = self._call(self.client.indices.get, index=f"{self.prefix}-*{suffix}", ignore_unavailable=True)
+        holders = self._call(self.client.indices.get_alias, index=f"{self.prefix}-*", ignore_unavailable=True)
         actions: list[dict[str, Any]] = []
         for index in indices:
             alias = index[: -len(suffix)]
+            for other, info in holders.items():
+                if other != index and alias in info.get("aliases", {}):
+                    actions.append({"remove": {"index": other, "alias": alias}})
             actions.append({"add": {"index": index, "alias": alias}})
-            if drop is not None:
-                old = f"{alias}-g{drop}"
-                if self.client.indices.exists(index=old):
-                    actions.append({"remove_index": {"index": old}})
         if actions:
             self._call(self.client.indices.update_aliases, body={"actions": actions})
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -82,6 +83,7 @@ class WarehouseSink(BaseSink):
         link.symlink_to(f"g{generation}")
         os.replace(link, base / "current")
         if old is not None and old != generation:
+            time.sleep(self.context.settings.sinks.swap_grace_s)  # readers of the old copy finish first
             shutil.rmtree(base / f"g{old}", ignore_errors=True)
 
     def read_table(self, table: TableRef, generation: int) -> Iterator[tuple[str, dict[str, Any]]]:

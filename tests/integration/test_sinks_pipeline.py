@@ -125,6 +125,9 @@ def test_pipeline_survives_kills_and_rebuilds_with_no_drift(
                     )
             before = sinks.batches()
             wait_for(lambda b=before: sinks.batches() > b, 240, "a batch before the kill", None)
+            # The workload keeps every query busy (a batch takes seconds here): shortly after one batch ends,
+            # the next ones are running, so the kill lands mid-batch.
+            time.sleep(random.uniform(0.3, 2.0))
             sinks.kill()
             kills += 1
             sinks.start()
