@@ -16,7 +16,15 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
 def test_public_surface_is_explicit() -> None:
     import cdc
 
-    assert sorted(cdc.__all__) == ["CDCError", "TerminalError", "TransientError", "__version__"]
+    # source_tables/SourceTable: the source's rows as events carry them, for `cdc verify` (docs/sinks.md).
+    assert sorted(cdc.__all__) == [
+        "CDCError",
+        "SourceTable",
+        "TerminalError",
+        "TransientError",
+        "__version__",
+        "source_tables",
+    ]
     assert issubclass(cdc.TransientError, cdc.CDCError)
     assert issubclass(cdc.TerminalError, cdc.CDCError)
     assert not issubclass(cdc.TransientError, cdc.TerminalError)
