@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, runtime_checkable
 
 from sinks._values import Names, column_name, doc_converter, spark_projection
@@ -68,7 +68,6 @@ class TableChanges:
     frame: DataFrame
     truncate: tuple[int, int] | None  # delete rows older than this (commit_lsn, lsn) before applying frame
     events: DataFrame | None = None  # every change event of the batch in offset order (same columns), for histories
-    _names: Names = field(default_factory=Names, repr=False)
 
     @property
     def columns(self) -> dict[str, str]:

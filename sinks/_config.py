@@ -125,6 +125,11 @@ class SinkSettings(BaseSettings):
             return "|".join(re.escape(self.topic_for(name)) for name in self.sinks.tables)
         return re.escape(self.kafka.topic_prefix) + r"\.[A-Za-z0-9_-]+\.[A-Za-z0-9_-]+"
 
+    def table_name(self, topic: str) -> str:
+        """``<schema>.<table>`` of a change topic, as stores name their objects (the topic without its prefix)."""
+        prefix = self.kafka.topic_prefix + "."
+        return topic[len(prefix) :] if topic.startswith(prefix) else topic
+
     def topic_for(self, qualified: str) -> str:
         schema, _, table = qualified.partition(".")
         return f"{self.kafka.topic_prefix}.{_topic_part(schema)}.{_topic_part(table)}"

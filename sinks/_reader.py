@@ -301,10 +301,9 @@ class Decoder:
         result = result.withColumn("row", F.when(F.col("op") == "d", F.lit(None)).otherwise(F.col("row")))
         envelope = json.loads(readers[1])
         row_schema = envelope["fields"][0]["type"][1]  # before: ["null", Value]: Value is defined there
-        prefix = self.settings.kafka.topic_prefix + "."
         return TableChanges(
             topic=topic,
-            name=topic[len(prefix) :] if topic.startswith(prefix) else topic,
+            name=self.settings.table_name(topic),
             key_schema=json.loads(readers[0]),
             row_schema=row_schema,
             frame=result,

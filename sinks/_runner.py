@@ -289,8 +289,8 @@ def compare(sink: Any, source_tables: Sequence[Any], generation: int, settings: 
             row = {col: conv(raw[name]) for name, col, conv in convs}
             expected[key_id({cols[k]: row[cols[k]] for k in src.key_fields})] = row
         ref = TableRef(
-            settings.topic_for(f"{src.schema}.{src.table}"),
-            _topic_name(settings, src.topic),
+            src.topic,
+            settings.table_name(src.topic),
             src.key_fields,
             src.row_schema,
         )
@@ -304,11 +304,6 @@ def compare(sink: Any, source_tables: Sequence[Any], generation: int, settings: 
         ]
         drifts.append(Drift(src.qualified, missing, extra, different))
     return drifts
-
-
-def _topic_name(settings: SinkSettings, topic: str) -> str:
-    prefix = settings.kafka.topic_prefix + "."
-    return topic[len(prefix) :] if topic.startswith(prefix) else topic
 
 
 def verify(

@@ -9,6 +9,7 @@ The served generation is kept in the ``<prefix>-cdc-sinks`` index; rebuild swaps
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Iterator
@@ -106,8 +107,6 @@ class SearchSink(BaseSink):
     # --- writes ----------------------------------------------------------------------------
 
     def _ensure_index(self, table: TableChanges, generation: int) -> str:
-        import json
-
         index = self.index(table.name, generation)
         signature = json.dumps(table.row_schema, sort_keys=True)
         if self._mapped.get(index) == signature:
