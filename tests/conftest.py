@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 from tests import _services
+from tests.integration._sinks_helpers import Stack
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -55,6 +56,12 @@ def redis_url() -> str:
 @pytest.fixture(scope="session")
 def spark_jars() -> list[str]:
     return [jar for jar in _services.find_or_skip("spark-jars").split(",") if jar]
+
+
+@pytest.fixture(scope="session")
+def stack(kafka_bootstrap: str, registry_url: str, opensearch_url: str, redis_url: str, spark_jars: list[str]) -> Stack:
+    """Every service the whole pipeline (capture and sinks) needs."""
+    return Stack(kafka_bootstrap, registry_url, opensearch_url, redis_url, spark_jars)
 
 
 @pytest.fixture(scope="session")

@@ -90,21 +90,18 @@ heartbeat_interval_s = 1.0
         return proc
 
 
-class CdcProcess:
-    """`cdc run` as a child process, as an operator would run it."""
+class ChildProcess:
+    """A `cdc …` command as a child process, as an operator would run it; output appended to ``log``."""
 
-    def __init__(self, config: Path, log: Path) -> None:
-        self.config = config
+    def __init__(self, args: list[str], log: Path) -> None:
+        self.args = args
         self.log = log
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
         out = open(self.log, "ab")  # noqa: SIM115 - handed to the child, closed by it
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "cdc.cli", "--log-level", "info", "run", "--config", str(self.config)],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env={**os.environ},
+            [sys.executable, "-m", "cdc.cli", *self.args], stdout=out, stderr=subprocess.STDOUT, env={**os.environ}
         )
         out.close()
 
@@ -118,6 +115,20 @@ class CdcProcess:
         self.proc.send_signal(signal.SIGTERM)
         return self.proc.wait(timeout)
 
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def tail(self, n: int = 60) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:]) if self.log.exists() else ""
+
+
+class CdcProcess(ChildProcess):
+    """`cdc run` on a configuration file."""
+
+    def __init__(self, config: Path, log: Path) -> None:
+        super().__init__(["--log-level", "info", "run", "--config", str(config)], log)
+        self.config = config
+
     def wait_streaming(self, timeout: float = 120) -> None:
         """Until the snapshot (if any) is done and changes are being streamed."""
         wait_for(lambda: "streaming from slot" in self.tail(), timeout, "streaming to start", self)
@@ -126,12 +137,6 @@ class CdcProcess:
         """SIGTERM if still running; a clean shutdown must exit 0."""
         if self.alive():
             assert self.terminate() == 0, self.tail()
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def tail(self, n: int = 60) -> str:
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:]) if self.log.exists() else ""
 
 
 @dataclass
@@ -206,7 +211,7 @@ def latest_by_key(events: list[Event], key_field: str) -> dict[Any, dict[str, An
     return state
 
 
-def wait_for(predicate: Any, timeout: float, what: str, proc: CdcProcess | None = None) -> None:
+def wait_for(predicate: Any, timeout: float, what: str, proc: ChildProcess | None = None) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if predicate():

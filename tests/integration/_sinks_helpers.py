@@ -2,30 +2,52 @@
 
 from __future__ import annotations
 
-import os
-import signal
+import json
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
+from tests.integration._capture_helpers import CdcConfig, ChildProcess
 
-def sinks_section(*, state: Path, warehouse: Path, jars: list[str], opensearch: str, redis: str) -> str:
-    return f"""
+
+@dataclass(frozen=True)
+class Stack:
+    """Where the services of the whole pipeline are (the `stack` fixture)."""
+
+    kafka: str
+    registry: str
+    opensearch: str
+    redis: str
+    spark_jars: list[str]
+
+    def config(self, dsn: str, tables: list[str], *, prefix: str, unique: str, workdir: Path) -> CdcConfig:
+        """The capture's and the sinks' configuration in one file, state and warehouse under ``workdir``."""
+        return CdcConfig(
+            dsn=dsn,
+            kafka=self.kafka,
+            registry=self.registry,
+            prefix=prefix,
+            tables=tables,
+            slot=f"s_{unique}",
+            publication=f"p_{unique}",
+            extra=f"""
 [sinks]
-state_dir = "{state}"
+state_dir = "{workdir / "state"}"
 trigger_interval_s = 1.0
-spark_jars = [{", ".join(f'"{j}"' for j in jars)}]
+spark_jars = {json.dumps(self.spark_jars)}
 
 [sinks.search]
-url = "{opensearch}"
+url = "{self.opensearch}"
 
 [sinks.cache]
-url = "{redis}"
+url = "{self.redis}"
 
 [sinks.warehouse]
-path = "{warehouse}"
+path = "{workdir / "warehouse"}"
 history = true
-"""
+""",
+        )
 
 
 def cdc(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
@@ -34,40 +56,16 @@ def cdc(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
     )
 
 
-class SinksProcess:
-    """`cdc sinks run` as a child process."""
+class SinksProcess(ChildProcess):
+    """`cdc sinks run [NAME…]` on a configuration file."""
 
     def __init__(self, config: Path, log: Path, names: list[str] | None = None) -> None:
-        self.config, self.log, self.names = config, log, names or []
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        out = open(self.log, "ab")  # noqa: SIM115 - handed to the child, closed by it
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "cdc.cli", "sinks", "run", *self.names, "--config", str(self.config)],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env={**os.environ},
-        )
-        out.close()
-
-    def kill(self) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(30)
+        super().__init__(["sinks", "run", *(names or []), "--config", str(config)], log)
 
     def stop(self) -> int:
+        """SIGTERM if still running; the exit code."""
         assert self.proc is not None
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            return self.proc.wait(120)
-        return self.proc.returncode
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def tail(self, n: int = 80) -> str:
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:]) if self.log.exists() else ""
+        return self.terminate(120) if self.alive() else int(self.proc.returncode)
 
     def batches(self) -> int:
         return self.log.read_text(errors="replace").count(": batch ") if self.log.exists() else 0

@@ -12,8 +12,8 @@ import redis
 from confluent_kafka import Consumer, Producer
 from opensearchpy import OpenSearch
 
-from tests.integration._capture_helpers import CdcConfig, scratch_database, wait_for
-from tests.integration._sinks_helpers import SinksProcess, sinks_section
+from tests.integration._capture_helpers import scratch_database, wait_for
+from tests.integration._sinks_helpers import SinksProcess, Stack
 
 pytestmark = pytest.mark.slow
 
@@ -39,15 +39,7 @@ def _dead_letters(kafka: str, topic: str) -> list[dict[str, str]]:
 
 
 def test_poison_and_rejected_changes_reach_the_dead_letter_topic(
-    *,
-    pg_dsn: str,
-    kafka_bootstrap: str,
-    registry_url: str,
-    opensearch_url: str,
-    redis_url: str,
-    spark_jars: list[str],
-    unique: str,
-    tmp_path: Path,
+    *, pg_dsn: str, stack: Stack, unique: str, tmp_path: Path
 ) -> None:
     prefix = f"d{unique}"
     with scratch_database(pg_dsn, f"dlq_{unique}") as dsn:
@@ -55,26 +47,19 @@ def test_poison_and_rejected_changes_reach_the_dead_letter_topic(
             conn.execute("CREATE TABLE t (k text PRIMARY KEY, v int)")
             # OpenSearch refuses ids over 512 bytes: this row is rejected by the search index only.
             conn.execute("INSERT INTO t VALUES ('a', 1), ('b', 2), (repeat('x', 600), 3)")
-        extra = sinks_section(
-            state=tmp_path / "state",
-            warehouse=tmp_path / "wh",
-            jars=spark_jars,
-            opensearch=opensearch_url,
-            redis=redis_url,
-        )
-        cfg = CdcConfig(dsn, kafka_bootstrap, registry_url, prefix, ["public.t"], f"s_{unique}", f"p_{unique}", extra)
+        cfg = stack.config(dsn, ["public.t"], prefix=prefix, unique=unique, workdir=tmp_path)
         capture = cfg.start(tmp_path)
         sinks = SinksProcess(tmp_path / "cdc.toml", tmp_path / "sinks.log", ["search", "cache"])
         try:
             capture.wait_streaming(180)
             topic = f"{prefix}.public.t"
-            producer = Producer({"bootstrap.servers": kafka_bootstrap})
+            producer = Producer({"bootstrap.servers": stack.kafka})
             producer.produce(topic, key=b"not avro", value=b"\x00\x00\x00\x00\x07garbage")  # a record nobody can read
             producer.flush(30)
             sinks.start()
             with psycopg.connect(dsn, autocommit=True) as conn:
                 conn.execute("UPDATE t SET v = 20 WHERE k = 'b'")
-            cache = redis.Redis.from_url(redis_url)
+            cache = redis.Redis.from_url(stack.redis)
 
             def applied() -> bool:
                 row = cache.hget(f'{prefix}:g1:public.t:["b"]', "row")
@@ -84,24 +69,24 @@ def test_poison_and_rejected_changes_reach_the_dead_letter_topic(
             dead_topic = f"{prefix}.dead-letter"
             wait_for(
                 lambda: (
-                    sum("Avro" in d.get("pgcdc.error", "") for d in _dead_letters(kafka_bootstrap, dead_topic)) >= 2
+                    sum("Avro" in d.get("pgcdc.error", "") for d in _dead_letters(stack.kafka, dead_topic)) >= 2
                     and any(
                         d.get("pgcdc.sink") == "search" and "OpenSearch" in d["pgcdc.error"]
-                        for d in _dead_letters(kafka_bootstrap, dead_topic)
+                        for d in _dead_letters(stack.kafka, dead_topic)
                     )
                 ),
                 240,
                 "the dead letters",
                 None,
             )
-            letters = _dead_letters(kafka_bootstrap, dead_topic)
+            letters = _dead_letters(stack.kafka, dead_topic)
             poison = [d for d in letters if "not Confluent-framed" in d["pgcdc.error"]]
             assert {d["pgcdc.sink"] for d in poison} == {"search", "cache"}  # each sink reports what it skipped
             assert all(d["pgcdc.topic"] == topic and d["pgcdc.offset"].isdigit() for d in poison)
             assert all("garbage" in d["value"] for d in poison)  # the original bytes, untouched
             rejected = [d for d in letters if d["pgcdc.sink"] == "search" and "OpenSearch" in d["pgcdc.error"]]
             assert len(rejected) == 1
-            search = OpenSearch(opensearch_url)
+            search = OpenSearch(stack.opensearch)
             search.indices.refresh(index=f"{prefix}-public.t")
             assert search.count(index=f"{prefix}-public.t")["count"] == 2  # a and b; the long key is dead-lettered
             status = json.loads((tmp_path / "state" / "search" / "status.json").read_text())

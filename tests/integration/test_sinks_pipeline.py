@@ -18,8 +18,8 @@ import pytest
 import redis
 from opensearchpy import OpenSearch
 
-from tests.integration._capture_helpers import CdcConfig, scratch_database, wait_for
-from tests.integration._sinks_helpers import SinksProcess, cdc, sinks_section
+from tests.integration._capture_helpers import scratch_database, wait_for
+from tests.integration._sinks_helpers import SinksProcess, Stack, cdc
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
@@ -61,15 +61,7 @@ def _workload(dsn: str, stop: threading.Event, errors: list[BaseException], seed
 
 
 def test_pipeline_survives_kills_and_rebuilds_with_no_drift(
-    *,
-    source: str,
-    kafka_bootstrap: str,
-    registry_url: str,
-    opensearch_url: str,
-    redis_url: str,
-    spark_jars: list[str],
-    unique: str,
-    tmp_path: Path,
+    *, source: str, stack: Stack, unique: str, tmp_path: Path
 ) -> None:
     with psycopg.connect(source, autocommit=True) as conn:
         conn.execute(
@@ -82,23 +74,7 @@ def test_pipeline_survives_kills_and_rebuilds_with_no_drift(
         conn.execute('CREATE TABLE "Notes" (k text, n int, body text, PRIMARY KEY (k, n))')
         conn.execute("""INSERT INTO "Notes" SELECT 'k' || (g % 7), g, 'note ' || g FROM generate_series(1, 50) g""")
     prefix = f"t{unique}"
-    extra = sinks_section(
-        state=tmp_path / "state",
-        warehouse=tmp_path / "warehouse",
-        jars=spark_jars,
-        opensearch=opensearch_url,
-        redis=redis_url,
-    )
-    cfg = CdcConfig(
-        dsn=source,
-        kafka=kafka_bootstrap,
-        registry=registry_url,
-        prefix=prefix,
-        tables=["public.items", 'public."Notes"'],
-        slot=f"s_{unique}",
-        publication=f"p_{unique}",
-        extra=extra,
-    )
+    cfg = stack.config(source, ["public.items", 'public."Notes"'], prefix=prefix, unique=unique, workdir=tmp_path)
     capture = cfg.start(tmp_path)
     config = tmp_path / "cdc.toml"
     sinks = SinksProcess(config, tmp_path / "sinks.log")
@@ -143,8 +119,8 @@ def test_pipeline_survives_kills_and_rebuilds_with_no_drift(
         assert status["batches"] >= 1
 
         # Rebuild each store while reads keep being answered by the served copy.
-        os_client = OpenSearch(opensearch_url)
-        cache = redis.Redis.from_url(redis_url)
+        os_client = OpenSearch(stack.opensearch)
+        cache = redis.Redis.from_url(stack.redis)
         ok_reads = [0]
         failed_reads: list[str] = []
         reading = threading.Event()

@@ -8,8 +8,8 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from tests.integration._capture_helpers import CdcConfig, read_topic, scratch_database, wait_for
-from tests.integration._sinks_helpers import SinksProcess, cdc, sinks_section
+from tests.integration._capture_helpers import read_topic, scratch_database, wait_for
+from tests.integration._sinks_helpers import SinksProcess, Stack, cdc
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
@@ -19,30 +19,13 @@ BIG = "SELECT string_agg(md5(g::text || %s), '') FROM generate_series(1, 640) g"
 
 
 def test_unchanged_toast_values_survive_in_every_store(
-    *,
-    pg_dsn: str,
-    kafka_bootstrap: str,
-    registry_url: str,
-    opensearch_url: str,
-    redis_url: str,
-    spark_jars: list[str],
-    unique: str,
-    tmp_path: Path,
+    *, pg_dsn: str, stack: Stack, unique: str, tmp_path: Path
 ) -> None:
     prefix = f"x{unique}"
     with scratch_database(pg_dsn, f"toast_{unique}") as dsn:
         with psycopg.connect(dsn, autocommit=True) as conn:
             conn.execute("CREATE TABLE docs (id int PRIMARY KEY, body text, qty int)")
-        extra = sinks_section(
-            state=tmp_path / "state",
-            warehouse=tmp_path / "wh",
-            jars=spark_jars,
-            opensearch=opensearch_url,
-            redis=redis_url,
-        )
-        cfg = CdcConfig(
-            dsn, kafka_bootstrap, registry_url, prefix, ["public.docs"], f"s_{unique}", f"p_{unique}", extra
-        )
+        cfg = stack.config(dsn, ["public.docs"], prefix=prefix, unique=unique, workdir=tmp_path)
         capture = cfg.start(tmp_path)
         config = tmp_path / "cdc.toml"
         sinks = SinksProcess(config, tmp_path / "sinks.log")
@@ -53,8 +36,8 @@ def test_unchanged_toast_values_survive_in_every_store(
                     conn.execute(f"INSERT INTO docs VALUES (%s, ({BIG}), 0)", (i, f"seed{i}"))
                     conn.execute("UPDATE docs SET qty = 1 WHERE id = %s", (i,))
             topic = f"{prefix}.public.docs"
-            wait_for(lambda: len(read_topic(kafka_bootstrap, registry_url, topic)) >= 4, 120, "the events", None)
-            partial = [e for e in read_topic(kafka_bootstrap, registry_url, topic) if e.value and e.value["op"] == "u"]
+            wait_for(lambda: len(read_topic(stack.kafka, stack.registry, topic)) >= 4, 120, "the events", None)
+            partial = [e for e in read_topic(stack.kafka, stack.registry, topic) if e.value and e.value["op"] == "u"]
             assert partial, "no update events"
             assert all(e.value is not None and e.value["unchanged_toast"] == ["body"] for e in partial)
             sinks.start()
