@@ -171,7 +171,8 @@ class Rebuildable(Protocol):
         ...
 
     def swap(self, generation: int) -> None:
-        """Atomically serve ``generation``; then drop the copy it replaced."""
+        """Atomically serve ``generation``; then drop the copy it replaced. Idempotent: the runtime calls it
+        with the served generation at every start, to complete a swap a crash interrupted."""
         ...
 
     def read_table(self, table: TableRef, generation: int) -> Iterator[tuple[str, dict[str, Any]]]:

@@ -180,12 +180,11 @@ def served_generation(sink: Any) -> int:
         return 1
     current = sink.current_generation()
     if current is None:
-        sink.prepare_generation(1)
-        sink.swap(1)
         current = 1
-    repair = getattr(sink, "repair_aliases", None)
-    if repair is not None:
-        repair(current)  # a swap interrupted between its two steps leaves aliases behind: fix them
+        sink.prepare_generation(current)
+    # swap is idempotent: serving the served generation again completes a swap a crash interrupted (e.g.
+    # OpenSearch aliases behind the recorded generation).
+    sink.swap(current)
     return current
 
 

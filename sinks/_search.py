@@ -72,14 +72,14 @@ class SearchSink(BaseSink):
         self._call(
             self.client.index, index=self.state_index, id="search", body={"generation": generation}, refresh=True
         )
-        self.repair_aliases(generation)
+        self._point_aliases(generation)
         if old is not None and old != generation:
             # Searches that resolved an alias just before the swap are still running on the old indices;
             # deleting them at once would fail those searches ("all shards failed").
             time.sleep(self.context.settings.sinks.swap_grace_s)
             self._call(self.client.indices.delete, index=f"{self.prefix}-*-g{old}", ignore_unavailable=True)
 
-    def repair_aliases(self, generation: int) -> None:
+    def _point_aliases(self, generation: int) -> None:
         """Point every table's alias at ``generation`` only, in one atomic request."""
         suffix = f"-g{generation}"
         indices = self._call(self.client.indices.get, index=f"{self.prefix}-*{suffix}", ignore_unavailable=True)
