@@ -39,7 +39,7 @@ import psycopg
 from cdc import __version__
 from cdc._catalog import TypeResolver, qualified_name
 from cdc._config import Settings
-from cdc._events import ColumnSpec, Position, SourceInfo, TableCodec
+from cdc._events import ColumnSpec, Position, SourceInfo, TableCodec, build_codec
 from cdc._kafka import OffsetStore, Registry, Topics, TransactionalProducer
 from cdc._replication import ReplicationConnection
 from cdc._snapshot import SnapshotStoppedError, Snapshotter
@@ -67,7 +67,6 @@ from decoders import (
     parse_copy_data,
 )
 from schemas import (
-    ColumnShape,
     avro_mapping,
     avro_namespace,
     compile_writer,
@@ -254,14 +253,7 @@ class Capture:
         self, schema: str, table: str, columns: Sequence[ColumnSpec], key_flags: Sequence[bool]
     ) -> TableCodec:
         """Build (and register schemas for) the codec of one version of a table; callers cache it."""
-        s = self.settings
         qualified = qualified_name(schema, table)
-        shapes, mappings = [], []
-        for col in columns:
-            pgtype = self.types.resolve(col.type_oid)
-            mapping = avro_mapping(pgtype, col.typmod)
-            mappings.append(mapping)
-            shapes.append(ColumnShape(col.name, pgtype, col.typmod, mapping.schema))
         key = self.report.key_columns.get(qualified) or tuple(
             c.name for c, is_key in zip(columns, key_flags, strict=True) if is_key
         )
@@ -270,15 +262,13 @@ class Capture:
                 f"table {qualified} has no key columns in the stream; give it a primary key or set "
                 f"source.key_columns for it"
             )
-        topic = s.topic_for(schema, table)
-        self.topics.ensure(topic)
-        return TableCodec(
-            schema=schema,
-            table=table,
-            topic=topic,
-            namespace=avro_namespace(s.kafka.topic_prefix, schema, table),
-            columns=shapes,
-            mappings=mappings,
+        self.topics.ensure(self.settings.topic_for(schema, table))
+        return build_codec(
+            self.settings,
+            self.types,
+            schema,
+            table,
+            columns,
             key_columns=key,
             source=self.source_info,
             register=lambda subject, sch: self.registry.register(subject, sch, table=qualified),

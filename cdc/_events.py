@@ -10,12 +10,14 @@ from __future__ import annotations
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from decoders import TupleData
 from schemas import (
     AvroMapping,
     ColumnShape,
+    avro_mapping,
+    avro_namespace,
     compile_writer,
     envelope_schema,
     field_names,
@@ -23,6 +25,10 @@ from schemas import (
     write_long,
     write_string,
 )
+
+if TYPE_CHECKING:
+    from cdc._catalog import TypeResolver
+    from cdc._config import Settings
 
 _FRAME = struct.Struct(">bI")
 _TEXT, _BINARY, _NULL, _UNCHANGED = ord("t"), ord("b"), ord("n"), ord("u")
@@ -272,3 +278,35 @@ def _strings(*values: str) -> bytes:
     for v in values:
         write_string(v, out)
     return bytes(out)
+
+
+def build_codec(
+    settings: Settings,
+    types: TypeResolver,
+    schema: str,
+    table: str,
+    columns: Sequence[ColumnSpec],
+    *,
+    key_columns: Sequence[str],
+    source: SourceInfo,
+    register: Callable[[str, dict[str, Any]], int],
+) -> TableCodec:
+    """The codec of one version of a table: the one place column types become Avro mappings and schemas
+    (the capture's stream and snapshot, and `cdc verify`'s reading of the source, all go through it)."""
+    shapes, mappings = [], []
+    for col in columns:
+        pgtype = types.resolve(col.type_oid)
+        mapping = avro_mapping(pgtype, col.typmod)
+        mappings.append(mapping)
+        shapes.append(ColumnShape(col.name, pgtype, col.typmod, mapping.schema))
+    return TableCodec(
+        schema=schema,
+        table=table,
+        topic=settings.topic_for(schema, table),
+        namespace=avro_namespace(settings.kafka.topic_prefix, schema, table),
+        columns=shapes,
+        mappings=mappings,
+        key_columns=key_columns,
+        source=source,
+        register=register,
+    )

@@ -1,8 +1,8 @@
 """The source as the events describe it: every row of the captured tables, as the capture would encode it.
 
 ``cdc verify`` compares a derived store with this. Rows are read in one REPEATABLE READ snapshot with binary
-COPY and converted by the same type mappings the capture uses, so a value is compared in exactly the form
-its events carry (raw Avro values by field name), never through a second, hand-written conversion.
+COPY and converted by the capture's own codec (``build_codec`` → ``TableCodec.row``, as the snapshot does), so
+a value is compared in exactly the form its events carry (raw Avro values by field name).
 """
 
 from __future__ import annotations
@@ -14,12 +14,15 @@ from typing import Any
 
 from psycopg import sql
 
+from cdc import __version__
 from cdc._catalog import TypeResolver
 from cdc._config import Settings, load_settings
+from cdc._events import ColumnSpec, SourceInfo, TableCodec, build_codec
 from cdc._snapshot import parse_binary_copy
 from cdc._source import check_and_prepare, connect
-from schemas import avro_mapping
-from schemas._envelope import ColumnShape, avro_namespace, envelope_schema, field_names
+from decoders import TupleData
+
+_B, _T, _N = ord("b"), ord("t"), ord("n")
 
 
 @dataclass(frozen=True)
@@ -32,8 +35,8 @@ class SourceTable:
     key_fields: tuple[str, ...]  # Avro field names of the key columns, in key order
     row_schema: dict[str, Any]  # the Avro ``Value`` record (named types defined once)
     _settings: Settings
+    _codec: TableCodec
     _select: sql.Composed
-    _converters: tuple[Any, ...]
 
     @property
     def qualified(self) -> str:
@@ -41,18 +44,19 @@ class SourceTable:
 
     def rows(self) -> Iterator[dict[str, Any]]:
         """Every row now in the table: raw Avro values by field name (what the Avro writer takes)."""
-        names = [f["name"] for f in self.row_schema["fields"]]
         with connect(self._settings, autocommit=False) as conn:
             conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
             data = bytearray()
             with conn.cursor() as cur, cur.copy(self._select) as copy:
                 for block in copy:
                     data += block
+        kinds = bytes(_B if b else _T for b in self._codec.binary_capable)
         for raw in parse_binary_copy(data):
-            yield {
-                name: None if value is None else conv(value)
-                for name, value, conv in zip(names, raw, self._converters, strict=True)
-            }
+            # Exactly as the snapshot converts a row (binary COPY, text for types without a binary reader).
+            row, _ = self._codec.row(
+                TupleData(bytes(_N if v is None else k for v, k in zip(raw, kinds, strict=True)), tuple(raw))
+            )
+            yield row
 
 
 def source_tables(config: Path | Settings | None) -> list[SourceTable]:
@@ -62,38 +66,31 @@ def source_tables(config: Path | Settings | None) -> list[SourceTable]:
     with connect(settings) as conn:
         report = check_and_prepare(conn, settings, dry_run=True, allow_active_slot=True)
         types = TypeResolver(conn)
+        source = SourceInfo(__version__, settings.kafka.topic_prefix, conn.info.dbname)
         for info in report.tables:
-            shapes: list[ColumnShape] = []
-            converters: list[Any] = []
-            columns: list[sql.Composable] = []
-            for col in info.columns:
-                pgtype = types.resolve(col.type_oid)
-                mapping = avro_mapping(pgtype, col.typmod)
-                shapes.append(ColumnShape(col.name, pgtype, col.typmod, mapping.schema))
-                if mapping.from_binary is not None:
-                    converters.append(mapping.from_binary)
-                    columns.append(sql.Identifier(col.name))
-                else:
-                    converters.append(mapping.from_text)
-                    columns.append(sql.SQL("{}::text").format(sql.Identifier(col.name)))
-            names = field_names(shapes)
+            columns = [ColumnSpec(c.name, c.type_oid, c.typmod) for c in info.columns]
             keys = report.key_columns[info.qualified]
-            key_fields = tuple(names[[c.name for c in info.columns].index(k)] for k in keys)
-            envelope = envelope_schema(avro_namespace(settings.kafka.topic_prefix, info.schema, info.name), shapes)
-            row_schema = envelope["fields"][0]["type"][1]
+            # Nothing is registered: verify only needs the schemas and the converters.
+            codec = build_codec(
+                settings, types, info.schema, info.name, columns, key_columns=keys, source=source, register=lambda *_: 0
+            )
             select = sql.SQL("COPY (SELECT {} FROM {}) TO STDOUT (FORMAT binary)").format(
-                sql.SQL(", ").join(columns), info.ident()
+                sql.SQL(", ").join(
+                    sql.Identifier(c.name) if binary else sql.SQL("{}::text").format(sql.Identifier(c.name))
+                    for c, binary in zip(info.columns, codec.binary_capable, strict=True)
+                ),
+                info.ident(),
             )
             out.append(
                 SourceTable(
                     schema=info.schema,
                     table=info.name,
-                    topic=settings.topic_for(info.schema, info.name),
-                    key_fields=key_fields,
-                    row_schema=row_schema,
+                    topic=codec.topic,
+                    key_fields=codec.key_field_names,
+                    row_schema=codec.value_schema["fields"][0]["type"][1],
                     _settings=settings,
+                    _codec=codec,
                     _select=select,
-                    _converters=tuple(converters),
                 )
             )
     return out
