@@ -14,12 +14,12 @@ from typing import Any
 
 from psycopg import sql
 
-from cdc import __version__
 from cdc._catalog import TypeResolver
 from cdc._config import Settings, load_settings
 from cdc._events import ColumnSpec, SourceInfo, TableCodec, build_codec
 from cdc._snapshot import parse_binary_copy
 from cdc._source import check_and_prepare, connect
+from cdc._version import __version__
 from decoders import TupleData
 
 _B, _T, _N = ord("b"), ord("t"), ord("n")
