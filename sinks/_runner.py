@@ -23,7 +23,7 @@ from sinks._plugins import load
 from sinks._reader import Decoder, ensure_dead_letter_topic, open_stream, send_to_dead_letter
 from sinks._spark import build_session
 from sinks._values import Names, column_name, doc_converter
-from sinks.errors import PluginError, SinkConfigError, SinkError
+from sinks.errors import PluginError, SinkConfigError, SinkError, SinkTerminalError
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _GENERATION_CHANGED = "pgcdc: served generation changed"
+_HEALTHY_S = 300.0  # a query that ran this long before failing was healthy: its backoff starts over
 
 
 def spark_session(settings: SinkSettings, app: str) -> SparkSession:
@@ -207,24 +208,36 @@ def run(settings: SinkSettings, names: Sequence[str], stop: threading.Event) -> 
     ensure_dead_letter_topic(settings)
     spark = spark_session(settings, "pgcdc-sinks")
     queries: dict[str, SinkQuery] = {}
-    backoff: dict[str, float] = {}
+    delays: dict[str, float] = {}  # the next backoff per sink
+    started_at: dict[str, float] = {}
     retry_at: dict[str, float] = {}
+    given_up: dict[str, SinkTerminalError] = {}
+
+    def back_off(name: str, why: str) -> None:
+        # A query that ran a while before failing starts the backoff over; a crash loop doubles it up to 60 s.
+        ran = time.monotonic() - started_at.get(name, time.monotonic())
+        delay = 2.0 if ran > _HEALTHY_S else min(delays.get(name, 1.0) * 2, 60.0)
+        delays[name], retry_at[name] = delay, time.monotonic() + delay
+        log.error("sink %s %s; restarting in %.0fs", name, why, delay)
 
     def start(name: str) -> None:
+        started_at[name] = time.monotonic()
         try:
             probe = _opened(name, settings, 0, spark)
             generation = served_generation(probe)
             probe.close()
             queries[name] = SinkQuery(name, settings, spark, generation)
             queries[name].start()
-            backoff.pop(name, None)
-        except SinkError:
-            raise
-        except Exception as exc:
-            delay = min(backoff.get(name, 1.0) * 2, 60.0)
-            backoff[name], retry_at[name] = delay, time.monotonic() + delay
+        except SinkTerminalError as exc:
+            # Retrying cannot help (its configuration, say): this sink stops, the others go on.
             queries.pop(name, None)
-            log.error("sink %s could not start (%s); retrying in %.0fs", name, exc, delay)
+            given_up[name] = exc
+            log.error("sink %s cannot run: %s; the other sinks go on", name, exc)
+            if len(given_up) == len(names):
+                raise
+        except Exception as exc:  # the store or Kafka not reachable yet, a plugin's own failure
+            queries.pop(name, None)
+            back_off(name, f"could not start ({_short(exc)})")
 
     for name in names:
         start(name)
@@ -232,6 +245,8 @@ def run(settings: SinkSettings, names: Sequence[str], stop: threading.Event) -> 
         while not stop.is_set():
             for name in names:
                 q = queries.get(name)
+                if name in given_up:
+                    continue
                 if q is None:
                     if time.monotonic() >= retry_at.get(name, 0):
                         start(name)
@@ -244,9 +259,7 @@ def run(settings: SinkSettings, names: Sequence[str], stop: threading.Event) -> 
                         log.info("sink %s: a rebuild swapped in a new generation; switching to it", name)
                         start(name)
                         continue
-                    delay = min(backoff.get(name, 1.0) * 2, 60.0)
-                    backoff[name], retry_at[name] = delay, time.monotonic() + delay
-                    log.error("sink %s stopped: %s; restarting in %.0fs", name, _short(error), delay)
+                    back_off(name, f"stopped: {_short(error)}")
             stop.wait(1.0)
     finally:
         for q in queries.values():

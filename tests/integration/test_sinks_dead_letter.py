@@ -96,3 +96,36 @@ def test_poison_and_rejected_changes_reach_the_dead_letter_topic(
             if sinks.alive():
                 sinks.kill()
             capture.stop()
+
+
+def test_an_unreachable_store_does_not_stop_the_other_sinks(
+    *, pg_dsn: str, stack: Stack, unique: str, tmp_path: Path
+) -> None:
+    prefix = f"u{unique}"
+    with scratch_database(pg_dsn, f"unreach_{unique}") as dsn:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute("CREATE TABLE t (k int PRIMARY KEY, v int)")
+            conn.execute("INSERT INTO t VALUES (1, 1)")
+        # The search index points at a port nothing listens on: that sink retries with backoff, the cache runs.
+        down = Stack(stack.kafka, stack.registry, "http://127.0.0.1:9", stack.redis, stack.spark_jars)
+        capture = down.config(dsn, ["public.t"], prefix=prefix, unique=unique, workdir=tmp_path).start(tmp_path)
+        sinks = SinksProcess(tmp_path / "cdc.toml", tmp_path / "sinks.log", ["search", "cache"])
+        try:
+            capture.wait_streaming(180)
+            sinks.start()
+            with psycopg.connect(dsn, autocommit=True) as conn:
+                conn.execute("UPDATE t SET v = 2 WHERE k = 1")
+            cache = redis.Redis.from_url(stack.redis)
+
+            def applied() -> bool:
+                row = cache.hget(f"{prefix}:g1:public.t:[1]", "row")
+                return row is not None and json.loads(row)["v"] == 2
+
+            wait_for(applied, 300, "the cache to apply the update while the search index is down", sinks)
+            assert "sink search could not start" in sinks.tail(400)
+            assert sinks.alive()
+            assert sinks.stop() == 0, sinks.tail()
+        finally:
+            if sinks.alive():
+                sinks.kill()
+            capture.stop()
