@@ -41,6 +41,7 @@ from cdc._catalog import TypeResolver, qualified_name
 from cdc._config import Settings
 from cdc._events import ColumnSpec, Position, SourceInfo, TableCodec, build_codec
 from cdc._kafka import OffsetStore, Registry, Topics, TransactionalProducer
+from cdc._metrics import CaptureMetrics
 from cdc._replication import ReplicationConnection
 from cdc._snapshot import SnapshotStoppedError, Snapshotter
 from cdc._source import AttachReport, check_and_prepare, connect, translate_pg_error
@@ -125,9 +126,13 @@ class _TextModeNeededError(Exception):
 class Capture:
     """One capture: a slot, its publication's tables, their topics."""
 
-    def __init__(self, settings: Settings, *, stop: threading.Event | None = None) -> None:
+    def __init__(
+        self, settings: Settings, *, stop: threading.Event | None = None, metrics: CaptureMetrics | None = None
+    ) -> None:
         self.settings = settings
         self.stop = stop or threading.Event()
+        self.metrics = metrics or CaptureMetrics()
+        self._last_commit_us: int | None = None  # source commit time of the newest transaction in the batch
         self._codecs: dict[int, TableCodec] = {}
         self._binary = settings.capture.binary
         # The open Kafka transaction ("batch"): whole PostgreSQL transactions, committed with their offset.
@@ -263,6 +268,7 @@ class Capture:
                 f"source.key_columns for it"
             )
         self.topics.ensure(self.settings.topic_for(schema, table))
+        self.metrics.tables[self.settings.topic_for(schema, table)] = f"{schema}.{table}"
         return build_codec(
             self.settings,
             self.types,
@@ -318,8 +324,11 @@ class Capture:
         """Write ``state`` to the offsets topic and commit the current batch with it."""
         self._begin_batch()
         self.producer.produce(self.offsets.topic, self.offsets.key, self.offsets.encode(state), 0)
+        started = time.monotonic()
         self.producer.commit()
         self._in_batch = False
+        self.metrics.committed(self._batch_events, time.monotonic() - started, int(state["lsn"]), self._last_commit_us)
+        self._last_commit_us = None
 
     # --- streaming ----------------------------------------------------------------------------
 
@@ -337,6 +346,7 @@ class Capture:
         decoder = PgOutputDecoder(proto, streaming=proto >= 2)
         repl.start(s.source.slot, resume, options)
         repl.send_status(resume, resume, resume)
+        self.metrics.set_state("streaming")
         log.info("streaming from slot %s at %X (protocol %d)", s.source.slot, resume, proto)
 
         acked = resume
@@ -381,6 +391,8 @@ class Capture:
                 if raw is None:
                     if self._in_batch and current is None:
                         flush()
+                    elif current is None and stream_xid is None and not spills:
+                        self.metrics.set_behind(0.0)  # the server has nothing more to send: not behind
                     continue
                 frame = parse_copy_data(raw)
                 if isinstance(frame, Keepalive):
@@ -407,6 +419,7 @@ class Capture:
                 elif isinstance(msg, Commit):
                     if current is not None and not current[3]:
                         batch_lsn = max(batch_lsn, msg.end_lsn)
+                        self._last_commit_us = current[1]
                         self._tx_end()
                     current = None
                     if self._in_batch and self._batch_events >= s.capture.max_batch_events:
@@ -474,6 +487,7 @@ class Capture:
                                     )
                                 self._stream_relations, self._stream_codecs = {}, {}
                                 batch_lsn = max(batch_lsn, msg.end_lsn)
+                                self._last_commit_us = msg.commit_time_us
                                 self._tx_end()
                         finally:
                             spill.close()
@@ -487,6 +501,8 @@ class Capture:
             if self._in_batch:
                 self.producer.abort()
                 self._in_batch = False
+                self.metrics.aborted()
+            self.metrics.set_state("stopped")
 
     def _side_event(self, name: str, schemas: tuple[dict[str, Any], dict[str, Any]], key: Any, value: Any) -> None:
         """An event on one of the side topics (<prefix>.messages, <prefix>.transaction): event streams with
@@ -516,6 +532,7 @@ class Capture:
         """A pg_logical_emit_message() message, to <prefix>.messages."""
         ns = avro_namespace(self.settings.kafka.topic_prefix, "messages")
         src = self.source_info
+        self.metrics.count(f"{self.settings.kafka.topic_prefix}.messages", "m")
         self._side_event(
             "messages",
             (message_key_schema(ns), message_value_schema(ns)),
@@ -603,6 +620,7 @@ class Capture:
                 return
             for relid in msg.relids:
                 truncated = self._codec(relid)
+                self.metrics.count(truncated.topic, "t")
                 value = truncated.envelope(
                     "t", pos, before=None, after=None, now_us=now_us, transaction=self._tx_block(truncated)
                 )
@@ -611,7 +629,9 @@ class Capture:
                     self._produce(truncated.topic, truncated.truncate_key, value, partition)
             return
         codec = self._codec(msg.relid)
+        count = self.metrics.count
         if isinstance(msg, Insert):
+            count(codec.topic, "c")
             after, unchanged = codec.row(msg.new)
             self._produce(
                 codec.topic,
@@ -634,6 +654,8 @@ class Capture:
                 old_key = codec.key_of(before)
                 if old_key != key:
                     # The key changed: the old key's row is gone (delete + tombstone), a new one appears.
+                    count(codec.topic, "d")
+                    count(codec.topic, "c")
                     self._produce(
                         codec.topic,
                         old_key,
@@ -656,6 +678,7 @@ class Capture:
                         ),
                     )
                     return
+            count(codec.topic, "u")
             self._produce(
                 codec.topic,
                 key,
@@ -670,6 +693,7 @@ class Capture:
                 ),
             )
         else:
+            count(codec.topic, "d")
             before = codec.row(msg.old)[0]
             key = codec.key_of(before)
             self._produce(

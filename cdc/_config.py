@@ -139,6 +139,16 @@ class CaptureConfig(_Section):
     binary: bool = Field(default=True, description="ask pgoutput for binary values where supported")
 
 
+class MetricsConfig(_Section):
+    """Prometheus metrics and the live dashboard served by `cdc run`."""
+
+    enabled: bool = True
+    host: str = Field(default="127.0.0.1", description="address to bind; 0.0.0.0 exposes metrics and dashboard")
+    port: int = Field(default=9464, ge=0, le=65535, description="0 = any free port (logged)")
+    sample_interval_s: float = Field(default=1.0, gt=0, description="how often slot and sink lag are measured")
+    history_s: float = Field(default=900.0, gt=0, description="how much history the dashboard's charts keep")
+
+
 class Settings(BaseSettings):
     """The whole configuration (see the module docstring for its sources)."""
 
@@ -150,6 +160,7 @@ class Settings(BaseSettings):
     kafka: KafkaConfig = KafkaConfig()
     registry: RegistryConfig = RegistryConfig()
     capture: CaptureConfig = CaptureConfig()
+    metrics: MetricsConfig = MetricsConfig()
     # The derived views' section: read and validated by the sinks (sinks/_config.py), opaque to the capture.
     sinks: dict[str, Any] = Field(default_factory=dict)
 

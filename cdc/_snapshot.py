@@ -95,7 +95,10 @@ class Snapshotter:
             disable=not sys.stderr.isatty(),
             transient=False,
         )
-        tasks = {t.qualified: progress.add_task(t.qualified, total=self._estimate(t)) for t in tables}
+        estimates = {t.qualified: self._estimate(t) for t in tables}
+        tasks = {t.qualified: progress.add_task(t.qualified, total=estimates[t.qualified]) for t in tables}
+        metrics = self.capture.metrics
+        metrics.snapshot_started(estimates)
         log.info(
             "snapshot of %d table(s) at %X%s",
             len(tables),
@@ -110,7 +113,12 @@ class Snapshotter:
                 chunks.put(exc)
                 raise
 
-        with progress, ThreadPoolExecutor(self.settings.capture.snapshot_workers, "snapshot") as pool:
+        with (
+            progress,
+            ThreadPoolExecutor(self.settings.capture.snapshot_workers, "snapshot") as pool,
+            contextlib.ExitStack() as finish,
+        ):
+            finish.callback(metrics.snapshot_finished)
             futures = [pool.submit(worker, t) for t in tables]
             remaining = len(tables)
             try:
@@ -122,6 +130,9 @@ class Snapshotter:
                     progress.advance(tasks[item.table], len(item.rows))
                     if item.done:
                         remaining -= 1
+                    metrics.snapshot_rows(
+                        item.table, len(item.rows), table_done=item.done, done_tables=len(tables) - remaining
+                    )
                     if self.capture.stop.is_set():
                         log.info("stop requested during the snapshot; it resumes on the next start")
                         raise SnapshotStoppedError
@@ -229,6 +240,7 @@ class Snapshotter:
             except (ValueError, IndexError) as exc:
                 raise StreamError(f"cannot snapshot a row of {chunk.table}: {exc}") from exc
             self.capture._produce(codec.topic, key, codec.envelope("r", pos, before=None, after=after, now_us=now_us))
+        self.capture.metrics.count(codec.topic, "r", len(chunk.rows))
         self.snap["tables"][chunk.table] = {"after": chunk.last_key, "done": chunk.done}
         self.capture._commit_offsets(self.state)
 

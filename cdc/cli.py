@@ -3,6 +3,7 @@
     cdc attach --config cdc.toml [--dry-run]   check the source, create the publication; say what it did
     cdc run --config cdc.toml                  attach, snapshot if needed, stream until SIGTERM/SIGINT
     cdc detach --config cdc.toml --yes         drop the replication slot and the publication
+    cdc status --config cdc.toml [--json]      source, slot, topics and sinks with their lags, from outside
 
 Exit codes: 0 success; 1 unexpected; 2 configuration; 3 source not ready; 4 authentication; 5 schema
 registry refused a schema; 6 Kafka set-up; 7 stream error; 130 interrupted before start.
@@ -17,6 +18,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 from tenacity import (
     RetryCallState,
@@ -30,6 +32,8 @@ from cdc import __version__
 from cdc._capture import Capture, install_signal_handlers
 from cdc._config import Settings, load_settings
 from cdc._demo import DemoSinks, run_demo
+from cdc._metrics import CaptureMetrics
+from cdc._observe import Observer, collect_status
 from cdc._source import check_and_prepare, connect, detach
 from cdc.errors import CDCError, ConfigError, TransientError
 
@@ -90,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     with_config(p)
     p.add_argument("--yes", action="store_true", help="confirm: the slot's position is lost for good")
     p.add_argument("--dry-run", action="store_true", help="only print what would be dropped")
+    p = sub.add_parser("status", help="source, slot, topics and sinks with their lags and health")
+    with_config(p)
+    p.add_argument("--json", action="store_true", help="machine-readable output")
     p = sub.add_parser("demo", help="a demo database with a live workload, captured and read back from Kafka")
     p.add_argument("--pg", required=True, help="DSN of a PostgreSQL server (wal_level=logical) to create the demo in")
     p.add_argument("--kafka", required=True, help="Kafka bootstrap servers")
@@ -139,9 +146,21 @@ def _detach(settings: Settings, yes: bool, dry_run: bool) -> int:
     return 0
 
 
-def _run(settings: Settings) -> int:
+def _run(settings: Settings, config_path: Path | None) -> int:
     stop = threading.Event()
     install_signal_handlers(stop)
+    metrics = CaptureMetrics()
+    observer = Observer(settings, metrics, config_path=config_path) if settings.metrics.enabled else None
+    if observer is not None:
+        observer.start()
+    try:
+        return _run_with_retries(settings, stop, metrics)
+    finally:
+        if observer is not None:
+            observer.stop()
+
+
+def _run_with_retries(settings: Settings, stop: threading.Event, metrics: CaptureMetrics) -> int:
 
     # Transient faults (network, broker failover) restart the capture from its committed offset, which is
     # safe by construction; terminal ones end the process with their exit code. The give-up clock counts
@@ -168,13 +187,106 @@ def _run(settings: Settings) -> int:
             return
         started = time.monotonic()
         try:
-            Capture(settings, stop=stop).run()
+            Capture(settings, stop=stop, metrics=metrics).run()
+        except CDCError as exc:
+            metrics.error(exc, transient=isinstance(exc, TransientError))
+            metrics.set_state("error")
+            raise
         finally:
             if time.monotonic() - started > PROGRESS_S:
                 last_progress[0] = time.monotonic()
 
     attempt()
     return 0
+
+
+def _status(settings: Settings, config_path: Path | None, *, as_json: bool) -> int:
+    """Exit 0 when everything reachable is healthy, 3 when something needs attention (said in the output)."""
+    from rich.console import Console  # noqa: PLC0415
+    from rich.table import Table  # noqa: PLC0415
+
+    status = collect_status(settings, config_path)
+    problems = _problems(status)
+    status["problems"] = problems
+    if as_json:
+        print(json.dumps(status, indent=2, default=str))
+        return 3 if problems else 0
+    src, cap = status["source"], status["capture"]
+    table = Table(title=f"pgcdc status: slot {settings.source.slot!r}, publication {settings.source.publication!r}")
+    for col in ("part", "state", "lag", "details"):
+        table.add_column(col)
+    if "error" in src:
+        table.add_row("source", "[red]unreachable[/]", "", f"{src['dsn']}: {src['error']}")
+    else:
+        table.add_row("source", "reachable", "", f"{src['dsn']} (server {src.get('server_version')})")
+    if not src.get("exists", True):
+        table.add_row("slot", "[yellow]absent[/]", "", "created by the first `cdc run`")
+    elif "error" not in src:
+        active = "[green]active[/]" if src.get("active") else "[yellow]inactive[/]"
+        table.add_row(
+            "slot",
+            active if src.get("wal_status") != "lost" else "[red]LOST[/]",
+            _bytes(src.get("lag_bytes")),
+            f"confirmed {src.get('confirmed_flush_lsn')}, wal_status {src.get('wal_status')}, "
+            f"holds {_bytes(src.get('retained_wal_bytes'))} of WAL",
+        )
+    table.add_row(
+        "capture",
+        str(cap.get("service", "?")),
+        "",
+        f"resume LSN {cap.get('resume_lsn')}, snapshot {cap.get('snapshot')}"
+        + (f"; Kafka: {cap['kafka_error']}" if "kafka_error" in cap else ""),
+    )
+    for t in status["topics"]:
+        table.add_row(f"  topic {t['topic']}", "", "", f"{t['records']} records in {t['partitions']} partition(s)")
+    for sink in status["sinks"]:
+        fresh = sink.get("freshness_s")
+        table.add_row(
+            f"sink {sink['name']}",
+            sink["state"],
+            "?" if sink["lag_records"] is None else f"{sink['lag_records']} records",
+            f"generation {sink['generation']}, freshness {'?' if fresh is None else f'{fresh:.1f}s'}, "
+            f"{sink['batches']} batches, {sink['dead_letters']} dead letters"
+            + (f", last error: {sink['last_error']}" if sink.get("last_error") else "")
+            + (
+                f", rebuild g{sink['rebuild'].get('generation')} {sink['rebuild'].get('state')}"
+                if sink.get("rebuild")
+                else ""
+            ),
+        )
+    console = Console()
+    console.print(table)
+    for problem in problems:
+        console.print(f"[yellow]attention:[/] {problem}")
+    return 3 if problems else 0
+
+
+def _problems(status: dict[str, Any]) -> list[str]:
+    src = status["source"]
+    out = []
+    if "error" in src:
+        out.append(f"the source is unreachable: {src['error']}")
+    elif src.get("exists") and src.get("wal_status") == "lost":
+        out.append("the slot was invalidated (max_slot_wal_keep_size): `cdc detach --yes` then `cdc run` re-snapshots")
+    elif src.get("exists") and not src.get("active"):
+        out.append("no capture is attached to the slot: start `cdc run` (the slot holds WAL back meanwhile)")
+    if "kafka_error" in status["capture"]:
+        out.append(f"Kafka: {status['capture']['kafka_error']}")
+    for sink in status["sinks"]:
+        if sink["state"] in ("backoff", "given_up"):
+            out.append(f"sink {sink['name']} is {sink['state']}: {sink.get('last_error')}")
+    return out
+
+
+def _bytes(n: int | None) -> str:
+    if n is None:
+        return "?"
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{n} B"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -201,7 +313,9 @@ def main(argv: list[str] | None = None) -> int:
             return _attach(settings, args.dry_run)
         if args.command == "detach":
             return _detach(settings, args.yes, args.dry_run)
-        return _run(settings)
+        if args.command == "status":
+            return _status(settings, args.config, as_json=args.json)
+        return _run(settings, args.config)
     except CDCError as exc:
         if args.log_json:
             log.error("%s", exc, extra={"exit_code": exc.exit_code})  # one JSON line like every other

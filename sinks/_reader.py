@@ -78,6 +78,7 @@ class Decoded:
     poison: DataFrame | None  # raw records with an ``error`` column; None when the batch cannot hold any
     records: int = 0
     persisted: list[DataFrame] = field(default_factory=list)
+    newest_ts_ms: int | None = None  # the source commit time of the newest change event in the batch
 
     def release(self) -> None:
         for frame in self.persisted:
@@ -213,6 +214,7 @@ class Decoder:
                     ).alias("t"),
                     (F.col("v").isNotNull() & (F.size(F.col("v.unchanged_toast")) > 0)).cast("int").alias("p"),
                     F.col("_bad").cast("int").alias("b"),
+                    F.col("v.source.ts_ms").alias("ts"),
                 )
                 for frames in by_topic.values()
                 for f in frames
@@ -220,13 +222,16 @@ class Decoder:
         )
         truncates: dict[str, tuple[int, int]] = {}
         partial: set[str] = set()
+        newest_ts: int | None = None
         if marks is not None:
             for m in (
                 marks.groupBy("topic")
-                .agg(F.max("t").alias("t"), F.max("p").alias("p"), F.max("b").alias("b"))
+                .agg(F.max("t").alias("t"), F.max("p").alias("p"), F.max("b").alias("b"), F.max("ts").alias("ts"))
                 .collect()
             ):
                 suspect = suspect or bool(m["b"])
+                if m["ts"] is not None:
+                    newest_ts = max(newest_ts or 0, int(m["ts"]))
                 if m["t"] is not None:
                     truncates[m["topic"]] = (int(m["t"]["c"]), int(m["t"]["l"]))
                 if m["p"]:
@@ -235,7 +240,7 @@ class Decoder:
             self._table(topic, frames, readers[topic], truncates.get(topic), partial=topic in partial)
             for topic, frames in sorted(by_topic.items())
         ]
-        return Decoded(tables, _union(poison, (*_RAW, "error")) if suspect else None, records, persisted)
+        return Decoded(tables, _union(poison, (*_RAW, "error")) if suspect else None, records, persisted, newest_ts)
 
     def _table(
         self,

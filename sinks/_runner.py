@@ -8,9 +8,11 @@ query stops and the runner starts the new generation's query from that generatio
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import shutil
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -19,7 +21,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sinks._api import Batch, Rebuildable, Rejected, SinkContext, TableRef, key_id
+from sinks._metrics import SinkMetrics
 from sinks._plugins import load
+from sinks._progress import REBUILD_FILE, STATUS_FILE, TopicEnds, checkpoint_offsets
 from sinks._reader import Decoder, ensure_dead_letter_topic, open_stream, send_to_dead_letter
 from sinks._spark import build_session
 from sinks._values import Names, column_name, doc_converter
@@ -60,8 +64,19 @@ def _opened(name: str, settings: SinkSettings, generation: int, spark: SparkSess
 
 @dataclass
 class _Status:
+    """A sink's status file: what `cdc status`, the dashboard and the capture's metrics read from outside."""
+
     path: Path
     data: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def load(cls, path: Path) -> _Status:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        data: dict[str, Any] = {}
+        if path.exists():
+            with contextlib.suppress(ValueError):  # a torn file from a crash mid-write: start afresh
+                data = json.loads(path.read_text())
+        return cls(path, data)
 
     def update(self, **values: Any) -> None:
         self.data.update(values, updated_at=time.time())
@@ -82,6 +97,8 @@ class SinkQuery:
         *,
         follow_swaps: bool = True,
         sink: Any | None = None,
+        status_file: str = STATUS_FILE,
+        metrics: SinkMetrics | None = None,
     ) -> None:
         self.name, self.settings, self.generation = name, settings, generation
         self.spark = spark.newSession()  # own SQL conf per sink, one SparkContext
@@ -95,12 +112,9 @@ class SinkQuery:
         base = settings.sinks.state_dir / name
         self.checkpoint = base / f"g{generation}" / "checkpoint"
         self.checkpoint.parent.mkdir(parents=True, exist_ok=True)
-        previous = {}
-        status_path = base / "status.json"
-        if status_path.exists():
-            previous = json.loads(status_path.read_text())
-        self.status = _Status(status_path, previous)
+        self.status = _Status.load(base / status_file)
         self.status.update(generation=generation)
+        self.metrics = metrics
         self.query: StreamingQuery | None = None
 
     def start(self) -> StreamingQuery:
@@ -133,19 +147,29 @@ class SinkQuery:
                 dead = 0
                 if decoded.poison is not None or rejected:
                     dead = send_to_dead_letter(self.settings, self.name, decoded.poison, rejected, raw)
-                rows = decoded.records
+                rows, newest = decoded.records, decoded.newest_ts_ms
             finally:
                 decoded.release()
         finally:
             raw.unpersist()
         totals = self.status.data
+        applied_ms = time.time() * 1000
+        elapsed = time.monotonic() - started
         self.status.update(
             batches=totals.get("batches", 0) + 1,
             records=totals.get("records", 0) + rows,
             dead_letters=totals.get("dead_letters", 0) + dead,
             last_batch_id=batch_id,
-            last_batch_s=round(time.monotonic() - started, 3),
+            last_batch_s=round(elapsed, 3),
+            last_applied_ms=int(applied_ms),
+            last_source_ts_ms=max(newest or 0, totals.get("last_source_ts_ms") or 0) or None,
         )
+        if self.metrics is not None:
+            self.metrics.batch_seconds.labels(self.name).observe(elapsed)
+            self.metrics.records.labels(self.name).inc(rows)
+            self.metrics.dead_letters.labels(self.name).inc(dead)
+            if newest is not None:
+                self.metrics.batch_latency.labels(self.name).set(max(0.0, (applied_ms - newest) / 1000))
         log.info(
             "sink %s: batch %d: %d record(s) in %.2fs (decode %.2fs, write %.2fs, dead letters %.2fs)",
             self.name,
@@ -206,6 +230,9 @@ def run(settings: SinkSettings, names: Sequence[str], stop: threading.Event) -> 
         raise problems[0] if problems else SinkConfigError("no sinks to run: name some or set sinks.enabled")
     names = usable
     ensure_dead_letter_topic(settings)
+    cfg = settings.sinks
+    metrics = SinkMetrics()
+    server = metrics.serve(cfg.metrics_host, cfg.metrics_port) if cfg.metrics_enabled else None
     spark = spark_session(settings, "pgcdc-sinks")
     queries: dict[str, SinkQuery] = {}
     delays: dict[str, float] = {}  # the next backoff per sink
@@ -218,6 +245,8 @@ def run(settings: SinkSettings, names: Sequence[str], stop: threading.Event) -> 
         ran = time.monotonic() - started_at.get(name, time.monotonic())
         delay = 2.0 if ran > _HEALTHY_S else min(delays.get(name, 1.0) * 2, 60.0)
         delays[name], retry_at[name] = delay, time.monotonic() + delay
+        metrics.running.labels(name).set(0)
+        _sink_status(settings, name).update(state="backoff", last_error=why)
         log.error("sink %s %s; restarting in %.0fs", name, why, delay)
 
     def start(name: str) -> None:
@@ -226,12 +255,16 @@ def run(settings: SinkSettings, names: Sequence[str], stop: threading.Event) -> 
             probe = _opened(name, settings, 0, spark)
             generation = served_generation(probe)
             probe.close()
-            queries[name] = SinkQuery(name, settings, spark, generation)
+            queries[name] = SinkQuery(name, settings, spark, generation, metrics=metrics)
             queries[name].start()
+            queries[name].status.update(state="running")
+            metrics.running.labels(name).set(1)
         except SinkTerminalError as exc:
             # Retrying cannot help (its configuration, say): this sink stops, the others go on.
             queries.pop(name, None)
             given_up[name] = exc
+            metrics.running.labels(name).set(0)
+            _sink_status(settings, name).update(state="given_up", last_error=_short(exc))
             log.error("sink %s cannot run: %s; the other sinks go on", name, exc)
             if len(given_up) == len(names):
                 raise
@@ -264,7 +297,16 @@ def run(settings: SinkSettings, names: Sequence[str], stop: threading.Event) -> 
     finally:
         for q in queries.values():
             q.stop()
+        for name in names:
+            if name not in given_up:
+                _sink_status(settings, name).update(state="stopped")
+        if server is not None:
+            server.shutdown()
     return 0
+
+
+def _sink_status(settings: SinkSettings, name: str, file: str = STATUS_FILE) -> _Status:
+    return _Status.load(settings.sinks.state_dir / name / file)
 
 
 def _short(error: Any) -> str:
@@ -379,24 +421,59 @@ def rebuild(
     shutil.rmtree(settings.sinks.state_dir / name / f"g{new}", ignore_errors=True)
     ensure_dead_letter_topic(settings)
     report(f"rebuilding {name}: generation {new} from offset zero, while generation {current} keeps serving")
-    q = SinkQuery(name, settings, spark, new, follow_swaps=False)
+    # The rebuild's own status file: the served generation's status.json stays the running app's.
+    (settings.sinks.state_dir / name / REBUILD_FILE).unlink(missing_ok=True)
+    q = SinkQuery(name, settings, spark, new, follow_swaps=False, status_file=REBUILD_FILE)
+    status = q.status
+    status.update(state="running", serving=current, started_at=time.time())
     q.start()
+    outcome = "failed"
     try:
-        deadline = time.monotonic() + catch_up_timeout_s
-        while not q.caught_up():
-            if q.query is not None and not q.query.isActive:
-                raise SinkError(f"rebuild query of {name} failed: {_short(q.query.exception())}")
-            if time.monotonic() > deadline:
-                raise SinkError(f"rebuild of {name} did not catch up within {catch_up_timeout_s:.0f}s")
-            time.sleep(1.0)
+        _catch_up(q, settings, catch_up_timeout_s)
         report(f"generation {new} caught up with the topics; verifying against the source")
+        status.update(state="verifying")
         drifts = verify(settings, name, source_tables, generation=new, wait_s=verify_wait_s, spark=spark)
+        outcome = "done" if all(d.clean for d in drifts) else "drift"
     finally:
         q.stop()
-    if not all(d.clean for d in drifts):
+        status.update(state=outcome, finished_at=time.time())
+    if outcome != "done":
         return new, drifts
     swapper = _opened(name, settings, new, spark)
     swapper.swap(new)
     swapper.close()
     report(f"generation {new} is now served; generation {current} was dropped")
     return new, drifts
+
+
+def _catch_up(q: SinkQuery, settings: SinkSettings, timeout_s: float) -> None:
+    """Wait until the rebuild's query has read everything, with a progress bar (records of the topics)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    ends = TopicEnds(settings)
+    progress = Progress(
+        TextColumn(f"rebuild {q.name} g{q.generation}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeRemainingColumn(),
+        disable=not sys.stderr.isatty(),
+    )
+    task = progress.add_task("records", total=None)
+    deadline = time.monotonic() + timeout_s
+    try:
+        with progress:
+            while not q.caught_up():
+                if q.query is not None and not q.query.isActive:
+                    raise SinkError(f"rebuild query of {q.name} failed: {_short(q.query.exception())}")
+                if time.monotonic() > deadline:
+                    raise SinkError(f"rebuild of {q.name} did not catch up within {timeout_s:.0f}s")
+                with contextlib.suppress(Exception):  # progress is cosmetic: a metadata hiccup must not fail it
+                    marks = ends.read()
+                    done = checkpoint_offsets(q.checkpoint) or {}
+                    total = sum(high - low for low, high in marks.values())
+                    read = sum(min(high, done.get(tp, low)) - low for tp, (low, high) in marks.items())
+                    progress.update(task, total=total, completed=read)
+                    q.status.update(records_total=total, records_done=read)
+                time.sleep(1.0)
+    finally:
+        ends.close()

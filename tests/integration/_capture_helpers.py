@@ -76,6 +76,9 @@ topic_prefix = "{self.prefix}"
 [registry]
 url = "{self.registry}"
 
+[metrics]
+port = 0  # any free port: several captures run at once in the tests
+
 [capture]
 heartbeat_interval_s = 1.0
 {self.extra}

@@ -35,6 +35,7 @@ class Stack:
 [sinks]
 state_dir = "{workdir / "state"}"
 trigger_interval_s = 1.0
+metrics_port = 0
 spark_jars = {json.dumps(self.spark_jars)}
 
 [sinks.search]

@@ -1,0 +1,208 @@
+"""The capture service's Prometheus metrics, and the plain numbers the dashboard reads beside them.
+
+The hot path only bumps a dict entry per event (``count``); the Prometheus counters are advanced once per
+committed Kafka transaction (``committed``), so what they show was really delivered and the per-event cost
+stays at a dictionary update. Names are the contract of deploy/prometheus/alerts.yml and the Grafana
+dashboard (tests/unit/test_monitoring.py checks they agree).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+
+_COMMIT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+_SIZE_BUCKETS = (1, 2, 5, 10, 50, 100, 500, 1000, 5000, 10_000, 50_000, 100_000)
+
+
+class CaptureMetrics:
+    """Owned by the service (it outlives the restarts of Capture after transient faults)."""
+
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.info = Info("pgcdc_capture", "The capture service", registry=r)
+        self.streaming = Gauge("pgcdc_capture_streaming", "1 while changes are being streamed", registry=r)
+        self.slot_lag = Gauge(
+            "pgcdc_slot_lag_bytes", "Server WAL position minus the slot's confirmed flush", ["slot"], registry=r
+        )
+        self.slot_retained = Gauge(
+            "pgcdc_slot_retained_wal_bytes",
+            "WAL the slot holds back (server position minus restart_lsn)",
+            ["slot"],
+            registry=r,
+        )
+        self.slot_safe = Gauge(
+            "pgcdc_slot_safe_wal_bytes",
+            "WAL that can still be written before the slot is invalidated",
+            ["slot"],
+            registry=r,
+        )
+        self.slot_active = Gauge(
+            "pgcdc_slot_active", "1 while a consumer is attached to the slot", ["slot"], registry=r
+        )
+        self.slot_lost = Gauge(
+            "pgcdc_slot_lost",
+            "1 when max_slot_wal_keep_size invalidated the slot (re-snapshot needed)",
+            ["slot"],
+            registry=r,
+        )
+        self.wal_lsn = Gauge("pgcdc_source_wal_lsn_bytes", "The server's current WAL position", registry=r)
+        self.committed_lsn = Gauge(
+            "pgcdc_committed_lsn_bytes", "Resume LSN committed to Kafka (and acknowledged to the server)", registry=r
+        )
+        self.behind = Gauge(
+            "pgcdc_behind_source_seconds",
+            "Kafka commit time minus source commit time of the last transaction; 0 when nothing is pending",
+            registry=r,
+        )
+        self.last_commit_ts = Gauge(
+            "pgcdc_last_source_commit_timestamp_seconds",
+            "Source commit time of the last transaction captured",
+            registry=r,
+        )
+        self.events = Counter(
+            "pgcdc_events",
+            "Change events committed to Kafka (op: c u d t, r = snapshot, m = message)",
+            ["table", "op"],
+            registry=r,
+        )
+        self.snapshot_running = Gauge("pgcdc_snapshot_running", "1 while a snapshot runs", registry=r)
+        self.snapshot_tables_total = Gauge("pgcdc_snapshot_tables_total", "Tables in the snapshot", registry=r)
+        self.snapshot_tables_done = Gauge("pgcdc_snapshot_tables_done", "Tables whose snapshot is done", registry=r)
+        self.snapshot_rows_estimated = Gauge(
+            "pgcdc_snapshot_rows_estimated", "Rows the snapshot expects (pg_class.reltuples)", registry=r
+        )
+        self.snapshot_rows_done = Gauge("pgcdc_snapshot_rows_done", "Rows snapshotted so far", registry=r)
+        self.snapshot_eta = Gauge("pgcdc_snapshot_eta_seconds", "Estimated time to finish the snapshot", registry=r)
+        self.txn_events = Histogram(
+            "pgcdc_kafka_transaction_events", "Records per Kafka transaction", buckets=_SIZE_BUCKETS, registry=r
+        )
+        self.commit_seconds = Histogram(
+            "pgcdc_kafka_commit_seconds", "Kafka transaction commit duration", buckets=_COMMIT_BUCKETS, registry=r
+        )
+        self.errors = Counter("pgcdc_errors", "Errors by class", ["error", "kind"], registry=r)
+        # The sinks as seen from outside (checkpoints against topic ends): still measured when they are down.
+        self.sink_lag = Gauge(
+            "pgcdc_sink_lag_records",
+            "Topic end offset minus the sink's applied offset",
+            ["sink", "topic", "partition"],
+            registry=r,
+        )
+        self.sink_freshness = Gauge(
+            "pgcdc_sink_freshness_seconds",
+            "Age of the newest change the sink has not applied (0: caught up)",
+            ["sink"],
+            registry=r,
+        )
+        self.sink_dead_letters = Gauge(
+            "pgcdc_sink_dead_letters", "Records the sink has sent to the dead-letter topic", ["sink"], registry=r
+        )
+        self.sink_generation = Gauge("pgcdc_sink_generation", "The served generation of the sink", ["sink"], registry=r)
+        self.sink_rebuild = Gauge(
+            "pgcdc_sink_rebuild_progress_ratio",
+            "Share of the topics a running rebuild has read",
+            ["sink", "generation"],
+            registry=r,
+        )
+
+        self._lock = threading.Lock()
+        self._pending: dict[tuple[str, str], int] = {}
+        self.totals: dict[tuple[str, str], int] = {}  # (table, op) -> committed events (for the dashboard)
+        self.tables: dict[str, str] = {}  # topic -> "schema.table"
+        self.state = "starting"
+        self.committed_lsn_value: int | None = None
+        self.behind_s: float | None = None
+        self.snapshot: dict[str, Any] | None = None
+        self._snap_started = 0.0
+        self._snap_estimates: dict[str, int | None] = {}
+        self._snap_rows: dict[str, int] = {}
+
+    # --- the capture's hot path ----------------------------------------------------------------
+
+    def count(self, topic: str, op: str, n: int = 1) -> None:
+        key = (topic, op)
+        pending = self._pending
+        pending[key] = pending.get(key, 0) + n
+
+    def committed(self, records: int, seconds: float, lsn: int, last_commit_us: int | None) -> None:
+        """A Kafka transaction committed: its events count now."""
+        pending, self._pending = self._pending, {}
+        with self._lock:
+            for (topic, op), n in pending.items():
+                table = self.tables.get(topic, topic)
+                self.events.labels(table, op).inc(n)
+                self.totals[(table, op)] = self.totals.get((table, op), 0) + n
+        self.txn_events.observe(records)
+        self.commit_seconds.observe(seconds)
+        self.committed_lsn.set(lsn)
+        self.committed_lsn_value = lsn
+        if last_commit_us is not None:
+            self.last_commit_ts.set(last_commit_us / 1e6)
+            self.set_behind(max(0.0, time.time() - last_commit_us / 1e6))
+
+    def aborted(self) -> None:
+        self._pending = {}
+
+    def set_behind(self, seconds: float) -> None:
+        self.behind.set(seconds)
+        self.behind_s = seconds
+
+    def set_state(self, state: str) -> None:
+        self.state = state
+        self.streaming.set(1 if state == "streaming" else 0)
+
+    def error(self, exc: BaseException, *, transient: bool) -> None:
+        self.errors.labels(type(exc).__name__, "transient" if transient else "terminal").inc()
+
+    # --- snapshot progress ---------------------------------------------------------------------
+
+    def snapshot_started(self, estimates: dict[str, int | None]) -> None:
+        self._snap_started = time.monotonic()
+        self._snap_estimates = dict(estimates)
+        self._snap_rows = dict.fromkeys(estimates, 0)
+        self.set_state("snapshot")
+        self.snapshot_running.set(1)
+        self.snapshot_tables_total.set(len(estimates))
+        self.snapshot_rows_estimated.set(sum(e or 0 for e in estimates.values()))
+        self._snap_publish(done_tables=0)
+
+    def snapshot_rows(self, table: str, rows: int, *, table_done: bool, done_tables: int) -> None:
+        self._snap_rows[table] = self._snap_rows.get(table, 0) + rows
+        if table_done:  # the estimate was only an estimate: the table is as big as what was read
+            self._snap_estimates[table] = self._snap_rows[table]
+        self._snap_publish(done_tables)
+
+    def _snap_publish(self, done_tables: int) -> None:
+        done = sum(self._snap_rows.values())
+        total = sum(max(e or 0, self._snap_rows.get(t, 0)) for t, e in self._snap_estimates.items())
+        elapsed = time.monotonic() - self._snap_started
+        eta = (total - done) * elapsed / done if done and total >= done else None
+        self.snapshot_rows_done.set(done)
+        self.snapshot_rows_estimated.set(total)
+        self.snapshot_tables_done.set(done_tables)
+        if eta is not None:
+            self.snapshot_eta.set(eta)
+        self.snapshot = {
+            "running": True,
+            "tables_total": len(self._snap_estimates),
+            "tables_done": done_tables,
+            "rows_total": total,
+            "rows_done": done,
+            "eta_s": eta,
+        }
+
+    def snapshot_finished(self) -> None:
+        self.snapshot_running.set(0)
+        self.snapshot_eta.set(0)
+        if self.snapshot is not None:
+            self.snapshot = {**self.snapshot, "running": False, "eta_s": 0.0}
+
+    def event_totals(self) -> dict[tuple[str, str], int]:
+        with self._lock:
+            return dict(self.totals)
+
+
+__all__ = ["CaptureMetrics"]

@@ -1,0 +1,466 @@
+"""What the running capture service shows: /metrics for Prometheus, a live dashboard, and ``cdc status``.
+
+A sampler thread measures, every ``metrics.sample_interval_s``, what the capture's own counters cannot
+know: the slot's lag as the server sees it (its own connection, so a busy stream does not delay it) and
+each sink's lag and freshness from outside the sinks (sinks/_progress.py: checkpoints against topic ends,
+so the lag keeps climbing while a sink is down). It keeps a short history for the dashboard's charts.
+
+Everything served is built from masked values: the DSN is ``display_dsn()``, errors are log messages
+(which never contain secrets), and the server binds to 127.0.0.1 unless configured otherwise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import threading
+import time
+from collections import deque
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import psycopg
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from cdc._config import Settings
+from cdc._metrics import CaptureMetrics
+from cdc._version import __version__
+from cdc.errors import ConfigError
+from decoders import format_lsn
+
+log = logging.getLogger(__name__)
+
+_SLOT_SQL = """
+SELECT (CASE WHEN pg_is_in_recovery() THEN pg_last_wal_replay_lsn() ELSE pg_current_wal_lsn() END - '0/0')::bigint,
+       (SELECT to_jsonb(s) FROM pg_replication_slots s WHERE s.slot_name = %s)
+"""
+
+
+def slot_status(conn: psycopg.Connection[Any], slot: str) -> dict[str, Any]:
+    """The slot as the server sees it (to_jsonb: the columns differ between PostgreSQL versions)."""
+    row = conn.execute(_SLOT_SQL, (slot,)).fetchone()
+    assert row is not None
+    wal = int(row[0]) if row[0] is not None else None
+    info: dict[str, Any] = row[1] or {}
+    out: dict[str, Any] = {"wal_lsn_bytes": wal, "exists": bool(info)}
+    if info:
+        confirmed = _lsn(info.get("confirmed_flush_lsn"))
+        restart = _lsn(info.get("restart_lsn"))
+        out.update(
+            active=bool(info.get("active")),
+            active_pid=info.get("active_pid"),
+            confirmed_flush_lsn=info.get("confirmed_flush_lsn"),
+            wal_status=info.get("wal_status"),
+            safe_wal_bytes=info.get("safe_wal_size"),
+            lag_bytes=max(0, wal - confirmed) if wal is not None and confirmed is not None else None,
+            retained_wal_bytes=max(0, wal - restart) if wal is not None and restart is not None else None,
+        )
+    return out
+
+
+def _lsn(text: str | None) -> int | None:
+    if not text:
+        return None
+    hi, _, lo = text.partition("/")
+    return (int(hi, 16) << 32) + int(lo, 16)
+
+
+class SinksProbe:
+    """Every sink's progress (see sinks/_progress.py), read from its state directory and the topics' ends.
+
+    sinks/_progress.py is imported lazily: the capture service never loads the sinks' modules unless this
+    is used, and that module does not load Spark.
+    """
+
+    def __init__(self, config_path: Path | None) -> None:
+        from sinks._config import load_sink_settings  # noqa: PLC0415
+        from sinks._progress import TopicEnds, sink_progress  # noqa: PLC0415
+
+        self._settings = load_sink_settings(config_path)
+        self._progress = sink_progress
+        self._new_ends = TopicEnds
+        self._ends: Any = None  # the Kafka probe, made once some sink has a state directory
+
+    def __call__(self, pending_since: dict[str, float] | None = None) -> list[dict[str, Any]]:
+        if not any(self._settings.sinks.state_dir.glob("*/status.json")):
+            return []
+        if self._ends is None:
+            self._ends = self._new_ends(self._settings)
+        return [p.as_dict() for p in self._progress(self._settings, self._ends.read(), pending_since=pending_since)]
+
+    def close(self) -> None:
+        if self._ends is not None:
+            self._ends.close()
+
+
+def sinks_probe(config_path: Path | None) -> SinksProbe | None:
+    """The probe, or None when the sinks are not installed with this capture service."""
+    try:
+        return SinksProbe(config_path)
+    except ImportError:
+        return None
+
+
+class _Errors(logging.Handler):
+    """The last warnings and errors of this process, for the dashboard."""
+
+    def __init__(self, keep: int = 50) -> None:
+        super().__init__(logging.WARNING)
+        self.items: deque[dict[str, Any]] = deque(maxlen=keep)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        with contextlib.suppress(Exception):
+            self.items.append(
+                {
+                    "ts": record.created,
+                    "level": record.levelname.lower(),
+                    "source": record.name,
+                    "message": record.getMessage().splitlines()[0][:500],
+                }
+            )
+
+
+class Observer:
+    """The sampler, the history and the HTTP server of one capture service."""
+
+    def __init__(self, settings: Settings, metrics: CaptureMetrics, *, config_path: Path | None = None) -> None:
+        self.settings = settings
+        self.metrics = metrics
+        self.config_path = config_path
+        self.started_at = time.time()
+        cfg = settings.metrics
+        self._points: deque[dict[str, Any]] = deque(maxlen=max(2, int(cfg.history_s / cfg.sample_interval_s)))
+        self._latest: dict[str, Any] = {"source": {}, "sinks": []}
+        self._stop = threading.Event()
+        self._errors = _Errors()
+        self._conn: psycopg.Connection[Any] | None = None
+        self._probe: SinksProbe | None = None
+        self._pending_since: dict[str, float] = {}
+        self._sink_errors: dict[str, str | None] = {}
+        self._prev_totals: tuple[float, dict[str, int]] | None = None
+        self._server: ThreadingHTTPServer | None = None
+        self._threads: list[threading.Thread] = []
+        s = settings.source
+        metrics.info.info(
+            {"version": __version__, "slot": s.slot, "publication": s.publication, "database": _dbname(settings)}
+        )
+
+    # --- life cycle --------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        cfg = self.settings.metrics
+        try:
+            self._server = ThreadingHTTPServer((cfg.host, cfg.port), _handler(self))
+        except OSError as exc:
+            raise ConfigError(
+                f"cannot serve metrics and the dashboard on {cfg.host}:{cfg.port} ({exc.strerror}); another "
+                "`cdc run` may hold the port: set metrics.port (0 = any free port) or metrics.enabled = false"
+            ) from exc
+        self._server.daemon_threads = True
+        logging.getLogger().addHandler(self._errors)
+        try:
+            self._probe = sinks_probe(self.config_path)
+        except Exception as exc:  # a broken [sinks] section must not stop the capture: say it, go on
+            log.warning("sink lag is not measured: %s", exc)
+        for target, name in ((self._server.serve_forever, "pgcdc-http"), (self._sample_loop, "pgcdc-sampler")):
+            thread = threading.Thread(target=target, name=name, daemon=True)
+            thread.start()
+            self._threads.append(thread)
+        log.info("metrics on %s/metrics, live dashboard on %s/", self.url, self.url)
+
+    @property
+    def url(self) -> str:
+        assert self._server is not None
+        host, port = self._server.server_address[:2]
+        return f"http://{host!s}:{port}"
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+        logging.getLogger().removeHandler(self._errors)
+        for thread in self._threads:
+            thread.join(10)
+        if self._conn is not None:
+            self._conn.close()
+        if self._probe is not None:
+            self._probe.close()
+
+    # --- sampling ----------------------------------------------------------------------------------
+
+    def _sample_loop(self) -> None:
+        interval = self.settings.metrics.sample_interval_s
+        while not self._stop.is_set():
+            started = time.monotonic()
+            try:
+                self.sample()
+            except Exception as exc:  # a probe failing must never take the capture down
+                log.debug("sampling failed: %s", exc)
+            self._stop.wait(max(0.05, interval - (time.monotonic() - started)))
+
+    def sample(self) -> None:
+        now = time.time()
+        point: dict[str, Any] = {"ts": now}
+        source = self._sample_source()
+        point["slot_lag_bytes"] = source.get("lag_bytes")
+        point["behind_s"] = self.metrics.behind_s
+        totals: dict[str, int] = {}
+        for (table, _op), n in self.metrics.event_totals().items():
+            totals[table] = totals.get(table, 0) + n
+        rates: dict[str, float] = {}
+        if self._prev_totals is not None:
+            then, before = self._prev_totals
+            dt = max(1e-3, now - then)
+            rates = {t: max(0.0, (n - before.get(t, 0)) / dt) for t, n in totals.items()}
+        self._prev_totals = (now, totals)
+        point["table_rates"] = rates
+        sinks = self._sample_sinks(now)
+        point["sink_lag"] = {s["name"]: s["lag_records"] for s in sinks}
+        point["sink_freshness"] = {s["name"]: s["freshness_s"] for s in sinks}
+        self._latest = {"source": source, "sinks": sinks, "rates": rates}
+        self._points.append(point)
+
+    def _sample_source(self) -> dict[str, Any]:
+        m, slot = self.metrics, self.settings.source.slot
+        try:
+            if self._conn is None or self._conn.closed:
+                self._conn = psycopg.connect(
+                    self.settings.source.conninfo(application_name="pgcdc-metrics"), autocommit=True, connect_timeout=5
+                )
+            info = slot_status(self._conn, slot)
+        except psycopg.Error as exc:
+            if self._conn is not None:
+                self._conn.close()
+            self._conn = None
+            log.debug("slot status unavailable: %s", exc)
+            return {"error": "source unreachable"}
+        if info.get("wal_lsn_bytes") is not None:
+            m.wal_lsn.set(info["wal_lsn_bytes"])
+        if info.get("exists"):
+            for gauge, key in (
+                (m.slot_lag, "lag_bytes"),
+                (m.slot_retained, "retained_wal_bytes"),
+                (m.slot_safe, "safe_wal_bytes"),
+            ):
+                if info.get(key) is not None:
+                    gauge.labels(slot).set(info[key])
+                elif key == "safe_wal_bytes":
+                    with contextlib.suppress(KeyError):  # unlimited (max_slot_wal_keep_size = -1): no series
+                        gauge.remove(slot)
+            m.slot_active.labels(slot).set(1 if info.get("active") else 0)
+            m.slot_lost.labels(slot).set(1 if info.get("wal_status") == "lost" else 0)
+        return info
+
+    def _sample_sinks(self, now: float) -> list[dict[str, Any]]:
+        if self._probe is None:
+            return []
+        try:
+            sinks = self._probe(self._pending_since)
+        except Exception as exc:
+            log.debug("sink progress unavailable: %s", exc)
+            return list(self._latest.get("sinks", []))
+        m = self.metrics
+        m.sink_lag.clear()
+        m.sink_rebuild.clear()
+        for sink in sinks:
+            name = sink["name"]
+            lag = sink["lag_records"]
+            if lag:
+                self._pending_since.setdefault(name, now)
+            else:
+                self._pending_since.pop(name, None)
+            for part in sink["partitions"]:
+                m.sink_lag.labels(name, part["topic"], str(part["partition"])).set(part["lag"])
+            if sink["freshness_s"] is not None:
+                m.sink_freshness.labels(name).set(sink["freshness_s"])
+            m.sink_dead_letters.labels(name).set(sink["dead_letters"])
+            if sink["generation"] is not None:
+                m.sink_generation.labels(name).set(sink["generation"])
+            rebuild = sink.get("rebuild") or {}
+            if rebuild.get("state") in ("running", "verifying") and rebuild.get("total"):
+                m.sink_rebuild.labels(name, str(rebuild["generation"])).set(rebuild["done"] / rebuild["total"])
+            error = sink.get("last_error")
+            if error and error != self._sink_errors.get(name) and sink.get("state") in ("backoff", "given_up"):
+                self._errors.items.append(
+                    {"ts": sink.get("updated_at") or now, "level": "error", "source": f"sink {name}", "message": error}
+                )
+            self._sink_errors[name] = error
+        return sinks
+
+    # --- the status document -----------------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        m, s = self.metrics, self.settings
+        latest = self._latest
+        src = latest.get("source", {})
+        totals = m.event_totals()
+        tables: dict[str, dict[str, Any]] = {}
+        for topic, table in sorted(m.tables.items(), key=lambda kv: kv[1]):
+            tables[table] = {"table": table, "topic": topic, "events": {}, "rate": latest.get("rates", {}).get(table)}
+        for (table, op), n in totals.items():
+            tables.setdefault(table, {"table": table, "topic": None, "events": {}, "rate": None})["events"][op] = n
+        points = list(self._points)
+        names = sorted({t for p in points for t in p["table_rates"]})
+        sink_names = sorted({n for p in points for n in p["sink_lag"]})
+        committed = m.committed_lsn_value
+        return {
+            "service": {
+                "name": "pgcdc capture",
+                "version": __version__,
+                "slot": s.source.slot,
+                "publication": s.source.publication,
+                "source": s.source.display_dsn(),
+                "state": m.state,
+                "started_at": self.started_at,
+            },
+            "now": time.time(),
+            "source": {
+                "wal_lsn": format_lsn(src["wal_lsn_bytes"]) if src.get("wal_lsn_bytes") is not None else None,
+                "committed_lsn": format_lsn(committed) if committed is not None else None,
+                "slot_lag_bytes": src.get("lag_bytes"),
+                "behind_s": m.behind_s,
+                "slot_active": src.get("active"),
+                "wal_status": src.get("wal_status"),
+                "safe_wal_bytes": src.get("safe_wal_bytes"),
+                "retained_wal_bytes": src.get("retained_wal_bytes"),
+                "error": src.get("error"),
+            },
+            "tables": list(tables.values()),
+            "snapshot": m.snapshot,
+            "sinks": latest.get("sinks", []),
+            "errors": sorted(self._errors.items, key=lambda e: -e["ts"]),
+            "history": {
+                "ts": [p["ts"] for p in points],
+                "slot_lag_bytes": [p["slot_lag_bytes"] for p in points],
+                "behind_s": [p["behind_s"] for p in points],
+                "table_rates": {t: [p["table_rates"].get(t) for p in points] for t in names},
+                "sink_lag": {n: [p["sink_lag"].get(n) for p in points] for n in sink_names},
+                "sink_freshness": {n: [p["sink_freshness"].get(n) for p in points] for n in sink_names},
+            },
+        }
+
+
+def _dbname(settings: Settings) -> str:
+    from psycopg.conninfo import conninfo_to_dict  # noqa: PLC0415
+
+    return str(conninfo_to_dict(settings.source.dsn.get_secret_value()).get("dbname", ""))
+
+
+_CSP = "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; connect-src 'self'; img-src data:"
+
+
+def _handler(observer: Observer) -> type[BaseHTTPRequestHandler]:
+    page = resources.files("cdc").joinpath("dashboard.html").read_bytes()
+
+    class Handler(BaseHTTPRequestHandler):
+        server_version = "pgcdc"
+        sys_version = ""
+
+        def do_GET(self) -> None:
+            path = self.path.split("?", 1)[0]
+            if path == "/metrics":
+                self._send(200, CONTENT_TYPE_LATEST, generate_latest(observer.metrics.registry))
+            elif path in ("/", "/index.html"):
+                self._send(200, "text/html; charset=utf-8", page)
+            elif path == "/api/status":
+                body = json.dumps(observer.status(), default=str).encode()
+                self._send(200, "application/json", body)
+            elif path == "/healthz":
+                state = observer.metrics.state
+                ok = state in ("streaming", "snapshot")
+                self._send(200 if ok else 503, "application/json", json.dumps({"state": state}).encode())
+            else:
+                self._send(404, "text/plain; charset=utf-8", b"not found\n")
+
+        def _send(self, code: int, ctype: str, body: bytes) -> None:
+            self.send_response(code)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(body)))
+            self.send_header("Cache-Control", "no-store")
+            self.send_header("X-Content-Type-Options", "nosniff")
+            self.send_header("Content-Security-Policy", _CSP)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass  # scrapes every few seconds would drown the log
+
+    return Handler
+
+
+# --- cdc status --------------------------------------------------------------------------------------
+
+
+def collect_status(settings: Settings, config_path: Path | None) -> dict[str, Any]:
+    """One look at everything, from outside the processes: works whether they run or not."""
+    import urllib.request  # noqa: PLC0415
+
+    from confluent_kafka import Consumer, TopicPartition  # noqa: PLC0415
+
+    from cdc._kafka import OffsetStore  # noqa: PLC0415
+
+    s = settings
+    out: dict[str, Any] = {"source": {"dsn": s.source.display_dsn()}, "capture": {}, "topics": [], "sinks": []}
+    try:
+        with psycopg.connect(s.source.conninfo(application_name="pgcdc-status"), connect_timeout=5) as conn:
+            out["source"].update(slot_status(conn, s.source.slot))
+            out["source"]["server_version"] = conn.info.server_version
+    except psycopg.Error as exc:
+        out["source"]["error"] = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    # The running service, if any, answers on its health endpoint.
+    cfg = s.metrics
+    if cfg.enabled and cfg.port:
+        host = "127.0.0.1" if cfg.host in ("0.0.0.0", "::", "") else cfg.host  # noqa: S104 - a wildcard bind
+        try:
+            with urllib.request.urlopen(f"http://{host}:{cfg.port}/healthz", timeout=2) as resp:
+                out["capture"]["service"] = json.loads(resp.read()).get("state")
+        except OSError as exc:
+            # A 503 (not streaming) still carries the state; a refused connection means nothing listens.
+            body = getattr(exc, "read", None)
+            out["capture"]["service"] = json.loads(body()).get("state") if body else "not running"
+    conf = {"bootstrap.servers": s.kafka.bootstrap_servers, **s.kafka.producer}
+    try:
+        state = OffsetStore(conf, s.offsets_topic, s.source.slot).load() or {}
+        out["capture"]["resume_lsn"] = format_lsn(int(state["lsn"])) if "lsn" in state else None
+        out["capture"]["snapshot"] = state.get("snapshot", {}).get("status")
+        consumer = Consumer(
+            {
+                "bootstrap.servers": s.kafka.bootstrap_servers,
+                "group.id": "pgcdc-status",
+                "enable.auto.commit": False,
+                "isolation.level": "read_committed",
+            }
+        )
+        try:
+            md = consumer.list_topics(timeout=10)
+            prefix = s.kafka.topic_prefix + "."
+            for topic in sorted(md.topics):
+                meta = md.topics[topic]
+                if not topic.startswith(prefix) or meta.error is not None or topic == s.offsets_topic:
+                    continue
+                count = 0
+                for p in meta.partitions:
+                    low, high = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10, cached=False)
+                    count += high - low
+                out["topics"].append({"topic": topic, "partitions": len(meta.partitions), "records": count})
+        finally:
+            consumer.close()
+    except Exception as exc:
+        out["capture"]["kafka_error"] = str(exc).splitlines()[0]
+    try:
+        probe = sinks_probe(config_path)
+        if probe is not None:
+            try:
+                out["sinks"] = probe()
+            finally:
+                probe.close()
+    except Exception as exc:
+        out["sinks_error"] = str(exc).splitlines()[0]
+    return out
+
+
+__all__ = ["Observer", "SinksProbe", "collect_status", "sinks_probe", "slot_status"]

@@ -1,0 +1,205 @@
+"""How far each sink is behind, measured from outside it: its checkpoint's offsets against the topics' ends.
+
+Measured like consumer-lag exporters do (from outside the consumer), so the lag keeps climbing while a sink
+is stopped, crashed or backing off — exactly when it matters. Reads only files and Kafka metadata: no Spark,
+so the capture service and ``cdc status`` can use it.
+
+Spark's checkpoint keeps, per micro-batch N, ``offsets/N`` (written before the batch runs: line 1 the
+version, line 2 batch metadata, then one JSON line per source with the *end* offsets of the batch) and
+``commits/N`` (written once the batch is done). The newest committed batch's end offsets are what the sink
+has applied.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sinks._config import SinkSettings
+
+STATUS_FILE = "status.json"
+REBUILD_FILE = "rebuild.json"
+
+
+def checkpoint_offsets(checkpoint: Path) -> dict[tuple[str, int], int] | None:
+    """The end offsets of the newest committed batch; None when no batch has completed yet."""
+    try:
+        done = [int(p.name) for p in (checkpoint / "commits").iterdir() if p.name.isdigit()]
+    except FileNotFoundError:
+        return None
+    for batch in sorted(done, reverse=True):
+        try:
+            lines = (checkpoint / "offsets" / str(batch)).read_text().splitlines()
+        except FileNotFoundError:  # purged between listing and reading: take the next newest
+            continue
+        offsets: dict[tuple[str, int], int] = {}
+        for line in lines[2:]:
+            if line.startswith("{"):
+                for topic, parts in json.loads(line).items():
+                    for partition, offset in parts.items():
+                        offsets[(topic, int(partition))] = int(offset)
+        return offsets
+    return None
+
+
+@dataclass
+class PartitionLag:
+    topic: str
+    partition: int
+    end: int
+    committed: int
+    lag: int
+
+
+@dataclass
+class SinkProgress:
+    """One sink as seen from outside: what the dashboard, ``cdc status`` and the metrics show."""
+
+    name: str
+    generation: int | None
+    state: str  # running | backoff | stopped | given_up | unknown (from the app's status file)
+    lag_records: int | None  # None: never completed a batch or the topics' ends are unknown
+    freshness_s: float | None
+    dead_letters: int = 0
+    batches: int = 0
+    records: int = 0
+    last_batch_s: float | None = None
+    last_source_ts_ms: int | None = None
+    last_error: str | None = None
+    updated_at: float | None = None
+    partitions: list[PartitionLag] = field(default_factory=list)
+    rebuild: dict[str, Any] | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):  # not written yet, or caught mid-replace on some FS
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _lag(checkpoint: Path, ends: Mapping[tuple[str, int], tuple[int, int]]) -> tuple[int | None, list[PartitionLag]]:
+    committed = checkpoint_offsets(checkpoint)
+    if committed is None:
+        return None, []
+    parts = []
+    for (topic, partition), (low, high) in sorted(ends.items()):
+        # A topic the query has not reached yet starts at the earliest offset (startingOffsets=earliest).
+        done = committed.get((topic, partition), low)
+        parts.append(PartitionLag(topic, partition, high, done, max(0, high - done)))
+    return sum(p.lag for p in parts), parts
+
+
+def sink_progress(
+    settings: SinkSettings,
+    ends: Mapping[tuple[str, int], tuple[int, int]],
+    *,
+    now: float | None = None,
+    pending_since: Mapping[str, float] | None = None,
+) -> list[SinkProgress]:
+    """Every sink with a state directory, against ``ends`` ((topic, partition) -> (low, high) watermarks).
+
+    Freshness is the age of the newest data the sink is missing: 0 when it has applied everything, else the
+    time since the newest event it applied — or, when the caller watched the lag appear (``pending_since``,
+    per sink), since then, whichever is more recent (a table idle for an hour must not read as an hour stale
+    the moment it changes again).
+    """
+    now = time.time() if now is None else now
+    base = settings.sinks.state_dir
+    pattern = re.compile(settings.topic_pattern())
+    ends = {tp: v for tp, v in ends.items() if pattern.fullmatch(tp[0])}
+    out = []
+    for status_path in sorted(base.glob(f"*/{STATUS_FILE}")) if base.is_dir() else []:
+        name = status_path.parent.name
+        status = _read_json(status_path)
+        generation = status.get("generation")
+        lag: int | None = None
+        parts: list[PartitionLag] = []
+        if isinstance(generation, int):
+            lag, parts = _lag(base / name / f"g{generation}" / "checkpoint", ends)
+        last_ts = status.get("last_source_ts_ms")
+        freshness: float | None = None
+        if lag == 0:
+            freshness = 0.0
+        elif lag is not None:
+            since = [t for t in ((last_ts / 1000 if last_ts else None), (pending_since or {}).get(name)) if t]
+            freshness = max(0.0, now - max(since)) if since else None
+        rebuild = _read_json(base / name / REBUILD_FILE) or None
+        if rebuild is not None and rebuild.get("state") == "running" and isinstance(rebuild.get("generation"), int):
+            rlag, rparts = _lag(base / name / f"g{rebuild['generation']}" / "checkpoint", ends)
+            total = sum(p.end - (ends[(p.topic, p.partition)][0]) for p in rparts) if rparts else None
+            rebuild = {
+                **rebuild,
+                "lag_records": rlag,
+                "total": total,
+                "done": None if total is None else total - (rlag or 0),
+            }
+        out.append(
+            SinkProgress(
+                name=name,
+                generation=generation if isinstance(generation, int) else None,
+                state=str(status.get("state", "unknown")),
+                lag_records=lag,
+                freshness_s=freshness,
+                dead_letters=int(status.get("dead_letters", 0)),
+                batches=int(status.get("batches", 0)),
+                records=int(status.get("records", 0)),
+                last_batch_s=status.get("last_batch_s"),
+                last_source_ts_ms=last_ts,
+                last_error=status.get("last_error"),
+                updated_at=status.get("updated_at"),
+                partitions=parts,
+                rebuild=rebuild,
+            )
+        )
+    return out
+
+
+class TopicEnds:
+    """The change topics' watermarks, read_committed (the high watermark is the last stable offset)."""
+
+    def __init__(self, settings: SinkSettings, *, timeout_s: float = 5.0) -> None:
+        from confluent_kafka import Consumer
+
+        self._pattern = re.compile(settings.topic_pattern())
+        self._timeout = timeout_s
+        self._consumer = Consumer(
+            {
+                # kafka.consumer holds the Java client's names (for Spark); security settings for this
+                # librdkafka probe come with the security work, until then it reads plaintext brokers.
+                "bootstrap.servers": settings.kafka.bootstrap_servers,
+                "group.id": "pgcdc-lag-probe",  # never joins or commits: only metadata and watermarks
+                "enable.auto.commit": False,
+                "isolation.level": "read_committed",
+                "socket.timeout.ms": int(timeout_s * 1000),
+            }
+        )
+
+    def read(self) -> dict[tuple[str, int], tuple[int, int]]:
+        from confluent_kafka import TopicPartition
+
+        md = self._consumer.list_topics(timeout=self._timeout)
+        ends: dict[tuple[str, int], tuple[int, int]] = {}
+        for topic, meta in md.topics.items():
+            if meta.error is None and self._pattern.fullmatch(topic):
+                for partition in meta.partitions:
+                    low, high = self._consumer.get_watermark_offsets(
+                        TopicPartition(topic, partition), timeout=self._timeout, cached=False
+                    )
+                    ends[(topic, partition)] = (low, high)
+        return ends
+
+    def close(self) -> None:
+        self._consumer.close()
+
+
+__all__ = ["PartitionLag", "SinkProgress", "TopicEnds", "checkpoint_offsets", "sink_progress"]
