@@ -132,7 +132,8 @@ class Capture:
         self.settings = settings
         self.stop = stop or threading.Event()
         self.metrics = metrics or CaptureMetrics()
-        self._last_commit_us: int | None = None  # source commit time of the newest transaction in the batch
+        # Source commit times of the oldest and the newest transaction in the open batch.
+        self._commits_us: tuple[int, int] | None = None
         self._codecs: dict[int, TableCodec] = {}
         self._binary = settings.capture.binary
         # The open Kafka transaction ("batch"): whole PostgreSQL transactions, committed with their offset.
@@ -327,8 +328,8 @@ class Capture:
         started = time.monotonic()
         self.producer.commit()
         self._in_batch = False
-        self.metrics.committed(self._batch_events, time.monotonic() - started, int(state["lsn"]), self._last_commit_us)
-        self._last_commit_us = None
+        self.metrics.committed(self._batch_events, time.monotonic() - started, int(state["lsn"]), self._commits_us)
+        self._commits_us = None
 
     # --- streaming ----------------------------------------------------------------------------
 
@@ -419,7 +420,7 @@ class Capture:
                 elif isinstance(msg, Commit):
                     if current is not None and not current[3]:
                         batch_lsn = max(batch_lsn, msg.end_lsn)
-                        self._last_commit_us = current[1]
+                        self._commits_us = (self._commits_us[0] if self._commits_us else current[1], current[1])
                         self._tx_end()
                     current = None
                     if self._in_batch and self._batch_events >= s.capture.max_batch_events:
@@ -487,7 +488,8 @@ class Capture:
                                     )
                                 self._stream_relations, self._stream_codecs = {}, {}
                                 batch_lsn = max(batch_lsn, msg.end_lsn)
-                                self._last_commit_us = msg.commit_time_us
+                                first = self._commits_us[0] if self._commits_us else msg.commit_time_us
+                                self._commits_us = (first, msg.commit_time_us)
                                 self._tx_end()
                         finally:
                             spill.close()
@@ -502,6 +504,7 @@ class Capture:
                 self.producer.abort()
                 self._in_batch = False
                 self.metrics.aborted()
+                self._commits_us = None
             self.metrics.set_state("stopped")
 
     def _side_event(self, name: str, schemas: tuple[dict[str, Any], dict[str, Any]], key: Any, value: Any) -> None:

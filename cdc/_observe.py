@@ -84,12 +84,13 @@ class SinksProbe:
         self._new_ends = TopicEnds
         self._ends: Any = None  # the Kafka probe, made once some sink has a state directory
 
-    def __call__(self, pending_since: dict[str, float] | None = None) -> list[dict[str, Any]]:
+    def __call__(self) -> list[dict[str, Any]]:
         if not any(self._settings.sinks.state_dir.glob("*/status.json")):
             return []
         if self._ends is None:
             self._ends = self._new_ends(self._settings)
-        return [p.as_dict() for p in self._progress(self._settings, self._ends.read(), pending_since=pending_since)]
+        ends = self._ends
+        return [p.as_dict() for p in self._progress(self._settings, ends.read(), timestamp_at=ends.timestamp_at)]
 
     def close(self) -> None:
         if self._ends is not None:
@@ -138,7 +139,6 @@ class Observer:
         self._errors = _Errors()
         self._conn: psycopg.Connection[Any] | None = None
         self._probe: SinksProbe | None = None
-        self._pending_since: dict[str, float] = {}
         self._sink_errors: dict[str, str | None] = {}
         self._prev_totals: tuple[float, dict[str, int]] | None = None
         self._server: ThreadingHTTPServer | None = None
@@ -259,7 +259,7 @@ class Observer:
         if self._probe is None:
             return []
         try:
-            sinks = self._probe(self._pending_since)
+            sinks = self._probe()
         except Exception as exc:
             log.debug("sink progress unavailable: %s", exc)
             return list(self._latest.get("sinks", []))
@@ -268,11 +268,6 @@ class Observer:
         m.sink_rebuild.clear()
         for sink in sinks:
             name = sink["name"]
-            lag = sink["lag_records"]
-            if lag:
-                self._pending_since.setdefault(name, now)
-            else:
-                self._pending_since.pop(name, None)
             for part in sink["partitions"]:
                 m.sink_lag.labels(name, part["topic"], str(part["partition"])).set(part["lag"])
             if sink["freshness_s"] is not None:
@@ -284,10 +279,11 @@ class Observer:
             if rebuild.get("state") in ("running", "verifying") and rebuild.get("total"):
                 m.sink_rebuild.labels(name, str(rebuild["generation"])).set(rebuild["done"] / rebuild["total"])
             error = sink.get("last_error")
-            if error and error != self._sink_errors.get(name) and sink.get("state") in ("backoff", "given_up"):
-                self._errors.items.append(
-                    {"ts": sink.get("updated_at") or now, "level": "error", "source": f"sink {name}", "message": error}
-                )
+            state = sink.get("state")
+            if state == "not running":
+                error = "`cdc sinks run` is not running (no heartbeat): it was stopped or killed"
+            if error and error != self._sink_errors.get(name) and state in ("backoff", "given_up", "not running"):
+                self._errors.items.append({"ts": now, "level": "error", "source": f"sink {name}", "message": error})
             self._sink_errors[name] = error
         return sinks
 

@@ -218,7 +218,8 @@ def _status(settings: Settings, config_path: Path | None, *, as_json: bool) -> i
     if "error" in src:
         table.add_row("source", "[red]unreachable[/]", "", f"{src['dsn']}: {src['error']}")
     else:
-        table.add_row("source", "reachable", "", f"{src['dsn']} (server {src.get('server_version')})")
+        version = src.get("server_version") or 0
+        table.add_row("source", "reachable", "", f"{src['dsn']} (PostgreSQL {version // 10000}.{version % 10000})")
     if not src.get("exists", True):
         table.add_row("slot", "[yellow]absent[/]", "", "created by the first `cdc run`")
     elif "error" not in src:
@@ -254,7 +255,7 @@ def _status(settings: Settings, config_path: Path | None, *, as_json: bool) -> i
                 else ""
             ),
         )
-    console = Console()
+    console = Console(width=None if sys.stdout.isatty() else 160)
     console.print(table)
     for problem in problems:
         console.print(f"[yellow]attention:[/] {problem}")
@@ -273,7 +274,9 @@ def _problems(status: dict[str, Any]) -> list[str]:
     if "kafka_error" in status["capture"]:
         out.append(f"Kafka: {status['capture']['kafka_error']}")
     for sink in status["sinks"]:
-        if sink["state"] in ("backoff", "given_up"):
+        if sink["state"] == "not running":
+            out.append(f"sink {sink['name']}: `cdc sinks run` is not running (no heartbeat); its lag grows")
+        elif sink["state"] in ("backoff", "given_up"):
             out.append(f"sink {sink['name']} is {sink['state']}: {sink.get('last_error')}")
     return out
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,6 +24,8 @@ from sinks._config import SinkSettings
 
 STATUS_FILE = "status.json"
 REBUILD_FILE = "rebuild.json"
+HEARTBEAT_S = 5.0  # how often `cdc sinks run` says it is alive in each sink's status file
+HEARTBEAT_STALE_S = 20.0
 
 
 def checkpoint_offsets(checkpoint: Path) -> dict[tuple[str, int], int] | None:
@@ -104,14 +106,13 @@ def sink_progress(
     ends: Mapping[tuple[str, int], tuple[int, int]],
     *,
     now: float | None = None,
-    pending_since: Mapping[str, float] | None = None,
+    timestamp_at: Callable[[str, int, int], float | None] | None = None,
 ) -> list[SinkProgress]:
     """Every sink with a state directory, against ``ends`` ((topic, partition) -> (low, high) watermarks).
 
-    Freshness is the age of the newest data the sink is missing: 0 when it has applied everything, else the
-    time since the newest event it applied — or, when the caller watched the lag appear (``pending_since``,
-    per sink), since then, whichever is more recent (a table idle for an hour must not read as an hour stale
-    the moment it changes again).
+    Freshness is the age of the oldest change the sink has not applied: 0 when it has applied everything,
+    else now minus the Kafka timestamp of the first unapplied record (``timestamp_at(topic, partition,
+    offset)``), falling back to the time since the newest event it applied when that is unknown.
     """
     now = time.time() if now is None else now
     base = settings.sinks.state_dir
@@ -131,9 +132,22 @@ def sink_progress(
         if lag == 0:
             freshness = 0.0
         elif lag is not None:
-            since = [t for t in ((last_ts / 1000 if last_ts else None), (pending_since or {}).get(name)) if t]
-            freshness = max(0.0, now - max(since)) if since else None
+            oldest = [
+                ts
+                for p in parts
+                if p.lag and timestamp_at is not None
+                for ts in [timestamp_at(p.topic, p.partition, p.committed)]
+                if ts is not None
+            ]
+            since = min(oldest) if oldest else (last_ts / 1000 if last_ts else None)
+            freshness = max(0.0, now - since) if since is not None else None
+        state = str(status.get("state", "unknown"))
+        beat = status.get("heartbeat_at")
+        if state in ("running", "backoff") and (not isinstance(beat, int | float) or now - beat > HEARTBEAT_STALE_S):
+            state = "not running"  # the app said running but has not been heard from: killed, or its host is gone
         rebuild = _read_json(base / name / REBUILD_FILE) or None
+        if rebuild and rebuild.get("state") in ("running", "verifying") and now - rebuild.get("updated_at", 0) > 600:
+            rebuild = {**rebuild, "state": "interrupted"}  # its process is gone; a new rebuild starts over
         if rebuild is not None and rebuild.get("state") == "running" and isinstance(rebuild.get("generation"), int):
             rlag, rparts = _lag(base / name / f"g{rebuild['generation']}" / "checkpoint", ends)
             total = sum(p.end - (ends[(p.topic, p.partition)][0]) for p in rparts) if rparts else None
@@ -147,7 +161,7 @@ def sink_progress(
             SinkProgress(
                 name=name,
                 generation=generation if isinstance(generation, int) else None,
-                state=str(status.get("state", "unknown")),
+                state=state,
                 lag_records=lag,
                 freshness_s=freshness,
                 dead_letters=int(status.get("dead_letters", 0)),
@@ -172,6 +186,7 @@ class TopicEnds:
 
         self._pattern = re.compile(settings.topic_pattern())
         self._timeout = timeout_s
+        self._stamps: dict[tuple[str, int, int], float | None] = {}
         self._consumer = Consumer(
             {
                 # kafka.consumer holds the Java client's names (for Spark); security settings for this
@@ -197,6 +212,24 @@ class TopicEnds:
                     )
                     ends[(topic, partition)] = (low, high)
         return ends
+
+    def timestamp_at(self, topic: str, partition: int, offset: int) -> float | None:
+        """The Kafka timestamp (seconds) of the first committed record at or after ``offset``; cached."""
+        from confluent_kafka import TopicPartition
+
+        key = (topic, partition, offset)
+        if key not in self._stamps:
+            if len(self._stamps) > 10_000:
+                self._stamps.clear()
+            self._consumer.assign([TopicPartition(topic, partition, offset)])
+            # Short: below the end there is a committed record unless only aborted ones and markers remain.
+            msg = self._consumer.poll(min(1.0, self._timeout))
+            self._consumer.unassign()
+            _kind, ms = msg.timestamp() if msg is not None and msg.error() is None else (0, -1)
+            if ms < 0:
+                return None  # not cached: nothing readable yet (an open transaction), ask again next time
+            self._stamps[key] = ms / 1000
+        return self._stamps[key]
 
     def close(self) -> None:
         self._consumer.close()

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from sinks._api import Batch, Rebuildable, Rejected, SinkContext, TableRef, key_id
 from sinks._metrics import SinkMetrics
 from sinks._plugins import load
-from sinks._progress import REBUILD_FILE, STATUS_FILE, TopicEnds, checkpoint_offsets
+from sinks._progress import HEARTBEAT_S, REBUILD_FILE, STATUS_FILE, TopicEnds, checkpoint_offsets
 from sinks._reader import Decoder, ensure_dead_letter_topic, open_stream, send_to_dead_letter
 from sinks._spark import build_session
 from sinks._values import Names, column_name, doc_converter
@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _GENERATION_CHANGED = "pgcdc: served generation changed"
+_STATUS_LOCK = threading.Lock()
 _HEALTHY_S = 300.0  # a query that ran this long before failing was healthy: its backoff starts over
 
 
@@ -72,17 +73,24 @@ class _Status:
     @classmethod
     def load(cls, path: Path) -> _Status:
         path.parent.mkdir(parents=True, exist_ok=True)
-        data: dict[str, Any] = {}
-        if path.exists():
-            with contextlib.suppress(ValueError):  # a torn file from a crash mid-write: start afresh
-                data = json.loads(path.read_text())
-        return cls(path, data)
+        return cls(path, cls._read(path))
+
+    @staticmethod
+    def _read(path: Path) -> dict[str, Any]:
+        with contextlib.suppress(FileNotFoundError, ValueError):  # absent, or torn by a crash mid-write
+            data = json.loads(path.read_text())
+            if isinstance(data, dict):
+                return data
+        return {}
 
     def update(self, **values: Any) -> None:
-        self.data.update(values, updated_at=time.time())
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.data, indent=2))
-        tmp.replace(self.path)
+        # Read, merge, replace: the app's loop (heartbeats, backoff) and the query's batches write the same
+        # file from different threads and objects; none may undo another's fields.
+        with _STATUS_LOCK:
+            self.data = {**self._read(self.path), **values, "updated_at": time.time()}
+            tmp = self.path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(self.data, indent=2))
+            tmp.replace(self.path)
 
 
 class SinkQuery:
@@ -274,8 +282,14 @@ def run(settings: SinkSettings, names: Sequence[str], stop: threading.Event) -> 
 
     for name in names:
         start(name)
+    last_beat = 0.0
     try:
         while not stop.is_set():
+            if time.monotonic() - last_beat >= HEARTBEAT_S:
+                # "Alive" for readers outside the app (cdc status, the capture's dashboard and metrics).
+                for name in names:
+                    _sink_status(settings, name).update(heartbeat_at=time.time())
+                last_beat = time.monotonic()
             for name in names:
                 q = queries.get(name)
                 if name in given_up:
@@ -460,6 +474,16 @@ def _catch_up(q: SinkQuery, settings: SinkSettings, timeout_s: float) -> None:
     )
     task = progress.add_task("records", total=None)
     deadline = time.monotonic() + timeout_s
+
+    def show() -> None:
+        with contextlib.suppress(Exception):  # progress is cosmetic: a metadata hiccup must not fail the rebuild
+            marks = ends.read()
+            done = checkpoint_offsets(q.checkpoint) or {}
+            total = sum(high - low for low, high in marks.values())
+            read = sum(min(high, done.get(tp, low)) - low for tp, (low, high) in marks.items())
+            progress.update(task, total=total, completed=read)
+            q.status.update(records_total=total, records_done=read)
+
     try:
         with progress:
             while not q.caught_up():
@@ -467,13 +491,8 @@ def _catch_up(q: SinkQuery, settings: SinkSettings, timeout_s: float) -> None:
                     raise SinkError(f"rebuild query of {q.name} failed: {_short(q.query.exception())}")
                 if time.monotonic() > deadline:
                     raise SinkError(f"rebuild of {q.name} did not catch up within {timeout_s:.0f}s")
-                with contextlib.suppress(Exception):  # progress is cosmetic: a metadata hiccup must not fail it
-                    marks = ends.read()
-                    done = checkpoint_offsets(q.checkpoint) or {}
-                    total = sum(high - low for low, high in marks.values())
-                    read = sum(min(high, done.get(tp, low)) - low for tp, (low, high) in marks.items())
-                    progress.update(task, total=total, completed=read)
-                    q.status.update(records_total=total, records_done=read)
+                show()
                 time.sleep(1.0)
+            show()
     finally:
         ends.close()

@@ -147,6 +147,14 @@ def test_pipeline_survives_kills_and_rebuilds_with_no_drift(
                 result = cdc("sinks", "rebuild", name, "--config", str(config), timeout=900)
                 assert result.returncode == 0, f"{name}:\n{result.stdout}\n{result.stderr}"
                 assert "generation 2 is now served" in result.stdout
+                # Its progress, as the dashboard and `cdc status` read it (the workload goes on meanwhile, so
+                # the topics may have grown a little after the rebuild caught up).
+                progress = json.loads((tmp_path / "state" / name / "rebuild.json").read_text())
+                assert progress["state"] == "done", progress
+                assert progress["generation"] == 2, progress
+                assert 0.5 * progress["records_total"] <= progress["records_done"] <= progress["records_total"], (
+                    progress
+                )
         finally:
             reading.set()
             read_thread.join(10)

@@ -1,0 +1,372 @@
+"""Operability: metrics move under a workload, sink lag climbs while the sinks are down, the dashboard shows it.
+
+Every figure is read the way an operator reads it: Prometheus text from /metrics, the dashboard's JSON and
+page (in a real headless Chromium), `cdc status --json`. The source is reached as a role with a distinctive
+password, and every output is searched for it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from html.parser import HTMLParser
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from psycopg import sql
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+from tests.integration._capture_helpers import CdcConfig, scratch_database, wait_for
+from tests.integration._sinks_helpers import SinksProcess, Stack
+
+pytestmark = pytest.mark.slow
+
+ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _get(url: str) -> bytes:
+    with urllib.request.urlopen(url, timeout=10) as resp:  # noqa: S310 - a local test URL
+        return bytes(resp.read())
+
+
+def _metrics(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """name + sorted labels -> value, as Prometheus would scrape them."""
+    out = {}
+    for family in text_string_to_metric_families(_get(f"http://127.0.0.1:{port}/metrics").decode()):
+        for sample in family.samples:
+            out[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return out
+
+
+def _value(metrics: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: str, **labels: str) -> float | None:
+    return metrics.get((name, tuple(sorted(labels.items()))))
+
+
+def _total(metrics: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: str, **labels: str) -> float:
+    """Sum of a metric over the label sets that match ``labels``."""
+    return sum(v for (n, ls), v in metrics.items() if n == name and set(labels.items()) <= set(ls))
+
+
+def _status(port: int) -> dict[str, Any]:
+    return dict(json.loads(_get(f"http://127.0.0.1:{port}/api/status")))
+
+
+@contextmanager
+def _role_with_secret(dsn: str, unique: str) -> Iterator[tuple[str, str]]:
+    """A capture role with a password that must never show up anywhere: (its DSN, the password)."""
+    role, password = f"obs_{unique}", f"Pw-{unique}-must-not-leak"
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(
+            sql.SQL("CREATE ROLE {} LOGIN REPLICATION PASSWORD {}").format(sql.Identifier(role), sql.Literal(password))
+        )
+        conn.execute(
+            sql.SQL("GRANT CREATE ON DATABASE {} TO {}").format(
+                sql.Identifier(str(conninfo_to_dict(dsn)["dbname"])), sql.Identifier(role)
+            )
+        )
+        conn.execute(sql.SQL("GRANT USAGE, CREATE ON SCHEMA public TO {}").format(sql.Identifier(role)))
+    params = conninfo_to_dict(dsn)
+    params.update(user=role, password=password)
+    try:
+        yield make_conninfo("", **params), password
+    finally:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(role)))
+        # The role outlives its objects until the scratch database is gone; dropped by _drop_role.
+
+
+def _drop_role(admin_dsn: str, unique: str) -> None:
+    with psycopg.connect(admin_dsn, autocommit=True) as conn:
+        conn.execute(sql.SQL("DROP ROLE IF EXISTS {}").format(sql.Identifier(f"obs_{unique}")))
+
+
+def _cdc(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "cdc.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def test_capture_metrics_move_under_a_workload_and_never_show_the_password(
+    *,
+    pg_dsn: str,
+    kafka_bootstrap: str,
+    registry_url: str,
+    unique: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    port = _free_port()
+    monkeypatch.setenv("CDC_METRICS__PORT", str(port))
+    monkeypatch.setenv("CDC_METRICS__SAMPLE_INTERVAL_S", "0.5")
+    try:
+        with scratch_database(pg_dsn, f"obs_{unique}") as admin, _role_with_secret(admin, unique) as (dsn, secret):
+            with psycopg.connect(dsn, autocommit=True) as conn:
+                conn.execute("CREATE TABLE orders (id serial PRIMARY KEY, note text)")
+                conn.execute("INSERT INTO orders (note) SELECT 'n' || g FROM generate_series(1, 2000) g")
+            cfg = CdcConfig(dsn, kafka_bootstrap, registry_url, f"o{unique}", ["public.orders"], f"s_{unique}", "p")
+            config = cfg.write(tmp_path / "cdc.toml")
+            capture = cfg.start(tmp_path)
+            try:
+                capture.wait_streaming(180)
+                before = _metrics(port)
+                # The snapshot's progress, complete.
+                assert _value(before, "pgcdc_snapshot_rows_done") == 2000
+                assert (
+                    _value(before, "pgcdc_snapshot_tables_done") == _value(before, "pgcdc_snapshot_tables_total") == 1
+                )
+                assert _value(before, "pgcdc_snapshot_running") == 0
+                assert _value(before, "pgcdc_events_total", table="public.orders", op="r") == 2000
+                assert _value(before, "pgcdc_capture_streaming") == 1
+
+                with psycopg.connect(dsn, autocommit=True) as conn:
+                    for i in range(30):
+                        with conn.transaction():
+                            conn.execute("INSERT INTO orders (note) SELECT 'w' FROM generate_series(1, 10)")
+                            conn.execute("UPDATE orders SET note = note || 'u' WHERE id %% 30 = %s", (i,))
+                    conn.execute("DELETE FROM orders WHERE id <= 50")
+
+                def counted() -> bool:
+                    m = _metrics(port)
+                    return _value(m, "pgcdc_events_total", table="public.orders", op="d") == 50
+
+                wait_for(counted, 60, "the workload's events in the metrics", capture)
+                after = _metrics(port)
+                # Exactly what was committed, per table and operation.
+                assert _value(after, "pgcdc_events_total", table="public.orders", op="c") == 300
+                assert (_value(after, "pgcdc_events_total", table="public.orders", op="u") or 0) > 0
+                for name in ("pgcdc_kafka_transaction_events_count", "pgcdc_kafka_commit_seconds_count"):
+                    assert (_value(after, name) or 0) > (_value(before, name) or 0), name
+                assert (_value(after, "pgcdc_committed_lsn_bytes") or 0) > (
+                    _value(before, "pgcdc_committed_lsn_bytes") or 0
+                )
+                assert (_value(after, "pgcdc_source_wal_lsn_bytes") or 0) >= (
+                    _value(after, "pgcdc_committed_lsn_bytes") or 0
+                )
+                assert (_value(after, "pgcdc_last_source_commit_timestamp_seconds") or 0) > time.time() - 120
+                assert _value(after, "pgcdc_slot_active", slot=f"s_{unique}") == 1
+                assert _value(after, "pgcdc_slot_lost", slot=f"s_{unique}") == 0
+
+                # Slot lag and time behind, moving: the capture is frozen while the source writes on.
+                assert capture.proc is not None
+                capture.proc.send_signal(signal.SIGSTOP)
+                try:
+                    with psycopg.connect(dsn, autocommit=True) as conn:
+                        for _ in range(20):
+                            conn.execute(
+                                "INSERT INTO orders (note) SELECT repeat('x', 500) FROM generate_series(1, 20)"
+                            )
+                            time.sleep(0.15)
+                    frozen = _cdc("status", "--config", str(config), "--json", env={"CDC_METRICS__PORT": str(port)})
+                finally:
+                    capture.proc.send_signal(signal.SIGCONT)
+                report = json.loads(frozen.stdout)
+                assert report["source"]["lag_bytes"] > 100_000, report["source"]
+                assert report["source"]["active"] is True
+                wait_for(
+                    lambda: _value(_metrics(port), "pgcdc_events_total", table="public.orders", op="c") == 700,
+                    60,
+                    "the frozen interval's events",
+                    capture,
+                )
+                history = _status(port)["history"]
+                assert max(v for v in history["behind_s"] if v is not None) >= 2.0, history["behind_s"][-30:]
+                assert max(v for v in history["slot_lag_bytes"] if v is not None) > 0
+                wait_for(
+                    lambda: (_value(_metrics(port), "pgcdc_slot_lag_bytes", slot=f"s_{unique}") or 1e9) < 100_000,
+                    60,
+                    "the slot lag to fall back",
+                    capture,
+                )
+                rates = history["table_rates"]["public.orders"]
+                assert max(r for r in rates if r is not None) > 0
+
+                # A transient fault (the replication connection cut by the server) is counted, shown and retried.
+                with psycopg.connect(admin, autocommit=True) as conn:
+                    conn.execute(
+                        "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots WHERE slot_name = %s",
+                        (f"s_{unique}",),
+                    )
+                wait_for(
+                    lambda: _total(_metrics(port), "pgcdc_errors_total", kind="transient") >= 1,
+                    60,
+                    "the transient error to be counted",
+                    capture,
+                )
+                capture.wait_streaming(60)
+                status = _status(port)
+                assert any(e["level"] in ("warning", "error") for e in status["errors"]), status["errors"]
+
+                # The health endpoint and the page.
+                wait_for(lambda: _status(port)["service"]["state"] == "streaming", 60, "streaming again", capture)
+                page = _get(f"http://127.0.0.1:{port}/").decode()
+                assert "<svg" in page or "data-chart" in page
+                assert "http://" not in page.replace("http://www.w3.org/2000/svg", "")  # nothing from the network
+
+                # The password is nowhere: not in metrics, status JSON, the page, the log, or `cdc status`.
+                plain = _cdc("status", "--config", str(config), env={"CDC_METRICS__PORT": str(port)})
+                outputs = {
+                    "/metrics": _get(f"http://127.0.0.1:{port}/metrics").decode(),
+                    "/api/status": json.dumps(_status(port)),
+                    "/": page,
+                    "cdc status": plain.stdout + plain.stderr,
+                    "cdc status --json": frozen.stdout + frozen.stderr,
+                    "log": capture.tail(100_000),
+                }
+                for where, text in outputs.items():
+                    assert secret not in text, f"the password leaked into {where}"
+                assert "password=***" in outputs["/api/status"]
+                assert f"metrics on http://127.0.0.1:{port}/metrics" in outputs["log"]
+            finally:
+                capture.stop()
+    finally:
+        _drop_role(pg_dsn, unique)
+
+
+class _Dom(HTMLParser):
+    """The attributes of the elements the dashboard's test contract names (see cdc/dashboard.html)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.charts: dict[str, dict[str, str]] = {}
+        self.sinks: dict[str, dict[str, str]] = {}
+        self.stats: dict[str, str] = {}
+        self.body: dict[str, str] = {}
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        a = {k: v or "" for k, v in attrs}
+        if tag == "svg" and "data-chart" in a:
+            self.charts[a["data-chart"]] = a
+        elif "data-sink" in a:
+            self.sinks[a["data-sink"]] = a
+        elif "data-stat" in a:
+            self.stats[a["data-stat"]] = a.get("data-value", "")
+        elif tag == "body":
+            self.body = a
+
+
+def _render(url: str, shot: Path) -> _Dom:
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    if chromium is None:
+        pytest.skip("chromium is not installed: ./dev bootstrap installs it (apt-get install chromium)")
+    flags = ["--headless=new", "--no-sandbox", "--disable-gpu", "--window-size=1400,1000", "--virtual-time-budget=4000"]
+    dom = subprocess.run(
+        [chromium, *flags, "--dump-dom", url], capture_output=True, text=True, timeout=120, check=True
+    ).stdout
+    subprocess.run([chromium, *flags, f"--screenshot={shot}", url], capture_output=True, timeout=120, check=True)
+    parsed = _Dom()
+    parsed.feed(dom)
+    return parsed
+
+
+def test_sink_lag_climbs_while_the_sinks_are_down_and_the_dashboard_shows_it(
+    *, pg_dsn: str, stack: Stack, unique: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    port, sinks_port = _free_port(), _free_port()
+    monkeypatch.setenv("CDC_METRICS__PORT", str(port))
+    monkeypatch.setenv("CDC_SINKS__METRICS_PORT", str(sinks_port))
+    with scratch_database(pg_dsn, f"lag_{unique}") as dsn:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute("CREATE TABLE items (id int PRIMARY KEY, name text, qty int)")
+            conn.execute("INSERT INTO items SELECT g, 'item ' || g, g FROM generate_series(1, 500) g")
+        cfg = stack.config(dsn, ["public.items"], prefix=f"l{unique}", unique=unique, workdir=tmp_path)
+        config = cfg.write(tmp_path / "cdc.toml")
+        capture = cfg.start(tmp_path)
+        sinks = SinksProcess(config, tmp_path / "sinks.log", ["cache"])
+        sinks.start()
+        next_id = [1000]
+
+        def write(n: int = 5) -> None:
+            with psycopg.connect(dsn, autocommit=True) as conn:
+                for _ in range(n):
+                    conn.execute("INSERT INTO items VALUES (%s, 'new', 1)", (next_id[0],))
+                    conn.execute("UPDATE items SET qty = qty + 1 WHERE id = %s", (next_id[0] % 500 + 1,))
+                    next_id[0] += 1
+
+        def cache_sink() -> dict[str, Any]:
+            found = [s for s in _status(port)["sinks"] if s["name"] == "cache"]
+            return found[0] if found else {}
+
+        try:
+            capture.wait_streaming(180)
+            write()
+            wait_for(lambda: cache_sink().get("lag_records") == 0, 300, "the cache sink to catch up", sinks)
+            inside = _metrics(sinks_port)
+            assert _value(inside, "pgcdc_sink_running", sink="cache") == 1
+            assert (_value(inside, "pgcdc_sink_batch_seconds_count", sink="cache") or 0) >= 1
+            assert (_value(inside, "pgcdc_sink_records_total", sink="cache") or 0) >= 500
+            assert (_value(inside, "pgcdc_sink_batch_latency_seconds", sink="cache") or -1) >= 0
+            assert _value(_metrics(port), "pgcdc_sink_freshness_seconds", sink="cache") == 0
+
+            # The sinks app dies; the source keeps writing. Lag and freshness climb, measured from outside.
+            sinks.kill()
+            lags, ages = [], []
+            for _ in range(12):
+                write(3)
+                time.sleep(2.0)
+                m = _metrics(port)
+                lags.append(_total(m, "pgcdc_sink_lag_records", sink="cache"))
+                ages.append(_value(m, "pgcdc_sink_freshness_seconds", sink="cache") or 0.0)
+            assert lags == sorted(lags), lags
+            assert lags[-1] > lags[0] > 0, lags
+            assert ages[-1] > ages[0], ages
+            assert ages[-1] >= 15, ages
+            wait_for(lambda: cache_sink().get("state") == "not running", 30, "the missing heartbeat to show")
+
+            # `cdc status` says the same, and exits 3: something needs attention.
+            report = _cdc("status", "--config", str(config), "--json")
+            assert report.returncode == 3, report.stdout + report.stderr
+            parsed = json.loads(report.stdout)
+            (sink,) = [s for s in parsed["sinks"] if s["name"] == "cache"]
+            assert sink["lag_records"] >= lags[-1]
+            assert sink["state"] == "not running"
+            assert any("cache" in p for p in parsed["problems"]), parsed["problems"]
+
+            # The dashboard, in a real browser: live charts with non-zero data.
+            ARTIFACTS.mkdir(exist_ok=True)
+            shot = ARTIFACTS / "dashboard-sink-down.png"
+            dom = _render(f"http://127.0.0.1:{port}/", shot)
+            assert int(dom.body.get("data-renders", "0")) >= 1, dom.body
+            for chart in ("slot_lag", "behind", "table_rates", "sink_lag", "sink_freshness"):
+                assert int(dom.charts[chart]["data-points"] or 0) >= 10, (chart, dom.charts[chart])
+            assert float(dom.charts["sink_lag"]["data-max"]) >= lags[-1] > 0
+            assert float(dom.charts["sink_freshness"]["data-max"]) >= 15
+            assert float(dom.charts["table_rates"]["data-max"]) > 0
+            assert float(dom.sinks["cache"]["data-lag"]) > 0
+            assert dom.stats["slot_active"] == "true"
+            assert shot.stat().st_size > 20_000
+
+            # Back up: it catches up, and the lag falls to zero.
+            sinks.start()
+            wait_for(lambda: cache_sink().get("lag_records") == 0, 300, "the restarted sink to catch up", sinks)
+            assert cache_sink()["state"] == "running"
+            shot_ok = ARTIFACTS / "dashboard-recovered.png"
+            dom = _render(f"http://127.0.0.1:{port}/", shot_ok)
+            assert float(dom.sinks["cache"]["data-lag"]) == 0
+            assert sinks.terminate(120) == 0, sinks.tail()
+        finally:
+            if sinks.alive():
+                sinks.kill()
+            capture.stop()
