@@ -1,0 +1,115 @@
+"""Pure logic of operability: sink lag from Spark checkpoints, freshness, heartbeats, the capture's counters."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from cdc._metrics import CaptureMetrics
+from sinks._config import SinksConfig, SinkSettings
+from sinks._progress import checkpoint_offsets, sink_progress
+
+
+def _batch(checkpoint: Path, batch: int, offsets: dict[str, dict[str, int]], *, committed: bool) -> None:
+    (checkpoint / "offsets").mkdir(parents=True, exist_ok=True)
+    (checkpoint / "commits").mkdir(parents=True, exist_ok=True)
+    # Spark's layout: version, batch metadata, then one line per source with the batch's end offsets.
+    (checkpoint / "offsets" / str(batch)).write_text(f'v1\n{{"batchWatermarkMs":0}}\n{json.dumps(offsets)}\n')
+    if committed:
+        (checkpoint / "commits" / str(batch)).write_text('v1\n{"nextBatchWatermarkMs":0}\n')
+
+
+def test_the_newest_committed_batch_is_what_was_applied(tmp_path: Path) -> None:
+    assert checkpoint_offsets(tmp_path) is None
+    _batch(tmp_path, 0, {"p.public.a": {"0": 5}}, committed=True)
+    _batch(tmp_path, 1, {"p.public.a": {"0": 9}, "p.public.b": {"0": 3, "1": 4}}, committed=True)
+    _batch(tmp_path, 2, {"p.public.a": {"0": 20}}, committed=False)  # planned, not done: not applied
+    assert checkpoint_offsets(tmp_path) == {("p.public.a", 0): 9, ("p.public.b", 0): 3, ("p.public.b", 1): 4}
+
+
+def _settings(state: Path) -> SinkSettings:
+    return SinkSettings(sinks=SinksConfig(state_dir=state))
+
+
+def _status(base: Path, name: str, **values: object) -> None:
+    (base / name).mkdir(parents=True, exist_ok=True)
+    (base / name / "status.json").write_text(json.dumps(values))
+
+
+def test_lag_per_partition_freshness_and_heartbeat(tmp_path: Path) -> None:
+    now = time.time()
+    _status(tmp_path, "cache", generation=1, state="running", heartbeat_at=now - 1, last_source_ts_ms=1000)
+    _batch(tmp_path / "cache" / "g1" / "checkpoint", 0, {"pgcdc.public.a": {"0": 90}}, committed=True)
+    ends = {
+        ("pgcdc.public.a", 0): (0, 100),
+        ("pgcdc.public.new", 0): (4, 10),  # not in the checkpoint yet: read from the earliest offset
+        ("other.public.a", 0): (0, 50),  # not a change topic of this prefix
+    }
+    asked = []
+
+    def stamp(topic: str, partition: int, offset: int) -> float | None:
+        asked.append((topic, partition, offset))
+        return now - 30 if topic == "pgcdc.public.a" else now - 5
+
+    (cache,) = sink_progress(_settings(tmp_path), ends, now=now, timestamp_at=stamp)
+    assert cache.lag_records == 10 + 6
+    assert [(p.topic, p.committed, p.lag) for p in cache.partitions] == [
+        ("pgcdc.public.a", 90, 10),
+        ("pgcdc.public.new", 4, 6),
+    ]
+    # Freshness: the age of the oldest record not applied (the first unapplied offset of each partition).
+    assert sorted(asked) == [("pgcdc.public.a", 0, 90), ("pgcdc.public.new", 0, 4)]
+    assert abs(cache.freshness_s - 30) < 1e-6  # type: ignore[operator]
+    assert cache.state == "running"
+
+    # Caught up: fresh, whatever the age of the last event.
+    (cache,) = sink_progress(_settings(tmp_path), {("pgcdc.public.a", 0): (0, 90)}, now=now, timestamp_at=stamp)
+    assert cache.lag_records == 0
+    assert cache.freshness_s == 0.0
+
+    # The app stopped writing heartbeats: it is not running, whatever its last word was.
+    _status(tmp_path, "cache", generation=1, state="running", heartbeat_at=now - 60)
+    (cache,) = sink_progress(_settings(tmp_path), ends, now=now)
+    assert cache.state == "not running"
+    assert cache.freshness_s is None  # no timestamps and no applied event: unknown, not zero
+
+
+def test_a_sink_that_never_completed_a_batch_has_unknown_lag(tmp_path: Path) -> None:
+    _status(tmp_path, "search", generation=1, state="running", heartbeat_at=time.time())
+    (search,) = sink_progress(_settings(tmp_path), {("pgcdc.public.a", 0): (0, 100)})
+    assert search.lag_records is None
+    assert search.freshness_s is None
+
+
+def test_events_count_only_once_their_kafka_transaction_commits() -> None:
+    m = CaptureMetrics()
+    m.tables["p.public.a"] = "public.a"
+    m.count("p.public.a", "c", 3)
+    m.aborted()  # the transaction was aborted: its events were never delivered
+    assert m.event_totals() == {}
+    m.count("p.public.a", "c", 2)
+    m.count("p.public.a", "d")
+    now_us = int(time.time() * 1e6)
+    m.committed(3, 0.01, 1234, (now_us - 5_000_000, now_us - 1_000_000))
+    assert m.event_totals() == {("public.a", "c"): 2, ("public.a", "d"): 1}
+    # Time behind is the oldest transaction's delay, and stays visible for the window after it.
+    assert m.behind_s is not None
+    assert 4.5 < m.behind_s < 6
+    m.set_behind(0.0)
+    assert m.behind_s > 4.5
+
+
+def test_snapshot_progress_and_eta() -> None:
+    m = CaptureMetrics()
+    m.snapshot_started({"public.a": 100, "public.b": None})
+    m.snapshot_rows("public.a", 50, table_done=False, done_tables=0)
+    assert m.snapshot is not None
+    assert m.snapshot["rows_done"] == 50
+    assert m.snapshot["rows_total"] == 100
+    assert m.snapshot["eta_s"] is not None
+    m.snapshot_rows("public.b", 30, table_done=True, done_tables=1)  # b had no estimate: it is what was read
+    m.snapshot_rows("public.a", 80, table_done=True, done_tables=2)  # a was bigger than estimated
+    assert m.snapshot["rows_total"] == m.snapshot["rows_done"] == 160
+    m.snapshot_finished()
+    assert m.snapshot["running"] is False
