@@ -17,7 +17,7 @@ import sys
 import time
 import urllib.request
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from html.parser import HTMLParser
 from pathlib import Path
 from typing import Any
@@ -33,7 +33,8 @@ from tests.integration._sinks_helpers import SinksProcess, Stack
 
 pytestmark = pytest.mark.slow
 
-ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
+ROOT = Path(__file__).resolve().parents[2]
+ARTIFACTS = ROOT / "test-artifacts"
 
 
 def _free_port() -> int:
@@ -281,6 +282,65 @@ def _render(url: str, shot: Path) -> _Dom:
     return parsed
 
 
+@contextmanager
+def _prometheus(tmp_path: Path, capture_port: int) -> Iterator[str]:
+    """A real Prometheus scraping the capture every second with deploy/prometheus/alerts.yml, made quick.
+
+    The rules are the shipped ones with two test-only changes: no ``for:`` delay, and the sink thresholds
+    scaled down to what a one-minute test produces (10 records instead of 10000, 5 s instead of 300 s).
+    """
+    yaml = pytest.importorskip("yaml", reason="PyYAML is not installed (./dev bootstrap installs it)")
+    binary = shutil.which("prometheus")
+    if binary is None:
+        pytest.skip("prometheus is not installed: ./dev bootstrap installs it (apt-get install prometheus)")
+    rules = yaml.safe_load((ROOT / "deploy" / "prometheus" / "alerts.yml").read_text())
+    scaled = {"PgcdcSinkLagHigh": ("> 10000", "> 10"), "PgcdcSinkStale": ("> 300", "> 5")}
+    for group in rules["groups"]:
+        for rule in group["rules"]:
+            rule["for"] = "0s"
+            if rule["alert"] in scaled:
+                old, new = scaled[rule["alert"]]
+                assert old in rule["expr"], rule["expr"]  # the shipped threshold is still the documented one
+                rule["expr"] = rule["expr"].replace(old, new)
+    (tmp_path / "alerts.yml").write_text(yaml.safe_dump(rules))
+    port = _free_port()
+    (tmp_path / "prometheus.yml").write_text(
+        yaml.safe_dump(
+            {
+                "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+                "rule_files": [str(tmp_path / "alerts.yml")],
+                "scrape_configs": [
+                    {"job_name": "pgcdc-capture", "static_configs": [{"targets": [f"127.0.0.1:{capture_port}"]}]}
+                ],
+            }
+        )
+    )
+    with open(tmp_path / "prometheus.log", "wb") as log:
+        proc = subprocess.Popen(
+            [
+                binary,
+                f"--config.file={tmp_path / 'prometheus.yml'}",
+                f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+                f"--web.listen-address=127.0.0.1:{port}",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def _firing(prometheus: str) -> set[tuple[str, str]]:
+    try:
+        alerts = json.loads(_get(f"{prometheus}/api/v1/alerts"))["data"]["alerts"]
+    except OSError:
+        return set()  # not up yet
+    return {(a["labels"]["alertname"], a["labels"].get("sink", "")) for a in alerts if a["state"] == "firing"}
+
+
 def test_sink_lag_climbs_while_the_sinks_are_down_and_the_dashboard_shows_it(
     *, pg_dsn: str, stack: Stack, unique: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -297,6 +357,7 @@ def test_sink_lag_climbs_while_the_sinks_are_down_and_the_dashboard_shows_it(
         sinks = SinksProcess(config, tmp_path / "sinks.log", ["cache"])
         sinks.start()
         next_id = [1000]
+        cleanup = ExitStack()
 
         def write(n: int = 5) -> None:
             with psycopg.connect(dsn, autocommit=True) as conn:
@@ -313,6 +374,18 @@ def test_sink_lag_climbs_while_the_sinks_are_down_and_the_dashboard_shows_it(
             capture.wait_streaming(180)
             write()
             wait_for(lambda: cache_sink().get("lag_records") == 0, 300, "the cache sink to catch up", sinks)
+            prometheus_url = cleanup.enter_context(_prometheus(tmp_path, port))
+
+            def scraped() -> bool:  # Prometheus has the sink's lag series and has evaluated the rules on it
+                try:
+                    query = f"{prometheus_url}/api/v1/query?query=pgcdc_sink_lag_records"
+                    return bool(json.loads(_get(query))["data"]["result"])
+                except OSError:
+                    return False
+
+            wait_for(scraped, 60, "Prometheus to scrape the capture")
+            time.sleep(2)
+            assert not {a for a in _firing(prometheus_url) if a[0].startswith("PgcdcSink")}, _firing(prometheus_url)
             inside = _metrics(sinks_port)
             assert _value(inside, "pgcdc_sink_running", sink="cache") == 1
             assert (_value(inside, "pgcdc_sink_batch_seconds_count", sink="cache") or 0) >= 1
@@ -344,6 +417,13 @@ def test_sink_lag_climbs_while_the_sinks_are_down_and_the_dashboard_shows_it(
             assert sink["state"] == "not running"
             assert any("cache" in p for p in parsed["problems"]), parsed["problems"]
 
+            # Prometheus, scraping the capture, fires the sink alerts from the shipped rules.
+            wait_for(
+                lambda: {("PgcdcSinkLagHigh", "cache"), ("PgcdcSinkStale", "cache")} <= _firing(prometheus_url),
+                60,
+                "Prometheus to fire PgcdcSinkLagHigh and PgcdcSinkStale for the cache sink",
+            )
+
             # The dashboard, in a real browser: live charts with non-zero data.
             ARTIFACTS.mkdir(exist_ok=True)
             shot = ARTIFACTS / "dashboard-sink-down.png"
@@ -367,6 +447,7 @@ def test_sink_lag_climbs_while_the_sinks_are_down_and_the_dashboard_shows_it(
             assert float(dom.sinks["cache"]["data-lag"]) == 0
             assert sinks.terminate(120) == 0, sinks.tail()
         finally:
+            cleanup.close()
             if sinks.alive():
                 sinks.kill()
             capture.stop()
