@@ -165,6 +165,9 @@ def _store_counts(sinks: DemoSinks, workdir: Path, run_id: str) -> dict[str, str
     return out
 
 
+_DEMO_METRICS_PORT = 9464  # the documented default, so the README's address is right
+
+
 def run_demo(
     admin_dsn: str,
     kafka: str,
@@ -196,11 +199,18 @@ offsets_topic = "{prefix}.offsets.{int(time.time())}"
 
 [registry]
 url = "{registry}"
+
+[metrics]
+port = {_DEMO_METRICS_PORT}
 """.replace("'", '"')
         + (_sinks_section(sinks, workdir, run_id) if sinks else "")
     )
     log = workdir / "cdc.log"
     console.print(f"[bold]pgcdc demo[/]: database {DEMO_DB!r}, topics {prefix}.public.*, capture log {log}")
+    console.print(
+        f"live dashboard: [bold]http://127.0.0.1:{_DEMO_METRICS_PORT}/[/] (metrics at /metrics); "
+        f"or run `cdc status --config {config}` in another terminal"
+    )
     with open(log, "wb") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "cdc.cli", "run", "--config", str(config)], stdout=out, stderr=subprocess.STDOUT

@@ -15,6 +15,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Callable
@@ -206,6 +207,18 @@ def find(name: str) -> Found:
         f"{name} not available: set {ENV_VARS[name]}, run a Docker engine, or run "
         f"`python deploy/services.py up {name}`. Tried: " + "; ".join(failures)
     )
+
+
+def tool_or_skip(*names: str, install: str) -> str:
+    """The path of a command-line tool (chromium, promtool…), or skip (fail when services are required)."""
+    for name in names:
+        path = shutil.which(name)
+        if path is not None:
+            return path
+    reason = f"{names[0]} is not installed: {install} (./dev bootstrap installs it)"
+    if require_services():
+        pytest.fail(f"required tool missing (CDC_TEST_REQUIRE_SERVICES is set): {reason}")
+    pytest.skip(reason)
 
 
 def find_or_skip(name: str) -> str:

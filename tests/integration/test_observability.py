@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -24,10 +23,12 @@ from typing import Any
 
 import psycopg
 import pytest
+import yaml
 from prometheus_client.parser import text_string_to_metric_families
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
+from tests._services import tool_or_skip
 from tests.integration._capture_helpers import CdcConfig, scratch_database, wait_for
 from tests.integration._sinks_helpers import SinksProcess, Stack
 
@@ -269,9 +270,7 @@ class _Dom(HTMLParser):
 
 
 def _render(url: str, shot: Path) -> _Dom:
-    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
-    if chromium is None:
-        pytest.skip("chromium is not installed: ./dev bootstrap installs it (apt-get install chromium)")
+    chromium = tool_or_skip("chromium", "chromium-browser", install="apt-get install chromium")
     flags = ["--headless=new", "--no-sandbox", "--disable-gpu", "--window-size=1400,1000", "--virtual-time-budget=4000"]
     dom = subprocess.run(
         [chromium, *flags, "--dump-dom", url], capture_output=True, text=True, timeout=120, check=True
@@ -289,10 +288,7 @@ def _prometheus(tmp_path: Path, capture_port: int) -> Iterator[str]:
     The rules are the shipped ones with two test-only changes: no ``for:`` delay, and the sink thresholds
     scaled down to what a one-minute test produces (10 records instead of 10000, 5 s instead of 300 s).
     """
-    yaml = pytest.importorskip("yaml", reason="PyYAML is not installed (./dev bootstrap installs it)")
-    binary = shutil.which("prometheus")
-    if binary is None:
-        pytest.skip("prometheus is not installed: ./dev bootstrap installs it (apt-get install prometheus)")
+    binary = tool_or_skip("prometheus", install="apt-get install prometheus")
     rules = yaml.safe_load((ROOT / "deploy" / "prometheus" / "alerts.yml").read_text())
     scaled = {"PgcdcSinkLagHigh": ("> 10000", "> 10"), "PgcdcSinkStale": ("> 300", "> 5")}
     for group in rules["groups"]:
@@ -402,11 +398,14 @@ def test_sink_lag_climbs_while_the_sinks_are_down_and_the_dashboard_shows_it(
                 m = _metrics(port)
                 lags.append(_total(m, "pgcdc_sink_lag_records", sink="cache"))
                 ages.append(_value(m, "pgcdc_sink_freshness_seconds", sink="cache") or 0.0)
+            print(f"sinks down: lag {lags}, freshness {[round(a, 1) for a in ages]}")  # shown with pytest -s
             assert lags == sorted(lags), lags
             assert lags[-1] > lags[0] > 0, lags
             assert ages[-1] > ages[0], ages
             assert ages[-1] >= 15, ages
             wait_for(lambda: cache_sink().get("state") == "not running", 30, "the missing heartbeat to show")
+            errors = _status(port)["errors"]
+            assert any(e["source"] == "sink cache" and "not running" in e["message"] for e in errors), errors
 
             # `cdc status` says the same, and exits 3: something needs attention.
             report = _cdc("status", "--config", str(config), "--json")

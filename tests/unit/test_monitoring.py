@@ -7,15 +7,16 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from cdc._metrics import CaptureMetrics
 from sinks._metrics import SinkMetrics
+from tests._services import tool_or_skip
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMETHEUS = ROOT / "deploy" / "prometheus"
@@ -77,10 +78,7 @@ def _series_names() -> set[str]:
 
 @pytest.fixture(scope="module")
 def promtool() -> str:
-    path = shutil.which("promtool")
-    if path is None:
-        pytest.skip("promtool not installed: apt-get install prometheus (./dev bootstrap installs it)")
-    return path
+    return tool_or_skip("promtool", install="apt-get install prometheus")
 
 
 def _run(*args: str) -> subprocess.CompletedProcess[str]:
@@ -264,7 +262,6 @@ def test_compose_publishes_ports_on_localhost_only() -> None:
 
 
 def test_compose_file_parses_and_mounts_what_exists() -> None:
-    yaml = pytest.importorskip("yaml", reason="PyYAML is not installed (the port check above runs without it)")
     compose = yaml.safe_load(COMPOSE.read_text(encoding="utf-8"))
     services: dict[str, Any] = compose["services"]
     assert {"prometheus", "grafana"} <= set(services)
