@@ -10,11 +10,9 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from html.parser import HTMLParser
@@ -24,51 +22,18 @@ from typing import Any
 import psycopg
 import pytest
 import yaml
-from prometheus_client.parser import text_string_to_metric_families
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from tests._services import tool_or_skip
 from tests.integration._capture_helpers import CdcConfig, scratch_database, wait_for
+from tests.integration._observe_helpers import api_status, free_port, http_get, metric, metric_sum, scrape
 from tests.integration._sinks_helpers import SinksProcess, Stack
 
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 ARTIFACTS = ROOT / "test-artifacts"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _get(url: str) -> bytes:
-    with urllib.request.urlopen(url, timeout=10) as resp:  # noqa: S310 - a local test URL
-        return bytes(resp.read())
-
-
-def _metrics(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """name + sorted labels -> value, as Prometheus would scrape them."""
-    out = {}
-    for family in text_string_to_metric_families(_get(f"http://127.0.0.1:{port}/metrics").decode()):
-        for sample in family.samples:
-            out[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
-    return out
-
-
-def _value(metrics: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: str, **labels: str) -> float | None:
-    return metrics.get((name, tuple(sorted(labels.items()))))
-
-
-def _total(metrics: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: str, **labels: str) -> float:
-    """Sum of a metric over the label sets that match ``labels``."""
-    return sum(v for (n, ls), v in metrics.items() if n == name and set(labels.items()) <= set(ls))
-
-
-def _status(port: int) -> dict[str, Any]:
-    return dict(json.loads(_get(f"http://127.0.0.1:{port}/api/status")))
 
 
 @contextmanager
@@ -120,7 +85,7 @@ def test_capture_metrics_move_under_a_workload_and_never_show_the_password(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    port = _free_port()
+    port = free_port()
     monkeypatch.setenv("CDC_METRICS__PORT", str(port))
     monkeypatch.setenv("CDC_METRICS__SAMPLE_INTERVAL_S", "0.5")
     try:
@@ -133,15 +98,15 @@ def test_capture_metrics_move_under_a_workload_and_never_show_the_password(
             capture = cfg.start(tmp_path)
             try:
                 capture.wait_streaming(180)
-                before = _metrics(port)
+                before = scrape(port)
                 # The snapshot's progress, complete.
-                assert _value(before, "pgcdc_snapshot_rows_done") == 2000
+                assert metric(before, "pgcdc_snapshot_rows_done") == 2000
                 assert (
-                    _value(before, "pgcdc_snapshot_tables_done") == _value(before, "pgcdc_snapshot_tables_total") == 1
+                    metric(before, "pgcdc_snapshot_tables_done") == metric(before, "pgcdc_snapshot_tables_total") == 1
                 )
-                assert _value(before, "pgcdc_snapshot_running") == 0
-                assert _value(before, "pgcdc_events_total", table="public.orders", op="r") == 2000
-                assert _value(before, "pgcdc_capture_streaming") == 1
+                assert metric(before, "pgcdc_snapshot_running") == 0
+                assert metric(before, "pgcdc_events_total", table="public.orders", op="r") == 2000
+                assert metric(before, "pgcdc_capture_streaming") == 1
 
                 with psycopg.connect(dsn, autocommit=True) as conn:
                     for i in range(30):
@@ -151,25 +116,25 @@ def test_capture_metrics_move_under_a_workload_and_never_show_the_password(
                     conn.execute("DELETE FROM orders WHERE id <= 50")
 
                 def counted() -> bool:
-                    m = _metrics(port)
-                    return _value(m, "pgcdc_events_total", table="public.orders", op="d") == 50
+                    m = scrape(port)
+                    return metric(m, "pgcdc_events_total", table="public.orders", op="d") == 50
 
                 wait_for(counted, 60, "the workload's events in the metrics", capture)
-                after = _metrics(port)
+                after = scrape(port)
                 # Exactly what was committed, per table and operation.
-                assert _value(after, "pgcdc_events_total", table="public.orders", op="c") == 300
-                assert (_value(after, "pgcdc_events_total", table="public.orders", op="u") or 0) > 0
+                assert metric(after, "pgcdc_events_total", table="public.orders", op="c") == 300
+                assert (metric(after, "pgcdc_events_total", table="public.orders", op="u") or 0) > 0
                 for name in ("pgcdc_kafka_transaction_events_count", "pgcdc_kafka_commit_seconds_count"):
-                    assert (_value(after, name) or 0) > (_value(before, name) or 0), name
-                assert (_value(after, "pgcdc_committed_lsn_bytes") or 0) > (
-                    _value(before, "pgcdc_committed_lsn_bytes") or 0
+                    assert (metric(after, name) or 0) > (metric(before, name) or 0), name
+                assert (metric(after, "pgcdc_committed_lsn_bytes") or 0) > (
+                    metric(before, "pgcdc_committed_lsn_bytes") or 0
                 )
-                assert (_value(after, "pgcdc_source_wal_lsn_bytes") or 0) >= (
-                    _value(after, "pgcdc_committed_lsn_bytes") or 0
+                assert (metric(after, "pgcdc_source_wal_lsn_bytes") or 0) >= (
+                    metric(after, "pgcdc_committed_lsn_bytes") or 0
                 )
-                assert (_value(after, "pgcdc_last_source_commit_timestamp_seconds") or 0) > time.time() - 120
-                assert _value(after, "pgcdc_slot_active", slot=f"s_{unique}") == 1
-                assert _value(after, "pgcdc_slot_lost", slot=f"s_{unique}") == 0
+                assert (metric(after, "pgcdc_last_source_commit_timestamp_seconds") or 0) > time.time() - 120
+                assert metric(after, "pgcdc_slot_active", slot=f"s_{unique}") == 1
+                assert metric(after, "pgcdc_slot_lost", slot=f"s_{unique}") == 0
 
                 # Slot lag and time behind, moving: the capture is frozen while the source writes on.
                 assert capture.proc is not None
@@ -186,24 +151,44 @@ def test_capture_metrics_move_under_a_workload_and_never_show_the_password(
                     capture.proc.send_signal(signal.SIGCONT)
                 report = json.loads(frozen.stdout)
                 assert report["source"]["lag_bytes"] > 100_000, report["source"]
+                assert report["source"]["retained_wal_bytes"] >= report["source"]["lag_bytes"], report["source"]
                 assert report["source"]["active"] is True
                 wait_for(
-                    lambda: _value(_metrics(port), "pgcdc_events_total", table="public.orders", op="c") == 700,
+                    lambda: metric(scrape(port), "pgcdc_events_total", table="public.orders", op="c") == 700,
                     60,
                     "the frozen interval's events",
                     capture,
                 )
-                history = _status(port)["history"]
+                history = api_status(port)["history"]
                 assert max(v for v in history["behind_s"] if v is not None) >= 2.0, history["behind_s"][-30:]
                 assert max(v for v in history["slot_lag_bytes"] if v is not None) > 0
                 wait_for(
-                    lambda: (_value(_metrics(port), "pgcdc_slot_lag_bytes", slot=f"s_{unique}") or 1e9) < 100_000,
+                    lambda: (metric(scrape(port), "pgcdc_slot_lag_bytes", slot=f"s_{unique}") or 1e9) < 100_000,
                     60,
                     "the slot lag to fall back",
                     capture,
                 )
                 rates = history["table_rates"]["public.orders"]
                 assert max(r for r in rates if r is not None) > 0
+
+                # With max_slot_wal_keep_size set, the WAL left before the slot would be invalidated is shown.
+                with psycopg.connect(admin, autocommit=True) as conn:
+                    keep = conn.execute("SHOW max_slot_wal_keep_size").fetchone()
+                    if keep is not None and keep[0] == "-1":  # unlimited: no series at all
+                        assert metric(scrape(port), "pgcdc_slot_safe_wal_bytes", slot=f"s_{unique}") is None
+                    conn.execute("ALTER SYSTEM SET max_slot_wal_keep_size = '10GB'")
+                    conn.execute("SELECT pg_reload_conf()")
+                try:
+                    wait_for(
+                        lambda: (metric(scrape(port), "pgcdc_slot_safe_wal_bytes", slot=f"s_{unique}") or 0) > 2**30,
+                        30,
+                        "the slot's safe WAL size",
+                        capture,
+                    )
+                finally:
+                    with psycopg.connect(admin, autocommit=True) as conn:
+                        conn.execute("ALTER SYSTEM RESET max_slot_wal_keep_size")
+                        conn.execute("SELECT pg_reload_conf()")
 
                 # A transient fault (the replication connection cut by the server) is counted, shown and retried.
                 with psycopg.connect(admin, autocommit=True) as conn:
@@ -212,26 +197,26 @@ def test_capture_metrics_move_under_a_workload_and_never_show_the_password(
                         (f"s_{unique}",),
                     )
                 wait_for(
-                    lambda: _total(_metrics(port), "pgcdc_errors_total", kind="transient") >= 1,
+                    lambda: metric_sum(scrape(port), "pgcdc_errors_total", kind="transient") >= 1,
                     60,
                     "the transient error to be counted",
                     capture,
                 )
                 capture.wait_streaming(60)
-                status = _status(port)
+                status = api_status(port)
                 assert any(e["level"] in ("warning", "error") for e in status["errors"]), status["errors"]
 
                 # The health endpoint and the page.
-                wait_for(lambda: _status(port)["service"]["state"] == "streaming", 60, "streaming again", capture)
-                page = _get(f"http://127.0.0.1:{port}/").decode()
+                wait_for(lambda: api_status(port)["service"]["state"] == "streaming", 60, "streaming again", capture)
+                page = http_get(f"http://127.0.0.1:{port}/").decode()
                 assert "<svg" in page or "data-chart" in page
                 assert "http://" not in page.replace("http://www.w3.org/2000/svg", "")  # nothing from the network
 
                 # The password is nowhere: not in metrics, status JSON, the page, the log, or `cdc status`.
                 plain = _cdc("status", "--config", str(config), env={"CDC_METRICS__PORT": str(port)})
                 outputs = {
-                    "/metrics": _get(f"http://127.0.0.1:{port}/metrics").decode(),
-                    "/api/status": json.dumps(_status(port)),
+                    "/metrics": http_get(f"http://127.0.0.1:{port}/metrics").decode(),
+                    "/api/status": json.dumps(api_status(port)),
                     "/": page,
                     "cdc status": plain.stdout + plain.stderr,
                     "cdc status --json": frozen.stdout + frozen.stderr,
@@ -299,7 +284,7 @@ def _prometheus(tmp_path: Path, capture_port: int) -> Iterator[str]:
                 assert old in rule["expr"], rule["expr"]  # the shipped threshold is still the documented one
                 rule["expr"] = rule["expr"].replace(old, new)
     (tmp_path / "alerts.yml").write_text(yaml.safe_dump(rules))
-    port = _free_port()
+    port = free_port()
     (tmp_path / "prometheus.yml").write_text(
         yaml.safe_dump(
             {
@@ -331,7 +316,7 @@ def _prometheus(tmp_path: Path, capture_port: int) -> Iterator[str]:
 
 def _firing(prometheus: str) -> set[tuple[str, str]]:
     try:
-        alerts = json.loads(_get(f"{prometheus}/api/v1/alerts"))["data"]["alerts"]
+        alerts = json.loads(http_get(f"{prometheus}/api/v1/alerts"))["data"]["alerts"]
     except OSError:
         return set()  # not up yet
     return {(a["labels"]["alertname"], a["labels"].get("sink", "")) for a in alerts if a["state"] == "firing"}
@@ -340,7 +325,7 @@ def _firing(prometheus: str) -> set[tuple[str, str]]:
 def test_sink_lag_climbs_while_the_sinks_are_down_and_the_dashboard_shows_it(
     *, pg_dsn: str, stack: Stack, unique: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    port, sinks_port = _free_port(), _free_port()
+    port, sinks_port = free_port(), free_port()
     monkeypatch.setenv("CDC_METRICS__PORT", str(port))
     monkeypatch.setenv("CDC_SINKS__METRICS_PORT", str(sinks_port))
     with scratch_database(pg_dsn, f"lag_{unique}") as dsn:
@@ -363,7 +348,7 @@ def test_sink_lag_climbs_while_the_sinks_are_down_and_the_dashboard_shows_it(
                     next_id[0] += 1
 
         def cache_sink() -> dict[str, Any]:
-            found = [s for s in _status(port)["sinks"] if s["name"] == "cache"]
+            found = [s for s in api_status(port)["sinks"] if s["name"] == "cache"]
             return found[0] if found else {}
 
         try:
@@ -375,19 +360,19 @@ def test_sink_lag_climbs_while_the_sinks_are_down_and_the_dashboard_shows_it(
             def scraped() -> bool:  # Prometheus has the sink's lag series and has evaluated the rules on it
                 try:
                     query = f"{prometheus_url}/api/v1/query?query=pgcdc_sink_lag_records"
-                    return bool(json.loads(_get(query))["data"]["result"])
+                    return bool(json.loads(http_get(query))["data"]["result"])
                 except OSError:
                     return False
 
             wait_for(scraped, 60, "Prometheus to scrape the capture")
             time.sleep(2)
             assert not {a for a in _firing(prometheus_url) if a[0].startswith("PgcdcSink")}, _firing(prometheus_url)
-            inside = _metrics(sinks_port)
-            assert _value(inside, "pgcdc_sink_running", sink="cache") == 1
-            assert (_value(inside, "pgcdc_sink_batch_seconds_count", sink="cache") or 0) >= 1
-            assert (_value(inside, "pgcdc_sink_records_total", sink="cache") or 0) >= 500
-            assert (_value(inside, "pgcdc_sink_batch_latency_seconds", sink="cache") or -1) >= 0
-            assert _value(_metrics(port), "pgcdc_sink_freshness_seconds", sink="cache") == 0
+            inside = scrape(sinks_port)
+            assert metric(inside, "pgcdc_sink_running", sink="cache") == 1
+            assert (metric(inside, "pgcdc_sink_batch_seconds_count", sink="cache") or 0) >= 1
+            assert (metric(inside, "pgcdc_sink_records_total", sink="cache") or 0) >= 500
+            assert (metric(inside, "pgcdc_sink_batch_latency_seconds", sink="cache") or -1) >= 0
+            assert metric(scrape(port), "pgcdc_sink_freshness_seconds", sink="cache") == 0
 
             # The sinks app dies; the source keeps writing. Lag and freshness climb, measured from outside.
             sinks.kill()
@@ -395,16 +380,16 @@ def test_sink_lag_climbs_while_the_sinks_are_down_and_the_dashboard_shows_it(
             for _ in range(12):
                 write(3)
                 time.sleep(2.0)
-                m = _metrics(port)
-                lags.append(_total(m, "pgcdc_sink_lag_records", sink="cache"))
-                ages.append(_value(m, "pgcdc_sink_freshness_seconds", sink="cache") or 0.0)
+                m = scrape(port)
+                lags.append(metric_sum(m, "pgcdc_sink_lag_records", sink="cache"))
+                ages.append(metric(m, "pgcdc_sink_freshness_seconds", sink="cache") or 0.0)
             print(f"sinks down: lag {lags}, freshness {[round(a, 1) for a in ages]}")  # shown with pytest -s
             assert lags == sorted(lags), lags
             assert lags[-1] > lags[0] > 0, lags
             assert ages[-1] > ages[0], ages
             assert ages[-1] >= 15, ages
             wait_for(lambda: cache_sink().get("state") == "not running", 30, "the missing heartbeat to show")
-            errors = _status(port)["errors"]
+            errors = api_status(port)["errors"]
             assert any(e["source"] == "sink cache" and "not running" in e["message"] for e in errors), errors
 
             # `cdc status` says the same, and exits 3: something needs attention.

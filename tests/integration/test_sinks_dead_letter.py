@@ -13,6 +13,7 @@ from confluent_kafka import Consumer, Producer
 from opensearchpy import OpenSearch
 
 from tests.integration._capture_helpers import scratch_database, wait_for
+from tests.integration._observe_helpers import api_status, free_port, metric, scrape
 from tests.integration._sinks_helpers import SinksProcess, Stack
 
 pytestmark = pytest.mark.slow
@@ -39,9 +40,12 @@ def _dead_letters(kafka: str, topic: str) -> list[dict[str, str]]:
 
 
 def test_poison_and_rejected_changes_reach_the_dead_letter_topic(
-    *, pg_dsn: str, stack: Stack, unique: str, tmp_path: Path
+    *, pg_dsn: str, stack: Stack, unique: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     prefix = f"d{unique}"
+    port, sinks_port = free_port(), free_port()
+    monkeypatch.setenv("CDC_METRICS__PORT", str(port))
+    monkeypatch.setenv("CDC_SINKS__METRICS_PORT", str(sinks_port))
     with scratch_database(pg_dsn, f"dlq_{unique}") as dsn:
         with psycopg.connect(dsn, autocommit=True) as conn:
             conn.execute("CREATE TABLE t (k text PRIMARY KEY, v int)")
@@ -91,6 +95,16 @@ def test_poison_and_rejected_changes_reach_the_dead_letter_topic(
             assert search.count(index=f"{prefix}-public.t")["count"] == 2  # a and b; the long key is dead-lettered
             status = json.loads((tmp_path / "state" / "search" / "status.json").read_text())
             assert status["dead_letters"] >= 2
+            # Counted in the sinks app's metrics, and in the capture's view of the sinks (for the alert rule).
+            inside = scrape(sinks_port)
+            assert (metric(inside, "pgcdc_sink_dead_letters_total", sink="search") or 0) >= 2
+            assert (metric(inside, "pgcdc_sink_dead_letters_total", sink="cache") or 0) >= 1
+            wait_for(
+                lambda: (metric(scrape(port), "pgcdc_sink_dead_letters", sink="search") or 0) >= 2,
+                30,
+                "the capture to report the dead letters",
+                capture,
+            )
             assert sinks.stop() == 0, sinks.tail()
         finally:
             if sinks.alive():
@@ -99,9 +113,12 @@ def test_poison_and_rejected_changes_reach_the_dead_letter_topic(
 
 
 def test_an_unreachable_store_does_not_stop_the_other_sinks(
-    *, pg_dsn: str, stack: Stack, unique: str, tmp_path: Path
+    *, pg_dsn: str, stack: Stack, unique: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     prefix = f"u{unique}"
+    port, sinks_port = free_port(), free_port()
+    monkeypatch.setenv("CDC_METRICS__PORT", str(port))
+    monkeypatch.setenv("CDC_SINKS__METRICS_PORT", str(sinks_port))
     with scratch_database(pg_dsn, f"unreach_{unique}") as dsn:
         with psycopg.connect(dsn, autocommit=True) as conn:
             conn.execute("CREATE TABLE t (k int PRIMARY KEY, v int)")
@@ -123,6 +140,18 @@ def test_an_unreachable_store_does_not_stop_the_other_sinks(
 
             wait_for(applied, 300, "the cache to apply the update while the search index is down", sinks)
             assert "sink search could not start" in sinks.tail(400)
+            # What an operator sees: the sink in backoff with its error, the other one running.
+            inside = scrape(sinks_port)
+            assert metric(inside, "pgcdc_sink_running", sink="search") == 0
+            assert metric(inside, "pgcdc_sink_running", sink="cache") == 1
+
+            def backoff_shown() -> bool:
+                status = api_status(port)
+                states = {s["name"]: s["state"] for s in status["sinks"]}
+                errors = [e for e in status["errors"] if e["source"] == "sink search"]
+                return states.get("search") == "backoff" and states.get("cache") == "running" and bool(errors)
+
+            wait_for(backoff_shown, 60, "the dashboard to show the search sink in backoff", capture)
             assert sinks.alive()
             assert sinks.stop() == 0, sinks.tail()
         finally:
