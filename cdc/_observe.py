@@ -388,13 +388,29 @@ def _handler(observer: Observer) -> type[BaseHTTPRequestHandler]:
     return Handler
 
 
+def _health(url: str) -> str:
+    """The running capture's state from its health endpoint; "not running" when nothing answers there."""
+    import urllib.error  # noqa: PLC0415
+    import urllib.request  # noqa: PLC0415
+
+    try:
+        with urllib.request.urlopen(url, timeout=2) as resp:  # noqa: S310 - our own http:// URL
+            body = resp.read()
+    except urllib.error.HTTPError as exc:  # a 503 (not streaming) still carries the state
+        body = exc.read()
+    except OSError:
+        return "not running"
+    try:
+        return str(json.loads(body).get("state"))
+    except (ValueError, AttributeError):
+        return "something else answers on the metrics port"
+
+
 # --- cdc status --------------------------------------------------------------------------------------
 
 
 def collect_status(settings: Settings, config_path: Path | None) -> dict[str, Any]:
     """One look at everything, from outside the processes: works whether they run or not."""
-    import urllib.request  # noqa: PLC0415
-
     from confluent_kafka import Consumer, TopicPartition  # noqa: PLC0415
 
     from cdc._kafka import OffsetStore  # noqa: PLC0415
@@ -411,13 +427,7 @@ def collect_status(settings: Settings, config_path: Path | None) -> dict[str, An
     cfg = s.metrics
     if cfg.enabled and cfg.port:
         host = "127.0.0.1" if cfg.host in ("0.0.0.0", "::", "") else cfg.host  # noqa: S104 - a wildcard bind
-        try:
-            with urllib.request.urlopen(f"http://{host}:{cfg.port}/healthz", timeout=2) as resp:
-                out["capture"]["service"] = json.loads(resp.read()).get("state")
-        except OSError as exc:
-            # A 503 (not streaming) still carries the state; a refused connection means nothing listens.
-            body = getattr(exc, "read", None)
-            out["capture"]["service"] = json.loads(body()).get("state") if body else "not running"
+        out["capture"]["service"] = _health(f"http://{host}:{cfg.port}/healthz")
     conf = {"bootstrap.servers": s.kafka.bootstrap_servers, **s.kafka.producer}
     try:
         state = OffsetStore(conf, s.offsets_topic, s.source.slot).load() or {}
