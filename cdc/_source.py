@@ -7,6 +7,7 @@ slot and the publication.
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -32,6 +33,9 @@ def translate_pg_error(exc: psycopg.Error, where: str) -> Exception:
             f"PostgreSQL at {where} refused the login: {text}; check source.dsn's user and the password "
             "(source.password, source.password_file or CDC_SOURCE__PASSWORD)"
         )
+    if state == "3D000" or re.search(r'database "[^"]*" does not exist', text):
+        # Not a blip: the DSN names a database the server does not have.
+        return SourceCheckError(f"{text} (at {where}); fix the database name in source.dsn", check="database")
     if isinstance(exc, psycopg.OperationalError):
         return TransientError(f"cannot reach PostgreSQL at {where}: {text}")
     return StreamError(f"PostgreSQL at {where} refused a statement of pgcdc: {text}")
@@ -210,7 +214,8 @@ def _check_slot(conn: psycopg.Connection[Any], slot: str, *, allow_active: bool)
         if wal_status == "lost":
             raise SourceCheckError(
                 f"replication slot {slot!r} was invalidated (max_slot_wal_keep_size): the WAL it needed is gone. "
-                "Changes were lost; run `cdc detach` and `cdc run` again to re-snapshot",
+                "Changes were lost; run `cdc detach --yes` and `cdc run` again to re-snapshot (rows deleted in the "
+                "gap stay in the topics and the stores until they are tombstoned by hand)",
                 check="slot-lost",
             )
         return True

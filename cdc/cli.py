@@ -6,7 +6,8 @@
     cdc status --config cdc.toml [--json]      source, slot, topics and sinks with their lags, from outside
 
 Exit codes: 0 success; 1 unexpected; 2 configuration; 3 source not ready; 4 authentication; 5 schema
-registry refused a schema; 6 Kafka set-up; 7 stream error; 130 interrupted before start.
+registry refused a schema; 6 Kafka set-up; 7 stream error; 10 a service stayed unreachable (transient faults:
+`cdc run` retries them for 30 minutes, one-shot commands stop at once); 130 interrupted before start.
 """
 
 from __future__ import annotations

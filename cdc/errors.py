@@ -1,7 +1,8 @@
 """The project's error hierarchy.
 
     CDCError                        root: everything pgcdc raises on purpose          exit 1
-    ├── TransientError              may succeed if retried (network blip, leader change)
+    ├── TransientError              may succeed if retried (network blip, leader     exit 10
+    │                               change); `cdc run` retries, one-shot commands stop
     └── TerminalError               retrying cannot help: the operator has to act
         ├── ConfigError             bad or missing configuration                       exit 2
         ├── SourceCheckError        the database is not ready for capture (attach)     exit 3
@@ -25,7 +26,9 @@ class CDCError(Exception):
 
 
 class TransientError(CDCError):
-    """A fault that retrying, with backoff, may get past."""
+    """A fault that retrying, with backoff, may get past (when a command gives up: exit 10)."""
+
+    exit_code = 10
 
 
 class TerminalError(CDCError):

@@ -1,7 +1,8 @@
 """The sinks' errors: one root, transient and terminal branches, an exit code each.
 
 SinkError                       root                                           exit 1
-├── SinkTransientError          a store or Kafka is unreachable for now; the query retries
+├── SinkTransientError          a store or Kafka is unreachable for now; the   exit 10
+│                               query retries, one-shot commands stop
 └── SinkTerminalError           the operator has to act
     ├── SinkConfigError         bad configuration, unknown sink                exit 2
     ├── PluginError             a plugin failed to load or to start            exit 8
@@ -17,6 +18,8 @@ class SinkError(Exception):
 
 class SinkTransientError(SinkError):
     """Retrying may help: the store or Kafka did not answer."""
+
+    exit_code = 10
 
 
 class SinkTerminalError(SinkError):

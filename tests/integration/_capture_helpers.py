@@ -58,6 +58,7 @@ class CdcConfig:
     slot: str
     publication: str
     extra: str = ""
+    heartbeat_interval_s: float = 1.0
 
     def write(self, path: Path) -> Path:
         tables = ", ".join(json.dumps(t) for t in self.tables)  # a JSON string is a valid TOML basic string
@@ -80,7 +81,7 @@ url = "{self.registry}"
 port = 0  # any free port: several captures run at once in the tests
 
 [capture]
-heartbeat_interval_s = 1.0
+heartbeat_interval_s = {self.heartbeat_interval_s}
 {self.extra}
 """
         )

@@ -1,0 +1,323 @@
+"""Fault injection: a write workload runs while the capture, the sinks, PostgreSQL, Kafka and the network fail.
+
+Profiles (``CDC_FAULTS``): ``short`` (the default, in CI) and ``long`` (by command: ``CDC_FAULTS=long ./dev test
+tests/integration/test_faults.py -s``). Each run ends with the check that matters: every committed change is
+in the topic exactly once, and the derived store equals the source key by key.
+
+How "exactly once" is checked without trusting the client: every row carries a version ``v`` that each
+update increments (REPLICA IDENTITY FULL, so deletes carry it too). Replayed in offset order, each key's events
+must read v = 0, 1, 2, … with no gap (a lost event) and no repeat (a duplicate), end with a delete of the last
+version if the row is gone, and end at the version the source holds. Statements whose commit the client could
+not confirm (a connection cut mid-commit) need no bookkeeping: the source itself says what was committed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+from tests._services import ROOT
+from tests.integration._capture_helpers import CdcProcess, read_topic, scratch_database, wait_for
+from tests.integration._sinks_helpers import SinksProcess, Stack, cdc
+
+pytestmark = pytest.mark.slow
+
+PROFILES: dict[str, dict[str, int]] = {
+    "short": {"capture_kill": 20, "sinks_kill": 3, "pg_fast": 2, "pg_immediate": 1, "pg_network": 3, "kafka": 1},
+    "long": {"capture_kill": 100, "sinks_kill": 15, "pg_fast": 6, "pg_immediate": 6, "pg_network": 12, "kafka": 4},
+}
+
+
+class Proxy:
+    """A TCP proxy the test can cut (every connection dropped, nothing accepted) and restore."""
+
+    def __init__(self, upstream: tuple[str, int]) -> None:
+        self.upstream = upstream
+        probe = socket.socket()
+        probe.bind(("127.0.0.1", 0))
+        self.port = int(probe.getsockname()[1])
+        probe.close()
+        self._conns: list[socket.socket] = []
+        self._lock = threading.Lock()
+        self._listener: socket.socket | None = None
+        self.restore()
+
+    def restore(self) -> None:
+        listener = socket.socket()
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", self.port))
+        listener.listen(64)
+        self._listener = listener
+        threading.Thread(target=self._accept, args=(listener,), daemon=True).start()
+
+    def cut(self) -> None:
+        with self._lock:
+            listener, self._listener = self._listener, None
+            conns, self._conns = self._conns, []
+        if listener is not None:
+            with contextlib.suppress(OSError):
+                listener.shutdown(socket.SHUT_RDWR)
+            listener.close()
+        for conn in conns:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+            conn.close()
+
+    def _accept(self, listener: socket.socket) -> None:
+        while True:
+            try:
+                client, _ = listener.accept()
+            except OSError:
+                return
+            try:
+                server = socket.create_connection(self.upstream, timeout=5)
+            except OSError:
+                client.close()
+                continue
+            server.settimeout(None)
+            with self._lock:
+                self._conns += [client, server]
+            for a, b in ((client, server), (server, client)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pump(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)
+
+
+def _deploy(*args: str) -> None:
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "deploy" / "services.py"), *args], capture_output=True, text=True, check=False
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def _deploy_pid(name: str) -> int:
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "deploy" / "services.py"), "status", "--json", name],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    rows = json.loads(out.stdout)
+    pid = rows[0]["pid"] if rows else None
+    if not pid:
+        pytest.skip(f"fault injection restarts {name}: it needs the local services of deploy/services.py")
+    return int(pid)
+
+
+def _restart_postgres(sig: int) -> None:
+    """Stop PostgreSQL with ``sig`` (SIGINT fast, SIGQUIT immediate = a crash) and start it again."""
+    pid = _deploy_pid("postgres")
+    os.kill(pid, sig)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    _deploy("up", "postgres")
+
+
+def _restart_kafka() -> None:
+    _deploy("down", "kafka")
+    time.sleep(2)
+    _deploy("up", "kafka", "registry")  # the registry keeps its schemas in Kafka: make sure it answers again
+
+
+class Workload:
+    """Inserts, version-bumping updates and deletes, one row per transaction; survives the faults."""
+
+    def __init__(self, dsn: str, first_id: int) -> None:
+        self.dsn, self.next_id = dsn, first_id
+        self.done = threading.Event()
+        self.statements: Counter[str] = Counter()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        rnd = random.Random(3)
+        conn: psycopg.Connection[Any] | None = None
+        while not self.done.is_set():
+            r = rnd.random()
+            try:
+                if conn is None or conn.closed:
+                    conn = psycopg.connect(self.dsn, autocommit=True, connect_timeout=5)
+                if r < 0.55:
+                    conn.execute("UPDATE items SET v = v + 1 WHERE id = %s", (rnd.randint(1, self.next_id - 1),))
+                    self.statements["update"] += 1
+                elif r < 0.85:
+                    conn.execute("INSERT INTO items VALUES (%s, 0, 'new')", (self.next_id,))
+                    self.next_id += 1
+                    self.statements["insert"] += 1
+                else:
+                    conn.execute("DELETE FROM items WHERE id = %s", (rnd.randint(1, self.next_id - 1),))
+                    self.statements["delete"] += 1
+                time.sleep(0.003)
+            except psycopg.Error:
+                self.statements["failed"] += 1  # the server restarting: whether it committed, the source knows
+                if 0.55 <= r < 0.85:
+                    self.next_id += 1  # the insert may have committed: never reuse its id
+                if conn is not None:
+                    conn.close()
+                conn = None
+                time.sleep(0.3)
+        if conn is not None:
+            conn.close()
+
+
+def _check_exactly_once(events: list[Any], source: dict[int, int]) -> dict[str, int]:
+    """Every key's history, replayed in offset order, against the source's final versions."""
+    history: dict[int, list[tuple[str, int]]] = {}
+    for e in events:
+        if e.value is None:
+            continue  # tombstones: checked through the deletes before them
+        op = e.value["op"]
+        row = e.value["before"] if op == "d" else e.value["after"]
+        history.setdefault(e.key["id"], []).append((op, int(row["v"])))
+    lost = duplicated = 0
+    problems = []
+    for key, events_ in history.items():
+        versions = [v for op, v in events_ if op != "d"]
+        if versions != list(range(len(versions))):
+            seen = Counter(versions)
+            duplicated += sum(n - 1 for n in seen.values() if n > 1)
+            lost += len(set(range(max(versions) + 1)) - set(versions)) if versions else 0
+            problems.append(f"key {key}: versions {versions[:20]}")
+        deletes = [v for op, v in events_ if op == "d"]
+        if len(deletes) > 1:
+            duplicated += len(deletes) - 1
+            problems.append(f"key {key}: {len(deletes)} deletes")
+        if key in source:
+            if deletes or not versions or versions[-1] != source[key]:
+                problems.append(f"key {key}: source v={source[key]}, topic {events_[-3:]}")
+                lost += 1
+        elif not deletes or (versions and deletes[-1] != versions[-1]):
+            problems.append(f"key {key}: deleted in the source, topic {events_[-3:]}")
+            lost += 1
+    missing = set(source) - set(history)
+    lost += len(missing)
+    assert not missing, f"{len(missing)} source rows never reached the topic: {sorted(missing)[:10]}"
+    assert not problems, f"lost {lost}, duplicated {duplicated}: {problems[:10]}"
+    return {
+        "keys": len(history),
+        "events": sum(len(h) for h in history.values()),
+        "lost": lost,
+        "duplicated": duplicated,
+    }
+
+
+def test_nothing_is_lost_or_doubled_whatever_fails(*, pg_dsn: str, stack: Stack, unique: str, tmp_path: Path) -> None:
+    profile_name = os.environ.get("CDC_FAULTS", "short")
+    profile = PROFILES[profile_name]
+    seed = int(os.environ.get("CDC_FAULTS_SEED", "0")) or random.randrange(1, 10**6)
+    rnd = random.Random(seed)
+    with scratch_database(pg_dsn, f"faults_{unique}") as dsn:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute("CREATE TABLE items (id int PRIMARY KEY, v int NOT NULL, name text)")
+            conn.execute("ALTER TABLE items REPLICA IDENTITY FULL")  # deletes carry the version they delete
+            conn.execute("INSERT INTO items SELECT g, 0, 'item ' || g FROM generate_series(1, 300) g")
+        params = conninfo_to_dict(dsn)
+        proxy = Proxy((str(params.get("host") or "127.0.0.1"), int(params.get("port") or 5432)))
+        through_proxy = make_conninfo("", **{**params, "host": "127.0.0.1", "port": str(proxy.port)})
+        prefix = f"f{unique}"
+        cfg = stack.config(through_proxy, ["public.items"], prefix=prefix, unique=unique, workdir=tmp_path)
+        config = cfg.write(tmp_path / "cdc.toml")
+        capture = CdcProcess(config, tmp_path / "cdc.log")
+        sinks = SinksProcess(config, tmp_path / "sinks.log", ["cache"])
+        topic = f"{prefix}.public.items"
+        workload = Workload(dsn, 301)
+        faults = [kind for kind, n in profile.items() for _ in range(n)]
+        rnd.shuffle(faults)
+        injected: Counter[str] = Counter()
+        started = time.monotonic()
+        capture.start()
+        try:
+            capture.wait_streaming(180)
+            sinks.start()
+            workload.thread.start()
+            for kind in faults:
+                time.sleep(rnd.uniform(0.5, 2.5))
+                if kind == "capture_kill":
+                    assert capture.alive(), f"the capture exited on its own:\n{capture.tail()}"
+                    capture.kill()
+                    capture.start()
+                elif kind == "sinks_kill":
+                    if sinks.alive():
+                        sinks.kill()
+                    sinks.start()
+                elif kind == "pg_fast":
+                    _restart_postgres(signal.SIGINT)
+                elif kind == "pg_immediate":
+                    _restart_postgres(signal.SIGQUIT)
+                elif kind == "pg_network":
+                    proxy.cut()
+                    time.sleep(rnd.uniform(1.0, 5.0))
+                    proxy.restore()
+                elif kind == "kafka":
+                    _restart_kafka()
+                injected[kind] += 1
+            time.sleep(2)
+            workload.done.set()
+            workload.thread.join(60)
+            assert capture.alive(), f"the capture exited after the faults:\n{capture.tail()}"
+
+            def source_versions() -> dict[int, int]:
+                with psycopg.connect(dsn) as conn:
+                    return {r[0]: r[1] for r in conn.execute("SELECT id, v FROM items").fetchall()}
+
+            expected = source_versions()
+
+            def converged() -> bool:
+                latest: dict[int, int | None] = {}
+                for e in read_topic(stack.kafka, stack.registry, topic):
+                    if e.key is not None:
+                        latest[e.key["id"]] = e.value["after"]["v"] if e.value and e.value["after"] else None
+                return {k: v for k, v in latest.items() if v is not None} == expected
+
+            wait_for(converged, 600, "the topic to reach the source's state", capture)
+            checked = _check_exactly_once(read_topic(stack.kafka, stack.registry, topic), expected)
+            verify = cdc("verify", "cache", "--config", str(config), "--wait", "600", timeout=900)
+            assert verify.returncode == 0, verify.stdout + verify.stderr + sinks.tail()
+            report = {
+                "profile": profile_name,
+                "seed": seed,
+                "seconds": round(time.monotonic() - started),
+                "faults": dict(injected),
+                "statements": dict(workload.statements),
+                **checked,
+                "drift": 0,
+            }
+            print("fault injection:", json.dumps(report))  # the figures, shown with pytest -s
+            assert sum(workload.statements.values()) > 300, workload.statements  # the workload really ran
+        finally:
+            workload.done.set()
+            proxy.cut()
+            proxy.restore()
+            if sinks.alive():
+                sinks.kill()
+            if capture.alive():
+                capture.kill()
