@@ -32,7 +32,7 @@ import pytest
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from tests._services import ROOT
-from tests.integration._capture_helpers import CdcProcess, read_topic, scratch_database, wait_for
+from tests.integration._capture_helpers import CdcProcess, Event, read_topic, scratch_database, wait_for
 from tests.integration._sinks_helpers import SinksProcess, Stack, cdc
 
 pytestmark = pytest.mark.slow
@@ -117,7 +117,7 @@ def _deploy(*args: str) -> None:
 
 def _deploy_pid(name: str) -> int:
     out = subprocess.run(
-        [sys.executable, str(ROOT / "deploy" / "services.py"), "status", "--json", name],
+        [sys.executable, str(ROOT / "deploy" / "services.py"), "--json", "status", name],
         capture_output=True,
         text=True,
         check=False,
@@ -321,3 +321,30 @@ def test_nothing_is_lost_or_doubled_whatever_fails(*, pg_dsn: str, stack: Stack,
                 sinks.kill()
             if capture.alive():
                 capture.kill()
+
+
+def test_the_exactly_once_check_catches_a_lost_and_a_doubled_event() -> None:
+    """The check above must be able to fail: a gap, a repeat and a missing row are each caught."""
+
+    def ev(key: int, op: str, v: int, offset: int) -> Event:
+        row = {"id": key, "v": v}
+        return Event(
+            {"id": key},
+            {"op": op, "before": row if op == "d" else None, "after": None if op == "d" else row},
+            0,
+            offset,
+        )
+
+    good = [ev(1, "r", 0, 0), ev(1, "u", 1, 1), ev(1, "u", 2, 2), ev(2, "c", 0, 3), ev(2, "d", 0, 4)]
+    assert _check_exactly_once(good, {1: 2})["events"] == 5
+    gap = [ev(1, "r", 0, 0), ev(1, "u", 2, 1)]
+    with pytest.raises(AssertionError, match="lost"):
+        _check_exactly_once(gap, {1: 2})
+    repeat = [ev(1, "r", 0, 0), ev(1, "u", 1, 1), ev(1, "u", 1, 2)]
+    with pytest.raises(AssertionError, match="duplicated 1"):
+        _check_exactly_once(repeat, {1: 1})
+    with pytest.raises(AssertionError, match="never reached the topic"):
+        _check_exactly_once(good, {1: 2, 3: 0})
+    undeleted = [ev(2, "c", 0, 0)]
+    with pytest.raises(AssertionError, match="deleted in the source"):
+        _check_exactly_once(undeleted, {})
