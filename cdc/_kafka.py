@@ -53,7 +53,10 @@ def _kafka_error(exc: KafkaException, doing: str) -> Exception:
     ):
         return KafkaSetupError(f"{doing}: not authorised by Kafka: {err.str()}")
     if err.fatal():
-        return KafkaSetupError(f"{doing}: fatal Kafka error: {err.str()}")
+        # librdkafka's remedy for a fatal producer error is a new producer; the next attempt makes one, whose
+        # init_transactions aborts whatever this one left open (nothing it wrote without its offset counts).
+        # Found by the fault suite: INVALID_TXN_STATE after broker and database restarts.
+        return TransientError(f"{doing}: fatal Kafka producer error, the producer is recreated: {err.str()}")
     return TransientError(f"{doing}: {err.str()}")
 
 
@@ -198,7 +201,11 @@ class TransactionalProducer:
             log.warning("aborting the Kafka transaction failed: %s", exc)
 
     def close(self) -> None:
-        self._producer.flush(_TIMEOUT_S)
+        # Called on the way out of an attempt, often because of an error: it must not replace that error.
+        try:
+            self._producer.flush(_TIMEOUT_S)
+        except KafkaException as exc:
+            log.warning("closing the Kafka producer: %s", exc)
 
 
 class OffsetStore:

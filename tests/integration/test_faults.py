@@ -235,6 +235,7 @@ def test_nothing_is_lost_or_doubled_whatever_fails(*, pg_dsn: str, stack: Stack,
     profile = PROFILES[profile_name]
     seed = int(os.environ.get("CDC_FAULTS_SEED", "0")) or random.randrange(1, 10**6)
     rnd = random.Random(seed)
+    print(f"fault injection: profile {profile_name}, seed {seed} (CDC_FAULTS_SEED={seed} replays the schedule)")
     with scratch_database(pg_dsn, f"faults_{unique}") as dsn:
         with psycopg.connect(dsn, autocommit=True) as conn:
             conn.execute("CREATE TABLE items (id int PRIMARY KEY, v int NOT NULL, name text)")
