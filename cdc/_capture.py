@@ -160,6 +160,7 @@ class Capture:
 
     def run(self) -> None:
         """Attach, snapshot if needed, stream until ``stop`` is set; raises CDCError subclasses."""
+        self.metrics.aborted()  # nothing counted by an earlier attempt that failed before its commit
         try:
             self._run()
         except psycopg.Error as exc:
@@ -326,7 +327,11 @@ class Capture:
         self._begin_batch()
         self.producer.produce(self.offsets.topic, self.offsets.key, self.offsets.encode(state), 0)
         started = time.monotonic()
-        self.producer.commit()
+        try:
+            self.producer.commit()
+        except BaseException:
+            self.metrics.aborted()  # these events were not delivered: the next attempt counts them again
+            raise
         self._in_batch = False
         self.metrics.committed(self._batch_events, time.monotonic() - started, int(state["lsn"]), self._commits_us)
         self._commits_us = None
@@ -415,6 +420,8 @@ class Capture:
                         self._apply(msg, Position(current[0], lsn, current[1], current[2]), txn_now_us)  # type: ignore[arg-type]
                 elif isinstance(msg, Begin):
                     current = (msg.final_lsn, msg.commit_time_us, msg.xid, msg.final_lsn < resume)
+                    if not current[3]:
+                        self.metrics.pending(msg.commit_time_us)
                     txn_now_us = time.time_ns() // 1000  # one "processed at" per transaction
                     self._tx_begin(msg.xid, msg.final_lsn, msg.commit_time_us)
                 elif isinstance(msg, Commit):

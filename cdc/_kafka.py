@@ -28,6 +28,12 @@ from cdc.errors import KafkaSetupError, SchemaRegistryError, TransientError
 log = logging.getLogger(__name__)
 
 _TIMEOUT_S = 30.0
+# Fatal producer states that a new producer (a new epoch) gets past; other fatal errors are configuration.
+_RECOVERABLE_FATAL = frozenset(
+    getattr(KafkaError, name)
+    for name in ("INVALID_TXN_STATE", "OUT_OF_ORDER_SEQUENCE_NUMBER", "UNKNOWN_PRODUCER_ID", "_GAPLESS_GUARANTEE")
+    if hasattr(KafkaError, name)
+)
 
 
 def _kafka_error(exc: KafkaException, doing: str) -> Exception:
@@ -52,11 +58,13 @@ def _kafka_error(exc: KafkaException, doing: str) -> Exception:
         KafkaError._AUTHENTICATION,
     ):
         return KafkaSetupError(f"{doing}: not authorised by Kafka: {err.str()}")
-    if err.fatal():
-        # librdkafka's remedy for a fatal producer error is a new producer; the next attempt makes one, whose
-        # init_transactions aborts whatever this one left open (nothing it wrote without its offset counts).
-        # Found by the fault suite: INVALID_TXN_STATE after broker and database restarts.
+    if err.fatal() and code in _RECOVERABLE_FATAL:
+        # librdkafka's remedy for these fatal producer errors is a new producer; the next attempt makes one,
+        # whose init_transactions aborts whatever this one left open (nothing written without its offset
+        # counts). Found by the fault suite: INVALID_TXN_STATE after broker and database restarts.
         return TransientError(f"{doing}: fatal Kafka producer error, the producer is recreated: {err.str()}")
+    if err.fatal():
+        return KafkaSetupError(f"{doing}: fatal Kafka error: {err.str()}")
     return TransientError(f"{doing}: {err.str()}")
 
 

@@ -58,9 +58,11 @@ class CaptureMetrics:
         self.behind = Gauge(
             "pgcdc_behind_source_seconds",
             "Worst delay of the last 10 s: Kafka commit time minus the source commit time of the oldest "
-            "transaction in each batch; 0 when nothing is pending",
+            "transaction in each batch, or the age of the oldest transaction not yet in Kafka; 0 when nothing "
+            "is pending",
             registry=r,
         )
+        self._pending_since_us: int | None = None  # source commit time of the oldest transaction not in Kafka
         # A scrape every 15 s must not miss a 0.5 s spike: the gauge is the worst value of a short window.
         self._behind: deque[tuple[float, float]] = deque()
         self.behind.set_function(self._behind_recent)
@@ -99,7 +101,7 @@ class CaptureMetrics:
         )
         self.sink_freshness = Gauge(
             "pgcdc_sink_freshness_seconds",
-            "Age of the newest change the sink has not applied (0: caught up)",
+            "Age of the oldest change the sink has not applied (0: caught up)",
             ["sink"],
             registry=r,
         )
@@ -132,10 +134,16 @@ class CaptureMetrics:
         pending = self._pending
         pending[key] = pending.get(key, 0) + n
 
+    def pending(self, commit_time_us: int) -> None:
+        """A source transaction is being read: until its Kafka commit, its age is how far behind we are."""
+        if self._pending_since_us is None:
+            self._pending_since_us = commit_time_us
+
     def committed(self, records: int, seconds: float, lsn: int, commits_us: tuple[int, int] | None) -> None:
         """A Kafka transaction committed: its events count now. ``commits_us``: its oldest and newest source
         transaction commit times."""
         pending, self._pending = self._pending, {}
+        self._pending_since_us = None
         with self._lock:
             for (topic, op), n in pending.items():
                 table = self.tables.get(topic, topic)
@@ -151,6 +159,7 @@ class CaptureMetrics:
 
     def aborted(self) -> None:
         self._pending = {}
+        self._pending_since_us = None
 
     def set_behind(self, seconds: float) -> None:
         now = time.monotonic()
@@ -162,11 +171,14 @@ class CaptureMetrics:
     def _behind_recent(self) -> float:
         window = list(self._behind)
         now = time.monotonic()
-        return max((v for t, v in window if now - t <= _BEHIND_WINDOW_S), default=0.0)
+        recent = max((v for t, v in window if now - t <= _BEHIND_WINDOW_S), default=0.0)
+        since = self._pending_since_us
+        # A stall (a hanging commit, a huge transaction being read) shows as the oldest pending one's age.
+        return max(recent, time.time() - since / 1e6) if since is not None else recent
 
     @property
     def behind_s(self) -> float | None:
-        return self._behind_recent() if self._behind else None
+        return self._behind_recent() if self._behind or self._pending_since_us is not None else None
 
     def set_state(self, state: str) -> None:
         self.state = state

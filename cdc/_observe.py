@@ -140,6 +140,8 @@ class Observer:
         self._conn: psycopg.Connection[Any] | None = None
         self._probe: SinksProbe | None = None
         self._sink_errors: dict[str, str | None] = {}
+        self._series: dict[Any, set[tuple[str, ...]]] = {}  # the label sets each sink gauge exports now
+        self._warned: set[str] = set()
         self._prev_totals: tuple[float, dict[str, int]] | None = None
         self._server: ThreadingHTTPServer | None = None
         self._threads: list[threading.Thread] = []
@@ -199,7 +201,7 @@ class Observer:
             try:
                 self.sample()
             except Exception as exc:  # a probe failing must never take the capture down
-                log.debug("sampling failed: %s", exc)
+                self._warn_once("sampling", exc)
             self._stop.wait(max(0.05, interval - (time.monotonic() - started)))
 
     def sample(self) -> None:
@@ -224,19 +226,38 @@ class Observer:
         self._latest = {"source": source, "sinks": sinks, "rates": rates}
         self._points.append(point)
 
+    def _warn_once(self, what: str, exc: BaseException) -> None:
+        """A failing probe is said once per distinct error (every second would drown the log)."""
+        text = f"{what} unavailable: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+        if text not in self._warned:
+            if len(self._warned) > 100:
+                self._warned.clear()
+            self._warned.add(text)
+            log.warning("%s (the capture goes on; said once)", text)
+
     def _sample_source(self) -> dict[str, Any]:
         m, slot = self.metrics, self.settings.source.slot
         try:
             if self._conn is None or self._conn.closed:
+                # Bounded: a hung statement or a half-open socket must not freeze the slot's gauges.
                 self._conn = psycopg.connect(
-                    self.settings.source.conninfo(application_name="pgcdc-metrics"), autocommit=True, connect_timeout=5
+                    self.settings.source.conninfo(
+                        application_name="pgcdc-metrics",
+                        options="-c statement_timeout=5000",
+                        keepalives="1",
+                        keepalives_idle="10",
+                        keepalives_interval="5",
+                        keepalives_count="3",
+                    ),
+                    autocommit=True,
+                    connect_timeout=5,
                 )
             info = slot_status(self._conn, slot)
         except psycopg.Error as exc:
             if self._conn is not None:
                 self._conn.close()
             self._conn = None
-            log.debug("slot status unavailable: %s", exc)
+            self._warn_once("slot status", exc)
             return {"error": "source unreachable"}
         if info.get("wal_lsn_bytes") is not None:
             m.wal_lsn.set(info["wal_lsn_bytes"])
@@ -261,23 +282,35 @@ class Observer:
         try:
             sinks = self._probe()
         except Exception as exc:
-            log.debug("sink progress unavailable: %s", exc)
+            self._warn_once("sink progress", exc)
             return list(self._latest.get("sinks", []))
         m = self.metrics
-        m.sink_lag.clear()
-        m.sink_rebuild.clear()
+        values: dict[Any, dict[tuple[str, ...], float]] = {
+            g: {} for g in (m.sink_lag, m.sink_freshness, m.sink_dead_letters, m.sink_generation, m.sink_rebuild)
+        }
         for sink in sinks:
             name = sink["name"]
             for part in sink["partitions"]:
-                m.sink_lag.labels(name, part["topic"], str(part["partition"])).set(part["lag"])
+                values[m.sink_lag][(name, part["topic"], str(part["partition"]))] = part["lag"]
             if sink["freshness_s"] is not None:
-                m.sink_freshness.labels(name).set(sink["freshness_s"])
-            m.sink_dead_letters.labels(name).set(sink["dead_letters"])
+                values[m.sink_freshness][(name,)] = sink["freshness_s"]
+            values[m.sink_dead_letters][(name,)] = sink["dead_letters"]
             if sink["generation"] is not None:
-                m.sink_generation.labels(name).set(sink["generation"])
+                values[m.sink_generation][(name,)] = sink["generation"]
             rebuild = sink.get("rebuild") or {}
             if rebuild.get("state") in ("running", "verifying") and rebuild.get("total"):
-                m.sink_rebuild.labels(name, str(rebuild["generation"])).set(rebuild["done"] / rebuild["total"])
+                values[m.sink_rebuild][(name, str(rebuild["generation"]))] = rebuild["done"] / rebuild["total"]
+        # Set the new values first, then remove the series that are gone: a scrape in between never sees a
+        # sink without its lag (which would reset an alert's `for:` clock), nor a stale freshness.
+        for gauge, new in values.items():
+            for labels, value in new.items():
+                gauge.labels(*labels).set(value)
+            for labels in self._series.get(gauge, set()) - set(new):
+                with contextlib.suppress(KeyError):
+                    gauge.remove(*labels)
+            self._series[gauge] = set(new)
+        for sink in sinks:
+            name = sink["name"]
             error = sink.get("last_error")
             state = sink.get("state")
             if state == "not running":

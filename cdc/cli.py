@@ -204,6 +204,7 @@ def _run_with_retries(settings: Settings, stop: threading.Event, metrics: Captur
 def _status(settings: Settings, config_path: Path | None, *, as_json: bool) -> int:
     """Exit 0 when everything reachable is healthy, 3 when something needs attention (said in the output)."""
     from rich.console import Console  # noqa: PLC0415
+    from rich.markup import escape  # noqa: PLC0415
     from rich.table import Table  # noqa: PLC0415
 
     status = collect_status(settings, config_path)
@@ -217,35 +218,38 @@ def _status(settings: Settings, config_path: Path | None, *, as_json: bool) -> i
     for col in ("part", "state", "lag", "details"):
         table.add_column(col)
     if "error" in src:
-        table.add_row("source", "[red]unreachable[/]", "", f"{src['dsn']}: {src['error']}")
+        _row(table, "source", "[red]unreachable[/]", "", f"{src['dsn']}: {src['error']}")
     else:
         version = src.get("server_version") or 0
-        table.add_row("source", "reachable", "", f"{src['dsn']} (PostgreSQL {version // 10000}.{version % 10000})")
+        _row(table, "source", "reachable", "", f"{src['dsn']} (PostgreSQL {version // 10000}.{version % 10000})")
     if not src.get("exists", True):
-        table.add_row("slot", "[yellow]absent[/]", "", "created by the first `cdc run`")
+        _row(table, "slot", "[yellow]absent[/]", "", "created by the first `cdc run`")
     elif "error" not in src:
         active = "[green]active[/]" if src.get("active") else "[yellow]inactive[/]"
-        table.add_row(
+        _row(
+            table,
             "slot",
             active if src.get("wal_status") != "lost" else "[red]LOST[/]",
             _bytes(src.get("lag_bytes")),
             f"confirmed {src.get('confirmed_flush_lsn')}, wal_status {src.get('wal_status')}, "
             f"holds {_bytes(src.get('retained_wal_bytes'))} of WAL",
         )
-    table.add_row(
+    _row(
+        table,
         "capture",
-        str(cap.get("service", "?")),
+        escape(str(cap.get("service", "?"))),
         "",
         f"resume LSN {cap.get('resume_lsn')}, snapshot {cap.get('snapshot')}"
         + (f"; Kafka: {cap['kafka_error']}" if "kafka_error" in cap else ""),
     )
     for t in status["topics"]:
-        table.add_row(f"  topic {t['topic']}", "", "", f"{t['records']} records in {t['partitions']} partition(s)")
+        _row(table, f"  topic {t['topic']}", "", "", f"{t['records']} records in {t['partitions']} partition(s)")
     for sink in status["sinks"]:
         fresh = sink.get("freshness_s")
-        table.add_row(
+        _row(
+            table,
             f"sink {sink['name']}",
-            sink["state"],
+            escape(str(sink["state"])),
             "?" if sink["lag_records"] is None else f"{sink['lag_records']} records",
             f"generation {sink['generation']}, freshness {'?' if fresh is None else f'{fresh:.1f}s'}, "
             f"{sink['batches']} batches, {sink['dead_letters']} dead letters"
@@ -259,8 +263,15 @@ def _status(settings: Settings, config_path: Path | None, *, as_json: bool) -> i
     console = Console(width=None if sys.stdout.isatty() else 160)
     console.print(table)
     for problem in problems:
-        console.print(f"[yellow]attention:[/] {problem}")
+        console.print(f"[yellow]attention:[/] {escape(problem)}")
     return 3 if problems else 0
+
+
+def _row(table: Any, part: str, state: str, lag: str, details: str) -> None:
+    """A row of `cdc status`: only the state column carries markup; names, errors and DSNs are shown as is."""
+    from rich.markup import escape  # noqa: PLC0415
+
+    table.add_row(escape(part), state, escape(lag), escape(details))
 
 
 def _problems(status: dict[str, Any]) -> list[str]:

@@ -89,10 +89,10 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
-def _lag(checkpoint: Path, ends: Mapping[tuple[str, int], tuple[int, int]]) -> tuple[int | None, list[PartitionLag]]:
-    committed = checkpoint_offsets(checkpoint)
-    if committed is None:
-        return None, []
+def _lag(checkpoint: Path | None, ends: Mapping[tuple[str, int], tuple[int, int]]) -> tuple[int, list[PartitionLag]]:
+    # A sink that has not completed a batch yet (or never started a query) has applied nothing: it is behind
+    # by everything, so the lag alerts can fire for a sink that fails on its first batch.
+    committed = (checkpoint_offsets(checkpoint) if checkpoint is not None else None) or {}
     parts = []
     for (topic, partition), (low, high) in sorted(ends.items()):
         # A topic the query has not reached yet starts at the earliest offset (startingOffsets=earliest).
@@ -123,10 +123,9 @@ def sink_progress(
         name = status_path.parent.name
         status = _read_json(status_path)
         generation = status.get("generation")
-        lag: int | None = None
-        parts: list[PartitionLag] = []
-        if isinstance(generation, int):
-            lag, parts = _lag(base / name / f"g{generation}" / "checkpoint", ends)
+        checkpoint = base / name / f"g{generation}" / "checkpoint" if isinstance(generation, int) else None
+        lag: int | None
+        lag, parts = _lag(checkpoint, ends)
         last_ts = status.get("last_source_ts_ms")
         freshness: float | None = None
         if lag == 0:

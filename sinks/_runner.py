@@ -72,12 +72,13 @@ class _Status:
 
     @classmethod
     def load(cls, path: Path) -> _Status:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(OSError):  # reported by update(), which cannot write either
+            path.parent.mkdir(parents=True, exist_ok=True)
         return cls(path, cls._read(path))
 
     @staticmethod
     def _read(path: Path) -> dict[str, Any]:
-        with contextlib.suppress(FileNotFoundError, ValueError):  # absent, or torn by a crash mid-write
+        with contextlib.suppress(OSError, ValueError):  # absent, unreadable, or torn by a crash mid-write
             data = json.loads(path.read_text())
             if isinstance(data, dict):
                 return data
@@ -86,11 +87,16 @@ class _Status:
     def update(self, **values: Any) -> None:
         # Read, merge, replace: the app's loop (heartbeats, backoff) and the query's batches write the same
         # file from different threads and objects; none may undo another's fields.
+        # Best effort: a full or read-only state disk must not end the app over a status line (the query's
+        # own checkpoint writes fail loudly where it matters).
         with _STATUS_LOCK:
-            self.data = {**self._read(self.path), **values, "updated_at": time.time()}
-            tmp = self.path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(self.data, indent=2))
-            tmp.replace(self.path)
+            try:
+                self.data = {**self._read(self.path), **values, "updated_at": time.time()}
+                tmp = self.path.with_suffix(".tmp")
+                tmp.write_text(json.dumps(self.data, indent=2))
+                tmp.replace(self.path)
+            except OSError as exc:
+                log.warning("cannot write %s: %s", self.path, exc)
 
 
 class SinkQuery:
@@ -280,16 +286,20 @@ def run(settings: SinkSettings, names: Sequence[str], stop: threading.Event) -> 
             queries.pop(name, None)
             back_off(name, f"could not start ({_short(exc)})")
 
+    def heartbeat() -> None:
+        # "Alive" for readers outside the app (cdc status, the capture's dashboard and metrics). Its own
+        # thread: the loop below blocks while a sink starts or stops (Spark, a store's timeouts).
+        while not stop.wait(HEARTBEAT_S):
+            for name in names:
+                _sink_status(settings, name).update(heartbeat_at=time.time())
+
+    for name in names:
+        _sink_status(settings, name).update(heartbeat_at=time.time())
+    threading.Thread(target=heartbeat, name="pgcdc-heartbeat", daemon=True).start()
     for name in names:
         start(name)
-    last_beat = 0.0
     try:
         while not stop.is_set():
-            if time.monotonic() - last_beat >= HEARTBEAT_S:
-                # "Alive" for readers outside the app (cdc status, the capture's dashboard and metrics).
-                for name in names:
-                    _sink_status(settings, name).update(heartbeat_at=time.time())
-                last_beat = time.monotonic()
             for name in names:
                 q = queries.get(name)
                 if name in given_up:

@@ -384,6 +384,8 @@ def _config(case: Case, env: Env, dsn: str, *, redis_url: str, busy_port: int | 
         + "[kafka]\n"
         + _section({"bootstrap_servers": f"'{env.kafka}'", "topic_prefix": f"'b{n}'"}, case.kafka)
         + f"[registry]\nurl = '{env.registry}'\n"
+        # Any free port for the metrics, unless the case is about them: a demo on 9464 must not change results.
+        + ("" if "[metrics]" in case.extra else "[metrics]\nport = 0\n")
         + case.extra
     )
     text = text.replace("{n}", n).replace("{work}", str(env.work)).replace("{redis}", redis_url)

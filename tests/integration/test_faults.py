@@ -267,8 +267,8 @@ def test_nothing_is_lost_or_doubled_whatever_fails(*, pg_dsn: str, stack: Stack,
                     capture.kill()
                     capture.start()
                 elif kind == "sinks_kill":
-                    if sinks.alive():
-                        sinks.kill()
+                    assert sinks.alive(), f"the sinks app exited on its own:\n{sinks.tail()}"
+                    sinks.kill()
                     sinks.start()
                 elif kind == "pg_fast":
                     _restart_postgres(signal.SIGINT)

@@ -385,7 +385,8 @@ def test_sink_lag_climbs_while_the_sinks_are_down_and_the_dashboard_shows_it(
                 ages.append(metric(m, "pgcdc_sink_freshness_seconds", sink="cache") or 0.0)
             print(f"sinks down: lag {lags}, freshness {[round(a, 1) for a in ages]}")  # shown with pytest -s
             assert lags == sorted(lags), lags
-            assert lags[-1] > lags[0] > 0, lags
+            assert lags[-1] > lags[0], lags
+            assert lags[0] >= 0, lags
             assert ages[-1] > ages[0], ages
             assert ages[-1] >= 15, ages
             wait_for(lambda: cache_sink().get("state") == "not running", 30, "the missing heartbeat to show")

@@ -75,11 +75,13 @@ def test_lag_per_partition_freshness_and_heartbeat(tmp_path: Path) -> None:
     assert cache.freshness_s is None  # no timestamps and no applied event: unknown, not zero
 
 
-def test_a_sink_that_never_completed_a_batch_has_unknown_lag(tmp_path: Path) -> None:
+def test_a_sink_that_never_completed_a_batch_is_behind_by_everything(tmp_path: Path) -> None:
     _status(tmp_path, "search", generation=1, state="running", heartbeat_at=time.time())
-    (search,) = sink_progress(_settings(tmp_path), {("pgcdc.public.a", 0): (0, 100)})
-    assert search.lag_records is None
-    assert search.freshness_s is None
+    _status(tmp_path, "cache", state="backoff", heartbeat_at=time.time())  # never even started a query
+    cache, search = sink_progress(_settings(tmp_path), {("pgcdc.public.a", 0): (10, 100)})
+    assert search.lag_records == 90
+    assert cache.lag_records == 90
+    assert search.freshness_s is None  # nothing applied and no timestamps asked for: unknown, not zero
 
 
 def test_events_count_only_once_their_kafka_transaction_commits() -> None:
@@ -98,6 +100,13 @@ def test_events_count_only_once_their_kafka_transaction_commits() -> None:
     assert 4.5 < m.behind_s < 6
     m.set_behind(0.0)
     assert m.behind_s > 4.5
+    # A transaction read but not yet in Kafka (a stall, a huge transaction): its age is how far behind.
+    fresh = CaptureMetrics()
+    fresh.pending(int((time.time() - 20) * 1e6))
+    assert fresh.behind_s is not None
+    assert fresh.behind_s >= 19.9
+    fresh.committed(1, 0.01, 1, None)
+    assert (fresh.behind_s or 0.0) < 1
 
 
 def test_snapshot_progress_and_eta() -> None:
