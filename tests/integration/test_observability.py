@@ -8,10 +8,8 @@ password, and every output is searched for it.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -28,7 +26,7 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from tests._services import tool_or_skip
 from tests.integration._capture_helpers import CdcConfig, scratch_database, wait_for
 from tests.integration._observe_helpers import api_status, free_port, http_get, metric, metric_sum, scrape
-from tests.integration._sinks_helpers import SinksProcess, Stack
+from tests.integration._sinks_helpers import SinksProcess, Stack, cdc
 
 pytestmark = pytest.mark.slow
 
@@ -63,17 +61,6 @@ def _role_with_secret(dsn: str, unique: str) -> Iterator[tuple[str, str]]:
 def _drop_role(admin_dsn: str, unique: str) -> None:
     with psycopg.connect(admin_dsn, autocommit=True) as conn:
         conn.execute(sql.SQL("DROP ROLE IF EXISTS {}").format(sql.Identifier(f"obs_{unique}")))
-
-
-def _cdc(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "cdc.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-        env={**os.environ, **(env or {})},
-    )
 
 
 def test_capture_metrics_move_under_a_workload_and_never_show_the_password(
@@ -146,7 +133,7 @@ def test_capture_metrics_move_under_a_workload_and_never_show_the_password(
                                 "INSERT INTO orders (note) SELECT repeat('x', 500) FROM generate_series(1, 20)"
                             )
                             time.sleep(0.15)
-                    frozen = _cdc("status", "--config", str(config), "--json", env={"CDC_METRICS__PORT": str(port)})
+                    frozen = cdc("status", "--config", str(config), "--json", timeout=120)
                 finally:
                     capture.proc.send_signal(signal.SIGCONT)
                 report = json.loads(frozen.stdout)
@@ -213,7 +200,7 @@ def test_capture_metrics_move_under_a_workload_and_never_show_the_password(
                 assert "http://" not in page.replace("http://www.w3.org/2000/svg", "")  # nothing from the network
 
                 # The password is nowhere: not in metrics, status JSON, the page, the log, or `cdc status`.
-                plain = _cdc("status", "--config", str(config), env={"CDC_METRICS__PORT": str(port)})
+                plain = cdc("status", "--config", str(config), timeout=120)
                 outputs = {
                     "/metrics": http_get(f"http://127.0.0.1:{port}/metrics").decode(),
                     "/api/status": json.dumps(api_status(port)),
@@ -386,7 +373,6 @@ def test_sink_lag_climbs_while_the_sinks_are_down_and_the_dashboard_shows_it(
             print(f"sinks down: lag {lags}, freshness {[round(a, 1) for a in ages]}")  # shown with pytest -s
             assert lags == sorted(lags), lags
             assert lags[-1] > lags[0], lags
-            assert lags[0] >= 0, lags
             assert ages[-1] > ages[0], ages
             assert ages[-1] >= 15, ages
             wait_for(lambda: cache_sink().get("state") == "not running", 30, "the missing heartbeat to show")
@@ -394,7 +380,7 @@ def test_sink_lag_climbs_while_the_sinks_are_down_and_the_dashboard_shows_it(
             assert any(e["source"] == "sink cache" and "not running" in e["message"] for e in errors), errors
 
             # `cdc status` says the same, and exits 3: something needs attention.
-            report = _cdc("status", "--config", str(config), "--json")
+            report = cdc("status", "--config", str(config), "--json", timeout=120)
             assert report.returncode == 3, report.stdout + report.stderr
             parsed = json.loads(report.stdout)
             (sink,) = [s for s in parsed["sinks"] if s["name"] == "cache"]

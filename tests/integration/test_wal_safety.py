@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -13,6 +10,7 @@ import psycopg
 import pytest
 
 from tests.integration._capture_helpers import CdcConfig, CdcProcess, scratch_database, wait_for
+from tests.integration._sinks_helpers import cdc
 
 pytestmark = pytest.mark.slow
 
@@ -132,39 +130,17 @@ def test_a_slot_invalidated_by_max_slot_wal_keep_size_is_reported_with_the_way_o
             with psycopg.connect(pg_dsn, autocommit=True) as conn:
                 conn.execute("ALTER SYSTEM RESET max_slot_wal_keep_size")
                 conn.execute("SELECT pg_reload_conf()")
-        env = {k: v for k, v in os.environ.items() if not k.startswith("CDC_") or k.startswith("CDC_TEST_")}
-        run = subprocess.run(
-            [sys.executable, "-m", "cdc.cli", "run", "--config", str(tmp_path / "cdc.toml")],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=False,
-            env=env,
-        )
+        run = cdc("run", "--config", str(tmp_path / "cdc.toml"), timeout=120)
         assert run.returncode == 3, run.stdout + run.stderr
         assert "was invalidated" in run.stderr
         assert "re-snapshot" in run.stderr
-        status = subprocess.run(
-            [sys.executable, "-m", "cdc.cli", "status", "--config", str(tmp_path / "cdc.toml"), "--json"],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=False,
-            env=env,
-        )
+        status = cdc("status", "--config", str(tmp_path / "cdc.toml"), "--json", timeout=120)
         assert status.returncode == 3, status.stdout + status.stderr
         report = json.loads(status.stdout)
         assert report["source"]["wal_status"] == "lost"
         assert any("invalidated" in p and "cdc detach" in p for p in report["problems"]), report["problems"]
         # The way out works: detach, run again (a fresh slot and snapshot).
-        detach = subprocess.run(
-            [sys.executable, "-m", "cdc.cli", "detach", "--yes", "--config", str(tmp_path / "cdc.toml")],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=False,
-            env=env,
-        )
+        detach = cdc("detach", "--yes", "--config", str(tmp_path / "cdc.toml"), timeout=120)
         assert detach.returncode == 0, detach.stdout + detach.stderr
         proc = CdcProcess(tmp_path / "cdc.toml", tmp_path / "cdc2.log")
         proc.start()
