@@ -149,14 +149,10 @@ class Capture:
     # --- set-up -------------------------------------------------------------------------------
 
     def _kafka_conf(self) -> dict[str, Any]:
-        return {"bootstrap.servers": self.settings.kafka.bootstrap_servers, **self.settings.kafka.producer}
+        return self.settings.kafka.client_conf()
 
     def _registry_conf(self) -> dict[str, Any]:
-        reg = self.settings.registry
-        conf: dict[str, Any] = {"url": reg.url, **reg.extra}
-        if reg.basic_auth_user_info is not None:
-            conf["basic.auth.user.info"] = reg.basic_auth_user_info.get_secret_value()
-        return conf
+        return self.settings.registry.client_conf()
 
     def run(self) -> None:
         """Attach, snapshot if needed, stream until ``stop`` is set; raises CDCError subclasses."""

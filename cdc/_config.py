@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, f
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from cdc.errors import ConfigError
-from schemas import TEXT_OUTPUT_SETTINGS
+from schemas import TEXT_OUTPUT_SETTINGS, KafkaSecurity, RegistrySecurity
 
 _IDENT = re.compile(r"^[^\x00]{1,63}$")  # PostgreSQL names: any character but NUL, at most 63 bytes
 
@@ -101,7 +101,9 @@ class SourceConfig(_Section):
         return make_conninfo("", **params)
 
 
-class KafkaConfig(_Section):
+class KafkaConfig(_Section, KafkaSecurity):
+    """The brokers; TLS and SASL keys come from KafkaSecurity (shared with the sinks, schemas/_security.py)."""
+
     bootstrap_servers: str = "127.0.0.1:9092"
     topic_prefix: str = "pgcdc"
     partitions: int = Field(default=1, ge=1, description="partitions of newly created change topics")
@@ -111,14 +113,21 @@ class KafkaConfig(_Section):
     )
     offsets_topic: str | None = Field(default=None, description="default: <topic_prefix>.offsets")
     producer: dict[str, str | int | float | bool] = Field(
-        default_factory=dict, description="extra librdkafka producer settings (security, compression, …)"
+        default_factory=dict, description="extra librdkafka producer settings (compression, linger, …)"
     )
 
+    def client_conf(self) -> dict[str, Any]:
+        """librdkafka settings for every client of the capture: brokers, security, extras. Never log it."""
+        return {"bootstrap.servers": self.bootstrap_servers, **self.librdkafka(), **self.producer}
 
-class RegistryConfig(_Section):
+
+class RegistryConfig(_Section, RegistrySecurity):
     url: str = "http://127.0.0.1:8081"
-    basic_auth_user_info: SecretStr | None = None
     extra: dict[str, str] = Field(default_factory=dict, description="extra SchemaRegistryClient settings")
+
+    def client_conf(self) -> dict[str, Any]:
+        """SchemaRegistryClient settings (credentials included: never log them)."""
+        return {**self.extra, "url": self.url, **self.security_conf()}
 
 
 class CaptureConfig(_Section):

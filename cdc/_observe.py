@@ -461,14 +461,14 @@ def collect_status(settings: Settings, config_path: Path | None) -> dict[str, An
     if cfg.enabled and cfg.port:
         host = "127.0.0.1" if cfg.host in ("0.0.0.0", "::", "") else cfg.host  # noqa: S104 - a wildcard bind
         out["capture"]["service"] = _health(f"http://{host}:{cfg.port}/healthz")
-    conf = {"bootstrap.servers": s.kafka.bootstrap_servers, **s.kafka.producer}
+    conf = s.kafka.client_conf()
     try:
         state = OffsetStore(conf, s.offsets_topic, s.source.slot).load() or {}
         out["capture"]["resume_lsn"] = format_lsn(int(state["lsn"])) if "lsn" in state else None
         out["capture"]["snapshot"] = state.get("snapshot", {}).get("status")
         consumer = Consumer(
             {
-                "bootstrap.servers": s.kafka.bootstrap_servers,
+                **conf,
                 "group.id": "pgcdc-status",
                 "enable.auto.commit": False,
                 "isolation.level": "read_committed",

@@ -8,8 +8,9 @@
     python deploy/services.py env                   shell exports of the CDC_TEST_* variables
     python deploy/services.py endpoints             every service's address as JSON (holds the password)
 
-Services: postgres (Debian packages, wal_level=logical), kafka (KRaft, jars from Maven Central),
-registry (Apicurio Registry, Confluent-compatible API), opensearch (integ-test zip from Maven
+Services: postgres (Debian packages, wal_level=logical, TLS offered), kafka (KRaft, jars from Maven Central;
+a plaintext and a SASL_SSL listener), registry (Apicurio Registry, Confluent-compatible API), registry-tls
+(the registry behind nginx with HTTPS and basic authentication), opensearch (integ-test zip from Maven
 Central), redis (Debian packages), spark-jars (Kafka source, spark-avro and Delta Lake for the
 installed pyspark; nothing to run).
 
@@ -20,7 +21,8 @@ Where things go (all outside the repository):
     $CDC_LOCAL_STATE  (default ~/.local/state/pgcdc,       installs, data, logs/, run/, endpoints.json
                        or /var/tmp/pgcdc when run as root)
 Ports: CDC_LOCAL_PG_PORT, CDC_LOCAL_KAFKA_PORT, CDC_LOCAL_KAFKA_CONTROLLER_PORT,
-CDC_LOCAL_REGISTRY_PORT, CDC_LOCAL_OPENSEARCH_PORT, CDC_LOCAL_REDIS_PORT.
+CDC_LOCAL_REGISTRY_PORT, CDC_LOCAL_OPENSEARCH_PORT, CDC_LOCAL_REDIS_PORT, CDC_LOCAL_KAFKA_SASL_PORT,
+CDC_LOCAL_REGISTRY_TLS_PORT. TLS endpoints present a certificate of a local CA (state/data/tls/ca.crt).
 """
 
 from __future__ import annotations
@@ -66,6 +68,15 @@ MAVEN = os.environ.get("CDC_LOCAL_MAVEN", "https://repo1.maven.org/maven2")
 SERVICE_USER = "pgcdc"  # PostgreSQL and OpenSearch refuse to run as root
 PG_USER = "postgres"
 PG_PASSWORD = os.environ.get("CDC_LOCAL_PG_PASSWORD", "postgres")
+# Credentials of the local TLS endpoints (a SASL_SSL Kafka listener, the registry behind HTTPS): test fixtures,
+# like the database password above, not secrets of any real system.
+KAFKA_SASL_USER = "pgcdc"
+KAFKA_SASL_PASSWORD = os.environ.get("CDC_LOCAL_KAFKA_SASL_PASSWORD", "pgcdc-sasl-local")
+REGISTRY_USER = "pgcdc"
+REGISTRY_PASSWORD = os.environ.get("CDC_LOCAL_REGISTRY_PASSWORD", "pgcdc-registry-local")
+# Members of this role may reach the local PostgreSQL only over TLS (pg_hba `hostnossl … reject`): the TLS
+# tests connect as such a role, so a connection that silently fell back to plaintext would be refused.
+PG_TLS_ONLY_ROLE = "pgcdc_tls_only"
 
 
 def _home(var: str, default: Path) -> Path:
@@ -102,7 +113,10 @@ PORTS = {
     "opensearch": _port("CDC_LOCAL_OPENSEARCH_PORT", 19200),
     "opensearch-transport": _port("CDC_LOCAL_OPENSEARCH_TRANSPORT_PORT", 19300),
     "redis": _port("CDC_LOCAL_REDIS_PORT", 16379),
+    "kafka-sasl": _port("CDC_LOCAL_KAFKA_SASL_PORT", 19094),
+    "registry-tls": _port("CDC_LOCAL_REGISTRY_TLS_PORT", 18443),
 }
+TLS = DATA / "tls"
 
 
 class DeployError(Exception):
@@ -297,6 +311,83 @@ def http_get(url: str, timeout: float = 2.0) -> tuple[int, bytes]:
         return 0, b""
 
 
+def tls_material() -> dict[str, Path]:
+    """A local CA and a certificate for 127.0.0.1 / localhost that the TLS endpoints present (made once).
+
+    Clients verify it against ``ca.crt`` (sslmode=verify-full, librdkafka's and Java's hostname checks): the
+    tests exercise real verification, not a trust-anything mode.
+    """
+    files = {n: TLS / n for n in ("ca.key", "ca.crt", "server.key", "server.crt", "server.pem")}
+    if files["server.pem"].exists():
+        return files
+    say("creating a local certificate authority and a server certificate for the TLS endpoints")
+    TLS.mkdir(parents=True, exist_ok=True)
+    TLS.chmod(0o755)
+    days = "3650"
+    run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            days,
+            "-subj",
+            "/CN=pgcdc local CA",
+            "-keyout",
+            str(files["ca.key"]),
+            "-out",
+            str(files["ca.crt"]),
+        ]
+    )
+    csr, ext = TLS / "server.csr", TLS / "server.ext"
+    run(
+        [
+            "openssl",
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-subj",
+            "/CN=localhost",
+            "-keyout",
+            str(files["server.key"]),
+            "-out",
+            str(csr),
+        ]
+    )
+    ext.write_text("subjectAltName = DNS:localhost, IP:127.0.0.1\nextendedKeyUsage = serverAuth\n")
+    run(
+        [
+            "openssl",
+            "x509",
+            "-req",
+            "-in",
+            str(csr),
+            "-CA",
+            str(files["ca.crt"]),
+            "-CAkey",
+            str(files["ca.key"]),
+            "-CAcreateserial",
+            "-days",
+            days,
+            "-extfile",
+            str(ext),
+            "-out",
+            str(files["server.crt"]),
+        ]
+    )
+    csr.unlink()
+    for name in ("ca.key", "server.key"):
+        files[name].chmod(0o600)
+    # Kafka's PEM key store: the (PKCS#8, unencrypted) key and the certificate in one file.
+    files["server.pem"].write_text(files["server.key"].read_text() + files["server.crt"].read_text())
+    files["server.pem"].chmod(0o600)
+    return files
+
+
 # --- process bookkeeping -----------------------------------------------------------------------
 
 
@@ -485,6 +576,8 @@ class Postgres(Service):
             )
 
     def start(self) -> None:
+        user = ensure_service_user()
+        tls = self.tls_files(user)
         spawn(
             self.name,
             [
@@ -496,9 +589,35 @@ class Postgres(Service):
                 # On the command line, so a cluster initialised by an older version of this script gets them too.
                 *("-c", "wal_level=logical", "-c", "max_wal_senders=20", "-c", "max_replication_slots=20"),
                 *("-c", "max_prepared_transactions=10"),  # two-phase decoding tests need PREPARE TRANSACTION
+                # TLS is offered to every client (libpq's default sslmode=prefer takes it); see hba_file below.
+                *("-c", "ssl=on", "-c", f"ssl_cert_file={tls['cert']}", "-c", f"ssl_key_file={tls['key']}"),
+                *("-c", f"hba_file={tls['hba']}"),
             ],
-            user=ensure_service_user(),
+            user=user,
         )
+
+    def tls_files(self, user: str | None) -> dict[str, Path]:
+        """The server's certificate, a key only the server's user may read (PostgreSQL insists), the hba file."""
+        material = tls_material()
+        key = TLS / "postgres-server.key"
+        shutil.copyfile(material["server.key"], key)
+        key.chmod(0o600)
+        chown_tree(key, user)
+        hba = DATA / "postgres-hba.conf"
+        hba.write_text(
+            textwrap.dedent(f"""
+            # pgcdc local service (written by deploy/services.py at each start)
+            local   all          all                         trust
+            local   replication  all                         trust
+            # members of {PG_TLS_ONLY_ROLE} may connect over TLS only: a plaintext attempt is refused
+            hostnossl all         +{PG_TLS_ONLY_ROLE}  127.0.0.1/32  reject
+            hostnossl replication +{PG_TLS_ONLY_ROLE}  127.0.0.1/32  reject
+            host    all          all       127.0.0.1/32      scram-sha-256
+            host    replication  all       127.0.0.1/32      scram-sha-256
+            """)
+        )
+        chown_tree(hba, user)
+        return {"cert": material["server.crt"], "key": key, "hba": hba}
 
     def ready(self) -> bool:
         proc = subprocess.run(
@@ -517,6 +636,8 @@ class Postgres(Service):
             "port": port,
             "dsn": f"postgresql://{PG_USER}:{PG_PASSWORD}@127.0.0.1:{port}/postgres",
             "display": f"postgresql://{PG_USER}:***@127.0.0.1:{port}/postgres",
+            "tls_ca": str(TLS / "ca.crt"),
+            "tls_only_role": PG_TLS_ONLY_ROLE,
         }
 
 
@@ -562,17 +683,26 @@ class Kafka(Service):
         )
         data = DATA / "kafka"
         props = self.home() / "server.properties"
-        p, c = PORTS["kafka"], PORTS["kafka-controller"]
+        p, c, sasl = PORTS["kafka"], PORTS["kafka-controller"], PORTS["kafka-sasl"]
+        pem = tls_material()["server.pem"]
+        # A second listener speaks SASL_SSL (TLS + SASL/PLAIN with one user), for the security tests; the
+        # plaintext one serves everything else. JAAS values are quoted: escape what could break the quoting.
+        jaas_pw = KAFKA_SASL_PASSWORD.replace("\\", "\\\\").replace('"', '\\"')
         props.write_text(
             textwrap.dedent(f"""
             process.roles=broker,controller
             node.id=1
             controller.quorum.bootstrap.servers=127.0.0.1:{c}
-            listeners=PLAINTEXT://127.0.0.1:{p},CONTROLLER://127.0.0.1:{c}
-            advertised.listeners=PLAINTEXT://127.0.0.1:{p}
+            listeners=PLAINTEXT://127.0.0.1:{p},CONTROLLER://127.0.0.1:{c},SASL_SSL://127.0.0.1:{sasl}
+            advertised.listeners=PLAINTEXT://127.0.0.1:{p},SASL_SSL://127.0.0.1:{sasl}
             controller.listener.names=CONTROLLER
-            listener.security.protocol.map=PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT
+            listener.security.protocol.map=PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT,SASL_SSL:SASL_SSL
             inter.broker.listener.name=PLAINTEXT
+            listener.name.sasl_ssl.sasl.enabled.mechanisms=PLAIN
+            listener.name.sasl_ssl.plain.sasl.jaas.config=org.apache.kafka.common.security.plain.PlainLoginModule \\
+              required user_{KAFKA_SASL_USER}="{jaas_pw}";
+            listener.name.sasl_ssl.ssl.keystore.type=PEM
+            listener.name.sasl_ssl.ssl.keystore.location={pem}
             log.dirs={data}
             num.partitions=1
             offsets.topic.replication.factor=1
@@ -619,7 +749,7 @@ class Kafka(Service):
         spawn(self.name, [*self.java(), "kafka.Kafka", str(self.home() / "server.properties")])
 
     def ready(self) -> bool:
-        if not port_open(PORTS["kafka"]):
+        if not (port_open(PORTS["kafka"]) and port_open(PORTS["kafka-sasl"])):
             return False
         try:
             from confluent_kafka.admin import AdminClient  # present in the project's virtualenv
@@ -632,7 +762,18 @@ class Kafka(Service):
             return False
 
     def endpoint(self) -> dict[str, Any]:
-        return {"port": PORTS["kafka"], "bootstrap": f"127.0.0.1:{PORTS['kafka']}"}
+        return {
+            "port": PORTS["kafka"],
+            "bootstrap": f"127.0.0.1:{PORTS['kafka']}",
+            # the SASL_SSL listener: the same broker, reached over TLS with a user and password
+            "sasl_ssl": {
+                "bootstrap": f"127.0.0.1:{PORTS['kafka-sasl']}",
+                "mechanism": "PLAIN",
+                "username": KAFKA_SASL_USER,
+                "password": KAFKA_SASL_PASSWORD,
+                "ca": str(TLS / "ca.crt"),
+            },
+        }
 
 
 class Registry(Service):
@@ -682,6 +823,88 @@ class Registry(Service):
     def endpoint(self) -> dict[str, Any]:
         port = PORTS["registry"]
         return {"port": port, "url": f"http://127.0.0.1:{port}/apis/ccompat/v7"}
+
+
+class RegistryTLS(Service):
+    """The registry behind HTTPS and basic authentication: nginx in front, as it is often deployed.
+
+    Apicurio's own authentication needs an OpenID Connect server; a TLS-terminating proxy with a password is
+    the common alternative, and it gives the security tests a real HTTPS endpoint that refuses strangers.
+    """
+
+    name = "registry-tls"
+    needs = ("registry",)
+    ready_timeout = 30.0
+
+    def conf(self) -> Path:
+        return DATA / "registry-tls" / "nginx.conf"
+
+    def version(self) -> str:
+        nginx = shutil.which("nginx") or "/usr/sbin/nginx"
+        if not Path(nginx).exists():
+            return "nginx (not installed)"
+        return run([nginx, "-v"]).stderr.strip().replace("nginx version: ", "")
+
+    def install(self) -> None:
+        apt_install("/usr/sbin/nginx", "nginx-light")
+        material = tls_material()
+        home = self.conf().parent
+        (home / "tmp").mkdir(parents=True, exist_ok=True)
+        salted = run(["openssl", "passwd", "-apr1", "-stdin"], input=REGISTRY_PASSWORD + "\n").stdout.strip()
+        (home / "htpasswd").write_text(f"{REGISTRY_USER}:{salted}\n")
+        self.conf().write_text(
+            textwrap.dedent(f"""
+            # written by deploy/services.py
+            daemon off;
+            worker_processes 1;
+            pid {RUN / "registry-tls.nginx.pid"};
+            error_log stderr warn;
+            events {{ worker_connections 256; }}
+            http {{
+                access_log off;
+                client_body_temp_path {home / "tmp"};
+                proxy_temp_path {home / "tmp"};
+                server {{
+                    listen 127.0.0.1:{PORTS["registry-tls"]} ssl;
+                    ssl_certificate {material["server.crt"]};
+                    ssl_certificate_key {material["server.key"]};
+                    auth_basic "pgcdc registry";
+                    auth_basic_user_file {home / "htpasswd"};
+                    location / {{
+                        proxy_pass http://127.0.0.1:{PORTS["registry"]};
+                        proxy_set_header Host $host;
+                        proxy_set_header Authorization "";
+                    }}
+                }}
+            }}
+            """)
+        )
+
+    def start(self) -> None:
+        nginx = shutil.which("nginx") or "/usr/sbin/nginx"
+        spawn(self.name, [nginx, "-c", str(self.conf()), "-p", str(self.conf().parent)])
+
+    def ready(self) -> bool:
+        import ssl
+
+        ctx = ssl.create_default_context(cafile=str(TLS / "ca.crt"))
+        token = base64.b64encode(f"{REGISTRY_USER}:{REGISTRY_PASSWORD}".encode()).decode()
+        req = urllib.request.Request(self.endpoint()["url"] + "/subjects", headers={"Authorization": f"Basic {token}"})
+        try:
+            with urllib.request.urlopen(req, timeout=2, context=ctx) as resp:
+                return bool(resp.status == 200)
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def endpoint(self) -> dict[str, Any]:
+        port = PORTS["registry-tls"]
+        return {
+            "port": port,
+            "url": f"https://127.0.0.1:{port}/apis/ccompat/v7",
+            "username": REGISTRY_USER,
+            "password": REGISTRY_PASSWORD,
+            "ca": str(TLS / "ca.crt"),
+        }
 
 
 class OpenSearch(Service):
@@ -864,7 +1087,7 @@ def _artifact(jar_name: str) -> str:
 
 
 SERVICES: dict[str, Service] = {
-    s.name: s for s in (Postgres(), Kafka(), Registry(), OpenSearch(), Redis(), SparkJars())
+    s.name: s for s in (Postgres(), Kafka(), Registry(), RegistryTLS(), OpenSearch(), Redis(), SparkJars())
 }
 
 
@@ -948,10 +1171,10 @@ def cmd_status(names: list[str], as_json: bool) -> int:
     if as_json:
         print(json.dumps(rows, indent=2))
     else:
-        print(f"{'SERVICE':<11} {'STATE':<8} {'PID':<8} {'VERSION':<34} WHERE")
+        print(f"{'SERVICE':<12} {'STATE':<8} {'PID':<8} {'VERSION':<34} WHERE")
         for r in rows:
             state = "ok" if r["healthy"] else "down"
-            print(f"{r['service']:<11} {state:<8} {r['pid'] or '-'!s:<8} {r['version']:<34} {r['where']}")
+            print(f"{r['service']:<12} {state:<8} {r['pid'] or '-'!s:<8} {r['version']:<34} {r['where']}")
         print(f"logs: {LOGS}/<service>.log   state: {STATE}   cache: {CACHE}")
     return 0 if all(r["healthy"] for r in rows) else 3
 

@@ -15,6 +15,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
 
+from schemas import KafkaSecurity, RegistrySecurity
 from sinks.errors import SinkConfigError
 
 _BUILTINS = ("search", "cache", "warehouse")
@@ -30,17 +31,22 @@ class _Foreign(BaseModel):
     model_config = ConfigDict(extra="ignore", frozen=True)
 
 
-class KafkaSection(_Foreign):
+class KafkaSection(_Foreign, KafkaSecurity):
+    """The brokers and their security (the same keys the capture reads: schemas/_security.py)."""
+
     bootstrap_servers: str = "127.0.0.1:9092"
     topic_prefix: str = "pgcdc"
     consumer: dict[str, str] = Field(
-        default_factory=dict, description="extra Kafka consumer settings for Spark's Kafka source (security, …)"
+        default_factory=dict, description="extra Java consumer settings for Spark's Kafka source"
     )
 
+    def client_conf(self) -> dict[str, Any]:
+        """librdkafka settings for the sinks' own Kafka clients (lag probe, admin). Never log it."""
+        return {"bootstrap.servers": self.bootstrap_servers, **self.librdkafka()}
 
-class RegistrySection(_Foreign):
+
+class RegistrySection(_Foreign, RegistrySecurity):
     url: str = "http://127.0.0.1:8081"
-    basic_auth_user_info: SecretStr | None = None
 
 
 class SearchConfig(_Section):
@@ -138,10 +144,7 @@ class SinkSettings(BaseSettings):
         return f"{self.kafka.topic_prefix}.{_topic_part(schema)}.{_topic_part(table)}"
 
     def registry_conf(self) -> dict[str, Any]:
-        conf: dict[str, Any] = {"url": self.registry.url, "timeout": 30}
-        if self.registry.basic_auth_user_info is not None:
-            conf["basic.auth.user.info"] = self.registry.basic_auth_user_info.get_secret_value()
-        return conf
+        return {"url": self.registry.url, "timeout": 30, **self.registry.security_conf()}
 
 
 def _topic_part(name: str) -> str:

@@ -188,9 +188,8 @@ class TopicEnds:
         self._stamps: dict[tuple[str, int, int], float | None] = {}
         self._consumer = Consumer(
             {
-                # kafka.consumer holds the Java client's names (for Spark); security settings for this
-                # librdkafka probe come with the security work, until then it reads plaintext brokers.
-                "bootstrap.servers": settings.kafka.bootstrap_servers,
+                # kafka.consumer holds the Java client's names (for Spark): brokers and security only here.
+                **settings.kafka.client_conf(),
                 "group.id": "pgcdc-lag-probe",  # never joins or commits: only metadata and watermarks
                 "enable.auto.commit": False,
                 "isolation.level": "read_committed",

@@ -40,6 +40,8 @@ def kafka_options(settings: SinkSettings) -> dict[str, str]:
         "kafka.bootstrap.servers": settings.kafka.bootstrap_servers,
         # Only committed capture transactions: an aborted one must never reach a store.
         "kafka.isolation.level": "read_committed",
+        # TLS and SASL as the capture uses them (Spark redacts sasl.jaas.config in its logs and UI).
+        **{f"kafka.{k}": v for k, v in settings.kafka.java().items()},
     }
     options.update({f"kafka.{k}": str(v) for k, v in settings.kafka.consumer.items()})
     return options
@@ -376,11 +378,8 @@ def ensure_dead_letter_topic(settings: SinkSettings) -> None:
     from confluent_kafka import KafkaException
     from confluent_kafka.admin import AdminClient, NewTopic
 
-    conf: dict[str, str | int | float | bool] = {
-        "bootstrap.servers": settings.kafka.bootstrap_servers,
-        **settings.kafka.consumer,
-    }
-    admin = AdminClient(conf)
+    # kafka.consumer holds Java names for Spark; this librdkafka client takes only brokers and security.
+    admin = AdminClient(settings.kafka.client_conf())
     topic = settings.dead_letter_topic
     try:
         if topic in admin.list_topics(timeout=30).topics:

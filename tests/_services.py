@@ -221,6 +221,27 @@ def tool_or_skip(*names: str, install: str) -> str:
     pytest.skip(reason)
 
 
+def tls_endpoints_or_skip() -> dict[str, Any]:
+    """The local services' TLS endpoints: PostgreSQL's CA and TLS-only role, Kafka's SASL_SSL listener, the
+    registry behind HTTPS with a password (deploy/services.py). Services given by environment variables or
+    testcontainers have no such endpoints: the security tests then skip, saying so."""
+    given = [ENV_VARS[n] for n in ("postgres", "kafka", "registry") if from_env(n)]
+    if given or docker_engine_answers():
+        pytest.skip(
+            "the TLS tests need deploy/services.py's TLS endpoints (a SASL_SSL Kafka listener, an HTTPS registry); "
+            f"services come from {', '.join(given) or 'testcontainers'} here"
+        )
+    try:
+        for name in ("postgres", "kafka", "registry-tls"):
+            _deploy_endpoints(name)
+    except ServiceUnavailableError as exc:
+        if require_services():
+            pytest.fail(f"required service missing (CDC_TEST_REQUIRE_SERVICES is set): {exc}")
+        pytest.skip(str(exc))
+    endpoints: dict[str, Any] = json.loads(_deploy("endpoints").stdout)
+    return endpoints
+
+
 def find_or_skip(name: str) -> str:
     """The service's address, or skip (fail when services are required) with the reason."""
     try:

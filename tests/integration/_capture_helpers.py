@@ -59,9 +59,13 @@ class CdcConfig:
     publication: str
     extra: str = ""
     heartbeat_interval_s: float = 1.0
+    kafka_extra: str = ""  # more keys of [kafka] (security…)
+    registry_extra: str = ""  # more keys of [registry]
 
     def write(self, path: Path) -> Path:
-        tables = ", ".join(json.dumps(t) for t in self.tables)  # a JSON string is a valid TOML basic string
+        # A JSON string is a valid TOML basic string, but only without \uD83D-style surrogate escapes (TOML
+        # refuses them): emoji and other non-BMP characters in table names are written as they are.
+        tables = ", ".join(json.dumps(t, ensure_ascii=False) for t in self.tables)
         path.write_text(
             f"""
 [source]
@@ -73,9 +77,11 @@ publication = "{self.publication}"
 [kafka]
 bootstrap_servers = "{self.kafka}"
 topic_prefix = "{self.prefix}"
+{self.kafka_extra}
 
 [registry]
 url = "{self.registry}"
+{self.registry_extra}
 
 [metrics]
 port = 0  # any free port: several captures run at once in the tests
