@@ -16,18 +16,34 @@ from psycopg import sql
 
 from cdc._catalog import TableInfo, load_table
 from cdc._config import Settings, split_table_name
-from cdc.errors import AuthenticationError, SourceCheckError, StreamError, TransientError
+from cdc.errors import AuthenticationError, ConfigError, SourceCheckError, StreamError, TransientError
 
 log = logging.getLogger(__name__)
 
 # SQLSTATE classes that mean "your credentials or privileges", never worth retrying.
 _AUTH_STATES = {"28000", "28P01", "42501"}
+# libpq's words for TLS set-up that cannot succeed as configured (sslmode, sslrootcert, the server's certificate).
+_TLS_FAILURE = re.compile(
+    r"root certificate file .* does not exist|certificate verify failed|does not match host name"
+    r"|server does not support SSL|could not read root certificate file|SSL error: (?:tlsv1 alert|unsupported)"
+)
 
 
 def translate_pg_error(exc: psycopg.Error, where: str) -> Exception:
     """One place that maps psycopg's errors to ours (the message never includes the password)."""
     state = getattr(exc, "sqlstate", None) or ""
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if "pg_hba.conf rejects connection" in text and "no encryption" in text:
+        return AuthenticationError(
+            f"PostgreSQL at {where} accepts this user only over TLS: {text}; add sslmode=verify-full and "
+            "sslrootcert=<the CA's PEM file> (or at least sslmode=require) to source.dsn"
+        )
+    if _TLS_FAILURE.search(text):
+        # Retrying cannot make an untrusted certificate trusted or a missing CA file appear.
+        return ConfigError(
+            f"TLS to PostgreSQL at {where} failed: {text}; check source.dsn's sslmode and sslrootcert (the PEM "
+            "file of the CA that signed the server's certificate) and that its host is one the certificate names"
+        )
     if state in _AUTH_STATES or "password authentication failed" in text or "no password supplied" in text:
         return AuthenticationError(
             f"PostgreSQL at {where} refused the login: {text}; check source.dsn's user and the password "
@@ -214,8 +230,9 @@ def _check_slot(conn: psycopg.Connection[Any], slot: str, *, allow_active: bool)
         if wal_status == "lost":
             raise SourceCheckError(
                 f"replication slot {slot!r} was invalidated (max_slot_wal_keep_size): the WAL it needed is gone. "
-                "Changes were lost; run `cdc detach --yes` and `cdc run` again to re-snapshot (rows deleted in the "
-                "gap stay in the topics and the stores until they are tombstoned by hand)",
+                "Changes were lost; run `cdc detach --yes` and `cdc run` again to re-snapshot (the re-snapshot "
+                "writes a delete event and a tombstone for each row deleted meanwhile, so the topics and the "
+                "stores end equal to the source)",
                 check="slot-lost",
             )
         return True

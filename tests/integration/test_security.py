@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
@@ -210,3 +213,97 @@ def _cache_lag(config: Path) -> int | None:
         return None
     lags = [s.get("lag_records") for s in sinks if s.get("name") == "cache"]
     return lags[0] if lags else None
+
+
+# --- wrong or missing security settings: each a clear error, its own exit code, no secret in the output ------
+
+
+def _without(text: str, key: str) -> str:
+    return "\n".join(line for line in text.splitlines() if not line.startswith(key))
+
+
+def _kafka_wrong_password(cfg: CdcConfig, env: dict[str, str], workdir: Path) -> CdcConfig:
+    env["CDC_KAFKA__SASL_PASSWORD"] = "not-the-password"
+    return cfg
+
+
+def _kafka_untrusted_certificate(cfg: CdcConfig, env: dict[str, str], workdir: Path) -> CdcConfig:
+    return dataclasses.replace(cfg, kafka_extra=_without(cfg.kafka_extra, "ssl_ca_location"))
+
+
+def _kafka_sasl_without_username(cfg: CdcConfig, env: dict[str, str], workdir: Path) -> CdcConfig:
+    return dataclasses.replace(cfg, kafka_extra=_without(cfg.kafka_extra, "sasl_username"))
+
+
+def _registry_wrong_password(cfg: CdcConfig, env: dict[str, str], workdir: Path) -> CdcConfig:
+    (workdir / "registry-user-info").write_text("pgcdc:not-the-password\n")
+    return cfg
+
+
+def _registry_untrusted_certificate(cfg: CdcConfig, env: dict[str, str], workdir: Path) -> CdcConfig:
+    return dataclasses.replace(cfg, registry_extra=_without(cfg.registry_extra, "ssl_ca_location"))
+
+
+def _pg_missing_root_certificate(cfg: CdcConfig, env: dict[str, str], workdir: Path) -> CdcConfig:
+    dsn = make_conninfo(cfg.dsn, sslmode="verify-full", sslrootcert=str(workdir / "no-such-ca.pem"))
+    return dataclasses.replace(cfg, dsn=dsn)
+
+
+def _pg_plaintext_for_a_tls_only_role(cfg: CdcConfig, env: dict[str, str], workdir: Path) -> CdcConfig:
+    return cfg  # the test connects as the TLS-only role with sslmode=disable (below)
+
+
+BAD_SECURITY = {
+    # case: (how to break the working secure config, exit code, fragments of the message)
+    "kafka-wrong-password": (_kafka_wrong_password, 4, ["Kafka refused the credentials", "sasl_password"]),
+    "kafka-untrusted-certificate": (_kafka_untrusted_certificate, 6, ["TLS connection to Kafka", "ssl_ca_location"]),
+    "kafka-sasl-without-username": (_kafka_sasl_without_username, 2, ["kafka", "needs sasl_username"]),
+    "registry-wrong-password": (_registry_wrong_password, 4, ["refused our credentials", "basic_auth_user_info"]),
+    "registry-untrusted-certificate": (
+        _registry_untrusted_certificate,
+        5,
+        ["TLS connection to the schema registry", "registry.ssl_ca_location"],
+    ),
+    "pg-missing-root-certificate": (_pg_missing_root_certificate, 2, ["TLS to PostgreSQL", "sslrootcert"]),
+    "pg-plaintext-for-a-tls-only-role": (_pg_plaintext_for_a_tls_only_role, 4, ["only over TLS", "sslmode"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_SECURITY))
+def test_wrong_security_settings_give_clear_errors(
+    *, case: str, pg_dsn: str, stack: Stack, unique: str, tmp_path: Path
+) -> None:
+    ep = tls_endpoints_or_skip()
+    breaks, code, fragments = BAD_SECURITY[case]
+    secrets = [ep["kafka"]["sasl_ssl"]["password"], ep["registry-tls"]["password"]]
+    env = {"CDC_KAFKA__SASL_PASSWORD": ep["kafka"]["sasl_ssl"]["password"], "CDC_METRICS__ENABLED": "false"}
+    try:
+        with scratch_database(pg_dsn, f"bs_{unique}") as dsn, _tls_only_role(pg_dsn, dsn, unique) as (role, password):
+            secrets.append(password)
+            env["CDC_SOURCE__PASSWORD"] = password
+            with psycopg.connect(dsn, autocommit=True) as conn:
+                conn.execute("CREATE TABLE items (id int PRIMARY KEY, name text, qty int)")
+                conn.execute(sql.SQL("ALTER TABLE items OWNER TO {}").format(sql.Identifier(role)))
+                conn.execute("INSERT INTO items VALUES (1, 'one', 1)")
+            sslmode = "disable" if case == "pg-plaintext-for-a-tls-only-role" else "verify-full"
+            role_dsn = _role_dsn(dsn, role, sslmode=sslmode, sslrootcert=ep["postgres"]["tls_ca"])
+            plain = stack.config(role_dsn, ["public.items"], prefix=f"b{unique}", unique=unique, workdir=tmp_path)
+            cfg = breaks(_secure_config(plain, ep, tmp_path), env, tmp_path)
+            config = cfg.write(tmp_path / "cdc.toml")
+            proc = subprocess.run(
+                [sys.executable, "-m", "cdc.cli", "run", "--config", str(config)],
+                capture_output=True,
+                text=True,
+                timeout=180,
+                check=False,
+                env={**os.environ, **env},
+            )
+            out = proc.stdout + proc.stderr
+            assert proc.returncode == code, out
+            for fragment in fragments:
+                assert fragment in out, f"{fragment!r} missing from:\n{out}"
+            assert "Traceback" not in out, out
+            for secret in secrets:
+                assert secret not in out, "a secret leaked into the error output"
+    finally:
+        _drop_role(pg_dsn, f"tls_{unique}")
