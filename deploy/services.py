@@ -114,6 +114,8 @@ PORTS = {
     "opensearch-transport": _port("CDC_LOCAL_OPENSEARCH_TRANSPORT_PORT", 19300),
     "redis": _port("CDC_LOCAL_REDIS_PORT", 16379),
     "kafka-sasl": _port("CDC_LOCAL_KAFKA_SASL_PORT", 19094),
+    "kafka-proxied": _port("CDC_LOCAL_KAFKA_PROXIED_PORT", 19095),
+    "kafka-proxy": _port("CDC_LOCAL_KAFKA_PROXY_PORT", 19096),
     "registry-tls": _port("CDC_LOCAL_REGISTRY_TLS_PORT", 18443),
 }
 TLS = DATA / "tls"
@@ -684,19 +686,23 @@ class Kafka(Service):
         data = DATA / "kafka"
         props = self.home() / "server.properties"
         p, c, sasl = PORTS["kafka"], PORTS["kafka-controller"], PORTS["kafka-sasl"]
+        proxied, proxy = PORTS["kafka-proxied"], PORTS["kafka-proxy"]
         pem = tls_material()["server.pem"]
         # A second listener speaks SASL_SSL (TLS + SASL/PLAIN with one user), for the security tests; the
-        # plaintext one serves everything else. JAAS values are quoted: escape what could break the quoting.
+        # plaintext one serves everything else. A third (PROXIED) advertises another port, where the fault
+        # tests put a TCP proxy they can cut: clients then reach the broker only through it, metadata included,
+        # which is how "the network to Kafka is down" is simulated without network namespaces.
+        # JAAS values are quoted: escape what could break the quoting.
         jaas_pw = KAFKA_SASL_PASSWORD.replace("\\", "\\\\").replace('"', '\\"')
         props.write_text(
             textwrap.dedent(f"""
             process.roles=broker,controller
             node.id=1
             controller.quorum.bootstrap.servers=127.0.0.1:{c}
-            listeners=PLAINTEXT://127.0.0.1:{p},CONTROLLER://127.0.0.1:{c},SASL_SSL://127.0.0.1:{sasl}
-            advertised.listeners=PLAINTEXT://127.0.0.1:{p},SASL_SSL://127.0.0.1:{sasl}
+            listeners=PLAINTEXT://127.0.0.1:{p},CONTROLLER://127.0.0.1:{c},SASL_SSL://127.0.0.1:{sasl},PROXIED://127.0.0.1:{proxied}
+            advertised.listeners=PLAINTEXT://127.0.0.1:{p},SASL_SSL://127.0.0.1:{sasl},PROXIED://127.0.0.1:{proxy}
             controller.listener.names=CONTROLLER
-            listener.security.protocol.map=PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT,SASL_SSL:SASL_SSL
+            listener.security.protocol.map=PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT,SASL_SSL:SASL_SSL,PROXIED:PLAINTEXT
             inter.broker.listener.name=PLAINTEXT
             listener.name.sasl_ssl.sasl.enabled.mechanisms=PLAIN
             listener.name.sasl_ssl.plain.sasl.jaas.config=org.apache.kafka.common.security.plain.PlainLoginModule \\
@@ -773,6 +779,8 @@ class Kafka(Service):
                 "password": KAFKA_SASL_PASSWORD,
                 "ca": str(TLS / "ca.crt"),
             },
+            # the PROXIED listener: clients must connect to `advertised`, where a test's proxy forwards to `listener`
+            "proxied": {"listener": PORTS["kafka-proxied"], "advertised": PORTS["kafka-proxy"]},
         }
 
 

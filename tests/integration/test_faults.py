@@ -14,6 +14,7 @@ not confirm (a connection cut mid-commit) need no bookkeeping: the source itself
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import random
@@ -38,20 +39,28 @@ from tests.integration._sinks_helpers import SinksProcess, Stack, cdc
 pytestmark = pytest.mark.slow
 
 PROFILES: dict[str, dict[str, int]] = {
-    "short": {"capture_kill": 20, "sinks_kill": 3, "pg_fast": 2, "pg_immediate": 1, "pg_network": 3, "kafka": 1},
-    "long": {"capture_kill": 100, "sinks_kill": 15, "pg_fast": 6, "pg_immediate": 6, "pg_network": 12, "kafka": 4},
-}
+    "short": {
+        "capture_kill": 20, "sinks_kill": 3, "pg_fast": 2, "pg_immediate": 1, "pg_network": 3, "kafka": 1,
+        "kafka_network": 2,
+    },
+    "long": {
+        "capture_kill": 100, "sinks_kill": 15, "pg_fast": 6, "pg_immediate": 6, "pg_network": 12, "kafka": 4,
+        "kafka_network": 10,
+    },
+}  # fmt: skip
 
 
 class Proxy:
     """A TCP proxy the test can cut (every connection dropped, nothing accepted) and restore."""
 
-    def __init__(self, upstream: tuple[str, int]) -> None:
+    def __init__(self, upstream: tuple[str, int], port: int = 0) -> None:
         self.upstream = upstream
-        probe = socket.socket()
-        probe.bind(("127.0.0.1", 0))
-        self.port = int(probe.getsockname()[1])
-        probe.close()
+        if not port:
+            probe = socket.socket()
+            probe.bind(("127.0.0.1", 0))
+            port = int(probe.getsockname()[1])
+            probe.close()
+        self.port = port
         self._conns: list[socket.socket] = []
         self._lock = threading.Lock()
         self._listener: socket.socket | None = None
@@ -141,6 +150,15 @@ def _restart_postgres(sig: int) -> None:
             break
         time.sleep(0.1)
     _deploy("up", "postgres")
+
+
+def _kafka_proxied() -> tuple[int, int]:
+    """Kafka's PROXIED listener (deploy/services.py): (the port it listens on, the port it advertises)."""
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "deploy" / "services.py"), "endpoints"], capture_output=True, text=True, check=True
+    )
+    proxied = json.loads(out.stdout)["kafka"]["proxied"]
+    return int(proxied["listener"]), int(proxied["advertised"])
 
 
 def _restart_kafka() -> None:
@@ -244,8 +262,13 @@ def test_nothing_is_lost_or_doubled_whatever_fails(*, pg_dsn: str, stack: Stack,
         params = conninfo_to_dict(dsn)
         proxy = Proxy((str(params.get("host") or "127.0.0.1"), int(params.get("port") or 5432)))
         through_proxy = make_conninfo("", **{**params, "host": "127.0.0.1", "port": str(proxy.port)})
+        # Kafka is reached through a proxy too: its PROXIED listener advertises the proxy's port, so every
+        # connection of the capture and the sinks (metadata, leaders, the coordinator) goes through the proxy.
+        kafka_listener, kafka_advertised = _kafka_proxied()
+        kafka_proxy = Proxy(("127.0.0.1", kafka_listener), port=kafka_advertised)
         prefix = f"f{unique}"
         cfg = stack.config(through_proxy, ["public.items"], prefix=prefix, unique=unique, workdir=tmp_path)
+        cfg = dataclasses.replace(cfg, kafka=f"127.0.0.1:{kafka_advertised}")
         config = cfg.write(tmp_path / "cdc.toml")
         capture = CdcProcess(config, tmp_path / "cdc.log")
         sinks = SinksProcess(config, tmp_path / "sinks.log", ["cache"])
@@ -280,6 +303,10 @@ def test_nothing_is_lost_or_doubled_whatever_fails(*, pg_dsn: str, stack: Stack,
                     proxy.restore()
                 elif kind == "kafka":
                     _restart_kafka()
+                elif kind == "kafka_network":
+                    kafka_proxy.cut()
+                    time.sleep(rnd.uniform(1.0, 5.0))
+                    kafka_proxy.restore()
                 injected[kind] += 1
             time.sleep(2)
             workload.done.set()
@@ -317,7 +344,7 @@ def test_nothing_is_lost_or_doubled_whatever_fails(*, pg_dsn: str, stack: Stack,
         finally:
             workload.done.set()
             proxy.cut()
-            proxy.restore()
+            kafka_proxy.cut()
             if sinks.alive():
                 sinks.kill()
             if capture.alive():
