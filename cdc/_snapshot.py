@@ -27,6 +27,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from cdc._catalog import TableInfo
 from cdc._events import ColumnSpec, Position, TableCodec
+from cdc._resnapshot import GapDeletes, Reconciler
 from cdc.errors import StreamError
 from decoders import TupleData
 
@@ -80,11 +81,28 @@ class Snapshotter:
         self.state = state
         self.snap: dict[str, Any] = state["snapshot"]
         self.settings = capture.settings
+        self._gaps: dict[str, GapDeletes] = {}  # tables whose topics held live keys before this snapshot
 
     def run(self, snapshot_name: str | None) -> None:
         tables = [t for t in self.capture.report.tables if not self.snap["tables"].get(t.qualified, {}).get("done")]
         consistent = int(self.snap["consistent_lsn"])
         codecs = {t.qualified: self._codec(t) for t in tables}
+        # Before anything is written: the keys live in each table's topic, to delete those the source no
+        # longer has when the table's snapshot ends (cdc/_resnapshot.py; nothing is read for an empty topic).
+        reconciler = Reconciler(self.capture)
+        try:
+            for t in tables:
+                progress = self.snap["tables"].setdefault(t.qualified, {})
+                gaps = reconciler.prepare(t.qualified, codecs[t.qualified], progress)
+                if gaps is not None:
+                    self._gaps[t.qualified] = gaps
+            self._run(tables, codecs, consistent, snapshot_name)
+        finally:
+            reconciler.close()
+
+    def _run(
+        self, tables: list[TableInfo], codecs: dict[str, TableCodec], consistent: int, snapshot_name: str | None
+    ) -> None:
         chunks: queue.Queue[_Chunk | BaseException] = queue.Queue(maxsize=4)
         cancel = threading.Event()
         progress = Progress(
@@ -188,20 +206,22 @@ class Snapshotter:
             ncols = len(table.columns)
             while not cancel.is_set():
                 where: sql.Composable = sql.SQL("")
-                params: list[str] = []
                 if after is not None:
+                    # The last key as literals, not as %s parameters: with parameters psycopg parses the whole
+                    # query for placeholders, the quoted identifiers included, so a column named "a %s b"
+                    # broke every resumed chunk ("the query has 2 placeholders but 1 parameters were passed").
                     where = sql.SQL("WHERE ({}) > ({})").format(
                         order,
                         sql.SQL(", ").join(
-                            sql.SQL("%s::" + t.replace("%", "%%")) for t in key_types
-                        ),  # format_type output
+                            sql.SQL("{}::{}").format(sql.Literal(v), sql.SQL(t))  # t: format_type output
+                            for v, t in zip(after, key_types, strict=True)
+                        ),
                     )
-                    params = after
                 query = sql.SQL(
                     "COPY (SELECT {} FROM {} AS src {} ORDER BY {} LIMIT {}) TO STDOUT (FORMAT binary)"
                 ).format(sql.SQL(", ").join(select_cols), table.ident(), where, order, sql.Literal(limit))
                 data = bytearray()
-                with conn.cursor() as cur, cur.copy(query, params or None) as copy:
+                with conn.cursor() as cur, cur.copy(query) as copy:
                     for block in copy:
                         data += block
                 raw_rows = parse_binary_copy(data)
@@ -231,6 +251,7 @@ class Snapshotter:
         return types
 
     def _write_chunk(self, chunk: _Chunk, codec: TableCodec, consistent: int) -> None:
+        gaps = self._gaps.get(chunk.table)
         pos = Position(consistent, consistent, time.time_ns() // 1000, None, "true")
         now_us = time.time_ns() // 1000
         for tup in chunk.rows:
@@ -240,9 +261,35 @@ class Snapshotter:
             except (ValueError, IndexError) as exc:
                 raise StreamError(f"cannot snapshot a row of {chunk.table}: {exc}") from exc
             self.capture._produce(codec.topic, key, codec.envelope("r", pos, before=None, after=after, now_us=now_us))
+            if gaps is not None:
+                gaps.seen(key)
         self.capture.metrics.count(codec.topic, "r", len(chunk.rows))
-        self.snap["tables"][chunk.table] = {"after": chunk.last_key, "done": chunk.done}
+        # Updated, not replaced: the entry also holds the re-snapshot's start offsets ("since").
+        progress = self.snap["tables"].setdefault(chunk.table, {})
+        progress.update(after=chunk.last_key, done=chunk.done and gaps is None)
         self.capture._commit_offsets(self.state)
+        if chunk.done and gaps is not None:
+            self._delete_gaps(chunk.table, gaps, consistent)
+            progress["done"] = True
+            self.capture._commit_offsets(self.state)
+
+    def _delete_gaps(self, table: str, gaps: GapDeletes, consistent: int) -> None:
+        """The keys live in the topic that the snapshot did not find: deleted, in transactions that carry the
+        snapshot's progress (the table still not done), so a crash leaves whole batches and the rerun, which
+        reads the topic again, deletes only what is left."""
+
+        def commit(deleted: int) -> None:
+            self.capture.metrics.count(gaps.codec.topic, "d", deleted)  # counted when committed, as streamed ones
+            self.capture._commit_offsets(self.state)
+
+        deleted = gaps.emit(
+            produce=self.capture._produce,
+            commit=commit,
+            consistent_lsn=consistent,
+            batch=self.settings.capture.snapshot_chunk_rows,
+        )
+        del self._gaps[table]
+        log.info("re-snapshot of %s: %d rows deleted while the slot was lost were tombstoned", table, deleted)
 
 
 class SnapshotStoppedError(Exception):

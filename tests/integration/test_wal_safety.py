@@ -5,11 +5,21 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
+from confluent_kafka import Consumer, TopicPartition
 
-from tests.integration._capture_helpers import CdcConfig, CdcProcess, scratch_database, wait_for
+from tests.integration._capture_helpers import (
+    CdcConfig,
+    CdcProcess,
+    Event,
+    latest_by_key,
+    read_topic,
+    scratch_database,
+    wait_for,
+)
 from tests.integration._sinks_helpers import cdc
 
 pytestmark = pytest.mark.slow
@@ -103,18 +113,42 @@ def test_heartbeats_keep_an_idle_slot_from_holding_wal_back(
     assert without["slot_retained"] > 0.9 * without["wal_written"], results
 
 
+def _quiet(dsn: str) -> dict[int, dict[str, Any]]:
+    """The captured table as PostgreSQL holds it."""
+    with psycopg.connect(dsn) as conn:
+        return {r[0]: {"id": r[0], "name": r[1], "v": r[2]} for r in conn.execute("SELECT id, name, v FROM quiet")}
+
+
 def test_a_slot_invalidated_by_max_slot_wal_keep_size_is_reported_with_the_way_out(
     *, pg_dsn: str, kafka_bootstrap: str, registry_url: str, unique: str, tmp_path: Path
 ) -> None:
+    """The capture is down while rows are deleted, updated and inserted, and its slot is lost meanwhile.
+
+    The way out (detach, run: a fresh slot and a re-snapshot) must leave the topic equal to the source: the
+    rows deleted in the gap end with a delete event and a tombstone, and no row the source has gets either.
+    """
     slot = f"s_{unique}_lost"
+    topic = f"w{slot}.public.quiet"
     with scratch_database(pg_dsn, f"lost_{unique}") as dsn:
         with psycopg.connect(dsn, autocommit=True) as conn:
-            conn.execute("CREATE TABLE quiet (id int PRIMARY KEY)")
+            conn.execute("CREATE TABLE quiet (id int PRIMARY KEY, name text, v int)")
             conn.execute("CREATE TABLE busy (id serial PRIMARY KEY, payload text)")
+            conn.execute("INSERT INTO quiet SELECT g, 'row ' || g, 0 FROM generate_series(1, 30) g")
         proc = _capture(dsn, (kafka_bootstrap, registry_url), slot, 1.0, tmp_path)
         proc.start()
         proc.wait_streaming(180)
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute("UPDATE quiet SET v = 1 WHERE id <= 20")  # streamed events, not only snapshot rows
+        wait_for(lambda: _latest(kafka_bootstrap, registry_url, topic) == _quiet(dsn), 60, "the stream", proc)
         proc.stop()  # the capture is down: its slot stays behind while the server writes on
+        last_seen = _latest(kafka_bootstrap, registry_url, topic)
+        gone = [1, 2, 3, 4, 5, 25]
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute("DELETE FROM quiet WHERE id = ANY(%s)", (gone,))
+            conn.execute("UPDATE quiet SET v = v + 10, name = 'changed' WHERE id BETWEEN 6 AND 10")
+            conn.execute("INSERT INTO quiet SELECT g, 'new ' || g, 0 FROM generate_series(31, 35) g")
+            conn.execute("DELETE FROM quiet WHERE id = 11")  # deleted and inserted again: it exists
+            conn.execute("INSERT INTO quiet VALUES (11, 'back', 2)")
         try:
             with psycopg.connect(pg_dsn, autocommit=True) as conn:
                 conn.execute("ALTER SYSTEM SET max_slot_wal_keep_size = '32MB'")
@@ -134,12 +168,14 @@ def test_a_slot_invalidated_by_max_slot_wal_keep_size_is_reported_with_the_way_o
         assert run.returncode == 3, run.stdout + run.stderr
         assert "was invalidated" in run.stderr
         assert "re-snapshot" in run.stderr
+        assert "tombstone" in run.stderr  # says what happens to the rows deleted meanwhile
         status = cdc("status", "--config", str(tmp_path / "cdc.toml"), "--json", timeout=120)
         assert status.returncode == 3, status.stdout + status.stderr
         report = json.loads(status.stdout)
         assert report["source"]["wal_status"] == "lost"
         assert any("invalidated" in p and "cdc detach" in p for p in report["problems"]), report["problems"]
-        # The way out works: detach, run again (a fresh slot and snapshot).
+        # The way out: detach, run again (a fresh slot and snapshot).
+        before_resnapshot = max(e.offset for e in read_topic(kafka_bootstrap, registry_url, topic))
         detach = cdc("detach", "--yes", "--config", str(tmp_path / "cdc.toml"), timeout=120)
         assert detach.returncode == 0, detach.stdout + detach.stderr
         proc = CdcProcess(tmp_path / "cdc.toml", tmp_path / "cdc2.log")
@@ -147,5 +183,123 @@ def test_a_slot_invalidated_by_max_slot_wal_keep_size_is_reported_with_the_way_o
         try:
             proc.wait_streaming(180)
             wait_for(lambda: _slot(dsn, slot)[2] in ("reserved", "extended"), 30, "a healthy slot")
+            with psycopg.connect(dsn, autocommit=True) as conn:  # the stream goes on after the re-snapshot
+                conn.execute("DELETE FROM quiet WHERE id = 12")
+                conn.execute("INSERT INTO quiet VALUES (36, 'after', 0)")
+            source = _quiet(dsn)
+            wait_for(lambda: _latest(kafka_bootstrap, registry_url, topic) == source, 60, "the topic to converge", proc)
         finally:
             proc.stop()
+    assert "re-snapshot of public.quiet: 6 rows deleted while the slot was lost were tombstoned" in proc.tail(200)
+    events = read_topic(kafka_bootstrap, registry_url, topic)
+    by_key: dict[int, list[Event]] = {}
+    for ev in events:
+        assert ev.key is not None
+        by_key.setdefault(ev.key["id"], []).append(ev)
+    assert set(source) == set(range(6, 37)) - {12, 25}
+    for key in gone:
+        *_, delete, tombstone = by_key[key]
+        assert tombstone.value is None, f"key {key} does not end with a tombstone"
+        assert delete.value is not None
+        assert delete.value["op"] == "d"
+        # The before image: the row as the topic last had it.
+        assert delete.value["before"] == last_seen[key], (key, delete.value["before"])
+        # Exactly once, and only by the re-snapshot (nothing was deleted while streaming).
+        deletes = [e for e in by_key[key] if e.value is not None and e.value["op"] == "d"]
+        assert deletes == [delete]
+        assert delete.offset > before_resnapshot
+    for key in source:
+        assert all(e.value is not None and e.value["op"] != "d" for e in by_key[key]), f"key {key} was deleted"
+
+
+def _latest(kafka: str, registry: str, topic: str) -> dict[int, dict[str, Any]]:
+    return latest_by_key(read_topic(kafka, registry, topic), "id")
+
+
+def _first_tombstone(kafka: str, topic: str, proc: CdcProcess, timeout: float = 180) -> None:
+    """Return as soon as a committed tombstone appears in ``topic`` after its current end."""
+    consumer = Consumer(
+        {
+            "bootstrap.servers": kafka,
+            "group.id": f"test-watch-{time.monotonic_ns()}",
+            "enable.auto.commit": False,
+            "isolation.level": "read_committed",
+        }
+    )
+    try:
+        _low, high = consumer.get_watermark_offsets(TopicPartition(topic, 0), timeout=30)
+        consumer.assign([TopicPartition(topic, 0, high)])
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert proc.alive(), proc.tail()
+            msg = consumer.poll(0.05)
+            if msg is not None and msg.error() is None and msg.value() is None:
+                return
+        raise AssertionError(f"no tombstone in {topic} within {timeout} s:\n{proc.tail()}")
+    finally:
+        consumer.close()
+
+
+def test_a_resnapshot_killed_while_deleting_converges_on_the_rerun(
+    *, pg_dsn: str, kafka_bootstrap: str, registry_url: str, unique: str, tmp_path: Path
+) -> None:
+    """The deletes of a re-snapshot are committed in batches with its progress: SIGKILL after the first batch,
+    and the rerun deletes the rest, each deleted row exactly once, no existing row ever.
+
+    Any re-snapshot into a topic that holds data does this (here detach + run, no lost slot needed).
+    """
+    slot = f"s_{unique}_kill"
+    topic = f"k{unique}.public.items"
+    with scratch_database(pg_dsn, f"kill_{unique}") as dsn:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute("CREATE TABLE items (id int PRIMARY KEY, name text, v int)")
+            conn.execute("INSERT INTO items SELECT g, 'row ' || g, 0 FROM generate_series(1, 8000) g")
+        cfg = CdcConfig(
+            dsn,
+            kafka_bootstrap,
+            registry_url,
+            f"k{unique}",
+            ["public.items"],
+            slot,
+            f"p_{slot}",
+            extra="snapshot_chunk_rows = 100",
+        )
+        config = cfg.write(tmp_path / "cdc.toml")
+        proc = CdcProcess(config, tmp_path / "cdc.log")
+        proc.start()
+        proc.wait_streaming(180)
+        proc.stop()
+        detach = cdc("detach", "--yes", "--config", str(config), timeout=120)
+        assert detach.returncode == 0, detach.stdout + detach.stderr
+        boundary = max(e.offset for e in read_topic(kafka_bootstrap, registry_url, topic))
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute("DELETE FROM items WHERE id % 4 <> 0")  # 6,000 deleted: 60 batches of deletes
+            conn.execute("UPDATE items SET v = 1 WHERE id % 8 = 0")
+            conn.execute("INSERT INTO items SELECT g, 'new', 0 FROM generate_series(8001, 8100) g")
+            source = {r[0]: {"id": r[0], "name": r[1], "v": r[2]} for r in conn.execute("SELECT * FROM items")}
+        proc = CdcProcess(config, tmp_path / "cdc2.log")
+        proc.start()
+        _first_tombstone(kafka_bootstrap, topic, proc)
+        proc.kill()
+        done = "rows deleted while the slot was lost were tombstoned"
+        assert done not in proc.tail(200), "the deletes finished before the kill: the test proves nothing"
+        proc = CdcProcess(config, tmp_path / "cdc3.log")
+        proc.start()
+        try:
+            proc.wait_streaming(180)
+        finally:
+            proc.stop()
+        rerun = proc.tail(200)
+    assert "resumed with a fresh snapshot" in rerun
+    events = read_topic(kafka_bootstrap, registry_url, topic)
+    assert latest_by_key(events, "id") == source
+    deletes: dict[int, int] = {}
+    for ev in events:
+        assert ev.key is not None
+        if ev.value is not None and ev.value["op"] == "d":
+            assert ev.offset > boundary
+            deletes[ev.key["id"]] = deletes.get(ev.key["id"], 0) + 1
+    assert deletes == {i: 1 for i in range(1, 8001) if i % 4}  # each exactly once, none of the rows that exist
+    # The rerun logs only what was left to delete.
+    left = int(rerun.split("re-snapshot of public.items: ")[1].split(" rows")[0])
+    assert 0 < left < 6000, rerun
