@@ -78,8 +78,17 @@ def _row_fields(columns: Sequence[ColumnShape], names: Sequence[str]) -> list[di
     return fields
 
 
-def key_schema(namespace: str, key_columns: Sequence[ColumnShape]) -> dict[str, Any]:
-    names = field_names(key_columns)
+def key_schema(
+    namespace: str, key_columns: Sequence[ColumnShape], names: Sequence[str] | None = None
+) -> dict[str, Any]:
+    """The ``Key`` record. ``names``: the key columns' field names in the ``Value`` record.
+
+    Pass them whenever a name may have been sanitised: sanitising the key columns on their own could give
+    a key column another field name than it has in ``Value`` (columns ``a_b``, ``a b`` keyed by ``a b``:
+    ``a_b_2`` in ``Value`` but ``a_b`` in ``Key``, the name of another column there), and consumers that
+    join key and row fields by name (the warehouse's MERGE, ``cdc verify``) would take the wrong column.
+    """
+    names = field_names(key_columns) if names is None else names
     key = {"type": "record", "name": "Key", "namespace": namespace, "fields": _row_fields(key_columns, names)}
     return _single_definitions(key)
 

@@ -1,19 +1,23 @@
 """The ``search`` sink: one OpenSearch index per table, served through an alias, versioned by commit LSN.
 
-Index ``<prefix>-<schema>.<table>-g<N>`` (lower-case), alias ``<prefix>-<schema>.<table>``. Document id: the
-key as a JSON array (``[42]``). Documents hold the row in document form plus ``__cdc`` {commit_lsn, lsn, op,
-ts_ms}. Every write uses external versioning with the commit LSN as version (``external_gte``: the events of
-one transaction share it and arrive in order), so a replayed or late event never overwrites a newer one.
+Index ``<alias>-g<N>``, alias ``<prefix>-<schema>.<table>`` in lower case (plus ``~`` and a hash when the table
+name has upper-case letters, :func:`index_alias`). Document id: the key as a JSON array (``[42]``). Documents
+hold the row in document form, fields named by :func:`field_name`, plus ``__cdc`` {commit_lsn, lsn, op, ts_ms}.
+Every write uses external versioning with the commit LSN as version (``external_gte``: the events of one
+transaction share it and arrive in order), so a replayed or late event never overwrites a newer one.
 The served generation is kept in the ``<prefix>-cdc-sinks`` index; rebuild swaps all aliases in one request.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
+import re
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
+from urllib.parse import unquote
 
 from opensearchpy import OpenSearch, helpers
 from opensearchpy.exceptions import ConnectionError as OSConnectionError
@@ -27,6 +31,46 @@ _META = "__cdc"
 _MAX_ID_BYTES = 512
 log = logging.getLogger(__name__)
 _BULK = 2000
+_ESCAPE = re.compile(r"[%.]")
+
+
+def index_alias(prefix: str, table: str) -> str:
+    """The alias of ``table`` (``<schema>.<table>`` as in the topic name): ``<prefix>-<table>``, lower case.
+
+    OpenSearch index names are lower case only, so tables whose names differ only in case (``public.Notes``,
+    ``public.notes``: distinct topics) would share one index and overwrite each other's documents. A name with
+    upper-case letters therefore also gets ``~`` and 8 hex digits of its SHA-256 (``~`` never occurs in a
+    topic name, so this cannot be another table's alias).
+    """
+    alias = f"{prefix}-{table}".lower()
+    if table != table.lower():
+        alias += "~" + hashlib.sha256(table.encode()).hexdigest()[:8]
+    return alias
+
+
+def field_name(column: str) -> str:
+    """The document field of a PostgreSQL column: the name itself, unless OpenSearch would misread it.
+
+    OpenSearch reads a dot in a field name as an object path (columns ``a`` and ``a.b`` then conflict, and
+    ``.x.`` is refused), refuses metadata names (``_id``) and blank names, and ``__cdc`` is ours. So ``%`` and
+    ``.`` are percent-encoded everywhere, a leading ``_`` too, and a blank name entirely; :func:`column_of`
+    decodes (``%`` is always encoded, so ``unquote`` is the exact inverse). Ordinary names are unchanged.
+    """
+    field = _ESCAPE.sub(lambda m: f"%{ord(m.group()):02X}", column)
+    if field.startswith("_"):
+        field = "%5F" + field[1:]
+    if not field.strip():
+        field = "".join(f"%{b:02X}" for b in field.encode())
+    return field
+
+
+def column_of(field: str) -> str:
+    """The PostgreSQL column of a document field (the inverse of :func:`field_name`)."""
+    return unquote(field, errors="strict")
+
+
+def _encoded(row: Mapping[str, Any]) -> dict[str, Any]:
+    return {field_name(col): value for col, value in row.items()}
 
 
 class SearchSink(BaseSink):
@@ -48,7 +92,7 @@ class SearchSink(BaseSink):
         self.client.close()
 
     def alias(self, table: str) -> str:
-        return f"{self.prefix}-{table}".lower()
+        return index_alias(self.prefix, table)
 
     def index(self, table: str, generation: int) -> str:
         return f"{self.alias(table)}-g{generation}"
@@ -102,7 +146,7 @@ class SearchSink(BaseSink):
         for hit in helpers.scan(self.client, index=index, query={"query": {"match_all": {}}}, size=2000):
             source = dict(hit["_source"])
             source.pop(_META, None)
-            yield hit["_id"], source
+            yield hit["_id"], {column_of(field): value for field, value in source.items()}
 
     # --- writes ----------------------------------------------------------------------------
 
@@ -112,7 +156,7 @@ class SearchSink(BaseSink):
         if self._mapped.get(index) == signature:
             return index
         names = Names()
-        properties = {column_name(f): search_mapping(f["type"], names) for f in table.row_schema["fields"]}
+        properties = {field_name(column_name(f)): search_mapping(f["type"], names) for f in table.row_schema["fields"]}
         properties[_META] = {
             "properties": {
                 "commit_lsn": {"type": "long"},
@@ -184,10 +228,10 @@ class SearchSink(BaseSink):
             if c.row is None:
                 action["_op_type"] = "delete"
             else:
-                row = c.row
+                row = _encoded(c.row)
                 old = stored.get(c.doc_id)
                 if c.unchanged and old is not None:
-                    row = {**row, **{col: old.get(col) for col in c.unchanged}}
+                    row = {**row, **{field_name(col): old.get(field_name(col)) for col in c.unchanged}}
                 action["_source"] = {
                     **row,
                     _META: {"commit_lsn": c.commit_lsn, "lsn": c.lsn, "op": c.op, "ts_ms": c.ts_ms, "applied_ms": now},

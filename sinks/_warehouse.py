@@ -6,18 +6,21 @@ Layout under ``sinks.warehouse.path`` (docs/sinks.md):
     current -> g<N>                 a symlink to it, where the base path is a local directory
     g<N>/<schema>.<table>/          the table: the row's columns (Spark's types from the Avro schema)
                                     plus __op, __commit_lsn, __lsn, __ts_ms
-    g<N>/<schema>.<table>__history/ with ``history = true``: every change appended, in order
+    g<N>/<schema>.<table>.history/  with ``history = true``: every change appended, in order
 
-MERGE applies a change only when its (commit_lsn, lsn) is at least the stored one, so replays are no-ops and
-nothing goes backwards; history appends use Delta's idempotent writes (txnAppId/txnVersion = batch id).
+Columns are named by the Avro field names (``[A-Za-z0-9_]``, so Delta needs no column mapping mode), except
+where Delta would refuse them (:func:`delta_columns`). MERGE applies a change only when its (commit_lsn, lsn)
+is at least the stored one, so replays are no-ops and nothing goes backwards; history appends use Delta's
+idempotent writes (txnAppId/txnVersion = batch id).
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -28,6 +31,28 @@ if TYPE_CHECKING:
     from pyspark.sql import DataFrame
 
 _META = ("__op", "__commit_lsn", "__lsn", "__ts_ms", "__applied_ms")
+_UNCHANGED = "__unchanged"  # in the MERGE source only
+
+
+def delta_columns(fields: Sequence[str]) -> dict[str, str]:
+    """The Delta column of each Avro field of a row: its name, unless Delta would refuse it.
+
+    Delta compares column names ignoring case, so Avro fields ``Order`` and ``order`` (columns "Order" and
+    "order") cannot both keep their names, and a column named like one of ours (``__op``…) would clash. Such
+    a field, in field order, gets ``__`` and 8 hex digits of its name's SHA-256 (``order__1a2b3c4d``).
+    Fields only ever get appended (added columns), so a column keeps its name as the table evolves; the way
+    back is this function over the same row schema (:meth:`WarehouseSink.read_table`).
+    """
+    taken = {m.lower() for m in (*_META, _UNCHANGED)}
+    out: dict[str, str] = {}
+    for name in fields:
+        column, n = name, 1
+        while column.lower() in taken:
+            n += 1
+            column = f"{name}__{hashlib.sha256(name.encode()).hexdigest()[:8]}" + (f"_{n}" if n > 2 else "")
+        taken.add(column.lower())
+        out[name] = column
+    return out
 
 
 def _q(name: str) -> str:
@@ -96,10 +121,11 @@ class WarehouseSink(BaseSink):
         present = set(frame.columns)
         names = Names()
         fields = table.row_schema["fields"]
+        delta = delta_columns([f["name"] for f in fields])
         projected = frame.select(
             *[
-                spark_projection(f["type"], F.col(_q(f["name"])), names).alias(f["name"])
-                if f["name"] in present
+                spark_projection(f["type"], F.col(_q(delta[f["name"]])), names).alias(f["name"])
+                if delta[f["name"]] in present
                 else F.lit(None).alias(f["name"])
                 for f in fields
             ]
@@ -120,9 +146,10 @@ class WarehouseSink(BaseSink):
         from pyspark.sql import functions as F
 
         key_names = [f["name"] for f in table.key_schema["fields"]]
+        delta = delta_columns([f["name"] for f in table.row_schema["fields"]])
         cols = [
             (F.col(f"key.{_q(f['name'])}") if f["name"] in key_names else F.col(f"row.{_q(f['name'])}")).alias(
-                f["name"]
+                delta[f["name"]]
             )
             for f in table.row_schema["fields"]
         ]
@@ -133,7 +160,7 @@ class WarehouseSink(BaseSink):
             F.col("lsn").alias("__lsn"),
             F.col("ts_ms").alias("__ts_ms"),
             F.expr("unix_millis(current_timestamp())").alias("__applied_ms"),  # freshness = applied - ts_ms
-            F.col("unchanged").alias("__unchanged"),
+            F.col("unchanged").alias(_UNCHANGED),
         )
 
     def _write_table(self, batch: Batch, table: TableChanges) -> None:
@@ -143,13 +170,14 @@ class WarehouseSink(BaseSink):
         spark = batch.spark
         path = self.path(table.name, batch.generation)
         source = self._source(table, table.frame)
-        columns = [f["name"] for f in table.row_schema["fields"]]
-        keys = [f["name"] for f in table.key_schema["fields"]]
+        delta = delta_columns([f["name"] for f in table.row_schema["fields"]])
+        columns = list(delta.items())  # (Avro field, Delta column)
+        keys = [delta[f["name"]] for f in table.key_schema["fields"]]
         if not DeltaTable.isDeltaTable(spark, path):
-            source.drop("__unchanged").limit(0).write.format("delta").mode("ignore").save(path)
+            source.drop(_UNCHANGED).limit(0).write.format("delta").mode("ignore").save(path)
         target = DeltaTable.forPath(spark, path)
         existing = set(target.toDF().columns)
-        added = [f for f in source.drop("__unchanged").schema.fields if f.name not in existing]
+        added = [f for f in source.drop(_UNCHANGED).schema.fields if f.name not in existing]
         if added:  # ALTER TABLE ADD COLUMN at the source: the Delta table gains the column (older rows: null)
             ddl = ", ".join(f"{_q(f.name)} {f.dataType.simpleString()}" for f in added)
             spark.sql(f"ALTER TABLE delta.{_q(path)} ADD COLUMNS ({ddl})")
@@ -159,9 +187,9 @@ class WarehouseSink(BaseSink):
             target.delete((F.col("__commit_lsn") < c) | ((F.col("__commit_lsn") == c) & (F.col("__lsn") < lsn)))
         newer = "(s.__commit_lsn > t.__commit_lsn OR (s.__commit_lsn = t.__commit_lsn AND s.__lsn >= t.__lsn))"
         on = " AND ".join(f"t.{_q(k)} <=> s.{_q(k)}" for k in keys)
-        kept = {
-            _q(c): f"CASE WHEN array_contains(s.__unchanged, {_sql_string(c)}) THEN t.{_q(c)} ELSE s.{_q(c)} END"
-            for c in columns
+        kept = {  # unchanged_toast names Avro fields
+            _q(c): f"CASE WHEN array_contains(s.{_UNCHANGED}, {_sql_string(f)}) THEN t.{_q(c)} ELSE s.{_q(c)} END"
+            for f, c in columns
         }
         meta = {_q(m): f"s.{m}" for m in _META}
         (
@@ -169,7 +197,7 @@ class WarehouseSink(BaseSink):
             .merge(source.alias("s"), on)
             .whenMatchedDelete(f"s.__op = 'd' AND (s.__commit_lsn IS NULL OR {newer})")
             .whenMatchedUpdate(f"s.__op <> 'd' AND {newer}", {**kept, **meta})
-            .whenNotMatchedInsert("s.__op <> 'd'", {**{_q(c): f"s.{_q(c)}" for c in columns}, **meta})
+            .whenNotMatchedInsert("s.__op <> 'd'", {**{_q(c): f"s.{_q(c)}" for _, c in columns}, **meta})
             .execute()
         )
         if self.history and table.events is not None:
@@ -180,8 +208,18 @@ class WarehouseSink(BaseSink):
                 .option("mergeSchema", "true")
                 .option("txnAppId", f"pgcdc-{self.context.name}-{table.name}-g{batch.generation}")
                 .option("txnVersion", str(batch.batch_id))
-                .save(f"{path}__history")
+                .save(history_path(path))
             )
+
+
+def history_path(path: str) -> str:
+    """Where the history of the table at ``path`` goes: ``<path>.history``.
+
+    Table directories are ``<schema>.<table>`` with dots never inside a part (topic names have none), so a
+    second dot cannot be another table's directory. ``<path>__history`` was: a captured table ``x__history``
+    and the history of ``x`` shared one Delta table.
+    """
+    return f"{path}.history"
 
 
 def _sql_string(text: str) -> str:

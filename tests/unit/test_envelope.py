@@ -97,3 +97,29 @@ def test_truncate_key_is_all_null_and_not_empty() -> None:
     buf = io.BytesIO()
     fastavro.schemaless_writer(buf, parsed, {"id": None})
     assert buf.getvalue() == b"\x00"  # one byte: Kafka accepts it on a compacted topic (a null key it would not)
+
+
+def test_a_key_column_has_the_same_field_name_in_key_and_value() -> None:
+    # Columns a_b, "a b" keyed by "a b" (then a_b): sanitised on its own, the key would call "a b" a_b,
+    # which is the other column's name in Value; the warehouse's MERGE and `cdc verify` join them by name.
+    from cdc._events import SourceInfo, TableCodec
+    from schemas import avro_mapping
+
+    columns = [ColumnShape("a_b", TEXT, -1, "string"), ColumnShape("a b", INT4, -1, "int")]
+    codec = TableCodec(
+        schema="s",
+        table="t",
+        topic="p.s.t",
+        namespace="p.s.t",
+        columns=columns,
+        mappings=[avro_mapping(TEXT, -1), avro_mapping(INT4, -1)],
+        key_columns=["a b", "a_b"],
+        source=SourceInfo("9.9.9", "p", "db"),
+        register=lambda _subject, _schema: 1,
+    )
+    value = {f["name"]: f.get("pgcdc.column", f["name"]) for f in codec.value_schema["fields"][0]["type"][1]["fields"]}
+    key = {f["name"]: f.get("pgcdc.column", f["name"]) for f in codec.key_schema["fields"]}
+    assert value == {"a_b": "a_b", "a_b_2": "a b"}
+    assert key == {"a_b_2": "a b", "a_b": "a_b"}
+    assert codec.key_field_names == ("a_b_2", "a_b")
+    assert [f["name"] for f in codec.key_schema["fields"]] == ["a_b_2", "a_b"]  # key order kept
