@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import ssl
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -23,7 +24,7 @@ from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic
 from confluent_kafka.schema_registry import Schema, SchemaRegistryClient
 from confluent_kafka.schema_registry.error import SchemaRegistryError as _RegistryHTTPError
 
-from cdc.errors import KafkaSetupError, SchemaRegistryError, TransientError
+from cdc.errors import AuthenticationError, CDCError, KafkaSetupError, SchemaRegistryError, TransientError
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +47,7 @@ def _kafka_error(exc: KafkaException, doing: str) -> Exception:
         )
     if code == KafkaError.TOPIC_EXCEPTION:  # e.g. an invalid topic name
         return KafkaSetupError(f"{doing}: Kafka refused the topic name: {err.str()}")
-    if code == KafkaError.MSG_SIZE_TOO_LARGE:
+    if code == KafkaError.MSG_SIZE_TOO_LARGE:  # TransactionalProducer says which event, how large, which limit
         return KafkaSetupError(
             f"{doing}: a message is larger than the broker accepts; raise the topic's max.message.bytes "
             "and the producer's message.max.bytes (kafka.producer in the config)"
@@ -68,11 +69,41 @@ def _kafka_error(exc: KafkaException, doing: str) -> Exception:
     return TransientError(f"{doing}: {err.str()}")
 
 
+class _SecurityErrors:
+    """librdkafka reports refused credentials and failed TLS handshakes only to ``error_cb``; the request itself
+    just times out with "transport failure". Keeping the last such error lets that timeout say what is wrong."""
+
+    def __init__(self) -> None:
+        self.last: KafkaError | None = None
+
+    def __call__(self, err: KafkaError) -> None:
+        if err.code() in (KafkaError._AUTHENTICATION, KafkaError._SSL):
+            self.last = err
+
+    def explain(self, doing: str) -> CDCError | None:
+        err = self.last
+        if err is None:
+            return None
+        if err.code() == KafkaError._AUTHENTICATION:
+            return AuthenticationError(
+                f"{doing}: Kafka refused the credentials ({err.str()}); check kafka.sasl_mechanism, "
+                "kafka.sasl_username and the password (kafka.sasl_password, CDC_KAFKA__SASL_PASSWORD or "
+                "kafka.sasl_password_file)"
+            )
+        return KafkaSetupError(
+            f"{doing}: the TLS connection to Kafka failed ({err.str()}); check that kafka.security_protocol "
+            "matches the listener, that kafka.ssl_ca_location holds the CA that signed the broker's certificate, "
+            "and that bootstrap_servers names a host the certificate is for"
+        )
+
+
 class Topics:
     """Creates change topics as compacted topics and refuses existing topics that are not compacted."""
 
     def __init__(self, conf: Mapping[str, Any], *, partitions: int, replication_factor: int) -> None:
-        self._admin = AdminClient(dict(conf))
+        self._security = _SecurityErrors()
+        admin_conf: dict[str, Any] = {**conf, "error_cb": self._security}
+        self._admin = AdminClient(admin_conf)
         self._partitions = partitions
         self._replication_factor = replication_factor
         self._known: dict[str, int] = {}
@@ -81,10 +112,7 @@ class Topics:
         """Make sure ``topic`` exists with cleanup.policy=compact (or ``policy``); return its partition count."""
         if topic in self._known:
             return self._known[topic]
-        try:
-            md = self._admin.list_topics(topic, timeout=_TIMEOUT_S)
-        except KafkaException as exc:
-            raise _kafka_error(exc, f"looking up topic {topic!r}") from exc
+        md = self._metadata(topic)
         found = md.topics.get(topic)
         if found is None or found.error is not None:
             new = NewTopic(
@@ -104,6 +132,21 @@ class Topics:
             self._check_compacted(topic)
         self._known[topic] = len(found.partitions)
         return self._known[topic]
+
+    def _metadata(self, topic: str) -> Any:
+        """The topic's metadata; refused credentials or a failed TLS handshake fail at once, saying so."""
+        deadline = time.monotonic() + _TIMEOUT_S
+        while True:
+            try:
+                # Short tries: between them error_cb is served, so a refusal is not waited out for 30 s.
+                return self._admin.list_topics(topic, timeout=min(5.0, max(deadline - time.monotonic(), 0.1)))
+            except KafkaException as exc:
+                self._admin.poll(0)  # serves error_cb
+                explained = self._security.explain(f"looking up topic {topic!r}")
+                if explained is not None:
+                    raise explained from exc
+                if time.monotonic() >= deadline or exc.args[0].code() != KafkaError._TRANSPORT:
+                    raise _kafka_error(exc, f"looking up topic {topic!r}") from exc
 
     def _wait_for_partitions(self, topic: str) -> Any:
         """Metadata of a just-created topic; its partitions may take a moment to appear."""
@@ -157,7 +200,10 @@ class TransactionalProducer:
             "transactional.id": transactional_id,
         }
         self._producer = Producer(settings)
+        self._conf = settings
+        self._admin_conf = dict(conf)  # what Topics uses: the settings for an AdminClient on the same cluster
         self._errors: list[KafkaError] = []
+        self._too_large: list[tuple[str, int]] = []  # (topic, bytes) of events the broker refused as too large
         self._produced = 0
         self.transactional_id = transactional_id
         try:
@@ -166,12 +212,45 @@ class TransactionalProducer:
         except KafkaException as exc:
             raise _kafka_error(exc, "initialising Kafka transactions") from exc
 
-    def _on_delivery(self, err: KafkaError | None, _msg: Any) -> None:
+    def _on_delivery(self, err: KafkaError | None, msg: Any) -> None:
         if err is not None:
             self._errors.append(err)
+            if err.code() == KafkaError.MSG_SIZE_TOO_LARGE:
+                self._too_large.append((msg.topic(), len(msg.key() or b"") + len(msg.value() or b"")))
+
+    def _message_too_large(self, topic: str, size: int) -> KafkaSetupError:
+        """The operator's error for an event over a size limit: which topic, how large, which limits, the fix.
+
+        Two limits apply: the producer's message.max.bytes (librdkafka refuses a larger event itself; default
+        1,000,000) and the topic's max.message.bytes (the broker refuses a larger record batch; default the
+        broker's message.max.bytes, 1,048,588). The topic's is read back so the message shows the one in force.
+        """
+        producer_limit = int(self._conf.get("message.max.bytes", 1_000_000))
+        topic_limit: int | None = None
+        try:
+            admin = AdminClient(self._admin_conf)
+            resource = ConfigResource(ConfigResource.Type.TOPIC, topic)
+            topic_limit = int(admin.describe_configs([resource])[resource].result(10)["max.message.bytes"].value)
+        except Exception as lookup:  # only detail for the error being reported: it must never replace it
+            log.debug("cannot read max.message.bytes of %r: %s", topic, lookup)
+        fix = f"kafka-configs --alter --entity-type topics --entity-name {topic} --add-config max.message.bytes=N"
+        if size + 1_000 >= producer_limit:  # N above the producer's limit would be refused by the producer next
+            fix += ', and the producer\'s (kafka.producer = { "message.max.bytes" = N } in the config)'
+        batch = ""
+        if topic_limit is not None and size + 1_000 < topic_limit:
+            # Each event fits: the broker refused a record batch of several (librdkafka fills up to batch.size).
+            batch = f"; the broker limits whole record batches: keep kafka.producer's batch.size below {topic_limit:,}"
+        return KafkaSetupError(
+            f"an event for topic {topic!r} is {size:,} bytes, larger than Kafka accepts (the topic's "
+            f"max.message.bytes is {'unknown' if topic_limit is None else f'{topic_limit:,}'}, the producer's "
+            f"message.max.bytes {producer_limit:,}). Nothing after the last commit was acknowledged to PostgreSQL, "
+            f"so no change is lost: raise the topic's limit ({fix}) with N at least {size + 1_000:,} (the event "
+            f"plus framing){batch}, then run again"
+        )
 
     def begin(self) -> None:
         self._errors.clear()
+        self._too_large.clear()
         try:
             self._producer.begin_transaction()
         except KafkaException as exc:
@@ -192,13 +271,28 @@ class TransactionalProducer:
                 # The local queue is full: let librdkafka send some, then try again.
                 self._producer.poll(0.1)
             except KafkaException as exc:
-                raise _kafka_error(exc, f"producing to {topic!r}") from exc
+                if exc.args[0].code() == KafkaError.MSG_SIZE_TOO_LARGE:  # over the producer's own limit
+                    raise self._message_too_large(topic, len(key) + len(value or b"")) from exc
+                raise self._refused_as_too_large() or _kafka_error(exc, f"producing to {topic!r}") from exc
+
+    def _refused_as_too_large(self) -> KafkaSetupError | None:
+        """The size error behind a failed transaction, if the broker refused an event as too large.
+
+        Such a refusal makes the open transaction abortable, so the next produce() or the commit fails with a
+        generic state error; without this, that error would read as transient and the capture would retry
+        the same too-large event for ever (found by the bad-input test). The delivery reports say why.
+        """
+        self._producer.poll(0)  # serve the delivery reports that arrived with the broker's refusal
+        if not self._too_large:
+            return None
+        topic, size = max(self._too_large, key=lambda found: found[1])
+        return self._message_too_large(topic, size)
 
     def commit(self) -> None:
         try:
             self._producer.commit_transaction(_TIMEOUT_S * 4)
         except KafkaException as exc:
-            raise _kafka_error(exc, "committing a Kafka transaction") from exc
+            raise self._refused_as_too_large() or _kafka_error(exc, "committing a Kafka transaction") from exc
         if self._errors:  # commit raises on failed deliveries; this is belt and braces
             raise _kafka_error(KafkaException(self._errors[0]), "delivering a message")
 
@@ -292,9 +386,20 @@ class Registry:
                     "instead of changing a type) or relax the subject's compatibility level, then restart"
                 ) from exc
             if exc.http_status_code in (401, 403):
-                raise SchemaRegistryError(f"the schema registry refused our credentials ({exc.error_message})") from exc
+                # The body may be a proxy's HTML page: the status says enough.
+                raise AuthenticationError(
+                    f"the schema registry refused our credentials (HTTP {exc.http_status_code}) registering "
+                    f"{subject!r}; check registry.basic_auth_user_info ('user:password', or "
+                    "CDC_REGISTRY__BASIC_AUTH_USER_INFO, or registry.basic_auth_user_info_file)"
+                ) from exc
             raise TransientError(f"schema registry error for {subject!r}: {exc.error_message}") from exc
         except Exception as exc:  # the client's transport errors (httpx) share no base class we can name
+            if "CERTIFICATE_VERIFY_FAILED" in str(exc) or isinstance(exc.__context__, ssl.SSLError):
+                # Retrying cannot make an untrusted certificate trusted: say which setting fixes it.
+                raise SchemaRegistryError(
+                    f"the TLS connection to the schema registry failed ({exc}); set registry.ssl_ca_location "
+                    "to the PEM file of the CA that signed the registry's certificate"
+                ) from exc
             raise TransientError(f"cannot reach the schema registry: {type(exc).__name__}: {exc}") from exc
         self._ids[(subject, text)] = schema_id
         return schema_id

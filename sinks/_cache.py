@@ -183,5 +183,12 @@ class CacheSink(BaseSink):
     def _call(fn: Any, *args: Any) -> Any:
         try:
             return fn(*args)
+        except (redis.AuthenticationError, redis.exceptions.AuthorizationError) as exc:
+            # Transient like any store fault: credentials are often fixed on the server (an ACL user
+            # re-enabled, a rotated password restored) without restarting the sinks. Never the URL: it holds them.
+            raise SinkTransientError(
+                f"Redis refused the credentials of sinks.cache.url ({exc}); check the user and password in the URL "
+                "against the server's ACL (ACL GETUSER …)"
+            ) from exc
         except (redis.ConnectionError, redis.TimeoutError) as exc:
             raise SinkTransientError(f"Redis unreachable: {exc}") from exc

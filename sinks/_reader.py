@@ -16,13 +16,13 @@ import json
 import logging
 import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from confluent_kafka.schema_registry import SchemaRegistryClient
 from confluent_kafka.schema_registry.error import SchemaRegistryError
 
 from sinks._api import Rejected, TableChanges
-from sinks.errors import SinkTransientError
+from sinks.errors import SinkConfigError, SinkTransientError
 
 if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame, SparkSession
@@ -379,10 +379,26 @@ def ensure_dead_letter_topic(settings: SinkSettings) -> None:
     from confluent_kafka.admin import AdminClient, NewTopic
 
     # kafka.consumer holds Java names for Spark; this librdkafka client takes only brokers and security.
-    admin = AdminClient(settings.kafka.client_conf())
+    # It is the app's first contact with Kafka: refused credentials or an untrusted certificate, which
+    # librdkafka reports only to error_cb, end the app here with the key to fix instead of a retry loop.
+    security: list[Any] = []
+
+    def on_error(err: Any) -> None:
+        if _security_error(err):
+            security.append(err)
+
+    conf: dict[str, Any] = {**settings.kafka.client_conf(), "error_cb": on_error}
+    admin = AdminClient(conf)
     topic = settings.dead_letter_topic
     try:
-        if topic in admin.list_topics(timeout=30).topics:
+        try:
+            found = admin.list_topics(timeout=30).topics
+        except KafkaException:
+            admin.poll(0)  # serves error_cb
+            if security:
+                raise SinkConfigError(_security_message(security[-1])) from None
+            raise
+        if topic in found:
             return
         # delete, not compact: dead letters are a log to inspect and replay, not state (and keys may be garbage).
         future = admin.create_topics([NewTopic(topic, num_partitions=1, config={"cleanup.policy": "delete"})])[topic]
@@ -392,6 +408,26 @@ def ensure_dead_letter_topic(settings: SinkSettings) -> None:
         if "TOPIC_ALREADY_EXISTS" in str(exc):
             return
         raise SinkTransientError(f"cannot create the dead-letter topic {topic}: {exc}") from exc
+
+
+def _security_error(err: Any) -> bool:
+    from confluent_kafka import KafkaError
+
+    return bool(err.code() in (KafkaError._AUTHENTICATION, KafkaError._SSL))
+
+
+def _security_message(err: Any) -> str:
+    from confluent_kafka import KafkaError
+
+    if err.code() == KafkaError._AUTHENTICATION:
+        return (
+            f"Kafka refused the sinks' credentials ({err.str()}); check kafka.sasl_mechanism, kafka.sasl_username "
+            "and the password (kafka.sasl_password, CDC_KAFKA__SASL_PASSWORD or kafka.sasl_password_file)"
+        )
+    return (
+        f"the TLS connection to Kafka failed ({err.str()}); check kafka.security_protocol, kafka.ssl_ca_location "
+        "(the CA that signed the broker's certificate) and that bootstrap_servers names a host it is for"
+    )
 
 
 def _header(name: str, value: Column) -> Column:

@@ -9,8 +9,10 @@ query stops and the runner starts the new generation's query from that generatio
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
+import re
 import shutil
 import sys
 import threading
@@ -27,7 +29,7 @@ from sinks._progress import HEARTBEAT_S, REBUILD_FILE, STATUS_FILE, TopicEnds, c
 from sinks._reader import Decoder, ensure_dead_letter_topic, open_stream, send_to_dead_letter
 from sinks._spark import build_session
 from sinks._values import Names, column_name, doc_converter
-from sinks.errors import PluginError, SinkConfigError, SinkError, SinkTerminalError
+from sinks.errors import PluginError, SinkConfigError, SinkError, SinkTerminalError, StateDiskFullError
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -40,6 +42,8 @@ log = logging.getLogger(__name__)
 _GENERATION_CHANGED = "pgcdc: served generation changed"
 _STATUS_LOCK = threading.Lock()
 _HEALTHY_S = 300.0  # a query that ran this long before failing was healthy: its backoff starts over
+_NO_SPACE = "No space left on device"  # ENOSPC as the JVM (Spark's checkpoint writes) and the C library say it
+_NEARLY_FULL = 64 * 2**20  # free bytes under which an ENOSPC is taken to be the state disk's
 
 
 def spark_session(settings: SinkSettings, app: str) -> SparkSession:
@@ -284,6 +288,9 @@ def run(settings: SinkSettings, names: Sequence[str], stop: threading.Event) -> 
                 raise
         except Exception as exc:  # the store or Kafka not reachable yet, a plugin's own failure
             queries.pop(name, None)
+            full = _state_disk_full(settings, name, exc)
+            if full is not None:
+                raise full from exc
             back_off(name, f"could not start ({_short(exc)})")
 
     def heartbeat() -> None:
@@ -296,9 +303,9 @@ def run(settings: SinkSettings, names: Sequence[str], stop: threading.Event) -> 
     for name in names:
         _sink_status(settings, name).update(heartbeat_at=time.time())
     threading.Thread(target=heartbeat, name="pgcdc-heartbeat", daemon=True).start()
-    for name in names:
-        start(name)
     try:
+        for name in names:
+            start(name)
         while not stop.is_set():
             for name in names:
                 q = queries.get(name)
@@ -316,6 +323,12 @@ def run(settings: SinkSettings, names: Sequence[str], stop: threading.Event) -> 
                         log.info("sink %s: a rebuild swapped in a new generation; switching to it", name)
                         start(name)
                         continue
+                    full = _state_disk_full(settings, name, error)
+                    if full is not None:  # terminal for the whole app: see sinks.errors.StateDiskFullError
+                        metrics.running.labels(name).set(0)
+                        raise full
+                    if _raised_by(error) is None:  # not one of ours: its whole account (Spark's own log is off)
+                        log.warning("sink %s: the query failed:\n%s", name, error)
                     back_off(name, f"stopped: {_short(error)}")
             stop.wait(1.0)
     finally:
@@ -333,8 +346,46 @@ def _sink_status(settings: SinkSettings, name: str, file: str = STATUS_FILE) -> 
     return _Status.load(settings.sinks.state_dir / name / file)
 
 
+def _state_disk_full(settings: SinkSettings, name: str, error: Any) -> StateDiskFullError | None:
+    """The operator's error when ``error`` is the sinks' state disk being full, else None.
+
+    Spark reports a failed checkpoint write as the JVM's IOException text, without the path, so the text is
+    matched and the state directory's free space decides whose disk it was: a store's own full disk (say, the
+    warehouse's) is that sink's problem, retried with backoff like any store fault.
+    """
+    if not ((isinstance(error, OSError) and error.errno == errno.ENOSPC) or _NO_SPACE in str(error)):
+        return None
+    state_dir = settings.sinks.state_dir.resolve()
+    try:
+        free = shutil.disk_usage(state_dir).free
+    except OSError:
+        return None
+    if free > _NEARLY_FULL:
+        return None
+    return StateDiskFullError(
+        f"sink {name} cannot write its checkpoint under {state_dir / name}: the disk is full ({_NO_SPACE}; "
+        f"{free:,} bytes free there). Nothing is lost: every sink resumes from its last completed batch. Free "
+        "space on that disk, or stop the sinks and move sinks.state_dir (with everything in it) to a larger disk "
+        "and set the new path (sinks.state_dir or CDC_SINKS__STATE_DIR); then run `cdc sinks run` again"
+    )
+
+
+# The last line of a Python traceback: "sinks.errors.SinkTransientError: Redis refused …".
+_RAISED = re.compile(r"^(?P<type>[A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt)): (?P<message>.*)$")
+
+
+def _raised_by(error: Any) -> str | None:
+    """What one of our errors (sinks.errors) said, when it ended a batch: Spark wraps it in a Python traceback."""
+    lines = str(error).splitlines() if error is not None else []
+    raised = [m for m in map(_RAISED.match, lines) if m is not None]
+    if raised and raised[-1]["type"].startswith("sinks.errors."):
+        return raised[-1]["message"]
+    return None
+
+
 def _short(error: Any) -> str:
-    text = str(error) if error is not None else "stopped"
+    """One line for status.json, the dashboard and the log: our own message, else the error's first line."""
+    text = _raised_by(error) or (str(error) if error is not None else "stopped")
     return text.splitlines()[0][:500] if text else "stopped"
 
 
@@ -498,7 +549,10 @@ def _catch_up(q: SinkQuery, settings: SinkSettings, timeout_s: float) -> None:
         with progress:
             while not q.caught_up():
                 if q.query is not None and not q.query.isActive:
-                    raise SinkError(f"rebuild query of {q.name} failed: {_short(q.query.exception())}")
+                    error = q.query.exception()
+                    if _raised_by(error) is None:  # not one of ours: its whole account (Spark's own log is off)
+                        log.warning("rebuild of %s: the query failed:\n%s", q.name, error)
+                    raise SinkError(f"rebuild query of {q.name} failed: {_short(error)}")
                 if time.monotonic() > deadline:
                     raise SinkError(f"rebuild of {q.name} did not catch up within {timeout_s:.0f}s")
                 show()

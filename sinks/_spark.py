@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
@@ -12,6 +13,9 @@ if TYPE_CHECKING:
 _DELTA_CONF = {
     "spark.sql.extensions": "io.delta.sql.DeltaSparkSessionExtension",
     "spark.sql.catalog.spark_catalog": "org.apache.spark.sql.delta.catalog.DeltaCatalog",
+    # Avro and PostgreSQL names are case-sensitive: a table may have columns "Order" and "order". Spark's
+    # default (case-insensitive) resolution finds two matches for either, in from_avro and in getField.
+    "spark.sql.caseSensitive": "true",
 }
 
 # Small-machine defaults: 200 shuffle partitions cost far more than they bring on a few cores.
@@ -46,4 +50,25 @@ def build_session(
         builder = builder.config("spark.jars", ",".join(jars))
     for key, value in {**_DELTA_CONF, **(conf or {})}.items():
         builder = builder.config(key, value)
-    return builder.getOrCreate()
+    session = builder.getOrCreate()
+    if logging.getLogger().getEffectiveLevel() > logging.DEBUG:  # --log-level debug keeps Spark's account
+        _quiet(session, _QUERY_FAILURE_LOGGER)
+        # py4j logs the Python traceback of a batch that raised; the runner reports it (in full unless ours).
+        logging.getLogger("py4j.clientserver").setLevel(logging.CRITICAL)
+    return session
+
+
+# Spark logs a query that fails as a JVM stack trace of some 40 lines (around the Python traceback, when a
+# batch raised). The runner (sinks._runner) reports every failed query itself: one line for a failure it
+# knows (a full state disk, a store refusing its credentials: what, where, how to fix), the whole error for
+# the others. Spark's own copy is silenced so that a known fault does not read as a crash.
+_QUERY_FAILURE_LOGGER = "org.apache.spark.sql.execution.streaming.MicroBatchExecution"
+
+
+def _quiet(session: SparkSession, logger: str) -> None:
+    try:
+        jvm = session.sparkContext._jvm
+        assert jvm is not None
+        jvm.org.apache.logging.log4j.core.config.Configurator.setLevel(logger, jvm.org.apache.logging.log4j.Level.OFF)
+    except Exception as exc:  # only log tidiness: a Spark without log4j 2 keeps its default
+        logging.getLogger(__name__).debug("cannot quieten %s: %s", logger, exc)

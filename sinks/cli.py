@@ -5,7 +5,8 @@
     cdc sinks rebuild NAME --config cdc.toml     rebuild from offset zero beside the served copy, verify, swap
     cdc verify NAME --config cdc.toml            compare the store with PostgreSQL key by key
 
-Exit codes: 0 fine; 1 unexpected; 2 configuration; 8 plugin failed to load; 9 drift found.
+Exit codes: 0 fine; 1 unexpected; 2 configuration; 8 plugin failed to load; 9 drift found; 11 the disk under
+sinks.state_dir is full (free space or move it, then run again: nothing is lost).
 """
 
 from __future__ import annotations

@@ -5,8 +5,11 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from confluent_kafka import Consumer
 
 from tests.integration._capture_helpers import CdcConfig, ChildProcess
 
@@ -70,3 +73,24 @@ class SinksProcess(ChildProcess):
 
     def batches(self) -> int:
         return self.log.read_text(errors="replace").count(": batch ") if self.log.exists() else 0
+
+
+def dead_letters(kafka: str, topic: str) -> list[dict[str, str]]:
+    """Every record of the dead-letter ``topic``: its headers (pgcdc.sink, pgcdc.error, …) and repr'd value."""
+    consumer = Consumer(
+        {"bootstrap.servers": kafka, "group.id": f"dlq-{time.time_ns()}", "auto.offset.reset": "earliest"}
+    )
+    consumer.subscribe([topic])
+    out = []
+    try:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            msg = consumer.poll(0.5)
+            if msg is None or msg.error():
+                continue
+            pairs: list[tuple[str, bytes]] = list(msg.headers() or [])  # type: ignore[arg-type]
+            headers = {k: v.decode() for k, v in pairs}
+            out.append(headers | {"value": repr(msg.value())})
+    finally:
+        consumer.close()
+    return out

@@ -307,3 +307,27 @@ def test_wrong_security_settings_give_clear_errors(
                 assert secret not in out, "a secret leaked into the error output"
     finally:
         _drop_role(pg_dsn, f"tls_{unique}")
+
+
+def test_sinks_with_wrong_kafka_credentials_stop_at_once_saying_so(
+    *, stack: Stack, unique: str, tmp_path: Path
+) -> None:
+    ep = tls_endpoints_or_skip()
+    plain = stack.config("dbname=unused", ["public.items"], prefix=f"w{unique}", unique=unique, workdir=tmp_path)
+    config = _secure_config(plain, ep, tmp_path, kafka_pw_env=False)
+    (tmp_path / "kafka-password").write_text("not-the-password\n")
+    path = config.write(tmp_path / "cdc.toml")
+    proc = subprocess.run(
+        [sys.executable, "-m", "cdc.cli", "sinks", "run", "cache", "--config", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out
+    assert "Kafka refused the sinks' credentials" in out, out
+    assert "sasl_password" in out, out
+    assert "Traceback" not in out, out
+    assert "not-the-password" not in out
+    assert ep["registry-tls"]["password"] not in out

@@ -3,40 +3,19 @@
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import psycopg
 import pytest
 import redis
-from confluent_kafka import Consumer, Producer
+from confluent_kafka import Producer
 from opensearchpy import OpenSearch
 
 from tests.integration._capture_helpers import scratch_database, wait_for
 from tests.integration._observe_helpers import api_status, free_port, metric, scrape
-from tests.integration._sinks_helpers import SinksProcess, Stack
+from tests.integration._sinks_helpers import SinksProcess, Stack, dead_letters
 
 pytestmark = pytest.mark.slow
-
-
-def _dead_letters(kafka: str, topic: str) -> list[dict[str, str]]:
-    consumer = Consumer(
-        {"bootstrap.servers": kafka, "group.id": f"dlq-{time.time_ns()}", "auto.offset.reset": "earliest"}
-    )
-    consumer.subscribe([topic])
-    out = []
-    try:
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            msg = consumer.poll(0.5)
-            if msg is None or msg.error():
-                continue
-            pairs: list[tuple[str, bytes]] = list(msg.headers() or [])  # type: ignore[arg-type]
-            headers = {k: v.decode() for k, v in pairs}
-            out.append(headers | {"value": repr(msg.value())})
-    finally:
-        consumer.close()
-    return out
 
 
 def test_poison_and_rejected_changes_reach_the_dead_letter_topic(
@@ -73,17 +52,17 @@ def test_poison_and_rejected_changes_reach_the_dead_letter_topic(
             dead_topic = f"{prefix}.dead-letter"
             wait_for(
                 lambda: (
-                    sum("Avro" in d.get("pgcdc.error", "") for d in _dead_letters(stack.kafka, dead_topic)) >= 2
+                    sum("Avro" in d.get("pgcdc.error", "") for d in dead_letters(stack.kafka, dead_topic)) >= 2
                     and any(
                         d.get("pgcdc.sink") == "search" and "OpenSearch" in d["pgcdc.error"]
-                        for d in _dead_letters(stack.kafka, dead_topic)
+                        for d in dead_letters(stack.kafka, dead_topic)
                     )
                 ),
                 240,
                 "the dead letters",
                 None,
             )
-            letters = _dead_letters(stack.kafka, dead_topic)
+            letters = dead_letters(stack.kafka, dead_topic)
             poison = [d for d in letters if "not Confluent-framed" in d["pgcdc.error"]]
             assert {d["pgcdc.sink"] for d in poison} == {"search", "cache"}  # each sink reports what it skipped
             assert all(d["pgcdc.topic"] == topic and d["pgcdc.offset"].isdigit() for d in poison)

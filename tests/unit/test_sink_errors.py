@@ -1,0 +1,49 @@
+"""How the sinks app words a failed query: one line of ours, and a full state disk told apart from others."""
+
+from __future__ import annotations
+
+import errno
+from pathlib import Path
+
+from sinks._config import SinkSettings
+from sinks._runner import _short, _state_disk_full
+from sinks.errors import SinkTerminalError, StateDiskFullError
+
+# What str() of Spark's StreamingQueryException holds when a batch raised one of our errors.
+_WRAPPED = """An exception was raised by the Python Proxy. Return Message: Traceback (most recent call last):
+  File "/venv/lib/python3.11/site-packages/py4j/clientserver.py", line 617, in _call_proxy
+    return_value = getattr(self.pool[obj_id], method)(*params)
+redis.exceptions.AuthenticationError: invalid username-password pair or user is disabled.
+
+The above exception was the direct cause of the following exception:
+
+Traceback (most recent call last):
+  File "/work/main/sinks/_cache.py", line 190, in _call
+    raise SinkTransientError(
+sinks.errors.SinkTransientError: Redis refused the credentials of sinks.cache.url (invalid …); check them
+"""
+
+
+def test_a_batch_that_raised_our_error_is_summed_up_by_its_message() -> None:
+    assert _short(_WRAPPED) == "Redis refused the credentials of sinks.cache.url (invalid …); check them"
+
+
+def test_other_errors_keep_their_first_line() -> None:
+    assert _short("[STREAM_FAILED] Query q terminated with exception: boom\nat x") == (
+        "[STREAM_FAILED] Query q terminated with exception: boom"
+    )
+    assert _short(_WRAPPED.replace("sinks.errors.", "mypackage.")).startswith("An exception was raised")
+    assert _short(None) == "stopped"
+
+
+def test_enospc_is_the_state_disk_only_when_that_disk_is_full(tmp_path: Path) -> None:
+    settings = SinkSettings(sinks={"state_dir": tmp_path})  # type: ignore[arg-type]
+    # tmp_path's filesystem has room: a "no space" from elsewhere (a store's disk) is that sink's fault.
+    assert _state_disk_full(settings, "warehouse", OSError(errno.ENOSPC, "No space left on device")) is None
+    assert _state_disk_full(settings, "cache", "java.io.IOException: No space left on device") is None
+    assert _state_disk_full(settings, "cache", "Connection refused") is None
+
+
+def test_a_full_state_disk_has_its_own_exit_code() -> None:
+    assert issubclass(StateDiskFullError, SinkTerminalError)
+    assert StateDiskFullError.exit_code == 11
