@@ -136,6 +136,7 @@ class Topics:
     def _metadata(self, topic: str) -> Any:
         """The topic's metadata; refused credentials or a failed TLS handshake fail at once, saying so."""
         deadline = time.monotonic() + _TIMEOUT_S
+        self._security.last = None  # only what is reported during this call explains its failure
         while True:
             try:
                 # Short tries: between them error_cb is served, so a refusal is not waited out for 30 s.
@@ -362,6 +363,19 @@ class OffsetStore:
         return json.dumps(state, separators=(",", ":"), sort_keys=True).encode()
 
 
+def _certificate_refused(exc: BaseException) -> bool:
+    """A failed certificate verification somewhere in the chain (httpx wraps httpcore wraps ssl); other TLS
+    errors (a connection reset mid-handshake) stay transient."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        if isinstance(current, ssl.SSLCertVerificationError) or "CERTIFICATE_VERIFY_FAILED" in str(current):
+            return True
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return False
+
+
 class Registry:
     """Registers schemas (once each) and returns their ids."""
 
@@ -394,7 +408,7 @@ class Registry:
                 ) from exc
             raise TransientError(f"schema registry error for {subject!r}: {exc.error_message}") from exc
         except Exception as exc:  # the client's transport errors (httpx) share no base class we can name
-            if "CERTIFICATE_VERIFY_FAILED" in str(exc) or isinstance(exc.__context__, ssl.SSLError):
+            if _certificate_refused(exc):
                 # Retrying cannot make an untrusted certificate trusted: say which setting fixes it.
                 raise SchemaRegistryError(
                     f"the TLS connection to the schema registry failed ({exc}); set registry.ssl_ca_location "

@@ -270,26 +270,34 @@ class GapDeletes:
         consistent_lsn: int,
         batch: int,
     ) -> int:
-        """Write a delete and a tombstone for every key left; ``commit(n)`` after every ``batch`` of them (n
-        deletes since the last commit; the caller commits the rest). Returns how many were deleted."""
+        """Write a delete and a tombstone for every key left, ``batch`` keys per Kafka transaction, each ended
+        by ``commit(n)`` (n deletes in it). Returns how many were deleted."""
         remaining = self.live.remaining()
         # The consistent point as the position: after every event the topic held (all earlier), before every
         # change the stream writes next (all later), which is where the rows' deletes belong.
         now_us = time.time_ns() // 1000
         pos = Position(consistent_lsn, consistent_lsn, now_us, None)
         topic = self.codec.topic
-        deleted = pending = 0
+        deleted = 0
+        pending: list[tuple[int, bytes, dict[str, Any]]] = []
+
+        def flush() -> None:
+            nonlocal deleted
+            # Produced and committed together, never while the topic is being read: the first produce opens
+            # the Kafka transaction, and a scan of a large topic would outlast transaction.timeout.ms, the
+            # broker would abort it, and every retry would do the same.
+            for partition, raw, before in pending:
+                # The key bytes and partition as written, so that compaction drops the old records.
+                produce(topic, raw, self.delete_event(before, pos, now_us), partition)
+                produce(topic, raw, None, partition)
+            deleted += len(pending)
+            commit(len(pending))
+            pending.clear()
 
         def delete(partition: int, raw: bytes, before: dict[str, Any]) -> None:
-            nonlocal deleted, pending
-            # The key bytes and partition as written, so that compaction drops the old records.
-            produce(topic, raw, self.delete_event(before, pos, now_us), partition)
-            produce(topic, raw, None, partition)
-            deleted += 1
-            pending += 1
-            if pending >= batch:
-                commit(pending)
-                pending = 0
+            pending.append((partition, raw, before))
+            if len(pending) >= batch:
+                flush()
 
         ranges = {p: (min(offsets), max(offsets) + 1) for p, offsets in remaining.items()}
         for partition, offset, key, value in self._reader.read(topic, ranges):
@@ -306,7 +314,7 @@ class GapDeletes:
             for raw, canonical in records.values():
                 delete(partition, raw, self.before_image(None, canonical) or {})
         if pending:
-            commit(pending)
+            flush()
         return deleted
 
 
@@ -351,8 +359,17 @@ class TopicReader:
         if not todo:
             return
         consumer = self._consumer
-        consumer.assign([TopicPartition(topic, p, ranges[p][0]) for p in todo])
+        assigned = [TopicPartition(topic, p, ranges[p][0]) for p in todo]
+        consumer.assign(assigned)
+        consumer.resume(assigned)  # a partition paused by an earlier read of this consumer must fetch again
         progress = time.monotonic()
+
+        def done(partition: int) -> None:
+            del todo[partition]
+            # Stop fetching it: the rest of that partition is not wanted, and its records would hide a stall
+            # of another partition from the timer below.
+            consumer.pause([TopicPartition(topic, partition)])
+
         try:
             while todo:
                 msgs = consumer.consume(1000, 1.0)
@@ -374,14 +391,14 @@ class TopicReader:
                             raise _error(KafkaException(err), f"reading topic {topic!r}")
                         # read_committed: the end is the last stable offset, reported as this event's offset.
                         if offset >= todo[partition]:
-                            del todo[partition]
+                            done(partition)
                         continue
                     if offset >= todo[partition]:
-                        del todo[partition]
+                        done(partition)
                         continue
                     yield partition, offset, msg.key() or b"", msg.value()
                     if offset + 1 >= todo[partition]:
-                        del todo[partition]
+                        done(partition)
         except KafkaException as exc:
             raise _error(exc, f"reading topic {topic!r}") from exc
         finally:
@@ -450,7 +467,9 @@ class Reconciler:
             for p, o in progress.setdefault("since", {str(p): high for p, (_, high) in ends.items()}).items()
         }
         # Partitions added after the boundary was taken hold only what was written after it.
-        before = {p: (low, since.get(p, 0)) for p, (low, _) in ends.items()}
+        # Never past the current end: a topic recreated (or truncated by an unclean election) since the boundary
+        # was taken would otherwise never reach it, and every retry would wait for it again.
+        before = {p: (low, min(since.get(p, 0), high)) for p, (low, high) in ends.items()}
         if all(stop <= start for start, stop in before.values()):
             return None  # the topic held nothing before this snapshot: the common first snapshot
         started = time.monotonic()

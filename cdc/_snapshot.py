@@ -289,7 +289,11 @@ class Snapshotter:
             batch=self.settings.capture.snapshot_chunk_rows,
         )
         del self._gaps[table]
-        log.info("re-snapshot of %s: %d rows deleted while the slot was lost were tombstoned", table, deleted)
+        log.info(
+            "re-snapshot of %s: %d row(s) deleted while nothing streamed (a lost slot, a detach) were tombstoned",
+            table,
+            deleted,
+        )
 
 
 class SnapshotStoppedError(Exception):

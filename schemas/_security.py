@@ -126,8 +126,16 @@ class RegistrySecurity(BaseModel):
     @model_validator(mode="after")
     def _files(self) -> RegistrySecurity:
         _check_file(self.ssl_ca_location, "ssl_ca_location")
-        if self.basic_auth_user_info_file is not None:
-            read_secret_file(self.basic_auth_user_info_file, "basic_auth_user_info_file")
+        if self.basic_auth_user_info is not None and self.basic_auth_user_info_file is not None:
+            raise ValueError("set basic_auth_user_info or basic_auth_user_info_file, not both")
+        user_info = None
+        if self.basic_auth_user_info is not None:
+            user_info = self.basic_auth_user_info.get_secret_value()
+        elif self.basic_auth_user_info_file is not None:
+            user_info = read_secret_file(self.basic_auth_user_info_file, "basic_auth_user_info_file")
+        if user_info is not None and ":" not in user_info:
+            # The registry client would fail later with a traceback; the value itself is never echoed.
+            raise ValueError("basic_auth_user_info must be 'user:password' (no ':' found)")
         return self
 
     def security_conf(self) -> dict[str, Any]:

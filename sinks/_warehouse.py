@@ -34,25 +34,47 @@ _META = ("__op", "__commit_lsn", "__lsn", "__ts_ms", "__applied_ms")
 _UNCHANGED = "__unchanged"  # in the MERGE source only
 
 
-def delta_columns(fields: Sequence[str]) -> dict[str, str]:
+def delta_columns(fields: Sequence[str], existing: Sequence[str] = ()) -> dict[str, str]:
     """The Delta column of each Avro field of a row: its name, unless Delta would refuse it.
 
     Delta compares column names ignoring case, so Avro fields ``Order`` and ``order`` (columns "Order" and
     "order") cannot both keep their names, and a column named like one of ours (``__op``…) would clash. Such
     a field, in field order, gets ``__`` and 8 hex digits of its name's SHA-256 (``order__1a2b3c4d``).
-    Fields only ever get appended (added columns), so a column keeps its name as the table evolves; the way
-    back is this function over the same row schema (:meth:`WarehouseSink.read_table`).
+
+    ``existing``: the Delta table's columns. A field that already has a column keeps it, whatever happened to
+    the other fields since: a dropped or renamed case-twin must not hand its name over (``order`` would then
+    become ``order``, which Delta refuses next to the old ``Order``, and its values would be stranded).
     """
-    taken = {m.lower() for m in (*_META, _UNCHANGED)}
+    present = set(existing)
+    taken = {m.lower() for m in (*_META, _UNCHANGED)} | {c.lower() for c in existing}
     out: dict[str, str] = {}
     for name in fields:
-        column, n = name, 1
-        while column.lower() in taken:
-            n += 1
-            column = f"{name}__{hashlib.sha256(name.encode()).hexdigest()[:8]}" + (f"_{n}" if n > 2 else "")
+        for candidate in _candidates(name):
+            if candidate in present:
+                out[name] = candidate
+                break
+            if candidate.lower() not in taken:
+                break  # the first free name: nothing further on can be this field's existing column
+    for name in fields:
+        if name in out:
+            continue
+        for column in _candidates(name):
+            if column.lower() not in taken:
+                break
         taken.add(column.lower())
         out[name] = column
     return out
+
+
+def _candidates(name: str) -> Iterator[str]:
+    """The names a field's column may have, in the order they are given out."""
+    yield name
+    digest = hashlib.sha256(name.encode()).hexdigest()[:8]
+    yield f"{name}__{digest}"
+    n = 3
+    while True:
+        yield f"{name}__{digest}_{n}"
+        n += 1
 
 
 def _q(name: str) -> str:
@@ -121,7 +143,7 @@ class WarehouseSink(BaseSink):
         present = set(frame.columns)
         names = Names()
         fields = table.row_schema["fields"]
-        delta = delta_columns([f["name"] for f in fields])
+        delta = delta_columns([f["name"] for f in fields], frame.columns)
         projected = frame.select(
             *[
                 spark_projection(f["type"], F.col(_q(delta[f["name"]])), names).alias(f["name"])
@@ -142,11 +164,10 @@ class WarehouseSink(BaseSink):
         for table in batch.tables:
             self._write_table(batch, table)
 
-    def _source(self, table: TableChanges, frame: DataFrame) -> DataFrame:
+    def _source(self, table: TableChanges, frame: DataFrame, delta: dict[str, str]) -> DataFrame:
         from pyspark.sql import functions as F
 
         key_names = [f["name"] for f in table.key_schema["fields"]]
-        delta = delta_columns([f["name"] for f in table.row_schema["fields"]])
         cols = [
             (F.col(f"key.{_q(f['name'])}") if f["name"] in key_names else F.col(f"row.{_q(f['name'])}")).alias(
                 delta[f["name"]]
@@ -169,15 +190,17 @@ class WarehouseSink(BaseSink):
 
         spark = batch.spark
         path = self.path(table.name, batch.generation)
-        source = self._source(table, table.frame)
-        delta = delta_columns([f["name"] for f in table.row_schema["fields"]])
+        exists = DeltaTable.isDeltaTable(spark, path)
+        current = DeltaTable.forPath(spark, path).toDF().columns if exists else []
+        delta = delta_columns([f["name"] for f in table.row_schema["fields"]], current)
+        source = self._source(table, table.frame, delta)
         columns = list(delta.items())  # (Avro field, Delta column)
         keys = [delta[f["name"]] for f in table.key_schema["fields"]]
-        if not DeltaTable.isDeltaTable(spark, path):
+        if not exists:
             source.drop(_UNCHANGED).limit(0).write.format("delta").mode("ignore").save(path)
         target = DeltaTable.forPath(spark, path)
-        existing = set(target.toDF().columns)
-        added = [f for f in source.drop(_UNCHANGED).schema.fields if f.name not in existing]
+        existing = {c.lower() for c in target.toDF().columns}  # Delta's names ignore case
+        added = [f for f in source.drop(_UNCHANGED).schema.fields if f.name.lower() not in existing]
         if added:  # ALTER TABLE ADD COLUMN at the source: the Delta table gains the column (older rows: null)
             ddl = ", ".join(f"{_q(f.name)} {f.dataType.simpleString()}" for f in added)
             spark.sql(f"ALTER TABLE delta.{_q(path)} ADD COLUMNS ({ddl})")
@@ -202,7 +225,7 @@ class WarehouseSink(BaseSink):
         )
         if self.history and table.events is not None:
             (
-                self._source(table, table.events)
+                self._source(table, table.events, delta)
                 .write.format("delta")
                 .mode("append")
                 .option("mergeSchema", "true")

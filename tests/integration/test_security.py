@@ -9,6 +9,7 @@ certificates come from a local CA that the clients are given (verify-full, hostn
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import json
 import os
@@ -96,7 +97,10 @@ def test_capture_and_sinks_run_over_tls_with_credentials(
     *, pg_dsn: str, stack: Stack, unique: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     ep = tls_endpoints_or_skip()
-    secrets = [ep["kafka"]["sasl_ssl"]["password"], ep["registry-tls"]["password"]]
+    reg = ep["registry-tls"]
+    # The registry's credentials also travel as an HTTP Basic header: look for that form too.
+    header = base64.b64encode(f"{reg['username']}:{reg['password']}".encode()).decode()
+    secrets = [ep["kafka"]["sasl_ssl"]["password"], reg["password"], header]
     port, sinks_port = free_port(), free_port()
     monkeypatch.setenv("CDC_METRICS__PORT", str(port))
     monkeypatch.setenv("CDC_SINKS__METRICS_PORT", str(sinks_port))
@@ -187,8 +191,10 @@ def _run_and_check(
             "capture /api/status": http_get(f"http://127.0.0.1:{ports[0]}/api/status").decode(),
             "sinks /metrics": http_get(f"http://127.0.0.1:{ports[1]}/metrics").decode(),
         }
-        for state_file in (workdir / "state").rglob("*.json"):
-            outputs[str(state_file)] = state_file.read_text(errors="replace")
+        # Every file the sinks keep: status, Spark's checkpoints (offsets, commits, metadata), the rest.
+        for state_file in (workdir / "state").rglob("*"):
+            if state_file.is_file():
+                outputs[str(state_file)] = state_file.read_text(errors="replace")
         for where, text in outputs.items():
             for secret in secrets:
                 assert secret not in text, f"a secret leaked into {where}"

@@ -97,3 +97,14 @@ def test_registry_credentials_and_trust(tmp_path: Path) -> None:
     conf = RegistrySecurity(basic_auth_user_info_file=user_info, ssl_ca_location=ca).security_conf()
     assert conf == {"basic.auth.user.info": "u:p", "ssl.ca.location": str(ca)}
     assert RegistrySecurity(basic_auth_user_info="a:b").security_conf() == {"basic.auth.user.info": "a:b"}  # type: ignore[arg-type]
+
+
+def test_registry_user_info_must_be_user_colon_password_and_set_once(tmp_path: Path) -> None:
+    with pytest.raises(ValidationError, match="must be 'user:password'") as err:
+        RegistrySecurity(basic_auth_user_info="no-colon-secret")  # type: ignore[arg-type]
+    # What pgcdc shows of a validation error is each error's message (cdc/_config._explain), never the input.
+    assert all("no-colon-secret" not in e["msg"] for e in err.value.errors())
+    user_info = tmp_path / "ui"
+    user_info.write_text("u:p\n")
+    with pytest.raises(ValidationError, match="not both"):
+        RegistrySecurity(basic_auth_user_info="a:b", basic_auth_user_info_file=user_info)  # type: ignore[arg-type]

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import errno
+import shutil
 from pathlib import Path
+
+import pytest
 
 from sinks._config import SinkSettings
 from sinks._runner import _short, _state_disk_full
@@ -47,3 +50,22 @@ def test_enospc_is_the_state_disk_only_when_that_disk_is_full(tmp_path: Path) ->
 def test_a_full_state_disk_has_its_own_exit_code() -> None:
     assert issubclass(StateDiskFullError, SinkTerminalError)
     assert StateDiskFullError.exit_code == 11
+
+
+def test_enospc_with_the_state_disk_nearly_full_is_the_state_disk_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The real case needs a full filesystem (the tmpfs integration test, root only); here the free-space
+    # reading is what decides, so it is the one thing replaced.
+    def nearly_full(path: object) -> shutil._ntuple_diskusage:
+        return shutil._ntuple_diskusage(16 << 20, 16 << 20, 4096)
+
+    monkeypatch.setattr(shutil, "disk_usage", nearly_full)
+    settings = SinkSettings(sinks={"state_dir": tmp_path})  # type: ignore[arg-type]
+    for error in (OSError(errno.ENOSPC, "No space left on device"), "java.io.IOException: No space left on device"):
+        found = _state_disk_full(settings, "cache", error)
+        assert isinstance(found, StateDiskFullError)
+        assert "the disk is full" in str(found)
+        assert str(tmp_path.resolve() / "cache") in str(found)
+        assert "4,096 bytes free" in str(found)
+    assert _state_disk_full(settings, "cache", "Connection refused") is None

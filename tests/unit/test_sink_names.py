@@ -87,3 +87,16 @@ def test_a_history_table_is_never_another_tables_directory(s1: str, t1: str, s2:
 
     assert history_path(table(s1, t1)) != table(s2, t2)
     assert history_path(table("s", "x")) != table("s", "x__history")
+
+
+def test_a_field_keeps_its_delta_column_when_its_case_twin_is_renamed_or_dropped() -> None:
+    before = delta_columns(["id", "Order", "order"])
+    assert before["order"] != "order"  # the later twin got a suffix
+    table = list(before.values())
+    # "Order" renamed to "x" (or dropped): "order" must keep its column, not take the name Delta still has.
+    after = delta_columns(["id", "x", "order"], table)
+    assert after["order"] == before["order"]
+    assert after["id"] == "id"
+    assert after["x"] == "x"
+    # A new field whose name only differs in case from an existing column gets a suffix too.
+    assert delta_columns(["id", "ID"], ["id"])["ID"] != "ID"
