@@ -45,8 +45,9 @@ def delta_columns(fields: Sequence[str], existing: Sequence[str] = ()) -> dict[s
     the other fields since: a dropped or renamed case-twin must not hand its name over (``order`` would then
     become ``order``, which Delta refuses next to the old ``Order``, and its values would be stranded).
     """
-    present = set(existing)
-    taken = {m.lower() for m in (*_META, _UNCHANGED)} | {c.lower() for c in existing}
+    ours = {m.lower() for m in (*_META, _UNCHANGED)}
+    present = {c for c in existing if c.lower() not in ours}  # the sink's own columns are never a field's
+    taken = ours | {c.lower() for c in existing}
     out: dict[str, str] = {}
     for name in fields:
         for candidate in _candidates(name):

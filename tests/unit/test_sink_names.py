@@ -100,3 +100,12 @@ def test_a_field_keeps_its_delta_column_when_its_case_twin_is_renamed_or_dropped
     assert after["x"] == "x"
     # A new field whose name only differs in case from an existing column gets a suffix too.
     assert delta_columns(["id", "ID"], ["id"])["ID"] != "ID"
+
+
+def test_a_field_named_like_the_sinks_own_column_keeps_its_suffixed_column() -> None:
+    # The Delta table holds the sink's own __op next to the field's column: the field must not take __op
+    # (found by the hostile-names test: "Reference s.__op is ambiguous").
+    first = delta_columns(["id", "__op"])
+    table = [*first.values(), "__op", "__commit_lsn", "__lsn", "__ts_ms", "__applied_ms"]
+    assert delta_columns(["id", "__op"], table) == first
+    assert first["__op"] != "__op"
