@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, f
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from cdc.errors import ConfigError
-from schemas import TEXT_OUTPUT_SETTINGS, KafkaSecurity, RegistrySecurity
+from schemas import TEXT_OUTPUT_SETTINGS, KafkaSecurity, RegistrySecurity, split_table_name, topic_name
 
 _IDENT = re.compile(r"^[^\x00]{1,63}$")  # PostgreSQL names: any character but NUL, at most 63 bytes
 
@@ -201,20 +201,7 @@ class Settings(BaseSettings):
 
     def topic_for(self, schema: str, table: str) -> str:
         """``<prefix>.<schema>.<table>``; characters Kafka refuses (and dots inside a part) become '_'."""
-        return f"{self.kafka.topic_prefix}.{_topic_part(schema)}.{_topic_part(table)}"
-
-
-def _topic_part(name: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_-]", "_", name) or "_"
-
-
-def split_table_name(name: str) -> tuple[str, str]:
-    """'schema.table' -> (schema, table); a quoted part may contain dots: '"my.schema"."t"'."""
-    parts = re.findall(r'"((?:[^"]|"")*)"|([^."]+)', name)
-    rebuilt = [quoted.replace('""', '"') if quoted else plain for quoted, plain in parts]
-    if len(rebuilt) != 2 or not all(rebuilt):
-        raise ValueError(f"table {name!r} must be written 'schema.table' (quote parts with dots in them)")
-    return rebuilt[0], rebuilt[1]
+        return topic_name(self.kafka.topic_prefix, schema, table)
 
 
 def load_settings(path: Path | None) -> Settings:

@@ -15,8 +15,9 @@ import psycopg
 from psycopg import sql
 
 from cdc._catalog import TableInfo, load_table
-from cdc._config import Settings, split_table_name
+from cdc._config import Settings
 from cdc.errors import AuthenticationError, ConfigError, SourceCheckError, StreamError, TransientError
+from schemas import split_table_name
 
 log = logging.getLogger(__name__)
 

@@ -25,6 +25,7 @@ from schemas._envelope import (
 from schemas._names import dedupe_named_types
 from schemas._pgtype import PgType, TypeKind
 from schemas._security import KafkaSecurity, RegistrySecurity, read_secret_file
+from schemas._topics import split_table_name, topic_name, topic_part
 from schemas._types import TEXT_OUTPUT_SETTINGS, AvroMapping, avro_mapping
 from schemas._writer import UnsupportedSchemaError, compile_writer, write_long, write_string
 
@@ -54,6 +55,9 @@ __all__ = [
     "nullable",
     "read_secret_file",
     "source_schema",
+    "split_table_name",
+    "topic_name",
+    "topic_part",
     "transaction_key_schema",
     "transaction_value_schema",
     "write_long",

@@ -15,7 +15,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
 
-from schemas import KafkaSecurity, RegistrySecurity
+from schemas import KafkaSecurity, RegistrySecurity, split_table_name, topic_name
 from sinks.errors import SinkConfigError
 
 _BUILTINS = ("search", "cache", "warehouse")
@@ -140,29 +140,14 @@ class SinkSettings(BaseSettings):
         return topic[len(prefix) :] if topic.startswith(prefix) else topic
 
     def topic_for(self, qualified: str) -> str:
-        schema, table = _split_table_name(qualified)
-        return f"{self.kafka.topic_prefix}.{_topic_part(schema)}.{_topic_part(table)}"
+        try:
+            schema, table = split_table_name(qualified)
+        except ValueError as exc:
+            raise SinkConfigError(f"sinks.tables: {exc}") from exc
+        return topic_name(self.kafka.topic_prefix, schema, table)
 
     def registry_conf(self) -> dict[str, Any]:
         return {"url": self.registry.url, "timeout": 30, **self.registry.security_conf()}
-
-
-def _topic_part(name: str) -> str:
-    # The capture's rule (docs/events.md): characters Kafka refuses, and dots, become '_'.
-    return re.sub(r"[^A-Za-z0-9_-]", "_", name) or "_"
-
-
-def _split_table_name(name: str) -> tuple[str, str]:
-    """'schema.table' -> (schema, table), parts quoted as in source.tables (cdc._config.split_table_name).
-
-    Splitting at the first dot and stripping quotes took '"my.schema"."t"' for the schema '"my' (and kept
-    doubled quotes), so sinks.tables could not name a table whose names hold dots or quotes.
-    """
-    parts = re.findall(r'"((?:[^"]|"")*)"|([^."]+)', name)
-    rebuilt = [quoted.replace('""', '"') if quoted else plain for quoted, plain in parts]
-    if len(rebuilt) != 2 or not all(rebuilt):
-        raise SinkConfigError(f"sinks.tables: {name!r} must be written 'schema.table' (quote parts with dots in them)")
-    return rebuilt[0], rebuilt[1]
 
 
 def load_sink_settings(path: Path | None) -> SinkSettings:

@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from cdc._config import load_settings, split_table_name
+from cdc._config import load_settings
 from cdc.errors import ConfigError
+from schemas import split_table_name
 
 BASE = """
 [source]
