@@ -48,6 +48,32 @@ def scratch_database(admin_dsn: str, name: str) -> Iterator[str]:
             conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
 
 
+@contextmanager
+def capture_role(db_dsn: str, name: str, password: str, *, member_of: str | None = None) -> Iterator[str]:
+    """A LOGIN REPLICATION role with ``password`` that may create tables and publications in ``db_dsn``'s
+    database (CREATE on it and on its public schema); yields the role's DSN. What it owns is dropped after; the
+    role itself goes with :func:`drop_role` once the database is gone (its database privilege holds it till then).
+    """
+    create = sql.SQL("CREATE ROLE {} LOGIN REPLICATION PASSWORD {}").format(sql.Identifier(name), sql.Literal(password))
+    if member_of is not None:
+        create = sql.SQL("{} IN ROLE {}").format(create, sql.Identifier(member_of))
+    dbname = str(conninfo_to_dict(db_dsn)["dbname"])
+    with psycopg.connect(db_dsn, autocommit=True) as conn:
+        conn.execute(create)
+        conn.execute(sql.SQL("GRANT CREATE ON DATABASE {} TO {}").format(sql.Identifier(dbname), sql.Identifier(name)))
+        conn.execute(sql.SQL("GRANT USAGE, CREATE ON SCHEMA public TO {}").format(sql.Identifier(name)))
+    try:
+        yield make_conninfo(db_dsn, user=name, password=password)
+    finally:
+        with psycopg.connect(db_dsn, autocommit=True) as conn:
+            conn.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(name)))
+
+
+def drop_role(admin_dsn: str, name: str) -> None:
+    with psycopg.connect(admin_dsn, autocommit=True) as conn:
+        conn.execute(sql.SQL("DROP ROLE IF EXISTS {}").format(sql.Identifier(name)))
+
+
 @dataclass
 class CdcConfig:
     dsn: str

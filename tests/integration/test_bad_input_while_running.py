@@ -20,37 +20,21 @@ from typing import Any
 import psycopg
 import pytest
 from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource
-from psycopg import sql
-from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from tests.integration._capture_helpers import CdcConfig, CdcProcess, read_topic, scratch_database, wait_for
+from tests.integration._capture_helpers import (
+    CdcConfig,
+    CdcProcess,
+    capture_role,
+    drop_role,
+    read_topic,
+    scratch_database,
+    wait_for,
+)
 from tests.integration._sinks_helpers import SinksProcess, Stack, cdc
 
 pytestmark = pytest.mark.integration
 
 SECRET = "While-Running-Secret-5e1c"  # the capture role's password: must never appear in any output
-
-
-@contextmanager
-def _capture_role(admin_dsn: str, name: str) -> Iterator[str]:
-    """A REPLICATION role with SECRET as its password, owning the scratch database's public schema: its DSN."""
-    with psycopg.connect(admin_dsn, autocommit=True) as conn:
-        conn.execute(
-            sql.SQL("CREATE ROLE {} LOGIN REPLICATION PASSWORD {}").format(sql.Identifier(name), sql.Literal(SECRET))
-        )
-        dbname = str(conninfo_to_dict(admin_dsn)["dbname"])
-        conn.execute(sql.SQL("GRANT CREATE ON DATABASE {} TO {}").format(sql.Identifier(dbname), sql.Identifier(name)))
-        conn.execute(sql.SQL("GRANT USAGE, CREATE ON SCHEMA public TO {}").format(sql.Identifier(name)))
-    try:
-        yield make_conninfo(admin_dsn, user=name, password=SECRET)
-    finally:
-        with psycopg.connect(admin_dsn, autocommit=True) as conn:
-            conn.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(name)))
-
-
-def _drop_role(admin_dsn: str, name: str) -> None:
-    with psycopg.connect(admin_dsn, autocommit=True) as conn:
-        conn.execute(sql.SQL("DROP ROLE IF EXISTS {}").format(sql.Identifier(name)))
 
 
 def _set_max_message_bytes(kafka: str, topic: str, limit: int) -> None:
@@ -88,7 +72,7 @@ def test_message_too_large(
     body_bytes, limit, fixed_config = SIZES[case]
     prefix, role, slot = f"big{unique}", f"big_{unique}", f"s_{unique}"
     try:
-        with scratch_database(pg_dsn, f"big_{unique}") as admin, _capture_role(admin, role) as dsn:
+        with scratch_database(pg_dsn, f"big_{unique}") as admin, capture_role(admin, role, SECRET) as dsn:
             with psycopg.connect(dsn, autocommit=True) as conn:
                 conn.execute("CREATE TABLE t (id int PRIMARY KEY, body text)")
                 conn.execute("INSERT INTO t VALUES (1, 'before')")
@@ -159,7 +143,7 @@ def test_message_too_large(
             assert SECRET not in rerun, "a password reached the output"
             assert "Traceback" not in rerun, rerun
     finally:
-        _drop_role(pg_dsn, role)
+        drop_role(pg_dsn, role)
 
 
 @contextmanager

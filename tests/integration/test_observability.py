@@ -20,11 +20,9 @@ from typing import Any
 import psycopg
 import pytest
 import yaml
-from psycopg import sql
-from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from tests._services import tool_or_skip
-from tests.integration._capture_helpers import CdcConfig, scratch_database, wait_for
+from tests.integration._capture_helpers import CdcConfig, capture_role, drop_role, scratch_database, wait_for
 from tests.integration._observe_helpers import api_status, free_port, http_get, metric, metric_sum, scrape
 from tests.integration._sinks_helpers import SinksProcess, Stack, cdc
 
@@ -32,35 +30,6 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 ARTIFACTS = ROOT / "test-artifacts"
-
-
-@contextmanager
-def _role_with_secret(dsn: str, unique: str) -> Iterator[tuple[str, str]]:
-    """A capture role with a password that must never show up anywhere: (its DSN, the password)."""
-    role, password = f"obs_{unique}", f"Pw-{unique}-must-not-leak"
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute(
-            sql.SQL("CREATE ROLE {} LOGIN REPLICATION PASSWORD {}").format(sql.Identifier(role), sql.Literal(password))
-        )
-        conn.execute(
-            sql.SQL("GRANT CREATE ON DATABASE {} TO {}").format(
-                sql.Identifier(str(conninfo_to_dict(dsn)["dbname"])), sql.Identifier(role)
-            )
-        )
-        conn.execute(sql.SQL("GRANT USAGE, CREATE ON SCHEMA public TO {}").format(sql.Identifier(role)))
-    params = conninfo_to_dict(dsn)
-    params.update(user=role, password=password)
-    try:
-        yield make_conninfo("", **params), password
-    finally:
-        with psycopg.connect(dsn, autocommit=True) as conn:
-            conn.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(role)))
-        # The role outlives its objects until the scratch database is gone; dropped by _drop_role.
-
-
-def _drop_role(admin_dsn: str, unique: str) -> None:
-    with psycopg.connect(admin_dsn, autocommit=True) as conn:
-        conn.execute(sql.SQL("DROP ROLE IF EXISTS {}").format(sql.Identifier(f"obs_{unique}")))
 
 
 def test_capture_metrics_move_under_a_workload_and_never_show_the_password(
@@ -76,7 +45,8 @@ def test_capture_metrics_move_under_a_workload_and_never_show_the_password(
     monkeypatch.setenv("CDC_METRICS__PORT", str(port))
     monkeypatch.setenv("CDC_METRICS__SAMPLE_INTERVAL_S", "0.5")
     try:
-        with scratch_database(pg_dsn, f"obs_{unique}") as admin, _role_with_secret(admin, unique) as (dsn, secret):
+        secret = f"Pw-{unique}-must-not-leak"  # a capture role's password that must never show up
+        with scratch_database(pg_dsn, f"obs_{unique}") as admin, capture_role(admin, f"obs_{unique}", secret) as dsn:
             with psycopg.connect(dsn, autocommit=True) as conn:
                 conn.execute("CREATE TABLE orders (id serial PRIMARY KEY, note text)")
                 conn.execute("INSERT INTO orders (note) SELECT 'n' || g FROM generate_series(1, 2000) g")
@@ -216,7 +186,7 @@ def test_capture_metrics_move_under_a_workload_and_never_show_the_password(
             finally:
                 capture.stop()
     finally:
-        _drop_role(pg_dsn, unique)
+        drop_role(pg_dsn, f"obs_{unique}")
 
 
 class _Dom(HTMLParser):

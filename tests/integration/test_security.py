@@ -26,7 +26,15 @@ from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from tests._services import tls_endpoints_or_skip
-from tests.integration._capture_helpers import CdcConfig, scratch_database, source_items, topic_items, wait_for
+from tests.integration._capture_helpers import (
+    CdcConfig,
+    capture_role,
+    drop_role,
+    scratch_database,
+    source_items,
+    topic_items,
+    wait_for,
+)
 from tests.integration._observe_helpers import free_port, http_get
 from tests.integration._sinks_helpers import SinksProcess, Stack, cdc
 
@@ -34,32 +42,14 @@ pytestmark = pytest.mark.slow
 
 
 @contextmanager
-def _tls_only_role(admin_dsn: str, dsn: str, unique: str) -> Iterator[tuple[str, str]]:
+def _tls_only_role(dsn: str, unique: str) -> Iterator[tuple[str, str]]:
     """A capture role that pg_hba lets in over TLS only: (its name, its password)."""
     role, password = f"tls_{unique}", f"Db-{unique}-tls-secret"
     tls_only = "pgcdc_tls_only"  # deploy/services.py's pg_hba: hostnossl … +pgcdc_tls_only reject
-    with psycopg.connect(admin_dsn, autocommit=True) as conn:
-        with suppress(psycopg.errors.DuplicateObject):  # shared by every run on a long-lived server
-            conn.execute(sql.SQL("CREATE ROLE {} NOLOGIN").format(sql.Identifier(tls_only)))
-        conn.execute(
-            sql.SQL("CREATE ROLE {} LOGIN REPLICATION PASSWORD {} IN ROLE {}").format(
-                sql.Identifier(role), sql.Literal(password), sql.Identifier(tls_only)
-            )
-        )
-        dbname = str(conninfo_to_dict(dsn)["dbname"])
-        conn.execute(sql.SQL("GRANT CREATE ON DATABASE {} TO {}").format(sql.Identifier(dbname), sql.Identifier(role)))
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute(sql.SQL("GRANT USAGE, CREATE ON SCHEMA public TO {}").format(sql.Identifier(role)))
-    try:
+    with psycopg.connect(dsn, autocommit=True) as conn, suppress(psycopg.errors.DuplicateObject):
+        conn.execute(sql.SQL("CREATE ROLE {} NOLOGIN").format(sql.Identifier(tls_only)))  # shared by every run
+    with capture_role(dsn, role, password, member_of=tls_only):
         yield role, password
-    finally:
-        with psycopg.connect(dsn, autocommit=True) as conn:
-            conn.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(role)))
-
-
-def _drop_role(admin_dsn: str, role: str) -> None:
-    with psycopg.connect(admin_dsn, autocommit=True) as conn:
-        conn.execute(sql.SQL("DROP ROLE IF EXISTS {}").format(sql.Identifier(role)))
 
 
 def _role_dsn(dsn: str, role: str, **params: str) -> str:
@@ -107,7 +97,7 @@ def test_capture_and_sinks_run_over_tls_with_credentials(
     # The Kafka password from the environment, the database's and the registry's from files.
     monkeypatch.setenv("CDC_KAFKA__SASL_PASSWORD", ep["kafka"]["sasl_ssl"]["password"])
     try:
-        with scratch_database(pg_dsn, f"tls_{unique}") as dsn, _tls_only_role(pg_dsn, dsn, unique) as (role, password):
+        with scratch_database(pg_dsn, f"tls_{unique}") as dsn, _tls_only_role(dsn, unique) as (role, password):
             secrets.append(password)
             (tmp_path / "db-password").write_text(password + "\n")
             monkeypatch.setenv("CDC_SOURCE__PASSWORD_FILE", str(tmp_path / "db-password"))
@@ -134,7 +124,7 @@ def test_capture_and_sinks_run_over_tls_with_credentials(
                 secrets=secrets,
             )
     finally:
-        _drop_role(pg_dsn, f"tls_{unique}")
+        drop_role(pg_dsn, f"tls_{unique}")
 
 
 def _run_and_check(
@@ -284,7 +274,7 @@ def test_wrong_security_settings_give_clear_errors(
     secrets = [ep["kafka"]["sasl_ssl"]["password"], ep["registry-tls"]["password"]]
     env = {"CDC_KAFKA__SASL_PASSWORD": ep["kafka"]["sasl_ssl"]["password"], "CDC_METRICS__ENABLED": "false"}
     try:
-        with scratch_database(pg_dsn, f"bs_{unique}") as dsn, _tls_only_role(pg_dsn, dsn, unique) as (role, password):
+        with scratch_database(pg_dsn, f"bs_{unique}") as dsn, _tls_only_role(dsn, unique) as (role, password):
             secrets.append(password)
             env["CDC_SOURCE__PASSWORD"] = password
             with psycopg.connect(dsn, autocommit=True) as conn:
@@ -312,7 +302,7 @@ def test_wrong_security_settings_give_clear_errors(
             for secret in secrets:
                 assert secret not in out, "a secret leaked into the error output"
     finally:
-        _drop_role(pg_dsn, f"tls_{unique}")
+        drop_role(pg_dsn, f"tls_{unique}")
 
 
 def test_sinks_with_wrong_kafka_credentials_stop_at_once_saying_so(
