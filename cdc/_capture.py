@@ -81,6 +81,15 @@ log = logging.getLogger(__name__)
 
 HEARTBEAT_PREFIX = "pgcdc.heartbeat"
 _CHANGES = frozenset({Insert, Update, Delete, Truncate})
+_FAST_KINDS = frozenset(b"IUD")  # Insert, Update, Delete: the frames _fast_change takes
+_OLD_TUPLE = frozenset(b"KO")
+_NEW_TUPLE = ord("N")
+_U32 = struct.Struct(">I").unpack_from
+# A batch (one Kafka transaction holding whole PostgreSQL transactions) is committed as soon as the stream
+# has nothing more to read at a transaction boundary: under light load each transaction is visible in Kafka
+# one commit round trip after PostgreSQL committed it; under load, what arrives during a commit makes the next
+# batch, so batches grow with the load by themselves. A busy stream is still committed every _BATCH_LINGER_S
+# (and every capture.max_batch_events events), so acknowledgements to PostgreSQL keep moving.
 _BATCH_LINGER_S = 0.05
 
 
@@ -388,7 +397,10 @@ class Capture:
                 if now - last_status >= s.capture.status_interval_s:
                     repl.send_status(received, acked, acked)
                     last_status = now
-                timeout = _BATCH_LINGER_S if self._in_batch else min(1.0, s.capture.status_interval_s)
+                if self._in_batch:
+                    timeout = 0.0 if current is None else _BATCH_LINGER_S  # caught up between transactions: commit
+                else:
+                    timeout = min(1.0, s.capture.status_interval_s)
                 raw = repl.read(timeout)
                 if raw is None:
                     if self._in_batch and current is None:
@@ -405,7 +417,17 @@ class Capture:
                     continue
                 lsn = frame.start_lsn
                 received = max(received, frame.end_lsn)
-                msg = decoder.decode(frame.payload)
+                payload = frame.payload
+                if (
+                    current is not None
+                    and stream_xid is None
+                    and not current[3]
+                    and payload
+                    and payload[0] in _FAST_KINDS
+                    and self._fast_change(bytes(payload), current, lsn, txn_now_us)
+                ):
+                    continue
+                msg = decoder.decode(payload)
 
                 if type(msg) in _CHANGES:  # the common case first: one type lookup, no isinstance chain
                     if stream_xid is not None:
@@ -608,6 +630,91 @@ class Capture:
         if self._tx is not None and self._tx.begun:
             self._tx_event("END")
         self._tx = None
+
+    def _fast_change(self, data: bytes, current: tuple[int, int, int | None, bool], lsn: int, now_us: int) -> bool:
+        """An Insert, Update or Delete frame (outside streamed transactions) straight to Kafka records.
+
+        The same events as decode + :meth:`_apply_change`, without building messages and row dicts
+        (TableCodec.encode_tuple). Returns False, having done nothing, for anything it does not take (a relation
+        whose codec is not built yet, a missing key, a malformed or unconvertible frame): the general path then
+        handles that frame and reports errors with the full diagnosis.
+        """
+        codec = self._codecs.get(_U32(data, 1)[0])
+        if codec is None:
+            return False
+        kind = data[0]
+        try:
+            before = old_key = None
+            at = 5
+            if kind != 73 and data[at] in _OLD_TUPLE:  # Update/Delete: the old key ('K') or row ('O')
+                before, old_key, _, at = codec.encode_tuple(data, at + 1)
+                if old_key is None:
+                    return False
+            if kind == 68:  # Delete
+                after = key = None
+                unchanged: list[str] = []
+                if before is None or at != len(data):
+                    return False
+            else:
+                if data[at] != _NEW_TUPLE:
+                    return False
+                after, key, unchanged, at = codec.encode_tuple(data, at + 1)
+                if key is None or at != len(data):
+                    return False
+        except Exception:  # malformed or unconvertible: the general path diagnoses it
+            return False
+        pos = Position(current[0], lsn, current[1], current[2])
+        count, topic, envelope = self.metrics.count, codec.topic, codec.envelope_bytes
+        if kind == 73:
+            count(topic, "c")
+            value = envelope(
+                "c",
+                pos,
+                before=None,
+                after=after,
+                unchanged=unchanged,
+                now_us=now_us,
+                transaction=self._tx_block(codec),
+            )
+            self._produce(topic, key, value)  # type: ignore[arg-type]
+        elif kind == 68:
+            count(topic, "d")
+            value = envelope("d", pos, before=before, after=None, now_us=now_us, transaction=self._tx_block(codec))
+            self._produce(topic, old_key, value)  # type: ignore[arg-type]
+            self._produce(topic, old_key, None)  # type: ignore[arg-type]
+        elif old_key is not None and old_key != key:
+            # The key changed: the old key's row is gone (delete + tombstone), a new one appears.
+            count(topic, "d")
+            count(topic, "c")
+            self._produce(
+                topic,
+                old_key,
+                envelope("d", pos, before=before, after=None, now_us=now_us, transaction=self._tx_block(codec)),
+            )
+            self._produce(topic, old_key, None)
+            value = envelope(
+                "c",
+                pos,
+                before=None,
+                after=after,
+                unchanged=unchanged,
+                now_us=now_us,
+                transaction=self._tx_block(codec),
+            )
+            self._produce(topic, key, value)  # type: ignore[arg-type]
+        else:
+            count(topic, "u")
+            value = envelope(
+                "u",
+                pos,
+                before=before,
+                after=after,
+                unchanged=unchanged,
+                now_us=now_us,
+                transaction=self._tx_block(codec),
+            )
+            self._produce(topic, key, value)  # type: ignore[arg-type]
+        return True
 
     def _apply(self, msg: Insert | Update | Delete | Truncate | LogicalMessage, pos: Position, now_us: int) -> None:
         try:

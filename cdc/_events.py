@@ -18,6 +18,7 @@ from schemas import (
     ColumnShape,
     avro_mapping,
     avro_namespace,
+    compile_field_writers,
     compile_writer,
     envelope_schema,
     field_names,
@@ -32,6 +33,11 @@ if TYPE_CHECKING:
 
 _FRAME = struct.Struct(">bI")
 _TEXT, _BINARY, _NULL, _UNCHANGED = ord("t"), ord("b"), ord("n"), ord("u")
+_U16 = struct.Struct(">H").unpack_from
+_U32 = struct.Struct(">I").unpack_from
+# How encode_tuple writes a binary column: through its converter and field writer, or straight from the frame.
+_GENERIC, _ZIGZAG, _UTF8 = 0, 1, 2
+_INT_READERS = {code: struct.Struct(">" + code).unpack for code in ("h", "i", "q", "I")}
 
 Converter = Callable[[bytes], Any]
 
@@ -107,7 +113,12 @@ class TableCodec:
         # The hot path writes Avro itself (schemas.compile_writer); fastavro would resolve the whole envelope
         # schema for every event, which costs more than everything else per row together.
         self._write_key = compile_writer(self.key_schema)
-        self._write_row = compile_writer(self.value_schema["fields"][0]["type"][1])  # the Value record
+        value_record = self.value_schema["fields"][0]["type"][1]
+        self._write_row = compile_writer(value_record)  # the Value record
+        # encode_tuple's plan: per column how to write a binary value, its reader, its field writer.
+        self._field_writers = tuple(compile_field_writers(value_record))
+        self._fast_kinds = tuple(_fast_kind(m) for m in mappings)
+        self._int_readers = tuple(_INT_READERS.get(m.fixed or "") for m in mappings)
         self._source_head = _strings(source.version, "postgresql", source.name)
         self._source_db = _strings(source.db)
         self._source_table = _strings(schema, table)
@@ -143,17 +154,93 @@ class TableCodec:
         record = {kn: row[names[i]] for kn, i in zip(self.key_field_names, self.key_indexes, strict=True)}
         if None in record.values():
             # An all-null key means "truncate"; a row's key must never look like one (or be partial).
-            missing = [self.columns[i].name for i in self.key_indexes if row[names[i]] is None]
-            raise KeyMissingError(
-                f"a change of {self.schema}.{self.table} arrived without key column(s) {missing}; the table's "
-                "REPLICA IDENTITY must include the key (REPLICA IDENTITY DEFAULT or FULL)"
-            )
+            raise self.missing_key(row)
         return self._encode_key(record)
 
     def _encode_key(self, record: dict[str, Any]) -> bytes:
         out = bytearray(self._key_frame)
         self._write_key(record, out)
         return bytes(out)
+
+    def encode_tuple(self, data: bytes, pos: int) -> tuple[bytes, bytes | None, list[str], int]:
+        """A pgoutput TupleData at ``pos`` of ``data`` straight to Avro: the capture's fast path.
+
+        Returns the Value record's bytes (what ``write_row(row(tup)[0])`` writes), the framed key (what
+        ``key_of`` returns; None when a key column is null or unchanged), the unchanged TOAST fields, and
+        the position after the tuple. The key is cut from the record: Key's fields are Value's key fields with
+        the same types, so their encodings are the same bytes. Raises on anything malformed or unconvertible
+        (struct.error, IndexError, ValueError…) before any side effect: the caller then decodes the frame the
+        slow way, which fails with the full diagnosis or succeeds.
+        """
+        (ncols,) = _U16(data, pos)
+        if ncols != len(self.columns):
+            raise ValueError("column count differs from the relation's")
+        pos += 2
+        out = bytearray()
+        marks: list[int] = []
+        unchanged: list[str] = []
+        fast, ints, writers = self._fast_kinds, self._int_readers, self._field_writers
+        for i in range(ncols):
+            marks.append(len(out))
+            kind = data[pos]
+            if kind == _BINARY:
+                (length,) = _U32(data, pos + 1)
+                start = pos + 5
+                pos = start + length
+                raw = data[start:pos]
+                if len(raw) != length:
+                    raise ValueError("truncated column")
+                how = fast[i]
+                if how == _ZIGZAG:
+                    n = ints[i](raw)[0]  # type: ignore[misc]
+                    out.append(2)
+                    if 0 <= n < 64:
+                        out.append(n << 1)
+                    else:
+                        write_long(n, out)
+                elif how == _UTF8:
+                    if not raw.isascii():
+                        raw.decode()  # PostgreSQL sends the database's encoding: Avro strings must be UTF-8
+                    out.append(2)
+                    write_long(length, out)
+                    out += raw
+                else:
+                    conv = self._binary[i]
+                    if conv is None:
+                        raise ValueError("binary value without a binary reader")
+                    writers[i](conv(raw), out)
+            elif kind == _NULL:
+                out.append(0)
+                pos += 1
+            elif kind == _UNCHANGED:
+                out.append(0)
+                unchanged.append(self.field_names[i])
+                pos += 1
+            elif kind == _TEXT:
+                (length,) = _U32(data, pos + 1)
+                start = pos + 5
+                pos = start + length
+                raw = data[start:pos]
+                if len(raw) != length:
+                    raise ValueError("truncated column")
+                writers[i](self._text[i](raw), out)
+            else:
+                raise ValueError(f"unknown value kind {kind:#04x}")
+        marks.append(len(out))
+        key = bytearray(self._key_frame)
+        for k in self.key_indexes:
+            if out[marks[k]] == 0:  # null branch: the key column is missing
+                return bytes(out), None, unchanged, pos
+            key += out[marks[k] : marks[k + 1]]
+        return bytes(out), bytes(key), unchanged, pos
+
+    def missing_key(self, row: dict[str, Any]) -> KeyMissingError:
+        names = self.field_names
+        missing = [self.columns[i].name for i in self.key_indexes if row[names[i]] is None]
+        return KeyMissingError(
+            f"a change of {self.schema}.{self.table} arrived without key column(s) {missing}; the table's "
+            "REPLICA IDENTITY must include the key (REPLICA IDENTITY DEFAULT or FULL)"
+        )
 
     # --- envelopes ----------------------------------------------------------------------------
 
@@ -172,14 +259,38 @@ class TableCodec:
 
         ``transaction``: (id, total_order, data_collection_order) when transaction metadata is on.
         """
-        out = bytearray(self._value_frame)
         write_row = self._write_row
+        encoded: list[bytes | None] = []
+        for row in (before, after):
+            if row is None:
+                encoded.append(None)
+            else:
+                buf = bytearray()
+                write_row(row, buf)
+                encoded.append(bytes(buf))
+        return self.envelope_bytes(
+            op, pos, before=encoded[0], after=encoded[1], unchanged=unchanged, now_us=now_us, transaction=transaction
+        )
+
+    def envelope_bytes(
+        self,
+        op: str,
+        pos: Position,
+        *,
+        before: bytes | None,
+        after: bytes | None,
+        unchanged: list[str] | None = None,
+        now_us: int,
+        transaction: tuple[str, int, int] | None = None,
+    ) -> bytes:
+        """:meth:`envelope` with the rows already encoded (Value records, as :meth:`encode_tuple` gives them)."""
+        out = bytearray(self._value_frame)
         for row in (before, after):  # ["null", Value]
             if row is None:
                 out.append(0)
             else:
                 out.append(2)
-                write_row(row, out)
+                out += row
         # Everything after the rows but the change's own LSN is the same for a whole transaction.
         key = (pos.commit_lsn, pos.commit_time_us, pos.xid, pos.snapshot, op, now_us)
         if key != self._txn_key:
@@ -272,6 +383,15 @@ class TableCodec:
             "ts_us": now_us,
             "unchanged_toast": unchanged or [],
         }
+
+
+def _fast_kind(mapping: AvroMapping) -> int:
+    """How encode_tuple writes a binary value of this mapping (see _GENERIC, _ZIGZAG, _UTF8)."""
+    if mapping.fixed in _INT_READERS and mapping.schema in ("int", "long"):
+        return _ZIGZAG  # an Avro int/long that is the send format's integer as is
+    if mapping.schema == "string" and mapping.from_binary is bytes.decode:
+        return _UTF8  # text, varchar, …: the send format is the string's bytes
+    return _GENERIC
 
 
 def _strings(*values: str) -> bytes:

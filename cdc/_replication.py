@@ -67,8 +67,15 @@ class ReplicationConnection:
         """The next CopyData payload, or None when nothing arrived within ``timeout`` seconds."""
         conn = self._conn
         deadline = time.monotonic() + timeout
+        polled = False
         while True:
             nbytes, data = conn.get_copy_data(1)
+            if nbytes == 0 and not polled:
+                # Nothing buffered: take what the socket already holds before calling it "nothing arrived"
+                # (with timeout 0 the capture commits its batch on None).
+                polled = True
+                conn.consume_input()
+                continue
             if nbytes > 0:
                 return memoryview(data)
             if nbytes == -1:

@@ -27,7 +27,7 @@ from schemas._pgtype import PgType, TypeKind
 from schemas._security import KafkaSecurity, RegistrySecurity, read_secret_file
 from schemas._topics import split_table_name, topic_name, topic_part
 from schemas._types import TEXT_OUTPUT_SETTINGS, AvroMapping, avro_mapping
-from schemas._writer import UnsupportedSchemaError, compile_writer, write_long, write_string
+from schemas._writer import UnsupportedSchemaError, compile_field_writers, compile_writer, write_long, write_string
 
 __all__ = [
     "TEXT_OUTPUT_SETTINGS",
@@ -45,6 +45,7 @@ __all__ = [
     "avro_mapping",
     "avro_name",
     "avro_namespace",
+    "compile_field_writers",
     "compile_writer",
     "dedupe_named_types",
     "envelope_schema",

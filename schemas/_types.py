@@ -58,6 +58,9 @@ class AvroMapping:
     schema: AvroSchema
     from_text: Callable[[bytes], Any]
     from_binary: Callable[[bytes], Any] | None
+    # For fixed-width types whose Avro value is the send format read as is (int4, float8…): the struct code
+    # that reads it. The capture's fast path reads such columns straight from the frame.
+    fixed: str | None = None
 
 
 # Built-in types by pg_catalog name. Types whose mapping depends on the typmod are in _build.
@@ -162,7 +165,7 @@ def avro_mapping(pgtype: PgType, typmod: int = -1) -> AvroMapping:
     built = _build(pgtype, typmod, 0)
     # A copy: the schemas of built-in types are shared module constants, and callers may annotate theirs.
     (schema,) = dedupe_named_types([copy.deepcopy(built.schema)])
-    return AvroMapping(schema, built.from_text, built.from_binary)
+    return AvroMapping(schema, built.from_text, built.from_binary, built.fixed)
 
 
 def _build(pgtype: PgType, typmod: int, depth: int) -> Conv:

@@ -96,6 +96,16 @@ def compile_writer(schema: Any) -> Writer:
     return _Compiler().compile(schema, None)
 
 
+def compile_field_writers(record: dict[str, Any]) -> list[Writer]:
+    """One writer per field of ``record``, in order: ``write(field_value, out)`` (the record's own writer calls
+    them in turn). Named types defined by an earlier field resolve in later ones, as in the whole record."""
+    compiler = _Compiler()
+    ns = record.get("namespace")
+    if "." in record["name"]:
+        ns = record["name"].rsplit(".", 1)[0]
+    return [compiler.compile(f["type"], ns) for f in record["fields"]]
+
+
 class _Compiler:
     def __init__(self) -> None:
         self.named: dict[str, Writer] = {}

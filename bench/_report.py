@@ -1,0 +1,148 @@
+"""One result format for every benchmark scenario: measures as ratios against a same-run reference.
+
+A scenario produces `Measure`s and writes them with `write_result` to ``bench/results/<scenario>.json``:
+
+    {"scenario": "insert-heavy", "date": "...", "machine": {...}, "params": {...},
+     "measures": [{"name": ..., "unit": ..., "ours": ..., "reference": ..., "reference_name": ...,
+                   "ratio": ..., "target": ..., "met": ...}, ...],
+     "series": {...}, "notes": [...]}
+
+``ratio`` is always "how we compare, bigger is better" (ours/reference for rates, reference/ours for costs), so
+every target reads "≥ x". Absolute targets (latency in ms, RSS in MB) have no reference: ``reference`` is None,
+``ratio`` is None and ``met`` compares ``ours`` with ``limit``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+@dataclass(frozen=True)
+class Measure:
+    """One figure of one scenario, with what it is compared to and what it must reach."""
+
+    name: str  # e.g. "capture rows/s"
+    unit: str  # e.g. "rows/s", "ms", "MB"
+    ours: float
+    reference: float | None = None
+    reference_name: str = ""
+    higher_is_better: bool = True
+    target_ratio: float | None = None  # met when ratio >= target_ratio
+    limit: float | None = None  # absolute target: met when ours < limit (or > limit if higher_is_better)
+    note: str = ""
+
+    @property
+    def ratio(self) -> float | None:
+        if self.reference is None or not self.reference or not self.ours:
+            return None
+        return self.ours / self.reference if self.higher_is_better else self.reference / self.ours
+
+    @property
+    def target(self) -> str:
+        if self.target_ratio is not None:
+            return f"\N{GREATER-THAN OR EQUAL TO} {self.target_ratio:g}\N{MULTIPLICATION SIGN} {self.reference_name}"
+        if self.limit is not None:
+            return f"{'>' if self.higher_is_better else '<'} {self.limit:g} {self.unit}"
+        return ""
+
+    @property
+    def met(self) -> bool | None:
+        if self.target_ratio is not None:
+            r = self.ratio
+            return None if r is None else r >= self.target_ratio
+        if self.limit is not None:
+            return self.ours > self.limit if self.higher_is_better else self.ours < self.limit
+        return None
+
+    def as_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out.update(ratio=None if self.ratio is None else round(self.ratio, 3), target=self.target, met=self.met)
+        return out
+
+
+@dataclass
+class Result:
+    scenario: str
+    params: dict[str, Any]
+    measures: list[Measure] = field(default_factory=list)
+    series: dict[str, Any] = field(default_factory=dict)  # raw samples for charts (latencies, rates over time)
+    notes: list[str] = field(default_factory=list)
+
+
+def machine() -> dict[str, Any]:
+    """What the figures were measured on (the README table prints it)."""
+    cpu = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem_gb = 0.0
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                mem_gb = round(int(line.split()[1]) / 1024 / 1024, 1)
+    except OSError:
+        pass
+    return {
+        "host": platform.node(),
+        "cpus": os.cpu_count(),
+        "cpu": cpu,
+        "memory_gb": mem_gb,
+        "python": platform.python_version(),
+        "kernel": platform.release(),
+    }
+
+
+def write_result(result: Result, results_dir: Path = RESULTS) -> Path:
+    """Write ``<results_dir>/<scenario>.json`` and print the scenario's table; returns the path."""
+    results_dir.mkdir(parents=True, exist_ok=True)
+    doc = {
+        "scenario": result.scenario,
+        "date": time.strftime("%Y-%m-%d %H:%M %Z"),
+        "machine": machine(),
+        "params": result.params,
+        "measures": [m.as_json() for m in result.measures],
+        "series": result.series,
+        "notes": result.notes,
+    }
+    path = results_dir / f"{result.scenario}.json"
+    path.write_text(json.dumps(doc, indent=2) + "\n")
+    print(markdown_rows([doc]))
+    return path
+
+
+def _num(value: float | None) -> str:
+    if value is None:
+        return "\N{EN DASH}"
+    if abs(value) >= 100:
+        return f"{value:,.0f}"
+    return f"{value:.3g}"
+
+
+def markdown_rows(docs: list[dict[str, Any]]) -> str:
+    """A Markdown table of the measures of the given result documents."""
+    lines = [
+        "| scenario | measure | pgcdc | reference | ratio | target | met |",
+        "|---|---|---:|---:|---:|---|:-:|",
+    ]
+    for doc in docs:
+        for m in doc["measures"]:
+            ref = f"{_num(m['reference'])} ({m['reference_name']})" if m["reference"] is not None else "\N{EN DASH}"
+            ratio = "\N{EN DASH}" if m["ratio"] is None else f"{m['ratio']:.2f}\N{MULTIPLICATION SIGN}"
+            met = {True: "yes", False: "**no**", None: ""}[m["met"]]
+            lines.append(
+                f"| {doc['scenario']} | {m['name']} | {_num(m['ours'])} {m['unit']} | {ref} | {ratio} "
+                f"| {m['target']} | {met} |"
+            )
+    return "\n".join(lines)

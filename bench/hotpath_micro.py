@@ -1,0 +1,211 @@
+#!/usr/bin/env python3
+"""The capture's per-row CPU cost without I/O: pgoutput frames → decode → Avro key and envelope, stage by stage.
+
+    ./dev python bench/hotpath_micro.py [--rows 200000] [--repeat 5]
+
+Synthesises binary-mode XLogData frames for the benchmark table of bench/insert_heavy.py (bigint key, text,
+numeric(12,2), jsonb, timestamptz) and runs them through the same functions the capture's loop calls, with a
+producer that only keeps the bytes. Prints µs per row for each stage (best of ``--repeat``): a deterministic
+figure to optimise against, where the end-to-end benchmarks share 2 cores with PostgreSQL and Kafka.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import struct
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from cdc._events import Position, SourceInfo, TableCodec  # noqa: E402
+from decoders import Insert, PgOutputDecoder, parse_copy_data  # noqa: E402
+from schemas import ColumnShape, PgType, avro_mapping  # noqa: E402
+
+_PG_EPOCH_US = 946_684_800_000_000
+COLUMNS = [
+    ("id", PgType(20, "int8"), -1),
+    ("kind", PgType(25, "text"), -1),
+    ("amount", PgType(1700, "numeric"), (12 << 16 | 2) + 4),
+    ("payload", PgType(3802, "jsonb"), -1),
+    ("at", PgType(1184, "timestamptz"), -1),
+    ("pad", PgType(25, "text"), -1),
+]
+
+
+def _numeric_binary(cents: int) -> bytes:
+    """PostgreSQL's numeric send format for cents/100 with dscale 2 (base-10000 digits)."""
+    if cents == 0:
+        return struct.pack(">hhHH", 0, 0, 0, 2)
+    sign = 0x4000 if cents < 0 else 0
+    n = abs(cents)
+    whole, frac = divmod(n, 100)
+    digits: list[int] = []
+    while whole:
+        whole, d = divmod(whole, 10000)
+        digits.insert(0, d)
+    weight = len(digits) - 1
+    digits.append(frac * 100)
+    while digits and digits[-1] == 0:
+        digits.pop()
+    if not digits:
+        return struct.pack(">hhHH", 0, 0, 0, 2)
+    return struct.pack(f">hhHH{len(digits)}h", len(digits), weight, sign, 2, *digits)
+
+
+def _column(value: bytes | None) -> bytes:
+    return b"n" if value is None else b"b" + struct.pack(">I", len(value)) + value
+
+
+def frames(rows: int, *, relid: int = 16384) -> list[bytes]:
+    """CopyData messages ('w' + XLogData header + an Insert) like the walsender sends for the benchmark."""
+    out = []
+    now_pg = 785_000_000_000_000
+    for g in range(1, rows + 1):
+        values = [
+            struct.pack(">q", g),
+            f"kind-{g % 10}".encode(),
+            _numeric_binary(g),
+            b"\x01" + json.dumps({"n": g, "tag": "x"}, separators=(", ", ": ")).encode(),
+            struct.pack(">q", now_pg),
+            None,
+        ]
+        body = b"I" + struct.pack(">I", relid) + b"N" + struct.pack(">H", len(values))
+        body += b"".join(_column(v) for v in values)
+        lsn = 0x1_0000_0000 + g * 120
+        out.append(b"w" + struct.pack(">QQq", lsn, lsn + 120, now_pg) + body)
+    return out
+
+
+def codec() -> TableCodec:
+    shapes, mappings = [], []
+    for name, pgtype, typmod in COLUMNS:
+        mapping = avro_mapping(pgtype, typmod)
+        mappings.append(mapping)
+        shapes.append(ColumnShape(name, pgtype, typmod, mapping.schema))
+    return TableCodec(
+        schema="public",
+        table="events",
+        topic="bench.public.events",
+        namespace="bench.public.events",
+        columns=shapes,
+        mappings=mappings,
+        key_columns=["id"],
+        source=SourceInfo("1.0.0", "bench", "bench"),
+        register=lambda _subject, _schema: 1,
+    )
+
+
+def _best(fn: Callable[[], Any], repeat: int) -> float:
+    best = float("inf")
+    for _ in range(repeat):
+        gc.collect()
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def main(argv: list[str] | None = None) -> dict[str, float]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", type=int, default=200_000)
+    ap.add_argument("--repeat", type=int, default=5)
+    args = ap.parse_args(argv)
+    raw = frames(args.rows)
+    c = codec()
+    decoder = PgOutputDecoder(2, streaming=True)
+    out: list[tuple[str, bytes | None, bytes | None]] = []
+    produce = out.append
+    pos0 = Position(0x2_0000_0000, 0, 1_700_000_000_000_000, 1234)
+    now_us = time.time_ns() // 1000
+
+    xlog = [parse_copy_data(r) for r in raw]
+    payloads = [bytes(x.payload) for x in xlog]  # type: ignore[union-attr]
+    msgs = [decoder.decode(p) for p in payloads]
+    rows = [c.row(m.new)[0] for m in msgs if isinstance(m, Insert)]
+
+    def stage_parse() -> None:
+        for r in raw:
+            parse_copy_data(r)
+
+    def stage_decode() -> None:
+        for p in payloads:
+            decoder.decode(p)
+
+    def stage_row() -> None:
+        for m in msgs:
+            c.row(m.new)  # type: ignore[union-attr]
+
+    def stage_key() -> None:
+        for r in rows:
+            c.key_of(r)
+
+    def stage_envelope() -> None:
+        for i, r in enumerate(rows):
+            c.envelope(
+                "c",
+                Position(pos0.commit_lsn, i, pos0.commit_time_us, pos0.xid),
+                before=None,
+                after=r,
+                unchanged=[],
+                now_us=now_us,
+            )
+
+    def all_stages() -> None:
+        out.clear()
+        for r in raw:
+            frame = parse_copy_data(r)
+            msg = decoder.decode(frame.payload)  # type: ignore[union-attr]
+            after, unchanged = c.row(msg.new)  # type: ignore[union-attr]
+            produce(
+                (
+                    c.topic,
+                    c.key_of(after),
+                    c.envelope(
+                        "c",
+                        Position(pos0.commit_lsn, frame.start_lsn, pos0.commit_time_us, pos0.xid),  # type: ignore[union-attr]
+                        before=None,
+                        after=after,
+                        unchanged=unchanged,
+                        now_us=now_us,
+                    ),
+                )
+            )
+
+    def fast_path() -> None:
+        out.clear()
+        envelope = c.envelope_bytes
+        for r in raw:
+            frame = parse_copy_data(r)
+            data = bytes(frame.payload)  # type: ignore[union-attr]
+            after, key, unchanged, _ = c.encode_tuple(data, 6)
+            pos = Position(pos0.commit_lsn, frame.start_lsn, pos0.commit_time_us, pos0.xid)  # type: ignore[union-attr]
+            produce((c.topic, key, envelope("c", pos, before=None, after=after, unchanged=unchanged, now_us=now_us)))
+
+    fast_path()
+    fast = list(out)
+    all_stages()
+    assert fast == out, "the fast path must write the same bytes"
+    per_row = {}
+    for name, fn in (
+        ("parse", stage_parse),
+        ("decode", stage_decode),
+        ("row", stage_row),
+        ("key", stage_key),
+        ("envelope", stage_envelope),
+        ("all", all_stages),
+        ("fast", fast_path),
+    ):
+        per_row[name] = round(_best(fn, args.repeat) / args.rows * 1e6, 2)
+    print(json.dumps({"rows": args.rows, "us_per_row": per_row}))
+    return per_row
+
+
+if __name__ == "__main__":
+    main()
