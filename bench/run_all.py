@@ -1,0 +1,357 @@
+#!/usr/bin/env python3
+"""Every benchmark scenario in sequence, then the summary, the charts and the README's results table.
+
+    ./dev bench                                   every scenario at its full size (the services are started first)
+    ./dev bench --quick                           smaller sizes (QUICK_ARGV below): checks that everything runs
+    ./dev bench --only insert-heavy,latency       or --skip snapshot,sinks; names or module names
+    ./dev bench --args 'insert-heavy=--rows 2000000'   extra arguments for one scenario (repeatable)
+    ./dev bench --list                            the scenarios and the arguments each would get
+    ./dev bench --render-only                     redraw summary.md, charts and README from the JSON (= render.py)
+
+Each scenario is a module ``bench/<module>.py`` whose ``run(argv) -> _report.Result`` is imported only when its
+turn comes; its result goes to ``bench/results/<scenario>.json`` (``_report.write_result``). A scenario that
+raises is recorded as failed (traceback on stderr) and the others still run. At the end: ``summary.json`` (the
+run: date, machine, total time, each scenario's status, all documents), ``summary.md``, the charts and the
+README's block between ``<!-- bench:results:start -->`` and ``<!-- bench:results:end -->`` (see render.py).
+Exit status 1 when a scenario failed; a missed target does not fail the run, the tables show it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import importlib
+import inspect
+import json
+import shlex
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _report  # sibling modules: bench/ is not a package
+import render
+
+# scenario name (its JSON file and table rows) -> module in bench/, in the order they run
+SCENARIOS: dict[str, str] = {
+    "insert-heavy": "insert_heavy",
+    "update-heavy": "update_heavy",
+    "pgbench": "pgbench_tpcb",
+    "big-transaction": "big_transaction",
+    "snapshot": "snapshot",
+    "latency": "capture_latency",
+    "sinks": "sinks_bench",  # not `sinks`: that is the project's package (installed, found first)
+}
+SCENARIO_DIR = Path(__file__).resolve().parent  # where the scenario modules must come from
+
+# --quick: the arguments each scenario gets instead of its defaults. Flags a scenario's argparse does not accept
+# are dropped with a warning when it is imported, so this table may run ahead of (or behind) the scenarios.
+QUICK_ARGV: dict[str, list[str]] = {
+    "insert-heavy": ["--rows", "20000"],
+    "update-heavy": ["--rows", "5000", "--changes", "10000"],
+    "pgbench": ["--scale", "1", "--seconds", "10"],
+    "big-transaction": ["--megabytes", "64"],
+    "snapshot": ["--rows", "100000"],
+    "latency": ["--seconds", "10", "--warmup-seconds", "2"],
+    "sinks": ["--rows", "10000", "--freshness-seconds", "15"],
+}
+
+# functions that build a module's parser, tried (without arguments) before reading the source
+_PARSER_FACTORIES = ("build_parser", "make_parser", "parser", "arg_parser", "_build_parser", "_make_parser", "_parser")
+
+
+def warn(message: str) -> None:
+    print(f"run_all: warning: {message}", file=sys.stderr, flush=True)
+
+
+# --- which flags a scenario accepts -------------------------------------------------------------------------------
+
+
+def _parser_options(parser: argparse.ArgumentParser) -> set[str]:
+    return {opt for action in parser._actions for opt in action.option_strings}
+
+
+def options_in_source(source: str) -> set[str] | None:
+    """The option strings of every ``….add_argument("--x", …)`` call in ``source``; None when there is none."""
+    tree = ast.parse(source)
+    found: set[str] | None = None
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "add_argument":
+            found = found if found is not None else set()
+            found.update(
+                arg.value
+                for arg in node.args
+                if isinstance(arg, ast.Constant) and isinstance(arg.value, str) and arg.value.startswith("-")
+            )
+    return found
+
+
+def accepted_options(module: ModuleType) -> set[str] | None:
+    """The flags ``module``'s argparse accepts: from a parser it exposes, else its source; None if unknown."""
+    for value in vars(module).values():
+        if isinstance(value, argparse.ArgumentParser):
+            return _parser_options(value)
+    for name in _PARSER_FACTORIES:
+        factory = getattr(module, name, None)
+        if callable(factory):
+            try:
+                parser = factory()
+            except Exception:  # noqa: S112 - not a factory after all (needs arguments): try the next way
+                continue
+            if isinstance(parser, argparse.ArgumentParser):
+                return _parser_options(parser)
+    try:
+        source = inspect.getsource(module)
+    except (OSError, TypeError):
+        return None
+    return options_in_source(source)
+
+
+def _is_option(arg: str) -> bool:
+    if not arg.startswith("-") or arg == "-":
+        return False
+    try:
+        float(arg)  # a negative number is a value
+    except ValueError:
+        return True
+    return False
+
+
+def filter_argv(argv: list[str], accepted: set[str] | None) -> tuple[list[str], list[str]]:
+    """(kept, dropped): ``argv`` without the options (and their values) that are not in ``accepted``.
+
+    An option's values are the tokens up to the next option; ``--x=1`` is one token. With ``accepted`` None
+    (unknown) everything is kept. Tokens before the first option (positionals) are kept.
+    """
+    if accepted is None:
+        return list(argv), []
+    kept: list[str] = []
+    dropped: list[str] = []
+    keep = True
+    for token in argv:
+        if _is_option(token):
+            option = token.split("=", 1)[0]
+            keep = option in accepted
+            if not keep:
+                dropped.append(option)
+        if keep:
+            kept.append(token)
+    return kept, dropped
+
+
+def quick_argv(name: str, module: ModuleType | None) -> list[str]:
+    """QUICK_ARGV[name] without what ``module`` does not accept (each dropped flag is warned about)."""
+    argv = QUICK_ARGV.get(name, [])
+    if module is None or not argv:
+        return list(argv)
+    accepted = accepted_options(module)
+    if accepted is None:
+        warn(f"{name}: cannot tell which flags {module.__name__} accepts; passing {shlex.join(argv)} unchecked")
+        return list(argv)
+    kept, dropped = filter_argv(argv, accepted)
+    for option in dropped:
+        warn(f"{name}: {module.__name__} does not accept {option}; dropped from its --quick arguments")
+    return kept
+
+
+def import_scenario(module_name: str) -> ModuleType:
+    """Import ``bench/<module_name>.py``; refuses a same-named module from elsewhere (an installed package)."""
+    module = importlib.import_module(module_name)
+    file = getattr(module, "__file__", None)
+    if file is None or Path(file).resolve().parent != SCENARIO_DIR:
+        raise ImportError(
+            f"{module_name!r} was found at {file}, not in {SCENARIO_DIR}: rename the scenario module "
+            "(its name clashes with another module) and its entry in SCENARIOS"
+        )
+    return module
+
+
+# --- running ------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Outcome:
+    scenario: str
+    module: str
+    status: str  # "ok" or "failed"
+    seconds: float
+    argv: list[str] = field(default_factory=list)
+    result: str | None = None  # the JSON written
+    error: str | None = None
+    document: dict[str, Any] | None = None
+
+
+def run_scenario(
+    name: str, module_name: str, argv_for: Callable[[str, ModuleType], list[str]], results_dir: Path
+) -> Outcome:
+    """Import ``module_name``, call its ``run`` with ``argv_for(name, module)`` and write its result."""
+    start = time.monotonic()
+    argv: list[str] = []
+    try:
+        module = import_scenario(module_name)
+        argv = argv_for(name, module)
+        print(f"\n=== {name}: bench/{module_name}.py {shlex.join(argv)}".rstrip(), flush=True)
+        result = module.run(argv)
+        if getattr(result, "scenario", name) != name:
+            warn(f"{name}: {module_name}.run() reported scenario {result.scenario!r}")
+        path = _report.write_result(result, results_dir)
+        document = json.loads(path.read_text())
+    except (Exception, SystemExit) as exc:  # SystemExit: argparse rejecting an argument
+        traceback.print_exc()
+        print(f"=== {name}: FAILED ({type(exc).__name__}: {exc})", file=sys.stderr, flush=True)
+        return Outcome(
+            name, module_name, "failed", time.monotonic() - start, argv, error=f"{type(exc).__name__}: {exc}"
+        )
+    seconds = time.monotonic() - start
+    print(f"=== {name}: done in {seconds:.0f} s ({path})", flush=True)
+    return Outcome(name, module_name, "ok", seconds, argv, str(path), document=document)
+
+
+def select(only: str | None, skip: str | None) -> list[str]:
+    """The scenario names to run, in SCENARIOS order; names or module names, comma-separated."""
+    by_any = {**{m: n for n, m in SCENARIOS.items()}, **{n: n for n in SCENARIOS}}
+
+    def names(spec: str | None) -> list[str]:
+        wanted = [s.strip() for s in (spec or "").split(",") if s.strip()]
+        unknown = [s for s in wanted if s not in by_any]
+        if unknown:
+            raise SystemExit(f"run_all: unknown scenario(s) {', '.join(unknown)}; known: {', '.join(SCENARIOS)}")
+        return [by_any[s] for s in wanted]
+
+    chosen = set(names(only)) if only else set(SCENARIOS)
+    chosen -= set(names(skip))
+    return [n for n in SCENARIOS if n in chosen]
+
+
+def parse_extra(specs: list[str]) -> dict[str, list[str]]:
+    """``--args 'NAME=ARGS'`` -> {scenario: [args]} (NAME may be the module name)."""
+    by_any = {**{m: n for n, m in SCENARIOS.items()}, **{n: n for n in SCENARIOS}}
+    out: dict[str, list[str]] = {}
+    for spec in specs:
+        key, sep, args = spec.partition("=")
+        if not sep or key.strip() not in by_any:
+            raise SystemExit(f"run_all: --args wants NAME=ARGS with NAME one of {', '.join(SCENARIOS)}: {spec!r}")
+        out.setdefault(by_any[key.strip()], []).extend(shlex.split(args))
+    return out
+
+
+def write_summary(
+    outcomes: list[Outcome], *, started: float, date: str, total: float, command: str, quick: bool, results_dir: Path
+) -> Path:
+    summary = {
+        "date": date,
+        "started_epoch": started,
+        "machine": _report.machine(),
+        "command": command,
+        "quick": quick,
+        "total_seconds": round(total, 1),
+        "scenarios": [{k: v for k, v in asdict(o).items() if k != "document"} for o in outcomes],
+        "documents": [o.document for o in outcomes if o.document is not None],
+    }
+    results_dir.mkdir(parents=True, exist_ok=True)
+    path = results_dir / render.SUMMARY_JSON
+    path.write_text(json.dumps(summary, indent=2) + "\n")
+    return path
+
+
+def _print_outcomes(outcomes: list[Outcome], total: float) -> None:
+    print(f"\n=== {len(outcomes)} scenario(s) in {total:.0f} s", flush=True)
+    for o in outcomes:
+        missed = [m["name"] for m in (o.document or {}).get("measures", []) if m.get("met") is False]
+        extra = f"; missed targets: {', '.join(missed)}" if missed else ""
+        error = f": {o.error}" if o.error else ""
+        print(f"  {o.scenario:<16} {o.status:<6} {o.seconds:7.0f} s{error}{extra}", flush=True)
+
+
+def _render(results_dir: Path, readme: Path | None) -> bool:
+    try:
+        render.render(results_dir, readme, list(SCENARIOS))
+    except render.MarkersError as exc:
+        print(f"run_all: {exc}", file=sys.stderr)
+        return False
+    except Exception:
+        traceback.print_exc()
+        print("run_all: rendering the summary, charts or README failed (the JSON results are written)", file=sys.stderr)
+        return False
+    return True
+
+
+def _list(names: list[str], argv_for: Callable[[str, ModuleType], list[str]]) -> int:
+    for name in names:
+        module_name = SCENARIOS[name]
+        try:
+            module = import_scenario(module_name)
+        except Exception as exc:
+            print(f"{name:<16} bench/{module_name}.py  (cannot import: {type(exc).__name__}: {exc})")
+            continue
+        print(f"{name:<16} bench/{module_name}.py  {shlex.join(argv_for(name, module))}".rstrip())
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description="Run the benchmark scenarios in sequence; write summary, charts and the README's table.",
+    )
+    parser.add_argument("--only", metavar="A,B", help="run only these scenarios")
+    parser.add_argument("--skip", metavar="A,B", help="do not run these scenarios")
+    parser.add_argument("--quick", action="store_true", help="smaller sizes (QUICK_ARGV in bench/run_all.py)")
+    parser.add_argument("--args", action="append", default=[], metavar="NAME=ARGS", help="extra arguments")
+    parser.add_argument("--list", action="store_true", help="print the scenarios and their arguments; run nothing")
+    parser.add_argument("--render-only", action="store_true", help="redraw from the JSON in the results directory")
+    parser.add_argument("--no-readme", action="store_true", help="leave README.md alone")
+    parser.add_argument("--results", type=Path, default=_report.RESULTS, help="results directory (%(default)s)")
+    args = parser.parse_args(argv)
+    readme = None if args.no_readme else render.README
+
+    if args.render_only:
+        return 0 if _render(args.results, readme) else 2
+
+    names = select(args.only, args.skip)
+    extra = parse_extra(args.args)
+
+    def argv_for(name: str, module: ModuleType) -> list[str]:
+        return (quick_argv(name, module) if args.quick else []) + extra.get(name, [])
+
+    if args.list:
+        return _list(names, argv_for)
+    if readme is not None:  # a README without markers would fail only after the whole run: fail now
+        try:
+            render.replace_between_markers(readme.read_text(), "")
+        except render.MarkersError as exc:
+            print(f"run_all: {exc} (or run with --no-readme)", file=sys.stderr)
+            return 2
+
+    started, date, clock = time.time(), time.strftime("%Y-%m-%d %H:%M %Z"), time.monotonic()
+    outcomes: list[Outcome] = []
+    interrupted = False
+    for name in names:
+        try:
+            outcomes.append(run_scenario(name, SCENARIOS[name], argv_for, args.results))
+        except KeyboardInterrupt:
+            traceback.print_exc()
+            outcomes.append(Outcome(name, SCENARIOS[name], "failed", 0.0, error="interrupted"))
+            interrupted = True
+            break
+    total = time.monotonic() - clock
+    command = shlex.join(["./dev", "bench", *(sys.argv[1:] if argv is None else argv)])
+    summary = write_summary(
+        outcomes, started=started, date=date, total=total, command=command, quick=args.quick, results_dir=args.results
+    )
+    _print_outcomes(outcomes, total)
+    print(f"run_all: wrote {summary}", flush=True)
+    rendered = _render(args.results, readme)
+    if interrupted:
+        return 130
+    if any(o.status == "failed" for o in outcomes):
+        return 1
+    return 0 if rendered else 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
