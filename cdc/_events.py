@@ -35,6 +35,8 @@ _FRAME = struct.Struct(">bI")
 _TEXT, _BINARY, _NULL, _UNCHANGED = ord("t"), ord("b"), ord("n"), ord("u")
 _U16 = struct.Struct(">H").unpack_from
 _U32 = struct.Struct(">I").unpack_from
+_I16 = struct.Struct(">h").unpack_from
+_I32 = struct.Struct(">i").unpack_from
 # How encode_tuple writes a binary column: through its converter and field writer, or straight from the frame.
 _GENERIC, _ZIGZAG, _UTF8 = 0, 1, 2
 _INT_READERS = {code: struct.Struct(">" + code).unpack for code in ("h", "i", "q", "I")}
@@ -162,7 +164,9 @@ class TableCodec:
         self._write_key(record, out)
         return bytes(out)
 
-    def encode_tuple(self, data: bytes, pos: int) -> tuple[bytes, bytes | None, list[str], int]:
+    def encode_tuple(
+        self, data: bytes, pos: int, *, copy_modes: bytes | None = None
+    ) -> tuple[bytes, bytes | None, list[str], int]:
         """A pgoutput TupleData at ``pos`` of ``data`` straight to Avro: the capture's fast path.
 
         Returns the Value record's bytes (what ``write_row(row(tup)[0])`` writes), the framed key (what
@@ -171,10 +175,19 @@ class TableCodec:
         the same types, so their encodings are the same bytes. Raises on anything malformed or unconvertible
         (struct.error, IndexError, ValueError…) before any side effect: the caller then decodes the frame the
         slow way, which fails with the full diagnosis or succeeds.
+
+        ``copy_modes``: read a row of binary COPY instead (the snapshot): Int16 field count, then per field
+        an Int32 length (-1: NULL) and the value, in the format ``copy_modes[i]`` says (ord "b" or "t"). The
+        row may have more fields than the table has columns; the position returned is after the columns'.
         """
-        (ncols,) = _U16(data, pos)
-        if ncols != len(self.columns):
-            raise ValueError("column count differs from the relation's")
+        if copy_modes is None:
+            (ncols,) = _U16(data, pos)
+            if ncols != len(self.columns):
+                raise ValueError("column count differs from the relation's")
+        else:
+            ncols = len(self.columns)
+            if _I16(data, pos)[0] < ncols:
+                raise ValueError("the COPY row has fewer fields than the table columns")
         pos += 2
         out = bytearray()
         marks: list[int] = []
@@ -182,10 +195,23 @@ class TableCodec:
         fast, ints, writers = self._fast_kinds, self._int_readers, self._field_writers
         for i in range(ncols):
             marks.append(len(out))
-            kind = data[pos]
+            if copy_modes is None:
+                kind = data[pos]
+                if kind in (_BINARY, _TEXT):
+                    (length,) = _U32(data, pos + 1)
+                    start = pos + 5
+                else:
+                    start = length = 0
+                    pos += 1
+            else:
+                (length,) = _I32(data, pos)
+                start = pos + 4
+                if length < 0:
+                    kind, length = _NULL, 0
+                    pos = start
+                else:
+                    kind = copy_modes[i]
             if kind == _BINARY:
-                (length,) = _U32(data, pos + 1)
-                start = pos + 5
                 pos = start + length
                 raw = data[start:pos]
                 if len(raw) != length:
@@ -211,14 +237,10 @@ class TableCodec:
                     writers[i](conv(raw), out)
             elif kind == _NULL:
                 out.append(0)
-                pos += 1
             elif kind == _UNCHANGED:
                 out.append(0)
                 unchanged.append(self.field_names[i])
-                pos += 1
             elif kind == _TEXT:
-                (length,) = _U32(data, pos + 1)
-                start = pos + 5
                 pos = start + length
                 raw = data[start:pos]
                 if len(raw) != length:
@@ -259,18 +281,21 @@ class TableCodec:
 
         ``transaction``: (id, total_order, data_collection_order) when transaction metadata is on.
         """
-        write_row = self._write_row
-        encoded: list[bytes | None] = []
-        for row in (before, after):
-            if row is None:
-                encoded.append(None)
-            else:
-                buf = bytearray()
-                write_row(row, buf)
-                encoded.append(bytes(buf))
         return self.envelope_bytes(
-            op, pos, before=encoded[0], after=encoded[1], unchanged=unchanged, now_us=now_us, transaction=transaction
+            op,
+            pos,
+            before=None if before is None else self.encode_row(before),
+            after=None if after is None else self.encode_row(after),
+            unchanged=unchanged,
+            now_us=now_us,
+            transaction=transaction,
         )
+
+    def encode_row(self, row: dict[str, Any]) -> bytes:
+        """A row (as :meth:`row` gives it) as the Value record's Avro bytes."""
+        out = bytearray()
+        self._write_row(row, out)
+        return bytes(out)
 
     def envelope_bytes(
         self,

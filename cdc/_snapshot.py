@@ -45,7 +45,7 @@ _B, _T, _N = ord("b"), ord("t"), ord("n")
 @dataclass
 class _Chunk:
     table: str
-    rows: list[TupleData]
+    rows: list[TupleData] | list[tuple[bytes, bytes]]  # decoded rows, or (key, Value record) already encoded
     last_key: list[str] | None
     done: bool
 
@@ -73,6 +73,43 @@ def parse_binary_copy(data: bytes | bytearray | memoryview) -> list[list[bytes |
                 row.append(bytes(buf[pos : pos + length]))
                 pos += length
         rows.append(row)
+
+
+def encode_copy_rows(
+    codec: TableCodec, data: bytes, modes: bytes
+) -> tuple[list[tuple[bytes, bytes]], list[bytes] | None]:
+    """A ``COPY … (FORMAT binary)`` chunk straight to (framed key, Value record) pairs (TableCodec.encode_tuple),
+    and the raw fields after the table's columns in its last row (the snapshot's resume key, as text).
+
+    Raises on anything it does not take (malformed, unconvertible, a missing key): the caller then decodes the
+    chunk the general way, which reports the error with the full diagnosis.
+    """
+    if data[:11] != _COPY_SIGNATURE:
+        raise ValueError("COPY output does not start with the binary COPY signature")
+    (ext_len,) = _I32.unpack_from(data, 15)
+    pos = 19 + ext_len
+    ncols = len(modes)
+    out: list[tuple[bytes, bytes]] = []
+    extra: list[bytes] = []
+    encode = codec.encode_tuple
+    i16, i32 = _I16.unpack_from, _I32.unpack_from
+    while True:
+        (nfields,) = i16(data, pos)
+        if nfields == -1:
+            return out, (extra if out else None)
+        record, key, _, pos = encode(data, pos, copy_modes=modes)
+        if key is None:
+            raise ValueError("a key column is NULL")
+        out.append((key, record))
+        extra = []
+        for _ in range(nfields - ncols):
+            (length,) = i32(data, pos)
+            pos += 4
+            if length < 0:
+                extra.append(b"")
+            else:
+                extra.append(data[pos : pos + length])
+                pos += length
 
 
 class Snapshotter:
@@ -220,20 +257,28 @@ class Snapshotter:
                 query = sql.SQL(
                     "COPY (SELECT {} FROM {} AS src {} ORDER BY {} LIMIT {}) TO STDOUT (FORMAT binary)"
                 ).format(sql.SQL(", ").join(select_cols), table.ident(), where, order, sql.Literal(limit))
-                data = bytearray()
+                buf = bytearray()
                 with conn.cursor() as cur, cur.copy(query) as copy:
                     for block in copy:
-                        data += block
-                raw_rows = parse_binary_copy(data)
-                rows = [
-                    TupleData(
-                        bytes(_N if v is None else k for v, k in zip(r[:ncols], kinds, strict=True)), tuple(r[:ncols])
-                    )
-                    for r in raw_rows
-                ]
-                done = len(raw_rows) < limit
-                if raw_rows:
-                    after = [(v or b"").decode() for v in raw_rows[-1][ncols:]]
+                        buf += block
+                data = bytes(buf)
+                rows: list[TupleData] | list[tuple[bytes, bytes]]
+                try:
+                    rows, last = encode_copy_rows(codec, data, kinds)
+                    if last is not None:
+                        after = [v.decode() for v in last]
+                except Exception:  # the general path below fails with the diagnosis (or succeeds)
+                    raw_rows = parse_binary_copy(data)
+                    rows = [
+                        TupleData(
+                            bytes(_N if v is None else k for v, k in zip(r[:ncols], kinds, strict=True)),
+                            tuple(r[:ncols]),
+                        )
+                        for r in raw_rows
+                    ]
+                    if raw_rows:
+                        after = [(v or b"").decode() for v in raw_rows[-1][ncols:]]
+                done = len(rows) < limit
                 out.put(_Chunk(table.qualified, rows, after, done))
                 if done:
                     return
@@ -254,13 +299,18 @@ class Snapshotter:
         gaps = self._gaps.get(chunk.table)
         pos = Position(consistent, consistent, time.time_ns() // 1000, None, "true")
         now_us = time.time_ns() // 1000
-        for tup in chunk.rows:
-            try:
-                after, _ = codec.row(tup)
-                key = codec.key_of(after)
-            except (ValueError, IndexError) as exc:
-                raise StreamError(f"cannot snapshot a row of {chunk.table}: {exc}") from exc
-            self.capture._produce(codec.topic, key, codec.envelope("r", pos, before=None, after=after, now_us=now_us))
+        produce, envelope, topic = self.capture._produce, codec.envelope_bytes, codec.topic
+        for item in chunk.rows:
+            if type(item) is tuple:  # encoded by encode_copy_rows
+                key, record = item
+            else:
+                try:
+                    after, _ = codec.row(item)  # type: ignore[arg-type]
+                    key = codec.key_of(after)
+                except (ValueError, IndexError) as exc:
+                    raise StreamError(f"cannot snapshot a row of {chunk.table}: {exc}") from exc
+                record = codec.encode_row(after)
+            produce(topic, key, envelope("r", pos, before=None, after=record, now_us=now_us))
             if gaps is not None:
                 gaps.seen(key)
         self.capture.metrics.count(codec.topic, "r", len(chunk.rows))

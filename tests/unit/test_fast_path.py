@@ -16,7 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cdc._events import KeyMissingError, Position, SourceInfo, TableCodec
-from decoders import Insert, PgOutputDecoder
+from cdc._snapshot import encode_copy_rows, parse_binary_copy
+from decoders import Insert, PgOutputDecoder, TupleData
 from schemas import ColumnShape, PgType, avro_mapping
 from tests.unit.test_types_numeric import numeric_send
 
@@ -144,13 +145,12 @@ def _general(frame: bytes) -> tuple[bytes, bytes | None, list[str]]:
     """What decode + row + write_row + key_of give for an Insert of this tuple."""
     msg = _insert(frame)
     row, unchanged = CODEC.row(msg.new)
-    record = bytearray()
-    CODEC._write_row(row, record)
+    record = CODEC.encode_row(row)
     try:
         key: bytes | None = CODEC.key_of(row)
     except KeyMissingError:
         key = None
-    return bytes(record), key, unchanged
+    return record, key, unchanged
 
 
 @settings(max_examples=300, deadline=None)
@@ -208,3 +208,41 @@ def test_a_tuple_of_another_width_is_refused() -> None:
     frame = _tuple([(b"1", struct.pack(">q", 1))], ["b"])
     with pytest.raises(ValueError, match="column count"):
         CODEC.encode_tuple(frame, 0)
+
+
+@st.composite
+def copy_chunks(draw: st.DrawFn) -> tuple[bytes, bytes, list[bytes]]:
+    """A binary COPY chunk of random rows (each with one extra text field, like the snapshot's resume key),
+    the per-column modes (b: send format, t: text), and the extra fields."""
+    modes = bytes(draw(st.sampled_from(b"bt" if COLUMNS[i][0] != "at" else b"b")) for i in range(len(COLUMNS)))
+    out = b"PGCOPY\n\xff\r\n\x00" + struct.pack(">ii", 0, 0)
+    extras = []
+    for n in range(draw(st.integers(0, 5))):
+        values = [draw(strategy) for *_, strategy in COLUMNS]
+        out += struct.pack(">h", len(COLUMNS) + 1)
+        for i, ((text, binary), mode) in enumerate(zip(values, modes, strict=True)):
+            if i not in KEY_INDEXES and draw(st.booleans()):
+                out += struct.pack(">i", -1)
+            else:
+                value = binary if mode == ord("b") else text
+                assert value is not None
+                out += struct.pack(">i", len(value)) + value
+        extra = f"key-{n}".encode()
+        extras.append(extra)
+        out += struct.pack(">i", len(extra)) + extra
+    return out + struct.pack(">h", -1), modes, extras
+
+
+@settings(max_examples=200, deadline=None)
+@given(copy_chunks())
+def test_copy_rows_encode_as_the_general_path(chunk: tuple[bytes, bytes, list[bytes]]) -> None:
+    data, modes, extras = chunk
+    pairs, last = encode_copy_rows(CODEC, data, modes)
+    expected = []
+    for raw in parse_binary_copy(data):
+        values = raw[: len(COLUMNS)]
+        kinds = bytes(ord("n") if v is None else m for v, m in zip(values, modes, strict=True))
+        row, _ = CODEC.row(TupleData(kinds, tuple(values)))
+        expected.append((CODEC.key_of(row), CODEC.encode_row(row)))
+    assert pairs == expected
+    assert last == (extras[-1:] or None)
