@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import pickle
 import signal
 import struct
 import tempfile
@@ -53,7 +52,6 @@ from decoders import (
     Insert,
     Keepalive,
     LogicalMessage,
-    Message,
     Origin,
     PgOutputDecoder,
     Relation,
@@ -85,6 +83,7 @@ _FAST_KINDS = frozenset(b"IUD")  # Insert, Update, Delete: the frames _fast_chan
 _OLD_TUPLE = frozenset(b"KO")
 _NEW_TUPLE = ord("N")
 _U32 = struct.Struct(">I").unpack_from
+_STREAM_START = struct.Struct(">BIB")  # 'S', xid, first segment
 # A batch (one Kafka transaction holding whole PostgreSQL transactions) is committed as soon as the stream
 # has nothing more to read at a transaction boundary: under light load each transaction is visible in Kafka
 # one commit round trip after PostgreSQL committed it; under load, what arrives during a commit makes the next
@@ -93,25 +92,33 @@ _U32 = struct.Struct(">I").unpack_from
 _BATCH_LINGER_S = 0.05
 
 
+_SPILL_HEAD = struct.Struct(">QI")  # a spilled message: its LSN and length, then the pgoutput message as received
+
+
 @dataclass
 class _Spill:
-    """The changes of one streamed transaction, on disk until it commits or aborts."""
+    """The changes of one streamed transaction, on disk until it commits or aborts: the messages as they
+    arrived (they carry their subtransaction's xid after the type byte), replayed through the same fast path
+    as live changes."""
 
     file: IO[bytes]
     aborted_subxids: set[int] = field(default_factory=set)
     count: int = 0
 
-    def add(self, lsn: int, msg: Message) -> None:
-        pickle.dump((lsn, msg), self.file, protocol=pickle.HIGHEST_PROTOCOL)
+    def add(self, lsn: int, payload: bytes) -> None:
+        self.file.write(_SPILL_HEAD.pack(lsn, len(payload)))
+        self.file.write(payload)
         self.count += 1
 
-    def replay(self) -> Iterator[tuple[int, Message]]:
+    def replay(self) -> Iterator[tuple[int, bytes]]:
         self.file.flush()
         self.file.seek(0)
+        read, aborted = self.file.read, self.aborted_subxids
         for _ in range(self.count):
-            lsn, msg = pickle.load(self.file)  # noqa: S301 - our own spill file, written just above
-            if getattr(msg, "xid", None) not in self.aborted_subxids:
-                yield lsn, msg
+            lsn, length = _SPILL_HEAD.unpack(read(12))
+            payload = read(length)
+            if not aborted or _U32(payload, 1)[0] not in aborted:
+                yield lsn, payload
 
     def close(self) -> None:
         self.file.close()
@@ -418,20 +425,23 @@ class Capture:
                 lsn = frame.start_lsn
                 received = max(received, frame.end_lsn)
                 payload = frame.payload
-                if (
-                    current is not None
-                    and stream_xid is None
-                    and not current[3]
-                    and payload
-                    and payload[0] in _FAST_KINDS
-                    and self._fast_change(bytes(payload), current, lsn, txn_now_us)
-                ):
-                    continue
+                if payload and payload[0] in _FAST_KINDS:
+                    if stream_xid is not None:
+                        # Part of a streamed (large, in-progress) transaction: to disk as received; decoded
+                        # when it commits (the decoder's state only changes at Stream Start/Stop).
+                        spills[stream_xid].add(lsn, bytes(payload))
+                        continue
+                    if (
+                        current is not None
+                        and not current[3]
+                        and self._fast_change(bytes(payload), current, lsn, txn_now_us)
+                    ):
+                        continue
                 msg = decoder.decode(payload)
 
                 if type(msg) in _CHANGES:  # the common case first: one type lookup, no isinstance chain
                     if stream_xid is not None:
-                        spills[stream_xid].add(lsn, msg)
+                        spills[stream_xid].add(lsn, bytes(payload))
                     elif current is None:
                         raise StreamError(f"change outside a transaction at {lsn:X}")
                     elif not current[3]:
@@ -454,7 +464,7 @@ class Capture:
                     if stream_xid is not None:
                         # Inside a streamed transaction the schema is that transaction's own (it may have
                         # altered the table): it applies to its changes only, when it commits.
-                        spills[stream_xid].add(lsn, msg)
+                        spills[stream_xid].add(lsn, bytes(payload))
                     elif self._relations.get(msg.relid) != msg:
                         self._relations[msg.relid] = msg
                         self._codecs.pop(msg.relid, None)
@@ -463,7 +473,7 @@ class Capture:
                 elif isinstance(msg, LogicalMessage):
                     if msg.transactional:
                         if s.capture.emit_messages and stream_xid is not None:
-                            spills[stream_xid].add(lsn, msg)
+                            spills[stream_xid].add(lsn, bytes(payload))
                         elif s.capture.emit_messages and current is not None and not current[3]:
                             self._apply(msg, Position(current[0], msg.lsn, current[1], current[2]), txn_now_us)
                     elif msg.lsn >= resume:
@@ -501,7 +511,16 @@ class Capture:
                                 txn_now_us = time.time_ns() // 1000
                                 self._tx_begin(msg.xid, msg.commit_lsn, msg.commit_time_us)
                                 self._stream_relations, self._stream_codecs = {}, {}
-                                for change_lsn, change in spill.replay():
+                                # The spilled messages carry an xid after their type byte, as inside a stream.
+                                replay = PgOutputDecoder(proto, streaming=True)
+                                replay.decode(_STREAM_START.pack(ord("S"), msg.xid, 0))
+                                txn = (msg.commit_lsn, msg.commit_time_us, msg.xid, False)
+                                for change_lsn, data in spill.replay():
+                                    if data[0] in _FAST_KINDS and self._fast_change(
+                                        data, txn, change_lsn, txn_now_us, at=5
+                                    ):
+                                        continue
+                                    change = replay.decode(data)
                                     if isinstance(change, Relation):
                                         self._stream_relations[change.relid] = change
                                         self._stream_codecs.pop(change.relid, None)
@@ -631,21 +650,26 @@ class Capture:
             self._tx_event("END")
         self._tx = None
 
-    def _fast_change(self, data: bytes, current: tuple[int, int, int | None, bool], lsn: int, now_us: int) -> bool:
-        """An Insert, Update or Delete frame (outside streamed transactions) straight to Kafka records.
+    def _fast_change(
+        self, data: bytes, current: tuple[int, int, int | None, bool], lsn: int, now_us: int, *, at: int = 1
+    ) -> bool:
+        """An Insert, Update or Delete frame (live, or replayed from a streamed transaction's spill) straight to Kafka.
 
         The same events as decode + :meth:`_apply_change`, without building messages and row dicts
         (TableCodec.encode_tuple). Returns False, having done nothing, for anything it does not take (a relation
         whose codec is not built yet, a missing key, a malformed or unconvertible frame): the general path then
-        handles that frame and reports errors with the full diagnosis.
+        handles that frame and reports errors with the full diagnosis. ``at``: where the relation id is (5 in a
+        streamed transaction's messages, after the xid).
         """
-        codec = self._codecs.get(_U32(data, 1)[0])
+        relid = _U32(data, at)[0]
+        # A streamed transaction's own schema first (set while its spill is replayed), as in _codec.
+        codec = self._stream_codecs.get(relid) if relid in self._stream_relations else self._codecs.get(relid)
         if codec is None:
             return False
         kind = data[0]
+        at += 4
         try:
             before = old_key = None
-            at = 5
             if kind != 73 and data[at] in _OLD_TUPLE:  # Update/Delete: the old key ('K') or row ('O')
                 before, old_key, _, at = codec.encode_tuple(data, at + 1)
                 if old_key is None:
