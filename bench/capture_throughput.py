@@ -11,56 +11,25 @@ the same point, writes ``--rows`` rows in transactions of ``--txn-rows``, then
 2. times ``cdc run`` (snapshot off) from its slot until the slot's confirmed flush LSN — which only moves after
    the Kafka transaction holding the events committed — reaches the same end LSN.
 Prints rows/s for both, the ratio, and the capture process's peak RSS; writes JSON to bench/results/.
+The scenarios of the benchmark harness (bench/insert_heavy.py, big_transaction.py, …) share its machinery,
+bench/_capture_bench.py, and write the common result format of bench/_report.py instead.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import platform
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
-import psycopg
 from psycopg import sql
-from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from tests import _services  # noqa: E402 - finds (or starts) the local services like the tests do
-
-
-def _dsn_for(admin: str, db: str) -> str:
-    params = conninfo_to_dict(admin)
-    params["dbname"] = db
-    return make_conninfo("", **params)
-
-
-def _lsn(conn: psycopg.Connection[Any]) -> int:
-    row = conn.execute("SELECT (pg_current_wal_lsn() - '0/0')::bigint").fetchone()
-    assert row is not None
-    return int(row[0])
-
-
-def _fmt(lsn: int) -> str:
-    return f"{lsn >> 32:X}/{lsn & 0xFFFFFFFF:X}"
-
-
-def _peak_rss_kb(pid: int) -> int:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
+import _capture_bench as cb  # a sibling module: bench/ is not a package; the machinery the scenarios share
 
 
 def main() -> int:
@@ -70,17 +39,6 @@ def main() -> int:
     ap.add_argument("--pad", type=int, default=0, help="bytes of extra text per row (makes rows, and WAL, larger)")
     args = ap.parse_args()
 
-    admin = _services.find("postgres").value
-    kafka = _services.find("kafka").value
-    registry = _services.find("registry").value
-    db = f"bench_{int(time.time())}"
-    with psycopg.connect(admin, autocommit=True) as conn:
-        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(db)))
-        bindir = Path(
-            conn.execute("SELECT setting FROM pg_config() WHERE name = 'BINDIR'").fetchone()[0]  # type: ignore[index]
-        )
-    dsn = _dsn_for(admin, db)
-    work = Path(tempfile.mkdtemp(prefix="pgcdc-bench-"))
     result: dict[str, object] = {
         "pad_bytes": args.pad,
         "rows": args.rows,
@@ -89,101 +47,43 @@ def main() -> int:
         "cpus": os.cpu_count(),
         "date": time.strftime("%Y-%m-%d %H:%M"),
     }
-    try:
-        with psycopg.connect(dsn, autocommit=True) as conn:
+    with cb.scratch("bench") as s:
+        with s.connect() as conn:
             conn.execute(
-                "CREATE TABLE events (id bigint PRIMARY KEY, kind text NOT NULL, amount numeric(12,2), "
-                "payload jsonb, at timestamptz NOT NULL DEFAULT now(), pad text)"
+                sql.SQL(
+                    "CREATE TABLE {} (id bigint PRIMARY KEY, kind text NOT NULL, amount numeric(12,2), "
+                    "payload jsonb, at timestamptz NOT NULL DEFAULT now(), pad text)"
+                ).format(sql.Identifier("events"))
             )
-            conn.execute("CREATE PUBLICATION bench FOR TABLE events")
-            conn.execute("SELECT pg_create_logical_replication_slot('bench_ref', 'pgoutput')")
-            conn.execute("SELECT pg_create_logical_replication_slot('bench_cdc', 'pgoutput')")
-            start = time.monotonic()
+        s.create_publication("bench", ["public.events"])
+        s.create_slots(["bench_ref", "bench_cdc"])
+        start = time.monotonic()
+        with s.connect() as conn:
             for first in range(0, args.rows, args.txn_rows):
                 conn.execute(
-                    "INSERT INTO events (id, kind, amount, payload, pad) SELECT g, 'kind-' || (g %% 10), g * 0.01, "
-                    "jsonb_build_object('n', g, 'tag', 'x'), CASE WHEN %s > 0 THEN repeat('x', %s) END "
-                    "FROM generate_series(%s::bigint, %s::bigint) g",
+                    sql.SQL(
+                        "INSERT INTO {} (id, kind, amount, payload, pad) SELECT g, 'kind-' || (g %% 10), "
+                        "g * 0.01, jsonb_build_object('n', g, 'tag', 'x'), CASE WHEN %s > 0 THEN repeat('x', %s) "
+                        "END FROM generate_series(%s::bigint, %s::bigint) g"
+                    ).format(sql.Identifier("events")),
                     (args.pad, args.pad, first + 1, min(first + args.txn_rows, args.rows)),
                 )
             result["write_s"] = round(time.monotonic() - start, 2)
-            end = _lsn(conn)
-            row = conn.execute(
-                "SELECT pg_size_pretty((pg_current_wal_lsn() - confirmed_flush_lsn)::bigint) "
-                "FROM pg_replication_slots WHERE slot_name = 'bench_cdc'"
-            ).fetchone()
-            result["wal_to_decode"] = row[0] if row else None
+            end = s.current_lsn(conn)
+        lag = s.slot_lag_bytes("bench_cdc")
+        result["wal_to_decode_mb"] = None if lag is None else round(lag / 2**20, 1)
 
-        # 1. the reference
-        t0 = time.monotonic()
-        subprocess.run(
-            [
-                str(bindir / "pg_recvlogical"),
-                "-d",
-                dsn,
-                "--slot",
-                "bench_ref",
-                "--start",
-                "-o",
-                "proto_version=2",
-                "-o",
-                "publication_names=bench",
-                "-o",
-                "binary=true",
-                "--endpos",
-                _fmt(end),
-                "-f",
-                "/dev/null",
-            ],
-            check=True,
-        )
-        ref_s = time.monotonic() - t0
-
-        # 2. pgcdc
-        config = work / "cdc.toml"
-        config.write_text(
-            f'[source]\ndsn = "{dsn}"\ntables = ["public.events"]\nslot = "bench_cdc"\npublication = "bench"\n'
-            f'[kafka]\nbootstrap_servers = "{kafka}"\ntopic_prefix = "{db}"\n'
-            f'[registry]\nurl = "{registry}"\n[capture]\nsnapshot = "never"\n'
-        )
-        t0 = time.monotonic()
-        with open(work / "cdc.log", "wb") as log:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "cdc.cli", "run", "--config", str(config)], stdout=log, stderr=subprocess.STDOUT
-            )
-        peak = 0
-        with psycopg.connect(dsn, autocommit=True) as conn:
-            while True:
-                row = conn.execute(
-                    "SELECT (confirmed_flush_lsn - '0/0')::bigint FROM pg_replication_slots "
-                    "WHERE slot_name = 'bench_cdc'"
-                ).fetchone()
-                peak = max(peak, _peak_rss_kb(proc.pid))
-                if row and row[0] is not None and int(row[0]) >= end:
-                    break
-                if proc.poll() is not None:
-                    print((work / "cdc.log").read_text()[-3000:], file=sys.stderr)
-                    return 1
-                time.sleep(0.05)
-        cdc_s = time.monotonic() - t0
-        peak = max(peak, _peak_rss_kb(proc.pid))
-        proc.terminate()
-        proc.wait(60)
+        ref = s.recvlogical("bench_ref", "bench", end)  # 1. the reference
+        ours = s.time_cdc("bench_cdc", "bench", ["public.events"], end)  # 2. pgcdc
         result.update(
-            pg_recvlogical_s=round(ref_s, 2),
-            pg_recvlogical_rows_per_s=round(args.rows / ref_s),
-            cdc_s=round(cdc_s, 2),
-            cdc_rows_per_s=round(args.rows / cdc_s),
-            ratio_vs_pg_recvlogical=round(ref_s / cdc_s, 3),
-            cdc_peak_rss_mb=round(peak / 1024, 1),
+            pg_recvlogical_s=round(ref.seconds, 2),
+            pg_recvlogical_rows_per_s=round(args.rows / ref.seconds),
+            cdc_s=round(ours.seconds, 2),
+            cdc_rows_per_s=round(args.rows / ours.seconds),
+            ratio_vs_pg_recvlogical=round(ref.seconds / ours.seconds, 3),
+            cdc_peak_rss_mb=round(ours.peak_rss_mb, 1),
         )
-    finally:
-        with psycopg.connect(admin, autocommit=True) as conn:
-            for slot in ("bench_ref", "bench_cdc"):
-                with contextlib.suppress(psycopg.Error):
-                    conn.execute("SELECT pg_drop_replication_slot(%s)", (slot,))
-            conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(db)))
-    out = ROOT / "bench" / "results"
+    out = cb.ROOT / "bench" / "results"
     out.mkdir(parents=True, exist_ok=True)
     name = "capture_throughput" if args.txn_rows < args.rows else "capture_one_transaction"
     (out / f"{name}.json").write_text(json.dumps(result, indent=2))

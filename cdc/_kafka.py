@@ -186,6 +186,9 @@ class TransactionalProducer:
             # Java's default partitioner: other Kafka tools put the same key in the same partition.
             "partitioner": "murmur2_random",
             "linger.ms": 5,
+            # Small requests (a commit's EndTxn, a light load's produce) must not wait for Nagle's algorithm
+            # to meet the broker's delayed ACK: visibility latency is the point of committing eagerly.
+            "socket.nagle.disable": True,
             "compression.type": "lz4",
             # The local queue is what bounds memory for a huge transaction (the rest is spilled to disk):
             # 64 MB keeps batches large without letting a 1 GB transaction sit in RAM.

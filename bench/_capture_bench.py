@@ -1,0 +1,460 @@
+"""What the capture scenarios share: a scratch database, slots made at one point, the two timed readers.
+
+Every capture scenario (bench/insert_heavy.py, update_heavy.py, pgbench_tpcb.py, big_transaction.py) does:
+
+1. ``with scratch() as s:`` — a fresh database on the local PostgreSQL (dropped afterwards with every slot in
+   it, and the Kafka topics and registry subjects of its topic prefix);
+2. creates its tables and the publication, then ``s.create_slots(...)`` — pgoutput slots created one after the
+   other with no write of ours in between, so they all start at the same point of the same WAL;
+3. writes the workload and notes the end LSN (``s.current_lsn()``);
+4. times ``s.recvlogical(...)`` — pg_recvlogical (pgoutput with `cdc run`'s options, to /dev/null) reading its
+   slot to the end LSN: the reference, what logical decoding itself delivers here — and ``s.time_cdc(...)`` —
+   ``cdc run`` with the default configuration (snapshot off) until its slot's confirmed_flush_lsn, which only
+   moves after the Kafka transaction holding the events committed, reaches the end LSN.
+
+Each reader yields a ``Usage``: seconds, CPU seconds (utime + stime) and peak RSS (VmHWM) of the process, and of
+the walsender backend serving its slot (sampled from /proc while it runs; a backend's RSS counts the shared
+buffers it touched, so read its CPU rather than its memory). The /proc readers are bench/_debezium.py's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.parse
+import urllib.request
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psycopg
+from confluent_kafka.admin import AdminClient
+from psycopg import sql
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+BENCH = Path(__file__).resolve().parent
+ROOT = BENCH.parent
+for _p in (str(ROOT), str(BENCH)):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+import _debezium as dbz  # noqa: E402 - a sibling module: bench/ is not a package
+
+from tests import _services  # noqa: E402 - finds (or starts) the local services like the tests do
+
+cpu_seconds = dbz.cpu_seconds
+peak_rss_mb = dbz.peak_rss_mb
+
+
+# --- small helpers ----------------------------------------------------------------------------
+
+
+def fmt_lsn(lsn: int) -> str:
+    return f"{lsn >> 32:X}/{lsn & 0xFFFFFFFF:X}"
+
+
+def dsn_for(admin: str, db: str) -> str:
+    params = conninfo_to_dict(admin)
+    params["dbname"] = db
+    return make_conninfo("", **params)
+
+
+def libpq_env(dsn: str) -> dict[str, str]:
+    """The environment that points libpq tools (pgbench, psql) at dsn without putting it on a command line."""
+    names = {"host": "PGHOST", "port": "PGPORT", "user": "PGUSER", "password": "PGPASSWORD", "dbname": "PGDATABASE"}
+    env = dict(os.environ)
+    for key, value in conninfo_to_dict(dsn).items():
+        if key in names and value is not None:
+            env[names[key]] = str(value)
+    return env
+
+
+def load_avg() -> float:
+    """The 1-minute load average: a shared machine's figures are read next to it."""
+    return round(os.getloadavg()[0], 2)
+
+
+@dataclass
+class Usage:
+    """What one reader cost: wall time, and CPU and peak memory of it and of the walsender serving it."""
+
+    seconds: float
+    cpu_s: float
+    peak_rss_mb: float
+    walsender_cpu_s: float | None = None
+    walsender_peak_rss_mb: float | None = None
+
+    def as_json(self) -> dict[str, Any]:
+        return {k: (round(v, 3) if isinstance(v, float) else v) for k, v in asdict(self).items()}
+
+
+class _SlotWatch:
+    """Samples the walsender backend serving a slot (pg_replication_slots.active_pid) every interval."""
+
+    def __init__(self, dsn: str, slot: str, interval: float = 0.2) -> None:
+        self.dsn, self.slot, self.interval = dsn, slot, interval
+        self.cpu: dict[int, float] = {}  # last CPU seconds seen per walsender pid (a reconnect gets a new one)
+        self.rss = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name=f"watch-{slot}", daemon=True)
+
+    def __enter__(self) -> _SlotWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+    def sample(self, conn: psycopg.Connection[Any]) -> None:
+        row = conn.execute("SELECT active_pid FROM pg_replication_slots WHERE slot_name = %s", (self.slot,)).fetchone()
+        if row is None or row[0] is None:
+            return
+        pid = int(row[0])
+        cpu = cpu_seconds(pid)
+        if cpu:
+            self.cpu[pid] = cpu
+        self.rss = max(self.rss, peak_rss_mb(pid))
+
+    def _loop(self) -> None:
+        with contextlib.suppress(psycopg.Error), psycopg.connect(self.dsn, autocommit=True) as conn:
+            while not self._stop.is_set():
+                self.sample(conn)
+                self._stop.wait(self.interval)
+
+    @property
+    def cpu_s(self) -> float | None:
+        return sum(self.cpu.values()) if self.cpu else None
+
+    @property
+    def rss_mb(self) -> float | None:
+        return self.rss or None
+
+
+# --- the scratch database ---------------------------------------------------------------------
+
+
+@dataclass
+class Endpoints:
+    admin: str  # a superuser DSN of the local PostgreSQL
+    kafka: str
+    registry: str
+
+
+def endpoints() -> Endpoints:
+    return Endpoints(
+        admin=_services.find("postgres").value,
+        kafka=_services.find("kafka").value,
+        registry=_services.find("registry").value,
+    )
+
+
+@dataclass
+class Scratch:
+    ep: Endpoints
+    db: str
+    dsn: str
+    bindir: Path
+    work: Path  # logs and configs of this run (kept when a run fails)
+    server_version: int = 0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def topic_prefix(self) -> str:
+        return self.db
+
+    def connect(self) -> psycopg.Connection[Any]:
+        return psycopg.connect(self.dsn, autocommit=True)
+
+    def current_lsn(self, conn: psycopg.Connection[Any] | None = None) -> int:
+        with contextlib.ExitStack() as stack:
+            c = conn or stack.enter_context(self.connect())
+            row = c.execute("SELECT (pg_current_wal_lsn() - '0/0')::bigint").fetchone()
+        assert row is not None
+        return int(row[0])
+
+    def create_publication(self, name: str, tables: Sequence[str]) -> None:
+        """CREATE PUBLICATION name FOR TABLE tables ("schema.table")."""
+        idents = [sql.Identifier(*t.split(".", 1)) for t in tables]
+        with self.connect() as conn:
+            conn.execute(
+                sql.SQL("CREATE PUBLICATION {} FOR TABLE {}").format(sql.Identifier(name), sql.SQL(", ").join(idents))
+            )
+
+    def create_slots(self, names: Sequence[str]) -> int:
+        """pgoutput slots, one after the other on one connection with nothing written in between; returns
+        the LSN after the last: every slot decodes exactly the transactions committed from then on."""
+        with self.connect() as conn:
+            for name in names:
+                conn.execute("SELECT pg_create_logical_replication_slot(%s, 'pgoutput')", (name,))
+            return self.current_lsn(conn)
+
+    def slot_lag_bytes(self, slot: str) -> int | None:
+        with self.connect() as conn:
+            row = conn.execute(
+                "SELECT (pg_current_wal_lsn() - confirmed_flush_lsn)::bigint FROM pg_replication_slots "
+                "WHERE slot_name = %s",
+                (slot,),
+            ).fetchone()
+        return None if row is None or row[0] is None else int(row[0])
+
+    # --- the reference ------------------------------------------------------------------------
+
+    def recvlogical(
+        self, slot: str, publication: str, end_lsn: int, *, streaming: bool = True, timeout: float = 3600.0
+    ) -> Usage:
+        """pg_recvlogical from slot's start to end_lsn, to /dev/null, timed.
+
+        It asks pgoutput for what `cdc run` asks (proto 2, binary, streaming of large in-progress transactions,
+        logical messages), so the walsender does the same work for both; ``streaming=False`` leaves large
+        transactions to be spilled by the server and sent at their commit instead.
+        """
+        cmd = [
+            str(self.bindir / "pg_recvlogical"),
+            "-d",
+            self.dsn,
+            "--slot",
+            slot,
+            "--start",
+            "-o",
+            "proto_version=2",
+            "-o",
+            f"publication_names={publication}",
+            "-o",
+            "binary=true",
+            "-o",
+            "messages=true",
+            *(["-o", "streaming=on"] if streaming and self.server_version >= 140000 else []),
+            "--endpos",
+            fmt_lsn(end_lsn),
+            "--no-loop",
+            "-f",
+            "/dev/null",
+        ]
+        with _SlotWatch(self.dsn, slot, interval=0.1) as watch:
+            t0 = time.monotonic()
+            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
+            deadline = t0 + timeout
+            # wait4 gives the exited child's own rusage: CPU and max RSS (kB on Linux) without racing its exit.
+            while True:
+                pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+                if pid:
+                    break
+                if time.monotonic() > deadline:
+                    proc.kill()
+                    raise TimeoutError(f"pg_recvlogical did not reach {fmt_lsn(end_lsn)} in {timeout:.0f} s")
+                time.sleep(0.02)
+            seconds = time.monotonic() - t0
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        if proc.returncode != 0:
+            raise RuntimeError(f"pg_recvlogical exited with {proc.returncode}")
+        return Usage(
+            seconds=seconds,
+            cpu_s=usage.ru_utime + usage.ru_stime,
+            peak_rss_mb=usage.ru_maxrss / 1024,
+            walsender_cpu_s=watch.cpu_s,
+            walsender_peak_rss_mb=watch.rss_mb,
+        )
+
+    # --- ours ---------------------------------------------------------------------------------
+
+    def cdc(self, slot: str, publication: str, tables: Sequence[str], name: str = "cdc") -> CdcRun:
+        """A `cdc run` on slot (not yet started: use it as a context manager)."""
+        return CdcRun(self, slot=slot, publication=publication, tables=tables, name=name)
+
+    def time_cdc(self, slot: str, publication: str, tables: Sequence[str], end_lsn: int) -> Usage:
+        """`cdc run` from slot's start until its confirmed_flush_lsn reaches end_lsn, timed from the launch."""
+        with self.cdc(slot, publication, tables) as run:
+            return run.wait_for(end_lsn)
+
+
+def _toml_str(value: str) -> str:
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+class CdcRun:
+    """`cdc run` as a child process with the default configuration: only where to read and write is set."""
+
+    def __init__(self, scratch: Scratch, *, slot: str, publication: str, tables: Sequence[str], name: str) -> None:
+        self.s = scratch
+        self.slot = slot
+        self.config = scratch.work / f"{name}.toml"
+        self.log = scratch.work / f"{name}.log"
+        self.config.write_text(
+            "[source]\n"
+            f"dsn = {_toml_str(scratch.dsn)}\n"
+            f"tables = [{', '.join(_toml_str(t) for t in tables)}]\n"
+            f"slot = {_toml_str(slot)}\n"
+            f"publication = {_toml_str(publication)}\n"
+            "[kafka]\n"
+            f"bootstrap_servers = {_toml_str(scratch.ep.kafka)}\n"
+            f"topic_prefix = {_toml_str(scratch.topic_prefix)}\n"
+            "[registry]\n"
+            f"url = {_toml_str(scratch.ep.registry)}\n"
+            "[capture]\n"
+            'snapshot = "never"\n'
+            "[metrics]\n"
+            "port = 0\n"  # any free port: parallel runs must not collide on 9464
+        )
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.started = 0.0
+        self._watch = _SlotWatch(scratch.dsn, slot)
+
+    def __enter__(self) -> CdcRun:
+        # No CDC_* variable may change the defaults under test (the settings read the environment too).
+        env = {k: v for k, v in os.environ.items() if not k.startswith("CDC_")}
+        self.started = time.monotonic()
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "cdc.cli", "run", "--config", str(self.config)],
+                cwd=ROOT,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        self._watch.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._watch.__exit__()
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+    def log_tail(self, chars: int = 3000) -> str:
+        try:
+            return self.log.read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+    def confirmed_lsn(self, conn: psycopg.Connection[Any]) -> int:
+        row = conn.execute(
+            "SELECT (confirmed_flush_lsn - '0/0')::bigint FROM pg_replication_slots WHERE slot_name = %s",
+            (self.slot,),
+        ).fetchone()
+        return 0 if row is None or row[0] is None else int(row[0])
+
+    def usage(self, seconds: float, conn: psycopg.Connection[Any] | None = None) -> Usage:
+        """Our process's CPU and peak RSS so far (read while it runs), and its walsender's."""
+        assert self.proc is not None
+        if conn is not None:
+            self._watch.sample(conn)
+        return Usage(
+            seconds=seconds,
+            cpu_s=cpu_seconds(self.proc.pid),
+            peak_rss_mb=peak_rss_mb(self.proc.pid),
+            walsender_cpu_s=self._watch.cpu_s,
+            walsender_peak_rss_mb=self._watch.rss_mb,
+        )
+
+    def wait_streaming(self, timeout: float = 120.0) -> float:
+        """Block until a walsender serves our slot (the capture streams); seconds since the launch."""
+        assert self.proc is not None
+        deadline = time.monotonic() + timeout
+        with self.s.connect() as conn:
+            while True:
+                row = conn.execute(
+                    "SELECT active FROM pg_replication_slots WHERE slot_name = %s", (self.slot,)
+                ).fetchone()
+                if row is not None and row[0]:
+                    return time.monotonic() - self.started
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"cdc run exited with {self.proc.returncode}:\n{self.log_tail()}")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"cdc run did not start streaming in {timeout:.0f} s:\n{self.log_tail()}")
+                time.sleep(0.1)
+
+    def wait_for(self, end_lsn: int, *, since: float | None = None, timeout: float = 3600.0) -> Usage:
+        """Block until the slot's confirmed_flush_lsn >= end_lsn; seconds from `since` (default: the launch)."""
+        assert self.proc is not None
+        start = self.started if since is None else since
+        deadline = time.monotonic() + timeout
+        with self.s.connect() as conn:
+            while True:
+                if self.confirmed_lsn(conn) >= end_lsn:
+                    return self.usage(time.monotonic() - start, conn)
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"cdc run exited with {self.proc.returncode}:\n{self.log_tail()}")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"cdc run did not reach {fmt_lsn(end_lsn)} in {timeout:.0f} s")
+                time.sleep(0.05)
+
+
+# --- set-up and tear-down ---------------------------------------------------------------------
+
+
+def _drop_slots(admin: str, db: str) -> None:
+    with psycopg.connect(admin, autocommit=True) as conn:
+        for attempt in range(50):
+            rows = conn.execute(
+                "SELECT slot_name, active_pid FROM pg_replication_slots WHERE database = %s", (db,)
+            ).fetchall()
+            if not rows:
+                return
+            for slot, pid in rows:
+                if pid is None:
+                    with contextlib.suppress(psycopg.Error):
+                        conn.execute("SELECT pg_drop_replication_slot(%s)", (slot,))
+                elif attempt >= 10:  # only the backends of this scratch database's own slots
+                    conn.execute("SELECT pg_terminate_backend(%s)", (pid,))
+            time.sleep(0.2)
+
+
+def _drop_kafka(ep: Endpoints, prefix: str) -> None:
+    """The topics of prefix (``<prefix>.…``) and their registry subjects."""
+    admin = AdminClient({"bootstrap.servers": ep.kafka})
+    topics = [t for t in admin.list_topics(timeout=10).topics if t.startswith(prefix + ".")]
+    if topics:
+        dbz.delete_topics(ep.kafka, topics)
+    with contextlib.suppress(OSError, ValueError):
+        with urllib.request.urlopen(f"{ep.registry}/subjects", timeout=10) as resp:  # noqa: S310 - local registry
+            subjects = [s for s in json.loads(resp.read()) if isinstance(s, str) and s.startswith(prefix + ".")]
+        for subject in subjects:
+            url = f"{ep.registry}/subjects/{urllib.parse.quote(subject, safe='')}"
+            for suffix in ("", "?permanent=true"):
+                req = urllib.request.Request(url + suffix, method="DELETE")  # noqa: S310
+                with contextlib.suppress(OSError), urllib.request.urlopen(req, timeout=10):  # noqa: S310
+                    pass
+
+
+@contextlib.contextmanager
+def scratch(prefix: str) -> Iterator[Scratch]:
+    """A fresh database ``<prefix>_<time>``; dropped afterwards with its slots, topics and subjects."""
+    ep = endpoints()
+    db = re.sub(r"[^a-z0-9_]", "_", f"{prefix}_{int(time.time() * 1000)}".lower())
+    with psycopg.connect(ep.admin, autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(db)))
+        row = conn.execute("SELECT setting FROM pg_config() WHERE name = 'BINDIR'").fetchone()
+        assert row is not None
+        bindir = Path(row[0])
+        version = conn.info.server_version
+    work = Path(tempfile.mkdtemp(prefix=f"pgcdc-{prefix}-"))
+    s = Scratch(ep=ep, db=db, dsn=dsn_for(ep.admin, db), bindir=bindir, work=work, server_version=version)
+    ok = False
+    try:
+        yield s
+        ok = True
+    finally:
+        _drop_slots(ep.admin, db)
+        with psycopg.connect(ep.admin, autocommit=True) as conn:
+            conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(db)))
+        with contextlib.suppress(Exception):  # best effort: a broker hiccup must not hide the run's own error
+            _drop_kafka(ep, s.topic_prefix)
+        if ok:
+            shutil.rmtree(work, ignore_errors=True)
+        else:
+            print(f"logs kept in {work}", file=sys.stderr)

@@ -1,0 +1,125 @@
+#!/usr/bin/env python3
+"""big-transaction: one transaction of ~1 GB of WAL, against pg_recvlogical; peak RSS under 300 MB.
+
+    ~/.cache/pgcdc/venv/bin/python bench/big_transaction.py [--megabytes 1024] [--pad 1000]
+                                                            [--reference-streaming on|off]
+
+A scratch database with the insert-heavy table plus a ``pad`` text column; two pgoutput slots at the same point;
+then ONE INSERT of as many rows (``--pad`` bytes of padding each) as make about ``--megabytes`` MB of WAL.
+pgoutput (protocol 2, streaming on: what `cdc run` asks for by default) streams the transaction while it is in
+progress once it outgrows logical_decoding_work_mem; `cdc run` spills the streamed changes to a temporary file
+and replays them into one Kafka transaction at Stream Commit, its producer's queue capped (cdc/_capture.py,
+cdc/_kafka.py). The configuration is the default one (only where to read and write, snapshot off; CDC_*
+environment variables are removed), so the figures are what a user gets.
+1. pg_recvlogical reads the slot to the end LSN — the reference (target: ours ≥ 0.8x its rows/s);
+2. ``cdc run`` until its slot's confirmed_flush_lsn reaches the end LSN: rows/s and its peak RSS (limit 300 MB).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from psycopg import sql
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _capture_bench as cb  # a sibling module: bench/ is not a package
+from _report import Measure, Result, write_result
+
+SCENARIO = "big-transaction"
+TABLE = "events"
+PUBLICATION = "bench"
+SLOT_CDC, SLOT_REF = "bench_cdc", "bench_ref"
+WAL_BYTES_PER_ROW = 170  # the row without its padding, as measured on PostgreSQL 15 (plus the padding)
+RSS_LIMIT_MB = 300.0
+
+_CREATE = (
+    "CREATE TABLE {} (id bigint PRIMARY KEY, kind text NOT NULL, amount numeric(12,2), payload jsonb, "
+    "at timestamptz NOT NULL DEFAULT now(), pad text)"
+)
+_INSERT = (
+    "INSERT INTO {} (id, kind, amount, payload, pad) SELECT g, 'kind-' || (g %% 10), g * 0.01, "
+    "jsonb_build_object('n', g, 'tag', 'x'), repeat('x', %s) FROM generate_series(1, %s::bigint) g"
+)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(
+        prog="big_transaction.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--megabytes", type=int, default=1024, help="WAL the one transaction should make (MB)")
+    ap.add_argument("--pad", type=int, default=1000, help="bytes of padding per row")
+    ap.add_argument(
+        "--reference-streaming",
+        choices=["on", "off"],
+        default="on",
+        help="pg_recvlogical asks for streaming like `cdc run` (on), or lets the server spill and send at commit",
+    )
+    return ap.parse_args(argv)
+
+
+def run(argv: list[str] | None = None) -> Result:
+    args = parse_args(argv)
+    rows = max(1, args.megabytes * 2**20 // (WAL_BYTES_PER_ROW + args.pad))
+    result = Result(
+        SCENARIO,
+        params={
+            "megabytes": args.megabytes,
+            "pad": args.pad,
+            "rows": rows,
+            "reference_streaming": args.reference_streaming,
+            "load_avg_1m_at_start": cb.load_avg(),
+        },
+    )
+    with cb.scratch("bench_bigtxn") as s:
+        with s.connect() as conn:
+            conn.execute(sql.SQL(_CREATE).format(sql.Identifier(TABLE)))
+            row = conn.execute("SHOW logical_decoding_work_mem").fetchone()
+            result.params["logical_decoding_work_mem"] = row[0] if row else None
+        qualified = f"public.{TABLE}"
+        s.create_publication(PUBLICATION, [qualified])
+        start_lsn = s.create_slots([SLOT_REF, SLOT_CDC])
+        t0 = time.monotonic()
+        with s.connect() as conn:
+            conn.execute(sql.SQL(_INSERT).format(sql.Identifier(TABLE)), (args.pad, rows))
+            end_lsn = s.current_lsn(conn)
+        result.params["write_s"] = round(time.monotonic() - t0, 2)
+        result.params["wal_mb"] = round((end_lsn - start_lsn) / 2**20, 1)
+
+        ref = s.recvlogical(SLOT_REF, PUBLICATION, end_lsn, streaming=args.reference_streaming == "on")
+        ours = s.time_cdc(SLOT_CDC, PUBLICATION, [qualified], end_lsn)
+        result.series["pg_recvlogical"] = ref.as_json()
+        result.series["cdc"] = ours.as_json()
+        result.measures += [
+            Measure(
+                "capture rows/s",
+                "rows/s",
+                round(rows / ours.seconds),
+                reference=round(rows / ref.seconds),
+                reference_name="pg_recvlogical",
+                target_ratio=0.8,
+                note="one transaction; ours until the slot's confirmed_flush_lsn reaches the end LSN (the one "
+                "Kafka transaction holding it committed), from the launch",
+            ),
+            Measure(
+                "peak RSS",
+                "MB",
+                ours.peak_rss_mb,
+                higher_is_better=False,
+                limit=RSS_LIMIT_MB,
+                note="VmHWM of `cdc run` with the default configuration",
+            ),
+        ]
+    result.notes.append(
+        "Default configuration: pgoutput streams the in-progress transaction (protocol 2, streaming on) past "
+        "logical_decoding_work_mem; `cdc run` spills it to a temporary file and replays it at Stream Commit. "
+        f"pg_recvlogical asked for streaming={args.reference_streaming}."
+    )
+    return result
+
+
+if __name__ == "__main__":
+    write_result(run())

@@ -1,0 +1,207 @@
+#!/usr/bin/env python3
+"""insert-heavy: small rows in transactions of random size, captured against pg_recvlogical and Debezium.
+
+    ~/.cache/pgcdc/venv/bin/python bench/insert_heavy.py [--rows 1000000] [--max-txn-rows 5000] [--seed 1]
+                                                         [--no-debezium]
+
+A scratch database with one 5-column table (incl. numeric and jsonb); its publication (and Debezium's); three
+pgoutput slots created at the same point (ours, the reference's, Debezium's); then ``--rows`` rows INSERTed in
+transactions of a random size between 1 and ``--max-txn-rows`` (seeded). The same WAL is then read, one reader
+at a time:
+1. pg_recvlogical to the end LSN — the reference (target: ours ≥ 0.8x its rows/s);
+2. ``cdc run`` (default configuration, snapshot off) until its slot's confirmed_flush_lsn reaches the end LSN;
+3. Debezium Server (bench/_debezium.py: PostgreSQL connector, Avro in the Confluent framing, Kafka sink) from
+   its own slot until its topic holds every row (target: ours ≥ 2x its rows/s), unless ``--no-debezium``.
+Measures: rows/s against both, and peak RSS and CPU seconds against Debezium's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+from pathlib import Path
+
+from psycopg import sql
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _capture_bench as cb  # a sibling module: bench/ is not a package
+import _debezium as dbz
+from _report import Measure, Result, write_result
+
+SCENARIO = "insert-heavy"
+TABLE = "events"
+PUBLICATION = "bench"
+DBZ_PUBLICATION = "bench_debezium"
+SLOT_CDC, SLOT_REF, SLOT_DBZ = "bench_cdc", "bench_ref", "bench_debezium"
+
+_CREATE = (
+    "CREATE TABLE {} (id bigint PRIMARY KEY, kind text NOT NULL, amount numeric(12,2), payload jsonb, "
+    "at timestamptz NOT NULL DEFAULT now())"
+)
+_INSERT = (
+    "INSERT INTO {} (id, kind, amount, payload) SELECT g, 'kind-' || (g %% 10), g * 0.01, "
+    "jsonb_build_object('n', g, 'tag', 'x') FROM generate_series(%s::bigint, %s::bigint) g"
+)
+
+
+def txn_sizes(rows: int, max_txn_rows: int, seed: int) -> list[int]:
+    """Transaction sizes, uniform in [1, max_txn_rows], seeded, summing to rows."""
+    rng = random.Random(seed)  # noqa: S311 - a seeded workload, not secrets
+    sizes: list[int] = []
+    left = rows
+    while left > 0:
+        n = min(left, rng.randint(1, max_txn_rows))
+        sizes.append(n)
+        left -= n
+    return sizes
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(
+        prog="insert_heavy.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--rows", type=int, default=1_000_000)
+    ap.add_argument("--max-txn-rows", type=int, default=5_000, help="transactions hold 1..this many rows")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--no-debezium", action="store_true", help="leave Debezium out (pg_recvlogical only)")
+    return ap.parse_args(argv)
+
+
+def run(argv: list[str] | None = None) -> Result:
+    args = parse_args(argv)
+    sizes = txn_sizes(args.rows, args.max_txn_rows, args.seed)
+    debezium = not args.no_debezium
+    result = Result(
+        SCENARIO,
+        params={
+            "rows": args.rows,
+            "max_txn_rows": args.max_txn_rows,
+            "transactions": len(sizes),
+            "seed": args.seed,
+            "debezium": dbz.DEBEZIUM_VERSION if debezium else None,
+            "load_avg_1m_at_start": cb.load_avg(),
+        },
+    )
+    if debezium:
+        dbz.install()  # before any timing: a first run downloads it
+    with cb.scratch("bench_insert") as s:
+        table = sql.Identifier(TABLE)
+        with s.connect() as conn:
+            conn.execute(sql.SQL(_CREATE).format(table))
+        qualified = f"public.{TABLE}"
+        s.create_publication(PUBLICATION, [qualified])
+        slots = [SLOT_REF, SLOT_CDC]
+        if debezium:
+            # Debezium's own publication (its "filtered" autocreate mode finds it as it would have made it),
+            # created before the slots like ours, so its slot decodes the very same transactions.
+            s.create_publication(DBZ_PUBLICATION, [qualified])
+            slots.append(SLOT_DBZ)
+        start_lsn = s.create_slots(slots)
+        t0 = time.monotonic()
+        with s.connect() as conn:
+            first = 1
+            for n in sizes:
+                conn.execute(sql.SQL(_INSERT).format(table), (first, first + n - 1))
+                first += n
+            end_lsn = s.current_lsn(conn)
+        result.params["write_s"] = round(time.monotonic() - t0, 2)
+        result.params["wal_mb"] = round((end_lsn - start_lsn) / 2**20, 1)
+
+        ref = s.recvlogical(SLOT_REF, PUBLICATION, end_lsn)
+        ours = s.time_cdc(SLOT_CDC, PUBLICATION, [qualified], end_lsn)
+        result.series["pg_recvlogical"] = ref.as_json()
+        result.series["cdc"] = ours.as_json()
+        ours_rate = args.rows / ours.seconds
+        result.measures.append(
+            Measure(
+                "capture rows/s",
+                "rows/s",
+                round(ours_rate),
+                reference=round(args.rows / ref.seconds),
+                reference_name="pg_recvlogical",
+                target_ratio=0.8,
+                note="same WAL, read one after the other; ours until the slot's confirmed_flush_lsn reaches "
+                "the end LSN (Kafka transactions committed), from the launch of `cdc run`",
+            )
+        )
+        if debezium:
+            d = _time_debezium(s, qualified, args.rows)
+            result.series["debezium"] = d
+            result.measures += [
+                Measure(
+                    "capture rows/s",
+                    "rows/s",
+                    round(ours_rate),
+                    reference=d["rows_per_s"],
+                    reference_name="Debezium",
+                    target_ratio=2.0,
+                    note="Debezium timed from when it streams (JVM start-up excluded) to its last record "
+                    "acknowledged in Kafka; ours from the launch",
+                ),
+                Measure(
+                    "peak RSS",
+                    "MB",
+                    ours.peak_rss_mb,
+                    reference=d["peak_rss_mb"],
+                    reference_name="Debezium",
+                    higher_is_better=False,
+                    note="VmHWM of the process (Debezium: the JVM with its default heap ergonomics)",
+                ),
+                Measure(
+                    "CPU seconds",
+                    "s",
+                    round(ours.cpu_s, 2),
+                    reference=d["cpu_s"],
+                    reference_name="Debezium",
+                    higher_is_better=False,
+                    note="utime+stime of the process; ours from the launch, Debezium from when it streams "
+                    "(its start-up and a part of its JIT excluded)",
+                ),
+            ]
+            result.notes.append(
+                "Debezium writes without Kafka transactions (idempotent producer, acks=all; offsets to a local "
+                "file every second): it does less per event than `cdc run`, which commits each batch with its "
+                "resume position in one Kafka transaction."
+            )
+    result.notes.append(
+        "Readers run one at a time on the same WAL (a 2-core machine): pg_recvlogical, then `cdc run`, then "
+        "Debezium; walsender CPU of each is in series.*.walsender_cpu_s."
+    )
+    return result
+
+
+def _time_debezium(s: cb.Scratch, qualified: str, rows: int) -> dict[str, float]:
+    """Debezium streaming its slot's backlog: launch, wait until it streams, then until every row is in Kafka."""
+    with dbz.running(
+        s.dsn,
+        [qualified],
+        topic_prefix=f"{s.topic_prefix}_dbz",
+        slot=SLOT_DBZ,
+        publication=DBZ_PUBLICATION,
+        snapshot="no_data",
+        work=s.work / "debezium",
+    ) as d:
+        startup_s = d.wait_streaming(timeout=600)
+        streaming_at = time.monotonic()
+        cpu0 = d.cpu_seconds()
+        arrival = dbz.wait_for_records(s.ep.kafka, d.topics[qualified], rows, streaming_at, timeout=3600)
+        cpu = d.cpu_seconds() - cpu0
+        threads = d.thread_cpu()
+        out = {
+            "startup_s": round(startup_s, 2),
+            "seconds": round(arrival.last_s, 2),
+            "first_record_s": round(arrival.first_s, 2),
+            "rows_per_s": round(rows / arrival.last_s),
+            "cpu_s": round(cpu, 2),
+            "cpu_s_total": round(d.cpu_seconds(), 2),
+            "jit_cpu_s_total": round(threads["jit"], 2),
+            "peak_rss_mb": d.peak_rss_mb(),
+        }
+    return out
+
+
+if __name__ == "__main__":
+    write_result(run())

@@ -1,0 +1,286 @@
+#!/usr/bin/env python3
+"""Initial snapshot of one table: `cdc run` against PostgreSQL's own COPY of the same table, in one run.
+
+    ~/.cache/pgcdc/venv/bin/python bench/snapshot.py [--rows 5000000] [--debezium]
+
+Creates a scratch database with one table of ``--rows`` rows (bigint key, text, int, numeric, boolean,
+timestamptz, jsonb), VACUUM ANALYZEs it and reads it once (warm cache, hint bits set), then
+1. the reference: ``COPY (SELECT * FROM t) TO STDOUT`` read by psycopg and dropped, in binary and in text
+   format; the faster of the two is the reference (both are in the notes);
+2. ours: `cdc run` with ``capture.snapshot = "initial"`` on a fresh slot, timed from the log line
+   "snapshot of 1 table(s)" (slot created, exported snapshot taken) to the log line "snapshot done" (every
+   chunk committed to Kafka with the snapshot's progress); the time from launch is reported too;
+3. with ``--debezium``: Debezium Server's snapshot of the same table (snapshot.mode=initial), from its first
+   record to the last (the JVM's start-up excluded) — a second reference.
+Measures rows/s (target: at least 0.7 of COPY's), the capture's peak RSS and CPU seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psycopg
+from psycopg import sql
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+BENCH = Path(__file__).resolve().parent
+ROOT = BENCH.parent
+for _p in (str(ROOT), str(BENCH)):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+import _debezium as dbz  # noqa: E402 - a sibling module: bench/ is not a package
+from _report import Measure, Result, write_result  # noqa: E402
+
+from tests import _services  # noqa: E402 - finds (or starts) the local services like the tests do
+
+SCENARIO = "snapshot"
+TABLE = "snap"
+_CREATE = (
+    "CREATE TABLE {} (id bigint PRIMARY KEY, kind text NOT NULL, qty int, amount numeric(12,2), "
+    "active boolean, at timestamptz NOT NULL, payload jsonb)"
+)
+_FILL = (
+    "INSERT INTO {} SELECT g, 'kind-' || (g %% 10), (g %% 1000)::int, g * 0.01, g %% 2 = 0, "
+    "timestamptz '2026-01-01' + g * interval '1 second', jsonb_build_object('n', g, 'tag', 'x') "
+    "FROM generate_series(%s::bigint, %s::bigint) g"
+)
+
+
+def _dsn_for(admin: str, db: str) -> str:
+    params = conninfo_to_dict(admin)
+    params["dbname"] = db
+    return make_conninfo("", **params)
+
+
+def _copy_seconds(dsn: str, fmt: str) -> tuple[float, int]:
+    """Seconds to read the whole table with COPY TO STDOUT in ``fmt`` (binary|text), and the bytes read."""
+    query = sql.SQL("COPY (SELECT * FROM {}) TO STDOUT (FORMAT {})").format(sql.Identifier(TABLE), sql.SQL(fmt))
+    nbytes = 0
+    with psycopg.connect(dsn) as conn, conn.cursor() as cur:
+        start = time.monotonic()
+        with cur.copy(query) as copy:
+            for block in copy:
+                nbytes += len(block)
+        return time.monotonic() - start, nbytes
+
+
+def _config(path: Path, dsn: str, *, kafka: str, registry: str, prefix: str) -> Path:
+    path.write_text(
+        f'[source]\ndsn = "{dsn}"\ntables = ["public.{TABLE}"]\nslot = "{prefix}"\npublication = "{prefix}"\n'
+        f'[kafka]\nbootstrap_servers = "{kafka}"\ntopic_prefix = "{prefix}"\n'
+        f'[registry]\nurl = "{registry}"\n[metrics]\nport = 0\n[capture]\nsnapshot = "initial"\n'
+    )
+    return path
+
+
+def _wait_log(proc: subprocess.Popen[bytes], log: Path, text: str, timeout: float, peak: list[float]) -> float:
+    """Monotonic time when ``text`` first appears in ``log``; samples the process's peak RSS meanwhile."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if text in log.read_text(errors="replace"):
+            return time.monotonic()
+        peak[0] = max(peak[0], dbz.peak_rss_mb(proc.pid))
+        if proc.poll() is not None:
+            raise RuntimeError(f"cdc run exited with {proc.returncode}:\n{log.read_text(errors='replace')[-3000:]}")
+        time.sleep(0.05)
+    raise TimeoutError(f"no {text!r} in {log} after {timeout:.0f} s")
+
+
+def _ours(dsn: str, work: Path, *, kafka: str, registry: str, prefix: str, timeout: float) -> dict[str, float]:
+    config = _config(work / "cdc.toml", dsn, kafka=kafka, registry=registry, prefix=prefix)
+    log = work / "cdc.log"
+    with open(log, "wb") as out:
+        launched = time.monotonic()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "cdc.cli", "--log-level", "info", "run", "--config", str(config)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    peak = [0.0]
+    try:
+        started = _wait_log(proc, log, "snapshot of 1 table(s)", timeout, peak)
+        done = _wait_log(proc, log, "snapshot done", timeout, peak)
+        cpu = dbz.cpu_seconds(proc.pid)
+        peak[0] = max(peak[0], dbz.peak_rss_mb(proc.pid))
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+    return {"snapshot_s": done - started, "from_launch_s": done - launched, "cpu_s": cpu, "peak_rss_mb": peak[0]}
+
+
+def _debezium(dsn: str, work: Path, rows: int, prefix: str) -> dict[str, float]:
+    ep = dbz.endpoints()
+    dbz.install()
+    with dbz.running(
+        dsn,
+        [f"public.{TABLE}"],
+        topic_prefix=f"{prefix}_dbz",
+        slot=f"{prefix}_dbz",
+        publication=f"{prefix}_dbz",
+        snapshot="initial",
+        work=work / "debezium",
+    ) as run:
+        arrival = dbz.wait_for_records(ep["kafka"], run.topics[f"public.{TABLE}"], rows, run.started, timeout=3600)
+        return {
+            "first_record_s": arrival.first_s,
+            "all_records_s": arrival.last_s,
+            "cpu_s": run.cpu_seconds(),
+            "peak_rss_mb": run.peak_rss_mb(),
+        }
+
+
+def _drop_slots(admin: str, db: str) -> None:
+    with psycopg.connect(admin, autocommit=True) as conn:
+        for (slot,) in conn.execute("SELECT slot_name FROM pg_replication_slots WHERE database = %s", (db,)).fetchall():
+            for _ in range(50):
+                try:
+                    conn.execute("SELECT pg_drop_replication_slot(%s)", (slot,))
+                    break
+                except psycopg.errors.ObjectInUse:
+                    time.sleep(0.2)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", type=int, default=5_000_000)
+    ap.add_argument("--debezium", action="store_true", help="also time Debezium Server's snapshot (a JVM: slow)")
+    ap.add_argument("--timeout", type=float, default=3600.0, help="seconds to wait for the snapshot")
+    ap.add_argument("--keep", action="store_true", help="keep the scratch database, topics and logs")
+    return ap
+
+
+def run(argv: list[str] | None = None) -> Result:
+    args = build_parser().parse_args(argv)
+
+    admin = _services.find("postgres").value
+    kafka = _services.find("kafka").value
+    registry = _services.find("registry").value
+    prefix = f"bench_snap_{int(time.time())}"
+    db = prefix
+    work = Path(tempfile.mkdtemp(prefix="pgcdc-bench-snapshot-"))
+    result = Result(SCENARIO, params={"rows": args.rows, "debezium": args.debezium, "table": _CREATE.format(TABLE)})
+    with psycopg.connect(admin, autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(db)))
+    dsn = _dsn_for(admin, db)
+    topics: list[str] = []
+    try:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute(sql.SQL(_CREATE).format(sql.Identifier(TABLE)))
+            t0 = time.monotonic()
+            step = 500_000
+            for first in range(1, args.rows + 1, step):
+                conn.execute(sql.SQL(_FILL).format(sql.Identifier(TABLE)), (first, min(first + step - 1, args.rows)))
+            conn.execute(sql.SQL("VACUUM ANALYZE {}").format(sql.Identifier(TABLE)))
+            size = conn.execute(
+                sql.SQL("SELECT pg_size_pretty(pg_table_size({}))").format(sql.Literal(TABLE))
+            ).fetchone()
+            result.params["load_s"] = round(time.monotonic() - t0, 1)
+            result.params["table_size"] = size[0] if size else None
+        print(f"{args.rows:,} rows loaded ({result.params['table_size']})", file=sys.stderr)
+
+        _copy_seconds(dsn, "binary")  # warm-up: the table into the page cache
+        copies = {fmt: _copy_seconds(dsn, fmt) for fmt in ("binary", "text")}
+        best = min(copies, key=lambda f: copies[f][0])
+        ref_rate = args.rows / copies[best][0]
+        for fmt, (secs, nbytes) in copies.items():
+            result.notes.append(
+                f"COPY of the whole table TO STDOUT, FORMAT {fmt}, read by psycopg and dropped: "
+                f"{args.rows / secs:,.0f} rows/s ({secs:.2f} s, {nbytes / 1e6:,.0f} MB)"
+            )
+            print(result.notes[-1], file=sys.stderr)
+
+        topics.append(f"{prefix}.public.{TABLE}")
+        ours = _ours(dsn, work, kafka=kafka, registry=registry, prefix=prefix, timeout=args.timeout)
+        print(f"cdc run: {ours}", file=sys.stderr)
+        result.measures += [
+            Measure(
+                "snapshot rows/s",
+                "rows/s",
+                round(args.rows / ours["snapshot_s"]),
+                reference=round(ref_rate),
+                reference_name=f"COPY {best}",
+                target_ratio=0.7,
+                note="cdc run: from its 'snapshot of 1 table(s)' log line to 'snapshot done' (committed in Kafka)",
+            ),
+            Measure(
+                "snapshot rows/s from launch",
+                "rows/s",
+                round(args.rows / ours["from_launch_s"]),
+                reference=round(ref_rate),
+                reference_name=f"COPY {best}",
+                note="cdc run from process launch: start-up, slot creation and registry included",
+            ),
+            Measure("capture peak RSS", "MB", ours["peak_rss_mb"], higher_is_better=False),
+            Measure(
+                "capture CPU per row",
+                "µs/row",
+                round(ours["cpu_s"] / args.rows * 1e6, 2),
+                higher_is_better=False,
+                note=f"{ours['cpu_s']:.1f} CPU s of the cdc process (user + system) for the whole run",
+            ),
+        ]
+        result.series["timings_s"] = {
+            "copy_binary": round(copies["binary"][0], 3),
+            "copy_text": round(copies["text"][0], 3),
+            "cdc_snapshot": round(ours["snapshot_s"], 3),
+            "cdc_from_launch": round(ours["from_launch_s"], 3),
+        }
+
+        if args.debezium:
+            d = _debezium(dsn, work, args.rows, prefix)
+            print(f"debezium: {d}", file=sys.stderr)
+            dbz_rate = args.rows / (d["all_records_s"] - d["first_record_s"])
+            result.measures += [
+                Measure(
+                    "snapshot rows/s vs Debezium",
+                    "rows/s",
+                    round(args.rows / ours["snapshot_s"]),
+                    reference=round(dbz_rate),
+                    reference_name=f"Debezium {dbz.DEBEZIUM_VERSION}",
+                    note="Debezium: first record to last in the topic (JVM start-up excluded); no Kafka transactions",
+                ),
+                Measure(
+                    "peak RSS vs Debezium",
+                    "MB",
+                    ours["peak_rss_mb"],
+                    reference=d["peak_rss_mb"],
+                    reference_name="Debezium",
+                    higher_is_better=False,
+                ),
+                Measure(
+                    "CPU s vs Debezium",
+                    "CPU s",
+                    round(ours["cpu_s"], 1),
+                    reference=round(d["cpu_s"], 1),
+                    reference_name="Debezium",
+                    higher_is_better=False,
+                ),
+            ]
+            result.series["timings_s"]["debezium_from_launch"] = round(d["all_records_s"], 3)
+            result.series["timings_s"]["debezium_first_to_last"] = round(d["all_records_s"] - d["first_record_s"], 3)
+    finally:
+        if not args.keep:
+            _drop_slots(admin, db)
+            with psycopg.connect(admin, autocommit=True) as conn:
+                conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(db)))
+            with contextlib.suppress(Exception):
+                dbz.delete_topics(kafka, [*topics, f"{prefix}.offsets"])
+                dbz.delete_subjects(registry, topics)
+    result.notes.append(f"logs: {work}")
+    return result
+
+
+if __name__ == "__main__":
+    write_result(run())
