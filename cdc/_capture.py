@@ -158,6 +158,8 @@ class Capture:
         self._batch_events = 0
         self._side: dict[str, tuple[str, bytes, Any, bytes, Any]] = {}
         self._stream_codecs: dict[int, TableCodec] = {}
+        self._fast_txn: tuple[int, int, int | None, bool] | None = None  # _fast_change's Position, per transaction
+        self._fast_pos = Position(0, 0, 0, None)
         self._relations: dict[int, Relation] = {}
         self._stream_relations: dict[int, Relation] = {}
         self._tx: _TxMeta | None = None
@@ -687,13 +689,17 @@ class Capture:
                     return False
         except Exception:  # malformed or unconvertible: the general path diagnoses it
             return False
-        pos = Position(current[0], lsn, current[1], current[2])
+        if current is not self._fast_txn:  # one Position per transaction; each change passes its own LSN
+            self._fast_txn = current
+            self._fast_pos = Position(current[0], 0, current[1], current[2])
+        pos = self._fast_pos
         count, topic, envelope = self.metrics.count, codec.topic, codec.envelope_bytes
         if kind == 73:
             count(topic, "c")
             value = envelope(
                 "c",
                 pos,
+                lsn=lsn,
                 before=None,
                 after=after,
                 unchanged=unchanged,
@@ -703,7 +709,9 @@ class Capture:
             self._produce(topic, key, value)  # type: ignore[arg-type]
         elif kind == 68:
             count(topic, "d")
-            value = envelope("d", pos, before=before, after=None, now_us=now_us, transaction=self._tx_block(codec))
+            value = envelope(
+                "d", pos, lsn=lsn, before=before, after=None, now_us=now_us, transaction=self._tx_block(codec)
+            )
             self._produce(topic, old_key, value)  # type: ignore[arg-type]
             self._produce(topic, old_key, None)  # type: ignore[arg-type]
         elif old_key is not None and old_key != key:
@@ -713,12 +721,15 @@ class Capture:
             self._produce(
                 topic,
                 old_key,
-                envelope("d", pos, before=before, after=None, now_us=now_us, transaction=self._tx_block(codec)),
+                envelope(
+                    "d", pos, lsn=lsn, before=before, after=None, now_us=now_us, transaction=self._tx_block(codec)
+                ),
             )
             self._produce(topic, old_key, None)
             value = envelope(
                 "c",
                 pos,
+                lsn=lsn,
                 before=None,
                 after=after,
                 unchanged=unchanged,
@@ -731,6 +742,7 @@ class Capture:
             value = envelope(
                 "u",
                 pos,
+                lsn=lsn,
                 before=before,
                 after=after,
                 unchanged=unchanged,

@@ -307,8 +307,14 @@ class TableCodec:
         unchanged: list[str] | None = None,
         now_us: int,
         transaction: tuple[str, int, int] | None = None,
+        lsn: int | None = None,
     ) -> bytes:
-        """:meth:`envelope` with the rows already encoded (Value records, as :meth:`encode_tuple` gives them)."""
+        """:meth:`envelope` with the rows already encoded (Value records, as :meth:`encode_tuple` gives them).
+
+        ``lsn``: the change's own LSN, when ``pos`` is its transaction's (the fast path makes one per transaction).
+        """
+        if lsn is None:
+            lsn = pos.lsn
         out = bytearray(self._value_frame)
         for row in (before, after):  # ["null", Value]
             if row is None:
@@ -323,9 +329,9 @@ class TableCodec:
             self._txn_parts = self._transaction_parts(op, pos, now_us)
         head, middle, tail, ops = self._txn_parts
         out += head
-        write_string(f'["{pos.commit_lsn}","{pos.lsn}"]', out)
+        write_string(f'["{pos.commit_lsn}","{lsn}"]', out)
         out += middle
-        write_long(pos.lsn, out)
+        write_long(lsn, out)
         out += tail
         if transaction is None:
             out.append(0)

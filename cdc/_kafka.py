@@ -202,6 +202,8 @@ class TransactionalProducer:
             "delivery.report.only.error": True,
             **conf,
             "transactional.id": transactional_id,
+            # The default delivery callback: produce() then takes positional arguments only (the hot path).
+            "on_delivery": self._on_delivery,
         }
         self._producer = Producer(settings)
         self._conf = settings
@@ -267,9 +269,9 @@ class TransactionalProducer:
         while True:
             try:
                 if partition is None:
-                    self._producer.produce(topic, value, key, on_delivery=self._on_delivery)
+                    self._producer.produce(topic, value, key)
                 else:
-                    self._producer.produce(topic, value, key, partition, on_delivery=self._on_delivery)
+                    self._producer.produce(topic, value, key, partition)
                 return
             except BufferError:
                 # The local queue is full: let librdkafka send some, then try again.
