@@ -129,7 +129,8 @@ def _ratios(docs: Sequence[dict[str, Any]]) -> Figure | None:
         )
     ax.axhline(1.0, color="#9e9e9e", linestyle="--", linewidth=1)
     ax.set_xticks(list(xs), [b[0] for b in bars], rotation=35, ha="right", fontsize=8)
-    ax.set_ylabel(f"ratio to reference ({TIMES})")
+    ax.set_ylabel(f"ratio to reference ({TIMES}, log scale)")
+    ax.set_yscale("log")  # ratios span 0.04 to 36: a linear axis hides every bar but one
     ax.set_title(TITLES[RATIOS], fontsize=10)
     return fig
 

@@ -68,6 +68,9 @@ class TableChanges:
     frame: DataFrame
     truncate: tuple[int, int] | None  # delete rows older than this (commit_lsn, lsn) before applying frame
     events: DataFrame | None = None  # every change event of the batch in offset order (same columns), for histories
+    # The changes already on the driver: a small batch for a sink that reads changes() alone (its frame is
+    # then None; see sinks._reader.LocalDecoder).
+    rows: list[Change] | None = None
 
     @property
     def columns(self) -> dict[str, str]:
@@ -79,6 +82,9 @@ class TableChanges:
 
     def changes(self) -> Iterator[Change]:
         """The frame's rows in document form, on the driver (one Arrow transfer per table and batch)."""
+        if self.rows is not None:
+            yield from self.rows
+            return
         from pyspark.sql import functions as F
 
         names = Names()

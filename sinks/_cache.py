@@ -64,6 +64,7 @@ def _glob_escape(text: str) -> str:
 
 class CacheSink(BaseSink):
     name = "cache"
+    reads_changes_only = True  # write() uses table.changes() alone: small batches are decoded on the driver
 
     def open(self, context: SinkContext) -> None:
         super().open(context)

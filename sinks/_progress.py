@@ -35,18 +35,26 @@ def checkpoint_offsets(checkpoint: Path) -> dict[tuple[str, int], int] | None:
     except FileNotFoundError:
         return None
     for batch in sorted(done, reverse=True):
-        try:
-            lines = (checkpoint / "offsets" / str(batch)).read_text().splitlines()
-        except FileNotFoundError:  # purged between listing and reading: take the next newest
+        offsets = batch_offsets(checkpoint, batch)
+        if offsets is None:  # purged between listing and reading: take the next newest
             continue
-        offsets: dict[tuple[str, int], int] = {}
-        for line in lines[2:]:
-            if line.startswith("{"):
-                for topic, parts in json.loads(line).items():
-                    for partition, offset in parts.items():
-                        offsets[(topic, int(partition))] = int(offset)
         return offsets
     return None
+
+
+def batch_offsets(checkpoint: Path, batch: int) -> dict[tuple[str, int], int] | None:
+    """The end offsets of batch ``batch`` (Spark writes ``offsets/N`` before it runs N); None when absent."""
+    try:
+        lines = (checkpoint / "offsets" / str(batch)).read_text().splitlines()
+    except FileNotFoundError:
+        return None
+    offsets: dict[tuple[str, int], int] = {}
+    for line in lines[2:]:
+        if line.startswith("{"):
+            for topic, parts in json.loads(line).items():
+                for partition, offset in parts.items():
+                    offsets[(topic, int(partition))] = int(offset)
+    return offsets
 
 
 @dataclass
@@ -233,4 +241,4 @@ class TopicEnds:
         self._consumer.close()
 
 
-__all__ = ["PartitionLag", "SinkProgress", "TopicEnds", "checkpoint_offsets", "sink_progress"]
+__all__ = ["PartitionLag", "SinkProgress", "TopicEnds", "batch_offsets", "checkpoint_offsets", "sink_progress"]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -32,6 +33,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _APPLY_OPS = ("c", "u", "r", "d")
+_FETCH_WAIT = "kafka.fetch.max.wait.ms"
+_CONSUMER_ONLY = ("kafka.isolation.level", _FETCH_WAIT)  # not for the dead-letter producer
 _RAW = ("topic", "partition", "offset", "key", "value")
 
 
@@ -42,6 +45,10 @@ def kafka_options(settings: SinkSettings) -> dict[str, str]:
         "kafka.isolation.level": "read_committed",
         # TLS and SASL as the capture uses them (Spark redacts sasl.jaas.config in its logs and UI).
         **{f"kafka.{k}": v for k, v in settings.kafka.java().items()},
+        # A live batch ends at the commit marker of the capture's last transaction, which read_committed
+        # never returns: Spark's consumer then fetches at the log's end, where the broker waits this long for
+        # data that is not coming (the default, 500 ms, was a quarter of the search and cache freshness).
+        _FETCH_WAIT: "50",
     }
     options.update({f"kafka.{k}": str(v) for k, v in settings.kafka.consumer.items()})
     return options
@@ -119,6 +126,20 @@ class Decoder:
         except Exception as exc:  # connection refused, timeouts
             raise SinkTransientError(f"schema registry at {self.settings.registry.url} unreachable: {exc}") from exc
 
+    def readers(self, topic: str, kid: int | None, vid: int | None) -> tuple[str, str] | None:
+        """The subject's latest key and value schemas, which read every writer id seen; None if unregistered."""
+        ids = {i for i in (kid, vid) if i is not None}
+        cached = self._readers.get(topic)
+        if cached is not None and ids <= cached[2]:
+            return cached[0], cached[1]  # no new writer schema since they were fetched
+        key_reader, value_reader = self._latest(f"{topic}-key"), self._latest(f"{topic}-value")
+        seen = set(self._by_id)
+        if key_reader is None or value_reader is None:
+            return None
+        # The latest versions, fetched after these ids were registered, can read all of them.
+        self._readers[topic] = (key_reader, value_reader, seen | ids)
+        return key_reader, value_reader
+
     def decode(self, raw: DataFrame) -> Decoded:
         from pyspark.sql import functions as F
         from pyspark.sql.avro.functions import from_avro
@@ -146,22 +167,12 @@ class Decoder:
                 poison.append(subset.withColumn("error", F.lit("key is not Confluent-framed Avro (magic byte 0)")))
                 continue
             if topic not in readers:
-                cached = self._readers.get(topic)
-                key_reader_: str | None
-                value_reader_: str | None
-                if cached is not None and {kid, vid} - {None} <= cached[2]:
-                    key_reader_, value_reader_ = cached[0], cached[1]  # no new writer schema since it was fetched
-                else:
-                    key_reader_, value_reader_ = self._latest(f"{topic}-key"), self._latest(f"{topic}-value")
-                    seen = set(self._by_id)
-                    if key_reader_ is not None and value_reader_ is not None:
-                        # The latest versions, fetched after these ids were registered, can read all of them.
-                        self._readers[topic] = (key_reader_, value_reader_, seen | ({kid, vid} - {None}))
-                if key_reader_ is None or value_reader_ is None:
+                found = self.readers(topic, kid, vid)
+                if found is None:
                     suspect = True
                     poison.append(subset.withColumn("error", F.lit(f"no schema registered for {topic}")))
                     continue
-                readers[topic] = (key_reader_, value_reader_)
+                readers[topic] = found
             key_reader, value_reader = readers[topic]
             key_writer = self._schema(kid)
             value_writer = value_reader if vid is None else self._schema(vid)
@@ -471,7 +482,7 @@ def send_to_dead_letter(
                     _header("pgcdc.offset", F.col("offset").cast("string")),
                 ).alias("headers"),
             ).write.format("kafka").options(
-                **{k: v for k, v in kafka_options(settings).items() if k != "kafka.isolation.level"}
+                **{k: v for k, v in kafka_options(settings).items() if k not in _CONSUMER_ONLY}
             ).save()
             log.warning(
                 "sink %s: %d record(s) sent to the dead-letter topic %s", sink, count, settings.dead_letter_topic
@@ -479,3 +490,261 @@ def send_to_dead_letter(
         return int(count)
     finally:
         out.unpersist()
+
+
+# --- small batches on the driver --------------------------------------------------------------
+#
+# A Spark job costs a few hundred milliseconds on a small machine, several seconds when three sinks share
+# two cores; the Spark path above runs four or five per micro-batch (schema ids, marks, last per key, the
+# transfer), so a single-row change waited many seconds. A sink that reads only ``TableChanges.changes()``
+# (``reads_changes_only = True``: search, cache) gets small micro-batches decoded here instead: one Spark job
+# reads the raw records, and the same steps run on the driver — Confluent framing, each record decoded with
+# the schema it was written with and resolved to the subject's latest (fastavro, the capture's own Avro
+# library), poison to the dead-letter topic, truncates, unchanged-TOAST filling, the newest event per key by
+# (commit_lsn, lsn, offset), lone tombstones. Values come out as Avro values (no logical-type conversion), the
+# form ``doc_converter(spark=False)`` takes, which is also how `cdc verify` reads the source: the documents
+# are the same as the Spark path's. Large batches (a replay, a rebuild) keep the Spark path.
+
+LOCAL_MAX_RECORDS = 5000  # offsets (records and transaction markers) up to which a batch is decoded here
+
+
+def _strip_logical(avro: Any) -> Any:
+    """The schema without logical types: fastavro then returns the Avro values themselves."""
+    if isinstance(avro, list):
+        return [_strip_logical(a) for a in avro]
+    if isinstance(avro, dict):
+        return {k: _strip_logical(v) for k, v in avro.items() if k != "logicalType"}
+    return avro
+
+
+def _freeze(value: Any) -> Any:
+    """A hashable stand-in for a key's value, equal where Spark's grouping finds struct values equal."""
+    if isinstance(value, dict):
+        return tuple((k, _freeze(v)) for k, v in value.items())
+    if isinstance(value, list):
+        return tuple(_freeze(v) for v in value)
+    if isinstance(value, float):
+        if math.isnan(value):  # NaN: one group, as Spark normalises it
+            return ("NaN",)
+        return value + 0.0  # -0.0 and 0.0: one group
+    if isinstance(value, bytearray):
+        return bytes(value)
+    return value
+
+
+def _newest_first(e: dict[str, Any]) -> tuple[Any, ...]:
+    # The Spark path's window order: commit_lsn, lsn, offset, each descending with nulls last.
+    c, lsn = e["commit_lsn"], e["lsn"]
+    return (c is not None, c or 0, lsn is not None, lsn or 0, e["offset"])
+
+
+class LocalDecoder:
+    """The Spark path's decode and last-event-per-key, on the driver, for small batches (see above)."""
+
+    def __init__(self, decoder: Decoder) -> None:
+        self.decoder = decoder
+        self._parsed: dict[str, Any] = {}
+
+    def _avro(self, schema: str) -> Any:
+        parsed = self._parsed.get(schema)
+        if parsed is None:
+            import fastavro
+
+            parsed = fastavro.parse_schema(_strip_logical(json.loads(schema)))
+            self._parsed[schema] = parsed
+        return parsed
+
+    def _read(self, data: bytes, writer: str, reader: str) -> Any:
+        import io
+
+        import fastavro
+
+        return fastavro.schemaless_reader(io.BytesIO(data[5:]), self._avro(writer), self._avro(reader))
+
+    def decode(self, rows: list[dict[str, Any]], spark: SparkSession) -> Decoded:
+        from sinks._api import Change
+
+        dec = self.decoder
+        poison: list[tuple[Any, ...]] = []
+        by_topic: dict[str, list[dict[str, Any]]] = {}
+        readers: dict[str, tuple[str, str]] = {}
+        newest_ts: int | None = None
+
+        def framed_id(data: bytes | None) -> int | None:
+            if data is None or len(data) < 5 or data[0] != 0:
+                return None
+            return int.from_bytes(data[1:5], "big")
+
+        def reject(r: dict[str, Any], error: str) -> None:
+            poison.append((r["topic"], r["partition"], r["offset"], r["key"], r["value"], error))
+
+        groups: dict[tuple[str, int | None, int | None], list[dict[str, Any]]] = {}
+        for r in rows:
+            groups.setdefault((r["topic"], framed_id(r["key"]), framed_id(r["value"])), []).append(r)
+        for (topic, kid, vid), group in groups.items():
+            subset = group
+            if kid is None:
+                for r in subset:
+                    reject(r, "key is not Confluent-framed Avro (magic byte 0)")
+                continue
+            if topic not in readers:
+                found = dec.readers(topic, kid, vid)
+                if found is None:
+                    for r in subset:
+                        reject(r, f"no schema registered for {topic}")
+                    continue
+                readers[topic] = found
+            key_reader, value_reader = readers[topic]
+            key_writer = dec._schema(kid)
+            value_writer = value_reader if vid is None else dec._schema(vid)
+            bad = (
+                "value is not Confluent-framed Avro (magic byte 0)"
+                if vid is None
+                else None
+                if value_writer
+                else f"value schema id {vid} is unknown to the registry"
+            )
+            if key_writer is None:
+                bad = f"key schema id {kid} is unknown to the registry"
+            if bad is not None:
+                for r in subset:
+                    if r["value"] is not None:
+                        reject(r, bad)
+                if vid is not None or key_writer is None:
+                    continue
+                subset = [r for r in subset if r["value"] is None]
+            assert value_writer is not None
+            assert key_writer is not None
+            where = f"schema ids key {kid} / value {vid}"
+            for r in subset:
+                try:
+                    k = self._read(r["key"], key_writer, key_reader)
+                    v = None if r["value"] is None else self._read(r["value"], value_writer, value_reader)
+                except Exception:  # PERMISSIVE, as from_avro: a record that does not decode is poison
+                    k = v = None
+                if k is None or (r["value"] is not None and (v is None or v.get("op") is None)):
+                    reject(r, f"Avro decoding failed with the writer {where}")
+                    continue
+                source = (v or {}).get("source") or {}
+                if source.get("ts_ms") is not None:
+                    newest_ts = max(newest_ts or 0, int(source["ts_ms"]))
+                by_topic.setdefault(topic, []).append(
+                    {
+                        "topic": topic,
+                        "partition": r["partition"],
+                        "offset": r["offset"],
+                        "key": k,
+                        "row": None if v is None else v.get("after"),
+                        "op": None if v is None else v["op"],
+                        "commit_lsn": source.get("commit_lsn"),
+                        "lsn": source.get("lsn"),
+                        "ts_ms": source.get("ts_ms"),
+                        "unchanged": list((v or {}).get("unchanged_toast") or ()),
+                        "tombstone": v is None,
+                    }
+                )
+        tables = []
+        for topic, events in sorted(by_topic.items()):
+            truncate: tuple[int, int] | None = None
+            for e in events:
+                if e["op"] == "t" and e["commit_lsn"] is not None and e["lsn"] is not None:
+                    position = (int(e["commit_lsn"]), int(e["lsn"]))
+                    truncate = position if truncate is None else max(truncate, position)
+            tables.append(self._table(topic, events, readers[topic], truncate, Change))
+        frame = None
+        if poison:
+            frame = spark.createDataFrame(
+                poison, "topic string, partition int, offset long, key binary, value binary, error string"
+            )
+        return Decoded(tables, frame, len(rows), [], newest_ts)
+
+    def _table(
+        self,
+        topic: str,
+        events: list[dict[str, Any]],
+        readers: tuple[str, str],
+        truncate: tuple[int, int] | None,
+        change_type: Any,
+    ) -> TableChanges:
+        from sinks._values import Names, column_name, doc_converter
+
+        changes = [e for e in events if not e["tombstone"] and e["op"] in _APPLY_OPS]
+        if truncate is not None:
+            changes = [
+                e
+                for e in changes
+                if e["commit_lsn"] is not None and e["lsn"] is not None and (e["commit_lsn"], e["lsn"]) > truncate
+            ]
+        key_schema = json.loads(readers[0])
+        envelope = json.loads(readers[1])
+        row_schema = envelope["fields"][0]["type"][1]  # before: ["null", Value]: Value is defined there
+        fields = [f["name"] for f in row_schema["fields"]]
+        by_key: dict[Any, list[dict[str, Any]]] = {}
+        for e in changes:
+            by_key.setdefault(_freeze(e["key"]), []).append(e)
+        latest: dict[Any, dict[str, Any]] = {}
+        for frozen, group in by_key.items():
+            group.sort(key=_newest_first)
+            if any(e["unchanged"] for e in group):
+                _fill_unchanged_local(group, fields)
+            latest[frozen] = group[-1]
+        lone: dict[Any, dict[str, Any]] = {}
+        for e in events:
+            if e["tombstone"]:
+                frozen = _freeze(e["key"])
+                if frozen in by_key:
+                    continue  # its delete event is in the batch: nothing new
+                best = lone.get(frozen)
+                if best is None or (e["offset"], e["partition"], e["topic"]) > (
+                    best["offset"],
+                    best["partition"],
+                    best["topic"],
+                ):
+                    lone[frozen] = e
+        names = Names()
+        key_conv = doc_converter(key_schema, names, spark=False)
+        row_conv = doc_converter(row_schema, names, spark=False)
+        columns = {f["name"]: column_name(f) for f in row_schema["fields"]}
+        out = []
+        for e in latest.values():
+            op = e["op"]
+            out.append(
+                change_type(
+                    key_conv(e["key"]),
+                    None if op == "d" else row_conv(e["row"]),
+                    op,
+                    e["commit_lsn"],
+                    e["lsn"],
+                    e["ts_ms"],
+                    tuple(columns.get(u, u) for u in e["unchanged"]),
+                    e["partition"],
+                    e["offset"],
+                )
+            )
+        for e in lone.values():
+            out.append(change_type(key_conv(e["key"]), None, "d", None, None, None, (), e["partition"], e["offset"]))
+        return TableChanges(
+            topic=topic,
+            name=self.decoder.settings.table_name(topic),
+            key_schema=key_schema,
+            row_schema=row_schema,
+            frame=None,  # type: ignore[arg-type]  # only for sinks that read changes() alone
+            truncate=truncate,
+            rows=out,
+        )
+
+
+def _fill_unchanged_local(group: list[dict[str, Any]], fields: list[str]) -> None:
+    """:func:`_fill_unchanged` for one key's events in position order (oldest first), in place."""
+    known: dict[str, Any] = {}
+    for e in group:
+        missing = e["unchanged"]
+        row = e["row"]
+        if e["op"] != "d" and row is not None:
+            for name in fields:
+                if name not in missing:
+                    known[name] = row.get(name)
+        if row is None or not missing:
+            continue
+        e["row"] = {n: known[n] if n in missing and n in known else row.get(n) for n in fields}
+        e["unchanged"] = [n for n in missing if n not in known]

@@ -25,8 +25,15 @@ from typing import TYPE_CHECKING, Any
 from sinks._api import Batch, Rebuildable, Rejected, SinkContext, TableRef, key_id
 from sinks._metrics import SinkMetrics
 from sinks._plugins import load
-from sinks._progress import HEARTBEAT_S, REBUILD_FILE, STATUS_FILE, TopicEnds, checkpoint_offsets
-from sinks._reader import Decoder, ensure_dead_letter_topic, open_stream, send_to_dead_letter
+from sinks._progress import HEARTBEAT_S, REBUILD_FILE, STATUS_FILE, TopicEnds, batch_offsets, checkpoint_offsets
+from sinks._reader import (
+    LOCAL_MAX_RECORDS,
+    Decoder,
+    LocalDecoder,
+    ensure_dead_letter_topic,
+    open_stream,
+    send_to_dead_letter,
+)
 from sinks._spark import build_session
 from sinks._values import Names, column_name, doc_converter
 from sinks.errors import PluginError, SinkConfigError, SinkError, SinkTerminalError, StateDiskFullError
@@ -126,6 +133,8 @@ class SinkQuery:
             self.sink = sink
             sink.open(SinkContext(name, settings, {}, generation, self.spark))
         self.decoder = Decoder(settings)
+        # Small batches of a sink that reads changes() alone are decoded on the driver (sinks._reader).
+        self.local = LocalDecoder(self.decoder) if getattr(self.sink, "reads_changes_only", False) else None
         self.follow_swaps = follow_swaps and isinstance(self.sink, Rebuildable)
         base = settings.sinks.state_dir / name
         self.checkpoint = base / f"g{generation}" / "checkpoint"
@@ -144,7 +153,16 @@ class SinkQuery:
             .foreachBatch(self._batch)
         )
         writer = writer.trigger(processingTime=f"{interval} seconds") if interval else writer
-        self.query = writer.start()
+        # Each query's jobs in a scheduler pool of its own (spark.scheduler.mode FAIR): a long warehouse
+        # MERGE no longer holds every core while a cache batch of one row waits behind it. The query's
+        # thread inherits the property from the thread that starts it.
+        context = self.spark.sparkContext
+        pool = context.getLocalProperty("spark.scheduler.pool")
+        context.setLocalProperty("spark.scheduler.pool", f"pgcdc-{self.name}")
+        try:
+            self.query = writer.start()
+        finally:
+            context.setLocalProperty("spark.scheduler.pool", pool)  # type: ignore[arg-type]
         log.info("sink %s: generation %d streaming (checkpoint %s)", self.name, self.generation, self.checkpoint)
         return self.query
 
@@ -152,9 +170,17 @@ class SinkQuery:
         if self.follow_swaps and self.sink.current_generation() != self.generation:
             raise RuntimeError(_GENERATION_CHANGED)
         started = time.monotonic()
-        raw = raw.persist()
+        local = self.local is not None and _batch_records(self.checkpoint, batch_id) <= LOCAL_MAX_RECORDS
+        if self.local is not None and local:
+            # One Spark job (the read); decode and last-per-key on the driver. Not persisted: the dead-letter
+            # join of store rejections, the only other reader, reads the same offsets again.
+            decoded = self.local.decode(raw.toArrow().to_pylist(), raw.sparkSession)
+        else:
+            raw = raw.persist()
+            decoded = None
         try:
-            decoded = self.decoder.decode(raw)
+            if decoded is None:
+                decoded = self.decoder.decode(raw)
             try:
                 t_decoded = time.monotonic()
                 rejected: list[Rejected] = []
@@ -189,11 +215,12 @@ class SinkQuery:
             if newest is not None:
                 self.metrics.batch_latency.labels(self.name).set(max(0.0, (applied_ms - newest) / 1000))
         log.info(
-            "sink %s: batch %d: %d record(s) in %.2fs (decode %.2fs, write %.2fs, dead letters %.2fs)",
+            "sink %s: batch %d: %d record(s) in %.2fs (%s %.2fs, write %.2fs, dead letters %.2fs)",
             self.name,
             batch_id,
             rows,
             time.monotonic() - started,
+            "read and decode on the driver" if local else "decode",
             t_decoded - started,
             t_written - t_decoded,
             time.monotonic() - t_written,
@@ -211,6 +238,22 @@ class SinkQuery:
         if self.query is not None and self.query.isActive:
             self.query.stop()
         self.sink.close()
+
+
+def _batch_records(checkpoint: Path, batch_id: int) -> float:
+    """How many offsets batch ``batch_id`` spans, from its checkpoint (written before the batch runs).
+
+    Infinite when unknown (the first batch, which starts at the earliest offsets; a new topic or partition).
+    """
+    if batch_id < 1:
+        return float("inf")
+    try:
+        end, start = batch_offsets(checkpoint, batch_id), batch_offsets(checkpoint, batch_id - 1)
+    except (OSError, ValueError, AttributeError):
+        return float("inf")
+    if end is None or start is None or not set(end) <= set(start):
+        return float("inf")
+    return float(sum(max(0, offset - start[tp]) for tp, offset in end.items()))
 
 
 def _close(sink: Any) -> None:

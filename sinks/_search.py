@@ -75,6 +75,7 @@ def _encoded(row: Mapping[str, Any]) -> dict[str, Any]:
 
 class SearchSink(BaseSink):
     name = "search"
+    reads_changes_only = True  # write() uses table.changes() alone: small batches are decoded on the driver
 
     def open(self, context: SinkContext) -> None:
         super().open(context)

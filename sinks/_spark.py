@@ -16,6 +16,9 @@ _DELTA_CONF = {
     # Avro and PostgreSQL names are case-sensitive: a table may have columns "Order" and "order". Spark's
     # default (case-insensitive) resolution finds two matches for either, in from_avro and in getField.
     "spark.sql.caseSensitive": "true",
+    # One scheduler pool per sink's query (sinks._runner.SinkQuery.start): the queries share the cores
+    # instead of queueing behind whichever submitted its tasks first.
+    "spark.scheduler.mode": "FAIR",
 }
 
 # Small-machine defaults: 200 shuffle partitions cost far more than they bring on a few cores.
@@ -53,6 +56,8 @@ def build_session(
     session = builder.getOrCreate()
     if logging.getLogger().getEffectiveLevel() > logging.DEBUG:  # --log-level debug keeps Spark's account
         _quiet(session, _QUERY_FAILURE_LOGGER)
+        # Pools are made on first use, each time with a warning that no allocation file configured it.
+        _quiet(session, _POOL_LOGGER, "ERROR")
         # py4j logs the Python traceback of a batch that raised; the runner reports it (in full unless ours).
         logging.getLogger("py4j.clientserver").setLevel(logging.CRITICAL)
     return session
@@ -63,12 +68,15 @@ def build_session(
 # knows (a full state disk, a store refusing its credentials: what, where, how to fix), the whole error for
 # the others. Spark's own copy is silenced so that a known fault does not read as a crash.
 _QUERY_FAILURE_LOGGER = "org.apache.spark.sql.execution.streaming.MicroBatchExecution"
+_POOL_LOGGER = "org.apache.spark.scheduler.FairSchedulableBuilder"
 
 
-def _quiet(session: SparkSession, logger: str) -> None:
+def _quiet(session: SparkSession, logger: str, level: str = "OFF") -> None:
     try:
         jvm = session.sparkContext._jvm
         assert jvm is not None
-        jvm.org.apache.logging.log4j.core.config.Configurator.setLevel(logger, jvm.org.apache.logging.log4j.Level.OFF)
+        jvm.org.apache.logging.log4j.core.config.Configurator.setLevel(
+            logger, jvm.org.apache.logging.log4j.Level.getLevel(level)
+        )
     except Exception as exc:  # only log tidiness: a Spark without log4j 2 keeps its default
         logging.getLogger(__name__).debug("cannot quieten %s: %s", logger, exc)
