@@ -16,6 +16,7 @@ import json
 import logging
 import math
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -126,9 +127,14 @@ class Decoder:
         except Exception as exc:  # connection refused, timeouts
             raise SinkTransientError(f"schema registry at {self.settings.registry.url} unreachable: {exc}") from exc
 
-    def readers(self, topic: str, kid: int | None, vid: int | None) -> tuple[str, str] | None:
-        """The subject's latest key and value schemas, which read every writer id seen; None if unregistered."""
-        ids = {i for i in (kid, vid) if i is not None}
+    def readers(self, topic: str, writer_ids: Iterable[int | None]) -> tuple[str, str] | None:
+        """The subject's latest key and value schemas, which read every writer id seen; None if unregistered.
+
+        ``writer_ids``: every key and value schema id of ``topic`` in the batch. All of them, not the first group's:
+        a batch may hold events of the previous schema version before the first of a new one, and readers chosen
+        from the old ids alone would drop the new version's added columns (found by test_sinks_local_decoder).
+        """
+        ids = {i for i in writer_ids if i is not None}
         cached = self._readers.get(topic)
         if cached is not None and ids <= cached[2]:
             return cached[0], cached[1]  # no new writer schema since they were fetched
@@ -167,7 +173,9 @@ class Decoder:
                 poison.append(subset.withColumn("error", F.lit("key is not Confluent-framed Avro (magic byte 0)")))
                 continue
             if topic not in readers:
-                found = self.readers(topic, kid, vid)
+                found = self.readers(
+                    topic, (i for g2 in groups if g2["topic"] == topic for i in (g2["_kid"], g2["_vid"]))
+                )
                 if found is None:
                     suspect = True
                     poison.append(subset.withColumn("error", F.lit(f"no schema registered for {topic}")))
@@ -588,7 +596,7 @@ class LocalDecoder:
                     reject(r, "key is not Confluent-framed Avro (magic byte 0)")
                 continue
             if topic not in readers:
-                found = dec.readers(topic, kid, vid)
+                found = dec.readers(topic, (i for t, k, v in groups if t == topic for i in (k, v)))
                 if found is None:
                     for r in subset:
                         reject(r, f"no schema registered for {topic}")
