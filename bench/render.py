@@ -153,6 +153,9 @@ def measured_line(docs: Sequence[dict[str, Any]], summary: dict[str, Any] | None
         machines = [describe_machine(summary.get("machine") or {})]
     command = str(summary.get("command", "./dev bench")) if summary is not None else "./dev bench"
     quick = " — quick sizes, to check the scenarios run, not figures to quote" if "--quick" in command else ""
+    if "--only" in command or "--skip" in command:
+        # The table shows each scenario's latest result, so it may come from several partial runs.
+        command, quick = "./dev bench", " (each scenario's latest run; its time is in its JSON)" + quick
     return (
         f"Measured {when} on {'; '.join(machines) or 'an unknown machine'} by `{command}`{quick}. Every ratio is "
         "against a reference measured in the same run, bigger is better; JSON in `bench/results/`."
