@@ -397,7 +397,8 @@ class CdcRun:
 # --- set-up and tear-down ---------------------------------------------------------------------
 
 
-def _drop_slots(admin: str, db: str) -> None:
+def drop_slots(admin: str, db: str) -> None:
+    """Drop the scratch database's replication slots, ending their readers if they linger."""
     with psycopg.connect(admin, autocommit=True) as conn:
         for attempt in range(50):
             rows = conn.execute(
@@ -449,7 +450,7 @@ def scratch(prefix: str) -> Iterator[Scratch]:
         yield s
         ok = True
     finally:
-        _drop_slots(ep.admin, db)
+        drop_slots(ep.admin, db)
         with psycopg.connect(ep.admin, autocommit=True) as conn:
             conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(db)))
         with contextlib.suppress(Exception):  # best effort: a broker hiccup must not hide the run's own error

@@ -9,7 +9,6 @@ Input is the result documents of ``_report.write_result`` (JSON dicts), so chart
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ import matplotlib
 matplotlib.use("Agg")  # no display: files only (before pyplot is imported)
 
 import matplotlib.pyplot as plt
+from _report import percentile
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
@@ -169,7 +169,7 @@ def _latency(docs: Sequence[dict[str, Any]]) -> Figure | None:
         for label, samples in series:
             xs = sorted(samples)
             ys = [(i + 1) / len(xs) for i in range(len(xs))]
-            p50, p99 = _quantile(xs, 0.50), _quantile(xs, 0.99)
+            p50, p99 = percentile(xs, 50), percentile(xs, 99)
             ax.step(xs, ys, where="post", label=f"{label} (p50 {p50:.3g}, p99 {p99:.3g}, n={len(xs)})")
             positive = positive and xs[0] > 0
         lo = min(min(s) for _, s in series)
@@ -183,11 +183,6 @@ def _latency(docs: Sequence[dict[str, Any]]) -> Figure | None:
         ax.legend(fontsize=7, loc="lower right")
     fig.suptitle(TITLES[LATENCY], fontsize=10)
     return fig
-
-
-def _quantile(ordered: Sequence[float], q: float) -> float:
-    """Nearest-rank quantile of sorted samples."""
-    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
 
 
 def render_charts(docs: Sequence[dict[str, Any]], out_dir: Path) -> list[Path]:

@@ -15,9 +15,11 @@ every target reads "≥ x". Absolute targets (latency in ms, RSS in MB) have no 
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -75,6 +77,14 @@ class Result:
     measures: list[Measure] = field(default_factory=list)
     series: dict[str, Any] = field(default_factory=dict)  # raw samples for charts (latencies, rates over time)
     notes: list[str] = field(default_factory=list)
+
+
+def percentile(values: Sequence[float], p: float) -> float:
+    """Nearest-rank percentile (``p`` in 0 to 100) of ``values``, sorted here; NaN when there are none."""
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    return ordered[max(0, min(len(ordered) - 1, math.ceil(p / 100 * len(ordered)) - 1))]
 
 
 def machine() -> dict[str, Any]:

@@ -37,7 +37,6 @@ import psycopg
 from confluent_kafka import Consumer, TopicPartition
 from confluent_kafka.schema_registry import SchemaRegistryClient
 from psycopg import sql
-from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
@@ -46,7 +45,8 @@ for _p in (str(ROOT), str(BENCH)):
         sys.path.insert(0, _p)
 
 import _debezium as dbz  # noqa: E402 - a sibling module: bench/ is not a package
-from _report import Measure, Result, write_result  # noqa: E402
+from _capture_bench import dsn_for  # noqa: E402
+from _report import Measure, Result, percentile, write_result  # noqa: E402
 
 from tests import _services  # noqa: E402 - finds (or starts) the local services like the tests do
 
@@ -61,19 +61,6 @@ UPDATE {table} SET v = v + 1, at = now() WHERE id = :id;
 """
 _PROCESSED = re.compile(r"number of transactions actually processed: (\d+)")
 _LAG = re.compile(r"schedule lag: avg ([\d.]+) \(max ([\d.]+)\) ms")
-
-
-def _dsn_for(admin: str, db: str) -> str:
-    params = conninfo_to_dict(admin)
-    params["dbname"] = db
-    return make_conninfo("", **params)
-
-
-def _percentile(ordered: list[float], p: float) -> float:
-    """Nearest-rank percentile of an already sorted list."""
-    if not ordered:
-        return float("nan")
-    return ordered[max(0, min(len(ordered) - 1, math.ceil(p / 100 * len(ordered)) - 1))]
 
 
 class _Decoder:
@@ -153,7 +140,7 @@ def run(argv: list[str] | None = None) -> Result:
     )
     with psycopg.connect(admin, autocommit=True) as conn:
         conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(db)))
-    dsn = _dsn_for(admin, db)
+    dsn = dsn_for(admin, db)
     proc: subprocess.Popen[bytes] | None = None
     consumer: Consumer | None = None
     try:
@@ -301,8 +288,8 @@ def run(argv: list[str] | None = None) -> Result:
     achieved = len(samples) / args.seconds
     missing = (sent or 0) - streamed
     result.measures += [
-        Measure("p50 latency", "ms", round(_percentile(latencies, 50), 2), higher_is_better=False, limit=10),
-        Measure("p99 latency", "ms", round(_percentile(latencies, 99), 2), higher_is_better=False, limit=50),
+        Measure("p50 latency", "ms", round(percentile(latencies, 50), 2), higher_is_better=False, limit=10),
+        Measure("p99 latency", "ms", round(percentile(latencies, 99), 2), higher_is_better=False, limit=50),
         Measure(
             "achieved txn/s",
             "txn/s",
@@ -325,9 +312,9 @@ def run(argv: list[str] | None = None) -> Result:
         f"max {latencies[-1] if latencies else float('nan'):.1f} ms, mean "
         f"{sum(latencies) / len(latencies) if latencies else float('nan'):.1f} ms over {len(latencies):,} events",
         "legs, p50/p99 ms: commit -> read by the capture "
-        f"{_percentile(sorted(x[0] for x in legs), 50):.1f}/{_percentile(sorted(x[0] for x in legs), 99):.1f}, "
+        f"{percentile(sorted(x[0] for x in legs), 50):.1f}/{percentile(sorted(x[0] for x in legs), 99):.1f}, "
         "read by the capture -> readable in Kafka "
-        f"{_percentile(sorted(x[1] for x in legs), 50):.1f}/{_percentile(sorted(x[1] for x in legs), 99):.1f}",
+        f"{percentile(sorted(x[1] for x in legs), 50):.1f}/{percentile(sorted(x[1] for x in legs), 99):.1f}",
         f"pgbench committed {sent} transactions ({behind}); "
         f"{streamed} streamed events read back ({missing} missing after the drain)",
         "consumer: confluent-kafka, isolation.level=read_committed, fetch.wait.max.ms=10; the capture commits a "
@@ -343,8 +330,8 @@ def run(argv: list[str] | None = None) -> Result:
                 {
                     "t_s": float(sec),
                     "txn": float(len(chunk)),
-                    "p50_ms": round(_percentile(chunk, 50), 2),
-                    "p99_ms": round(_percentile(chunk, 99), 2),
+                    "p50_ms": round(percentile(chunk, 50), 2),
+                    "p99_ms": round(percentile(chunk, 99), 2),
                 }
             )
     step = max(1, len(samples) // 5000)

@@ -42,7 +42,6 @@ from typing import IO
 
 import psycopg
 from psycopg import sql
-from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
@@ -52,7 +51,8 @@ for _p in (str(ROOT), str(BENCH)):
 
 import _debezium as dbz  # noqa: E402 - a sibling module: bench/ is not a package
 import redis  # noqa: E402
-from _report import Measure, Result, write_result  # noqa: E402
+from _capture_bench import dsn_for  # noqa: E402
+from _report import Measure, Result, percentile, write_result  # noqa: E402
 from confluent_kafka import Consumer, TopicPartition  # noqa: E402
 from opensearchpy import OpenSearch  # noqa: E402
 
@@ -78,12 +78,6 @@ class _Reference(BaseSink):
             table.frame.count()
 
 
-def _dsn_for(admin: str, db: str) -> str:
-    params = conninfo_to_dict(admin)
-    params["dbname"] = db
-    return make_conninfo("", **params)
-
-
 def _config(path: Path, dsn: str, *, kafka: str, registry: str, prefix: str, extra: str) -> None:
     path.write_text(
         f"""[source]
@@ -104,11 +98,6 @@ port = 0
 {extra}
 """
     )
-
-
-def _percentile(values: list[float], p: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(p / 100 * (len(ordered) - 1)))] if ordered else float("nan")
 
 
 def _cdc(args: list[str], log: IO[bytes]) -> subprocess.Popen[bytes]:
@@ -236,7 +225,7 @@ def run(argv: list[str] | None = None) -> Result:
     )
     with psycopg.connect(admin, autocommit=True) as conn:
         conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(db)))
-    dsn = _dsn_for(admin, db)
+    dsn = dsn_for(admin, db)
     log = open(work / "cdc.log", "ab")  # noqa: SIM115 - handed to the children, closed at the end
     try:
         with psycopg.connect(dsn, autocommit=True) as conn:
@@ -416,11 +405,11 @@ path = "{work / "warehouse"}"
             limit = FRESHNESS_LIMIT_S[name]
             seen = f"{len(values)}/{n} probes seen"
             result.measures += [
-                Measure(f"{name} freshness p50", "s", round(_percentile(values, 50) / 1000, 2), higher_is_better=False),
+                Measure(f"{name} freshness p50", "s", round(percentile(values, 50) / 1000, 2), higher_is_better=False),
                 Measure(
                     f"{name} freshness p99",
                     "s",
-                    round(_percentile(values, 99) / 1000, 2),
+                    round(percentile(values, 99) / 1000, 2),
                     higher_is_better=False,
                     limit=limit,
                     note=f"{seen}; mean {statistics.fmean(values) / 1000 if values else float('nan'):.2f} s",

@@ -27,7 +27,6 @@ from pathlib import Path
 
 import psycopg
 from psycopg import sql
-from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
@@ -36,6 +35,7 @@ for _p in (str(ROOT), str(BENCH)):
         sys.path.insert(0, _p)
 
 import _debezium as dbz  # noqa: E402 - a sibling module: bench/ is not a package
+from _capture_bench import drop_slots, dsn_for  # noqa: E402
 from _report import Measure, Result, write_result  # noqa: E402
 
 from tests import _services  # noqa: E402 - finds (or starts) the local services like the tests do
@@ -51,12 +51,6 @@ _FILL = (
     "timestamptz '2026-01-01' + g * interval '1 second', jsonb_build_object('n', g, 'tag', 'x') "
     "FROM generate_series(%s::bigint, %s::bigint) g"
 )
-
-
-def _dsn_for(admin: str, db: str) -> str:
-    params = conninfo_to_dict(admin)
-    params["dbname"] = db
-    return make_conninfo("", **params)
 
 
 def _copy_seconds(dsn: str, fmt: str) -> tuple[float, int]:
@@ -141,17 +135,6 @@ def _debezium(dsn: str, work: Path, rows: int, prefix: str) -> dict[str, float]:
         }
 
 
-def _drop_slots(admin: str, db: str) -> None:
-    with psycopg.connect(admin, autocommit=True) as conn:
-        for (slot,) in conn.execute("SELECT slot_name FROM pg_replication_slots WHERE database = %s", (db,)).fetchall():
-            for _ in range(50):
-                try:
-                    conn.execute("SELECT pg_drop_replication_slot(%s)", (slot,))
-                    break
-                except psycopg.errors.ObjectInUse:
-                    time.sleep(0.2)
-
-
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, default=5_000_000)
@@ -173,7 +156,7 @@ def run(argv: list[str] | None = None) -> Result:
     result = Result(SCENARIO, params={"rows": args.rows, "debezium": args.debezium, "table": _CREATE.format(TABLE)})
     with psycopg.connect(admin, autocommit=True) as conn:
         conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(db)))
-    dsn = _dsn_for(admin, db)
+    dsn = dsn_for(admin, db)
     topics: list[str] = []
     try:
         with psycopg.connect(dsn, autocommit=True) as conn:
@@ -272,7 +255,7 @@ def run(argv: list[str] | None = None) -> Result:
             result.series["timings_s"]["debezium_first_to_last"] = round(d["all_records_s"] - d["first_record_s"], 3)
     finally:
         if not args.keep:
-            _drop_slots(admin, db)
+            drop_slots(admin, db)
             with psycopg.connect(admin, autocommit=True) as conn:
                 conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(db)))
             with contextlib.suppress(Exception):
