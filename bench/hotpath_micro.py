@@ -26,7 +26,8 @@ sys.path.insert(0, str(ROOT))
 
 from cdc._events import Position, SourceInfo, TableCodec  # noqa: E402
 from decoders import Insert, PgOutputDecoder, parse_copy_data  # noqa: E402
-from schemas import ColumnShape, PgType, avro_mapping  # noqa: E402
+from schemas import PgType  # noqa: E402
+from tests._codecs import make_codec  # noqa: E402
 
 _PG_EPOCH_US = 946_684_800_000_000
 COLUMNS = [
@@ -84,22 +85,7 @@ def frames(rows: int, *, relid: int = 16384) -> list[bytes]:
 
 
 def codec() -> TableCodec:
-    shapes, mappings = [], []
-    for name, pgtype, typmod in COLUMNS:
-        mapping = avro_mapping(pgtype, typmod)
-        mappings.append(mapping)
-        shapes.append(ColumnShape(name, pgtype, typmod, mapping.schema))
-    return TableCodec(
-        schema="public",
-        table="events",
-        topic="bench.public.events",
-        namespace="bench.public.events",
-        columns=shapes,
-        mappings=mappings,
-        key_columns=["id"],
-        source=SourceInfo("1.0.0", "bench", "bench"),
-        register=lambda _subject, _schema: 1,
-    )
+    return make_codec(COLUMNS, topic="bench.public.events", source=SourceInfo("1.0.0", "bench", "bench"))
 
 
 def _best(fn: Callable[[], Any], repeat: int) -> float:

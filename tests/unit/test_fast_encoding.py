@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 
 from cdc._events import Position, SourceInfo, TableCodec
 from decoders import TupleData
-from schemas import ColumnShape, PgType, avro_mapping, compile_writer
+from schemas import PgType, compile_writer
+from tests._codecs import make_codec
 
 INT4 = PgType(23, "int4")
 COLUMNS: list[tuple[str, PgType, int, list[str]]] = [
@@ -37,19 +38,9 @@ COLUMNS: list[tuple[str, PgType, int, list[str]]] = [
 
 
 def _codec(columns: list[tuple[str, PgType, int, list[str]]]) -> TableCodec:
-    shapes, mappings = [], []
-    for name, pgtype, typmod, _ in columns:
-        mapping = avro_mapping(pgtype, typmod)
-        mappings.append(mapping)
-        shapes.append(ColumnShape(name, pgtype, typmod, mapping.schema))
-    return TableCodec(
-        schema="public",
-        table="zoo",
+    return make_codec(
+        [(name, pgtype, typmod) for name, pgtype, typmod, _ in columns],
         topic="t.public.zoo",
-        namespace="t.public.zoo",
-        columns=shapes,
-        mappings=mappings,
-        key_columns=["id"],
         source=SourceInfo("9.9.9", "t", "shop"),
         register=lambda _subject, _schema: 7,
     )

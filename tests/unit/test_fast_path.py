@@ -15,10 +15,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cdc._events import KeyMissingError, Position, SourceInfo, TableCodec
+from cdc._events import KeyMissingError, Position, TableCodec
 from cdc._snapshot import encode_copy_rows, parse_binary_copy
 from decoders import Insert, PgOutputDecoder, TupleData
-from schemas import ColumnShape, PgType, avro_mapping
+from schemas import PgType
+from tests._codecs import make_codec
 from tests.unit.test_types_numeric import numeric_send
 
 PG_EPOCH_US = 946_684_800_000_000
@@ -88,20 +89,10 @@ KEY = ["id", "name"]
 
 
 def _codec() -> TableCodec:
-    shapes, mappings = [], []
-    for name, pgtype, typmod, _ in COLUMNS:
-        mapping = avro_mapping(pgtype, typmod)
-        mappings.append(mapping)
-        shapes.append(ColumnShape(name, pgtype, typmod, mapping.schema))
-    return TableCodec(
-        schema="public",
-        table="t",
+    return make_codec(
+        [(name, pgtype, typmod) for name, pgtype, typmod, _ in COLUMNS],
         topic="p.public.t",
-        namespace="p.public.t",
-        columns=shapes,
-        mappings=mappings,
-        key_columns=KEY,
-        source=SourceInfo("1.0", "p", "db"),
+        key=KEY,
         register=lambda _subject, _schema: 9,
     )
 

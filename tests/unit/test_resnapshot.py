@@ -16,7 +16,8 @@ import pytest
 from cdc._events import Position, SourceInfo, TableCodec
 from cdc._resnapshot import GapDeletes, KeyCanon, LiveKeys, Record, live_keys, parse_plain
 from decoders import TupleData
-from schemas import ColumnShape, PgType, avro_mapping
+from schemas import PgType
+from tests._codecs import make_codec
 
 INT4, INT8, TEXT = PgType(23, "int4"), PgType(20, "int8"), PgType(25, "text")
 TIMESTAMPTZ, NUMERIC = PgType(1184, "timestamptz"), PgType(1700, "numeric")
@@ -24,19 +25,10 @@ KEY_ID, VALUE_ID = 7, 8
 
 
 def _codec(columns: list[tuple[str, PgType]], *, key: tuple[str, ...] = ("id",), ids: tuple[int, int]) -> TableCodec:
-    shapes, mappings = [], []
-    for name, pgtype in columns:
-        mapping = avro_mapping(pgtype, -1)
-        mappings.append(mapping)
-        shapes.append(ColumnShape(name, pgtype, -1, mapping.schema))
-    return TableCodec(
-        schema="public",
-        table="items",
+    return make_codec(
+        [(name, pgtype, -1) for name, pgtype in columns],
         topic="t.public.items",
-        namespace="t.public.items",
-        columns=shapes,
-        mappings=mappings,
-        key_columns=key,
+        key=key,
         source=SourceInfo("9.9.9", "t", "shop"),
         register=lambda subject, _schema: ids[0] if subject.endswith("-key") else ids[1],
     )
