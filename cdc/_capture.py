@@ -692,65 +692,56 @@ class Capture:
         if current is not self._fast_txn:  # one Position per transaction; each change passes its own LSN
             self._fast_txn = current
             self._fast_pos = Position(current[0], 0, current[1], current[2])
-        pos = self._fast_pos
-        count, topic, envelope = self.metrics.count, codec.topic, codec.envelope_bytes
-        if kind == 73:
-            count(topic, "c")
-            value = envelope(
-                "c",
-                pos,
-                lsn=lsn,
-                before=None,
-                after=after,
-                unchanged=unchanged,
-                now_us=now_us,
-                transaction=self._tx_block(codec),
-            )
-            self._produce(topic, key, value)  # type: ignore[arg-type]
-        elif kind == 68:
-            count(topic, "d")
-            value = envelope(
-                "d", pos, lsn=lsn, before=before, after=None, now_us=now_us, transaction=self._tx_block(codec)
-            )
-            self._produce(topic, old_key, value)  # type: ignore[arg-type]
-            self._produce(topic, old_key, None)  # type: ignore[arg-type]
-        elif old_key is not None and old_key != key:
-            # The key changed: the old key's row is gone (delete + tombstone), a new one appears.
-            count(topic, "d")
-            count(topic, "c")
-            self._produce(
-                topic,
-                old_key,
-                envelope(
-                    "d", pos, lsn=lsn, before=before, after=None, now_us=now_us, transaction=self._tx_block(codec)
-                ),
-            )
-            self._produce(topic, old_key, None)
-            value = envelope(
-                "c",
-                pos,
-                lsn=lsn,
-                before=None,
-                after=after,
-                unchanged=unchanged,
-                now_us=now_us,
-                transaction=self._tx_block(codec),
-            )
-            self._produce(topic, key, value)  # type: ignore[arg-type]
+        if kind == 68:
+            self._emit(codec, "d", self._fast_pos, lsn, key=old_key, before=before, after=None, now_us=now_us)  # type: ignore[arg-type]
         else:
-            count(topic, "u")
-            value = envelope(
-                "u",
-                pos,
-                lsn=lsn,
+            self._emit(
+                codec,
+                "c" if kind == 73 else "u",
+                self._fast_pos,
+                lsn,
+                key=key,  # type: ignore[arg-type]
                 before=before,
                 after=after,
+                old_key=old_key,
                 unchanged=unchanged,
                 now_us=now_us,
-                transaction=self._tx_block(codec),
             )
-            self._produce(topic, key, value)  # type: ignore[arg-type]
         return True
+
+    def _emit(
+        self,
+        codec: TableCodec,
+        op: str,
+        pos: Position,
+        lsn: int,
+        *,
+        key: bytes,
+        before: bytes | None,
+        after: bytes | None,
+        old_key: bytes | None = None,
+        unchanged: list[str] | None = None,
+        now_us: int,
+    ) -> None:
+        """The Kafka records of one row change (rows as encoded Value records): c, u or d (+ tombstone); an
+        update that changed the key is a delete + tombstone of the old key and a create of the new one."""
+        if op == "u" and old_key is not None and old_key != key:
+            self._emit(codec, "d", pos, lsn, key=old_key, before=before, after=None, now_us=now_us)
+            op, before = "c", None
+        self.metrics.count(codec.topic, op)
+        value = codec.envelope_bytes(
+            op,
+            pos,
+            lsn=lsn,
+            before=before,
+            after=after,
+            unchanged=unchanged,
+            now_us=now_us,
+            transaction=self._tx_block(codec),
+        )
+        self._produce(codec.topic, key, value)
+        if op == "d":
+            self._produce(codec.topic, key, None)  # tombstone: lets compaction drop the key
 
     def _apply(self, msg: Insert | Update | Delete | Truncate | LogicalMessage, pos: Position, now_us: int) -> None:
         try:
@@ -778,79 +769,47 @@ class Capture:
                     self._produce(truncated.topic, truncated.truncate_key, value, partition)
             return
         codec = self._codec(msg.relid)
-        count = self.metrics.count
         if isinstance(msg, Insert):
-            count(codec.topic, "c")
             after, unchanged = codec.row(msg.new)
-            self._produce(
-                codec.topic,
-                codec.key_of(after),
-                codec.envelope(
-                    "c",
-                    pos,
-                    before=None,
-                    after=after,
-                    unchanged=unchanged,
-                    now_us=now_us,
-                    transaction=self._tx_block(codec),
-                ),
+            self._emit(
+                codec,
+                "c",
+                pos,
+                pos.lsn,
+                key=codec.key_of(after),
+                before=None,
+                after=codec.encode_row(after),
+                unchanged=unchanged,
+                now_us=now_us,
             )
         elif isinstance(msg, Update):
             after, unchanged = codec.row(msg.new)
             before = codec.row(msg.old)[0] if msg.old is not None else None
             key = codec.key_of(after)
-            if before is not None:
-                old_key = codec.key_of(before)
-                if old_key != key:
-                    # The key changed: the old key's row is gone (delete + tombstone), a new one appears.
-                    count(codec.topic, "d")
-                    count(codec.topic, "c")
-                    self._produce(
-                        codec.topic,
-                        old_key,
-                        codec.envelope(
-                            "d", pos, before=before, after=None, now_us=now_us, transaction=self._tx_block(codec)
-                        ),
-                    )
-                    self._produce(codec.topic, old_key, None)
-                    self._produce(
-                        codec.topic,
-                        key,
-                        codec.envelope(
-                            "c",
-                            pos,
-                            before=None,
-                            after=after,
-                            unchanged=unchanged,
-                            now_us=now_us,
-                            transaction=self._tx_block(codec),
-                        ),
-                    )
-                    return
-            count(codec.topic, "u")
-            self._produce(
-                codec.topic,
-                key,
-                codec.envelope(
-                    "u",
-                    pos,
-                    before=before,
-                    after=after,
-                    unchanged=unchanged,
-                    now_us=now_us,
-                    transaction=self._tx_block(codec),
-                ),
+            self._emit(
+                codec,
+                "u",
+                pos,
+                pos.lsn,
+                key=key,
+                before=None if before is None else codec.encode_row(before),
+                after=codec.encode_row(after),
+                old_key=None if before is None else codec.key_of(before),
+                unchanged=unchanged,
+                now_us=now_us,
             )
         else:
-            count(codec.topic, "d")
             before = codec.row(msg.old)[0]
-            key = codec.key_of(before)
-            self._produce(
-                codec.topic,
-                key,
-                codec.envelope("d", pos, before=before, after=None, now_us=now_us, transaction=self._tx_block(codec)),
+            self._emit(
+                codec,
+                "d",
+                pos,
+                pos.lsn,
+                key=codec.key_of(before),
+                before=codec.encode_row(before),
+                after=None,
+                now_us=now_us,
             )
-            self._produce(codec.topic, key, None)  # tombstone: lets compaction drop the key
 
 
 def _quote_list(names: Sequence[str]) -> str:

@@ -45,7 +45,7 @@ _B, _T, _N = ord("b"), ord("t"), ord("n")
 @dataclass
 class _Chunk:
     table: str
-    rows: list[TupleData] | list[tuple[bytes, bytes]]  # decoded rows, or (key, Value record) already encoded
+    rows: list[tuple[bytes, bytes]]  # (framed key, Value record)
     last_key: list[str] | None
     done: bool
 
@@ -110,6 +110,26 @@ def encode_copy_rows(
             else:
                 extra.append(data[pos : pos + length])
                 pos += length
+
+
+def _encode_copy_rows_slowly(
+    codec: TableCodec, table: str, data: bytes, modes: bytes
+) -> tuple[list[tuple[bytes, bytes]], list[bytes] | None]:
+    """What :func:`encode_copy_rows` gives, the general way (decoded rows, row dicts): slower, but its errors
+    say what is wrong (StreamError: an unconvertible value, a missing key)."""
+    ncols = len(modes)
+    pairs = []
+    raw_rows = parse_binary_copy(data)
+    for r in raw_rows:
+        values = r[:ncols]
+        try:
+            after, _ = codec.row(
+                TupleData(bytes(_N if v is None else m for v, m in zip(values, modes, strict=True)), tuple(values))
+            )
+            pairs.append((codec.key_of(after), codec.encode_row(after)))
+        except (ValueError, IndexError) as exc:
+            raise StreamError(f"cannot snapshot a row of {table}: {exc}") from exc
+    return pairs, ([v or b"" for v in raw_rows[-1][ncols:]] if raw_rows else None)
 
 
 class Snapshotter:
@@ -240,7 +260,6 @@ class Snapshotter:
             ]
             order = sql.SQL(", ").join(sql.SQL("src.{}").format(sql.Identifier(k)) for k in key_names)
             kinds = bytes(_B if b else _T for b in codec.binary_capable)
-            ncols = len(table.columns)
             while not cancel.is_set():
                 where: sql.Composable = sql.SQL("")
                 if after is not None:
@@ -262,22 +281,12 @@ class Snapshotter:
                     for block in copy:
                         buf += block
                 data = bytes(buf)
-                rows: list[TupleData] | list[tuple[bytes, bytes]]
                 try:
                     rows, last = encode_copy_rows(codec, data, kinds)
-                    if last is not None:
-                        after = [v.decode() for v in last]
                 except Exception:  # the general path below fails with the diagnosis (or succeeds)
-                    raw_rows = parse_binary_copy(data)
-                    rows = [
-                        TupleData(
-                            bytes(_N if v is None else k for v, k in zip(r[:ncols], kinds, strict=True)),
-                            tuple(r[:ncols]),
-                        )
-                        for r in raw_rows
-                    ]
-                    if raw_rows:
-                        after = [(v or b"").decode() for v in raw_rows[-1][ncols:]]
+                    rows, last = _encode_copy_rows_slowly(codec, table.qualified, data, kinds)
+                if last is not None:
+                    after = [v.decode() for v in last]
                 done = len(rows) < limit
                 out.put(_Chunk(table.qualified, rows, after, done))
                 if done:
@@ -300,16 +309,7 @@ class Snapshotter:
         pos = Position(consistent, consistent, time.time_ns() // 1000, None, "true")
         now_us = time.time_ns() // 1000
         produce, envelope, topic = self.capture._produce, codec.envelope_bytes, codec.topic
-        for item in chunk.rows:
-            if type(item) is tuple:  # encoded by encode_copy_rows
-                key, record = item
-            else:
-                try:
-                    after, _ = codec.row(item)  # type: ignore[arg-type]
-                    key = codec.key_of(after)
-                except (ValueError, IndexError) as exc:
-                    raise StreamError(f"cannot snapshot a row of {chunk.table}: {exc}") from exc
-                record = codec.encode_row(after)
+        for key, record in chunk.rows:
             produce(topic, key, envelope("r", pos, before=None, after=record, now_us=now_us))
             if gaps is not None:
                 gaps.seen(key)
