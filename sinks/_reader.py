@@ -95,6 +95,30 @@ class Decoded:
             frame.unpersist()
 
 
+def _undecodable(kid: int | None, vid: int | None) -> str:
+    """The dead-letter reason of a framed record that its writer schemas do not decode."""
+    return f"Avro decoding failed with the writer schema ids key {kid} / value {vid}"
+
+
+@dataclass(frozen=True)
+class _GroupPlan:
+    """Decoder.plan's answer for one group of records."""
+
+    reject_all: str | None = None  # every record of the group is poison, for this reason
+    reject_values: str | None = None  # records with a value are poison, for this reason
+    keep_tombstones: bool = True  # after reject_values: the group's tombstones are still read
+    key_reader: str = ""
+    value_reader: str = ""
+    key_writer: str | None = None
+    value_writer: str | None = None
+
+    def schemas(self) -> tuple[str, str, str, str]:
+        """Key reader, value reader, key writer, value writer of a group that is read."""
+        assert self.key_writer is not None
+        assert self.value_writer is not None
+        return self.key_reader, self.value_reader, self.key_writer, self.value_writer
+
+
 class Decoder:
     """Turns one micro-batch of raw records into per-table changes; caches schemas by id."""
 
@@ -146,6 +170,44 @@ class Decoder:
         self._readers[topic] = (key_reader, value_reader, seen | ids)
         return key_reader, value_reader
 
+    def plan(
+        self,
+        topic: str,
+        kid: int | None,
+        vid: int | None,
+        topic_ids: Iterable[int | None],
+        readers: dict[str, tuple[str, str]],
+    ) -> _GroupPlan:
+        """How the records of one (topic, key schema id, value schema id) group of a batch are read, or why
+        (some of) them are poison — one rule for the Spark and the driver path. ``topic_ids``: every writer id of
+        the topic in the batch (see :meth:`readers`); ``readers``: the batch's choice per topic, filled here."""
+        if kid is None:
+            return _GroupPlan(reject_all="key is not Confluent-framed Avro (magic byte 0)")
+        if topic not in readers:
+            found = self.readers(topic, topic_ids)
+            if found is None:
+                return _GroupPlan(reject_all=f"no schema registered for {topic}")
+            readers[topic] = found
+        key_reader, value_reader = readers[topic]
+        key_writer = self._schema(kid)
+        value_writer = value_reader if vid is None else self._schema(vid)
+        bad = None
+        if key_writer is None:
+            bad = f"key schema id {kid} is unknown to the registry"
+        elif vid is None:
+            bad = "value is not Confluent-framed Avro (magic byte 0)"
+        elif value_writer is None:
+            bad = f"value schema id {vid} is unknown to the registry"
+        return _GroupPlan(
+            reject_values=bad,
+            # Without a value id the group's tombstones (null values) are still deletes of their keys.
+            keep_tombstones=vid is None and key_writer is not None,
+            key_reader=key_reader,
+            value_reader=value_reader,
+            key_writer=key_writer,
+            value_writer=value_writer,
+        )
+
     def decode(self, raw: DataFrame) -> Decoded:
         from pyspark.sql import functions as F
         from pyspark.sql.avro.functions import from_avro
@@ -168,40 +230,21 @@ class Decoder:
             subset = framed.filter(
                 (F.col("topic") == topic) & F.col("_kid").eqNullSafe(kid) & F.col("_vid").eqNullSafe(vid)
             )
-            if kid is None:
-                suspect = True
-                poison.append(subset.withColumn("error", F.lit("key is not Confluent-framed Avro (magic byte 0)")))
-                continue
-            if topic not in readers:
-                found = self.readers(
-                    topic, (i for g2 in groups if g2["topic"] == topic for i in (g2["_kid"], g2["_vid"]))
-                )
-                if found is None:
-                    suspect = True
-                    poison.append(subset.withColumn("error", F.lit(f"no schema registered for {topic}")))
-                    continue
-                readers[topic] = found
-            key_reader, value_reader = readers[topic]
-            key_writer = self._schema(kid)
-            value_writer = value_reader if vid is None else self._schema(vid)
-            bad = (
-                "value is not Confluent-framed Avro (magic byte 0)"
-                if vid is None
-                else None
-                if value_writer
-                else f"value schema id {vid} is unknown to the registry"
+            plan = self.plan(
+                topic, kid, vid, (i for g2 in groups if g2["topic"] == topic for i in (g2["_kid"], g2["_vid"])), readers
             )
-            if key_writer is None:
-                bad = f"key schema id {kid} is unknown to the registry"
-            if bad is not None:
+            if plan.reject_all is not None:
+                suspect = True
+                poison.append(subset.withColumn("error", F.lit(plan.reject_all)))
+                continue
+            if plan.reject_values is not None:
                 # A null value (tombstone) has no id and is fine; anything else without an id is poison.
-                suspect = suspect or vid is not None or key_writer is None or bool(g["unframed"])
-                poison.append(subset.filter(F.col("value").isNotNull()).withColumn("error", F.lit(bad)))
-                if vid is not None or key_writer is None:
+                suspect = suspect or not plan.keep_tombstones or bool(g["unframed"])
+                poison.append(subset.filter(F.col("value").isNotNull()).withColumn("error", F.lit(plan.reject_values)))
+                if not plan.keep_tombstones:
                     continue
                 subset = subset.filter(F.col("value").isNull())
-            assert value_writer is not None
-            assert key_writer is not None
+            key_reader, value_reader, key_writer, value_writer = plan.schemas()
             permissive = {"mode": "PERMISSIVE"}
             decoded = subset.select(
                 "topic",
@@ -216,11 +259,10 @@ class Decoder:
             # Decoded once per batch: the marks below, each sink's write and the dead letters all read it.
             decoded = decoded.withColumn("_bad", broken).persist()
             persisted.append(decoded)
-            where = f"schema ids key {kid} / value {vid}"
             poison.append(
                 decoded.filter(F.col("_bad"))
                 .select("topic", "partition", "offset", "key", "value")
-                .withColumn("error", F.lit(f"Avro decoding failed with the writer {where}"))
+                .withColumn("error", F.lit(_undecodable(kid, vid)))
             )
             by_topic.setdefault(topic, []).append(decoded)
         # Truncates, which tables have partial (unchanged TOAST) updates, for every table in one job (a job
@@ -591,39 +633,20 @@ class LocalDecoder:
             groups.setdefault((r["topic"], framed_id(r["key"]), framed_id(r["value"])), []).append(r)
         for (topic, kid, vid), group in groups.items():
             subset = group
-            if kid is None:
+            plan = dec.plan(topic, kid, vid, (i for t, k, v in groups if t == topic for i in (k, v)), readers)
+            if plan.reject_all is not None:
                 for r in subset:
-                    reject(r, "key is not Confluent-framed Avro (magic byte 0)")
+                    reject(r, plan.reject_all)
                 continue
-            if topic not in readers:
-                found = dec.readers(topic, (i for t, k, v in groups if t == topic for i in (k, v)))
-                if found is None:
-                    for r in subset:
-                        reject(r, f"no schema registered for {topic}")
-                    continue
-                readers[topic] = found
-            key_reader, value_reader = readers[topic]
-            key_writer = dec._schema(kid)
-            value_writer = value_reader if vid is None else dec._schema(vid)
-            bad = (
-                "value is not Confluent-framed Avro (magic byte 0)"
-                if vid is None
-                else None
-                if value_writer
-                else f"value schema id {vid} is unknown to the registry"
-            )
-            if key_writer is None:
-                bad = f"key schema id {kid} is unknown to the registry"
-            if bad is not None:
+            if plan.reject_values is not None:
                 for r in subset:
                     if r["value"] is not None:
-                        reject(r, bad)
-                if vid is not None or key_writer is None:
+                        reject(r, plan.reject_values)
+                if not plan.keep_tombstones:
                     continue
                 subset = [r for r in subset if r["value"] is None]
-            assert value_writer is not None
-            assert key_writer is not None
-            where = f"schema ids key {kid} / value {vid}"
+            key_reader, value_reader, key_writer, value_writer = plan.schemas()
+            undecodable = _undecodable(kid, vid)
             for r in subset:
                 try:
                     k = self._read(r["key"], key_writer, key_reader)
@@ -631,7 +654,7 @@ class LocalDecoder:
                 except Exception:  # PERMISSIVE, as from_avro: a record that does not decode is poison
                     k = v = None
                 if k is None or (r["value"] is not None and (v is None or v.get("op") is None)):
-                    reject(r, f"Avro decoding failed with the writer {where}")
+                    reject(r, undecodable)
                     continue
                 source = (v or {}).get("source") or {}
                 if source.get("ts_ms") is not None:
