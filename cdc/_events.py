@@ -7,6 +7,7 @@ per-row path does no lookups.
 
 from __future__ import annotations
 
+import os
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -30,6 +31,11 @@ from schemas import (
 if TYPE_CHECKING:
     from cdc._catalog import TypeResolver
     from cdc._config import Settings
+
+try:  # the C build of encode_tuple (cdc/_native.pyx); optional: without it the Python one runs
+    from cdc import _native  # type: ignore[attr-defined]
+except ImportError:  # pragma: no cover - depends on how the package was built
+    _native = None
 
 _FRAME = struct.Struct(">bI")
 _TEXT, _BINARY, _NULL, _UNCHANGED = ord("t"), ord("b"), ord("n"), ord("u")
@@ -121,6 +127,17 @@ class TableCodec:
         self._field_writers = tuple(compile_field_writers(value_record))
         self._fast_kinds = tuple(_fast_kind(m) for m in mappings)
         self._int_readers = tuple(_INT_READERS.get(m.fixed or "") for m in mappings)
+        self._plan: Any = None
+        if _native is not None and native_enabled():
+            self._plan = _native.TuplePlan(
+                [_native_wire(m) for m in mappings],
+                self._text,
+                self._binary,
+                self._field_writers,
+                self.field_names,
+                self.key_indexes,
+                self._key_frame,
+            )
         self._source_head = _strings(source.version, "postgresql", source.name)
         self._source_db = _strings(source.db)
         self._source_table = _strings(schema, table)
@@ -165,6 +182,15 @@ class TableCodec:
         return bytes(out)
 
     def encode_tuple(
+        self, data: bytes, pos: int, *, copy_modes: bytes | None = None
+    ) -> tuple[bytes, bytes | None, list[str], int]:
+        """A pgoutput TupleData at ``pos`` of ``data`` straight to Avro (see :meth:`encode_tuple_python`): by
+        the C build of this codec when there is one, else by the Python one."""
+        if self._plan is not None:
+            return self._plan.encode(data, pos, copy_modes)  # type: ignore[no-any-return]
+        return self.encode_tuple_python(data, pos, copy_modes=copy_modes)
+
+    def encode_tuple_python(
         self, data: bytes, pos: int, *, copy_modes: bytes | None = None
     ) -> tuple[bytes, bytes | None, list[str], int]:
         """A pgoutput TupleData at ``pos`` of ``data`` straight to Avro: the capture's fast path.
@@ -417,12 +443,24 @@ class TableCodec:
 
 
 def _fast_kind(mapping: AvroMapping) -> int:
-    """How encode_tuple writes a binary value of this mapping (see _GENERIC, _ZIGZAG, _UTF8)."""
+    """How encode_tuple_python writes a binary value of this mapping (see _GENERIC, _ZIGZAG, _UTF8)."""
     if mapping.fixed in _INT_READERS and mapping.schema in ("int", "long"):
         return _ZIGZAG  # an Avro int/long that is the send format's integer as is
-    if mapping.schema == "string" and mapping.from_binary is bytes.decode:
+    if mapping.wire == "text":
         return _UTF8  # text, varchar, …: the send format is the string's bytes
     return _GENERIC
+
+
+def _native_wire(mapping: AvroMapping) -> tuple[int, int]:
+    """(how, scale) for the C encoder: which of its fast cases this mapping's send format takes, if any."""
+    name, _, scale = (mapping.wire or mapping.fixed or "").partition(":")
+    return _native.WIRES.get(name, 0), int(scale or 0)
+
+
+def native_enabled() -> bool:
+    """Whether codecs use the C encoder: it is built, and CDC_PURE_PYTHON is not set (a switch to rule it out
+    when chasing a suspected encoding difference; the bytes must be the same either way)."""
+    return _native is not None and os.environ.get("CDC_PURE_PYTHON", "") in ("", "0")
 
 
 def _strings(*values: str) -> bytes:

@@ -63,6 +63,10 @@ class Conv:
     # For fixed-width types whose Avro value is the send format read as is (int4, float8…): the struct
     # code that reads it, so that an array of them without NULLs is read by one unpack.
     fixed: str | None = None
+    # How the capture's fast path may write the send format without calling ``from_binary`` (see wire_of in
+    # cdc/_events.py): "text", "vtext" (a version byte, then text), "ts", "date", "bool", "uuid", "bytes",
+    # "decimal:<scale>". It handles only a value's common case; anything else goes through the converter.
+    wire: str | None = None
 
 
 def conv(
@@ -70,7 +74,9 @@ def conv(
     from_str: StrConverter,
     from_binary: Converter | None,
     from_text: Converter | None = None,
+    *,
     fixed: str | None = None,
+    wire: str | None = None,
 ) -> Conv:
     """A :class:`Conv`; ``from_text`` defaults to decoding UTF-8 and calling ``from_str``."""
     if from_text is None:
@@ -78,7 +84,7 @@ def conv(
         def from_text(data: bytes, _from_str: StrConverter = from_str) -> Any:
             return _from_str(data.decode())
 
-    return Conv(schema, from_str, from_text, from_binary, fixed)
+    return Conv(schema, from_str, from_text, from_binary, fixed, wire)
 
 
 def nullable(schema: AvroSchema) -> list[Any]:

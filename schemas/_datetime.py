@@ -90,7 +90,7 @@ def _date_bin(data: bytes, _unpack: Any = I32.unpack) -> int:
     return value + UNIX_EPOCH_DAYS
 
 
-DATE = conv({"type": "int", "logicalType": "date"}, _date_str, _date_bin, from_text=_date_text)
+DATE = conv({"type": "int", "logicalType": "date"}, _date_str, _date_bin, from_text=_date_text, wire="date")
 
 
 # --- timestamp, timestamptz --------------------------------------------------------------------------
@@ -159,8 +159,12 @@ def _timestamp_bin(data: bytes, _unpack: Any = I64.unpack) -> int:
 
 _tstz_str, _tstz_text = _make_timestamp_str(_EPOCH_AWARE)
 _ts_str, _ts_text = _make_timestamp_str(_EPOCH_NAIVE)
-TIMESTAMPTZ = conv({"type": "long", "logicalType": "timestamp-micros"}, _tstz_str, _timestamp_bin, from_text=_tstz_text)
-TIMESTAMP = conv({"type": "long", "logicalType": "local-timestamp-micros"}, _ts_str, _timestamp_bin, from_text=_ts_text)
+TIMESTAMPTZ = conv(
+    {"type": "long", "logicalType": "timestamp-micros"}, _tstz_str, _timestamp_bin, from_text=_tstz_text, wire="ts"
+)
+TIMESTAMP = conv(
+    {"type": "long", "logicalType": "local-timestamp-micros"}, _ts_str, _timestamp_bin, from_text=_ts_text, wire="ts"
+)
 
 
 # --- time, timetz ------------------------------------------------------------------------------------

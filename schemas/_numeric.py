@@ -144,4 +144,4 @@ def numeric(typmod: int) -> Conv:
         return NUMERIC_TEXT
     from_str, from_text, from_binary = _make_decimal(scale)
     decimal = {"type": "bytes", "logicalType": "decimal", "precision": precision, "scale": scale}
-    return conv([decimal, "string"], from_str, from_binary, from_text=from_text)
+    return conv([decimal, "string"], from_str, from_binary, from_text=from_text, wire=f"decimal:{scale}")

@@ -30,7 +30,7 @@ def _decode(data: bytes) -> str:
 # --- bool --------------------------------------------------------------------------------------------
 
 
-BOOL = conv("boolean", "t".__eq__, b"\x01".__eq__, from_text=b"t".__eq__)
+BOOL = conv("boolean", "t".__eq__, b"\x01".__eq__, from_text=b"t".__eq__, wire="bool")
 
 
 # --- integers, OIDs, transaction ids -----------------------------------------------------------------
@@ -139,7 +139,7 @@ MONEY = conv("long", _money_str, _int8_bin, from_text=_money_text)
 
 # --- strings -----------------------------------------------------------------------------------------
 
-TEXT = conv("string", _identity, bytes.decode, from_text=bytes.decode)
+TEXT = conv("string", _identity, bytes.decode, from_text=bytes.decode, wire="text")
 
 # "char" is one byte; charout prints NUL as '', ASCII as itself and high-bit bytes as \ooo octal.
 _CHAR_TEXT = tuple("" if b == 0 else chr(b) if b < 0x80 else f"\\{b:03o}" for b in range(256))
@@ -157,7 +157,7 @@ def _uuid_bin(data: bytes) -> str:
     return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
 
 
-UUID = conv({"type": "string", "logicalType": "uuid"}, _identity, _uuid_bin, from_text=bytes.decode)
+UUID = conv({"type": "string", "logicalType": "uuid"}, _identity, _uuid_bin, from_text=bytes.decode, wire="uuid")
 
 
 def _versioned_text_bin(data: bytes) -> str:
@@ -167,7 +167,7 @@ def _versioned_text_bin(data: bytes) -> str:
     return data[1:].decode()
 
 
-JSONB = conv("string", _identity, _versioned_text_bin, from_text=bytes.decode)
+JSONB = conv("string", _identity, _versioned_text_bin, from_text=bytes.decode, wire="vtext")
 VERSIONED_TEXT = JSONB
 
 
@@ -192,7 +192,7 @@ def _bytea_str(text: str) -> bytes:
     return _bytea_text(text.encode())
 
 
-BYTEA = conv("bytes", _bytea_str, bytes, from_text=_bytea_text)
+BYTEA = conv("bytes", _bytea_str, bytes, from_text=_bytea_text, wire="bytes")
 
 
 # --- bit strings -------------------------------------------------------------------------------------

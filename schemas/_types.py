@@ -61,6 +61,9 @@ class AvroMapping:
     # For fixed-width types whose Avro value is the send format read as is (int4, float8…): the struct code
     # that reads it. The capture's fast path reads such columns straight from the frame.
     fixed: str | None = None
+    # The send format's shape for the fast path, when it has a common case written without from_binary
+    # (Conv.wire says which).
+    wire: str | None = None
 
 
 # Built-in types by pg_catalog name. Types whose mapping depends on the typmod are in _build.
@@ -165,7 +168,7 @@ def avro_mapping(pgtype: PgType, typmod: int = -1) -> AvroMapping:
     built = _build(pgtype, typmod, 0)
     # A copy: the schemas of built-in types are shared module constants, and callers may annotate theirs.
     (schema,) = dedupe_named_types([copy.deepcopy(built.schema)])
-    return AvroMapping(schema, built.from_text, built.from_binary, built.fixed)
+    return AvroMapping(schema, built.from_text, built.from_binary, built.fixed, built.wire)
 
 
 def _build(pgtype: PgType, typmod: int, depth: int) -> Conv:
