@@ -46,6 +46,8 @@ from cdc._snapshot import SnapshotStoppedError, Snapshotter
 from cdc._source import AttachReport, check_and_prepare, connect, translate_pg_error
 from cdc.errors import StreamError
 from decoders import (
+    XLOG_HEADER,
+    XLOG_PAYLOAD_AT,
     Begin,
     Commit,
     Delete,
@@ -80,6 +82,9 @@ log = logging.getLogger(__name__)
 HEARTBEAT_PREFIX = "pgcdc.heartbeat"
 _CHANGES = frozenset({Insert, Update, Delete, Truncate})
 _FAST_KINDS = frozenset(b"IUD")  # Insert, Update, Delete: the frames _fast_change takes
+_XLOG_DATA = ord("w")
+_XLOG_UNPACK = XLOG_HEADER.unpack_from
+_PAYLOAD_AT = XLOG_PAYLOAD_AT
 _OLD_TUPLE = frozenset(b"KO")
 _NEW_TUPLE = ord("N")
 _U32 = struct.Struct(">I").unpack_from
@@ -417,6 +422,21 @@ class Capture:
                     elif current is None and stream_xid is None and not spills:
                         self.metrics.set_behind(0.0)  # the server has nothing more to send: not behind
                     continue
+                # The common case first, without building an XLogData: a row change of a transaction that is
+                # not streamed, straight to Kafka. Anything _fast_change does not take goes the general way.
+                if (
+                    raw[0] == _XLOG_DATA
+                    and current is not None
+                    and stream_xid is None
+                    and not current[3]
+                    and len(raw) > _PAYLOAD_AT
+                    and raw[_PAYLOAD_AT] in _FAST_KINDS
+                ):
+                    data = bytes(raw)
+                    lsn, end_lsn, _ = _XLOG_UNPACK(data, 1)
+                    received = max(received, end_lsn)
+                    if self._fast_change(data, current, lsn, txn_now_us, start=_PAYLOAD_AT):
+                        continue
                 frame = parse_copy_data(raw)
                 if isinstance(frame, Keepalive):
                     received = max(received, frame.end_lsn)
@@ -427,18 +447,11 @@ class Capture:
                 lsn = frame.start_lsn
                 received = max(received, frame.end_lsn)
                 payload = frame.payload
-                if payload and payload[0] in _FAST_KINDS:
-                    if stream_xid is not None:
-                        # Part of a streamed (large, in-progress) transaction: to disk as received; decoded
-                        # when it commits (the decoder's state only changes at Stream Start/Stop).
-                        spills[stream_xid].add(lsn, bytes(payload))
-                        continue
-                    if (
-                        current is not None
-                        and not current[3]
-                        and self._fast_change(bytes(payload), current, lsn, txn_now_us)
-                    ):
-                        continue
+                if payload and payload[0] in _FAST_KINDS and stream_xid is not None:
+                    # Part of a streamed (large, in-progress) transaction: to disk as received; decoded when it
+                    # commits (the decoder's state only changes at Stream Start/Stop).
+                    spills[stream_xid].add(lsn, bytes(payload))
+                    continue
                 msg = decoder.decode(payload)
 
                 if type(msg) in _CHANGES:  # the common case first: one type lookup, no isinstance chain
@@ -519,7 +532,7 @@ class Capture:
                                 txn = (msg.commit_lsn, msg.commit_time_us, msg.xid, False)
                                 for change_lsn, data in spill.replay():
                                     if data[0] in _FAST_KINDS and self._fast_change(
-                                        data, txn, change_lsn, txn_now_us, at=5
+                                        data, txn, change_lsn, txn_now_us, streamed=True
                                     ):
                                         continue
                                     change = replay.decode(data)
@@ -653,22 +666,30 @@ class Capture:
         self._tx = None
 
     def _fast_change(
-        self, data: bytes, current: tuple[int, int, int | None, bool], lsn: int, now_us: int, *, at: int = 1
+        self,
+        data: bytes,
+        current: tuple[int, int, int | None, bool],
+        lsn: int,
+        now_us: int,
+        *,
+        start: int = 0,
+        streamed: bool = False,
     ) -> bool:
-        """An Insert, Update or Delete frame (live, or replayed from a streamed transaction's spill) straight to Kafka.
+        """An Insert, Update or Delete message at ``start`` of ``data`` (live, or replayed from a streamed
+        transaction's spill: ``streamed``, an xid after the type byte) straight to Kafka.
 
         The same events as decode + :meth:`_apply_change`, without building messages and row dicts
         (TableCodec.encode_tuple). Returns False, having done nothing, for anything it does not take (a relation
         whose codec is not built yet, a missing key, a malformed or unconvertible frame): the general path then
-        handles that frame and reports errors with the full diagnosis. ``at``: where the relation id is (5 in a
-        streamed transaction's messages, after the xid).
+        handles that frame and reports errors with the full diagnosis.
         """
+        kind = data[start]
+        at = start + 5 if streamed else start + 1
         relid = _U32(data, at)[0]
         # A streamed transaction's own schema first (set while its spill is replayed), as in _codec.
         codec = self._stream_codecs.get(relid) if relid in self._stream_relations else self._codecs.get(relid)
         if codec is None:
             return False
-        kind = data[0]
         at += 4
         try:
             before = old_key = None

@@ -341,6 +341,16 @@ class TableCodec:
         """
         if lsn is None:
             lsn = pos.lsn
+        # Everything after the rows but the change's own LSN is the same for a whole transaction.
+        key = (pos.commit_lsn, pos.commit_time_us, pos.xid, pos.snapshot, op, now_us)
+        if key != self._txn_key:
+            self._txn_key = key
+            self._txn_parts = self._transaction_parts(op, pos, now_us)
+        head, middle, tail, ops = self._txn_parts
+        if self._plan is not None:
+            return _native.envelope(  # type: ignore[no-any-return]
+                self._value_frame, before, after, head, pos.commit_lsn, lsn, middle, tail, transaction, ops, unchanged
+            )
         out = bytearray(self._value_frame)
         for row in (before, after):  # ["null", Value]
             if row is None:
@@ -348,12 +358,6 @@ class TableCodec:
             else:
                 out.append(2)
                 out += row
-        # Everything after the rows but the change's own LSN is the same for a whole transaction.
-        key = (pos.commit_lsn, pos.commit_time_us, pos.xid, pos.snapshot, op, now_us)
-        if key != self._txn_key:
-            self._txn_key = key
-            self._txn_parts = self._transaction_parts(op, pos, now_us)
-        head, middle, tail, ops = self._txn_parts
         out += head
         write_string(f'["{pos.commit_lsn}","{lsn}"]', out)
         out += middle

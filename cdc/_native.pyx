@@ -13,7 +13,7 @@ Optional: without a C compiler the package installs without it and the capture r
 
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
 from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_GET_SIZE
-from cpython.unicode cimport PyUnicode_DecodeUTF8
+from cpython.unicode cimport PyUnicode_AsUTF8AndSize, PyUnicode_DecodeUTF8
 from libc.stdint cimport int16_t, int32_t, int64_t, uint16_t, uint32_t, uint64_t, INT64_MIN, INT32_MAX, INT32_MIN
 from libc.stdlib cimport free, malloc, realloc
 from libc.string cimport memcpy
@@ -455,3 +455,97 @@ cdef class TuplePlan:
                 free(b.heap)
             if marks != stack_marks:
                 free(marks)
+
+
+cdef inline int put_decimal_text(Buf* b, uint64_t v) except -1:
+    cdef unsigned char[20] digits
+    cdef int n = 0
+    while True:
+        digits[n] = 48 + v % 10
+        n += 1
+        v //= 10
+        if v == 0:
+            break
+    reserve(b, n)
+    while n:
+        n -= 1
+        b.p[b.n] = digits[n]
+        b.n += 1
+    return 0
+
+
+cdef inline int put_str(Buf* b, str s) except -1:
+    cdef Py_ssize_t n
+    cdef const char* p = PyUnicode_AsUTF8AndSize(s, &n)
+    put_long(b, n)
+    put_raw(b, <const unsigned char*>p, n)
+    return 0
+
+
+cdef inline int put_row(Buf* b, bytes row) except -1:
+    if row is None:
+        put_byte(b, 0)
+    else:
+        put_byte(b, 2)
+        put_raw(b, <const unsigned char*>PyBytes_AS_STRING(row), PyBytes_GET_SIZE(row))
+    return 0
+
+
+def envelope(
+    bytes frame not None,
+    bytes before,
+    bytes after,
+    bytes head not None,
+    int64_t commit_lsn,
+    int64_t lsn,
+    bytes middle not None,
+    bytes tail not None,
+    tuple transaction,
+    bytes ops not None,
+    list unchanged,
+) -> bytes:
+    """TableCodec.envelope_bytes's per-change part: the transaction's constant parts (head, middle, tail, ops,
+    as TableCodec._transaction_parts makes them) around the rows, the change's LSN and its unchanged fields."""
+    cdef unsigned char[STACK_BYTES] stack
+    cdef Buf b
+    cdef Py_ssize_t seq_start, digits_at, seq_len
+    b.p = stack
+    b.n = 0
+    b.cap = STACK_BYTES
+    b.heap = NULL
+    try:
+        put_raw(&b, <const unsigned char*>PyBytes_AS_STRING(frame), PyBytes_GET_SIZE(frame))
+        put_row(&b, before)
+        put_row(&b, after)
+        put_raw(&b, <const unsigned char*>PyBytes_AS_STRING(head), PyBytes_GET_SIZE(head))
+        # sequence: the string '["<commit_lsn>","<lsn>"]', its length first (one byte: at most 47 < 64).
+        seq_start = b.n
+        put_byte(&b, 0)
+        digits_at = b.n
+        put_raw(&b, <const unsigned char*>b'["', 2)
+        put_decimal_text(&b, <uint64_t>commit_lsn)
+        put_raw(&b, <const unsigned char*>b'","', 3)
+        put_decimal_text(&b, <uint64_t>lsn)
+        put_raw(&b, <const unsigned char*>b'"]', 2)
+        seq_len = b.n - digits_at
+        b.p[seq_start] = <unsigned char>(seq_len << 1)
+        put_raw(&b, <const unsigned char*>PyBytes_AS_STRING(middle), PyBytes_GET_SIZE(middle))
+        put_long(&b, lsn)
+        put_raw(&b, <const unsigned char*>PyBytes_AS_STRING(tail), PyBytes_GET_SIZE(tail))
+        if transaction is None:
+            put_byte(&b, 0)
+        else:
+            put_byte(&b, 2)
+            put_str(&b, transaction[0])
+            put_long(&b, transaction[1])
+            put_long(&b, transaction[2])
+        put_raw(&b, <const unsigned char*>PyBytes_AS_STRING(ops), PyBytes_GET_SIZE(ops))
+        if unchanged:
+            put_long(&b, len(unchanged))
+            for name in unchanged:
+                put_str(&b, name)
+        put_byte(&b, 0)
+        return PyBytes_FromStringAndSize(<const char*>b.p, b.n)
+    finally:
+        if b.heap != NULL:
+            free(b.heap)

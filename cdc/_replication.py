@@ -65,19 +65,26 @@ class ReplicationConnection:
 
     def read(self, timeout: float) -> memoryview | None:
         """The next CopyData payload, or None when nothing arrived within ``timeout`` seconds."""
+        nbytes, data = self._conn.get_copy_data(1)
+        if nbytes > 0:  # the common case while behind: a message already buffered
+            return data
+        return self._wait(timeout, nbytes)
+
+    def _wait(self, timeout: float, nbytes: int) -> memoryview | None:
+        """read() when nothing was buffered (nbytes 0) or the stream ended (-1, -2)."""
         conn = self._conn
         deadline = time.monotonic() + timeout
         polled = False
         while True:
-            nbytes, data = conn.get_copy_data(1)
             if nbytes == 0 and not polled:
                 # Nothing buffered: take what the socket already holds before calling it "nothing arrived"
                 # (with timeout 0 the capture commits its batch on None).
                 polled = True
                 conn.consume_input()
+                nbytes, data = conn.get_copy_data(1)
                 continue
             if nbytes > 0:
-                return memoryview(data)
+                return data
             if nbytes == -1:
                 res = conn.get_result()
                 detail = res.error_message.decode(errors="replace") if res is not None else self._error()
@@ -90,6 +97,7 @@ class ReplicationConnection:
             readable, _, _ = select.select([conn.socket], [], [], remaining)
             if readable:
                 conn.consume_input()
+            nbytes, data = conn.get_copy_data(1)
 
     def send_status(self, write: int, flush: int, apply: int, *, reply: bool = False) -> None:
         msg = standby_status(write, flush, apply, time.time_ns() // 1000, reply)

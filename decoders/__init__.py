@@ -36,10 +36,12 @@ from decoders._messages import (
     parse_lsn,
 )
 from decoders._pgoutput import PgOutputDecoder
-from decoders._replication import Keepalive, XLogData, parse_copy_data, standby_status
+from decoders._replication import XLOG_HEADER, XLOG_PAYLOAD_AT, Keepalive, XLogData, parse_copy_data, standby_status
 
 __all__ = [
     "UNCHANGED",
+    "XLOG_HEADER",
+    "XLOG_PAYLOAD_AT",
     "Begin",
     "BeginPrepare",
     "Column",

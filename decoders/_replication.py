@@ -13,9 +13,13 @@ from typing import Final
 
 from decoders._messages import PG_EPOCH_OFFSET_US, DecodeError
 
-__all__ = ["Keepalive", "XLogData", "parse_copy_data", "standby_status"]
+__all__ = ["XLOG_HEADER", "XLOG_PAYLOAD_AT", "Keepalive", "XLogData", "parse_copy_data", "standby_status"]
 
 _XLOG_HEADER: Final = struct.Struct(">QQq")  # start LSN, server's WAL end, send time
+# For a reader's hot loop, which reads the header of an XLogData ('w') itself instead of building an XLogData:
+# XLOG_HEADER.unpack_from(message, 1) and the payload at XLOG_PAYLOAD_AT.
+XLOG_HEADER: Final = _XLOG_HEADER
+XLOG_PAYLOAD_AT: Final = 1 + _XLOG_HEADER.size
 _KEEPALIVE: Final = struct.Struct(">QqB")  # server's WAL end, send time, reply requested
 _STANDBY_STATUS: Final = struct.Struct(">cQQQqB")  # 'r', write, flush, apply, client time, reply
 _XLOG_DATA: Final = ord("w")

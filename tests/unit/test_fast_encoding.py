@@ -53,6 +53,9 @@ def _fastavro(schema: dict[str, Any], record: dict[str, Any]) -> bytes:
 
 
 CODEC = _codec(COLUMNS)
+PY_CODEC = _codec(COLUMNS)
+PY_CODEC._plan = None  # without the C encoder: envelope_bytes in Python
+ENCODERS = pytest.mark.parametrize("codec", [CODEC, PY_CODEC], ids=["c", "python"])
 
 
 def _row(variant: int, nulls: frozenset[int] = frozenset()) -> tuple[dict[str, Any], list[str]]:
@@ -68,13 +71,14 @@ def _row(variant: int, nulls: frozenset[int] = frozenset()) -> tuple[dict[str, A
     return CODEC.row(TupleData(bytes(kinds), tuple(values)))
 
 
+@ENCODERS
 @pytest.mark.parametrize("variant", range(3))
-def test_envelope_bytes_equal_fastavro(variant: int) -> None:
+def test_envelope_bytes_equal_fastavro(codec: TableCodec, variant: int) -> None:
     after, unchanged = _row(variant)
     before, _ = _row(variant + 1, frozenset({3, 5, 9}))
     pos = Position(commit_lsn=1 << 40, lsn=(1 << 40) - 5, commit_time_us=1_700_000_000_123_456, xid=733)
     for op, b, a, tx in (("c", None, after, None), ("u", before, after, ("733:42", 2, 1)), ("d", before, None, None)):
-        fast = CODEC.envelope(
+        fast = codec.envelope(
             op, pos, before=b, after=a, unchanged=unchanged, now_us=1_800_000_000_000_001, transaction=tx
         )
         record = CODEC.envelope_record(
@@ -86,6 +90,7 @@ def test_envelope_bytes_equal_fastavro(variant: int) -> None:
     assert key[5:] == _fastavro(CODEC.key_schema, {"id": after["id"]})
 
 
+@ENCODERS
 @settings(max_examples=200, deadline=None)
 @given(
     nulls=st.frozensets(st.integers(1, len(COLUMNS) - 1)),
@@ -96,11 +101,18 @@ def test_envelope_bytes_equal_fastavro(variant: int) -> None:
     unchanged=st.lists(st.sampled_from(["name", "doc", "raw"]), max_size=3, unique=True),
 )
 def test_envelope_bytes_equal_fastavro_property(
-    *, nulls: frozenset[int], variant: int, lsn: int, xid: int | None, snapshot: str, unchanged: list[str]
+    codec: TableCodec,
+    *,
+    nulls: frozenset[int],
+    variant: int,
+    lsn: int,
+    xid: int | None,
+    snapshot: str,
+    unchanged: list[str],
 ) -> None:
     after, _ = _row(variant, nulls)
     pos = Position(commit_lsn=lsn, lsn=max(0, lsn - 3), commit_time_us=lsn // 7, xid=xid, snapshot=snapshot)
-    fast = CODEC.envelope("u", pos, before=after, after=after, unchanged=unchanged, now_us=lsn // 3)
+    fast = codec.envelope("u", pos, before=after, after=after, unchanged=unchanged, now_us=lsn // 3)
     record = CODEC.envelope_record("u", pos, before=after, after=after, unchanged=unchanged, now_us=lsn // 3)
     assert fast[5:] == _fastavro(CODEC.value_schema, record)
 
