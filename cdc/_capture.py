@@ -337,7 +337,8 @@ class Capture:
             self._batch_events = 0
 
     def _produce(self, topic: str, key: bytes, value: bytes | None, partition: int | None = None) -> None:
-        self._begin_batch()
+        if not self._in_batch:  # checked here: this runs for every event
+            self._begin_batch()
         self.producer.produce(topic, key, value, partition)
         self._batch_events += 1
 
