@@ -16,6 +16,7 @@ import gc
 import json
 import struct
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -24,8 +25,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from cdc._capture import Capture  # noqa: E402
+from cdc._config import load_settings  # noqa: E402
 from cdc._events import Position, SourceInfo, TableCodec  # noqa: E402
-from decoders import Insert, PgOutputDecoder, parse_copy_data  # noqa: E402
+from decoders import XLOG_HEADER, XLOG_PAYLOAD_AT, Insert, PgOutputDecoder, parse_copy_data  # noqa: E402
 from schemas import PgType  # noqa: E402
 from tests._codecs import make_codec  # noqa: E402
 
@@ -86,6 +89,28 @@ def frames(rows: int, *, relid: int = 16384) -> list[bytes]:
 
 def codec() -> TableCodec:
     return make_codec(COLUMNS, topic="bench.public.events", source=SourceInfo("1.0.0", "bench", "bench"))
+
+
+class _KeepingProducer:
+    """The capture's producer, minus Kafka: keeps (topic, key, value)."""
+
+    def __init__(self, out: list[tuple[str, bytes | None, bytes | None]]) -> None:
+        self.out = out
+
+    def produce(self, topic: str, key: bytes, value: bytes | None, partition: int | None = None) -> None:
+        self.out.append((topic, key, value))
+
+
+def _capture_stub(c: TableCodec, out: list[tuple[str, bytes | None, bytes | None]]) -> Capture:
+    """A Capture that has read the benchmark table's Relation and has a Kafka transaction open."""
+    with tempfile.TemporaryDirectory() as tmp:
+        config = Path(tmp) / "cdc.toml"
+        config.write_text('[source]\ndsn = "postgresql://bench@localhost/bench"\ntables = ["public.events"]\n')
+        capture = Capture(load_settings(config))
+    capture.producer = _KeepingProducer(out)  # type: ignore[assignment]
+    capture._codecs[16384] = c
+    capture._in_batch = True
+    return capture
 
 
 def _best(fn: Callable[[], Any], repeat: int) -> float:
@@ -174,6 +199,19 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             pos = Position(pos0.commit_lsn, frame.start_lsn, pos0.commit_time_us, pos0.xid)  # type: ignore[union-attr]
             produce((c.topic, key, envelope("c", pos, before=None, after=after, unchanged=unchanged, now_us=now_us)))
 
+    capture = _capture_stub(c, out)
+    frames_only = [bytes(r) for r in raw]
+    txn = (pos0.commit_lsn, pos0.commit_time_us, pos0.xid, False)
+
+    def capture_path() -> None:
+        """Capture._fast_change as the read loop calls it (header read in place), producing into ``out``."""
+        out.clear()
+        fast_change, unpack = capture._fast_change, XLOG_HEADER.unpack_from
+        for data in frames_only:
+            lsn, _end, _ = unpack(data, 1)
+            if not fast_change(data, txn, lsn, now_us, start=XLOG_PAYLOAD_AT):
+                raise AssertionError("the fast path refused a benchmark frame")
+
     fast_path()
     fast = list(out)
     all_stages()
@@ -187,6 +225,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         ("envelope", stage_envelope),
         ("all", all_stages),
         ("fast", fast_path),
+        ("capture", capture_path),
     ):
         per_row[name] = round(_best(fn, args.repeat) / args.rows * 1e6, 2)
     print(json.dumps({"rows": args.rows, "us_per_row": per_row}))
