@@ -110,7 +110,7 @@ class _Spill:
     aborted_subxids: set[int] = field(default_factory=set)
     count: int = 0
 
-    def add(self, lsn: int, payload: bytes) -> None:
+    def add(self, lsn: int, payload: bytes | memoryview) -> None:
         self.file.write(_SPILL_HEAD.pack(lsn, len(payload)))
         self.file.write(payload)
         self.count += 1
@@ -423,21 +423,22 @@ class Capture:
                     elif current is None and stream_xid is None and not spills:
                         self.metrics.set_behind(0.0)  # the server has nothing more to send: not behind
                     continue
-                # The common case first, without building an XLogData: a row change of a transaction that is
-                # not streamed, straight to Kafka. Anything _fast_change does not take goes the general way.
-                if (
-                    raw[0] == _XLOG_DATA
-                    and current is not None
-                    and stream_xid is None
-                    and not current[3]
-                    and len(raw) > _PAYLOAD_AT
-                    and raw[_PAYLOAD_AT] in _FAST_KINDS
-                ):
-                    data = bytes(raw)
-                    lsn, end_lsn, _ = _XLOG_UNPACK(data, 1)
-                    received = max(received, end_lsn)
-                    if self._fast_change(data, current, lsn, txn_now_us, start=_PAYLOAD_AT):
+                # The common cases first, without building an XLogData: a row change of a live transaction,
+                # straight to Kafka (anything _fast_change does not take goes the general way), or of a streamed
+                # (large, in-progress) one, to disk as received: it is decoded when it commits (the decoder's
+                # state only changes at Stream Start/Stop).
+                if raw[0] == _XLOG_DATA and len(raw) > _PAYLOAD_AT and raw[_PAYLOAD_AT] in _FAST_KINDS:
+                    if stream_xid is not None:
+                        lsn, end_lsn, _ = _XLOG_UNPACK(raw, 1)
+                        received = max(received, end_lsn)
+                        spills[stream_xid].add(lsn, raw[_PAYLOAD_AT:])
                         continue
+                    if current is not None and not current[3]:
+                        data = bytes(raw)
+                        lsn, end_lsn, _ = _XLOG_UNPACK(data, 1)
+                        received = max(received, end_lsn)
+                        if self._fast_change(data, current, lsn, txn_now_us, start=_PAYLOAD_AT):
+                            continue
                 frame = parse_copy_data(raw)
                 if isinstance(frame, Keepalive):
                     received = max(received, frame.end_lsn)
@@ -448,11 +449,6 @@ class Capture:
                 lsn = frame.start_lsn
                 received = max(received, frame.end_lsn)
                 payload = frame.payload
-                if payload and payload[0] in _FAST_KINDS and stream_xid is not None:
-                    # Part of a streamed (large, in-progress) transaction: to disk as received; decoded when it
-                    # commits (the decoder's state only changes at Stream Start/Stop).
-                    spills[stream_xid].add(lsn, bytes(payload))
-                    continue
                 msg = decoder.decode(payload)
 
                 if type(msg) in _CHANGES:  # the common case first: one type lookup, no isinstance chain
