@@ -48,6 +48,7 @@ for _p in (str(ROOT), str(BENCH)):
         sys.path.insert(0, _p)
 
 import _debezium as dbz  # noqa: E402 - a sibling module: bench/ is not a package
+from _report import Measure  # noqa: E402
 
 from tests import _services  # noqa: E402 - finds (or starts) the local services like the tests do
 
@@ -92,6 +93,14 @@ class Usage:
     peak_rss_mb: float
     walsender_cpu_s: float | None = None
     walsender_peak_rss_mb: float | None = None
+    # `cdc run` only: seconds from its launch until it streamed (its slot active): imports, connections, Kafka
+    # init_transactions — what a long-running capture pays once.
+    startup_s: float | None = None
+
+    @property
+    def streaming_seconds(self) -> float:
+        """Wall time without the start-up: from when the reader streamed."""
+        return self.seconds - (self.startup_s or 0.0)
 
     def as_json(self) -> dict[str, Any]:
         return {k: (round(v, 3) if isinstance(v, float) else v) for k, v in asdict(self).items()}
@@ -274,7 +283,37 @@ class Scratch:
     def time_cdc(self, slot: str, publication: str, tables: Sequence[str], end_lsn: int) -> Usage:
         """`cdc run` from slot's start until its confirmed_flush_lsn reaches end_lsn, timed from the launch."""
         with self.cdc(slot, publication, tables) as run:
-            return run.wait_for(end_lsn)
+            startup = run.wait_streaming()
+            usage = run.wait_for(end_lsn)
+            usage.startup_s = startup
+            return usage
+
+
+def rate_measures(name: str, unit: str, count: int, ours: Usage, ref: Usage, *, note: str) -> list[Measure]:
+    """``name`` of `cdc run` against pg_recvlogical on the same WAL: once streaming (the target's measure: a
+    capture runs for months, and Debezium is timed the same way), and from the launch of the process."""
+    reference = round(count / ref.seconds)
+    return [
+        Measure(
+            name,
+            unit,
+            round(count / ours.streaming_seconds),
+            reference=reference,
+            reference_name="pg_recvlogical",
+            target_ratio=0.8,
+            note=f"{note}; ours until the slot's confirmed_flush_lsn reaches the end LSN (Kafka transactions "
+            f"committed), from when `cdc run` streams ({ours.startup_s or 0:.2f} s of process start-up excluded, as "
+            "for Debezium); pg_recvlogical from its launch",
+        ),
+        Measure(
+            f"{name} from launch",
+            unit,
+            round(count / ours.seconds),
+            reference=reference,
+            reference_name="pg_recvlogical",
+            note="the same, ours from the launch of `cdc run` (imports, connections, Kafka init_transactions)",
+        ),
+    ]
 
 
 def _toml_str(value: str) -> str:
@@ -376,7 +415,7 @@ class CdcRun:
                     raise RuntimeError(f"cdc run exited with {self.proc.returncode}:\n{self.log_tail()}")
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"cdc run did not start streaming in {timeout:.0f} s:\n{self.log_tail()}")
-                time.sleep(0.1)
+                time.sleep(0.02)
 
     def wait_for(self, end_lsn: int, *, since: float | None = None, timeout: float = 3600.0) -> Usage:
         """Block until the slot's confirmed_flush_lsn >= end_lsn; seconds from `since` (default: the launch)."""

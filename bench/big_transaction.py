@@ -94,16 +94,7 @@ def run(argv: list[str] | None = None) -> Result:
         result.series["pg_recvlogical"] = ref.as_json()
         result.series["cdc"] = ours.as_json()
         result.measures += [
-            Measure(
-                "capture rows/s",
-                "rows/s",
-                round(rows / ours.seconds),
-                reference=round(rows / ref.seconds),
-                reference_name="pg_recvlogical",
-                target_ratio=0.8,
-                note="one transaction; ours until the slot's confirmed_flush_lsn reaches the end LSN (the one "
-                "Kafka transaction holding it committed), from the launch",
-            ),
+            *cb.rate_measures("capture rows/s", "rows/s", rows, ours, ref, note="one transaction"),
             Measure(
                 "peak RSS",
                 "MB",

@@ -148,17 +148,13 @@ def run(argv: list[str] | None = None) -> Result:
         ours = s.time_cdc(SLOT_CDC, PUBLICATION, [qualified], end_lsn)
         result.series["pg_recvlogical"] = ref.as_json()
         result.series["cdc"] = ours.as_json()
-        result.measures.append(
-            Measure(
-                "capture changes/s",
-                "changes/s",
-                round(args.changes / ours.seconds),
-                reference=round(args.changes / ref.seconds),
-                reference_name="pg_recvlogical",
-                target_ratio=0.8,
-                note="updates (with and without the TOASTed body) and deletes; same WAL, read one after the "
-                "other; ours until the slot's confirmed_flush_lsn reaches the end LSN, from the launch",
-            )
+        result.measures += cb.rate_measures(
+            "capture changes/s",
+            "changes/s",
+            args.changes,
+            ours,
+            ref,
+            note="updates (with and without the TOASTed body) and deletes; same WAL, read one after the other",
         )
         result.measures.append(
             Measure("peak RSS", "MB", ours.peak_rss_mb, higher_is_better=False, note="VmHWM of `cdc run`")
