@@ -264,8 +264,12 @@ class TransactionalProducer:
 
     def produce(self, topic: str, key: bytes, value: bytes | None, partition: int | None = None) -> None:
         self._produced += 1
-        if self._produced % 1000 == 0:
-            self._producer.poll(0)  # serve callbacks now and then, not only when the queue is full
+        if self._produced % 16384 == 0:
+            # Serve the (error-only) delivery reports now and then, not only at commit or when the queue is full.
+            # Rarely: poll() gives up the GIL, and getting it back from a busy thread (the snapshot's reader)
+            # can take the interpreter's switch interval (5 ms) — once per 1,000 events that was ~15 % of the
+            # snapshot's main thread.
+            self._producer.poll(0)
         while True:
             try:
                 if partition is None:
