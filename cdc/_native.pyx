@@ -210,26 +210,19 @@ cdef int put_fast(Buf* b, int wire, int scale, const unsigned char* p, Py_ssize_
     cdef uint32_t u32
     cdef uint64_t u64
     cdef int i
-    if wire == W_INT64:
-        if n != 8:
+    if wire == W_INT64 or wire == W_INT32 or wire == W_INT16 or wire == W_UINT32:
+        if n != (8 if wire == W_INT64 else 2 if wire == W_INT16 else 4):
             return 0
+        if wire == W_INT64:
+            v = <int64_t>be64(p)
+        elif wire == W_INT32:
+            v = <int32_t>be32(p)
+        elif wire == W_INT16:
+            v = <int16_t>be16(p)
+        else:
+            v = be32(p)
         put_byte(b, 2)
-        put_long(b, <int64_t>be64(p))
-    elif wire == W_INT32:
-        if n != 4:
-            return 0
-        put_byte(b, 2)
-        put_long(b, <int32_t>be32(p))
-    elif wire == W_INT16:
-        if n != 2:
-            return 0
-        put_byte(b, 2)
-        put_long(b, <int16_t>be16(p))
-    elif wire == W_UINT32:
-        if n != 4:
-            return 0
-        put_byte(b, 2)
-        put_long(b, be32(p))
+        put_long(b, v)
     elif wire == W_TEXT:
         check_utf8(p, n)
         put_byte(b, 2)
