@@ -163,7 +163,7 @@ cdef int put_decimal(Buf* b, const unsigned char* p, Py_ssize_t n, int scale) ex
     big-endian unscaled integer sized as fastavro sizes it. Returns 0 (nothing written) unless it fits in
     63 bits and is a plain number: the converter handles NaN, errors and wide values."""
     cdef int ndigits, weight, exp, i, bits, size
-    cdef uint16_t sign
+    cdef uint16_t sign, digit
     cdef uint64_t acc = 0, m
     cdef int64_t v
     if n < 8:
@@ -174,9 +174,11 @@ cdef int put_decimal(Buf* b, const unsigned char* p, Py_ssize_t n, int scale) ex
     if ndigits < 0 or n < 8 + 2 * ndigits or (sign != 0 and sign != 0x4000):
         return 0
     for i in range(ndigits):
-        if acc > (0xFFFFFFFFFFFFFFFF - 9999) // 10000 - 1:
+        digit = be16(p + 8 + 2 * i)
+        # A digit above 9999 is no numeric PostgreSQL writes, but the converter reads it: so must the result.
+        if digit > 9999 or acc > (0xFFFFFFFFFFFFFFFF - 9999) // 10000:
             return 0
-        acc = acc * 10000 + be16(p + 8 + 2 * i)
+        acc = acc * 10000 + digit
     exp = 4 * (weight - ndigits + 1) + scale
     if exp >= 0:
         if exp > 19 or (acc != 0 and acc > 0xFFFFFFFFFFFFFFFF // POW10[exp]):
@@ -323,8 +325,15 @@ cdef class TuplePlan:
         key_indexes: tuple,
         key_frame: bytes,
     ) -> None:
-        cdef Py_ssize_t i
-        self.ncols = len(wires)
+        cdef Py_ssize_t i, ncols = len(wires)
+        # encode() indexes these without bounds checks: refuse anything inconsistent here.
+        if self.wires != NULL:
+            raise RuntimeError("a TuplePlan is initialised once")
+        if not (len(text) == len(binary) == len(writers) == len(names) == ncols):
+            raise ValueError("one wire, converter, writer and name per column")
+        if any(not 0 <= k < ncols for k in key_indexes):
+            raise ValueError("key column index out of range")
+        self.ncols = ncols
         self.wires = <int*>malloc(max(self.ncols, 1) * sizeof(int))
         self.scales = <int*>malloc(max(self.ncols, 1) * sizeof(int))
         if self.wires == NULL or self.scales == NULL:
@@ -362,7 +371,7 @@ cdef class TuplePlan:
         cdef list unchanged = []
         cdef bytes key
         cdef char* kp
-        if pos < 0 or pos + 2 > size:
+        if pos < 0 or pos > size - 2:
             raise ValueError("truncated tuple")
         if copy_modes is None:
             if be16(d + pos) != ncols:
@@ -410,7 +419,7 @@ cdef class TuplePlan:
                         kind = modes[i]
                         length = l32
                 if kind == K_BINARY:
-                    if length > size - start:
+                    if length < 0 or length > size - start:  # < 0: a length >= 2**31 where Py_ssize_t is 32 bits
                         raise ValueError("truncated column")
                     pos = start + length
                     if not put_fast(&b, self.wires[i], self.scales[i], d + start, length):
@@ -421,7 +430,7 @@ cdef class TuplePlan:
                     put_byte(&b, 0)
                     unchanged.append(self.names[i])
                 elif kind == K_TEXT:
-                    if length > size - start:
+                    if length < 0 or length > size - start:
                         raise ValueError("truncated column")
                     pos = start + length
                     self._through_python(&b, self.text[i], i, d + start, length)
@@ -528,6 +537,8 @@ def envelope(
         if transaction is None:
             put_byte(&b, 0)
         else:
+            if len(transaction) != 3:  # read below without bounds checks
+                raise ValueError("transaction must be (id, total_order, data_collection_order)")
             put_byte(&b, 2)
             put_str(&b, transaction[0])
             put_long(&b, transaction[1])

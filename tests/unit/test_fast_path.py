@@ -325,3 +325,36 @@ def test_copy_rows_encode_as_the_general_path(codec: TableCodec, chunk: tuple[by
     pairs, last = encode_copy_rows(codec, data, modes)
     assert pairs == expected
     assert last == (extras[-1:] or None)
+
+
+def _numeric_codec(typmod: int) -> tuple[TableCodec, TableCodec]:
+    columns = [("id", PgType(20, "int8"), -1), ("n", PgType(1700, "numeric"), typmod)]
+    made = [make_codec(columns, topic="p.public.n", key=["id"], register=lambda _s, _d: 9) for _ in range(2)]
+    made[1]._plan = None
+    return made[0], made[1]
+
+
+def test_numeric_digits_above_9999_encode_as_the_python_path() -> None:
+    """No numeric PostgreSQL writes, but the converter reads it: the C encoder must hand it over, not wrap
+    its 64-bit accumulator (found in review: it wrote 4 where the converter gives 1844674407370959)."""
+    c_codec, py_codec = _numeric_codec((18 << 16) + 4)
+    value = bytes.fromhex("000500030000000007341a5802e103b9ffff")
+    frame = _tuple([(b"1", struct.pack(">q", 1)), (b"", value)], ["b", "b"])
+    assert c_codec.encode_tuple(frame, 0) == py_codec.encode_tuple(frame, 0)
+
+
+def test_the_c_encoder_refuses_impossible_calls() -> None:
+    """Checks that keep the C code's unchecked reads in bounds: a position past the end, a short transaction
+    block, a plan whose parts disagree."""
+    from cdc import _native  # type: ignore[attr-defined]
+
+    if CODEC._plan is None:
+        pytest.skip("cdc._native is not built (test_the_c_encoder_is_built says why)")
+    with pytest.raises(ValueError, match="truncated"):
+        CODEC._plan.encode(b"\x00\x01n", 2**63 - 1)
+    with pytest.raises(ValueError, match="transaction"):
+        _native.envelope(b"F", None, None, b"", 1, 2, b"", b"", ("x",), b"", None)
+    with pytest.raises(ValueError, match="key column index"):
+        _native.TuplePlan([(0, 0)], (bytes.decode,), (bytes,), (print,), ("a",), (5,), b"K")
+    with pytest.raises(ValueError, match="per column"):
+        _native.TuplePlan([(0, 0)] * 3, (), (), (), (), (), b"K")

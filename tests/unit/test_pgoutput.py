@@ -212,7 +212,8 @@ def test_public_surface_is_explicit() -> None:
             "Delete", "Insert", "Keepalive", "LogicalMessage", "Message", "Origin", "PgOutputDecoder",
             "Prepare", "Relation", "RollbackPrepared", "StreamAbort", "StreamCommit", "StreamPrepare",
             "StreamStart", "StreamStop", "Truncate", "TupleData", "TypeInfo", "Unchanged", "Update",
-            "XLogData", "format_lsn", "parse_copy_data", "parse_lsn", "standby_status",
+            "XLOG_HEADER", "XLOG_PAYLOAD_AT", "XLogData", "format_lsn", "parse_copy_data", "parse_lsn",
+            "standby_status",
         ]
     )  # fmt: skip
     for name in decoders.__all__:
