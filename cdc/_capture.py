@@ -682,6 +682,8 @@ class Capture:
         """
         kind = data[start]
         at = start + 5 if streamed else start + 1
+        if len(data) < at + 4:  # cut before its relation id: the general path says what is wrong
+            return False
         relid = _U32(data, at)[0]
         # A streamed transaction's own schema first (set while its spill is replayed), as in _codec.
         codec = self._stream_codecs.get(relid) if relid in self._stream_relations else self._codecs.get(relid)

@@ -1,0 +1,63 @@
+"""Capture._fast_change takes only what it can encode; anything else is left, untouched, to the general path."""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+
+import pytest
+
+from cdc._capture import Capture
+from cdc._config import load_settings
+from schemas import PgType
+from tests._codecs import make_codec
+
+TXN = (0x2_0000_0000, 1_700_000_000_000_000, 7, False)
+
+
+class _KeepingProducer:
+    def __init__(self) -> None:
+        self.out: list[tuple[str, bytes, bytes | None]] = []
+
+    def produce(self, topic: str, key: bytes, value: bytes | None, partition: int | None = None) -> None:
+        self.out.append((topic, key, value))
+
+
+@pytest.fixture
+def capture(tmp_path: Path) -> tuple[Capture, _KeepingProducer]:
+    config = tmp_path / "cdc.toml"
+    config.write_text('[source]\ndsn = "postgresql://u@localhost/db"\ntables = ["public.t"]\n')
+    cap = Capture(load_settings(config))
+    producer = _KeepingProducer()
+    cap.producer = producer  # type: ignore[assignment]
+    cap._codecs[16384] = make_codec([("id", PgType(20, "int8"), -1)], topic="p.public.t", key=["id"])
+    cap._in_batch = True
+    return cap, producer
+
+
+def _insert(relid: int, value: int) -> bytes:
+    return b"I" + struct.pack(">I", relid) + b"N" + struct.pack(">H", 1) + b"b" + struct.pack(">Iq", 8, value)
+
+
+def test_an_insert_is_produced(capture: tuple[Capture, _KeepingProducer]) -> None:
+    cap, producer = capture
+    assert cap._fast_change(b"header" + _insert(16384, 5), TXN, 100, 0, start=6)
+    assert [(topic, key[5:]) for topic, key, _ in producer.out] == [("p.public.t", b"\x02\x0a")]
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        b"I",  # cut before the relation id
+        b"I\x00\x00",
+        _insert(16384, 5)[:-3],  # cut inside the value
+        _insert(99, 5),  # a relation without a codec yet
+        _insert(16384, 5) + b"x",  # trailing bytes
+    ],
+)
+def test_what_it_cannot_take_is_left_to_the_general_path(
+    capture: tuple[Capture, _KeepingProducer], message: bytes
+) -> None:
+    cap, producer = capture
+    assert not cap._fast_change(message, TXN, 100, 0)
+    assert producer.out == []
