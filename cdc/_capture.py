@@ -342,6 +342,15 @@ class Capture:
         self.producer.produce(topic, key, value, partition)
         self._batch_events += 1
 
+    def _produce_framed(
+        self, topic: str, keys: list[bytes], records: list[bytes], prefix: bytes, suffix: bytes
+    ) -> None:
+        """The events (keys[i], prefix + records[i] + suffix) in the current batch."""
+        if not self._in_batch:
+            self._begin_batch()
+        self.producer.produce_framed(topic, keys, records, prefix, suffix)
+        self._batch_events += len(keys)
+
     def _commit_offsets(self, state: dict[str, Any]) -> None:
         """Write ``state`` to the offsets topic and commit the current batch with it."""
         self._begin_batch()

@@ -134,6 +134,12 @@ class CaptureConfig(_Section):
     snapshot: Literal["initial", "never"] = "initial"
     snapshot_workers: int = Field(default=2, ge=1)
     snapshot_chunk_rows: int = Field(default=10_000, ge=1)
+    snapshot_commit_interval_s: float = Field(
+        default=1.0,
+        ge=0,
+        description="the snapshot's Kafka transaction (rows and progress) is committed this often, and when a "
+        "table is done; 0: after every chunk",
+    )
     heartbeat_interval_s: float = Field(default=10.0, gt=0)
     status_interval_s: float = Field(default=1.0, gt=0)
     emit_truncates: bool = True

@@ -190,6 +190,15 @@ class TableCodec:
             return self._plan.encode(data, pos, copy_modes)  # type: ignore[no-any-return]
         return self.encode_tuple_python(data, pos, copy_modes=copy_modes)
 
+    def encode_copy(
+        self, data: bytes, copy_modes: bytes, extra: int
+    ) -> tuple[list[bytes], list[bytes], list[bytes] | None] | None:
+        """cdc._snapshot.encode_copy_rows of a chunk whose rows have ``extra`` fields after the columns, by the
+        C build (one call per chunk); None without it."""
+        if self._plan is None:
+            return None
+        return self._plan.encode_copy(data, copy_modes, extra)  # type: ignore[no-any-return]
+
     def encode_tuple_python(
         self, data: bytes, pos: int, *, copy_modes: bytes | None = None
     ) -> tuple[bytes, bytes | None, list[str], int]:
@@ -378,6 +387,13 @@ class TableCodec:
         out.append(0)
         return bytes(out)
 
+    def read_event_frame(self, pos: Position, now_us: int) -> tuple[bytes, bytes]:
+        """The bytes around the Value record of a snapshot read ("r": no before, the row as after): the event
+        is ``prefix + record + suffix``, as :meth:`envelope_bytes` writes it, for every row read at ``pos``."""
+        empty = self.envelope_bytes("r", pos, before=None, after=b"", now_us=now_us)
+        cut = len(self._value_frame) + 2  # the frame, before's null branch, after's Value branch (2: index 1)
+        return empty[:cut], empty[cut:]
+
     def _transaction_parts(self, op: str, pos: Position, now_us: int) -> tuple[bytes, bytes, bytes, bytes]:
         head = bytearray(self._source_head)
         write_long(pos.commit_time_us // 1000, head)
@@ -459,6 +475,11 @@ def _native_wire(mapping: AvroMapping) -> tuple[int, int]:
     """(how, scale) for the C encoder: which of its fast cases this mapping's send format takes, if any."""
     name, _, scale = (mapping.wire or mapping.fixed or "").partition(":")
     return _native.WIRES.get(name, 0), int(scale or 0)
+
+
+def native_module() -> Any | None:
+    """The C build (cdc._native) when it is there and CDC_PURE_PYTHON does not turn it off, else None."""
+    return _native if native_enabled() else None
 
 
 def native_enabled() -> bool:

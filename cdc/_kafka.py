@@ -20,10 +20,13 @@ from confluent_kafka import (
     Producer,
     TopicPartition,
 )
+from confluent_kafka import libversion as confluent_kafka_libversion
 from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic
 from confluent_kafka.schema_registry import Schema, SchemaRegistryClient
 from confluent_kafka.schema_registry.error import SchemaRegistryError as _RegistryHTTPError
 
+from cdc._events import native_module
+from cdc._libs import addresses, loaded_library
 from cdc.errors import AuthenticationError, CDCError, KafkaSetupError, SchemaRegistryError, TransientError
 
 log = logging.getLogger(__name__)
@@ -176,6 +179,23 @@ class Topics:
             )
 
 
+def _direct_producer(producer: Producer) -> Any | None:
+    """cdc._native.DirectProducer on ``producer``'s librdkafka handle, or None (and the events go through
+    ``Producer.produce``) without the C build, with CDC_PURE_PYTHON, or when the library is not found."""
+    _native = native_module()
+    if _native is None or type(producer) is not Producer:
+        return None
+    lib = loaded_library("librdkafka", confluent_kafka_libversion()[1], "rd_kafka_version")
+    try:
+        if lib is None:
+            raise OSError("the librdkafka confluent_kafka runs is not found")
+        names = ("rd_kafka_produce", "rd_kafka_topic_new", "rd_kafka_topic_destroy", "rd_kafka_last_error")
+        return _native.DirectProducer(producer, addresses(lib, (*names, "rd_kafka_opaque")))
+    except (OSError, AttributeError, RuntimeError) as exc:
+        log.info("snapshot events go through confluent_kafka's produce(): %s", exc)
+        return None
+
+
 class TransactionalProducer:
     """A producer whose writes become visible together, at commit, or not at all."""
 
@@ -217,6 +237,11 @@ class TransactionalProducer:
             self._producer.init_transactions(_TIMEOUT_S)
         except KafkaException as exc:
             raise _kafka_error(exc, "initialising Kafka transactions") from exc
+        # The snapshot's chunks go straight to librdkafka when the C build can (produce_framed).
+        self._direct = _direct_producer(self._producer)
+        # Per topic, the largest event produced by it in the open transaction: its events have no delivery
+        # callback, so this is what says which event a broker refused as too large (_refused_as_too_large).
+        self._direct_largest: dict[str, int] = {}
 
     def _on_delivery(self, err: KafkaError | None, msg: Any) -> None:
         if err is not None:
@@ -232,13 +257,7 @@ class TransactionalProducer:
         broker's message.max.bytes, 1,048,588). The topic's is read back so the message shows the one in force.
         """
         producer_limit = int(self._conf.get("message.max.bytes", 1_000_000))
-        topic_limit: int | None = None
-        try:
-            admin = AdminClient(self._admin_conf)
-            resource = ConfigResource(ConfigResource.Type.TOPIC, topic)
-            topic_limit = int(admin.describe_configs([resource])[resource].result(10)["max.message.bytes"].value)
-        except Exception as lookup:  # only detail for the error being reported: it must never replace it
-            log.debug("cannot read max.message.bytes of %r: %s", topic, lookup)
+        topic_limit = self._topic_limit(topic)
         fix = f"kafka-configs --alter --entity-type topics --entity-name {topic} --add-config max.message.bytes=N"
         if size + 1_000 >= producer_limit:  # N above the producer's limit would be refused by the producer next
             fix += ', and the producer\'s (kafka.producer = { "message.max.bytes" = N } in the config)'
@@ -254,9 +273,20 @@ class TransactionalProducer:
             f"plus framing){batch}, then run again"
         )
 
+    def _topic_limit(self, topic: str) -> int | None:
+        """The topic's max.message.bytes, None when it cannot be read (only for an error's message)."""
+        try:
+            admin = AdminClient(self._admin_conf)
+            resource = ConfigResource(ConfigResource.Type.TOPIC, topic)
+            return int(admin.describe_configs([resource])[resource].result(10)["max.message.bytes"].value)
+        except Exception as lookup:  # only detail for the error being reported: it must never replace it
+            log.debug("cannot read max.message.bytes of %r: %s", topic, lookup)
+            return None
+
     def begin(self) -> None:
         self._errors.clear()
         self._too_large.clear()
+        self._direct_largest.clear()
         try:
             self._producer.begin_transaction()
         except KafkaException as exc:
@@ -285,6 +315,33 @@ class TransactionalProducer:
                     raise self._message_too_large(topic, len(key) + len(value or b"")) from exc
                 raise self._refused_as_too_large() or _kafka_error(exc, f"producing to {topic!r}") from exc
 
+    def produce_framed(self, topic: str, keys: list[bytes], records: list[bytes], prefix: bytes, suffix: bytes) -> None:
+        """The events (keys[i], prefix + records[i] + suffix), each to the topic's partition for its key: a
+        snapshot chunk. From C without the GIL when the C build can (the reader thread reads and encodes the
+        next chunk meanwhile), else one produce() per event; the same events either way."""
+        if self._direct is None:
+            for key, record in zip(keys, records, strict=True):
+                self.produce(topic, key, prefix + record + suffix)
+            return
+        self._producer.poll(0)  # serve the delivery reports: once per chunk
+        name = topic.encode()
+        at = 0
+        while True:
+            at, err, largest = self._direct.produce_rows(name, keys, records, prefix, suffix, at)
+            if largest > self._direct_largest.get(topic, 0):
+                self._direct_largest[topic] = largest
+            if err == 0:
+                self._produced += len(keys)
+                return
+            if err == KafkaError._QUEUE_FULL:  # let librdkafka send some, then go on from the event refused
+                self._producer.poll(0.1)
+                continue
+            exc = KafkaException(KafkaError(err))
+            if err == KafkaError.MSG_SIZE_TOO_LARGE:  # over the producer's own limit
+                size = len(keys[at]) + len(prefix) + len(records[at]) + len(suffix)
+                raise self._message_too_large(topic, size) from exc
+            raise self._refused_as_too_large() or _kafka_error(exc, f"producing to {topic!r}") from exc
+
     def _refused_as_too_large(self) -> KafkaSetupError | None:
         """The size error behind a failed transaction, if the broker refused an event as too large.
 
@@ -293,10 +350,16 @@ class TransactionalProducer:
         the same too-large event for ever (found by the bad-input test). The delivery reports say why.
         """
         self._producer.poll(0)  # serve the delivery reports that arrived with the broker's refusal
-        if not self._too_large:
-            return None
-        topic, size = max(self._too_large, key=lambda found: found[1])
-        return self._message_too_large(topic, size)
+        if self._too_large:
+            topic, size = max(self._too_large, key=lambda found: found[1])
+            return self._message_too_large(topic, size)
+        # Events produced from C have no delivery callback: their sizes against the topics' limits instead
+        # (a record batch adds its ~60-byte header and each record ~20 bytes to the event).
+        for topic, size in self._direct_largest.items():
+            limit = self._topic_limit(topic)
+            if limit is not None and size + 100 > limit:
+                return self._message_too_large(topic, size)
+        return None
 
     def commit(self) -> None:
         try:

@@ -15,8 +15,9 @@ from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes
 from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_GET_SIZE
 from cpython.unicode cimport PyUnicode_AsUTF8AndSize, PyUnicode_DecodeUTF8
 from libc.stdint cimport int16_t, int32_t, int64_t, uint16_t, uint32_t, uint64_t, INT64_MIN, INT32_MAX, INT32_MIN
+from cpython.ref cimport PyObject
 from libc.stdlib cimport free, malloc, realloc
-from libc.string cimport memcpy
+from libc.string cimport memcmp, memcpy
 
 from schemas._datetime import UNIX_EPOCH_DAYS as _EPOCH_DAYS_PY, UNIX_EPOCH_MICROS as _EPOCH_MICROS_PY
 
@@ -358,6 +359,51 @@ cdef class TuplePlan:
         return 0
 
     def encode(self, bytes data not None, Py_ssize_t pos, bytes copy_modes=None) -> tuple:
+        return self._encode(data, pos, copy_modes)
+
+    def encode_copy(self, bytes data not None, bytes copy_modes not None, Py_ssize_t extra) -> tuple:
+        """A whole ``COPY … (FORMAT binary)`` chunk: the framed keys and the Value records of its rows, and the
+        ``extra`` raw fields after the columns of its last row (None without rows), as
+        cdc._snapshot.encode_copy_rows. Raises on anything it does not take, a NULL key included."""
+        cdef const unsigned char* d = <const unsigned char*>PyBytes_AS_STRING(data)
+        cdef Py_ssize_t size = PyBytes_GET_SIZE(data), pos, j, length
+        cdef int16_t nfields
+        cdef list keys = [], records = []
+        cdef list last = None
+        if size < 19 or memcmp(d, b"PGCOPY\n\xff\r\n\0", 11) != 0:
+            raise ValueError("COPY output does not start with the binary COPY signature")
+        length = <int32_t>be32(d + 15)
+        if length < 0 or length > size - 19:
+            raise ValueError("truncated COPY header")
+        pos = 19 + length
+        while True:
+            if pos > size - 2:
+                raise ValueError("truncated COPY output")
+            nfields = <int16_t>be16(d + pos)
+            if nfields == -1:
+                return keys, records, (last if keys else None)
+            if nfields != self.ncols + extra:
+                raise ValueError("the COPY row has another number of fields than asked for")
+            record, key, _, pos = self._encode(data, pos, copy_modes)
+            if key is None:
+                raise ValueError("a key column is NULL")
+            keys.append(key)
+            records.append(record)
+            last = []
+            for j in range(extra):
+                if pos > size - 4:
+                    raise ValueError("truncated COPY row")
+                length = <int32_t>be32(d + pos)
+                pos += 4
+                if length < 0:
+                    last.append(b"")
+                else:
+                    if length > size - pos:
+                        raise ValueError("truncated COPY row")
+                    last.append(PyBytes_FromStringAndSize(<const char*>d + pos, length))
+                    pos += length
+
+    cdef tuple _encode(self, bytes data, Py_ssize_t pos, bytes copy_modes):
         cdef const unsigned char* d = <const unsigned char*>PyBytes_AS_STRING(data)
         cdef Py_ssize_t size = PyBytes_GET_SIZE(data)
         cdef const unsigned char* modes = NULL
@@ -553,3 +599,241 @@ def envelope(
     finally:
         if b.heap != NULL:
             free(b.heap)
+
+
+# --- Producing rows straight through librdkafka ---------------------------------------------------------------
+#
+# confluent_kafka's Producer.produce() costs ~1.4 µs per event in the calling thread, with the GIL held: for a
+# snapshot that was most of what the main thread did. DirectProducer hands a whole chunk of events to the same
+# librdkafka handle (the same transaction and partitioner) from C, without the GIL, so the reader thread reads
+# and encodes the next chunk meanwhile. It relies on one layout of confluent_kafka's C module, unchanged since
+# its first releases and checked at construction (the handle's opaque must be the Producer object itself): the
+# Producer object starts with its rd_kafka_t pointer. Its events carry no per-message state, so their delivery
+# reports cost no GIL round trip (confluent_kafka's callback returns at once for them); a failed delivery fails
+# the transaction's commit, as for any event.
+
+cdef extern from *:
+    """
+    typedef struct { PyObject_HEAD void *rk; } cdc_rk_handle;
+    """
+    ctypedef struct cdc_rk_handle:
+        void *rk
+
+ctypedef int (*rk_produce_t)(void *rkt, int32_t partition, int msgflags, void *payload, size_t length,
+                             const void *key, size_t keylen, void *msg_opaque) noexcept nogil
+ctypedef void *(*rk_topic_new_t)(void *rk, const char *topic, void *conf) noexcept nogil
+ctypedef void (*rk_topic_destroy_t)(void *rkt) noexcept nogil
+ctypedef int (*rk_last_error_t)() noexcept nogil
+ctypedef void *(*rk_opaque_t)(const void *rk) noexcept nogil
+
+cdef int32_t RD_KAFKA_PARTITION_UA = -1
+cdef int RD_KAFKA_MSG_F_COPY = 0x2
+
+cdef struct Row:
+    const char *key
+    Py_ssize_t keylen
+    const char *record
+    Py_ssize_t reclen
+
+
+cdef class DirectProducer:
+    """Produces (key, prefix + record + suffix) events on a confluent_kafka Producer's librdkafka handle."""
+
+    cdef void *rk
+    cdef object producer
+    cdef rk_produce_t produce
+    cdef rk_topic_new_t topic_new
+    cdef rk_topic_destroy_t topic_destroy
+    cdef rk_last_error_t last_error
+
+    def __init__(self, producer: object, symbols: dict) -> None:
+        """``symbols``: the addresses of rd_kafka_produce, rd_kafka_topic_new, rd_kafka_topic_destroy,
+        rd_kafka_last_error and rd_kafka_opaque in the librdkafka that ``producer`` runs on."""
+        cdef rk_opaque_t opaque = <rk_opaque_t><size_t>symbols["rd_kafka_opaque"]
+        self.produce = <rk_produce_t><size_t>symbols["rd_kafka_produce"]
+        self.topic_new = <rk_topic_new_t><size_t>symbols["rd_kafka_topic_new"]
+        self.topic_destroy = <rk_topic_destroy_t><size_t>symbols["rd_kafka_topic_destroy"]
+        self.last_error = <rk_last_error_t><size_t>symbols["rd_kafka_last_error"]
+        self.rk = (<cdc_rk_handle*><PyObject*>producer).rk
+        if self.rk == NULL or opaque(self.rk) != <void*>producer:
+            raise RuntimeError("this confluent_kafka Producer's layout is not the one DirectProducer reads")
+        self.producer = producer  # keeps the handle alive as long as this
+
+    def produce_rows(self, bytes topic not None, list keys not None, list records not None, bytes prefix not None,
+                     bytes suffix not None, Py_ssize_t start=0) -> tuple:
+        """Produces the events (keys[i], prefix + records[i] + suffix) from i = start on, each to the partition
+        the producer's partitioner picks for its key, until one is refused. Returns (the index of the first
+        event not produced, len(keys) when all were; librdkafka's error code for it, 0 when none; the size of
+        the largest event produced, key included)."""
+        cdef Py_ssize_t n = len(keys) - start, i, done = 0, longest = 0, largest = 0, plen, slen
+        cdef Row *items
+        cdef char *buf = NULL
+        cdef void *rkt
+        cdef int err = 0
+        cdef const char *ctopic = PyBytes_AS_STRING(topic)
+        cdef const char *sp = PyBytes_AS_STRING(suffix)
+        if len(records) != len(keys):
+            raise ValueError("one record per key")
+        if start < 0 or n < 0:
+            raise IndexError("start out of range")
+        if n == 0:
+            return start, 0, 0
+        plen, slen = PyBytes_GET_SIZE(prefix), PyBytes_GET_SIZE(suffix)
+        items = <Row*>malloc(n * sizeof(Row))
+        if items == NULL:
+            raise MemoryError()
+        try:
+            for i in range(n):
+                # Read while holding the GIL; the lists keep every bytes object alive while it is released.
+                key, record = keys[start + i], records[start + i]
+                if type(key) is not bytes or type(record) is not bytes:
+                    raise TypeError("keys and records must be bytes")
+                items[i].key, items[i].keylen = PyBytes_AS_STRING(key), PyBytes_GET_SIZE(key)
+                items[i].record, items[i].reclen = PyBytes_AS_STRING(record), PyBytes_GET_SIZE(record)
+                if items[i].reclen > longest:
+                    longest = items[i].reclen
+            buf = <char*>malloc(plen + longest + slen)
+            if buf == NULL:
+                raise MemoryError()
+            memcpy(buf, PyBytes_AS_STRING(prefix), plen)
+            rkt = self.topic_new(self.rk, ctopic, NULL)
+            if rkt == NULL:
+                return start, self.last_error(), 0
+            with nogil:
+                for i in range(n):
+                    memcpy(buf + plen, items[i].record, items[i].reclen)
+                    memcpy(buf + plen + items[i].reclen, sp, slen)
+                    if self.produce(rkt, RD_KAFKA_PARTITION_UA, RD_KAFKA_MSG_F_COPY, buf,
+                                    plen + items[i].reclen + slen, items[i].key, items[i].keylen, NULL) == -1:
+                        err = self.last_error()
+                        break
+                    if items[i].keylen + items[i].reclen > largest:
+                        largest = items[i].keylen + items[i].reclen
+                    done += 1
+                self.topic_destroy(rkt)
+            return start + done, err, (largest + plen + slen if done else 0)
+        finally:
+            free(items)
+            free(buf)
+
+
+# --- Reading a COPY through libpq ------------------------------------------------------------------------------
+#
+# PostgreSQL sends COPY … TO STDOUT one CopyData message per row, and psycopg's Copy hands each to Python: ~1 µs
+# per row of the snapshot's reader thread, GIL held. CopyReader runs one COPY on a psycopg connection's PGconn
+# (psycopg exposes its address: PGconn.pgconn_ptr) with libpq's own calls, in the libpq psycopg runs, without
+# the GIL, and returns the whole output at once. The connection is idle before and after, as psycopg left it.
+
+ctypedef int (*pq_int_conn_t)(void *conn) noexcept nogil
+ctypedef int (*pq_set_nonblocking_t)(void *conn, int arg) noexcept nogil
+ctypedef int (*pq_send_query_t)(void *conn, const char *query) noexcept nogil
+ctypedef void *(*pq_get_result_t)(void *conn) noexcept nogil
+ctypedef int (*pq_result_status_t)(const void *res) noexcept nogil
+ctypedef void (*pq_clear_t)(void *res) noexcept nogil
+ctypedef int (*pq_get_copy_data_t)(void *conn, char **buffer, int async_) noexcept nogil
+ctypedef void (*pq_freemem_t)(void *ptr) noexcept nogil
+ctypedef char *(*pq_error_message_t)(const void *conn) noexcept nogil
+ctypedef char *(*pq_result_error_message_t)(const void *res) noexcept nogil
+ctypedef char *(*pq_result_error_field_t)(const void *res, int fieldcode) noexcept nogil
+
+cdef int PGRES_COPY_OUT = 3
+cdef int PG_DIAG_SQLSTATE = 67  # 'C'
+
+
+cdef class CopyReader:
+    """Runs ``COPY … TO STDOUT`` statements on psycopg connections through libpq, without the GIL."""
+
+    cdef pq_int_conn_t is_nonblocking
+    cdef pq_set_nonblocking_t set_nonblocking
+    cdef pq_send_query_t send_query
+    cdef pq_get_result_t get_result
+    cdef pq_result_status_t result_status
+    cdef pq_clear_t clear
+    cdef pq_get_copy_data_t get_copy_data
+    cdef pq_freemem_t freemem
+    cdef pq_error_message_t error_message
+    cdef pq_result_error_message_t result_error_message
+    cdef pq_result_error_field_t result_error_field
+
+    def __init__(self, symbols: dict) -> None:
+        """``symbols``: the addresses of the libpq functions of the same names (PQisnonblocking, …)."""
+        self.is_nonblocking = <pq_int_conn_t><size_t>symbols["PQisnonblocking"]
+        self.set_nonblocking = <pq_set_nonblocking_t><size_t>symbols["PQsetnonblocking"]
+        self.send_query = <pq_send_query_t><size_t>symbols["PQsendQuery"]
+        self.get_result = <pq_get_result_t><size_t>symbols["PQgetResult"]
+        self.result_status = <pq_result_status_t><size_t>symbols["PQresultStatus"]
+        self.clear = <pq_clear_t><size_t>symbols["PQclear"]
+        self.get_copy_data = <pq_get_copy_data_t><size_t>symbols["PQgetCopyData"]
+        self.freemem = <pq_freemem_t><size_t>symbols["PQfreemem"]
+        self.error_message = <pq_error_message_t><size_t>symbols["PQerrorMessage"]
+        self.result_error_message = <pq_result_error_message_t><size_t>symbols["PQresultErrorMessage"]
+        self.result_error_field = <pq_result_error_field_t><size_t>symbols["PQresultErrorField"]
+
+    def copy_out(self, size_t pgconn, bytes query not None) -> tuple:
+        """Runs ``query`` (a COPY … TO STDOUT) on the idle PGconn at address ``pgconn``. Returns (the whole
+        output, None, None), or (None, SQLSTATE or None, error message) when it fails; the connection is idle
+        again either way (its transaction, if any, failed with the statement, as with psycopg)."""
+        cdef void *conn = <void*>pgconn
+        cdef const char *q = PyBytes_AS_STRING(query)
+        cdef char *out = NULL
+        cdef char *grown
+        cdef char *row = NULL
+        cdef Py_ssize_t n = 0, cap = 0
+        cdef int got, status, was_nonblocking, failed = 0
+        cdef void *res = NULL
+        cdef bytes sqlstate = None, message = None
+        cdef const char *field
+        if conn == NULL:
+            raise ValueError("no connection")
+        with nogil:
+            was_nonblocking = self.is_nonblocking(conn)
+            self.set_nonblocking(conn, 0)  # psycopg's are non-blocking; these calls are meant to block
+            if not self.send_query(conn, q):
+                failed = 1
+            else:
+                res = self.get_result(conn)
+                status = self.result_status(res) if res != NULL else -1
+                if status != PGRES_COPY_OUT:
+                    failed = 1
+                else:
+                    self.clear(res)
+                    res = NULL
+                    while True:
+                        got = self.get_copy_data(conn, &row, 0)
+                        if got < 0:  # -1: the COPY is done; -2: an error, told by the result below
+                            break
+                        if n + got > cap:
+                            cap = max(cap * 2, n + got, 1 << 20)
+                            grown = <char*>realloc(out, cap)
+                            if grown == NULL:
+                                self.freemem(row)
+                                failed = 2
+                                break
+                            out = grown
+                        memcpy(out + n, row, got)
+                        n += got
+                        self.freemem(row)
+                    res = self.get_result(conn)  # the COPY's own result: success or the error
+                    if res == NULL or self.result_status(res) == 7:  # PGRES_FATAL_ERROR
+                        failed = failed or 1
+            if failed:
+                with gil:
+                    if res != NULL:
+                        field = self.result_error_field(res, PG_DIAG_SQLSTATE)
+                        if field != NULL:
+                            sqlstate = field
+                        message = self.result_error_message(res)
+                    if not message:
+                        message = self.error_message(conn)
+            while res != NULL:  # the results left, until libpq says the statement is over
+                self.clear(res)
+                res = self.get_result(conn)
+            self.set_nonblocking(conn, was_nonblocking)
+        try:
+            if failed == 2:
+                raise MemoryError()
+            if failed:
+                return None, (sqlstate.decode() if sqlstate else None), message.decode(errors="replace").strip()
+            return PyBytes_FromStringAndSize(out, n), None, None
+        finally:
+            free(out)

@@ -2,9 +2,14 @@
 
 Rows are read with ``COPY (SELECT … ORDER BY key LIMIT n) TO STDOUT (FORMAT binary)``: binary COPY
 carries each value in the same send format pgoutput uses with ``binary 'true'``, so the stream's
-converters serve both paths. Tables are read by several connections in parallel; each chunk is written
-to Kafka in one transaction together with the snapshot's progress (per table: the last key read), so a
-crash loses at most the chunk in flight and a restart continues after the last committed key.
+converters serve both paths. Tables are read by several connections in parallel; the chunks are written
+to Kafka in transactions together with the snapshot's progress (per table: the last key read), committed
+every ``snapshot_commit_interval_s``, so a crash loses at most that much work and a restart continues after
+the last committed key.
+
+The hot loops are in C when the C build is there (cdc/_native.pyx): the COPY is read through libpq without
+the GIL (CopyReader), a chunk is encoded in one call (TuplePlan.encode_copy) and produced in one call without
+the GIL (DirectProducer), so the reader thread and the main thread run at once.
 """
 
 from __future__ import annotations
@@ -26,7 +31,8 @@ from psycopg import sql
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from cdc._catalog import TableInfo
-from cdc._events import ColumnSpec, Position, TableCodec
+from cdc._events import ColumnSpec, Position, TableCodec, native_module
+from cdc._libs import addresses, loaded_library
 from cdc._resnapshot import GapDeletes, Reconciler
 from cdc.errors import StreamError
 from decoders import TupleData
@@ -45,9 +51,50 @@ _B, _T, _N = ord("b"), ord("t"), ord("n")
 @dataclass
 class _Chunk:
     table: str
-    rows: list[tuple[bytes, bytes]]  # (framed key, Value record)
+    keys: list[bytes]  # framed keys
+    records: list[bytes]  # the Value records of the same rows
     last_key: list[str] | None
     done: bool
+
+
+_LIBPQ_FUNCTIONS = (
+    "PQisnonblocking",
+    "PQsetnonblocking",
+    "PQsendQuery",
+    "PQgetResult",
+    "PQresultStatus",
+    "PQclear",
+    "PQgetCopyData",
+    "PQfreemem",
+    "PQerrorMessage",
+    "PQresultErrorMessage",
+    "PQresultErrorField",
+)
+
+
+def _copy_reader() -> Any | None:
+    """cdc._native.CopyReader on the libpq psycopg runs, or None (psycopg's Copy reads the chunks)."""
+    _native = native_module()
+    if _native is None:
+        return None
+    lib = loaded_library("libpq", psycopg.pq.version(), "PQlibVersion")
+    try:
+        if lib is None:
+            raise OSError("the libpq psycopg runs is not found")
+        return _native.CopyReader(addresses(lib, _LIBPQ_FUNCTIONS))
+    except (OSError, AttributeError) as exc:
+        log.info("the snapshot reads through psycopg's Copy: %s", exc)
+        return None
+
+
+def _copy_error(sqlstate: str | None, message: str) -> psycopg.Error:
+    """The psycopg exception for a failed COPY, as psycopg itself would raise it (its class from SQLSTATE)."""
+    if sqlstate:
+        try:
+            return psycopg.errors.lookup(sqlstate)(message)
+        except KeyError:
+            return psycopg.DatabaseError(message)
+    return psycopg.OperationalError(message)  # no result: the connection failed
 
 
 def parse_binary_copy(data: bytes | bytearray | memoryview) -> list[list[bytes | None]]:
@@ -77,9 +124,10 @@ def parse_binary_copy(data: bytes | bytearray | memoryview) -> list[list[bytes |
 
 def encode_copy_rows(
     codec: TableCodec, data: bytes, modes: bytes
-) -> tuple[list[tuple[bytes, bytes]], list[bytes] | None]:
-    """A ``COPY … (FORMAT binary)`` chunk straight to (framed key, Value record) pairs (TableCodec.encode_tuple),
-    and the raw fields after the table's columns in its last row (the snapshot's resume key, as text).
+) -> tuple[list[bytes], list[bytes], list[bytes] | None]:
+    """A ``COPY … (FORMAT binary)`` chunk straight to its rows' framed keys and Value records
+    (TableCodec.encode_tuple), and the raw fields after the table's columns in its last row (the snapshot's
+    resume key, as text).
 
     Raises on anything it does not take (malformed, unconvertible, a missing key): the caller then decodes the
     chunk the general way, which reports the error with the full diagnosis.
@@ -89,18 +137,25 @@ def encode_copy_rows(
     (ext_len,) = _I32.unpack_from(data, 15)
     pos = 19 + ext_len
     ncols = len(modes)
-    out: list[tuple[bytes, bytes]] = []
+    (first,) = _I16.unpack_from(data, pos)
+    if first > ncols:  # the key columns follow the table's: the C build does the whole chunk in one call
+        native = codec.encode_copy(data, modes, first - ncols)
+        if native is not None:
+            return native
+    keys: list[bytes] = []
+    records: list[bytes] = []
     extra: list[bytes] = []
     encode = codec.encode_tuple
     i16, i32 = _I16.unpack_from, _I32.unpack_from
     while True:
         (nfields,) = i16(data, pos)
         if nfields == -1:
-            return out, (extra if out else None)
+            return keys, records, (extra if keys else None)
         record, key, _, pos = encode(data, pos, copy_modes=modes)
         if key is None:
             raise ValueError("a key column is NULL")
-        out.append((key, record))
+        keys.append(key)
+        records.append(record)
         extra = []
         for _ in range(nfields - ncols):
             (length,) = i32(data, pos)
@@ -114,11 +169,11 @@ def encode_copy_rows(
 
 def _encode_copy_rows_slowly(
     codec: TableCodec, table: str, data: bytes, modes: bytes
-) -> tuple[list[tuple[bytes, bytes]], list[bytes] | None]:
+) -> tuple[list[bytes], list[bytes], list[bytes] | None]:
     """What :func:`encode_copy_rows` gives, the general way (decoded rows, row dicts): slower, but its errors
     say what is wrong (StreamError: an unconvertible value, a missing key)."""
     ncols = len(modes)
-    pairs = []
+    keys, records = [], []
     raw_rows = parse_binary_copy(data)
     for r in raw_rows:
         values = r[:ncols]
@@ -126,10 +181,11 @@ def _encode_copy_rows_slowly(
             after, _ = codec.row(
                 TupleData(bytes(_N if v is None else m for v, m in zip(values, modes, strict=True)), tuple(values))
             )
-            pairs.append((codec.key_of(after), codec.encode_row(after)))
+            keys.append(codec.key_of(after))
+            records.append(codec.encode_row(after))
         except (ValueError, IndexError) as exc:
             raise StreamError(f"cannot snapshot a row of {table}: {exc}") from exc
-    return pairs, ([v or b"" for v in raw_rows[-1][ncols:]] if raw_rows else None)
+    return keys, records, ([v or b"" for v in raw_rows[-1][ncols:]] if raw_rows else None)
 
 
 class Snapshotter:
@@ -139,6 +195,7 @@ class Snapshotter:
         self.snap: dict[str, Any] = state["snapshot"]
         self.settings = capture.settings
         self._gaps: dict[str, GapDeletes] = {}  # tables whose topics held live keys before this snapshot
+        self._open_since: float | None = None  # when the first chunk not yet committed was produced
 
     def run(self, snapshot_name: str | None) -> None:
         tables = [t for t in self.capture.report.tables if not self.snap["tables"].get(t.qualified, {}).get("done")]
@@ -202,11 +259,11 @@ class Snapshotter:
                     if isinstance(item, BaseException):
                         raise item
                     self._write_chunk(item, codecs[item.table], consistent)
-                    progress.advance(tasks[item.table], len(item.rows))
+                    progress.advance(tasks[item.table], len(item.keys))
                     if item.done:
                         remaining -= 1
                     metrics.snapshot_rows(
-                        item.table, len(item.rows), table_done=item.done, done_tables=len(tables) - remaining
+                        item.table, len(item.keys), table_done=item.done, done_tables=len(tables) - remaining
                     )
                     if self.capture.stop.is_set():
                         log.info("stop requested during the snapshot; it resumes on the next start")
@@ -260,6 +317,7 @@ class Snapshotter:
             ]
             order = sql.SQL(", ").join(sql.SQL("src.{}").format(sql.Identifier(k)) for k in key_names)
             kinds = bytes(_B if b else _T for b in codec.binary_capable)
+            reader = _copy_reader()
             while not cancel.is_set():
                 where: sql.Composable = sql.SQL("")
                 if after is not None:
@@ -276,19 +334,24 @@ class Snapshotter:
                 query = sql.SQL(
                     "COPY (SELECT {} FROM {} AS src {} ORDER BY {} LIMIT {}) TO STDOUT (FORMAT binary)"
                 ).format(sql.SQL(", ").join(select_cols), table.ident(), where, order, sql.Literal(limit))
-                buf = bytearray()
-                with conn.cursor() as cur, cur.copy(query) as copy:
-                    for block in copy:
-                        buf += block
-                data = bytes(buf)
+                if reader is not None:
+                    data, sqlstate, message = reader.copy_out(conn.pgconn.pgconn_ptr, query.as_bytes(conn))  # type: ignore[attr-defined]
+                    if data is None:
+                        raise _copy_error(sqlstate, message)
+                else:
+                    buf = bytearray()
+                    with conn.cursor() as cur, cur.copy(query) as copy:
+                        for block in copy:
+                            buf += block
+                    data = bytes(buf)
                 try:
-                    rows, last = encode_copy_rows(codec, data, kinds)
+                    keys, records, last = encode_copy_rows(codec, data, kinds)
                 except Exception:  # the general path below fails with the diagnosis (or succeeds)
-                    rows, last = _encode_copy_rows_slowly(codec, table.qualified, data, kinds)
+                    keys, records, last = _encode_copy_rows_slowly(codec, table.qualified, data, kinds)
                 if last is not None:
                     after = [v.decode() for v in last]
-                done = len(rows) < limit
-                out.put(_Chunk(table.qualified, rows, after, done))
+                done = len(keys) < limit
+                out.put(_Chunk(table.qualified, keys, records, after, done))
                 if done:
                     return
 
@@ -308,16 +371,24 @@ class Snapshotter:
         gaps = self._gaps.get(chunk.table)
         pos = Position(consistent, consistent, time.time_ns() // 1000, None, "true")
         now_us = time.time_ns() // 1000
-        produce, envelope, topic = self.capture._produce, codec.envelope_bytes, codec.topic
-        for key, record in chunk.rows:
-            produce(topic, key, envelope("r", pos, before=None, after=record, now_us=now_us))
-            if gaps is not None:
+        prefix, suffix = codec.read_event_frame(pos, now_us)
+        self.capture._produce_framed(codec.topic, chunk.keys, chunk.records, prefix, suffix)
+        if gaps is not None:
+            for key in chunk.keys:
                 gaps.seen(key)
-        self.capture.metrics.count(codec.topic, "r", len(chunk.rows))
+        self.capture.metrics.count(codec.topic, "r", len(chunk.keys))
         # Updated, not replaced: the entry also holds the re-snapshot's start offsets ("since").
         progress = self.snap["tables"].setdefault(chunk.table, {})
         progress.update(after=chunk.last_key, done=chunk.done and gaps is None)
-        self.capture._commit_offsets(self.state)
+        # The rows and the progress that covers them are committed together, every interval rather than every
+        # chunk: a commit waits until Kafka has every event of its transaction, and nothing is sent meanwhile.
+        now = time.monotonic()
+        if self._open_since is None:
+            self._open_since = now
+        interval = self.settings.capture.snapshot_commit_interval_s
+        if chunk.done or now - self._open_since >= interval or self.capture.stop.is_set():
+            self.capture._commit_offsets(self.state)
+            self._open_since = None
         if chunk.done and gaps is not None:
             self._delete_gaps(chunk.table, gaps, consistent)
             progress["done"] = True

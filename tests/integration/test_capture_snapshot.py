@@ -59,7 +59,7 @@ def test_snapshot_with_concurrent_writes_ends_at_the_source_state(
         ["public.items", "public.other"],
         f"s_{unique}",
         f"p_{unique}",
-        extra="snapshot_chunk_rows = 500\nsnapshot_workers = 2",
+        extra="snapshot_chunk_rows = 500\nsnapshot_workers = 2\nsnapshot_commit_interval_s = 0",
     )
     proc = CdcProcess(cfg.write(tmp_path / "cdc.toml"), tmp_path / "cdc.log")
     topic = f"t{unique}.public.items"

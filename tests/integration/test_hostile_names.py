@@ -164,7 +164,7 @@ def test_hostile_names_are_captured_exactly(
         slot=f"s_{run}",
         publication=f"p_{run}",
         # Chunks of two rows: the snapshot resumes after a key several times (a query of its own).
-        extra="snapshot_chunk_rows = 2",
+        extra="snapshot_chunk_rows = 2\nsnapshot_commit_interval_s = 0",
     )
     config = cfg.write(work / "cdc.toml")
     schemas = list(dict.fromkeys(t.schema for t in tables))

@@ -263,7 +263,7 @@ def test_a_resnapshot_killed_while_deleting_converges_on_the_rerun(
             ["public.items"],
             slot,
             f"p_{slot}",
-            extra="snapshot_chunk_rows = 100",
+            extra="snapshot_chunk_rows = 100\nsnapshot_commit_interval_s = 0",
         )
         config = cfg.write(tmp_path / "cdc.toml")
         proc = CdcProcess(config, tmp_path / "cdc.log")

@@ -322,8 +322,8 @@ def test_copy_rows_encode_as_the_general_path(codec: TableCodec, chunk: tuple[by
         with pytest.raises(Exception):  # noqa: B017, PT011
             encode_copy_rows(codec, data, modes)
         return
-    pairs, last = encode_copy_rows(codec, data, modes)
-    assert pairs == expected
+    keys, records, last = encode_copy_rows(codec, data, modes)
+    assert list(zip(keys, records, strict=True)) == expected
     assert last == (extras[-1:] or None)
 
 
