@@ -19,7 +19,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource
+from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource, NewTopic
 
 from tests.integration._capture_helpers import (
     CdcConfig,
@@ -144,6 +144,54 @@ def test_message_too_large(
             assert "Traceback" not in rerun, rerun
     finally:
         drop_role(pg_dsn, role)
+
+
+def test_snapshot_row_too_large(
+    *, pg_dsn: str, kafka_bootstrap: str, registry_url: str, unique: str, tmp_path: Path
+) -> None:
+    """A row the snapshot reads that is over its topic's limit: the snapshot's events are produced from C with
+    no delivery callback (cdc/_native.pyx, DirectProducer), so the refusal is told from the events' sizes; the
+    same actionable error as when streaming, nothing committed, and after the fix every row exactly once."""
+    prefix, slot = f"bigs{unique}", f"s_{unique}"
+    topic = f"{prefix}.public.t"
+    with scratch_database(pg_dsn, f"bigs_{unique}") as dsn:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute("CREATE TABLE t (id int PRIMARY KEY, body text)")
+            conn.execute("INSERT INTO t SELECT g, 'row ' || g FROM generate_series(1, 5000) g")
+            conn.execute("INSERT INTO t SELECT 5001, string_agg(md5(random()::text), '') FROM generate_series(1, 3125)")
+        admin = AdminClient({"bootstrap.servers": kafka_bootstrap})
+        new = NewTopic(topic, num_partitions=1, config={"cleanup.policy": "compact", "max.message.bytes": "20000"})
+        admin.create_topics([new])[topic].result(30)
+        cfg = CdcConfig(dsn, kafka_bootstrap, registry_url, prefix, ["public.t"], slot, f"p_{unique}")
+        capture = cfg.start(tmp_path)
+        try:
+            assert capture.proc is not None
+            code = capture.proc.wait(180)
+        finally:
+            if capture.alive():
+                capture.kill()
+        output = capture.log.read_text(errors="replace")
+        assert code == 6, output
+        for fragment in (
+            f"an event for topic '{topic}' is ",
+            "the topic's max.message.bytes is 20,000",
+            "no change is lost",
+            f"kafka-configs --alter --entity-type topics --entity-name {topic} --add-config max.message.bytes=N",
+        ):
+            assert fragment in output, f"{fragment!r} missing from:\n{output}"
+        assert "Traceback" not in output, output
+        assert read_topic(kafka_bootstrap, registry_url, topic) == [], "a failed snapshot transaction was committed"
+
+        _set_max_message_bytes(kafka_bootstrap, topic, 2_000_000)
+        again = CdcProcess(cfg.write(tmp_path / "cdc.toml"), tmp_path / "cdc-again.log")
+        again.start()
+        try:
+            again.wait_streaming(180)
+        finally:
+            again.stop()
+        events = read_topic(kafka_bootstrap, registry_url, topic)
+        assert Counter((e.key or {})["id"] for e in events) == {i: 1 for i in range(1, 5002)}
+        assert "Traceback" not in again.log.read_text(errors="replace")
 
 
 @contextmanager
