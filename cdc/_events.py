@@ -7,11 +7,14 @@ per-row path does no lookups.
 
 from __future__ import annotations
 
+import io
 import os
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+import fastavro
 
 from decoders import TupleData
 from schemas import (
@@ -128,6 +131,7 @@ class TableCodec:
         self._fast_kinds = tuple(_fast_kind(m) for m in mappings)
         self._int_readers = tuple(_INT_READERS.get(m.fixed or "") for m in mappings)
         self._plan: Any = None
+        self._key_reader: Any = None  # parsed key schema, made by key_values when first needed
         if _native is not None and native_enabled():
             self._plan = _native.TuplePlan(
                 [_native_wire(m) for m in mappings],
@@ -167,6 +171,14 @@ class TableCodec:
                 if kind == _UNCHANGED:
                     unchanged.append(names[i])
         return out, unchanged
+
+    def key_values(self, key: bytes) -> list[Any]:
+        """The key columns' values read back from a framed key (as key_of and encode_tuple make them)."""
+        if self._key_reader is None:
+            self._key_reader = fastavro.parse_schema(self.key_schema)
+        record = fastavro.schemaless_reader(io.BytesIO(key[len(self._key_frame) :]), self._key_reader)
+        assert isinstance(record, dict)
+        return [record[name] for name in self.key_field_names]
 
     def key_of(self, row: dict[str, Any]) -> bytes:
         names = self.field_names

@@ -358,3 +358,43 @@ def test_the_c_encoder_refuses_impossible_calls() -> None:
         _native.TuplePlan([(0, 0)], (bytes.decode,), (bytes,), (print,), ("a",), (5,), b"K")
     with pytest.raises(ValueError, match="per column"):
         _native.TuplePlan([(0, 0)] * 3, (), (), (), (), (), b"K")
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.integers(-(2**63), 2**63 - 1),
+    st.integers(-(2**15), 2**15 - 1),
+    st.integers(-(2**31), 2**31 - 1),
+    st.text(alphabet=st.characters(blacklist_categories=["Cs"], blacklist_characters="\x00")),
+    st.uuids(),
+)
+def test_snapshot_resume_keys_read_back_as_postgresql_prints_them(
+    i8: int, i2: int, i4: int, text: str, uuid_value: Any
+) -> None:
+    """The snapshot resumes after the last key read back from its Avro key (for these types, instead of a
+    ``key::text`` column per row): str() of the value read back must be PostgreSQL's text form of it."""
+    columns = [
+        ("a", PgType(20, "int8"), -1),
+        ("b", PgType(21, "int2"), -1),
+        ("c", PgType(23, "int4"), -1),
+        ("d", PgType(25, "text"), -1),
+        ("e", PgType(1043, "varchar"), -1),
+        ("f", PgType(2950, "uuid"), -1),
+        ("g", PgType(25, "text"), -1),  # not a key column
+    ]
+    codec = make_codec(columns, topic="p.public.k", key=["a", "b", "c", "d", "e", "f"], register=lambda _s, _d: 4)
+    frame = _tuple(
+        [
+            (str(i8).encode(), struct.pack(">q", i8)),
+            (str(i2).encode(), struct.pack(">h", i2)),
+            (str(i4).encode(), struct.pack(">i", i4)),
+            (text.encode(), text.encode()),
+            (text.encode(), text.encode()),
+            (str(uuid_value).encode(), uuid_value.bytes),
+            (b"x", b"x"),
+        ],
+        ["b"] * 7,
+    )
+    _, key, _, _ = codec.encode_tuple(frame, 0)
+    assert key is not None
+    assert [str(v) for v in codec.key_values(key)] == [str(i8), str(i2), str(i4), text, text, str(uuid_value)]
