@@ -21,6 +21,7 @@ the batch at Stream Commit, so memory stays bounded and aborted transactions nev
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 import signal
@@ -142,6 +143,22 @@ class _TxMeta:
 
 class _TextModeNeededError(Exception):
     """A relation arrived with a column we can only read in text form."""
+
+
+_frozen = threading.Event()  # set once: what was made before streaming first started is frozen
+
+
+def _freeze_startup_objects() -> None:
+    """Hides what the process made before streaming (modules, settings, clients, codecs: ~hundreds of thousands of
+    objects that live as long as it does) from the cyclic garbage collector. A full collection then scans only
+    what streaming made since: measured at 2,000 txn/s, full collections of the whole heap paused the capture
+    for up to ~55 ms, and every event in flight waited (commit -> Kafka latency p99). Once per process: objects
+    frozen are never collected, so a retried attempt's must not be frozen again."""
+    if _frozen.is_set():
+        return
+    _frozen.set()
+    gc.collect()
+    gc.freeze()
 
 
 class Capture:
@@ -382,6 +399,7 @@ class Capture:
         repl.start(s.source.slot, resume, options)
         repl.send_status(resume, resume, resume)
         self.metrics.set_state("streaming")
+        _freeze_startup_objects()
         log.info("streaming from slot %s at %X (protocol %d)", s.source.slot, resume, proto)
 
         acked = resume
