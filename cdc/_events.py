@@ -172,6 +172,13 @@ class TableCodec:
                     unchanged.append(names[i])
         return out, unchanged
 
+    def binary_value(self, index: int, raw: bytes) -> Any:
+        """Column ``index``'s value from its binary (send format) bytes, as the events carry it."""
+        convert = self._binary[index]
+        if convert is None:
+            raise ValueError(f"column {self.columns[index].name!r} has no binary reader")
+        return convert(raw)
+
     def key_values(self, key: bytes) -> list[Any]:
         """The key columns' values read back from a framed key (as key_of and encode_tuple make them)."""
         if self._key_reader is None:

@@ -770,11 +770,37 @@ cdef class CopyReader:
         self.result_error_field = <pq_result_error_field_t><size_t>symbols["PQresultErrorField"]
 
     def copy_out(self, size_t pgconn, bytes query not None) -> tuple:
-        """Runs ``query`` (a COPY … TO STDOUT) on the idle PGconn at address ``pgconn``. Returns (the whole
-        output, None, None), or (None, SQLSTATE or None, error message) when it fails; the connection is idle
-        again either way (its transaction, if any, failed with the statement, as with psycopg)."""
+        """Runs ``query`` (a COPY … TO STDOUT) on the idle PGconn at address ``pgconn``: :meth:`send` then
+        :meth:`receive`."""
+        sent = self.send(pgconn, query)
+        if sent is not None:
+            return sent
+        return self.receive(pgconn)
+
+    def send(self, size_t pgconn, bytes query not None) -> tuple | None:
+        """Sends ``query`` (a COPY … TO STDOUT) on the idle PGconn at address ``pgconn`` without waiting for
+        its answer (the server starts on it while the caller does something else): None, or (None, None,
+        error message) when it could not be sent. :meth:`receive` takes the output."""
         cdef void *conn = <void*>pgconn
         cdef const char *q = PyBytes_AS_STRING(query)
+        cdef int ok, was_nonblocking
+        if conn == NULL:
+            raise ValueError("no connection")
+        with nogil:
+            was_nonblocking = self.is_nonblocking(conn)
+            self.set_nonblocking(conn, 0)  # blocking: the whole query is written before this returns
+            ok = self.send_query(conn, q)
+            self.set_nonblocking(conn, was_nonblocking)
+        if ok:
+            return None
+        message = <bytes>self.error_message(conn)
+        return None, None, message.decode(errors="replace").strip()
+
+    def receive(self, size_t pgconn) -> tuple:
+        """The answer to the COPY :meth:`send` sent on the PGconn at address ``pgconn``: (the whole output,
+        None, None), or (None, SQLSTATE or None, error message) when it failed; the connection is idle again
+        either way (its transaction, if any, failed with the statement, as with psycopg)."""
+        cdef void *conn = <void*>pgconn
         cdef char *out = NULL
         cdef char *grown
         cdef char *row = NULL
@@ -788,34 +814,31 @@ cdef class CopyReader:
         with nogil:
             was_nonblocking = self.is_nonblocking(conn)
             self.set_nonblocking(conn, 0)  # psycopg's are non-blocking; these calls are meant to block
-            if not self.send_query(conn, q):
+            res = self.get_result(conn)
+            status = self.result_status(res) if res != NULL else -1
+            if status != PGRES_COPY_OUT:
                 failed = 1
             else:
-                res = self.get_result(conn)
-                status = self.result_status(res) if res != NULL else -1
-                if status != PGRES_COPY_OUT:
-                    failed = 1
-                else:
-                    self.clear(res)
-                    res = NULL
-                    while True:
-                        got = self.get_copy_data(conn, &row, 0)
-                        if got < 0:  # -1: the COPY is done; -2: an error, told by the result below
+                self.clear(res)
+                res = NULL
+                while True:
+                    got = self.get_copy_data(conn, &row, 0)
+                    if got < 0:  # -1: the COPY is done; -2: an error, told by the result below
+                        break
+                    if n + got > cap:
+                        cap = max(cap * 2, n + got, 1 << 20)
+                        grown = <char*>realloc(out, cap)
+                        if grown == NULL:
+                            self.freemem(row)
+                            failed = 2
                             break
-                        if n + got > cap:
-                            cap = max(cap * 2, n + got, 1 << 20)
-                            grown = <char*>realloc(out, cap)
-                            if grown == NULL:
-                                self.freemem(row)
-                                failed = 2
-                                break
-                            out = grown
-                        memcpy(out + n, row, got)
-                        n += got
-                        self.freemem(row)
-                    res = self.get_result(conn)  # the COPY's own result: success or the error
-                    if res == NULL or self.result_status(res) == 7:  # PGRES_FATAL_ERROR
-                        failed = failed or 1
+                        out = grown
+                    memcpy(out + n, row, got)
+                    n += got
+                    self.freemem(row)
+                res = self.get_result(conn)  # the COPY's own result: success or the error
+                if res == NULL or self.result_status(res) == 7:  # PGRES_FATAL_ERROR
+                    failed = failed or 1
             if failed:
                 with gil:
                     if res != NULL:
@@ -837,3 +860,52 @@ cdef class CopyReader:
             return PyBytes_FromStringAndSize(out, n), None, None
         finally:
             free(out)
+
+
+def copy_rows_and_last(bytes data not None) -> tuple:
+    """(the number of rows of a ``COPY … (FORMAT binary)`` output, the raw fields of its last row — None for a
+    NULL — or None without rows): what the snapshot needs to ask for its next chunk before encoding this one."""
+    cdef const unsigned char* d = <const unsigned char*>PyBytes_AS_STRING(data)
+    cdef Py_ssize_t size = PyBytes_GET_SIZE(data), pos, last = -1, rows = 0, j, length
+    cdef int16_t nfields
+    cdef list fields
+    if size < 19 or memcmp(d, b"PGCOPY\n\xff\r\n\0", 11) != 0:
+        raise ValueError("COPY output does not start with the binary COPY signature")
+    length = <int32_t>be32(d + 15)
+    if length < 0 or length > size - 19:
+        raise ValueError("truncated COPY header")
+    pos = 19 + length
+    while True:
+        if pos > size - 2:
+            raise ValueError("truncated COPY output")
+        nfields = <int16_t>be16(d + pos)
+        if nfields == -1:
+            break
+        if nfields < 0:
+            raise ValueError("negative field count")
+        last = pos
+        pos += 2
+        for j in range(nfields):
+            if pos > size - 4:
+                raise ValueError("truncated COPY row")
+            length = <int32_t>be32(d + pos)
+            pos += 4
+            if length > 0:
+                if length > size - pos:
+                    raise ValueError("truncated COPY row")
+                pos += length
+        rows += 1
+    if last < 0:
+        return 0, None
+    fields = []
+    nfields = <int16_t>be16(d + last)
+    pos = last + 2
+    for j in range(nfields):
+        length = <int32_t>be32(d + pos)
+        pos += 4
+        if length < 0:
+            fields.append(None)
+        else:
+            fields.append(PyBytes_FromStringAndSize(<const char*>d + pos, length))
+            pos += length
+    return rows, fields

@@ -21,7 +21,7 @@ import struct
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -325,8 +325,8 @@ class Snapshotter:
                 ]
             order = sql.SQL(", ").join(sql.SQL("src.{}").format(sql.Identifier(k)) for k in key_names)
             kinds = bytes(_B if b else _T for b in codec.binary_capable)
-            reader = _copy_reader()
-            while not cancel.is_set():
+
+            def query_for(after: list[str] | None) -> sql.Composed:
                 where: sql.Composable = sql.SQL("")
                 if after is not None:
                     # The last key as literals, not as %s parameters: with parameters psycopg parses the whole
@@ -339,23 +339,44 @@ class Snapshotter:
                             for v, t in zip(after, key_types, strict=True)
                         ),
                     )
-                query = sql.SQL(
+                return sql.SQL(
                     "COPY (SELECT {} FROM {} AS src {} ORDER BY {} LIMIT {}) TO STDOUT (FORMAT binary)"
                 ).format(sql.SQL(", ").join(select_cols), table.ident(), where, order, sql.Literal(limit))
-                if reader is not None:
-                    data, sqlstate, message = reader.copy_out(conn.pgconn.pgconn_ptr, query.as_bytes(conn))  # type: ignore[attr-defined]
-                    if data is None:
-                        raise _copy_error(sqlstate, message)
-                else:
-                    buf = bytearray()
-                    with conn.cursor() as cur, cur.copy(query) as copy:
-                        for block in copy:
-                            buf += block
-                    data = bytes(buf)
+
+            def encode(data: bytes) -> tuple[list[bytes], list[bytes], list[bytes] | None]:
                 try:
-                    keys, records, last = encode_copy_rows(codec, data, kinds)
-                except Exception:  # the general path below fails with the diagnosis (or succeeds)
-                    keys, records, last = _encode_copy_rows_slowly(codec, table.qualified, data, kinds)
+                    return encode_copy_rows(codec, data, kinds)
+                except Exception:  # the general path fails with the diagnosis (or succeeds)
+                    return _encode_copy_rows_slowly(codec, table.qualified, data, kinds)
+
+            reader = _copy_reader()
+            if reader is not None:
+                names = [c.name for c in table.columns]
+                positions = [names.index(k) for k in key_names]
+
+                def resume_key(fields: list[bytes | None]) -> list[str]:
+                    if key_from_avro:  # the key columns' values as the events carry them, printed
+                        return [str(codec.binary_value(i, fields[i] or b"")) for i in positions]
+                    return [(v or b"").decode() for v in fields[len(names) :]]  # the key::text columns
+
+                self._read_chunks_natively(
+                    reader,
+                    conn,
+                    query_for=query_for,
+                    encode=encode,
+                    resume_key=resume_key,
+                    table=table.qualified,
+                    after=after,
+                    out=out,
+                    cancel=cancel,
+                )
+                return
+            while not cancel.is_set():
+                buf = bytearray()
+                with conn.cursor() as cur, cur.copy(query_for(after)) as copy:
+                    for block in copy:
+                        buf += block
+                keys, records, last = encode(bytes(buf))
                 if key_from_avro:
                     if keys:
                         after = [str(v) for v in codec.key_values(keys[-1])]
@@ -365,6 +386,47 @@ class Snapshotter:
                 out.put(_Chunk(table.qualified, keys, records, after, done))
                 if done:
                     return
+
+    def _read_chunks_natively(
+        self,
+        reader: Any,
+        conn: psycopg.Connection[Any],
+        *,
+        query_for: Callable[[list[str] | None], sql.Composed],
+        encode: Callable[[bytes], tuple[list[bytes], list[bytes], list[bytes] | None]],
+        resume_key: Callable[[list[bytes | None]], list[str]],
+        table: str,
+        after: list[str] | None,
+        out: queue.Queue[_Chunk | BaseException],
+        cancel: threading.Event,
+    ) -> None:
+        """The chunks of one table through libpq (cdc._native.CopyReader), one ahead: the next chunk's COPY is
+        sent as soon as this one's last key is known, so PostgreSQL reads it while this one is encoded."""
+        native = native_module()
+        assert native is not None
+        limit = self.settings.capture.snapshot_chunk_rows
+        pgconn = conn.pgconn.pgconn_ptr  # type: ignore[attr-defined]  # public, not in psycopg's PGconn protocol
+        failed = reader.send(pgconn, query_for(after).as_bytes(conn))
+        while True:
+            if failed is not None:
+                raise _copy_error(failed[1], failed[2])
+            data, sqlstate, message = reader.receive(pgconn)
+            if data is None:
+                raise _copy_error(sqlstate, message)
+            try:
+                rows, last_fields = native.copy_rows_and_last(data)
+            except ValueError as exc:
+                raise StreamError(f"cannot snapshot {table}: PostgreSQL's COPY output is malformed: {exc}") from exc
+            done = rows < limit
+            if not done:
+                after = resume_key(last_fields)
+                if cancel.is_set():
+                    return
+                failed = reader.send(pgconn, query_for(after).as_bytes(conn))
+            keys, records, _ = encode(data)
+            out.put(_Chunk(table, keys, records, after, done))
+            if done:
+                return
 
     @staticmethod
     def _key_types(conn: psycopg.Connection[Any], table: TableInfo, key_names: Sequence[str]) -> list[str]:

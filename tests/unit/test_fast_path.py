@@ -397,4 +397,8 @@ def test_snapshot_resume_keys_read_back_as_postgresql_prints_them(
     )
     _, key, _, _ = codec.encode_tuple(frame, 0)
     assert key is not None
-    assert [str(v) for v in codec.key_values(key)] == [str(i8), str(i2), str(i4), text, text, str(uuid_value)]
+    expected = [str(i8), str(i2), str(i4), text, text, str(uuid_value)]
+    assert [str(v) for v in codec.key_values(key)] == expected
+    # The same from the raw values, as the snapshot reads them when it asks for the next chunk before encoding.
+    raw = [struct.pack(">q", i8), struct.pack(">h", i2), struct.pack(">i", i4), text.encode(), text.encode()]
+    assert [str(codec.binary_value(i, r)) for i, r in enumerate([*raw, uuid_value.bytes])] == expected
