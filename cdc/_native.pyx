@@ -303,6 +303,17 @@ cdef int put_fast(Buf* b, int wire, int scale, const unsigned char* p, Py_ssize_
     return 1
 
 
+cdef Py_ssize_t copy_body_start(const unsigned char* d, Py_ssize_t size) except -1:
+    """Where the rows of a ``COPY … (FORMAT binary)`` output start: after its signature, flags and extension."""
+    cdef int32_t extension
+    if size < 19 or memcmp(d, b"PGCOPY\n\xff\r\n\0", 11) != 0:
+        raise ValueError("COPY output does not start with the binary COPY signature")
+    extension = <int32_t>be32(d + 15)
+    if extension < 0 or extension > size - 19:
+        raise ValueError("truncated COPY header")
+    return 19 + extension
+
+
 cdef class TuplePlan:
     """How one table version's tuples become its Value record (see TableCodec.encode_tuple)."""
 
@@ -370,12 +381,7 @@ cdef class TuplePlan:
         cdef int16_t nfields
         cdef list keys = [], records = []
         cdef list last = None
-        if size < 19 or memcmp(d, b"PGCOPY\n\xff\r\n\0", 11) != 0:
-            raise ValueError("COPY output does not start with the binary COPY signature")
-        length = <int32_t>be32(d + 15)
-        if length < 0 or length > size - 19:
-            raise ValueError("truncated COPY header")
-        pos = 19 + length
+        pos = copy_body_start(d, size)
         while True:
             if pos > size - 2:
                 raise ValueError("truncated COPY output")
@@ -869,12 +875,7 @@ def copy_rows_and_last(bytes data not None) -> tuple:
     cdef Py_ssize_t size = PyBytes_GET_SIZE(data), pos, last = -1, rows = 0, j, length
     cdef int16_t nfields
     cdef list fields
-    if size < 19 or memcmp(d, b"PGCOPY\n\xff\r\n\0", 11) != 0:
-        raise ValueError("COPY output does not start with the binary COPY signature")
-    length = <int32_t>be32(d + 15)
-    if length < 0 or length > size - 19:
-        raise ValueError("truncated COPY header")
-    pos = 19 + length
+    pos = copy_body_start(d, size)
     while True:
         if pos > size - 2:
             raise ValueError("truncated COPY output")

@@ -57,6 +57,18 @@ def _confirmed_lsn(dsn: str, slot: str) -> int:
     return int(row[0])
 
 
+def _assert_says_too_large(output: str, topic: str, limit: int) -> None:
+    """The size error says which topic, the limits in force, that nothing is lost, and the command that fixes it."""
+    for fragment in (
+        f"an event for topic '{topic}' is ",
+        f"the topic's max.message.bytes is {limit:,}",
+        "the producer's message.max.bytes",
+        "no change is lost",
+        f"kafka-configs --alter --entity-type topics --entity-name {topic} --add-config max.message.bytes=N",
+    ):
+        assert fragment in output, f"{fragment!r} missing from:\n{output}"
+
+
 # (the event's body in bytes, the topic's max.message.bytes while it fails, extra config): over the topic's
 # limit only (the broker refuses it at commit), and over the producer's own 1,000,000 (librdkafka refuses it).
 SIZES = {
@@ -102,14 +114,7 @@ def test_message_too_large(
                     capture.kill()
             output = capture.log.read_text(errors="replace")
             assert code == 6, output
-            for fragment in (
-                f"an event for topic '{topic}' is ",
-                f"the topic's max.message.bytes is {limit:,}",
-                "the producer's message.max.bytes",
-                "no change is lost",
-                f"kafka-configs --alter --entity-type topics --entity-name {topic} --add-config max.message.bytes=N",
-            ):
-                assert fragment in output, f"{fragment!r} missing from:\n{output}"
+            _assert_says_too_large(output, topic, limit)
             if case == "over-the-producer-limit":
                 assert "the producer's message.max.bytes 1,000,000" in output, output
                 assert '"message.max.bytes" = N' in output, output
@@ -172,13 +177,7 @@ def test_snapshot_row_too_large(
                 capture.kill()
         output = capture.log.read_text(errors="replace")
         assert code == 6, output
-        for fragment in (
-            f"an event for topic '{topic}' is ",
-            "the topic's max.message.bytes is 20,000",
-            "no change is lost",
-            f"kafka-configs --alter --entity-type topics --entity-name {topic} --add-config max.message.bytes=N",
-        ):
-            assert fragment in output, f"{fragment!r} missing from:\n{output}"
+        _assert_says_too_large(output, topic, 20_000)
         assert "Traceback" not in output, output
         assert read_topic(kafka_bootstrap, registry_url, topic) == [], "a failed snapshot transaction was committed"
 
