@@ -43,10 +43,24 @@ def _writer(dsn: str, done: threading.Event) -> None:
                 conn.execute("DELETE FROM items WHERE id = %s", (rnd.randint(1, next_id - 1),))
 
 
-@pytest.mark.parametrize("crash", [False, True], ids=["clean", "sigkill-mid-snapshot"])
+@pytest.mark.parametrize(
+    ("crash", "pure_python"),
+    [(False, False), (True, False), (False, True)],
+    ids=["clean", "sigkill-mid-snapshot", "clean-pure-python"],
+)
 def test_snapshot_with_concurrent_writes_ends_at_the_source_state(
-    *, source: str, kafka_bootstrap: str, registry_url: str, unique: str, tmp_path: Path, crash: bool
+    *,
+    source: str,
+    kafka_bootstrap: str,
+    registry_url: str,
+    unique: str,
+    tmp_path: Path,
+    crash: bool,
+    pure_python: bool,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    if pure_python:  # the fallback without the C build: psycopg's Copy, produce() per event, Python encoders
+        monkeypatch.setenv("CDC_PURE_PYTHON", "1")
     with psycopg.connect(source, autocommit=True) as conn:
         conn.execute("CREATE TABLE items (id int PRIMARY KEY, name text NOT NULL, qty int)")
         conn.execute("INSERT INTO items SELECT g, 'item ' || g, 0 FROM generate_series(1, %s) g", (ROWS,))
