@@ -21,6 +21,7 @@ from confluent_kafka import (
     TopicPartition,
 )
 from confluent_kafka import libversion as confluent_kafka_libversion
+from confluent_kafka import version as confluent_kafka_version
 from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic
 from confluent_kafka.schema_registry import Schema, SchemaRegistryClient
 from confluent_kafka.schema_registry.error import SchemaRegistryError as _RegistryHTTPError
@@ -183,7 +184,12 @@ def _direct_producer(producer: Producer) -> Any | None:
     """cdc._native.DirectProducer on ``producer``'s librdkafka handle, or None (and the events go through
     ``Producer.produce``) without the C build, with CDC_PURE_PYTHON, or when the library is not found."""
     _native = native_module()
-    if _native is None or type(producer) is not Producer:
+    # The layout read (the handle first in the Producer object) is that of confluent-kafka 1.x and 2.x.
+    if (
+        _native is None
+        or type(producer) is not Producer
+        or confluent_kafka_version()[0].split(".")[0] not in ("1", "2")
+    ):
         return None
     lib = loaded_library("librdkafka", confluent_kafka_libversion()[1], "rd_kafka_version")
     try:
@@ -313,7 +319,13 @@ class TransactionalProducer:
             except KafkaException as exc:
                 if exc.args[0].code() == KafkaError.MSG_SIZE_TOO_LARGE:  # over the producer's own limit
                     raise self._message_too_large(topic, len(key) + len(value or b"")) from exc
-                raise self._refused_as_too_large() or _kafka_error(exc, f"producing to {topic!r}") from exc
+                code = exc.args[0].code()
+                raise self._refused_as_too_large(code) or _kafka_error(exc, f"producing to {topic!r}") from exc
+
+    @property
+    def produces_from_c(self) -> bool:
+        """Whether :meth:`produce_framed` hands its events to librdkafka from C (cdc._native.DirectProducer)."""
+        return self._direct is not None
 
     def produce_framed(self, topic: str, keys: list[bytes], records: list[bytes], prefix: bytes, suffix: bytes) -> None:
         """The events (keys[i], prefix + records[i] + suffix), each to the topic's partition for its key: a
@@ -340,10 +352,11 @@ class TransactionalProducer:
             if err == KafkaError.MSG_SIZE_TOO_LARGE:  # over the producer's own limit
                 size = len(keys[at]) + len(prefix) + len(records[at]) + len(suffix)
                 raise self._message_too_large(topic, size) from exc
-            raise self._refused_as_too_large() or _kafka_error(exc, f"producing to {topic!r}") from exc
+            raise self._refused_as_too_large(err) or _kafka_error(exc, f"producing to {topic!r}") from exc
 
-    def _refused_as_too_large(self) -> KafkaSetupError | None:
-        """The size error behind a failed transaction, if the broker refused an event as too large.
+    def _refused_as_too_large(self, code: int) -> KafkaSetupError | None:
+        """The size error behind a failed transaction (``code``: the failure's), if the broker refused an event as
+        too large.
 
         Such a refusal makes the open transaction abortable, so the next produce() or the commit fails with a
         generic state error; without this, that error would read as transient and the capture would retry
@@ -353,19 +366,21 @@ class TransactionalProducer:
         if self._too_large:
             topic, size = max(self._too_large, key=lambda found: found[1])
             return self._message_too_large(topic, size)
-        # Events produced from C have no delivery callback: their sizes against the topics' limits instead
-        # (a record batch adds its ~60-byte header and each record ~20 bytes to the event).
-        for topic, size in self._direct_largest.items():
-            limit = self._topic_limit(topic)
-            if limit is not None and size + 100 > limit:
-                return self._message_too_large(topic, size)
-        return None
+        if code != KafkaError.MSG_SIZE_TOO_LARGE or not self._direct_largest:
+            return None
+        # Events produced from C have no delivery callback: the failure's code says a size was refused, and
+        # the topic is the one whose largest event is nearest its limit (over it, or a record batch of
+        # several was: _message_too_large says which).
+        limits = {topic: self._topic_limit(topic) for topic in self._direct_largest}
+        topic = max(self._direct_largest, key=lambda t: self._direct_largest[t] / (limits[t] or 1_048_588))
+        return self._message_too_large(topic, self._direct_largest[topic])
 
     def commit(self) -> None:
         try:
             self._producer.commit_transaction(_TIMEOUT_S * 4)
         except KafkaException as exc:
-            raise self._refused_as_too_large() or _kafka_error(exc, "committing a Kafka transaction") from exc
+            code = exc.args[0].code()
+            raise self._refused_as_too_large(code) or _kafka_error(exc, "committing a Kafka transaction") from exc
         if self._errors:  # commit raises on failed deliveries; this is belt and braces
             raise _kafka_error(KafkaException(self._errors[0]), "delivering a message")
 

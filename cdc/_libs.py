@@ -18,6 +18,7 @@ def loaded_library(name: str, version: int, version_function: str) -> ctypes.CDL
             paths = {line.split(maxsplit=5)[-1].strip() for line in maps if f"/{name}" in line}
     except OSError:  # not Linux
         return None
+    found = []
     for path in sorted(paths):
         if not os.path.basename(path).startswith(name):
             continue
@@ -28,8 +29,10 @@ def loaded_library(name: str, version: int, version_function: str) -> ctypes.CDL
             continue
         function.restype = ctypes.c_int
         if function() == version:
-            return lib
-    return None
+            found.append(lib)
+    # Two copies of the same version (a wheel's bundled one and the system's): which one owns the handles is
+    # not known, and a call into the other would use another copy's state (its own OpenSSL, say).
+    return found[0] if len(found) == 1 else None
 
 
 def addresses(lib: ctypes.CDLL, names: tuple[str, ...]) -> dict[str, int]:

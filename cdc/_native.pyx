@@ -633,6 +633,7 @@ ctypedef int (*rk_last_error_t)() noexcept nogil
 ctypedef void *(*rk_opaque_t)(const void *rk) noexcept nogil
 
 cdef int32_t RD_KAFKA_PARTITION_UA = -1
+cdef int RD_KAFKA_RESP_ERR__FAIL = -196
 cdef int RD_KAFKA_MSG_F_COPY = 0x2
 
 cdef struct Row:
@@ -704,7 +705,8 @@ cdef class DirectProducer:
             memcpy(buf, PyBytes_AS_STRING(prefix), plen)
             rkt = self.topic_new(self.rk, ctopic, NULL)
             if rkt == NULL:
-                return start, self.last_error(), 0
+                err = self.last_error()
+                return start, (err if err != 0 else RD_KAFKA_RESP_ERR__FAIL), 0
             with nogil:
                 for i in range(n):
                     memcpy(buf + plen, items[i].record, items[i].reclen)
@@ -742,8 +744,10 @@ ctypedef char *(*pq_error_message_t)(const void *conn) noexcept nogil
 ctypedef char *(*pq_result_error_message_t)(const void *res) noexcept nogil
 ctypedef char *(*pq_result_error_field_t)(const void *res, int fieldcode) noexcept nogil
 
+cdef int PGRES_COMMAND_OK = 1
 cdef int PGRES_COPY_OUT = 3
 cdef int PG_DIAG_SQLSTATE = 67  # 'C'
+cdef int PG_DIAG_MESSAGE_PRIMARY = 77  # 'M': the message without "ERROR:  " and the query's LINE lines
 
 
 cdef class CopyReader:
@@ -835,15 +839,15 @@ cdef class CopyReader:
                         cap = max(cap * 2, n + got, 1 << 20)
                         grown = <char*>realloc(out, cap)
                         if grown == NULL:
-                            self.freemem(row)
-                            failed = 2
-                            break
-                        out = grown
-                    memcpy(out + n, row, got)
-                    n += got
+                            failed = 2  # the rest is read and dropped: libpq must leave the COPY state
+                        else:
+                            out = grown
+                    if failed == 0:
+                        memcpy(out + n, row, got)
+                        n += got
                     self.freemem(row)
                 res = self.get_result(conn)  # the COPY's own result: success or the error
-                if res == NULL or self.result_status(res) == 7:  # PGRES_FATAL_ERROR
+                if res == NULL or self.result_status(res) != PGRES_COMMAND_OK:
                     failed = failed or 1
             if failed:
                 with gil:
@@ -851,7 +855,8 @@ cdef class CopyReader:
                         field = self.result_error_field(res, PG_DIAG_SQLSTATE)
                         if field != NULL:
                             sqlstate = field
-                        message = self.result_error_message(res)
+                        field = self.result_error_field(res, PG_DIAG_MESSAGE_PRIMARY)
+                        message = field if field != NULL else self.result_error_message(res)
                     if not message:
                         message = self.error_message(conn)
             while res != NULL:  # the results left, until libpq says the statement is over

@@ -91,12 +91,13 @@ def _copy_reader() -> Any | None:
 
 
 def _copy_error(sqlstate: str | None, message: str) -> psycopg.Error:
-    """The psycopg exception for a failed COPY, as psycopg itself would raise it (its class from SQLSTATE)."""
+    """The psycopg exception for a failed COPY, as psycopg itself would raise it (its class from SQLSTATE; for a
+    code psycopg does not know, from the code's class, e.g. 08xxx a connection exception)."""
     if sqlstate:
-        try:
-            return psycopg.errors.lookup(sqlstate)(message)
-        except KeyError:
-            return psycopg.DatabaseError(message)
+        for code in (sqlstate, sqlstate[:2] + "000"):
+            with contextlib.suppress(KeyError):
+                return psycopg.errors.lookup(code)(message)
+        return psycopg.DatabaseError(message)
     return psycopg.OperationalError(message)  # no result: the connection failed
 
 
@@ -235,10 +236,12 @@ class Snapshotter:
         metrics = self.capture.metrics
         metrics.snapshot_started(estimates)
         log.info(
-            "snapshot of %d table(s) at %X%s",
+            "snapshot of %d table(s) at %X%s; COPY read through %s, events produced through %s",
             len(tables),
             consistent,
             "" if snapshot_name else " (resumed with a fresh snapshot)",
+            "libpq from C" if _copy_reader() is not None else "psycopg",
+            "librdkafka from C" if self.capture.producer.produces_from_c else "Producer.produce()",
         )
 
         def worker(table: TableInfo) -> None:
@@ -269,6 +272,9 @@ class Snapshotter:
                         item.table, len(item.keys), table_done=item.done, done_tables=len(tables) - remaining
                     )
                     if self.capture.stop.is_set():
+                        if self._open_since is not None:  # the stop came after _write_chunk looked: commit
+                            self.capture._commit_offsets(self.state)
+                            self._open_since = None
                         log.info("stop requested during the snapshot; it resumes on the next start")
                         raise SnapshotStoppedError
             except BaseException:
@@ -406,6 +412,8 @@ class Snapshotter:
         assert native is not None
         limit = self.settings.capture.snapshot_chunk_rows
         pgconn = conn.pgconn.pgconn_ptr  # type: ignore[attr-defined]  # public, not in psycopg's PGconn protocol
+        if cancel.is_set():
+            return
         failed = reader.send(pgconn, query_for(after).as_bytes(conn))
         while True:
             if failed is not None:
@@ -423,7 +431,12 @@ class Snapshotter:
                 if cancel.is_set():
                     return
                 failed = reader.send(pgconn, query_for(after).as_bytes(conn))
-            keys, records, _ = encode(data)
+            try:
+                keys, records, _ = encode(data)
+            except BaseException:
+                if not done and failed is None:  # the next chunk's COPY is under way: read it to its end
+                    reader.receive(pgconn)  # (the connection is closed next; this keeps libpq's state sane)
+                raise
             out.put(_Chunk(table, keys, records, after, done))
             if done:
                 return

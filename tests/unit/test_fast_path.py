@@ -402,3 +402,37 @@ def test_snapshot_resume_keys_read_back_as_postgresql_prints_them(
     # The same from the raw values, as the snapshot reads them when it asks for the next chunk before encoding.
     raw = [struct.pack(">q", i8), struct.pack(">h", i2), struct.pack(">i", i4), text.encode(), text.encode()]
     assert [str(codec.binary_value(i, r)) for i, r in enumerate([*raw, uuid_value.bytes])] == expected
+
+
+@settings(max_examples=200, deadline=None)
+@given(copy_chunks())
+def test_copy_rows_and_last_reads_what_the_python_parser_reads(chunk: tuple[bytes, bytes, list[bytes]]) -> None:
+    """The snapshot's read-ahead counts a chunk's rows and takes its last row's fields in C: as parse_binary_copy."""
+    if CODEC._plan is None:
+        pytest.skip("cdc._native is not built (test_the_c_encoder_is_built says why)")
+    from cdc import _native  # type: ignore[attr-defined]
+
+    data, _, _ = chunk
+    rows = parse_binary_copy(data)
+    assert _native.copy_rows_and_last(data) == (len(rows), rows[-1] if rows else None)
+
+
+def test_cut_copy_output_is_refused_not_read_past() -> None:
+    """Every prefix of a COPY output is refused with ValueError by both C readers (no read past the end)."""
+    if CODEC._plan is None:
+        pytest.skip("cdc._native is not built (test_the_c_encoder_is_built says why)")
+    from cdc import _native  # type: ignore[attr-defined]
+
+    modes = b"b" * len(COLUMNS)
+    known = {"id": struct.pack(">q", 7), "i2": struct.pack(">h", 2), "name": b"hello"}
+    row = struct.pack(">h", len(COLUMNS) + 1)
+    for name, *_ in COLUMNS:  # the key columns and a text one set, the others NULL
+        row += struct.pack(">i", len(known[name])) + known[name] if name in known else struct.pack(">i", -1)
+    row += struct.pack(">i", 3) + b"key"
+    data = b"PGCOPY\n\xff\r\n\x00" + struct.pack(">ii", 0, 0) + row + row + struct.pack(">h", -1)
+    assert _native.copy_rows_and_last(data)[0] == 2
+    for cut in range(len(data)):
+        with pytest.raises(ValueError):  # noqa: PT011 - any of the readers' messages
+            _native.copy_rows_and_last(data[:cut])
+        with pytest.raises(ValueError):  # noqa: PT011
+            CODEC._plan.encode_copy(data[:cut], modes, 1)
