@@ -145,18 +145,14 @@ class _TextModeNeededError(Exception):
     """A relation arrived with a column we can only read in text form."""
 
 
-_frozen = threading.Event()  # set once: what was made before streaming first started is frozen
-
-
 def _freeze_startup_objects() -> None:
     """Hides what the process made before streaming (modules, settings, clients, codecs: ~hundreds of thousands of
     objects that live as long as it does) from the cyclic garbage collector. A full collection then scans only
     what streaming made since: measured at 2,000 txn/s, full collections of the whole heap paused the capture
     for up to ~55 ms, and every event in flight waited (commit -> Kafka latency p99). Once per process: objects
     frozen are never collected, so a retried attempt's must not be frozen again."""
-    if _frozen.is_set():
+    if gc.get_freeze_count():
         return
-    _frozen.set()
     gc.collect()
     gc.freeze()
 

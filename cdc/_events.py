@@ -7,14 +7,11 @@ per-row path does no lookups.
 
 from __future__ import annotations
 
-import io
 import os
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
-
-import fastavro
 
 from decoders import TupleData
 from schemas import (
@@ -131,8 +128,7 @@ class TableCodec:
         self._fast_kinds = tuple(_fast_kind(m) for m in mappings)
         self._int_readers = tuple(_INT_READERS.get(m.fixed or "") for m in mappings)
         self._plan: Any = None
-        self._key_reader: Any = None  # parsed key schema, made by key_values when first needed
-        if _native is not None and native_enabled():
+        if native_enabled():
             self._plan = _native.TuplePlan(
                 [_native_wire(m) for m in mappings],
                 self._text,
@@ -179,14 +175,6 @@ class TableCodec:
             raise ValueError(f"column {self.columns[index].name!r} has no binary reader")
         return convert(raw)
 
-    def key_values(self, key: bytes) -> list[Any]:
-        """The key columns' values read back from a framed key (as key_of and encode_tuple make them)."""
-        if self._key_reader is None:
-            self._key_reader = fastavro.parse_schema(self.key_schema)
-        record = fastavro.schemaless_reader(io.BytesIO(key[len(self._key_frame) :]), self._key_reader)
-        assert isinstance(record, dict)
-        return [record[name] for name in self.key_field_names]
-
     def key_of(self, row: dict[str, Any]) -> bytes:
         names = self.field_names
         record = {kn: row[names[i]] for kn, i in zip(self.key_field_names, self.key_indexes, strict=True)}
@@ -209,14 +197,11 @@ class TableCodec:
             return self._plan.encode(data, pos, copy_modes)  # type: ignore[no-any-return]
         return self.encode_tuple_python(data, pos, copy_modes=copy_modes)
 
-    def encode_copy(
-        self, data: bytes, copy_modes: bytes, extra: int
-    ) -> tuple[list[bytes], list[bytes], list[bytes] | None] | None:
-        """cdc._snapshot.encode_copy_rows of a chunk whose rows have ``extra`` fields after the columns, by the
-        C build (one call per chunk); None without it."""
+    def encode_copy(self, data: bytes, copy_modes: bytes) -> tuple[list[bytes], list[bytes]] | None:
+        """cdc._snapshot.encode_copy_rows of a chunk by the C build (one call per chunk); None without it."""
         if self._plan is None:
             return None
-        return self._plan.encode_copy(data, copy_modes, extra)  # type: ignore[no-any-return]
+        return self._plan.encode_copy(data, copy_modes)  # type: ignore[no-any-return]
 
     def encode_tuple_python(
         self, data: bytes, pos: int, *, copy_modes: bytes | None = None

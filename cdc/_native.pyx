@@ -314,6 +314,23 @@ cdef Py_ssize_t copy_body_start(const unsigned char* d, Py_ssize_t size) except 
     return 19 + extension
 
 
+cdef Py_ssize_t skip_fields(const unsigned char* d, Py_ssize_t size, Py_ssize_t pos, Py_ssize_t n) except -1:
+    """The position after the ``n`` fields of a binary COPY row that start at ``pos`` (each an Int32 length, -1
+    for NULL, then the value)."""
+    cdef Py_ssize_t j
+    cdef int32_t length
+    for j in range(n):
+        if pos > size - 4:
+            raise ValueError("truncated COPY row")
+        length = <int32_t>be32(d + pos)
+        pos += 4
+        if length > 0:
+            if length > size - pos:
+                raise ValueError("truncated COPY row")
+            pos += length
+    return pos
+
+
 cdef class TuplePlan:
     """How one table version's tuples become its Value record (see TableCodec.encode_tuple)."""
 
@@ -372,42 +389,27 @@ cdef class TuplePlan:
     def encode(self, bytes data not None, Py_ssize_t pos, bytes copy_modes=None) -> tuple:
         return self._encode(data, pos, copy_modes)
 
-    def encode_copy(self, bytes data not None, bytes copy_modes not None, Py_ssize_t extra) -> tuple:
-        """A whole ``COPY … (FORMAT binary)`` chunk: the framed keys and the Value records of its rows, and the
-        ``extra`` raw fields after the columns of its last row (None without rows), as
-        cdc._snapshot.encode_copy_rows. Raises on anything it does not take, a NULL key included."""
+    def encode_copy(self, bytes data not None, bytes copy_modes not None) -> tuple:
+        """A whole ``COPY … (FORMAT binary)`` chunk: the framed keys and the Value records of its rows (fields
+        after the table's columns are skipped), as cdc._snapshot.encode_copy_rows. Raises on anything it does not
+        take, a NULL key included."""
         cdef const unsigned char* d = <const unsigned char*>PyBytes_AS_STRING(data)
-        cdef Py_ssize_t size = PyBytes_GET_SIZE(data), pos, j, length
+        cdef Py_ssize_t size = PyBytes_GET_SIZE(data), pos
         cdef int16_t nfields
         cdef list keys = [], records = []
-        cdef list last = None
         pos = copy_body_start(d, size)
         while True:
             if pos > size - 2:
                 raise ValueError("truncated COPY output")
             nfields = <int16_t>be16(d + pos)
             if nfields == -1:
-                return keys, records, (last if keys else None)
-            if nfields != self.ncols + extra:
-                raise ValueError("the COPY row has another number of fields than asked for")
-            record, key, _, pos = self._encode(data, pos, copy_modes)
+                return keys, records
+            record, key, _, pos = self._encode(data, pos, copy_modes)  # refuses fewer fields than columns
             if key is None:
                 raise ValueError("a key column is NULL")
             keys.append(key)
             records.append(record)
-            last = []
-            for j in range(extra):
-                if pos > size - 4:
-                    raise ValueError("truncated COPY row")
-                length = <int32_t>be32(d + pos)
-                pos += 4
-                if length < 0:
-                    last.append(b"")
-                else:
-                    if length > size - pos:
-                        raise ValueError("truncated COPY row")
-                    last.append(PyBytes_FromStringAndSize(<const char*>d + pos, length))
-                    pos += length
+            pos = skip_fields(d, size, pos, nfields - self.ncols)
 
     cdef tuple _encode(self, bytes data, Py_ssize_t pos, bytes copy_modes):
         cdef const unsigned char* d = <const unsigned char*>PyBytes_AS_STRING(data)
@@ -779,14 +781,6 @@ cdef class CopyReader:
         self.result_error_message = <pq_result_error_message_t><size_t>symbols["PQresultErrorMessage"]
         self.result_error_field = <pq_result_error_field_t><size_t>symbols["PQresultErrorField"]
 
-    def copy_out(self, size_t pgconn, bytes query not None) -> tuple:
-        """Runs ``query`` (a COPY … TO STDOUT) on the idle PGconn at address ``pgconn``: :meth:`send` then
-        :meth:`receive`."""
-        sent = self.send(pgconn, query)
-        if sent is not None:
-            return sent
-        return self.receive(pgconn)
-
     def send(self, size_t pgconn, bytes query not None) -> tuple | None:
         """Sends ``query`` (a COPY … TO STDOUT) on the idle PGconn at address ``pgconn`` without waiting for
         its answer (the server starts on it while the caller does something else): None, or (None, None,
@@ -877,7 +871,8 @@ def copy_rows_and_last(bytes data not None) -> tuple:
     """(the number of rows of a ``COPY … (FORMAT binary)`` output, the raw fields of its last row — None for a
     NULL — or None without rows): what the snapshot needs to ask for its next chunk before encoding this one."""
     cdef const unsigned char* d = <const unsigned char*>PyBytes_AS_STRING(data)
-    cdef Py_ssize_t size = PyBytes_GET_SIZE(data), pos, last = -1, rows = 0, j, length
+    cdef Py_ssize_t size = PyBytes_GET_SIZE(data), pos, last = -1, rows = 0, j
+    cdef int32_t length
     cdef int16_t nfields
     cdef list fields
     pos = copy_body_start(d, size)
@@ -890,16 +885,7 @@ def copy_rows_and_last(bytes data not None) -> tuple:
         if nfields < 0:
             raise ValueError("negative field count")
         last = pos
-        pos += 2
-        for j in range(nfields):
-            if pos > size - 4:
-                raise ValueError("truncated COPY row")
-            length = <int32_t>be32(d + pos)
-            pos += 4
-            if length > 0:
-                if length > size - pos:
-                    raise ValueError("truncated COPY row")
-                pos += length
+        pos = skip_fields(d, size, pos + 2, nfields)
         rows += 1
     if last < 0:
         return 0, None

@@ -227,9 +227,10 @@ class GapDeletes:
         self._envelope = parse_plain(codec.value_schema)
         self._value_frame = _FRAME.pack(0, codec.value_id)
 
-    def seen(self, key: bytes) -> None:
-        """The snapshot wrote ``key`` (current schema): the row exists, never delete it."""
-        self.live.discard(key[5:])
+    def seen(self, keys: Iterable[bytes]) -> None:
+        """The snapshot wrote ``keys`` (current schema): those rows exist, never delete them."""
+        for key in keys:
+            self.live.discard(key[5:])
 
     def before_image(self, value: bytes | None, canonical: bytes) -> dict[str, Any] | None:
         """The delete's ``before``: the row as the key's latest event had it (its ``after``, read with the

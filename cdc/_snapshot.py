@@ -21,7 +21,7 @@ import struct
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -57,8 +57,8 @@ class _Chunk:
     done: bool
 
 
-# int8, int2, int4, text, varchar, uuid: Avro gives back int, str, str (uuid), whose str() is PostgreSQL's text form.
-_KEY_TYPES_READ_BACK = frozenset({20, 21, 23, 25, 1043, 2950})
+# int8, int2, int4, text, varchar, uuid: their converters give int, str, UUID, whose str() is PostgreSQL's text form.
+_KEYS_PRINTED_AS_POSTGRESQL = frozenset({20, 21, 23, 25, 1043, 2950})
 
 _LIBPQ_FUNCTIONS = (
     "PQisnonblocking",
@@ -101,6 +101,69 @@ def _copy_error(sqlstate: str | None, message: str) -> psycopg.Error:
     return psycopg.OperationalError(message)  # no result: the connection failed
 
 
+def _rows_and_last(data: bytes) -> tuple[int, list[bytes | None] | None]:
+    """How many rows a ``COPY … (FORMAT binary)`` output has, and its last row's raw fields (None without rows):
+    what the next chunk's query needs, known before the chunk is encoded."""
+    native = native_module()
+    if native is not None:
+        return native.copy_rows_and_last(data)  # type: ignore[no-any-return]
+    rows = parse_binary_copy(data)
+    return len(rows), (rows[-1] if rows else None)
+
+
+class _PsycopgCopies:
+    """Chunks read by psycopg's Copy: the COPY runs when its output is asked for (nothing is read ahead)."""
+
+    def __init__(self, conn: psycopg.Connection[Any]) -> None:
+        self._conn = conn
+        self._query: sql.SQL | sql.Composed | None = None
+
+    def send(self, query: sql.SQL | sql.Composed) -> None:
+        self._query = query
+
+    def receive(self) -> bytes:
+        assert self._query is not None, "receive() without send()"
+        buf = bytearray()
+        with self._conn.cursor() as cur, cur.copy(self._query) as copy:
+            for block in copy:
+                buf += block
+        self._query = None
+        return bytes(buf)
+
+    def abandon(self) -> None:
+        self._query = None
+
+
+class _LibpqCopies:
+    """Chunks read through libpq from C, without the GIL (cdc._native.CopyReader): :meth:`send` starts the COPY
+    and returns, so PostgreSQL reads a chunk while the previous one is encoded. Failures are psycopg's errors."""
+
+    def __init__(self, reader: Any, conn: psycopg.Connection[Any]) -> None:
+        self._reader = reader
+        self._conn = conn
+        self._pgconn: int = conn.pgconn.pgconn_ptr  # type: ignore[attr-defined]  # public, not in the Protocol
+
+    def send(self, query: sql.SQL | sql.Composed) -> None:
+        failed = self._reader.send(self._pgconn, query.as_bytes(self._conn))
+        if failed is not None:
+            raise _copy_error(failed[1], failed[2])
+
+    def receive(self) -> bytes:
+        data, sqlstate, message = self._reader.receive(self._pgconn)
+        if data is None:
+            raise _copy_error(sqlstate, message)
+        return data  # type: ignore[no-any-return]
+
+    def abandon(self) -> None:
+        """Reads a sent COPY to its end and drops it (before the connection is closed: libpq stays sane)."""
+        self._reader.receive(self._pgconn)
+
+
+def _copies(conn: psycopg.Connection[Any]) -> _PsycopgCopies | _LibpqCopies:
+    reader = _copy_reader()
+    return _PsycopgCopies(conn) if reader is None else _LibpqCopies(reader, conn)
+
+
 def parse_binary_copy(data: bytes | bytearray | memoryview) -> list[list[bytes | None]]:
     """Rows of a ``COPY … (FORMAT binary)`` stream, each a list of raw field values (None for NULL)."""
     buf = memoryview(data)
@@ -126,54 +189,42 @@ def parse_binary_copy(data: bytes | bytearray | memoryview) -> list[list[bytes |
         rows.append(row)
 
 
-def encode_copy_rows(
-    codec: TableCodec, data: bytes, modes: bytes
-) -> tuple[list[bytes], list[bytes], list[bytes] | None]:
+def encode_copy_rows(codec: TableCodec, data: bytes, modes: bytes) -> tuple[list[bytes], list[bytes]]:
     """A ``COPY … (FORMAT binary)`` chunk straight to its rows' framed keys and Value records
-    (TableCodec.encode_tuple), and the raw fields after the table's columns in its last row (the snapshot's
-    resume key, as text).
+    (TableCodec.encode_tuple); fields after the table's columns (the resume key as text) are skipped.
 
     Raises on anything it does not take (malformed, unconvertible, a missing key): the caller then decodes the
     chunk the general way, which reports the error with the full diagnosis.
     """
+    native = codec.encode_copy(data, modes)  # the C build: the whole chunk in one call
+    if native is not None:
+        return native
     if data[:11] != _COPY_SIGNATURE:
         raise ValueError("COPY output does not start with the binary COPY signature")
     (ext_len,) = _I32.unpack_from(data, 15)
     pos = 19 + ext_len
     ncols = len(modes)
-    (first,) = _I16.unpack_from(data, pos)
-    if first >= ncols:  # the C build does the whole chunk in one call
-        native = codec.encode_copy(data, modes, first - ncols)
-        if native is not None:
-            return native
     keys: list[bytes] = []
     records: list[bytes] = []
-    extra: list[bytes] = []
     encode = codec.encode_tuple
     i16, i32 = _I16.unpack_from, _I32.unpack_from
     while True:
         (nfields,) = i16(data, pos)
         if nfields == -1:
-            return keys, records, (extra if keys else None)
+            return keys, records
         record, key, _, pos = encode(data, pos, copy_modes=modes)
         if key is None:
             raise ValueError("a key column is NULL")
         keys.append(key)
         records.append(record)
-        extra = []
         for _ in range(nfields - ncols):
             (length,) = i32(data, pos)
-            pos += 4
-            if length < 0:
-                extra.append(b"")
-            else:
-                extra.append(data[pos : pos + length])
-                pos += length
+            pos += 4 + max(length, 0)
 
 
 def _encode_copy_rows_slowly(
     codec: TableCodec, table: str, data: bytes, modes: bytes
-) -> tuple[list[bytes], list[bytes], list[bytes] | None]:
+) -> tuple[list[bytes], list[bytes]]:
     """What :func:`encode_copy_rows` gives, the general way (decoded rows, row dicts): slower, but its errors
     say what is wrong (StreamError: an unconvertible value, a missing key)."""
     ncols = len(modes)
@@ -189,7 +240,7 @@ def _encode_copy_rows_slowly(
             records.append(codec.encode_row(after))
         except (ValueError, IndexError) as exc:
             raise StreamError(f"cannot snapshot a row of {table}: {exc}") from exc
-    return keys, records, ([v or b"" for v in raw_rows[-1][ncols:]] if raw_rows else None)
+    return keys, records
 
 
 class Snapshotter:
@@ -319,18 +370,20 @@ class Snapshotter:
                 for c, binary in zip(table.columns, codec.binary_capable, strict=True)
             ]
             # The next chunk starts after the last key, written as a literal. For integer, text and uuid keys
-            # it is read back from the last row's Avro key; for other types, whose values do not print back as
-            # PostgreSQL's text form, the key is selected again as text (a ::text per row costs the COPY ~15 %).
-            # Aliased so no output name shadows a column, and ORDER BY qualified so it sorts by the column.
+            # it is the last row's values, printed; for other types, whose values do not print as PostgreSQL's
+            # text form, the key is selected again as text (a ::text per row costs the COPY ~15 %). Aliased so
+            # no output name shadows a column, and ORDER BY qualified so it sorts by the column.
             types = {c.name: c.type_oid for c in table.columns}
-            key_from_avro = all(types[k] in _KEY_TYPES_READ_BACK for k in key_names)
-            if not key_from_avro:
+            key_by_value = all(types[k] in _KEYS_PRINTED_AS_POSTGRESQL for k in key_names)
+            if not key_by_value:
                 select_cols += [
                     sql.SQL("src.{}::text AS {}").format(sql.Identifier(k), sql.Identifier(f"__pgcdc_key_{i}"))
                     for i, k in enumerate(key_names)
                 ]
             order = sql.SQL(", ").join(sql.SQL("src.{}").format(sql.Identifier(k)) for k in key_names)
             kinds = bytes(_B if b else _T for b in codec.binary_capable)
+            names = [c.name for c in table.columns]
+            positions = [names.index(k) for k in key_names]
 
             def query_for(after: list[str] | None) -> sql.Composed:
                 where: sql.Composable = sql.SQL("")
@@ -349,97 +402,40 @@ class Snapshotter:
                     "COPY (SELECT {} FROM {} AS src {} ORDER BY {} LIMIT {}) TO STDOUT (FORMAT binary)"
                 ).format(sql.SQL(", ").join(select_cols), table.ident(), where, order, sql.Literal(limit))
 
-            def encode(data: bytes) -> tuple[list[bytes], list[bytes], list[bytes] | None]:
-                try:
-                    return encode_copy_rows(codec, data, kinds)
-                except Exception:  # the general path fails with the diagnosis (or succeeds)
-                    return _encode_copy_rows_slowly(codec, table.qualified, data, kinds)
+            def resume_key(fields: list[bytes | None]) -> list[str]:
+                if key_by_value:  # the key columns' values as the events carry them, printed
+                    return [str(codec.binary_value(i, fields[i] or b"")) for i in positions]
+                return [(v or b"").decode() for v in fields[len(names) :]]  # the key::text columns
 
-            reader = _copy_reader()
-            if reader is not None:
-                names = [c.name for c in table.columns]
-                positions = [names.index(k) for k in key_names]
-
-                def resume_key(fields: list[bytes | None]) -> list[str]:
-                    if key_from_avro:  # the key columns' values as the events carry them, printed
-                        return [str(codec.binary_value(i, fields[i] or b"")) for i in positions]
-                    return [(v or b"").decode() for v in fields[len(names) :]]  # the key::text columns
-
-                self._read_chunks_natively(
-                    reader,
-                    conn,
-                    query_for=query_for,
-                    encode=encode,
-                    resume_key=resume_key,
-                    table=table.qualified,
-                    after=after,
-                    out=out,
-                    cancel=cancel,
-                )
+            copies = _copies(conn)
+            if cancel.is_set():
                 return
-            while not cancel.is_set():
-                buf = bytearray()
-                with conn.cursor() as cur, cur.copy(query_for(after)) as copy:
-                    for block in copy:
-                        buf += block
-                keys, records, last = encode(bytes(buf))
-                if key_from_avro:
-                    if keys:
-                        after = [str(v) for v in codec.key_values(keys[-1])]
-                elif last is not None:
-                    after = [v.decode() for v in last]
-                done = len(keys) < limit
+            copies.send(query_for(after))
+            while True:
+                data = copies.receive()
+                try:
+                    rows, last_fields = _rows_and_last(data)
+                except (ValueError, IndexError, struct.error) as exc:
+                    raise StreamError(f"cannot snapshot {table.qualified}: malformed COPY output: {exc}") from exc
+                done = rows < limit
+                if not done:
+                    assert last_fields is not None
+                    after = resume_key(last_fields)
+                    if cancel.is_set():
+                        return
+                    copies.send(query_for(after))  # read ahead: PostgreSQL reads it while this one is encoded
+                try:
+                    try:
+                        keys, records = encode_copy_rows(codec, data, kinds)
+                    except Exception:  # the general path fails with the diagnosis (or succeeds)
+                        keys, records = _encode_copy_rows_slowly(codec, table.qualified, data, kinds)
+                except BaseException:
+                    if not done:
+                        copies.abandon()
+                    raise
                 out.put(_Chunk(table.qualified, keys, records, after, done))
                 if done:
                     return
-
-    def _read_chunks_natively(
-        self,
-        reader: Any,
-        conn: psycopg.Connection[Any],
-        *,
-        query_for: Callable[[list[str] | None], sql.Composed],
-        encode: Callable[[bytes], tuple[list[bytes], list[bytes], list[bytes] | None]],
-        resume_key: Callable[[list[bytes | None]], list[str]],
-        table: str,
-        after: list[str] | None,
-        out: queue.Queue[_Chunk | BaseException],
-        cancel: threading.Event,
-    ) -> None:
-        """The chunks of one table through libpq (cdc._native.CopyReader), one ahead: the next chunk's COPY is
-        sent as soon as this one's last key is known, so PostgreSQL reads it while this one is encoded."""
-        native = native_module()
-        assert native is not None
-        limit = self.settings.capture.snapshot_chunk_rows
-        pgconn = conn.pgconn.pgconn_ptr  # type: ignore[attr-defined]  # public, not in psycopg's PGconn protocol
-        if cancel.is_set():
-            return
-        failed = reader.send(pgconn, query_for(after).as_bytes(conn))
-        while True:
-            if failed is not None:
-                raise _copy_error(failed[1], failed[2])
-            data, sqlstate, message = reader.receive(pgconn)
-            if data is None:
-                raise _copy_error(sqlstate, message)
-            try:
-                rows, last_fields = native.copy_rows_and_last(data)
-            except ValueError as exc:
-                raise StreamError(f"cannot snapshot {table}: PostgreSQL's COPY output is malformed: {exc}") from exc
-            done = rows < limit
-            if not done:
-                after = resume_key(last_fields)
-                if cancel.is_set():
-                    return
-                failed = reader.send(pgconn, query_for(after).as_bytes(conn))
-            try:
-                keys, records, _ = encode(data)
-            except BaseException:
-                if not done and failed is None:  # the next chunk's COPY is under way: read it to its end
-                    reader.receive(pgconn)  # (the connection is closed next; this keeps libpq's state sane)
-                raise
-            out.put(_Chunk(table, keys, records, after, done))
-            if done:
-                return
 
     @staticmethod
     def _key_types(conn: psycopg.Connection[Any], table: TableInfo, key_names: Sequence[str]) -> list[str]:
@@ -460,8 +456,7 @@ class Snapshotter:
         prefix, suffix = codec.read_event_frame(pos, now_us)
         self.capture._produce_framed(codec.topic, chunk.keys, chunk.records, prefix, suffix)
         if gaps is not None:
-            for key in chunk.keys:
-                gaps.seen(key)
+            gaps.seen(chunk.keys)
         self.capture.metrics.count(codec.topic, "r", len(chunk.keys))
         # Updated, not replaced: the entry also holds the re-snapshot's start offsets ("since").
         progress = self.snap["tables"].setdefault(chunk.table, {})

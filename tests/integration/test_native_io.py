@@ -14,16 +14,12 @@ from confluent_kafka import Consumer, TopicPartition
 from psycopg import sql
 
 from cdc._kafka import Topics, TransactionalProducer
-from cdc._snapshot import _copy_error, _copy_reader
+from cdc._snapshot import _copy_reader, _LibpqCopies
 from tests.integration._capture_helpers import scratch_database
 
 pytestmark = pytest.mark.integration
 
 PURE_PYTHON = os.environ.get("CDC_PURE_PYTHON", "") not in ("", "0")
-
-
-def _ptr(conn: psycopg.Connection[Any]) -> int:
-    return int(conn.pgconn.pgconn_ptr)  # type: ignore[attr-defined]  # public, not in psycopg's PGconn protocol
 
 
 @pytest.fixture
@@ -35,7 +31,7 @@ def reader() -> Any:
     return found
 
 
-def test_copy_reader_gives_what_psycopg_copy_gives(reader: Any, pg_dsn: str, unique: str) -> None:
+def test_libpq_copies_give_what_psycopg_copy_gives(reader: Any, pg_dsn: str, unique: str) -> None:
     with scratch_database(pg_dsn, f"copy_{unique}") as dsn, psycopg.connect(dsn) as conn:
         conn.execute("CREATE TABLE t (id int PRIMARY KEY, body text, n numeric)")
         conn.execute("INSERT INTO t SELECT g, repeat('x', g % 300), g / 7.0 FROM generate_series(1, 20000) g")
@@ -45,31 +41,33 @@ def test_copy_reader_gives_what_psycopg_copy_gives(reader: Any, pg_dsn: str, uni
             for block in copy:
                 expected += block
         nonblocking = conn.pgconn.nonblocking
-        data, sqlstate, message = reader.copy_out(_ptr(conn), query.as_bytes(conn))
-        assert (sqlstate, message) == (None, None)
+        copies = _LibpqCopies(reader, conn)
+        copies.send(query)
+        data = copies.receive()
         assert data == bytes(expected)
         assert len(data) > 1_000_000  # several of libpq's reads, and a buffer grown more than once
         # psycopg's connection is as it was: same mode, idle in the same transaction, usable.
         assert conn.pgconn.nonblocking == nonblocking
         assert conn.info.transaction_status == psycopg.pq.TransactionStatus.INTRANS
         assert conn.execute("SELECT count(*) FROM t").fetchone() == (20000,)
+        # A COPY sent ahead and then abandoned (the snapshot failed meanwhile) leaves the connection usable too.
+        copies.send(query)
+        copies.abandon()
+        assert conn.execute("SELECT count(*) FROM t").fetchone() == (20000,)
 
 
-def test_copy_reader_fails_as_psycopg_would(reader: Any, pg_dsn: str, unique: str) -> None:
+def test_libpq_copies_fail_as_psycopg_would(reader: Any, pg_dsn: str, unique: str) -> None:
     with scratch_database(pg_dsn, f"copyerr_{unique}") as dsn, psycopg.connect(dsn) as conn:
-        query = b"COPY (SELECT * FROM missing) TO STDOUT (FORMAT binary)"
-        data, sqlstate, message = reader.copy_out(_ptr(conn), query)
-        assert data is None
-        error = _copy_error(sqlstate, message)
-        assert isinstance(error, psycopg.errors.UndefinedTable), (sqlstate, message)
-        assert 'relation "missing" does not exist' in str(error)
+        copies = _LibpqCopies(reader, conn)
+        copies.send(sql.SQL("COPY (SELECT * FROM missing) TO STDOUT (FORMAT binary)"))
+        with pytest.raises(psycopg.errors.UndefinedTable, match='relation "missing" does not exist'):
+            copies.receive()
         # A failure during the COPY (not before it): division by zero on the second row.
-        query = b"COPY (SELECT 1 / (2 - g) FROM generate_series(1, 3) g) TO STDOUT (FORMAT binary)"
         conn.rollback()
         conn.execute("SELECT 1")  # in a transaction again, as the snapshot's reader always is
-        data, sqlstate, message = reader.copy_out(_ptr(conn), query)
-        assert data is None
-        assert isinstance(_copy_error(sqlstate, message), psycopg.errors.DivisionByZero), (sqlstate, message)
+        copies.send(sql.SQL("COPY (SELECT 1 / (2 - g) FROM generate_series(1, 3) g) TO STDOUT (FORMAT binary)"))
+        with pytest.raises(psycopg.errors.DivisionByZero):
+            copies.receive()
         assert conn.info.transaction_status == psycopg.pq.TransactionStatus.INERROR
         conn.rollback()
         assert conn.execute("SELECT 1").fetchone() == (1,)

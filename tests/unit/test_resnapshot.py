@@ -78,7 +78,7 @@ VALUE = b"not-decoded-for-liveness"  # liveness needs only "tombstone or not"
 def test_keys_absent_from_the_snapshot_are_left_and_those_it_writes_are_not() -> None:
     live = _gaps([(0, i, _key(CODEC, i), VALUE) for i in range(1, 6)])
     for i in (1, 3, 4):
-        GapDeletes(codec=CODEC, canon=_canon(), live=live, lookup=SCHEMAS.get, reader=None).seen(_key(CODEC, i))  # type: ignore[arg-type]
+        GapDeletes(codec=CODEC, canon=_canon(), live=live, lookup=SCHEMAS.get, reader=None).seen([_key(CODEC, i)])  # type: ignore[arg-type]
     assert _left(live) == {0: [2, 5]}
 
 
@@ -229,7 +229,7 @@ def test_emit_writes_a_delete_and_a_tombstone_per_key_left_in_batches() -> None:
     topic = _Topic(records[:-1])  # key 5's record is gone by the time the deletes are written (retention)
     live = live_keys(_canon(), records, [])
     gaps = GapDeletes(codec=CODEC, canon=_canon(), live=live, lookup=SCHEMAS.get, reader=topic)  # type: ignore[arg-type]
-    gaps.seen(_key(CODEC, 2))  # in the snapshot
+    gaps.seen([_key(CODEC, 2)])  # in the snapshot
     produced: list[tuple[bytes, bytes | None, int]] = []
     commits: list[int] = []
     deleted = gaps.emit(
