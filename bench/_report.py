@@ -132,6 +132,68 @@ def write_result(result: Result, results_dir: Path = RESULTS) -> Path:
     return path
 
 
+def _median(values: Sequence[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+def combine(docs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One document for repeated runs of a scenario (``./dev bench --repeat N``): each measure's ``ours`` and
+    ``reference`` are the medians over the runs, its ``ratio`` the median of the runs' own ratios (each against
+    the reference of its own run, never against another run's), ``met`` decided on those medians, and
+    ``runs``/``ratio_range``/``ours_range`` say how many runs and how far apart they were. Params, series and
+    notes are the last run's (the charts draw one run); every run's measures are kept under ``repeats``.
+    A measure missing from some run (a scenario that reports one only when it applies) is combined over the
+    runs that have it."""
+    if not docs:
+        raise ValueError("no runs to combine")
+    last = docs[-1]
+    if len(docs) == 1:
+        return dict(last)
+    scenarios = {doc["scenario"] for doc in docs}
+    if len(scenarios) != 1:
+        raise ValueError(f"runs of different scenarios cannot be combined: {sorted(scenarios)}")
+    names = list(dict.fromkeys(m["name"] for doc in docs for m in doc["measures"]))
+    measures = []
+    for name in names:
+        runs = [m for doc in docs for m in doc["measures"] if m["name"] == name]
+        latest = runs[-1]
+        ours = [float(m["ours"]) for m in runs]
+        refs = [float(m["reference"]) for m in runs if m.get("reference") is not None]
+        ratios = [float(m["ratio"]) for m in runs if m.get("ratio") is not None]
+        out = dict(latest)
+        out.update(
+            ours=_median(ours),
+            reference=_median(refs) if refs else None,
+            ratio=round(_median(ratios), 3) if ratios else None,
+            runs=len(runs),
+            ours_range=[min(ours), max(ours)],
+            ratio_range=[round(min(ratios), 3), round(max(ratios), 3)] if ratios else None,
+        )
+        if latest.get("target_ratio") is not None:
+            out["met"] = None if out["ratio"] is None else out["ratio"] >= latest["target_ratio"]
+        elif latest.get("limit") is not None:
+            higher = latest.get("higher_is_better", True)
+            out["met"] = out["ours"] > latest["limit"] if higher else out["ours"] < latest["limit"]
+        measures.append(out)
+    combined = dict(last)
+    combined.update(
+        measures=measures,
+        params={**last.get("params", {}), "repeat": len(docs)},
+        notes=[
+            *(last.get("notes") or []),
+            f"median of {len(docs)} runs (ranges in brackets); series from the last run",
+        ],
+        repeats=[{"date": doc.get("date"), "measures": doc["measures"]} for doc in docs],
+    )
+    return combined
+
+
+def _span(low: str, high: str) -> str:
+    return f" [{low}\N{EN DASH}{high}]" if low != high else ""
+
+
 def _num(value: float | None) -> str:
     if value is None:
         return "\N{EN DASH}"
@@ -150,9 +212,12 @@ def markdown_rows(docs: list[dict[str, Any]]) -> str:
         for m in doc["measures"]:
             ref = f"{_num(m['reference'])} ({m['reference_name']})" if m["reference"] is not None else "\N{EN DASH}"
             ratio = "\N{EN DASH}" if m["ratio"] is None else f"{m['ratio']:.2f}\N{MULTIPLICATION SIGN}"
+            ours = f"{_num(m['ours'])} {m['unit']}"
+            # Repeated runs (combine): the spread next to the median, of the ratio where there is one.
+            if m.get("ratio_range"):
+                ratio += _span(*(f"{r:.2f}" for r in m["ratio_range"]))
+            elif m.get("ours_range"):
+                ours += _span(*(_num(v) for v in m["ours_range"]))
             met = {True: "yes", False: "**no**", None: ""}[m["met"]]
-            lines.append(
-                f"| {doc['scenario']} | {m['name']} | {_num(m['ours'])} {m['unit']} | {ref} | {ratio} "
-                f"| {m['target']} | {met} |"
-            )
+            lines.append(f"| {doc['scenario']} | {m['name']} | {ours} | {ref} | {ratio} | {m['target']} | {met} |")
     return "\n".join(lines)

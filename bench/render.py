@@ -156,9 +156,16 @@ def measured_line(docs: Sequence[dict[str, Any]], summary: dict[str, Any] | None
     if "--only" in command or "--skip" in command:
         # The table shows each scenario's latest result, so it may come from several partial runs.
         command, quick = "./dev bench", " (each scenario's latest run; its time is in its JSON)" + quick
+    repeats = sorted({int((doc.get("params") or {}).get("repeat", 1)) for doc in docs} - {1})
+    medians = (
+        f" A scenario run {' or '.join(map(str, repeats))} times (`--repeat`) shows medians, each ratio the median of"
+        " the runs' own ratios, and the runs' range in brackets."
+        if repeats
+        else ""
+    )
     return (
         f"Measured {when} on {'; '.join(machines) or 'an unknown machine'} by `{command}`{quick}. Every ratio is "
-        "against a reference measured in the same run, bigger is better; JSON in `bench/results/`."
+        f"against a reference measured in the same run, bigger is better; JSON in `bench/results/`.{medians}"
     )
 
 

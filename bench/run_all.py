@@ -5,6 +5,7 @@
     ./dev bench --quick                           smaller sizes (QUICK_ARGV below): checks that everything runs
     ./dev bench --only insert-heavy,latency       or --skip snapshot,sinks; names or module names
     ./dev bench --args 'insert-heavy=--rows 2000000'   extra arguments for one scenario (repeatable)
+    ./dev bench --repeat 3                        each scenario 3 times: medians, with the runs' range in brackets
     ./dev bench --list                            the scenarios and the arguments each would get
     ./dev bench --render-only                     redraw summary.md, charts and README from the JSON (= render.py)
 
@@ -188,20 +189,34 @@ class Outcome:
 
 
 def run_scenario(
-    name: str, module_name: str, argv_for: Callable[[str, ModuleType], list[str]], results_dir: Path
+    name: str,
+    module_name: str,
+    argv_for: Callable[[str, ModuleType], list[str]],
+    results_dir: Path,
+    *,
+    repeat: int = 1,
 ) -> Outcome:
-    """Import ``module_name``, call its ``run`` with ``argv_for(name, module)`` and write its result."""
+    """Import ``module_name``, call its ``run`` with ``argv_for(name, module)`` and write its result; with
+    ``repeat`` > 1, that many times, and the result written is their medians (``_report.combine``). One failed
+    run fails the scenario: a median over the runs that happened to work would flatter it."""
     start = time.monotonic()
     argv: list[str] = []
     try:
         module = import_scenario(module_name)
         argv = argv_for(name, module)
-        print(f"\n=== {name}: bench/{module_name}.py {shlex.join(argv)}".rstrip(), flush=True)
-        result = module.run(argv)
-        if getattr(result, "scenario", name) != name:
-            warn(f"{name}: {module_name}.run() reported scenario {result.scenario!r}")
-        path = _report.write_result(result, results_dir)
-        document = json.loads(path.read_text())
+        docs = []
+        for i in range(repeat):
+            of = f" (run {i + 1} of {repeat})" if repeat > 1 else ""
+            print(f"\n=== {name}{of}: bench/{module_name}.py {shlex.join(argv)}".rstrip(), flush=True)
+            result = module.run(argv)
+            if getattr(result, "scenario", name) != name:
+                warn(f"{name}: {module_name}.run() reported scenario {result.scenario!r}")
+            path = _report.write_result(result, results_dir)
+            docs.append(json.loads(path.read_text()))
+        document = _report.combine(docs)
+        if repeat > 1:
+            path.write_text(json.dumps(document, indent=2) + "\n")
+            print(f"=== {name}: medians of {repeat} runs\n{_report.markdown_rows([document])}", flush=True)
     except (Exception, SystemExit) as exc:  # SystemExit: argparse rejecting an argument
         traceback.print_exc()
         print(f"=== {name}: FAILED ({type(exc).__name__}: {exc})", file=sys.stderr, flush=True)
@@ -302,6 +317,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip", metavar="A,B", help="do not run these scenarios")
     parser.add_argument("--quick", action="store_true", help="smaller sizes (QUICK_ARGV in bench/run_all.py)")
     parser.add_argument("--args", action="append", default=[], metavar="NAME=ARGS", help="extra arguments")
+    parser.add_argument(
+        "--repeat", type=int, default=1, metavar="N", help="run each scenario N times; report medians and ranges"
+    )
     parser.add_argument("--list", action="store_true", help="print the scenarios and their arguments; run nothing")
     parser.add_argument("--render-only", action="store_true", help="redraw from the JSON in the results directory")
     parser.add_argument("--no-readme", action="store_true", help="leave README.md alone")
@@ -312,6 +330,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.render_only:
         return 0 if _render(args.results, readme) else 2
 
+    if args.repeat < 1:
+        parser.error(f"--repeat wants a number of runs, 1 or more (got {args.repeat})")
     names = select(args.only, args.skip)
     extra = parse_extra(args.args)
 
@@ -332,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     interrupted = False
     for name in names:
         try:
-            outcomes.append(run_scenario(name, SCENARIOS[name], argv_for, args.results))
+            outcomes.append(run_scenario(name, SCENARIOS[name], argv_for, args.results, repeat=args.repeat))
         except KeyboardInterrupt:
             traceback.print_exc()
             outcomes.append(Outcome(name, SCENARIOS[name], "failed", 0.0, error="interrupted"))

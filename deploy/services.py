@@ -895,6 +895,8 @@ class RegistryTLS(Service):
     def ready(self) -> bool:
         import ssl
 
+        if not (TLS / "ca.crt").exists():  # no CA yet: the services were never set up here, so nothing answers
+            return False
         ctx = ssl.create_default_context(cafile=str(TLS / "ca.crt"))
         token = base64.b64encode(f"{REGISTRY_USER}:{REGISTRY_PASSWORD}".encode()).decode()
         req = urllib.request.Request(self.endpoint()["url"] + "/subjects", headers={"Authorization": f"Basic {token}"})
