@@ -154,10 +154,16 @@ def combine(docs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     scenarios = {doc["scenario"] for doc in docs}
     if len(scenarios) != 1:
         raise ValueError(f"runs of different scenarios cannot be combined: {sorted(scenarios)}")
-    names = list(dict.fromkeys(m["name"] for doc in docs for m in doc["measures"]))
+    # A measure is its name and which of that name it is in its run: a scenario may report one figure against
+    # two references under the same name (insert-heavy: pg_recvlogical and Debezium).
+    by_key: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for doc in docs:
+        seen: dict[str, int] = {}
+        for m in doc["measures"]:
+            nth = seen[m["name"]] = seen.get(m["name"], -1) + 1
+            by_key.setdefault((m["name"], nth), []).append(m)
     measures = []
-    for name in names:
-        runs = [m for doc in docs for m in doc["measures"] if m["name"] == name]
+    for runs in by_key.values():
         latest = runs[-1]
         ours = [float(m["ours"]) for m in runs]
         refs = [float(m["reference"]) for m in runs if m.get("reference") is not None]
@@ -166,6 +172,10 @@ def combine(docs: Sequence[dict[str, Any]]) -> dict[str, Any]:
         out.update(
             ours=_median(ours),
             reference=_median(refs) if refs else None,
+            # the snapshot takes the faster COPY of each run as its reference: name every one taken
+            reference_name=" or ".join(
+                dict.fromkeys(str(m.get("reference_name") or "") for m in runs if m.get("reference_name"))
+            ),
             ratio=round(_median(ratios), 3) if ratios else None,
             runs=len(runs),
             ours_range=[min(ours), max(ours)],
@@ -173,6 +183,9 @@ def combine(docs: Sequence[dict[str, Any]]) -> dict[str, Any]:
         )
         if latest.get("target_ratio") is not None:
             out["met"] = None if out["ratio"] is None else out["ratio"] >= latest["target_ratio"]
+            out["target"] = Measure(
+                "", "", 0, target_ratio=latest["target_ratio"], reference_name=out["reference_name"]
+            ).target
         elif latest.get("limit") is not None:
             higher = latest.get("higher_is_better", True)
             out["met"] = out["ours"] > latest["limit"] if higher else out["ours"] < latest["limit"]

@@ -159,7 +159,7 @@ def measured_line(docs: Sequence[dict[str, Any]], summary: dict[str, Any] | None
     repeats = sorted({int((doc.get("params") or {}).get("repeat", 1)) for doc in docs} - {1})
     medians = (
         f" A scenario run {' or '.join(map(str, repeats))} times (`--repeat`) shows medians, each ratio the median of"
-        " the runs' own ratios, and the runs' range in brackets."
+        " the runs' own ratios, and the runs' range in brackets (none where they agree to the digits shown)."
         if repeats
         else ""
     )

@@ -467,6 +467,18 @@ def test_repeated_runs_report_medians_of_their_own_ratios() -> None:
     rows = markdown_rows([doc])
     assert f"0.85{X} [0.50{DASH}0.90]" in rows
     assert f"48 ms [45{DASH}60]" in rows
+
+    # Same name against two references (insert-heavy): two measures, never one median over both.
+    def twice(ours: float, second_ref: str) -> dict[str, Any]:
+        doc = _run_doc(ours, 100)
+        other = Measure("rows/s", "rows/s", ours, 25, second_ref, target_ratio=2).as_json()
+        return {**doc, "measures": [*doc["measures"], other]}
+
+    first, _, second = combine([twice(80, "Debezium"), twice(70, "Debezium 3"), twice(90, "Debezium")])["measures"]
+    assert (first["ratio"], first["ratio_range"]) == (0.8, [0.7, 0.9])
+    assert (second["ratio"], second["ratio_range"]) == (3.2, [2.8, 3.6])
+    assert second["reference_name"] == "Debezium or Debezium 3"  # every reference a median stands on is named
+    assert second["target"] == f"≥ 2{X} Debezium or Debezium 3"
     with pytest.raises(ValueError, match="different scenarios"):
         combine([runs[0], {**runs[1], "scenario": "other"}])
 
