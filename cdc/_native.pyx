@@ -150,12 +150,28 @@ cdef inline uint64_t be64(const unsigned char* p) noexcept nogil:
 
 
 cdef int check_utf8(const unsigned char* p, Py_ssize_t n) except -1:
-    """Raise UnicodeDecodeError unless the bytes are UTF-8 (what bytes.decode checks): Avro strings must be."""
-    cdef Py_ssize_t i
-    for i in range(n):
-        if p[i] & 0x80:
-            PyUnicode_DecodeUTF8(<const char*>p, n, "strict")  # raises on invalid input
-            return 0
+    """Raise UnicodeDecodeError unless the bytes are UTF-8 (what bytes.decode checks): Avro strings must be.
+
+    ASCII, the common case, is recognised 32 bytes per step (a byte at a time, this was ~8 % of the capture's
+    main thread replaying 1 kB text values); any byte with its high bit set hands the whole value to CPython's
+    decoder, which decides."""
+    cdef Py_ssize_t i = 0
+    cdef uint64_t w[4]
+    cdef bint ascii = True
+    while i + 32 <= n:
+        memcpy(w, p + i, 32)  # no alignment assumed
+        if (w[0] | w[1] | w[2] | w[3]) & 0x8080808080808080ULL:
+            ascii = False
+            break
+        i += 32
+    if ascii:
+        while i < n:
+            if p[i] & 0x80:
+                ascii = False
+                break
+            i += 1
+    if not ascii:
+        PyUnicode_DecodeUTF8(<const char*>p, n, "strict")  # raises on invalid input
     return 0
 
 

@@ -218,6 +218,30 @@ def test_encode_tuple_equals_the_general_path(codec: TableCodec, example: tuple[
     assert (record, key, unchanged) == expected
 
 
+@pytest.mark.parametrize("length", [0, 1, 7, 31, 32, 33, 63, 64, 65, 100])
+def test_text_is_checked_as_utf8_at_every_position(length: int) -> None:
+    """The C encoder's UTF-8 check reads ASCII 32 bytes at a time: a non-ASCII byte anywhere, at either side
+    of a step, must reach CPython's decoder — refused when invalid, written as the general path writes it when
+    valid."""
+
+    def frame(name: bytes) -> bytes:
+        # the key (id, name) and nulls elsewhere
+        given = {"id": struct.pack(">q", 1), "name": name}
+        values: list[tuple[bytes | None, bytes]] = [(None, given.get(c[0], b"")) for c in COLUMNS]
+        return _tuple(values, ["b" if c[0] in given else "n" for c in COLUMNS])
+
+    for at in range(length):
+        ascii_value = bytearray(b"x" * length)
+        ascii_value[at] = 0xFF  # never valid in UTF-8
+        with pytest.raises(UnicodeDecodeError):
+            CODEC.encode_tuple(frame(bytes(ascii_value)), 0)
+        valid = bytes(ascii_value[:at]) + "é".encode() + bytes(ascii_value[at + 1 :])
+        record, key, unchanged, _ = CODEC.encode_tuple(frame(valid), 0)
+        assert (record, key, unchanged) == _general(frame(valid))
+    plain = frame(b"x" * length)
+    assert CODEC.encode_tuple(plain, 0)[:3] == _general(plain)
+
+
 @ENCODERS
 @settings(max_examples=100, deadline=None)
 @given(tuples(key_present=False))
