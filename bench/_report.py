@@ -18,6 +18,7 @@ import json
 import math
 import os
 import platform
+import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -114,10 +115,9 @@ def machine() -> dict[str, Any]:
     }
 
 
-def write_result(result: Result, results_dir: Path = RESULTS) -> Path:
-    """Write ``<results_dir>/<scenario>.json`` and print the scenario's table; returns the path."""
-    results_dir.mkdir(parents=True, exist_ok=True)
-    doc = {
+def document(result: Result) -> dict[str, Any]:
+    """The JSON document of a result (the module docstring shows its shape)."""
+    return {
         "scenario": result.scenario,
         "date": time.strftime("%Y-%m-%d %H:%M %Z"),
         "machine": machine(),
@@ -126,16 +126,22 @@ def write_result(result: Result, results_dir: Path = RESULTS) -> Path:
         "series": result.series,
         "notes": result.notes,
     }
-    path = results_dir / f"{result.scenario}.json"
+
+
+def write_document(doc: dict[str, Any], results_dir: Path = RESULTS) -> Path:
+    """Write ``<results_dir>/<scenario>.json``; returns the path."""
+    results_dir.mkdir(parents=True, exist_ok=True)
+    path = results_dir / f"{doc['scenario']}.json"
     path.write_text(json.dumps(doc, indent=2) + "\n")
-    print(markdown_rows([doc]))
     return path
 
 
-def _median(values: Sequence[float]) -> float:
-    ordered = sorted(values)
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+def write_result(result: Result, results_dir: Path = RESULTS) -> Path:
+    """Write ``<results_dir>/<scenario>.json`` and print the scenario's table; returns the path."""
+    doc = document(result)
+    path = write_document(doc, results_dir)
+    print(markdown_rows([doc]))
+    return path
 
 
 def combine(docs: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -168,27 +174,25 @@ def combine(docs: Sequence[dict[str, Any]]) -> dict[str, Any]:
         ours = [float(m["ours"]) for m in runs]
         refs = [float(m["reference"]) for m in runs if m.get("reference") is not None]
         ratios = [float(m["ratio"]) for m in runs if m.get("ratio") is not None]
-        out = dict(latest)
-        out.update(
-            ours=_median(ours),
-            reference=_median(refs) if refs else None,
+        median = Measure(
+            latest["name"],
+            latest["unit"],
+            statistics.median(ours),
+            statistics.median(refs) if refs else None,
             # the snapshot takes the faster COPY of each run as its reference: name every one taken
-            reference_name=" or ".join(
-                dict.fromkeys(str(m.get("reference_name") or "") for m in runs if m.get("reference_name"))
-            ),
-            ratio=round(_median(ratios), 3) if ratios else None,
-            runs=len(runs),
-            ours_range=[min(ours), max(ours)],
-            ratio_range=[round(min(ratios), 3), round(max(ratios), 3)] if ratios else None,
+            " or ".join(dict.fromkeys(str(m["reference_name"]) for m in runs if m.get("reference_name"))),
+            latest.get("higher_is_better", True),
+            latest.get("target_ratio"),
+            latest.get("limit"),
+            latest.get("note", ""),
         )
-        if latest.get("target_ratio") is not None:
-            out["met"] = None if out["ratio"] is None else out["ratio"] >= latest["target_ratio"]
-            out["target"] = Measure(
-                "", "", 0, target_ratio=latest["target_ratio"], reference_name=out["reference_name"]
-            ).target
-        elif latest.get("limit") is not None:
-            higher = latest.get("higher_is_better", True)
-            out["met"] = out["ours"] > latest["limit"] if higher else out["ours"] < latest["limit"]
+        out = median.as_json()
+        if ratios:  # not median(ours) / median(reference): that would pair one run's figure with another's
+            ratio = round(statistics.median(ratios), 3)
+            out.update(ratio=ratio, ratio_range=[round(min(ratios), 3), round(max(ratios), 3)])
+            if median.target_ratio is not None:
+                out["met"] = ratio >= median.target_ratio
+        out.update(runs=len(runs), ours_range=[min(ours), max(ours)])
         measures.append(out)
     combined = dict(last)
     combined.update(

@@ -211,11 +211,13 @@ def run_scenario(
             result = module.run(argv)
             if getattr(result, "scenario", name) != name:
                 warn(f"{name}: {module_name}.run() reported scenario {result.scenario!r}")
-            path = _report.write_result(result, results_dir)
-            docs.append(json.loads(path.read_text()))
+            # Nothing is written before the last run: a result on disk from an unfinished repeat would be
+            # shown as this run's (render keeps a failed scenario's JSON when it is newer than the run).
+            docs.append(_report.document(result))
+            print(_report.markdown_rows(docs[-1:]), flush=True)
         document = _report.combine(docs)
+        path = _report.write_document(document, results_dir)
         if repeat > 1:
-            path.write_text(json.dumps(document, indent=2) + "\n")
             print(f"=== {name}: medians of {repeat} runs\n{_report.markdown_rows([document])}", flush=True)
     except (Exception, SystemExit) as exc:  # SystemExit: argparse rejecting an argument
         traceback.print_exc()

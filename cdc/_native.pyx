@@ -157,20 +157,14 @@ cdef int check_utf8(const unsigned char* p, Py_ssize_t n) except -1:
     decoder, which decides."""
     cdef Py_ssize_t i = 0
     cdef uint64_t w[4]
-    cdef bint ascii = True
     while i + 32 <= n:
         memcpy(w, p + i, 32)  # no alignment assumed
         if (w[0] | w[1] | w[2] | w[3]) & 0x8080808080808080ULL:
-            ascii = False
-            break
+            break  # the byte loop below finds which
         i += 32
-    if ascii:
-        while i < n:
-            if p[i] & 0x80:
-                ascii = False
-                break
-            i += 1
-    if not ascii:
+    while i < n and not (p[i] & 0x80):
+        i += 1
+    if i < n:
         PyUnicode_DecodeUTF8(<const char*>p, n, "strict")  # raises on invalid input
     return 0
 

@@ -518,3 +518,25 @@ def test_repeat_runs_each_scenario_n_times_and_writes_the_medians(
     assert "median of the runs' own ratios" in md
     with pytest.raises(SystemExit):
         run_all.main(["--repeat", "0", "--no-readme", "--results", str(results)])
+
+    # A scenario whose second run fails is failed, and its first run's figures are not left to be shown.
+    (modules / f"flaky_{suffix}.py").write_text(
+        textwrap.dedent(
+            f"""
+            from pathlib import Path
+            from _report import Measure, Result
+
+            RUNS = Path({str(tmp_path / "flaky")!r})
+
+            def run(argv=None):
+                if RUNS.exists():
+                    raise RuntimeError("second run broke")
+                RUNS.write_text("1")
+                return Result("flaky", {{}}, [Measure("rows/s", "rows/s", 90, 100, "ref", target_ratio=0.8)])
+            """
+        )
+    )
+    monkeypatch.setattr(run_all, "SCENARIOS", {"flaky": f"flaky_{suffix}"})
+    assert run_all.main(["--repeat", "2", "--no-readme", "--results", str(results)]) == 1
+    assert not (results / "flaky.json").exists()
+    assert "| flaky | **failed**" in (results / render.SUMMARY_MD).read_text()
