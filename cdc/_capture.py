@@ -101,30 +101,36 @@ _BATCH_LINGER_S = 0.05
 _SPILL_HEAD = struct.Struct(">QI")  # a spilled message: its LSN and length, then the pgoutput message as received
 
 
+_SPILL_BLOCK = 4 << 20  # a spill is replayed in blocks of whole messages of about this size
+
+
 @dataclass
 class _Spill:
     """The changes of one streamed transaction, on disk until it commits or aborts: the messages as they
-    arrived (they carry their subtransaction's xid after the type byte), replayed through the same fast path
-    as live changes."""
+    arrived (they carry their subtransaction's xid after the type byte), each after its LSN and length
+    (_SPILL_HEAD), replayed in blocks of whole messages."""
 
     file: IO[bytes]
     aborted_subxids: set[int] = field(default_factory=set)
-    count: int = 0
+    block: int = _SPILL_BLOCK
+    size: int = 0
+    cuts: list[int] = field(default_factory=list)  # where a block ends: after a whole message
 
     def add(self, lsn: int, payload: bytes | memoryview) -> None:
         self.file.write(_SPILL_HEAD.pack(lsn, len(payload)))
         self.file.write(payload)
-        self.count += 1
+        self.size += _SPILL_HEAD.size + len(payload)
+        if self.size - (self.cuts[-1] if self.cuts else 0) >= self.block:
+            self.cuts.append(self.size)
 
-    def replay(self) -> Iterator[tuple[int, bytes]]:
+    def blocks(self) -> Iterator[bytes]:
         self.file.flush()
         self.file.seek(0)
-        read, aborted = self.file.read, self.aborted_subxids
-        for _ in range(self.count):
-            lsn, length = _SPILL_HEAD.unpack(read(12))
-            payload = read(length)
-            if not aborted or _U32(payload, 1)[0] not in aborted:
-                yield lsn, payload
+        done = 0
+        for cut in (*self.cuts, self.size):
+            if cut > done:
+                yield self.file.read(cut - done)
+                done = cut
 
     def close(self) -> None:
         self.file.close()
@@ -546,25 +552,7 @@ class Capture:
                                 txn_now_us = time.time_ns() // 1000
                                 self._tx_begin(msg.xid, msg.commit_lsn, msg.commit_time_us)
                                 self._stream_relations, self._stream_codecs = {}, {}
-                                # The spilled messages carry an xid after their type byte, as inside a stream.
-                                replay = PgOutputDecoder(proto, streaming=True)
-                                replay.decode(_STREAM_START.pack(ord("S"), msg.xid, 0))
-                                txn = (msg.commit_lsn, msg.commit_time_us, msg.xid, False)
-                                for change_lsn, data in spill.replay():
-                                    if data[0] in _FAST_KINDS and self._fast_change(
-                                        data, txn, change_lsn, txn_now_us, streamed=True
-                                    ):
-                                        continue
-                                    change = replay.decode(data)
-                                    if isinstance(change, Relation):
-                                        self._stream_relations[change.relid] = change
-                                        self._stream_codecs.pop(change.relid, None)
-                                        continue
-                                    self._apply(
-                                        change,  # type: ignore[arg-type]
-                                        Position(msg.commit_lsn, change_lsn, msg.commit_time_us, msg.xid),
-                                        txn_now_us,
-                                    )
+                                self._replay(spill, msg, proto, txn_now_us)
                                 self._stream_relations, self._stream_codecs = {}, {}
                                 batch_lsn = max(batch_lsn, msg.end_lsn)
                                 first = self._commits_us[0] if self._commits_us else msg.commit_time_us
@@ -585,6 +573,64 @@ class Capture:
                 self.metrics.aborted()
                 self._commits_us = None
             self.metrics.set_state("stopped")
+
+    def _replay(self, spill: _Spill, msg: StreamCommit, proto: int, now_us: int) -> None:
+        """A committed streamed transaction's spilled changes, in order, into the open Kafka batch.
+
+        Runs of Inserts go from C (DirectProducer.replay_inserts: the tuple encoded, the event written and
+        produced per message, no Python per row) for every table whose first Insert the fast path took, when
+        there is no transaction metadata to count per event; every other message takes the same way as a
+        live one."""
+        # The spilled messages carry an xid after their type byte, as inside a stream.
+        decoder = PgOutputDecoder(proto, streaming=True)
+        decoder.decode(_STREAM_START.pack(ord("S"), msg.xid, 0))
+        txn = (msg.commit_lsn, msg.commit_time_us, msg.xid, False)
+        aborted = spill.aborted_subxids
+        # relation id -> cdc._native.ReplayTarget; None: that table's events go through _fast_change
+        targets: dict[int, Any] = {}
+        from_c = self._tx is None and self.producer.produces_from_c
+        pos = Position(msg.commit_lsn, 0, msg.commit_time_us, msg.xid)
+        for block in spill.blocks():
+            at, size = 0, len(block)
+            while at < size:
+                if targets:
+                    if not self._in_batch:
+                        self._begin_batch()
+                    at = self.producer.replay_inserts(block, at, targets, aborted, msg.commit_lsn)
+                    for target in targets.values():
+                        if target.count:
+                            self.metrics.count(target.topic.decode(), "c", target.count)
+                            self._batch_events += target.count
+                            target.count = 0
+                    if at == size:
+                        break
+                change_lsn, length = _SPILL_HEAD.unpack_from(block, at)
+                data = block[at + _SPILL_HEAD.size : at + _SPILL_HEAD.size + length]
+                at += _SPILL_HEAD.size + length
+                if aborted and _U32(data, 1)[0] in aborted:
+                    continue
+                if data[0] in _FAST_KINDS and self._fast_change(data, txn, change_lsn, now_us, streamed=True):
+                    if from_c and data[0] == 73:  # Insert: the table's next ones from C
+                        relid = _U32(data, 5)[0]
+                        if relid not in targets:
+                            codec = (self._stream_codecs if relid in self._stream_relations else self._codecs)[relid]
+                            target = self.producer.replay_target(
+                                codec.topic, codec.native_plan, codec.insert_parts(pos, now_us)
+                            )
+                            if target is not None:
+                                targets[relid] = target
+                    continue
+                change = decoder.decode(data)
+                if isinstance(change, Relation):
+                    self._stream_relations[change.relid] = change
+                    self._stream_codecs.pop(change.relid, None)
+                    targets.pop(change.relid, None)
+                    continue
+                self._apply(
+                    change,  # type: ignore[arg-type]
+                    Position(msg.commit_lsn, change_lsn, msg.commit_time_us, msg.xid),
+                    now_us,
+                )
 
     def _side_event(self, name: str, schemas: tuple[dict[str, Any], dict[str, Any]], key: Any, value: Any) -> None:
         """An event on one of the side topics (<prefix>.messages, <prefix>.transaction): event streams with

@@ -354,6 +354,40 @@ class TransactionalProducer:
                 raise self._message_too_large(topic, size) from exc
             raise self._refused_as_too_large(err) or _kafka_error(exc, f"producing to {topic!r}") from exc
 
+    def replay_target(self, topic: str, plan: Any, parts: tuple[bytes, bytes, bytes, bytes]) -> Any | None:
+        """A cdc._native.ReplayTarget for :meth:`replay_inserts` (``plan``: the table's TuplePlan, ``parts``:
+        TableCodec.insert_parts), or None when events cannot be produced from C here."""
+        if self._direct is None or plan is None:
+            return None
+        try:
+            return self._direct.target(plan, topic.encode(), parts)
+        except RuntimeError as exc:  # no topic handle: the events go through produce()
+            log.info("replayed events for %r go through produce(): %s", topic, exc)
+            return None
+
+    def replay_inserts(self, block: bytes, at: int, targets: dict[int, Any], aborted: set[int], commit_lsn: int) -> int:
+        """The Insert events of a streamed transaction's spilled messages in ``block`` from ``at`` on, from C
+        (cdc._native.DirectProducer.replay_inserts), up to the first message it does not take: returns that
+        message's offset (``len(block)`` when all were taken). The events count in their targets' ``count``."""
+        assert self._direct is not None  # targets exist only with it
+        self._producer.poll(0)  # serve the delivery reports: once per block
+        while True:
+            at, err, size, topic = self._direct.replay_inserts(block, at, targets, aborted, commit_lsn)
+            if err == 0:
+                break
+            if err == KafkaError._QUEUE_FULL:  # let librdkafka send some, then go on from the event refused
+                self._producer.poll(0.1)
+                continue
+            exc = KafkaException(KafkaError(err))
+            if err == KafkaError.MSG_SIZE_TOO_LARGE:  # over the producer's own limit
+                raise self._message_too_large(topic.decode(), size) from exc
+            raise self._refused_as_too_large(err) or _kafka_error(exc, "producing a replayed transaction") from exc
+        for target in targets.values():
+            name = target.topic.decode()
+            if target.largest > self._direct_largest.get(name, 0):
+                self._direct_largest[name] = target.largest
+        return at
+
     def _refused_as_too_large(self, code: int) -> KafkaSetupError | None:
         """The size error behind a failed transaction (``code``: the failure's), if the broker refused an event as
         too large.

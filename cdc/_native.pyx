@@ -655,6 +655,28 @@ cdef struct Row:
     Py_ssize_t reclen
 
 
+cdef class ReplayTarget:
+    """One table's Insert events while a streamed transaction's spill is replayed (DirectProducer.replay_inserts):
+    the table version's TuplePlan, its topic, and the constant parts of its events in that transaction, as
+    TableCodec.insert_parts gives them. ``count`` and ``largest`` accumulate what was produced for it."""
+
+    cdef TuplePlan plan
+    cdef readonly bytes topic
+    cdef bytes prefix, head, middle, rest
+    cdef void *rkt
+    cdef rk_topic_destroy_t topic_destroy
+    cdef object owner
+    cdef public Py_ssize_t count
+    cdef public Py_ssize_t largest
+
+    def __cinit__(self) -> None:
+        self.rkt = NULL
+
+    def __dealloc__(self) -> None:
+        if self.rkt != NULL:
+            self.topic_destroy(self.rkt)
+
+
 cdef class DirectProducer:
     """Produces (key, prefix + record + suffix) events on a confluent_kafka Producer's librdkafka handle."""
 
@@ -736,6 +758,96 @@ cdef class DirectProducer:
             free(items)
             free(buf)
 
+
+    def target(self, TuplePlan plan not None, bytes topic not None, tuple parts not None) -> ReplayTarget:
+        """A ReplayTarget producing to ``topic`` on this handle; ``parts``: TableCodec.insert_parts."""
+        cdef ReplayTarget t = ReplayTarget()
+        t.plan, t.topic = plan, topic
+        t.prefix, t.head, t.middle, t.rest = parts  # type-checked by the typed attributes
+        t.topic_destroy = self.topic_destroy
+        t.owner = self  # the handle outlives the topic handle
+        t.rkt = self.topic_new(self.rk, PyBytes_AS_STRING(topic), NULL)
+        if t.rkt == NULL:
+            raise RuntimeError(f"librdkafka refused a handle for topic {topic!r}: error {self.last_error()}")
+        return t
+
+    def replay_inserts(self, bytes block not None, Py_ssize_t at, dict targets not None, set aborted,
+                       int64_t commit_lsn) -> tuple:
+        """Produces the Insert events of a streamed transaction's spilled messages (``block``: whole messages,
+        each its LSN and length (>QI) then the pgoutput message with its xid after the type byte) from offset
+        ``at`` on, each to its table's topic (``targets``: relation id -> ReplayTarget) as Capture._fast_change
+        would, until the first message it does not take: not an Insert, of a subtransaction in ``aborted``, of
+        a relation without a target, or whose tuple does not encode cleanly (the general path then handles
+        and diagnoses that one). Returns (the offset of the first message not produced; librdkafka's error
+        code when that one was refused, else 0; then the refused event's size, key included, and topic)."""
+        cdef const unsigned char *d = <const unsigned char*>PyBytes_AS_STRING(block)
+        cdef Py_ssize_t size = PyBytes_GET_SIZE(block), m, end, length, reclen, keylen, seq_start, digits_at
+        cdef uint64_t lsn
+        cdef uint32_t relid, last_relid = 0
+        cdef ReplayTarget t = None
+        cdef unsigned char[STACK_BYTES] stack
+        cdef Buf b
+        cdef object found
+        cdef tuple encoded
+        if at < 0:
+            raise IndexError("offset out of range")
+        b.p = stack
+        b.cap = STACK_BYTES
+        b.heap = NULL
+        try:
+            while at <= size - 12:
+                lsn = be64(d + at)
+                length = be32(d + at + 8)
+                m = at + 12
+                end = m + length
+                # 'I', xid, relid, 'N', then the tuple's column count
+                if length > size - m or length < 12 or d[m] != 73 or d[m + 9] != 78:
+                    break
+                if aborted and <object>(be32(d + m + 1)) in aborted:
+                    break
+                relid = be32(d + m + 5)
+                if t is None or relid != last_relid:
+                    found = targets.get(relid)
+                    if found is None:
+                        break
+                    t, last_relid = <ReplayTarget?>found, relid
+                try:
+                    encoded = t.plan._encode(block, m + 10, None)
+                except Exception:  # malformed or unconvertible: the general path diagnoses it
+                    break
+                record, key, unchanged, pos = encoded
+                if key is None or unchanged or pos != end:
+                    break
+                reclen, keylen = PyBytes_GET_SIZE(record), PyBytes_GET_SIZE(key)
+                # TableCodec.envelope_bytes of an Insert without a transaction block: the frame, before null,
+                # after's Value branch, the record, then the source block around the change's LSN.
+                b.n = 0
+                put_raw(&b, <const unsigned char*>PyBytes_AS_STRING(t.prefix), PyBytes_GET_SIZE(t.prefix))
+                put_raw(&b, <const unsigned char*>PyBytes_AS_STRING(record), reclen)
+                put_raw(&b, <const unsigned char*>PyBytes_AS_STRING(t.head), PyBytes_GET_SIZE(t.head))
+                seq_start = b.n
+                put_byte(&b, 0)
+                digits_at = b.n
+                put_raw(&b, <const unsigned char*>b'["', 2)
+                put_decimal_text(&b, <uint64_t>commit_lsn)
+                put_raw(&b, <const unsigned char*>b'","', 3)
+                put_decimal_text(&b, lsn)
+                put_raw(&b, <const unsigned char*>b'"]', 2)
+                b.p[seq_start] = <unsigned char>((b.n - digits_at) << 1)
+                put_raw(&b, <const unsigned char*>PyBytes_AS_STRING(t.middle), PyBytes_GET_SIZE(t.middle))
+                put_long(&b, <int64_t>lsn)
+                put_raw(&b, <const unsigned char*>PyBytes_AS_STRING(t.rest), PyBytes_GET_SIZE(t.rest))
+                if self.produce(t.rkt, RD_KAFKA_PARTITION_UA, RD_KAFKA_MSG_F_COPY, b.p, b.n,
+                                PyBytes_AS_STRING(key), keylen, NULL) == -1:
+                    return at, self.last_error(), keylen + b.n, t.topic
+                t.count += 1
+                if keylen + b.n > t.largest:
+                    t.largest = keylen + b.n
+                at = end
+            return at, 0, 0, None
+        finally:
+            if b.heap != NULL:
+                free(b.heap)
 
 # --- Reading a COPY through libpq ------------------------------------------------------------------------------
 #

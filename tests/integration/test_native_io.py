@@ -1,11 +1,15 @@
 """The snapshot's C loops against the real services: CopyReader (a COPY read through psycopg's libpq) gives what
 psycopg's Copy gives and fails as psycopg would; DirectProducer (a chunk produced on confluent_kafka's librdkafka
-handle) writes the same records, to the same partitions, in the same transaction, as Producer.produce().
+handle) writes the same records, to the same partitions, in the same transaction, as Producer.produce(); a
+streamed transaction's Inserts replayed from C (DirectProducer.replay_inserts) are the events the fast path writes.
 """
 
 from __future__ import annotations
 
 import os
+import struct
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -13,8 +17,14 @@ import pytest
 from confluent_kafka import Consumer, TopicPartition
 from psycopg import sql
 
+from cdc._capture import Capture, _Spill
+from cdc._config import load_settings
+from cdc._events import SourceInfo
 from cdc._kafka import Topics, TransactionalProducer
 from cdc._snapshot import _copy_reader, _LibpqCopies
+from decoders import StreamCommit
+from schemas import PgType
+from tests._codecs import make_codec
 from tests.integration._capture_helpers import scratch_database
 
 pytestmark = pytest.mark.integration
@@ -73,7 +83,10 @@ def test_libpq_copies_fail_as_psycopg_would(reader: Any, pg_dsn: str, unique: st
         assert conn.execute("SELECT 1").fetchone() == (1,)
 
 
-def _records(kafka: str, topic: str, partitions: int) -> list[tuple[int, bytes | None, bytes | None]]:
+def _records(
+    kafka: str, topic: str, partitions: int, *, in_order: bool = False
+) -> list[tuple[int, bytes | None, bytes | None]]:
+    """The committed records of ``topic``: sorted, or ``in_order`` (by partition, each in offset order)."""
     consumer = Consumer({"bootstrap.servers": kafka, "group.id": f"g-{topic}", "isolation.level": "read_committed"})
     try:
         consumer.assign([TopicPartition(topic, p, 0) for p in range(partitions)])
@@ -88,7 +101,7 @@ def _records(kafka: str, topic: str, partitions: int) -> list[tuple[int, bytes |
             partition = msg.partition()
             assert partition is not None
             found.append((partition, msg.key(), msg.value()))
-        return sorted(found)
+        return sorted(found, key=lambda r: r[0]) if in_order else sorted(found)
     finally:
         consumer.close()
 
@@ -125,3 +138,90 @@ def test_direct_producer_writes_what_produce_writes(kafka_bootstrap: str, unique
     assert sorted((k, v) for _, k, v in written) == sorted(
         (k, b"<prefix>" + r + b"<suffix>") for k, r in zip(keys, records, strict=True)
     )
+
+
+def _streamed(kind: bytes, xid: int, relid: int, *tuples: tuple[bytes, list[bytes | None]]) -> bytes:
+    """A pgoutput change as streamed (its subtransaction's xid after the type byte): tuples of (marker, values)."""
+    out = kind + struct.pack(">II", xid, relid)
+    for marker, values in tuples:
+        out += marker + struct.pack(">H", len(values))
+        for value in values:
+            out += b"n" if value is None else b"b" + struct.pack(">I", len(value)) + value
+    return out
+
+
+def _row(i: int) -> list[bytes | None]:
+    name = None if i % 7 == 0 else ("é" * (i % 5) + "x" * (i % 300)).encode()
+    return [struct.pack(">q", i), name, struct.pack(">i", -i)]
+
+
+def _replay_into(kafka: str, topics: list[str], spill: _Spill, tid: str, *, from_c: bool) -> list[int]:
+    """Capture._replay of ``spill`` into ``topics`` (two tables) in one Kafka transaction; the offsets at which
+    the C loop stopped, for each call of it."""
+    config = Path(tempfile.mkdtemp()) / "cdc.toml"
+    config.write_text('[source]\ndsn = "postgresql://u@localhost/db"\ntables = ["public.t"]\n')
+    cap = Capture(load_settings(config))
+    columns = [("id", PgType(20, "int8"), -1), ("name", PgType(25, "text"), -1), ("qty", PgType(23, "int4"), -1)]
+    for relid, topic in zip((16384, 16385), topics, strict=True):
+        # One source name for both runs: the events differ only in their topic.
+        cap._codecs[relid] = make_codec(columns, topic=topic, key=["id"], source=SourceInfo("1.0", "src", "db"))
+    producer = TransactionalProducer({"bootstrap.servers": kafka}, tid)
+    cap.producer = producer
+    stops: list[int] = []
+    replay = producer.replay_inserts
+
+    def counted(block: bytes, at: int, targets: dict[int, Any], aborted: set[int], commit_lsn: int) -> int:
+        stops.append(replay(block, at, targets, aborted, commit_lsn))
+        return stops[-1]
+
+    producer.replay_inserts = counted  # type: ignore[method-assign]
+    if not from_c:
+        producer._direct = None
+    commit = StreamCommit(
+        xid=700, flags=0, commit_lsn=0x5_0000_0000, end_lsn=0x5_0000_1000, commit_time_us=1_700_000_000_000_000
+    )
+    try:
+        cap._begin_batch()
+        cap._replay(spill, commit, 2, 1_700_000_000_123_456)
+        producer.commit()
+    finally:
+        producer.close()
+    return stops
+
+
+def test_replayed_inserts_from_c_are_what_the_fast_path_writes(kafka_bootstrap: str, unique: str) -> None:
+    if PURE_PYTHON:
+        pytest.skip("CDC_PURE_PYTHON is set: a streamed transaction is replayed by the fast path only")
+    conf = {"bootstrap.servers": kafka_bootstrap}
+    admin = Topics(conf, partitions=3, replication_factor=1)
+    direct, plain = [f"d{unique}.public.a", f"d{unique}.public.b"], [f"p{unique}.public.a", f"p{unique}.public.b"]
+    for topic in direct + plain:
+        admin.ensure(topic)
+    with tempfile.TemporaryFile() as file:
+        spill = _Spill(file, block=4096)  # many blocks: runs cut at their ends too
+        lsn = 0x4_0000_0000
+        messages = []
+        for i in range(3000):
+            messages.append(_streamed(b"I", 700, 16384, (b"N", _row(i))))
+            if i % 500 == 250:  # another table, an update, a delete, a rolled-back subtransaction's insert
+                messages.append(_streamed(b"I", 700, 16385, (b"N", _row(i))))
+                messages.append(_streamed(b"U", 700, 16384, (b"N", _row(i - 1))))
+                messages.append(_streamed(b"D", 700, 16384, (b"K", [struct.pack(">q", i - 2), None, None])))
+                messages.append(_streamed(b"I", 701, 16384, (b"N", _row(100_000 + i))))
+        for message in messages:
+            lsn += 100
+            spill.add(lsn, message)
+        spill.aborted_subxids.add(701)
+        stops = _replay_into(kafka_bootstrap, direct, spill, f"replay-c-{unique}", from_c=True)
+        plain_stops = _replay_into(kafka_bootstrap, plain, spill, f"replay-py-{unique}", from_c=False)
+    assert plain_stops == []
+    # The C loop ran, and handed back every message it does not take (update, delete, aborted, the other table
+    # before its first insert went through the fast path).
+    assert len(stops) > 20
+    for topic_c, topic_py in zip(direct, plain, strict=True):
+        written = _records(kafka_bootstrap, topic_c, 3, in_order=True)
+        assert written == _records(kafka_bootstrap, topic_py, 3, in_order=True)
+        assert written
+    a = _records(kafka_bootstrap, direct[0], 3, in_order=True)
+    # 3000 inserts, 6 updates, 6 deletes with their tombstones; no rolled-back insert
+    assert len(a) == 3000 + 6 + 6 * 2
