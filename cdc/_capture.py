@@ -102,6 +102,7 @@ _SPILL_HEAD = struct.Struct(">QI")  # a spilled message: its LSN and length, the
 
 
 _SPILL_BLOCK = 4 << 20  # a spill is replayed in blocks of whole messages of about this size
+_SPILL_READ = 1 << 20  # how much of a streamed transaction's changes are read at most in one call
 
 
 @dataclass
@@ -120,6 +121,13 @@ class _Spill:
         self.file.write(_SPILL_HEAD.pack(lsn, len(payload)))
         self.file.write(payload)
         self.size += _SPILL_HEAD.size + len(payload)
+        if self.size - (self.cuts[-1] if self.cuts else 0) >= self.block:
+            self.cuts.append(self.size)
+
+    def add_framed(self, framed: bytes) -> None:
+        """Messages framed as :meth:`add` writes them (ReplicationConnection.read_changes), one after another."""
+        self.file.write(framed)
+        self.size += len(framed)
         if self.size - (self.cuts[-1] if self.cuts else 0) >= self.block:
             self.cuts.append(self.size)
 
@@ -414,6 +422,9 @@ class Capture:
         last_heartbeat = time.monotonic()
         stopping = False
         txn_now_us = 0
+        bulk = repl.reads_changes_in_bulk
+        held: bytes | None = None
+        raw: bytes | memoryview | None
 
         def flush() -> None:
             nonlocal acked
@@ -445,7 +456,10 @@ class Capture:
                     timeout = 0.0 if current is None else _BATCH_LINGER_S  # caught up between transactions: commit
                 else:
                     timeout = min(1.0, s.capture.status_interval_s)
-                raw = repl.read(timeout)
+                if held is not None:  # the message after a run that read_changes took
+                    raw, held = held, None
+                else:
+                    raw = repl.read(timeout)
                 if raw is None:
                     if self._in_batch and current is None:
                         flush()
@@ -460,7 +474,13 @@ class Capture:
                     if stream_xid is not None:
                         lsn, end_lsn, _ = _XLOG_UNPACK(raw, 1)
                         received = max(received, end_lsn)
-                        spills[stream_xid].add(lsn, raw[_PAYLOAD_AT:])
+                        into = spills[stream_xid]
+                        into.add(lsn, raw[_PAYLOAD_AT:])
+                        if bulk:  # the changes after it that have arrived, from C in one call
+                            framed, count, end_lsn, held = repl.read_changes(_SPILL_READ)
+                            if count:
+                                into.add_framed(framed)
+                                received = max(received, end_lsn)
                         continue
                     if current is not None and not current[3]:
                         data = bytes(raw)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import ctypes
 import os
 
+import psycopg
+
 
 def loaded_library(name: str, version: int, version_function: str) -> ctypes.CDLL | None:
     """The library already loaded whose file name starts with ``name`` (e.g. "librdkafka"), if its
@@ -44,3 +46,12 @@ def addresses(lib: ctypes.CDLL, names: tuple[str, ...]) -> dict[str, int]:
             raise AttributeError(name)
         found[name] = address
     return found
+
+
+def libpq_addresses(names: tuple[str, ...]) -> dict[str, int]:
+    """The addresses of ``names`` in the libpq psycopg runs; OSError when that library is not found,
+    AttributeError for a function it does not have."""
+    lib = loaded_library("libpq", psycopg.pq.version(), "PQlibVersion")
+    if lib is None:
+        raise OSError("the libpq psycopg runs is not found")
+    return addresses(lib, names)

@@ -989,6 +989,96 @@ cdef class CopyReader:
             free(out)
 
 
+
+# --- Reading a streamed transaction's changes through libpq --------------------------------------------------------
+#
+# While PostgreSQL streams a large transaction, every change is only written to the spill: in Python that was
+# ~5 µs per message (read, checks, two file writes), about as much CPU as the walsender spends producing it.
+# ChangeReader takes the messages libpq has (or the socket already holds) in one call and frames them as the
+# spill does.
+
+ctypedef int (*pq_consume_input_t)(void *conn) noexcept nogil
+
+cdef enum:
+    XLOG_PAYLOAD_AT = 25  # 'w', start LSN, end LSN, send time: then the pgoutput message
+
+
+cdef class ChangeReader:
+    """Reads the XLogData messages carrying an Insert, Update or Delete of a streamed transaction."""
+
+    cdef pq_get_copy_data_t get_copy_data
+    cdef pq_freemem_t freemem
+    cdef pq_consume_input_t consume_input
+
+    def __init__(self, symbols: dict) -> None:
+        """``symbols``: the addresses of PQgetCopyData, PQfreemem and PQconsumeInput."""
+        self.get_copy_data = <pq_get_copy_data_t><size_t>symbols["PQgetCopyData"]
+        self.freemem = <pq_freemem_t><size_t>symbols["PQfreemem"]
+        self.consume_input = <pq_consume_input_t><size_t>symbols["PQconsumeInput"]
+
+    def read(self, size_t pgconn, Py_ssize_t limit) -> tuple:
+        """The CopyData messages of a replication stream (the PGconn at ``pgconn``, in COPY BOTH, non-blocking)
+        that libpq has buffered or the socket holds, without waiting, while each is an XLogData whose pgoutput
+        message is an Insert, Update or Delete, up to about ``limit`` bytes. Returns (those messages framed as
+        the capture's spill frames them: start LSN and length (>QI), then the pgoutput message; how many; the
+        largest end LSN among them, 0 without any; the first message not taken, as bytes, or None; and
+        PQgetCopyData's last result when it was negative: -1 the stream ended, -2 it failed, else 0)."""
+        cdef void *conn = <void*>pgconn
+        cdef char *out = NULL
+        cdef char *grown
+        cdef char *msg = NULL
+        cdef Py_ssize_t n = 0, cap = 0, count = 0, body
+        cdef int got = 0, consumed = 0
+        cdef uint64_t end, largest = 0
+        cdef bytes held = None
+        if conn == NULL:
+            raise ValueError("no connection")
+        try:
+            with nogil:
+                while n < limit:
+                    got = self.get_copy_data(conn, &msg, 1)
+                    if got == 0:
+                        # Nothing complete buffered: read what the socket holds, once per empty buffer.
+                        if consumed or not self.consume_input(conn):
+                            break
+                        consumed = 1
+                        continue
+                    if got < 0:
+                        break
+                    consumed = 0
+                    if got <= XLOG_PAYLOAD_AT or msg[0] != 119 or not (
+                        msg[XLOG_PAYLOAD_AT] == 73 or msg[XLOG_PAYLOAD_AT] == 85 or msg[XLOG_PAYLOAD_AT] == 68
+                    ):
+                        with gil:
+                            held = PyBytes_FromStringAndSize(msg, got)
+                        self.freemem(msg)
+                        got = 0
+                        break
+                    body = got - XLOG_PAYLOAD_AT
+                    if n + 12 + body > cap:
+                        cap = max(cap * 2, n + 12 + body, 1 << 20)
+                        grown = <char*>realloc(out, cap)
+                        if grown == NULL:
+                            self.freemem(msg)
+                            with gil:
+                                raise MemoryError()
+                        out = grown
+                    memcpy(out + n, msg + 1, 8)  # the start LSN, big-endian as in the message
+                    out[n + 8] = <char>((body >> 24) & 0xFF)
+                    out[n + 9] = <char>((body >> 16) & 0xFF)
+                    out[n + 10] = <char>((body >> 8) & 0xFF)
+                    out[n + 11] = <char>(body & 0xFF)
+                    memcpy(out + n + 12, msg + XLOG_PAYLOAD_AT, body)
+                    n += 12 + body
+                    end = be64(<const unsigned char*>msg + 9)
+                    if end > largest:
+                        largest = end
+                    count += 1
+                    self.freemem(msg)
+            return PyBytes_FromStringAndSize(out, n), count, largest, held, (got if got < 0 else 0)
+        finally:
+            free(out)
+
 def copy_rows_and_last(bytes data not None) -> tuple:
     """(the number of rows of a ``COPY … (FORMAT binary)`` output, the raw fields of its last row — None for a
     NULL — or None without rows): what the snapshot needs to ask for its next chunk before encoding this one."""

@@ -2,17 +2,35 @@
 
 from __future__ import annotations
 
+import logging
 import select
 import time
 from dataclasses import dataclass
+from typing import Any, NoReturn
 
 import psycopg
 from psycopg import pq
 from psycopg.pq.abc import PGconn
 
+from cdc._events import native_module
+from cdc._libs import libpq_addresses
 from cdc._source import translate_pg_error
 from cdc.errors import SourceCheckError, TransientError
 from decoders import format_lsn, parse_lsn, standby_status
+
+log = logging.getLogger(__name__)
+
+
+def _change_reader() -> Any | None:
+    """cdc._native.ChangeReader on the libpq psycopg runs, or None (changes are read one message at a time)."""
+    _native = native_module()
+    if _native is None:
+        return None
+    try:
+        return _native.ChangeReader(libpq_addresses(("PQgetCopyData", "PQfreemem", "PQconsumeInput")))
+    except (OSError, AttributeError) as exc:
+        log.info("a streamed transaction's changes are read one message at a time: %s", exc)
+        return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +50,7 @@ class ReplicationConnection:
             self._conn.finish()
             raise translate_pg_error(psycopg.OperationalError(message), where)
         self._closed = False
+        self._changes = _change_reader()
 
     def _error(self) -> str:
         return self._conn.get_error_message().strip()
@@ -85,12 +104,8 @@ class ReplicationConnection:
                 continue
             if nbytes > 0:
                 return data
-            if nbytes == -1:
-                res = conn.get_result()
-                detail = res.error_message.decode(errors="replace") if res is not None else self._error()
-                raise TransientError(f"replication stream from {self._where} ended: {detail.strip()}")
-            if nbytes == -2:
-                raise TransientError(f"replication stream from {self._where} failed: {self._error()}")
+            if nbytes < 0:
+                self._ended(nbytes)
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return None
@@ -98,6 +113,31 @@ class ReplicationConnection:
             if readable:
                 conn.consume_input()
             nbytes, data = conn.get_copy_data(1)
+
+    def _ended(self, nbytes: int) -> NoReturn:
+        """PQgetCopyData's -1 (the stream ended) or -2 (it failed), as the error to retry on."""
+        if nbytes == -1:
+            res = self._conn.get_result()
+            detail = res.error_message.decode(errors="replace") if res is not None else self._error()
+            raise TransientError(f"replication stream from {self._where} ended: {detail.strip()}")
+        raise TransientError(f"replication stream from {self._where} failed: {self._error()}")
+
+    @property
+    def reads_changes_in_bulk(self) -> bool:
+        """Whether :meth:`read_changes` can be called (the C build's ChangeReader)."""
+        return self._changes is not None
+
+    def read_changes(self, limit: int) -> tuple[bytes, int, int, bytes | None]:
+        """The row changes (XLogData holding an Insert, Update or Delete) already received, without waiting, up to
+        about ``limit`` bytes: (them framed as (start LSN, length) then the pgoutput message, one after another;
+        how many; the largest end LSN among them, 0 without any; the first message that is not one, or None),
+        see cdc._native.ChangeReader.read."""
+        assert self._changes is not None
+        pgconn = self._conn.pgconn_ptr  # type: ignore[attr-defined]  # public, not in the Protocol
+        framed, count, end, held, nbytes = self._changes.read(pgconn, limit)
+        if nbytes < 0:
+            self._ended(nbytes)
+        return framed, count, end, held
 
     def send_status(self, write: int, flush: int, apply: int, *, reply: bool = False) -> None:
         msg = standby_status(write, flush, apply, time.time_ns() // 1000, reply)

@@ -32,7 +32,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from cdc._catalog import TableInfo
 from cdc._events import ColumnSpec, Position, TableCodec, native_module
-from cdc._libs import addresses, loaded_library
+from cdc._libs import libpq_addresses
 from cdc._resnapshot import GapDeletes, Reconciler
 from cdc.errors import StreamError
 from decoders import TupleData
@@ -80,11 +80,8 @@ def _copy_reader() -> Any | None:
     _native = native_module()
     if _native is None:
         return None
-    lib = loaded_library("libpq", psycopg.pq.version(), "PQlibVersion")
     try:
-        if lib is None:
-            raise OSError("the libpq psycopg runs is not found")
-        return _native.CopyReader(addresses(lib, _LIBPQ_FUNCTIONS))
+        return _native.CopyReader(libpq_addresses(_LIBPQ_FUNCTIONS))
     except (OSError, AttributeError) as exc:
         log.info("the snapshot reads through psycopg's Copy: %s", exc)
         return None

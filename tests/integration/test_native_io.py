@@ -16,11 +16,13 @@ import psycopg
 import pytest
 from confluent_kafka import Consumer, TopicPartition
 from psycopg import sql
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from cdc._capture import Capture, _Spill
 from cdc._config import load_settings
 from cdc._events import SourceInfo
 from cdc._kafka import Topics, TransactionalProducer
+from cdc._replication import ReplicationConnection
 from cdc._snapshot import _copy_reader, _LibpqCopies
 from decoders import StreamCommit
 from schemas import PgType
@@ -225,3 +227,64 @@ def test_replayed_inserts_from_c_are_what_the_fast_path_writes(kafka_bootstrap: 
     a = _records(kafka_bootstrap, direct[0], 3, in_order=True)
     # 3000 inserts, 6 updates, 6 deletes with their tombstones; no rolled-back insert
     assert len(a) == 3000 + 6 + 6 * 2
+
+
+def _read_stream(dsn: str, slot: str, *, bulk: bool) -> tuple[list[tuple[str, bytes]], int]:
+    """The replication stream of ``slot`` from its start until a Stream Commit: XLogData as ("w", LSN + the
+    pgoutput message), keepalives as ("k", b""); with ``bulk``, every change after the first of a run taken by
+    read_changes, as the capture takes them; and how many read_changes took."""
+    params = conninfo_to_dict(dsn)
+    params["replication"] = "database"
+    params["options"] = "-c logical_decoding_work_mem=64kB"
+    repl = ReplicationConnection(make_conninfo("", **params), where="test")
+    out: list[tuple[str, bytes]] = []
+    taken = 0
+    try:
+        assert repl.reads_changes_in_bulk, "cdc._native is built but ChangeReader was not set up"
+        repl.start(slot, 0, {"proto_version": "2", "publication_names": '"pub"', "streaming": "on"})
+        held: bytes | None = None
+        while True:
+            raw = held if held is not None else repl.read(10.0)
+            held = None
+            assert raw is not None, "the stream went quiet before the Stream Commit"
+            if raw[0] == ord("k"):
+                out.append(("k", b""))
+                continue
+            lsn, payload = bytes(raw[1:9]), bytes(raw[25:])
+            out.append(("w", lsn + payload))
+            if payload[:1] == b"c":  # Stream Commit
+                return out, taken
+            if bulk and payload[:1] in (b"I", b"U", b"D"):
+                framed, count, end, held = repl.read_changes(1 << 20)
+                taken += count
+                at = 0
+                for _ in range(count):
+                    length = struct.unpack_from(">I", framed, at + 8)[0]
+                    out.append(("w", framed[at : at + 8] + framed[at + 12 : at + 12 + length]))
+                    at += 12 + length
+                assert at == len(framed)
+                assert end >= int.from_bytes(lsn) or count == 0
+    finally:
+        repl.close()
+
+
+def test_read_changes_takes_what_read_takes_one_at_a_time(pg_dsn: str, unique: str) -> None:
+    if PURE_PYTHON:
+        pytest.skip("CDC_PURE_PYTHON is set: changes are read one message at a time")
+    with scratch_database(pg_dsn, f"rc_{unique}") as dsn:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute("CREATE TABLE t (id int PRIMARY KEY, body text)")
+            conn.execute("CREATE PUBLICATION pub FOR TABLE t")
+            for slot in ("one", "bulk"):
+                conn.execute("SELECT pg_create_logical_replication_slot(%s, 'pgoutput')", (slot,))
+        with psycopg.connect(dsn) as conn:  # streamed: far past 64 kB, with updates and deletes inside
+            conn.execute("INSERT INTO t SELECT g, repeat('x', g % 500) FROM generate_series(1, 20000) g")
+            conn.execute("UPDATE t SET body = 'y' WHERE id % 3 = 0")
+            conn.execute("DELETE FROM t WHERE id % 5 = 0")
+            conn.commit()
+        one, _ = _read_stream(dsn, "one", bulk=False)
+        bulk, taken = _read_stream(dsn, "bulk", bulk=True)
+    one = [m for m in one if m[0] == "w"]
+    assert len(one) > 20000 + 6666 + 4000
+    assert [m for m in bulk if m[0] == "w"] == one
+    assert taken > len(one) // 2  # most changes came in runs
