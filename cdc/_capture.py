@@ -195,6 +195,9 @@ class Capture:
         self._relations: dict[int, Relation] = {}
         self._stream_relations: dict[int, Relation] = {}
         self._tx: _TxMeta | None = None
+        # The open live transaction's tables whose Inserts go from C (_more_inserts), and those seen once.
+        self._live_targets: dict[int, Any] = {}
+        self._live_seen: set[int] = set()
 
     # --- set-up -------------------------------------------------------------------------------
 
@@ -423,6 +426,7 @@ class Capture:
         stopping = False
         txn_now_us = 0
         bulk = repl.reads_changes_in_bulk
+        live_c = bulk and self.producer.produces_from_c  # a live transaction's Inserts from C (_more_inserts)
         held: bytes | None = None
         raw: bytes | memoryview | None
 
@@ -487,6 +491,9 @@ class Capture:
                         lsn, end_lsn, _ = _XLOG_UNPACK(data, 1)
                         received = max(received, end_lsn)
                         if self._fast_change(data, current, lsn, txn_now_us, start=_PAYLOAD_AT):
+                            if live_c and data[_PAYLOAD_AT] == 73 and self._tx is None:  # the Inserts after it
+                                held, end_lsn = self._more_inserts(repl, data, current, txn_now_us)
+                                received = max(received, end_lsn)
                             continue
                 frame = parse_copy_data(raw)
                 if isinstance(frame, Keepalive):
@@ -509,6 +516,7 @@ class Capture:
                         self._apply(msg, Position(current[0], lsn, current[1], current[2]), txn_now_us)  # type: ignore[arg-type]
                 elif isinstance(msg, Begin):
                     current = (msg.final_lsn, msg.commit_time_us, msg.xid, msg.final_lsn < resume)
+                    self._live_targets, self._live_seen = {}, set()
                     if not current[3]:
                         self.metrics.pending(msg.commit_time_us)
                     txn_now_us = time.time_ns() // 1000  # one "processed at" per transaction
@@ -529,6 +537,7 @@ class Capture:
                     elif self._relations.get(msg.relid) != msg:
                         self._relations[msg.relid] = msg
                         self._codecs.pop(msg.relid, None)
+                        self._live_targets.pop(msg.relid, None)
                 elif isinstance(msg, TypeInfo):
                     self.types.invalidate(msg.oid)
                 elif isinstance(msg, LogicalMessage):
@@ -594,6 +603,39 @@ class Capture:
                 self._commits_us = None
             self.metrics.set_state("stopped")
 
+    def _counted(self, targets: dict[int, Any]) -> None:
+        """Counts the events produced from C to ``targets`` (ReplayTargets) since the last call."""
+        for target in targets.values():
+            if target.count:
+                self.metrics.count(target.topic.decode(), "c", target.count)
+                self._batch_events += target.count
+                target.count = 0
+
+    def _more_inserts(
+        self, repl: ReplicationConnection, data: bytes, current: tuple[int, int, int | None, bool], now_us: int
+    ) -> tuple[bytes | None, int]:
+        """After a live Insert the fast path took (``data``): the Inserts already received after it, produced
+        from C (ChangeReader.live_inserts) from a table's second Insert in the transaction on (a one-row
+        transaction does not pay for a ReplayTarget). Returns (the next message, not taken, or None; the largest
+        end LSN of those produced, 0 without any)."""
+        relid = _U32(data, _PAYLOAD_AT + 1)[0]
+        targets = self._live_targets
+        if relid not in targets:
+            if relid not in self._live_seen:
+                self._live_seen.add(relid)
+                return None, 0
+            codec = self._codecs[relid]
+            pos = Position(current[0], 0, current[1], current[2])
+            target = self.producer.replay_target(codec.topic, codec.native_plan, codec.insert_parts(pos, now_us))
+            if target is None:
+                return None, 0
+            targets[relid] = target
+        count, end_lsn, held = repl.read_inserts(self.producer.direct, targets, current[0], _SPILL_READ)
+        if count:
+            self._counted(targets)
+            self.producer.produced_from_c(targets)
+        return held, end_lsn
+
     def _replay(self, spill: _Spill, msg: StreamCommit, proto: int, now_us: int) -> None:
         """A committed streamed transaction's spilled changes, in order, into the open Kafka batch.
 
@@ -617,11 +659,7 @@ class Capture:
                     if not self._in_batch:
                         self._begin_batch()
                     at = self.producer.replay_inserts(block, at, targets, aborted, msg.commit_lsn)
-                    for target in targets.values():
-                        if target.count:
-                            self.metrics.count(target.topic.decode(), "c", target.count)
-                            self._batch_events += target.count
-                            target.count = 0
+                    self._counted(targets)
                     if at == size:
                         break
                 change_lsn, length = _SPILL_HEAD.unpack_from(block, at)

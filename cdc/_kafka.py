@@ -382,11 +382,21 @@ class TransactionalProducer:
             if err == KafkaError.MSG_SIZE_TOO_LARGE:  # over the producer's own limit
                 raise self._message_too_large(topic.decode(), size) from exc
             raise self._refused_as_too_large(err) or _kafka_error(exc, "producing a replayed transaction") from exc
+        self.produced_from_c(targets)
+        return at
+
+    @property
+    def direct(self) -> Any | None:
+        """The cdc._native.DirectProducer on this producer's handle, None without it."""
+        return self._direct
+
+    def produced_from_c(self, targets: dict[int, Any]) -> None:
+        """Events were produced from C to ``targets`` (ReplayTargets): note the largest per topic, which is what
+        tells which event a broker refused as too large (_refused_as_too_large)."""
         for target in targets.values():
             name = target.topic.decode()
             if target.largest > self._direct_largest.get(name, 0):
                 self._direct_largest[name] = target.largest
-        return at
 
     def _refused_as_too_large(self, code: int) -> KafkaSetupError | None:
         """The size error behind a failed transaction (``code``: the failure's), if the broker refused an event as

@@ -686,6 +686,7 @@ cdef class DirectProducer:
     cdef rk_topic_new_t topic_new
     cdef rk_topic_destroy_t topic_destroy
     cdef rk_last_error_t last_error
+    cdef Py_ssize_t refused_size
 
     def __init__(self, producer: object, symbols: dict) -> None:
         """``symbols``: the addresses of rd_kafka_produce, rd_kafka_topic_new, rd_kafka_topic_destroy,
@@ -771,6 +772,48 @@ cdef class DirectProducer:
             raise RuntimeError(f"librdkafka refused a handle for topic {topic!r}: error {self.last_error()}")
         return t
 
+    cdef int _insert(self, ReplayTarget t, bytes data, Py_ssize_t at, Py_ssize_t end, uint64_t lsn,
+                     int64_t commit_lsn, Buf* b) except -2:
+        """The Insert event of the TupleData at ``at`` of ``data`` (ending at ``end``), produced to ``t``'s topic:
+        1; 0 when the tuple does not encode cleanly (nothing produced: the general path diagnoses it); -1 when
+        librdkafka refused it (its error in last_error(), its size in refused_size)."""
+        cdef Py_ssize_t keylen, seq_start, digits_at
+        cdef tuple encoded
+        try:
+            encoded = t.plan._encode(data, at, None)
+        except Exception:  # malformed or unconvertible: the general path diagnoses it
+            return 0
+        record, key, unchanged, pos = encoded
+        if key is None or unchanged or pos != end:
+            return 0
+        keylen = PyBytes_GET_SIZE(key)
+        # TableCodec.envelope_bytes of an Insert without a transaction block: the frame, before null, after's
+        # Value branch, the record, then the source block around the change's LSN.
+        b.n = 0
+        put_raw(b, <const unsigned char*>PyBytes_AS_STRING(t.prefix), PyBytes_GET_SIZE(t.prefix))
+        put_raw(b, <const unsigned char*>PyBytes_AS_STRING(record), PyBytes_GET_SIZE(record))
+        put_raw(b, <const unsigned char*>PyBytes_AS_STRING(t.head), PyBytes_GET_SIZE(t.head))
+        seq_start = b.n
+        put_byte(b, 0)
+        digits_at = b.n
+        put_raw(b, <const unsigned char*>b'["', 2)
+        put_decimal_text(b, <uint64_t>commit_lsn)
+        put_raw(b, <const unsigned char*>b'","', 3)
+        put_decimal_text(b, lsn)
+        put_raw(b, <const unsigned char*>b'"]', 2)
+        b.p[seq_start] = <unsigned char>((b.n - digits_at) << 1)
+        put_raw(b, <const unsigned char*>PyBytes_AS_STRING(t.middle), PyBytes_GET_SIZE(t.middle))
+        put_long(b, <int64_t>lsn)
+        put_raw(b, <const unsigned char*>PyBytes_AS_STRING(t.rest), PyBytes_GET_SIZE(t.rest))
+        if self.produce(t.rkt, RD_KAFKA_PARTITION_UA, RD_KAFKA_MSG_F_COPY, b.p, b.n,
+                        PyBytes_AS_STRING(key), keylen, NULL) == -1:
+            self.refused_size = keylen + b.n
+            return -1
+        t.count += 1
+        if keylen + b.n > t.largest:
+            t.largest = keylen + b.n
+        return 1
+
     def replay_inserts(self, bytes block not None, Py_ssize_t at, dict targets not None, set aborted,
                        int64_t commit_lsn) -> tuple:
         """Produces the Insert events of a streamed transaction's spilled messages (``block``: whole messages,
@@ -781,14 +824,14 @@ cdef class DirectProducer:
         and diagnoses that one). Returns (the offset of the first message not produced; librdkafka's error
         code when that one was refused, else 0; then the refused event's size, key included, and topic)."""
         cdef const unsigned char *d = <const unsigned char*>PyBytes_AS_STRING(block)
-        cdef Py_ssize_t size = PyBytes_GET_SIZE(block), m, end, length, reclen, keylen, seq_start, digits_at
+        cdef Py_ssize_t size = PyBytes_GET_SIZE(block), m, end, length
         cdef uint64_t lsn
         cdef uint32_t relid, last_relid = 0
         cdef ReplayTarget t = None
         cdef unsigned char[STACK_BYTES] stack
         cdef Buf b
         cdef object found
-        cdef tuple encoded
+        cdef int done
         if at < 0:
             raise IndexError("offset out of range")
         b.p = stack
@@ -811,38 +854,11 @@ cdef class DirectProducer:
                     if found is None:
                         break
                     t, last_relid = <ReplayTarget?>found, relid
-                try:
-                    encoded = t.plan._encode(block, m + 10, None)
-                except Exception:  # malformed or unconvertible: the general path diagnoses it
+                done = self._insert(t, block, m + 10, end, lsn, commit_lsn, &b)
+                if done == 0:
                     break
-                record, key, unchanged, pos = encoded
-                if key is None or unchanged or pos != end:
-                    break
-                reclen, keylen = PyBytes_GET_SIZE(record), PyBytes_GET_SIZE(key)
-                # TableCodec.envelope_bytes of an Insert without a transaction block: the frame, before null,
-                # after's Value branch, the record, then the source block around the change's LSN.
-                b.n = 0
-                put_raw(&b, <const unsigned char*>PyBytes_AS_STRING(t.prefix), PyBytes_GET_SIZE(t.prefix))
-                put_raw(&b, <const unsigned char*>PyBytes_AS_STRING(record), reclen)
-                put_raw(&b, <const unsigned char*>PyBytes_AS_STRING(t.head), PyBytes_GET_SIZE(t.head))
-                seq_start = b.n
-                put_byte(&b, 0)
-                digits_at = b.n
-                put_raw(&b, <const unsigned char*>b'["', 2)
-                put_decimal_text(&b, <uint64_t>commit_lsn)
-                put_raw(&b, <const unsigned char*>b'","', 3)
-                put_decimal_text(&b, lsn)
-                put_raw(&b, <const unsigned char*>b'"]', 2)
-                b.p[seq_start] = <unsigned char>((b.n - digits_at) << 1)
-                put_raw(&b, <const unsigned char*>PyBytes_AS_STRING(t.middle), PyBytes_GET_SIZE(t.middle))
-                put_long(&b, <int64_t>lsn)
-                put_raw(&b, <const unsigned char*>PyBytes_AS_STRING(t.rest), PyBytes_GET_SIZE(t.rest))
-                if self.produce(t.rkt, RD_KAFKA_PARTITION_UA, RD_KAFKA_MSG_F_COPY, b.p, b.n,
-                                PyBytes_AS_STRING(key), keylen, NULL) == -1:
-                    return at, self.last_error(), keylen + b.n, t.topic
-                t.count += 1
-                if keylen + b.n > t.largest:
-                    t.largest = keylen + b.n
+                if done < 0:
+                    return at, self.last_error(), self.refused_size, t.topic
                 at = end
             return at, 0, 0, None
         finally:
@@ -1078,6 +1094,70 @@ cdef class ChangeReader:
             return PyBytes_FromStringAndSize(out, n), count, largest, held, (got if got < 0 else 0)
         finally:
             free(out)
+
+    def live_inserts(self, size_t pgconn, DirectProducer producer not None, dict targets not None,
+                     int64_t commit_lsn, Py_ssize_t limit) -> tuple:
+        """The Inserts of a live transaction that libpq has buffered or the socket holds, without waiting, each
+        produced to its table's topic (``targets``: relation id -> ReplayTarget, made for this transaction) as
+        Capture._fast_change would, up to about ``limit`` bytes, until the first message it does not take: not
+        an XLogData holding an Insert, of a relation without a target, a tuple that does not encode cleanly, or
+        an event librdkafka refused (the general path produces that one again and reports what is wrong).
+        Returns (how many were produced; the largest end LSN among them, 0 without any; the message not taken,
+        as bytes, or None; PQgetCopyData's last result when it was negative, else 0)."""
+        cdef void *conn = <void*>pgconn
+        cdef char *msg = NULL
+        cdef const unsigned char *d
+        cdef Py_ssize_t count = 0, n = 0
+        cdef int got = 0, consumed = 0
+        cdef uint64_t end, largest = 0
+        cdef uint32_t relid, last_relid = 0
+        cdef ReplayTarget t = None
+        cdef bytes data, held = None
+        cdef object found
+        cdef unsigned char[STACK_BYTES] stack
+        cdef Buf b
+        if conn == NULL:
+            raise ValueError("no connection")
+        b.p = stack
+        b.cap = STACK_BYTES
+        b.heap = NULL
+        try:
+            while n < limit:
+                got = self.get_copy_data(conn, &msg, 1)
+                if got == 0:
+                    if consumed or not self.consume_input(conn):
+                        break
+                    consumed = 1
+                    continue
+                if got < 0:
+                    break
+                consumed = 0
+                data = PyBytes_FromStringAndSize(msg, got)
+                self.freemem(msg)
+                d = <const unsigned char*>PyBytes_AS_STRING(data)
+                # the XLogData header, then 'I', the relation id, 'N' and the tuple
+                if got < XLOG_PAYLOAD_AT + 8 or d[0] != 119 or d[XLOG_PAYLOAD_AT] != 73 or d[XLOG_PAYLOAD_AT + 5] != 78:
+                    held, got = data, 0
+                    break
+                relid = be32(d + XLOG_PAYLOAD_AT + 1)
+                if t is None or relid != last_relid:
+                    found = targets.get(relid)
+                    if found is None:
+                        held, got = data, 0
+                        break
+                    t, last_relid = <ReplayTarget?>found, relid
+                if producer._insert(t, data, XLOG_PAYLOAD_AT + 6, got, be64(d + 1), commit_lsn, &b) != 1:
+                    held, got = data, 0
+                    break
+                end = be64(d + 9)
+                if end > largest:
+                    largest = end
+                count += 1
+                n += got
+            return count, largest, held, (got if got < 0 else 0)
+        finally:
+            if b.heap != NULL:
+                free(b.heap)
 
 def copy_rows_and_last(bytes data not None) -> tuple:
     """(the number of rows of a ``COPY … (FORMAT binary)`` output, the raw fields of its last row — None for a

@@ -288,3 +288,94 @@ def test_read_changes_takes_what_read_takes_one_at_a_time(pg_dsn: str, unique: s
     assert len(one) > 20000 + 6666 + 4000
     assert [m for m in bulk if m[0] == "w"] == one
     assert taken > len(one) // 2  # most changes came in runs
+
+
+def _capture_live(kafka: str, dsn: str, slot: str, topic: str, tid: str, *, from_c: bool) -> int:
+    """The live transactions of ``slot`` (table t: id int, body text) through Capture._fast_change and, with
+    ``from_c``, Capture._more_inserts, as the capture's loop calls them, into ``topic``; how many events C made."""
+    config = Path(tempfile.mkdtemp()) / "cdc.toml"
+    config.write_text('[source]\ndsn = "postgresql://u@localhost/db"\ntables = ["public.t"]\n')
+    cap = Capture(load_settings(config))
+    producer = TransactionalProducer({"bootstrap.servers": kafka}, tid)
+    cap.producer = producer
+    params = conninfo_to_dict(dsn)
+    params["replication"] = "database"
+    repl = ReplicationConnection(make_conninfo("", **params), where="test")
+    columns = [("id", PgType(23, "int4"), -1), ("body", PgType(25, "text"), -1)]
+    made = commits = 0
+    current: tuple[int, int, int | None, bool] = (0, 0, None, False)
+    counted = cap._counted
+
+    def counting(targets: dict[int, Any]) -> None:
+        nonlocal made
+        made += sum(target.count for target in targets.values())
+        counted(targets)
+
+    cap._counted = counting  # type: ignore[method-assign]
+    try:
+        repl.start(slot, 0, {"proto_version": "1", "publication_names": '"pub"', "binary": "true"})
+        cap._begin_batch()
+        held: bytes | None = None
+        while commits < 3:
+            raw = held if held is not None else repl.read(10.0)
+            held = None
+            assert raw is not None, "the stream went quiet before the third commit"
+            data = bytes(raw)
+            if data[0] != ord("w"):
+                continue
+            kind = data[25:26]
+            if kind == b"R":
+                relid = struct.unpack_from(">I", data, 26)[0]
+                cap._codecs[relid] = make_codec(columns, topic=topic, key=["id"], source=SourceInfo("1.0", "s", "db"))
+            elif kind == b"B":
+                final_lsn, commit_time, xid = struct.unpack_from(">QqI", data, 26)
+                current = (final_lsn, commit_time, xid, False)
+                cap._live_targets, cap._live_seen = {}, set()
+            elif kind == b"C":
+                commits += 1
+            elif kind in (b"I", b"U", b"D"):
+                lsn = struct.unpack_from(">Q", data, 1)[0]
+                assert cap._fast_change(data, current, lsn, 1_700_000_000_000_000, start=25)
+                if from_c and kind == b"I":
+                    held, _ = cap._more_inserts(repl, data, current, 1_700_000_000_000_000)
+        producer.commit()
+    finally:
+        repl.close()
+        producer.close()
+    return made
+
+
+def test_live_inserts_from_c_are_what_the_fast_path_writes(kafka_bootstrap: str, pg_dsn: str, unique: str) -> None:
+    if PURE_PYTHON:
+        pytest.skip("CDC_PURE_PYTHON is set: live changes go through the fast path only")
+    conf = {"bootstrap.servers": kafka_bootstrap}
+    admin = Topics(conf, partitions=3, replication_factor=1)
+    direct, plain = f"ld{unique}.public.t", f"lp{unique}.public.t"
+    for topic in (direct, plain):
+        admin.ensure(topic)
+    with scratch_database(pg_dsn, f"li_{unique}") as dsn:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute("CREATE TABLE t (id int PRIMARY KEY, body text)")
+            conn.execute("CREATE PUBLICATION pub FOR TABLE t")
+            for slot in ("c", "py"):
+                conn.execute("SELECT pg_create_logical_replication_slot(%s, 'pgoutput')", (slot,))
+        with psycopg.connect(dsn) as conn:
+            conn.execute("INSERT INTO t VALUES (-1, 'one row')")  # a one-row transaction: no target for it
+            conn.commit()
+            # Inserts with updates and deletes between them, and values the C encoder hands to Python (NULL)
+            conn.execute(
+                "INSERT INTO t SELECT g, CASE WHEN g % 9 = 0 THEN NULL ELSE repeat('é', g % 300) END"
+                " FROM generate_series(1, 5000) g"
+            )
+            conn.execute("UPDATE t SET body = 'u' WHERE id % 1000 = 0")
+            conn.execute("INSERT INTO t SELECT g, 'x' FROM generate_series(5001, 6000) g")
+            conn.execute("DELETE FROM t WHERE id % 1500 = 0")
+            conn.commit()
+            conn.execute("INSERT INTO t SELECT g, 'y' FROM generate_series(6001, 9000) g")
+            conn.commit()
+        made = _capture_live(kafka_bootstrap, dsn, "c", direct, f"live-c-{unique}", from_c=True)
+        assert _capture_live(kafka_bootstrap, dsn, "py", plain, f"live-py-{unique}", from_c=False) == 0
+    written = _records(kafka_bootstrap, direct, 3, in_order=True)
+    assert written == _records(kafka_bootstrap, plain, 3, in_order=True)
+    assert len(written) == 1 + 5000 + 5 + 1000 + 4 * 2 + 3000
+    assert made > 8000  # most Inserts were produced from C
