@@ -83,6 +83,7 @@ log = logging.getLogger(__name__)
 HEARTBEAT_PREFIX = "pgcdc.heartbeat"
 _CHANGES = frozenset({Insert, Update, Delete, Truncate})
 _FAST_KINDS = frozenset(b"IUD")  # Insert, Update, Delete: the frames _fast_change takes
+_C_KINDS = frozenset(b"IU")  # Insert, Update: one event each, which cdc._native produces (a delete is two)
 _XLOG_DATA = ord("w")
 _XLOG_UNPACK = XLOG_HEADER.unpack_from
 _PAYLOAD_AT = XLOG_PAYLOAD_AT
@@ -195,7 +196,8 @@ class Capture:
         self._relations: dict[int, Relation] = {}
         self._stream_relations: dict[int, Relation] = {}
         self._tx: _TxMeta | None = None
-        # The open live transaction's tables whose Inserts go from C (_more_inserts), and those seen once.
+        # The open live transaction's tables whose Inserts and Updates go from C (_more_changes), and those seen
+        # once.
         self._live_targets: dict[int, Any] = {}
         self._live_seen: set[int] = set()
 
@@ -426,7 +428,7 @@ class Capture:
         stopping = False
         txn_now_us = 0
         bulk = repl.reads_changes_in_bulk
-        live_c = bulk and self.producer.produces_from_c  # a live transaction's Inserts from C (_more_inserts)
+        live_c = bulk and self.producer.produces_from_c  # a live transaction's changes from C (_more_changes)
         held: bytes | None = None
         raw: bytes | memoryview | None
 
@@ -491,8 +493,8 @@ class Capture:
                         lsn, end_lsn, _ = _XLOG_UNPACK(data, 1)
                         received = max(received, end_lsn)
                         if self._fast_change(data, current, lsn, txn_now_us, start=_PAYLOAD_AT):
-                            if live_c and data[_PAYLOAD_AT] == 73 and self._tx is None:  # the Inserts after it
-                                held, end_lsn = self._more_inserts(repl, data, current, txn_now_us)
+                            if live_c and data[_PAYLOAD_AT] in _C_KINDS and self._tx is None:  # the ones after it
+                                held, end_lsn = self._more_changes(repl, data, current, txn_now_us)
                                 received = max(received, end_lsn)
                             continue
                 frame = parse_copy_data(raw)
@@ -606,17 +608,21 @@ class Capture:
     def _counted(self, targets: dict[int, Any]) -> None:
         """Counts the events produced from C to ``targets`` (ReplayTargets) since the last call."""
         for target in targets.values():
-            if target.count:
-                self.metrics.count(target.topic.decode(), "c", target.count)
-                self._batch_events += target.count
-                target.count = 0
+            if target.inserts:
+                self.metrics.count(target.topic.decode(), "c", target.inserts)
+                self._batch_events += target.inserts
+                target.inserts = 0
+            if target.updates:
+                self.metrics.count(target.topic.decode(), "u", target.updates)
+                self._batch_events += target.updates
+                target.updates = 0
 
-    def _more_inserts(
+    def _more_changes(
         self, repl: ReplicationConnection, data: bytes, current: tuple[int, int, int | None, bool], now_us: int
     ) -> tuple[bytes | None, int]:
-        """After a live Insert the fast path took (``data``): the Inserts already received after it, produced
-        from C (ChangeReader.live_inserts) from a table's second Insert in the transaction on (a one-row
-        transaction does not pay for a ReplayTarget). Returns (the next message, not taken, or None; the largest
+        """After a live Insert or Update the fast path took (``data``): the Inserts and Updates already received
+        after it, produced from C (ChangeReader.live_changes) from a table's second one in the transaction on (a
+        one-row transaction does not pay for a ReplayTarget). Returns (the next message, not taken, or None; the largest
         end LSN of those produced, 0 without any)."""
         relid = _U32(data, _PAYLOAD_AT + 1)[0]
         targets = self._live_targets
@@ -626,11 +632,11 @@ class Capture:
                 return None, 0
             codec = self._codecs[relid]
             pos = Position(current[0], 0, current[1], current[2])
-            target = self.producer.replay_target(codec.topic, codec.native_plan, codec.insert_parts(pos, now_us))
+            target = self.producer.replay_target(codec.topic, codec.native_plan, codec.event_parts(pos, now_us))
             if target is None:
                 return None, 0
             targets[relid] = target
-        count, end_lsn, held = repl.read_inserts(self.producer.direct, targets, current[0], _SPILL_READ)
+        count, end_lsn, held = repl.read_live_changes(self.producer.direct, targets, current[0], _SPILL_READ)
         if count:
             self._counted(targets)
             self.producer.produced_from_c(targets)
@@ -639,16 +645,16 @@ class Capture:
     def _replay(self, spill: _Spill, msg: StreamCommit, proto: int, now_us: int) -> None:
         """A committed streamed transaction's spilled changes, in order, into the open Kafka batch.
 
-        Runs of Inserts go from C (DirectProducer.replay_inserts: the tuple encoded, the event written and
-        produced per message, no Python per row) for every table whose first Insert the fast path took, when
-        there is no transaction metadata to count per event; every other message takes the same way as a
+        Runs of Inserts and Updates go from C (DirectProducer.replay_changes: the tuples encoded, the event
+        written and produced per message, no Python per row) for every table whose first one the fast path took,
+        when there is no transaction metadata to count per event; every other message takes the same way as a
         live one."""
         # The spilled messages carry an xid after their type byte, as inside a stream.
         decoder = PgOutputDecoder(proto, streaming=True)
         decoder.decode(_STREAM_START.pack(ord("S"), msg.xid, 0))
         txn = (msg.commit_lsn, msg.commit_time_us, msg.xid, False)
         aborted = spill.aborted_subxids
-        # relation id -> cdc._native.ReplayTarget; None: that table's events go through _fast_change
+        # relation id -> cdc._native.ReplayTarget (tables without one go through _fast_change)
         targets: dict[int, Any] = {}
         from_c = self._tx is None and self.producer.produces_from_c
         pos = Position(msg.commit_lsn, 0, msg.commit_time_us, msg.xid)
@@ -658,7 +664,7 @@ class Capture:
                 if targets:
                     if not self._in_batch:
                         self._begin_batch()
-                    at = self.producer.replay_inserts(block, at, targets, aborted, msg.commit_lsn)
+                    at = self.producer.replay_changes(block, at, targets, aborted, msg.commit_lsn)
                     self._counted(targets)
                     if at == size:
                         break
@@ -668,12 +674,12 @@ class Capture:
                 if aborted and _U32(data, 1)[0] in aborted:
                     continue
                 if data[0] in _FAST_KINDS and self._fast_change(data, txn, change_lsn, now_us, streamed=True):
-                    if from_c and data[0] == 73:  # Insert: the table's next ones from C
+                    if from_c and data[0] in _C_KINDS:  # the table's next ones from C
                         relid = _U32(data, 5)[0]
                         if relid not in targets:
                             codec = (self._stream_codecs if relid in self._stream_relations else self._codecs)[relid]
                             target = self.producer.replay_target(
-                                codec.topic, codec.native_plan, codec.insert_parts(pos, now_us)
+                                codec.topic, codec.native_plan, codec.event_parts(pos, now_us)
                             )
                             if target is not None:
                                 targets[relid] = target

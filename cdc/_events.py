@@ -396,13 +396,15 @@ class TableCodec:
         """The C build of this codec's tuple encoder (cdc._native.TuplePlan), None without it."""
         return self._plan
 
-    def insert_parts(self, pos: Position, now_us: int) -> tuple[bytes, bytes, bytes, bytes]:
-        """The constant parts of an Insert event ("c", no transaction block) at ``pos`` (its transaction's), as
-        :meth:`envelope_bytes` writes it: the event is ``prefix + record + head`` then the sequence string of
-        the commit LSN and the change's LSN, then ``middle``, the change's LSN as a long, and ``rest``
-        (cdc._native.DirectProducer.replay_inserts writes them so)."""
-        head, middle, tail, ops = self._transaction_parts("c", pos, now_us)
-        return self._value_frame + b"\x00\x02", head, middle, tail + b"\x00" + ops + b"\x00"
+    def event_parts(self, pos: Position, now_us: int) -> tuple[bytes, bytes, bytes, bytes, bytes]:
+        """The constant parts of this table's "c" and "u" events at ``pos`` (its transaction's) without a
+        transaction block, as :meth:`envelope_bytes` writes them: ``frame``, the before and after rows, ``head``,
+        the sequence string of the commit LSN and the change's LSN, ``middle``, the change's LSN as a long, then
+        ``tail_c`` or ``tail_u`` (up to the unchanged columns) — cdc._native.DirectProducer._change writes them
+        so."""
+        head, middle, tail, ops_c = self._transaction_parts("c", pos, now_us)
+        ops_u = self._transaction_parts("u", pos, now_us)[3]
+        return self._value_frame, head, middle, tail + b"\x00" + ops_c, tail + b"\x00" + ops_u
 
     def read_event_frame(self, pos: Position, now_us: int) -> tuple[bytes, bytes]:
         """The bytes around the Value record of a snapshot read ("r": no before, the row as after): the event

@@ -354,9 +354,9 @@ class TransactionalProducer:
                 raise self._message_too_large(topic, size) from exc
             raise self._refused_as_too_large(err) or _kafka_error(exc, f"producing to {topic!r}") from exc
 
-    def replay_target(self, topic: str, plan: Any, parts: tuple[bytes, bytes, bytes, bytes]) -> Any | None:
-        """A cdc._native.ReplayTarget for :meth:`replay_inserts` (``plan``: the table's TuplePlan, ``parts``:
-        TableCodec.insert_parts), or None when events cannot be produced from C here."""
+    def replay_target(self, topic: str, plan: Any, parts: tuple[bytes, ...]) -> Any | None:
+        """A cdc._native.ReplayTarget for :meth:`replay_changes` (``plan``: the table's TuplePlan, ``parts``:
+        TableCodec.event_parts), or None when events cannot be produced from C here."""
         if self._direct is None or plan is None:
             return None
         try:
@@ -365,14 +365,15 @@ class TransactionalProducer:
             log.info("replayed events for %r go through produce(): %s", topic, exc)
             return None
 
-    def replay_inserts(self, block: bytes, at: int, targets: dict[int, Any], aborted: set[int], commit_lsn: int) -> int:
-        """The Insert events of a streamed transaction's spilled messages in ``block`` from ``at`` on, from C
-        (cdc._native.DirectProducer.replay_inserts), up to the first message it does not take: returns that
-        message's offset (``len(block)`` when all were taken). The events count in their targets' ``count``."""
+    def replay_changes(self, block: bytes, at: int, targets: dict[int, Any], aborted: set[int], commit_lsn: int) -> int:
+        """The Insert and Update events of a streamed transaction's spilled messages in ``block`` from ``at`` on,
+        from C (cdc._native.DirectProducer.replay_changes), up to the first message it does not take: returns
+        that message's offset (``len(block)`` when all were taken). The events count in their targets'
+        ``inserts`` and ``updates``."""
         assert self._direct is not None  # targets exist only with it
         self._producer.poll(0)  # serve the delivery reports: once per block
         while True:
-            at, err, size, topic = self._direct.replay_inserts(block, at, targets, aborted, commit_lsn)
+            at, err, size, topic = self._direct.replay_changes(block, at, targets, aborted, commit_lsn)
             if err == 0:
                 break
             if err == KafkaError._QUEUE_FULL:  # let librdkafka send some, then go on from the event refused

@@ -656,17 +656,19 @@ cdef struct Row:
 
 
 cdef class ReplayTarget:
-    """One table's Insert events while a streamed transaction's spill is replayed (DirectProducer.replay_inserts):
-    the table version's TuplePlan, its topic, and the constant parts of its events in that transaction, as
-    TableCodec.insert_parts gives them. ``count`` and ``largest`` accumulate what was produced for it."""
+    """One table's Insert and Update events produced from C in one transaction (DirectProducer.replay_changes,
+    ChangeReader.live_changes): the table version's TuplePlan, its topic, and the constant parts of its events
+    in that transaction, as TableCodec.event_parts gives them. ``inserts``, ``updates`` and ``largest``
+    accumulate what was produced for it."""
 
     cdef TuplePlan plan
     cdef readonly bytes topic
-    cdef bytes prefix, head, middle, rest
+    cdef bytes frame, head, middle, tail_c, tail_u
     cdef void *rkt
     cdef rk_topic_destroy_t topic_destroy
     cdef object owner
-    cdef public Py_ssize_t count
+    cdef public Py_ssize_t inserts
+    cdef public Py_ssize_t updates
     cdef public Py_ssize_t largest
 
     def __cinit__(self) -> None:
@@ -761,10 +763,10 @@ cdef class DirectProducer:
 
 
     def target(self, TuplePlan plan not None, bytes topic not None, tuple parts not None) -> ReplayTarget:
-        """A ReplayTarget producing to ``topic`` on this handle; ``parts``: TableCodec.insert_parts."""
+        """A ReplayTarget producing to ``topic`` on this handle; ``parts``: TableCodec.event_parts."""
         cdef ReplayTarget t = ReplayTarget()
         t.plan, t.topic = plan, topic
-        t.prefix, t.head, t.middle, t.rest = parts  # type-checked by the typed attributes
+        t.frame, t.head, t.middle, t.tail_c, t.tail_u = parts  # type-checked by the typed attributes
         t.topic_destroy = self.topic_destroy
         t.owner = self  # the handle outlives the topic handle
         t.rkt = self.topic_new(self.rk, PyBytes_AS_STRING(topic), NULL)
@@ -772,26 +774,41 @@ cdef class DirectProducer:
             raise RuntimeError(f"librdkafka refused a handle for topic {topic!r}: error {self.last_error()}")
         return t
 
-    cdef int _insert(self, ReplayTarget t, bytes data, Py_ssize_t at, Py_ssize_t end, uint64_t lsn,
+    cdef int _change(self, ReplayTarget t, bytes data, Py_ssize_t at, Py_ssize_t end, int kind, uint64_t lsn,
                      int64_t commit_lsn, Buf* b) except -2:
-        """The Insert event of the TupleData at ``at`` of ``data`` (ending at ``end``), produced to ``t``'s topic:
-        1; 0 when the tuple does not encode cleanly (nothing produced: the general path diagnoses it); -1 when
-        librdkafka refused it (its error in last_error(), its size in refused_size)."""
+        """The event of the Insert ('I') or Update ('U') whose tuples start at ``at`` of ``data`` (after the
+        relation id; the message ends at ``end``), produced to ``t``'s topic as Capture._fast_change would: 1;
+        0 when it is not one record (an update that changes the key) or does not encode cleanly (nothing
+        produced: the general path handles and diagnoses it); -1 when librdkafka refused it (its error in
+        last_error(), its size in refused_size)."""
+        cdef const unsigned char *d = <const unsigned char*>PyBytes_AS_STRING(data)
         cdef Py_ssize_t keylen, seq_start, digits_at
         cdef tuple encoded
+        cdef object before = None, old_key = None
+        cdef list names
+        if at >= end:
+            return 0
         try:
-            encoded = t.plan._encode(data, at, None)
+            if kind == 85 and (d[at] == 75 or d[at] == 79):  # the old key ('K') or row ('O')
+                encoded = t.plan._encode(data, at + 1, None)
+                before, old_key, _, at = encoded
+                if old_key is None or at >= end:
+                    return 0
+            if d[at] != 78:  # 'N'
+                return 0
+            encoded = t.plan._encode(data, at + 1, None)
         except Exception:  # malformed or unconvertible: the general path diagnoses it
             return 0
         record, key, unchanged, pos = encoded
-        if key is None or unchanged or pos != end:
+        if key is None or pos != end or (old_key is not None and old_key != key):
             return 0
         keylen = PyBytes_GET_SIZE(key)
-        # TableCodec.envelope_bytes of an Insert without a transaction block: the frame, before null, after's
-        # Value branch, the record, then the source block around the change's LSN.
+        # TableCodec.envelope_bytes without a transaction block: the frame, before, after, then the source block
+        # around the change's LSN, the op, and the unchanged TOASTed columns.
         b.n = 0
-        put_raw(b, <const unsigned char*>PyBytes_AS_STRING(t.prefix), PyBytes_GET_SIZE(t.prefix))
-        put_raw(b, <const unsigned char*>PyBytes_AS_STRING(record), PyBytes_GET_SIZE(record))
+        put_raw(b, <const unsigned char*>PyBytes_AS_STRING(t.frame), PyBytes_GET_SIZE(t.frame))
+        put_row(b, <bytes>before)
+        put_row(b, <bytes>record)
         put_raw(b, <const unsigned char*>PyBytes_AS_STRING(t.head), PyBytes_GET_SIZE(t.head))
         seq_start = b.n
         put_byte(b, 0)
@@ -804,24 +821,36 @@ cdef class DirectProducer:
         b.p[seq_start] = <unsigned char>((b.n - digits_at) << 1)
         put_raw(b, <const unsigned char*>PyBytes_AS_STRING(t.middle), PyBytes_GET_SIZE(t.middle))
         put_long(b, <int64_t>lsn)
-        put_raw(b, <const unsigned char*>PyBytes_AS_STRING(t.rest), PyBytes_GET_SIZE(t.rest))
+        if kind == 73:
+            put_raw(b, <const unsigned char*>PyBytes_AS_STRING(t.tail_c), PyBytes_GET_SIZE(t.tail_c))
+        else:
+            put_raw(b, <const unsigned char*>PyBytes_AS_STRING(t.tail_u), PyBytes_GET_SIZE(t.tail_u))
+        names = <list>unchanged
+        if names:
+            put_long(b, len(names))
+            for name in names:
+                put_str(b, name)
+        put_byte(b, 0)
         if self.produce(t.rkt, RD_KAFKA_PARTITION_UA, RD_KAFKA_MSG_F_COPY, b.p, b.n,
                         PyBytes_AS_STRING(key), keylen, NULL) == -1:
             self.refused_size = keylen + b.n
             return -1
-        t.count += 1
+        if kind == 73:
+            t.inserts += 1
+        else:
+            t.updates += 1
         if keylen + b.n > t.largest:
             t.largest = keylen + b.n
         return 1
 
-    def replay_inserts(self, bytes block not None, Py_ssize_t at, dict targets not None, set aborted,
+    def replay_changes(self, bytes block not None, Py_ssize_t at, dict targets not None, set aborted,
                        int64_t commit_lsn) -> tuple:
-        """Produces the Insert events of a streamed transaction's spilled messages (``block``: whole messages,
-        each its LSN and length (>QI) then the pgoutput message with its xid after the type byte) from offset
-        ``at`` on, each to its table's topic (``targets``: relation id -> ReplayTarget) as Capture._fast_change
-        would, until the first message it does not take: not an Insert, of a subtransaction in ``aborted``, of
-        a relation without a target, or whose tuple does not encode cleanly (the general path then handles
-        and diagnoses that one). Returns (the offset of the first message not produced; librdkafka's error
+        """Produces the Insert and Update events of a streamed transaction's spilled messages (``block``: whole
+        messages, each its LSN and length (>QI) then the pgoutput message with its xid after the type byte) from
+        offset ``at`` on, each to its table's topic (``targets``: relation id -> ReplayTarget) as
+        Capture._fast_change would, until the first message it does not take: another kind, of a subtransaction
+        in ``aborted``, of a relation without a target, or one _change does not take (the general path then
+        handles and diagnoses that one). Returns (the offset of the first message not produced; librdkafka's error
         code when that one was refused, else 0; then the refused event's size, key included, and topic)."""
         cdef const unsigned char *d = <const unsigned char*>PyBytes_AS_STRING(block)
         cdef Py_ssize_t size = PyBytes_GET_SIZE(block), m, end, length
@@ -843,8 +872,8 @@ cdef class DirectProducer:
                 length = be32(d + at + 8)
                 m = at + 12
                 end = m + length
-                # 'I', xid, relid, 'N', then the tuple's column count
-                if length > size - m or length < 12 or d[m] != 73 or d[m + 9] != 78:
+                # 'I' or 'U', xid, relid, then the tuples
+                if length > size - m or length < 12 or (d[m] != 73 and d[m] != 85):
                     break
                 if aborted and <object>(be32(d + m + 1)) in aborted:
                     break
@@ -854,7 +883,7 @@ cdef class DirectProducer:
                     if found is None:
                         break
                     t, last_relid = <ReplayTarget?>found, relid
-                done = self._insert(t, block, m + 10, end, lsn, commit_lsn, &b)
+                done = self._change(t, block, m + 9, end, d[m], lsn, commit_lsn, &b)
                 if done == 0:
                     break
                 if done < 0:
@@ -1095,13 +1124,14 @@ cdef class ChangeReader:
         finally:
             free(out)
 
-    def live_inserts(self, size_t pgconn, DirectProducer producer not None, dict targets not None,
+    def live_changes(self, size_t pgconn, DirectProducer producer not None, dict targets not None,
                      int64_t commit_lsn, Py_ssize_t limit) -> tuple:
-        """The Inserts of a live transaction that libpq has buffered or the socket holds, without waiting, each
-        produced to its table's topic (``targets``: relation id -> ReplayTarget, made for this transaction) as
-        Capture._fast_change would, up to about ``limit`` bytes, until the first message it does not take: not
-        an XLogData holding an Insert, of a relation without a target, a tuple that does not encode cleanly, or
-        an event librdkafka refused (the general path produces that one again and reports what is wrong).
+        """The Inserts and Updates of a live transaction that libpq has buffered or the socket holds, without
+        waiting, each produced to its table's topic (``targets``: relation id -> ReplayTarget, made for this
+        transaction) as Capture._fast_change would, up to about ``limit`` bytes, until the first message it does
+        not take: not an XLogData holding an Insert or Update, of a relation without a target, one
+        DirectProducer._change does not take, or an event librdkafka refused (the general path produces that
+        one again and reports what is wrong).
         Returns (how many were produced; the largest end LSN among them, 0 without any; the message not taken,
         as bytes, or None; PQgetCopyData's last result when it was negative, else 0)."""
         cdef void *conn = <void*>pgconn
@@ -1135,8 +1165,8 @@ cdef class ChangeReader:
                 data = PyBytes_FromStringAndSize(msg, got)
                 self.freemem(msg)
                 d = <const unsigned char*>PyBytes_AS_STRING(data)
-                # the XLogData header, then 'I', the relation id, 'N' and the tuple
-                if got < XLOG_PAYLOAD_AT + 8 or d[0] != 119 or d[XLOG_PAYLOAD_AT] != 73 or d[XLOG_PAYLOAD_AT + 5] != 78:
+                # the XLogData header, then 'I' or 'U', the relation id and the tuples
+                if got < XLOG_PAYLOAD_AT + 8 or d[0] != 119 or (d[XLOG_PAYLOAD_AT] != 73 and d[XLOG_PAYLOAD_AT] != 85):
                     held, got = data, 0
                     break
                 relid = be32(d + XLOG_PAYLOAD_AT + 1)
@@ -1146,7 +1176,8 @@ cdef class ChangeReader:
                         held, got = data, 0
                         break
                     t, last_relid = <ReplayTarget?>found, relid
-                if producer._insert(t, data, XLOG_PAYLOAD_AT + 6, got, be64(d + 1), commit_lsn, &b) != 1:
+                if producer._change(t, data, XLOG_PAYLOAD_AT + 5, got, d[XLOG_PAYLOAD_AT], be64(d + 1), commit_lsn,
+                                    &b) != 1:
                     held, got = data, 0
                     break
                 end = be64(d + 9)

@@ -139,16 +139,16 @@ class ReplicationConnection:
             self._ended(nbytes)
         return framed, count, end, held
 
-    def read_inserts(
+    def read_live_changes(
         self, producer: Any, targets: dict[int, Any], commit_lsn: int, limit: int
     ) -> tuple[int, int, bytes | None]:
-        """The Inserts of a live transaction already received, produced from C (``producer``: the
+        """The Inserts and Updates of a live transaction already received, produced from C (``producer``: the
         cdc._native.DirectProducer, ``targets``: relation id -> its ReplayTarget for this transaction) up to
         the first message it does not take: (how many; the largest end LSN among them; that message or None),
-        see cdc._native.ChangeReader.live_inserts."""
+        see cdc._native.ChangeReader.live_changes."""
         assert self._changes is not None
         pgconn = self._conn.pgconn_ptr  # type: ignore[attr-defined]  # public, not in the Protocol
-        count, end, held, nbytes = self._changes.live_inserts(pgconn, producer, targets, commit_lsn, limit)
+        count, end, held, nbytes = self._changes.live_changes(pgconn, producer, targets, commit_lsn, limit)
         if nbytes < 0:
             self._ended(nbytes)
         return count, end, held

@@ -1,7 +1,8 @@
 """The snapshot's C loops against the real services: CopyReader (a COPY read through psycopg's libpq) gives what
 psycopg's Copy gives and fails as psycopg would; DirectProducer (a chunk produced on confluent_kafka's librdkafka
 handle) writes the same records, to the same partitions, in the same transaction, as Producer.produce(); a
-streamed transaction's Inserts replayed from C (DirectProducer.replay_inserts) are the events the fast path writes.
+streamed or live transaction's Inserts and Updates produced from C (DirectProducer.replay_changes,
+ChangeReader.live_changes) are the events the fast path writes.
 """
 
 from __future__ import annotations
@@ -142,13 +143,19 @@ def test_direct_producer_writes_what_produce_writes(kafka_bootstrap: str, unique
     )
 
 
+UNCHANGED = b"unchanged TOASTed value"  # written as pgoutput's 'u' marker
+
+
 def _streamed(kind: bytes, xid: int, relid: int, *tuples: tuple[bytes, list[bytes | None]]) -> bytes:
     """A pgoutput change as streamed (its subtransaction's xid after the type byte): tuples of (marker, values)."""
     out = kind + struct.pack(">II", xid, relid)
     for marker, values in tuples:
         out += marker + struct.pack(">H", len(values))
         for value in values:
-            out += b"n" if value is None else b"b" + struct.pack(">I", len(value)) + value
+            if value is UNCHANGED:
+                out += b"u"
+            else:
+                out += b"n" if value is None else b"b" + struct.pack(">I", len(value)) + value
     return out
 
 
@@ -170,13 +177,13 @@ def _replay_into(kafka: str, topics: list[str], spill: _Spill, tid: str, *, from
     producer = TransactionalProducer({"bootstrap.servers": kafka}, tid)
     cap.producer = producer
     stops: list[int] = []
-    replay = producer.replay_inserts
+    replay = producer.replay_changes
 
     def counted(block: bytes, at: int, targets: dict[int, Any], aborted: set[int], commit_lsn: int) -> int:
         stops.append(replay(block, at, targets, aborted, commit_lsn))
         return stops[-1]
 
-    producer.replay_inserts = counted  # type: ignore[method-assign]
+    producer.replay_changes = counted  # type: ignore[method-assign]
     if not from_c:
         producer._direct = None
     commit = StreamCommit(
@@ -191,7 +198,7 @@ def _replay_into(kafka: str, topics: list[str], spill: _Spill, tid: str, *, from
     return stops
 
 
-def test_replayed_inserts_from_c_are_what_the_fast_path_writes(kafka_bootstrap: str, unique: str) -> None:
+def test_replayed_changes_from_c_are_what_the_fast_path_writes(kafka_bootstrap: str, unique: str) -> None:
     if PURE_PYTHON:
         pytest.skip("CDC_PURE_PYTHON is set: a streamed transaction is replayed by the fast path only")
     conf = {"bootstrap.servers": kafka_bootstrap}
@@ -208,6 +215,10 @@ def test_replayed_inserts_from_c_are_what_the_fast_path_writes(kafka_bootstrap: 
             if i % 500 == 250:  # another table, an update, a delete, a rolled-back subtransaction's insert
                 messages.append(_streamed(b"I", 700, 16385, (b"N", _row(i))))
                 messages.append(_streamed(b"U", 700, 16384, (b"N", _row(i - 1))))
+                messages.append(_streamed(b"U", 700, 16384, (b"N", [*_row(i - 3)[:1], UNCHANGED, _row(i - 3)[2]])))
+                messages.append(_streamed(b"U", 700, 16384, (b"O", _row(i - 4)), (b"N", _row(i - 4))))
+                key_change = (b"K", [struct.pack(">q", i - 5), None, None]), (b"N", _row(200_000 + i))
+                messages.append(_streamed(b"U", 700, 16384, *key_change))
                 messages.append(_streamed(b"D", 700, 16384, (b"K", [struct.pack(">q", i - 2), None, None])))
                 messages.append(_streamed(b"I", 701, 16384, (b"N", _row(100_000 + i))))
         for message in messages:
@@ -217,16 +228,16 @@ def test_replayed_inserts_from_c_are_what_the_fast_path_writes(kafka_bootstrap: 
         stops = _replay_into(kafka_bootstrap, direct, spill, f"replay-c-{unique}", from_c=True)
         plain_stops = _replay_into(kafka_bootstrap, plain, spill, f"replay-py-{unique}", from_c=False)
     assert plain_stops == []
-    # The C loop ran, and handed back every message it does not take (update, delete, aborted, the other table
-    # before its first insert went through the fast path).
+    # The C loop ran, and handed back every message it does not take (a delete, a key change, aborted, the
+    # other table before its first change went through the fast path).
     assert len(stops) > 20
     for topic_c, topic_py in zip(direct, plain, strict=True):
         written = _records(kafka_bootstrap, topic_c, 3, in_order=True)
         assert written == _records(kafka_bootstrap, topic_py, 3, in_order=True)
         assert written
     a = _records(kafka_bootstrap, direct[0], 3, in_order=True)
-    # 3000 inserts, 6 updates, 6 deletes with their tombstones; no rolled-back insert
-    assert len(a) == 3000 + 6 + 6 * 2
+    # 3000 inserts, 6 x 3 updates, 6 deletes and 6 key changes (delete, tombstone, create); no rolled-back insert
+    assert len(a) == 3000 + 6 * 3 + 6 * 2 + 6 * 3
 
 
 def _read_stream(dsn: str, slot: str, *, bulk: bool) -> tuple[list[tuple[str, bytes]], int]:
@@ -290,9 +301,10 @@ def test_read_changes_takes_what_read_takes_one_at_a_time(pg_dsn: str, unique: s
     assert taken > len(one) // 2  # most changes came in runs
 
 
-def _capture_live(kafka: str, dsn: str, slot: str, topic: str, tid: str, *, from_c: bool) -> int:
-    """The live transactions of ``slot`` (table t: id int, body text) through Capture._fast_change and, with
-    ``from_c``, Capture._more_inserts, as the capture's loop calls them, into ``topic``; how many events C made."""
+def _capture_live(kafka: str, dsn: str, slot: str, topic: str, tid: str, *, from_c: bool) -> tuple[int, int]:
+    """The live transactions of ``slot`` (table t: id int, body text, qty int) through Capture._fast_change and,
+    with ``from_c``, Capture._more_changes, as the capture's loop calls them, into ``topic``; how many create and
+    update events C made."""
     config = Path(tempfile.mkdtemp()) / "cdc.toml"
     config.write_text('[source]\ndsn = "postgresql://u@localhost/db"\ntables = ["public.t"]\n')
     cap = Capture(load_settings(config))
@@ -301,14 +313,15 @@ def _capture_live(kafka: str, dsn: str, slot: str, topic: str, tid: str, *, from
     params = conninfo_to_dict(dsn)
     params["replication"] = "database"
     repl = ReplicationConnection(make_conninfo("", **params), where="test")
-    columns = [("id", PgType(23, "int4"), -1), ("body", PgType(25, "text"), -1)]
-    made = commits = 0
+    columns = [("id", PgType(23, "int4"), -1), ("body", PgType(25, "text"), -1), ("qty", PgType(23, "int4"), -1)]
+    inserts = updates = commits = 0
     current: tuple[int, int, int | None, bool] = (0, 0, None, False)
     counted = cap._counted
 
     def counting(targets: dict[int, Any]) -> None:
-        nonlocal made
-        made += sum(target.count for target in targets.values())
+        nonlocal inserts, updates
+        inserts += sum(target.inserts for target in targets.values())
+        updates += sum(target.updates for target in targets.values())
         counted(targets)
 
     cap._counted = counting  # type: ignore[method-assign]
@@ -336,16 +349,16 @@ def _capture_live(kafka: str, dsn: str, slot: str, topic: str, tid: str, *, from
             elif kind in (b"I", b"U", b"D"):
                 lsn = struct.unpack_from(">Q", data, 1)[0]
                 assert cap._fast_change(data, current, lsn, 1_700_000_000_000_000, start=25)
-                if from_c and kind == b"I":
-                    held, _ = cap._more_inserts(repl, data, current, 1_700_000_000_000_000)
+                if from_c and kind in (b"I", b"U"):
+                    held, _ = cap._more_changes(repl, data, current, 1_700_000_000_000_000)
         producer.commit()
     finally:
         repl.close()
         producer.close()
-    return made
+    return inserts, updates
 
 
-def test_live_inserts_from_c_are_what_the_fast_path_writes(kafka_bootstrap: str, pg_dsn: str, unique: str) -> None:
+def test_live_changes_from_c_are_what_the_fast_path_writes(kafka_bootstrap: str, pg_dsn: str, unique: str) -> None:
     if PURE_PYTHON:
         pytest.skip("CDC_PURE_PYTHON is set: live changes go through the fast path only")
     conf = {"bootstrap.servers": kafka_bootstrap}
@@ -355,27 +368,34 @@ def test_live_inserts_from_c_are_what_the_fast_path_writes(kafka_bootstrap: str,
         admin.ensure(topic)
     with scratch_database(pg_dsn, f"li_{unique}") as dsn:
         with psycopg.connect(dsn, autocommit=True) as conn:
-            conn.execute("CREATE TABLE t (id int PRIMARY KEY, body text)")
+            conn.execute("CREATE TABLE t (id int PRIMARY KEY, body text, qty int)")
+            conn.execute("ALTER TABLE t ALTER body SET STORAGE EXTERNAL")  # long values out of line, uncompressed
             conn.execute("CREATE PUBLICATION pub FOR TABLE t")
             for slot in ("c", "py"):
                 conn.execute("SELECT pg_create_logical_replication_slot(%s, 'pgoutput')", (slot,))
         with psycopg.connect(dsn) as conn:
-            conn.execute("INSERT INTO t VALUES (-1, 'one row')")  # a one-row transaction: no target for it
+            conn.execute("INSERT INTO t VALUES (-1, 'one row', 0)")  # a one-row transaction: no target for it
             conn.commit()
-            # Inserts with updates and deletes between them, and values the C encoder hands to Python (NULL)
+            # Inserts, then updates (a TOASTed value left unchanged: 'u'; a key change: three events) and deletes,
+            # with values the C encoder hands to Python (NULL) and long non-ASCII ones
             conn.execute(
-                "INSERT INTO t SELECT g, CASE WHEN g % 9 = 0 THEN NULL ELSE repeat('é', g % 300) END"
-                " FROM generate_series(1, 5000) g"
+                "INSERT INTO t SELECT g, CASE WHEN g % 9 = 0 THEN NULL WHEN g % 350 = 0 THEN repeat('é', 3000)"
+                " ELSE repeat('é', g % 300) END, g FROM generate_series(1, 5000) g"
             )
             conn.execute("UPDATE t SET body = 'u' WHERE id % 1000 = 0")
-            conn.execute("INSERT INTO t SELECT g, 'x' FROM generate_series(5001, 6000) g")
+            conn.execute("UPDATE t SET qty = qty + 1 WHERE id % 350 = 0")
+            conn.execute("UPDATE t SET id = -id WHERE id = 4999")
+            conn.execute("INSERT INTO t SELECT g, 'x', g FROM generate_series(5001, 6000) g")
             conn.execute("DELETE FROM t WHERE id % 1500 = 0")
             conn.commit()
-            conn.execute("INSERT INTO t SELECT g, 'y' FROM generate_series(6001, 9000) g")
+            conn.execute("INSERT INTO t SELECT g, 'y', g FROM generate_series(6001, 9000) g")
             conn.commit()
-        made = _capture_live(kafka_bootstrap, dsn, "c", direct, f"live-c-{unique}", from_c=True)
-        assert _capture_live(kafka_bootstrap, dsn, "py", plain, f"live-py-{unique}", from_c=False) == 0
+        inserts, updates = _capture_live(kafka_bootstrap, dsn, "c", direct, f"live-c-{unique}", from_c=True)
+        assert _capture_live(kafka_bootstrap, dsn, "py", plain, f"live-py-{unique}", from_c=False) == (0, 0)
     written = _records(kafka_bootstrap, direct, 3, in_order=True)
     assert written == _records(kafka_bootstrap, plain, 3, in_order=True)
-    assert len(written) == 1 + 5000 + 5 + 1000 + 4 * 2 + 3000
-    assert made > 8000  # most Inserts were produced from C
+    assert len(written) == 1 + 5000 + 5 + 14 + 3 + 1000 + 4 * 2 + 3000
+    unchanged = [v for _, _, v in written if v and v.endswith(b"\x02\x08body\x00")]  # ["body"] and the end
+    assert len(unchanged) == 13  # the updates that left a long body alone (not 3150: NULL) carry it as unchanged
+    assert inserts > 8000  # most Inserts and Updates were produced from C
+    assert updates > 10
