@@ -582,9 +582,7 @@ class Capture:
                             if msg.commit_lsn >= resume:
                                 txn_now_us = time.time_ns() // 1000
                                 self._tx_begin(msg.xid, msg.commit_lsn, msg.commit_time_us)
-                                self._stream_relations, self._stream_codecs = {}, {}
                                 self._replay(spill, msg, proto, txn_now_us)
-                                self._stream_relations, self._stream_codecs = {}, {}
                                 batch_lsn = max(batch_lsn, msg.end_lsn)
                                 first = self._commits_us[0] if self._commits_us else msg.commit_time_us
                                 self._commits_us = (first, msg.commit_time_us)
@@ -596,6 +594,10 @@ class Capture:
                 else:
                     raise StreamError(f"unexpected {type(msg).__name__} at {lsn:X} (two-phase is not enabled)")
         finally:
+            # A later attempt on this Capture must not see this one's transaction state (_fast_change and
+            # _more_changes take a table's codec from it).
+            self._stream_relations, self._stream_codecs = {}, {}
+            self._live_targets, self._live_seen = {}, set()
             for spill in spills.values():
                 spill.close()
             if self._in_batch:
@@ -630,7 +632,7 @@ class Capture:
             if relid not in self._live_seen:
                 self._live_seen.add(relid)
                 return None, 0
-            codec = self._codecs[relid]
+            codec = (self._stream_codecs if relid in self._stream_relations else self._codecs)[relid]  # as _fast_change
             pos = Position(current[0], 0, current[1], current[2])
             target = self.producer.replay_target(codec.topic, codec.native_plan, codec.event_parts(pos, now_us))
             if target is None:
@@ -639,7 +641,7 @@ class Capture:
         count, end_lsn, held = repl.read_live_changes(self.producer.direct, targets, current[0], _SPILL_READ)
         if count:
             self._counted(targets)
-            self.producer.produced_from_c(targets)
+            self.producer.produced_from_c(targets, count)
         return held, end_lsn
 
     def _replay(self, spill: _Spill, msg: StreamCommit, proto: int, now_us: int) -> None:
@@ -649,6 +651,13 @@ class Capture:
         written and produced per message, no Python per row) for every table whose first one the fast path took,
         when there is no transaction metadata to count per event; every other message takes the same way as a
         live one."""
+        self._stream_relations, self._stream_codecs = {}, {}
+        try:
+            self._replay_spill(spill, msg, proto, now_us)
+        finally:  # its schema is the streamed transaction's own: never a later one's
+            self._stream_relations, self._stream_codecs = {}, {}
+
+    def _replay_spill(self, spill: _Spill, msg: StreamCommit, proto: int, now_us: int) -> None:
         # The spilled messages carry an xid after their type byte, as inside a stream.
         decoder = PgOutputDecoder(proto, streaming=True)
         decoder.decode(_STREAM_START.pack(ord("S"), msg.xid, 0))

@@ -391,9 +391,13 @@ class TransactionalProducer:
         """The cdc._native.DirectProducer on this producer's handle, None without it."""
         return self._direct
 
-    def produced_from_c(self, targets: dict[int, Any]) -> None:
-        """Events were produced from C to ``targets`` (ReplayTargets): note the largest per topic, which is what
-        tells which event a broker refused as too large (_refused_as_too_large)."""
+    def produced_from_c(self, targets: dict[int, Any], count: int = 0) -> None:
+        """``count`` events were produced from C to ``targets`` (ReplayTargets): note the largest per topic, which
+        is what tells which event a broker refused as too large (_refused_as_too_large), and serve the delivery
+        reports now and then, as :meth:`produce` does."""
+        before, self._produced = self._produced, self._produced + count
+        if before // 16384 != self._produced // 16384:
+            self._producer.poll(0)
         for target in targets.values():
             name = target.topic.decode()
             if target.largest > self._direct_largest.get(name, 0):

@@ -16,6 +16,7 @@ from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_GET_SIZE
 from cpython.unicode cimport PyUnicode_AsUTF8AndSize, PyUnicode_DecodeUTF8
 from libc.stdint cimport int16_t, int32_t, int64_t, uint16_t, uint32_t, uint64_t, INT64_MIN, INT32_MAX, INT32_MIN
 from cpython.ref cimport PyObject
+cimport cython
 from libc.stdlib cimport free, malloc, realloc
 from libc.string cimport memcmp, memcpy
 
@@ -655,6 +656,7 @@ cdef struct Row:
     Py_ssize_t reclen
 
 
+@cython.no_gc_clear  # its owner (the producer's handle) must outlive rkt, even when collected in one pass
 cdef class ReplayTarget:
     """One table's Insert and Update events produced from C in one transaction (DirectProducer.replay_changes,
     ChangeReader.live_changes): the table version's TuplePlan, its topic, and the constant parts of its events
@@ -883,6 +885,8 @@ cdef class DirectProducer:
                     if found is None:
                         break
                     t, last_relid = <ReplayTarget?>found, relid
+                    if t.rkt == NULL:  # not made by DirectProducer.target
+                        raise ValueError("a ReplayTarget without a topic handle")
                 done = self._change(t, block, m + 9, end, d[m], lsn, commit_lsn, &b)
                 if done == 0:
                     break
@@ -1084,7 +1088,10 @@ cdef class ChangeReader:
                     got = self.get_copy_data(conn, &msg, 1)
                     if got == 0:
                         # Nothing complete buffered: read what the socket holds, once per empty buffer.
-                        if consumed or not self.consume_input(conn):
+                        if consumed:
+                            break
+                        if not self.consume_input(conn):  # the connection failed: told as PQgetCopyData's -2
+                            got = -2
                             break
                         consumed = 1
                         continue
@@ -1095,8 +1102,10 @@ cdef class ChangeReader:
                         msg[XLOG_PAYLOAD_AT] == 73 or msg[XLOG_PAYLOAD_AT] == 85 or msg[XLOG_PAYLOAD_AT] == 68
                     ):
                         with gil:
-                            held = PyBytes_FromStringAndSize(msg, got)
-                        self.freemem(msg)
+                            try:
+                                held = PyBytes_FromStringAndSize(msg, got)
+                            finally:
+                                self.freemem(msg)
                         got = 0
                         break
                     body = got - XLOG_PAYLOAD_AT
@@ -1155,15 +1164,20 @@ cdef class ChangeReader:
             while n < limit:
                 got = self.get_copy_data(conn, &msg, 1)
                 if got == 0:
-                    if consumed or not self.consume_input(conn):
+                    if consumed:
+                        break
+                    if not self.consume_input(conn):  # the connection failed: told as PQgetCopyData's -2
+                        got = -2
                         break
                     consumed = 1
                     continue
                 if got < 0:
                     break
                 consumed = 0
-                data = PyBytes_FromStringAndSize(msg, got)
-                self.freemem(msg)
+                try:
+                    data = PyBytes_FromStringAndSize(msg, got)
+                finally:
+                    self.freemem(msg)
                 d = <const unsigned char*>PyBytes_AS_STRING(data)
                 # the XLogData header, then 'I' or 'U', the relation id and the tuples
                 if got < XLOG_PAYLOAD_AT + 8 or d[0] != 119 or (d[XLOG_PAYLOAD_AT] != 73 and d[XLOG_PAYLOAD_AT] != 85):
@@ -1176,6 +1190,8 @@ cdef class ChangeReader:
                         held, got = data, 0
                         break
                     t, last_relid = <ReplayTarget?>found, relid
+                    if t.rkt == NULL:  # not made by DirectProducer.target
+                        raise ValueError("a ReplayTarget without a topic handle")
                 if producer._change(t, data, XLOG_PAYLOAD_AT + 5, got, d[XLOG_PAYLOAD_AT], be64(d + 1), commit_lsn,
                                     &b) != 1:
                     held, got = data, 0
