@@ -10,7 +10,7 @@ import logging
 import ssl
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NoReturn
 
 from confluent_kafka import (
     OFFSET_BEGINNING,
@@ -33,6 +33,7 @@ from cdc.errors import AuthenticationError, CDCError, KafkaSetupError, SchemaReg
 log = logging.getLogger(__name__)
 
 _TIMEOUT_S = 30.0
+_QUEUE_FULL_WAIT_S = 0.002  # see TransactionalProducer._queue_full
 # Fatal producer states that a new producer (a new epoch) gets past; other fatal errors are configuration.
 _RECOVERABLE_FATAL = frozenset(
     getattr(KafkaError, name)
@@ -314,8 +315,7 @@ class TransactionalProducer:
                     self._producer.produce(topic, value, key, partition)
                 return
             except BufferError:
-                # The local queue is full: let librdkafka send some, then try again.
-                self._producer.poll(0.1)
+                self._queue_full()
             except KafkaException as exc:
                 if exc.args[0].code() == KafkaError.MSG_SIZE_TOO_LARGE:  # over the producer's own limit
                     raise self._message_too_large(topic, len(key) + len(value or b"")) from exc
@@ -345,14 +345,24 @@ class TransactionalProducer:
             if err == 0:
                 self._produced += len(keys)
                 return
-            if err == KafkaError._QUEUE_FULL:  # let librdkafka send some, then go on from the event refused
-                self._producer.poll(0.1)
+            if err == KafkaError._QUEUE_FULL:  # go on from the event refused
+                self._queue_full()
                 continue
-            exc = KafkaException(KafkaError(err))
-            if err == KafkaError.MSG_SIZE_TOO_LARGE:  # over the producer's own limit
-                size = len(keys[at]) + len(prefix) + len(records[at]) + len(suffix)
-                raise self._message_too_large(topic, size) from exc
-            raise self._refused_as_too_large(err) or _kafka_error(exc, f"producing to {topic!r}") from exc
+            size = len(keys[at]) + len(prefix) + len(records[at]) + len(suffix)
+            self._refused(err, topic, size, f"producing to {topic!r}")
+
+    def _queue_full(self) -> None:
+        """The local queue is full (queue.buffering.max.*): let librdkafka send some. Its events leave the queue
+        when the broker acknowledges them, and with error-only delivery reports that serves nothing poll() would
+        return for: a long poll sleeps its whole timeout."""
+        self._producer.poll(_QUEUE_FULL_WAIT_S)
+
+    def _refused(self, err: int, topic: str, size: int, doing: str) -> NoReturn:
+        """Raises the error for an event of ``size`` bytes to ``topic`` that librdkafka refused with ``err``."""
+        exc = KafkaException(KafkaError(err))
+        if err == KafkaError.MSG_SIZE_TOO_LARGE:  # over the producer's own limit
+            raise self._message_too_large(topic, size) from exc
+        raise self._refused_as_too_large(err) or _kafka_error(exc, doing) from exc
 
     def replay_target(self, topic: str, plan: Any, parts: tuple[bytes, ...]) -> Any | None:
         """A cdc._native.ReplayTarget for :meth:`replay_changes` (``plan``: the table's TuplePlan, ``parts``:
@@ -376,13 +386,10 @@ class TransactionalProducer:
             at, err, size, topic = self._direct.replay_changes(block, at, targets, aborted, commit_lsn)
             if err == 0:
                 break
-            if err == KafkaError._QUEUE_FULL:  # let librdkafka send some, then go on from the event refused
-                self._producer.poll(0.1)
+            if err == KafkaError._QUEUE_FULL:  # go on from the event refused
+                self._queue_full()
                 continue
-            exc = KafkaException(KafkaError(err))
-            if err == KafkaError.MSG_SIZE_TOO_LARGE:  # over the producer's own limit
-                raise self._message_too_large(topic.decode(), size) from exc
-            raise self._refused_as_too_large(err) or _kafka_error(exc, "producing a replayed transaction") from exc
+            self._refused(err, topic.decode(), size, "producing a replayed transaction")
         self.produced_from_c(targets)
         return at
 

@@ -1065,6 +1065,17 @@ cdef class ChangeReader:
         self.freemem = <pq_freemem_t><size_t>symbols["PQfreemem"]
         self.consume_input = <pq_consume_input_t><size_t>symbols["PQconsumeInput"]
 
+    cdef int _next(self, void *conn, char **msg) noexcept nogil:
+        """The next CopyData message without waiting: PQgetCopyData, and when nothing complete is buffered, one
+        PQconsumeInput (what the socket holds) and a second try. > 0: its length (PQfreemem it); 0: nothing yet;
+        -1: the stream ended; -2: it failed (PQconsumeInput's failure included)."""
+        cdef int got = self.get_copy_data(conn, msg, 1)
+        if got == 0:
+            if not self.consume_input(conn):
+                return -2
+            got = self.get_copy_data(conn, msg, 1)
+        return got
+
     def read(self, size_t pgconn, Py_ssize_t limit) -> tuple:
         """The CopyData messages of a replication stream (the PGconn at ``pgconn``, in COPY BOTH, non-blocking)
         that libpq has buffered or the socket holds, without waiting, while each is an XLogData whose pgoutput
@@ -1077,7 +1088,7 @@ cdef class ChangeReader:
         cdef char *grown
         cdef char *msg = NULL
         cdef Py_ssize_t n = 0, cap = 0, count = 0, body
-        cdef int got = 0, consumed = 0
+        cdef int got = 0
         cdef uint64_t end, largest = 0
         cdef bytes held = None
         if conn == NULL:
@@ -1085,19 +1096,9 @@ cdef class ChangeReader:
         try:
             with nogil:
                 while n < limit:
-                    got = self.get_copy_data(conn, &msg, 1)
-                    if got == 0:
-                        # Nothing complete buffered: read what the socket holds, once per empty buffer.
-                        if consumed:
-                            break
-                        if not self.consume_input(conn):  # the connection failed: told as PQgetCopyData's -2
-                            got = -2
-                            break
-                        consumed = 1
-                        continue
-                    if got < 0:
+                    got = self._next(conn, &msg)
+                    if got <= 0:
                         break
-                    consumed = 0
                     if got <= XLOG_PAYLOAD_AT or msg[0] != 119 or not (
                         msg[XLOG_PAYLOAD_AT] == 73 or msg[XLOG_PAYLOAD_AT] == 85 or msg[XLOG_PAYLOAD_AT] == 68
                     ):
@@ -1147,7 +1148,7 @@ cdef class ChangeReader:
         cdef char *msg = NULL
         cdef const unsigned char *d
         cdef Py_ssize_t count = 0, n = 0
-        cdef int got = 0, consumed = 0
+        cdef int got = 0
         cdef uint64_t end, largest = 0
         cdef uint32_t relid, last_relid = 0
         cdef ReplayTarget t = None
@@ -1162,18 +1163,9 @@ cdef class ChangeReader:
         b.heap = NULL
         try:
             while n < limit:
-                got = self.get_copy_data(conn, &msg, 1)
-                if got == 0:
-                    if consumed:
-                        break
-                    if not self.consume_input(conn):  # the connection failed: told as PQgetCopyData's -2
-                        got = -2
-                        break
-                    consumed = 1
-                    continue
-                if got < 0:
+                got = self._next(conn, &msg)
+                if got <= 0:
                     break
-                consumed = 0
                 try:
                     data = PyBytes_FromStringAndSize(msg, got)
                 finally:

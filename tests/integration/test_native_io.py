@@ -109,14 +109,18 @@ def _records(
         consumer.close()
 
 
+def _ensure_topics(kafka: str, *topics: str) -> None:
+    admin = Topics({"bootstrap.servers": kafka}, partitions=3, replication_factor=1)
+    for topic in topics:
+        admin.ensure(topic)
+
+
 def test_direct_producer_writes_what_produce_writes(kafka_bootstrap: str, unique: str) -> None:
     if PURE_PYTHON:
         pytest.skip("CDC_PURE_PYTHON is set: snapshot events go through produce()")
     conf = {"bootstrap.servers": kafka_bootstrap}
-    topics = Topics(conf, partitions=3, replication_factor=1)
     direct, plain = f"direct{unique}", f"plain{unique}"
-    for topic in (direct, plain):
-        topics.ensure(topic)
+    _ensure_topics(kafka_bootstrap, direct, plain)
     keys = [f"key-{i}".encode() for i in range(30000)]
     records = [bytes([i % 256]) * (i % 700) for i in range(30000)]
     producer = TransactionalProducer(conf, f"native-io-{unique}")
@@ -210,11 +214,8 @@ def _replay_into(kafka: str, topics: list[str], spill: _Spill, tid: str, *, from
 def test_replayed_changes_from_c_are_what_the_fast_path_writes(kafka_bootstrap: str, unique: str) -> None:
     if PURE_PYTHON:
         pytest.skip("CDC_PURE_PYTHON is set: a streamed transaction is replayed by the fast path only")
-    conf = {"bootstrap.servers": kafka_bootstrap}
-    admin = Topics(conf, partitions=3, replication_factor=1)
     direct, plain = [f"d{unique}.public.a", f"d{unique}.public.b"], [f"p{unique}.public.a", f"p{unique}.public.b"]
-    for topic in direct + plain:
-        admin.ensure(topic)
+    _ensure_topics(kafka_bootstrap, *direct, *plain)
     with tempfile.TemporaryFile() as file:
         spill = _Spill(file, block=4096)  # many blocks: runs cut at their ends too
         lsn = 0x4_0000_0000
@@ -370,11 +371,8 @@ def _capture_live(kafka: str, dsn: str, slot: str, topic: str, tid: str, *, from
 def test_live_changes_from_c_are_what_the_fast_path_writes(kafka_bootstrap: str, pg_dsn: str, unique: str) -> None:
     if PURE_PYTHON:
         pytest.skip("CDC_PURE_PYTHON is set: live changes go through the fast path only")
-    conf = {"bootstrap.servers": kafka_bootstrap}
-    admin = Topics(conf, partitions=3, replication_factor=1)
     direct, plain = f"ld{unique}.public.t", f"lp{unique}.public.t"
-    for topic in (direct, plain):
-        admin.ensure(topic)
+    _ensure_topics(kafka_bootstrap, direct, plain)
     with scratch_database(pg_dsn, f"li_{unique}") as dsn:
         with psycopg.connect(dsn, autocommit=True) as conn:
             conn.execute("CREATE TABLE t (id int PRIMARY KEY, body text, qty int)")
