@@ -1053,7 +1053,8 @@ cdef enum:
 
 
 cdef class ChangeReader:
-    """Reads the XLogData messages carrying an Insert, Update or Delete of a streamed transaction."""
+    """Reads a replication stream's row changes in bulk from libpq: a streamed transaction's, framed for its spill
+    (:meth:`read`), or a live transaction's Inserts and Updates, produced as they are read (:meth:`live_changes`)."""
 
     cdef pq_get_copy_data_t get_copy_data
     cdef pq_freemem_t freemem
