@@ -121,14 +121,16 @@ class _Spill:
     def add(self, lsn: int, payload: bytes | memoryview) -> None:
         self.file.write(_SPILL_HEAD.pack(lsn, len(payload)))
         self.file.write(payload)
-        self.size += _SPILL_HEAD.size + len(payload)
-        if self.size - (self.cuts[-1] if self.cuts else 0) >= self.block:
-            self.cuts.append(self.size)
+        self._grew(_SPILL_HEAD.size + len(payload))
 
     def add_framed(self, framed: bytes) -> None:
         """Messages framed as :meth:`add` writes them (ReplicationConnection.read_changes), one after another."""
         self.file.write(framed)
-        self.size += len(framed)
+        self._grew(len(framed))
+
+    def _grew(self, written: int) -> None:
+        """``written`` bytes of whole messages were added: a block ends here once it is large enough."""
+        self.size += written
         if self.size - (self.cuts[-1] if self.cuts else 0) >= self.block:
             self.cuts.append(self.size)
 
@@ -607,6 +609,11 @@ class Capture:
                 self._commits_us = None
             self.metrics.set_state("stopped")
 
+    def _codec_in_use(self, relid: int) -> TableCodec:
+        """The codec _fast_change has just encoded a change of ``relid`` with (it inlines this lookup): a streamed
+        transaction's own schema while its spill is replayed, else the live one."""
+        return (self._stream_codecs if relid in self._stream_relations else self._codecs)[relid]
+
     def _counted(self, targets: dict[int, Any]) -> None:
         """Counts the events produced from C to ``targets`` (ReplayTargets) since the last call."""
         for target in targets.values():
@@ -632,7 +639,7 @@ class Capture:
             if relid not in self._live_seen:
                 self._live_seen.add(relid)
                 return None, 0
-            codec = (self._stream_codecs if relid in self._stream_relations else self._codecs)[relid]  # as _fast_change
+            codec = self._codec_in_use(relid)
             pos = Position(current[0], 0, current[1], current[2])
             target = self.producer.replay_target(codec.topic, codec.native_plan, codec.event_parts(pos, now_us))
             if target is None:
@@ -686,7 +693,7 @@ class Capture:
                     if from_c and data[0] in _C_KINDS:  # the table's next ones from C
                         relid = _U32(data, 5)[0]
                         if relid not in targets:
-                            codec = (self._stream_codecs if relid in self._stream_relations else self._codecs)[relid]
+                            codec = self._codec_in_use(relid)
                             target = self.producer.replay_target(
                                 codec.topic, codec.native_plan, codec.event_parts(pos, now_us)
                             )
