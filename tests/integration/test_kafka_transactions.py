@@ -1,0 +1,82 @@
+"""TransactionalProducer against the real broker: back-to-back transactions keep clear of the coordinator's
+commit markers (no CONCURRENT_TRANSACTIONS, which librdkafka retries only after a fixed 20 ms), and every event
+of every one of them is read back read_committed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+from confluent_kafka import Consumer, TopicPartition
+
+from cdc._kafka import Topics, TransactionalProducer
+
+pytestmark = pytest.mark.integration
+
+_TRANSACTIONS = 200
+_GAP_S = 0.002  # the markers of a commit on this broker are written within ~2 ms (cdc/_kafka.py, _TXN_GAP_S)
+
+
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def test_back_to_back_transactions_wait_for_the_markers(kafka_bootstrap: str, unique: str) -> None:
+    # Two partitions per transaction, as the capture's batches have (a table's topic, the offsets topic).
+    table, offsets = f"txgap.table.{unique}", f"txgap.offsets.{unique}"
+    topics = Topics({"bootstrap.servers": kafka_bootstrap}, partitions=1, replication_factor=1)
+    topics.ensure(table)
+    topics.ensure(offsets)
+    lines = _Lines()
+    librdkafka = logging.getLogger(f"tests.librdkafka.{unique}")
+    librdkafka.addHandler(lines)
+    librdkafka.setLevel(logging.DEBUG)
+    librdkafka.propagate = False
+    producer = TransactionalProducer(
+        {"bootstrap.servers": kafka_bootstrap, "debug": "eos", "logger": librdkafka}, f"txgap-{unique}"
+    )
+    waits = []
+    try:
+        for i in range(_TRANSACTIONS):
+            committed = time.monotonic()
+            producer.begin()
+            if i:
+                waits.append(time.monotonic() - committed)
+            producer.produce(table, f"k{i}".encode(), f"v{i}".encode())
+            producer.produce(offsets, b"slot", str(i).encode(), 0)
+            producer.commit()
+        producer._producer.poll(0)  # serves the queued log lines
+    finally:
+        producer.close()
+    assert min(waits) >= _GAP_S, f"a transaction began {min(waits) * 1000:.2f} ms after the previous commit"
+    refused = [line for line in lines.lines if "AddPartitionsToTxn response" in line]
+    # The gap covers the markers' write on a loaded 2-core box in all but rare stalls; without it about one
+    # transaction in twenty hit this under the latency benchmark's load.
+    assert len(refused) <= 2, refused[:3]
+
+    consumer = Consumer(
+        {
+            "bootstrap.servers": kafka_bootstrap,
+            "group.id": f"txgap-{unique}",
+            "isolation.level": "read_committed",
+            "enable.auto.commit": False,
+        }
+    )
+    try:
+        consumer.assign([TopicPartition(table, 0, 0)])
+        values: list[bytes] = []
+        deadline = time.monotonic() + 30
+        while len(values) < _TRANSACTIONS and time.monotonic() < deadline:
+            msg = consumer.poll(1.0)
+            if msg is not None and msg.error() is None:
+                values.append(msg.value() or b"")
+    finally:
+        consumer.close()
+    assert values == [f"v{i}".encode() for i in range(_TRANSACTIONS)]
