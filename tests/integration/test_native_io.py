@@ -311,15 +311,29 @@ def test_read_changes_takes_what_read_takes_one_at_a_time(pg_dsn: str, unique: s
     assert taken > len(one) // 2  # most changes came in runs
 
 
-def _capture_live(kafka: str, dsn: str, slot: str, topic: str, tid: str, *, from_c: bool) -> tuple[int, int]:
+def _capture_live(
+    kafka: str, dsn: str, slot: str, topic: str, tid: str, *, from_c: bool, queue: int | None = None
+) -> tuple[int, int, int]:
     """The live transactions of ``slot`` (table t: id int, body text, qty int) through Capture._fast_change and,
     with ``from_c``, Capture._more_changes, as the capture's loop calls them, into ``topic``; how many create and
-    update events C made."""
+    update events C made, and how often the producer's local queue (``queue`` messages at most) was full."""
     config = Path(tempfile.mkdtemp()) / "cdc.toml"
     config.write_text('[source]\ndsn = "postgresql://u@localhost/db"\ntables = ["public.t"]\n')
     cap = Capture(load_settings(config))
-    producer = TransactionalProducer({"bootstrap.servers": kafka}, tid)
+    conf: dict[str, Any] = {"bootstrap.servers": kafka}
+    if queue is not None:
+        conf["queue.buffering.max.messages"] = queue
+    producer = TransactionalProducer(conf, tid)
     cap.producer = producer
+    full = 0
+    queue_full = producer._queue_full
+
+    def counting_full() -> None:
+        nonlocal full
+        full += 1
+        queue_full()
+
+    producer._queue_full = counting_full  # type: ignore[method-assign]
     params = conninfo_to_dict(dsn)
     params["replication"] = "database"
     repl = ReplicationConnection(make_conninfo("", **params), where="test")
@@ -365,20 +379,20 @@ def _capture_live(kafka: str, dsn: str, slot: str, topic: str, tid: str, *, from
     finally:
         repl.close()
         producer.close()
-    return inserts, updates
+    return inserts, updates, full
 
 
 def test_live_changes_from_c_are_what_the_fast_path_writes(kafka_bootstrap: str, pg_dsn: str, unique: str) -> None:
     if PURE_PYTHON:
         pytest.skip("CDC_PURE_PYTHON is set: live changes go through the fast path only")
-    direct, plain = f"ld{unique}.public.t", f"lp{unique}.public.t"
-    _ensure_topics(kafka_bootstrap, direct, plain)
+    direct, plain, small = f"ld{unique}.public.t", f"lp{unique}.public.t", f"lq{unique}.public.t"
+    _ensure_topics(kafka_bootstrap, direct, plain, small)
     with scratch_database(pg_dsn, f"li_{unique}") as dsn:
         with psycopg.connect(dsn, autocommit=True) as conn:
             conn.execute("CREATE TABLE t (id int PRIMARY KEY, body text, qty int)")
             conn.execute("ALTER TABLE t ALTER body SET STORAGE EXTERNAL")  # long values out of line, uncompressed
             conn.execute("CREATE PUBLICATION pub FOR TABLE t")
-            for slot in ("c", "py"):
+            for slot in ("c", "py", "cq"):
                 conn.execute("SELECT pg_create_logical_replication_slot(%s, 'pgoutput')", (slot,))
         with psycopg.connect(dsn) as conn:
             conn.execute("INSERT INTO t VALUES (-1, 'one row', 0)")  # a one-row transaction: no target for it
@@ -397,10 +411,18 @@ def test_live_changes_from_c_are_what_the_fast_path_writes(kafka_bootstrap: str,
             conn.commit()
             conn.execute("INSERT INTO t SELECT g, 'y', g FROM generate_series(6001, 9000) g")
             conn.commit()
-        inserts, updates = _capture_live(kafka_bootstrap, dsn, "c", direct, f"live-c-{unique}", from_c=True)
-        assert _capture_live(kafka_bootstrap, dsn, "py", plain, f"live-py-{unique}", from_c=False) == (0, 0)
+        inserts, updates, _ = _capture_live(kafka_bootstrap, dsn, "c", direct, f"live-c-{unique}", from_c=True)
+        assert _capture_live(kafka_bootstrap, dsn, "py", plain, f"live-py-{unique}", from_c=False)[:2] == (0, 0)
+        # A local queue of 300 messages: C's rd_kafka_produce is refused (queue full) again and again, hands the
+        # change back, and the general path waits for room and produces it; nothing is lost or written twice.
+        small_inserts, _, full = _capture_live(
+            kafka_bootstrap, dsn, "cq", small, f"live-cq-{unique}", from_c=True, queue=300
+        )
     written = _records(kafka_bootstrap, direct, 3, in_order=True)
     assert written == _records(kafka_bootstrap, plain, 3, in_order=True)
+    assert written == _records(kafka_bootstrap, small, 3, in_order=True)
+    assert full > 0, "the 300-message queue never filled: the hand-back was not exercised"
+    assert small_inserts > 1000, "C made (almost) no events with a small queue"
     assert len(written) == 1 + 5000 + 5 + 14 + 3 + 1000 + 4 * 2 + 3000
     unchanged = [v for _, _, v in written if v and v.endswith(b"\x02\x08body\x00")]  # ["body"] and the end
     assert len(unchanged) == 13  # the updates that left a long body alone (not 3150: NULL) carry it as unchanged
