@@ -350,6 +350,7 @@ cdef class TuplePlan:
     cdef int* scales
     cdef tuple text, binary, writers, names, key_indexes
     cdef bytes key_frame
+    cdef object _key  # the key of the tuple _encode_row encoded last (None: a key column was NULL)
 
     def __cinit__(self) -> None:
         self.wires = NULL
@@ -408,6 +409,7 @@ cdef class TuplePlan:
         cdef Py_ssize_t size = PyBytes_GET_SIZE(data), pos
         cdef int16_t nfields
         cdef list keys = [], records = []
+        cdef bytes record
         pos = copy_body_start(d, size)
         while True:
             if pos > size - 2:
@@ -415,14 +417,25 @@ cdef class TuplePlan:
             nfields = <int16_t>be16(d + pos)
             if nfields == -1:
                 return keys, records
-            record, key, _, pos = self._encode(data, pos, copy_modes)  # refuses fewer fields than columns
-            if key is None:
+            record = self._encode_row(data, pos, copy_modes, None, &pos)  # refuses fewer fields than columns
+            if self._key is None:
                 raise ValueError("a key column is NULL")
-            keys.append(key)
+            keys.append(self._key)
             records.append(record)
             pos = skip_fields(d, size, pos, nfields - self.ncols)
 
     cdef tuple _encode(self, bytes data, Py_ssize_t pos, bytes copy_modes):
+        """(record, key or None, the unchanged TOASTed columns' names, the position after the tuple)."""
+        cdef list unchanged = []
+        cdef Py_ssize_t end = 0
+        record = self._encode_row(data, pos, copy_modes, unchanged, &end)
+        return record, self._key, unchanged, end
+
+    cdef bytes _encode_row(self, bytes data, Py_ssize_t pos, bytes copy_modes, list unchanged, Py_ssize_t* end):
+        """The tuple at ``pos``'s Value record; its key is left in self._key, the position after it in ``end``,
+        and the names of unchanged TOASTed columns appended to ``unchanged`` (None: there can be none, as in
+        COPY rows). No tuple, list or int per row: encode_copy calls this once per row of a snapshot chunk.
+        self._key is read right after the return, with no Python code between that could switch threads."""
         cdef const unsigned char* d = <const unsigned char*>PyBytes_AS_STRING(data)
         cdef Py_ssize_t size = PyBytes_GET_SIZE(data)
         cdef const unsigned char* modes = NULL
@@ -433,7 +446,6 @@ cdef class TuplePlan:
         cdef Py_ssize_t[STACK_COLUMNS] stack_marks
         cdef Py_ssize_t* marks = stack_marks
         cdef Buf b
-        cdef list unchanged = []
         cdef bytes key
         cdef char* kp
         if pos < 0 or pos > size - 2:
@@ -492,6 +504,8 @@ cdef class TuplePlan:
                 elif kind == K_NULL:
                     put_byte(&b, 0)
                 elif kind == K_UNCHANGED:
+                    if unchanged is None:
+                        raise ValueError("an unchanged TOASTed value where there can be none")
                     put_byte(&b, 0)
                     unchanged.append(self.names[i])
                 elif kind == K_TEXT:
@@ -506,7 +520,9 @@ cdef class TuplePlan:
             keylen = PyBytes_GET_SIZE(self.key_frame)
             for k in self.key_indexes:
                 if b.p[marks[k]] == 0:  # null branch: the key column is missing
-                    return record, None, unchanged, pos
+                    self._key = None
+                    end[0] = pos
+                    return record
                 keylen += marks[k + 1] - marks[k]
             # Key's fields are Value's key fields with the same types: the key is cut from the record.
             key = PyBytes_FromStringAndSize(NULL, keylen)
@@ -516,7 +532,9 @@ cdef class TuplePlan:
             for k in self.key_indexes:
                 memcpy(kp + keylen, b.p + marks[k], marks[k + 1] - marks[k])
                 keylen += marks[k + 1] - marks[k]
-            return record, key, unchanged, pos
+            self._key = key
+            end[0] = pos
+            return record
         finally:
             if b.heap != NULL:
                 free(b.heap)

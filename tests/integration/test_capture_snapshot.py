@@ -10,6 +10,8 @@ from pathlib import Path
 
 import psycopg
 import pytest
+from confluent_kafka import Consumer, TopicPartition
+from confluent_kafka.admin import AdminClient
 
 from tests.integration._capture_helpers import (
     CdcConfig,
@@ -20,6 +22,31 @@ from tests.integration._capture_helpers import (
 )
 
 ROWS = 100_000
+
+
+def _first_committed_event(kafka: str, topic: str, timeout: float) -> None:
+    """Returns as soon as ``topic`` has an event readable read_committed: a snapshot chunk was committed."""
+    md = AdminClient({"bootstrap.servers": kafka}).list_topics(topic, timeout=30)
+    partitions = list(md.topics[topic].partitions)
+    consumer = Consumer(
+        {
+            "bootstrap.servers": kafka,
+            "group.id": f"first-{topic}",
+            "isolation.level": "read_committed",
+            "enable.auto.commit": False,
+            "fetch.wait.max.ms": 10,
+        }
+    )
+    try:
+        consumer.assign([TopicPartition(topic, p, 0) for p in partitions])
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            msg = consumer.poll(0.05)
+            if msg is not None and msg.error() is None:
+                return
+    finally:
+        consumer.close()
+    raise AssertionError(f"nothing committed in {topic} within {timeout} s")
 
 
 @pytest.fixture
@@ -83,9 +110,10 @@ def test_snapshot_with_concurrent_writes_ends_at_the_source_state(
     proc.start()
     try:
         if crash:
-            # Kill it once some, not all, snapshot chunks are committed; the restart must finish the job.
+            # Kill it once some, not all, snapshot chunks are committed; the restart must finish the job. At
+            # once, not after a fixed sleep: the whole snapshot can take less than a second.
             wait_for(lambda: "snapshot of" in proc.tail(), 120, "the snapshot to start", proc)
-            time.sleep(1.0)
+            _first_committed_event(kafka_bootstrap, topic, 60)
             proc.kill()
             assert "snapshot done" not in proc.tail(), "the snapshot finished before the kill: test proves nothing"
             proc.start()
