@@ -743,11 +743,14 @@ class Kafka(Service):
             raise DeployError("Kafka needs Java 17+: apt-get install -y openjdk-17-jre-headless")
         return [
             str(jh / "bin" / "java"),
-            "-Xms256m",
-            "-Xmx768m",
-            # Kafka's own launcher flags (bin/kafka-run-class.sh, KAFKA_JVM_PERFORMANCE_OPTS; the image
-            # docker-compose.yml runs uses them). Without the 20 ms pause target G1 aims at 200 ms: its young
-            # collections took 20-30 ms every ~10 s at 2,000 txn/s here, and every event in flight waited.
+            # Kafka's own launcher settings: the heap of bin/kafka-server-start.sh and the GC flags of
+            # bin/kafka-run-class.sh (KAFKA_JVM_PERFORMANCE_OPTS; the image docker-compose.yml runs uses them).
+            # Without the 20 ms pause target G1 aims at 200 ms: its young collections took 20-30 ms every ~10 s
+            # at 2,000 txn/s here, and every event in flight waited. In a smaller heap the log cleaner's 128 MB
+            # dedupe buffer, live for good, kept the old generation over the marking threshold: a concurrent
+            # cycle (and its 30 ms remark pause) ran again and again.
+            "-Xms1g",
+            "-Xmx1g",
             "-XX:+UseG1GC",
             "-XX:MaxGCPauseMillis=20",
             "-XX:InitiatingHeapOccupancyPercent=35",
