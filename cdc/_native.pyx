@@ -15,7 +15,7 @@ from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes
 from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_GET_SIZE
 from cpython.unicode cimport PyUnicode_AsUTF8AndSize, PyUnicode_DecodeUTF8
 from libc.stdint cimport int16_t, int32_t, int64_t, uint16_t, uint32_t, uint64_t, INT64_MIN, INT32_MAX, INT32_MIN
-from cpython.ref cimport PyObject
+from cpython.ref cimport PyObject, Py_INCREF, Py_XDECREF
 cimport cython
 from libc.stdlib cimport free, malloc, realloc
 from libc.string cimport memcmp, memcpy
@@ -350,7 +350,6 @@ cdef class TuplePlan:
     cdef int* scales
     cdef tuple text, binary, writers, names, key_indexes
     cdef bytes key_frame
-    cdef object _key  # the key of the tuple _encode_row encoded last (None: a key column was NULL)
 
     def __cinit__(self) -> None:
         self.wires = NULL
@@ -410,6 +409,7 @@ cdef class TuplePlan:
         cdef int16_t nfields
         cdef list keys = [], records = []
         cdef bytes record
+        cdef PyObject* key = NULL
         pos = copy_body_start(d, size)
         while True:
             if pos > size - 2:
@@ -417,10 +417,12 @@ cdef class TuplePlan:
             nfields = <int16_t>be16(d + pos)
             if nfields == -1:
                 return keys, records
-            record = self._encode_row(data, pos, copy_modes, None, &pos)  # refuses fewer fields than columns
-            if self._key is None:
+            record = self._encode_row(data, pos, copy_modes, None, &pos, &key)  # refuses fewer fields than columns
+            if key == NULL:
                 raise ValueError("a key column is NULL")
-            keys.append(self._key)
+            keys.append(<object>key)
+            Py_XDECREF(key)  # the reference _encode_row handed over; the list holds its own
+            key = NULL
             records.append(record)
             pos = skip_fields(d, size, pos, nfields - self.ncols)
 
@@ -428,14 +430,20 @@ cdef class TuplePlan:
         """(record, key or None, the unchanged TOASTed columns' names, the position after the tuple)."""
         cdef list unchanged = []
         cdef Py_ssize_t end = 0
-        record = self._encode_row(data, pos, copy_modes, unchanged, &end)
-        return record, self._key, unchanged, end
+        cdef PyObject* key = NULL
+        record = self._encode_row(data, pos, copy_modes, unchanged, &end, &key)
+        if key == NULL:
+            return record, None, unchanged, end
+        found = <object>key
+        Py_XDECREF(key)
+        return record, found, unchanged, end
 
-    cdef bytes _encode_row(self, bytes data, Py_ssize_t pos, bytes copy_modes, list unchanged, Py_ssize_t* end):
-        """The tuple at ``pos``'s Value record; its key is left in self._key, the position after it in ``end``,
-        and the names of unchanged TOASTed columns appended to ``unchanged`` (None: there can be none, as in
-        COPY rows). No tuple, list or int per row: encode_copy calls this once per row of a snapshot chunk.
-        self._key is read right after the return, with no Python code between that could switch threads."""
+    cdef bytes _encode_row(self, bytes data, Py_ssize_t pos, bytes copy_modes, list unchanged, Py_ssize_t* end,
+                           PyObject** key_out):
+        """The tuple at ``pos``'s Value record. The position after it goes to ``end``; its key to ``key_out``, a
+        reference the caller owns (NULL when a key column is NULL; set only on success); the names of unchanged
+        TOASTed columns are appended to ``unchanged`` (None: there can be none, as in COPY rows). No tuple, list
+        or int per row: encode_copy calls this once per row of a snapshot chunk."""
         cdef const unsigned char* d = <const unsigned char*>PyBytes_AS_STRING(data)
         cdef Py_ssize_t size = PyBytes_GET_SIZE(data)
         cdef const unsigned char* modes = NULL
@@ -520,7 +528,7 @@ cdef class TuplePlan:
             keylen = PyBytes_GET_SIZE(self.key_frame)
             for k in self.key_indexes:
                 if b.p[marks[k]] == 0:  # null branch: the key column is missing
-                    self._key = None
+                    key_out[0] = NULL
                     end[0] = pos
                     return record
                 keylen += marks[k + 1] - marks[k]
@@ -532,7 +540,8 @@ cdef class TuplePlan:
             for k in self.key_indexes:
                 memcpy(kp + keylen, b.p + marks[k], marks[k + 1] - marks[k])
                 keylen += marks[k + 1] - marks[k]
-            self._key = key
+            Py_INCREF(key)  # handed to the caller (key_out), beside the local reference released on return
+            key_out[0] = <PyObject*>key
             end[0] = pos
             return record
         finally:
