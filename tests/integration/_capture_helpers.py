@@ -231,6 +231,29 @@ def read_topic(bootstrap: str, registry: str, topic: str, timeout: float = 60) -
     return events
 
 
+def committed_records(
+    kafka: str, topic: str, partitions: int, *, in_order: bool = False
+) -> list[tuple[int, bytes | None, bytes | None]]:
+    """The committed records of ``topic``: sorted, or ``in_order`` (by partition, each in offset order)."""
+    consumer = Consumer({"bootstrap.servers": kafka, "group.id": f"g-{topic}", "isolation.level": "read_committed"})
+    try:
+        consumer.assign([TopicPartition(topic, p, 0) for p in range(partitions)])
+        found: list[tuple[int, bytes | None, bytes | None]] = []
+        idle = 0
+        while idle < 5:
+            msg = consumer.poll(1.0)
+            if msg is None:
+                idle += 1
+                continue
+            assert msg.error() is None, msg.error()
+            partition = msg.partition()
+            assert partition is not None
+            found.append((partition, msg.key(), msg.value()))
+        return sorted(found, key=lambda r: r[0]) if in_order else sorted(found)
+    finally:
+        consumer.close()
+
+
 def latest_by_key(events: list[Event], key_field: str) -> dict[Any, dict[str, Any]]:
     """Replay events the way a compacting consumer would: the last event per key wins; deletes remove."""
     state: dict[Any, dict[str, Any]] = {}

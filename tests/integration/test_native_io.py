@@ -15,7 +15,6 @@ from typing import Any
 
 import psycopg
 import pytest
-from confluent_kafka import Consumer, TopicPartition
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
@@ -28,7 +27,7 @@ from cdc._snapshot import _copy_reader, _LibpqCopies
 from decoders import StreamCommit
 from schemas import PgType
 from tests._codecs import make_codec
-from tests.integration._capture_helpers import scratch_database
+from tests.integration._capture_helpers import committed_records, scratch_database
 
 pytestmark = pytest.mark.integration
 
@@ -86,29 +85,6 @@ def test_libpq_copies_fail_as_psycopg_would(reader: Any, pg_dsn: str, unique: st
         assert conn.execute("SELECT 1").fetchone() == (1,)
 
 
-def _records(
-    kafka: str, topic: str, partitions: int, *, in_order: bool = False
-) -> list[tuple[int, bytes | None, bytes | None]]:
-    """The committed records of ``topic``: sorted, or ``in_order`` (by partition, each in offset order)."""
-    consumer = Consumer({"bootstrap.servers": kafka, "group.id": f"g-{topic}", "isolation.level": "read_committed"})
-    try:
-        consumer.assign([TopicPartition(topic, p, 0) for p in range(partitions)])
-        found: list[tuple[int, bytes | None, bytes | None]] = []
-        idle = 0
-        while idle < 5:
-            msg = consumer.poll(1.0)
-            if msg is None:
-                idle += 1
-                continue
-            assert msg.error() is None, msg.error()
-            partition = msg.partition()
-            assert partition is not None
-            found.append((partition, msg.key(), msg.value()))
-        return sorted(found, key=lambda r: r[0]) if in_order else sorted(found)
-    finally:
-        consumer.close()
-
-
 def _ensure_topics(kafka: str, *topics: str) -> None:
     admin = Topics({"bootstrap.servers": kafka}, partitions=3, replication_factor=1)
     for topic in topics:
@@ -138,8 +114,8 @@ def test_direct_producer_writes_what_produce_writes(kafka_bootstrap: str, unique
         producer.abort()
     finally:
         producer.close()
-    written = _records(kafka_bootstrap, direct, 3)
-    assert written == _records(kafka_bootstrap, plain, 3)
+    written = committed_records(kafka_bootstrap, direct, 3)
+    assert written == committed_records(kafka_bootstrap, plain, 3)
     assert len(written) == 30000
     assert {p for p, _, _ in written} == {0, 1, 2}  # the partitioner ran per key
     assert sorted((k, v) for _, k, v in written) == sorted(
@@ -242,10 +218,10 @@ def test_replayed_changes_from_c_are_what_the_fast_path_writes(kafka_bootstrap: 
     # other table before its first change went through the fast path).
     assert len(stops) > 20
     for topic_c, topic_py in zip(direct, plain, strict=True):
-        written = _records(kafka_bootstrap, topic_c, 3, in_order=True)
-        assert written == _records(kafka_bootstrap, topic_py, 3, in_order=True)
+        written = committed_records(kafka_bootstrap, topic_c, 3, in_order=True)
+        assert written == committed_records(kafka_bootstrap, topic_py, 3, in_order=True)
         assert written
-    a = _records(kafka_bootstrap, direct[0], 3, in_order=True)
+    a = committed_records(kafka_bootstrap, direct[0], 3, in_order=True)
     # 3000 inserts, 6 x 3 updates, 6 deletes and 6 key changes (delete, tombstone, create); no rolled-back insert
     assert len(a) == 3000 + 6 * 3 + 6 * 2 + 6 * 3
 
@@ -418,9 +394,9 @@ def test_live_changes_from_c_are_what_the_fast_path_writes(kafka_bootstrap: str,
         small_inserts, _, full = _capture_live(
             kafka_bootstrap, dsn, "cq", small, f"live-cq-{unique}", from_c=True, queue=300
         )
-    written = _records(kafka_bootstrap, direct, 3, in_order=True)
-    assert written == _records(kafka_bootstrap, plain, 3, in_order=True)
-    assert written == _records(kafka_bootstrap, small, 3, in_order=True)
+    written = committed_records(kafka_bootstrap, direct, 3, in_order=True)
+    assert written == committed_records(kafka_bootstrap, plain, 3, in_order=True)
+    assert written == committed_records(kafka_bootstrap, small, 3, in_order=True)
     assert full > 0, "the 300-message queue never filled: the hand-back was not exercised"
     assert small_inserts > 1000, "C made (almost) no events with a small queue"
     assert len(written) == 1 + 5000 + 5 + 14 + 3 + 1000 + 4 * 2 + 3000
