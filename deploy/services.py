@@ -746,9 +746,10 @@ class Kafka(Service):
             # Kafka's own launcher settings: the heap of bin/kafka-server-start.sh and the GC flags of
             # bin/kafka-run-class.sh (KAFKA_JVM_PERFORMANCE_OPTS; the image docker-compose.yml runs uses them).
             # Without the 20 ms pause target G1 aims at 200 ms: its young collections took 20-30 ms every ~10 s
-            # at 2,000 txn/s here, and every event in flight waited. In a smaller heap the log cleaner's 128 MB
-            # dedupe buffer, live for good, kept the old generation over the marking threshold: a concurrent
-            # cycle (and its 30 ms remark pause) ran again and again.
+            # at 2,000 txn/s here, and every event in flight waited. In the 538 MB heap the 768 MB limit gave, ~228 MB
+            # stayed live after every collection (167 MB of it byte arrays; the log cleaner's 128 MB dedupe buffer
+            # would be most of that, not traced further), above the marking threshold: concurrent cycles with
+            # 28-34 ms remark pauses kept coming. With 1 GB, none in three latency runs and three snapshots.
             "-Xms1g",
             "-Xmx1g",
             "-XX:+UseG1GC",
