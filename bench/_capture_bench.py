@@ -15,6 +15,8 @@ Every capture scenario (bench/insert_heavy.py, update_heavy.py, pgbench_tpcb.py,
 Each reader yields a ``Usage``: seconds, CPU seconds (utime + stime) and peak RSS (VmHWM) of the process, and of
 the walsender backend serving its slot (sampled from /proc while it runs; a backend's RSS counts the shared
 buffers it touched, so read its CPU rather than its memory). The /proc readers are bench/_debezium.py's.
+A ``Usage`` also holds the CPU each part of the machine spent meanwhile (bench/_cpu.py: PostgreSQL, the broker,
+the reader by thread, idle): :func:`cpu_notes` puts both readers' in a result's notes, per row.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import time
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +49,8 @@ for _p in (str(ROOT), str(BENCH)):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-import _debezium as dbz  # noqa: E402 - a sibling module: bench/ is not a package
+import _cpu  # noqa: E402 - a sibling module: bench/ is not a package
+import _debezium as dbz  # noqa: E402
 from _report import Measure  # noqa: E402
 
 from tests import _services  # noqa: E402 - finds (or starts) the local services like the tests do
@@ -96,6 +99,11 @@ class Usage:
     # `cdc run` only: seconds from its launch until it streamed (its slot active): imports, connections, Kafka
     # init_transactions — what a long-running capture pays once.
     startup_s: float | None = None
+    # CPU seconds per part of the machine while it streamed (bench/_cpu.py); for `cdc run`, also up to its
+    # first "replaying streamed transaction" line, when it has one: the rest is the replay.
+    cpu_split: dict[str, float] | None = None
+    cpu_split_before_replay: dict[str, float] | None = None
+    replay_started_s: float | None = None  # seconds into streaming when that line appeared
 
     @property
     def streaming_seconds(self) -> float:
@@ -103,7 +111,12 @@ class Usage:
         return self.seconds - (self.startup_s or 0.0)
 
     def as_json(self) -> dict[str, Any]:
-        return {k: (round(v, 3) if isinstance(v, float) else v) for k, v in asdict(self).items()}
+        def rounded(v: Any) -> Any:
+            if isinstance(v, dict):
+                return {k: rounded(x) for k, x in v.items()}
+            return round(v, 3) if isinstance(v, float) else v
+
+        return {k: rounded(v) for k, v in asdict(self).items()}
 
 
 class _SlotWatch:
@@ -207,6 +220,25 @@ class Scratch:
                 conn.execute("SELECT pg_create_logical_replication_slot(%s, 'pgoutput')", (name,))
             return self.current_lsn(conn)
 
+    def processes(self) -> dict[str, int | None]:
+        """PostgreSQL's postmaster and the Kafka broker, when they run on this machine: for bench/_cpu.py."""
+        with self.connect() as conn:
+            row = conn.execute("SHOW data_directory").fetchone()
+        return {
+            "PostgreSQL": _cpu.postmaster_pid(row[0]) if row else None,
+            "Kafka broker": _cpu.java_pid("kafka.Kafka"),
+        }
+
+    def server_tls(self) -> bool:
+        """Whether this connection to the server is encrypted (TLS: sslmode prefer finds ssl = on)."""
+        with self.connect() as conn:
+            row = conn.execute("SELECT ssl FROM pg_stat_ssl WHERE pid = pg_backend_pid()").fetchone()
+        return bool(row and row[0])
+
+    def without_tls(self) -> Scratch:
+        """The same scratch database reached with sslmode=disable: for both readers, a variant of a run."""
+        return replace(self, dsn=make_conninfo(self.dsn, sslmode="disable"))
+
     def slot_lag_bytes(self, slot: str) -> int | None:
         with self.connect() as conn:
             row = conn.execute(
@@ -249,7 +281,9 @@ class Scratch:
             "-f",
             "/dev/null",
         ]
+        split = _cpu.CpuSplit(self.processes())
         with _SlotWatch(self.dsn, slot, interval=0.1) as watch:
+            split.start()
             t0 = time.monotonic()
             proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
             deadline = t0 + timeout
@@ -263,15 +297,20 @@ class Scratch:
                     raise TimeoutError(f"pg_recvlogical did not reach {fmt_lsn(end_lsn)} in {timeout:.0f} s")
                 time.sleep(0.02)
             seconds = time.monotonic() - t0
+            parts = split.now()
         proc.returncode = os.waitstatus_to_exitcode(status)
         if proc.returncode != 0:
             raise RuntimeError(f"pg_recvlogical exited with {proc.returncode}")
+        cpu = usage.ru_utime + usage.ru_stime
+        parts["pg_recvlogical"] = cpu  # its CPU was in the rest: a part of its own
+        parts["rest"] = max(0.0, parts["rest"] - cpu)
         return Usage(
             seconds=seconds,
-            cpu_s=usage.ru_utime + usage.ru_stime,
+            cpu_s=cpu,
             peak_rss_mb=usage.ru_maxrss / 1024,
             walsender_cpu_s=watch.cpu_s,
             walsender_peak_rss_mb=watch.rss_mb,
+            cpu_split=parts,
         )
 
     # --- ours ---------------------------------------------------------------------------------
@@ -284,9 +323,35 @@ class Scratch:
         """`cdc run` from slot's start until its confirmed_flush_lsn reaches end_lsn, timed from the launch."""
         with self.cdc(slot, publication, tables) as run:
             startup = run.wait_streaming()
-            usage = run.wait_for(end_lsn)
+            split = _cpu.CpuSplit(self.processes(), {"capture": run.proc.pid if run.proc else None})
+            split.start()
+            usage = run.wait_for(end_lsn, split=split)
             usage.startup_s = startup
             return usage
+
+
+def cpu_notes(count: int, unit: str, ours: Usage, ref: Usage, *, label: str = "") -> list[str]:
+    """Each reader's CPU per part of the machine, in CPU-µs per ``unit`` (bench/_cpu.py), and for `cdc run`
+    with a replayed streamed transaction, the phases before and after the replay began. ``label`` follows
+    the readers' names (a variant of the run)."""
+    notes = []
+    if ref.cpu_split:
+        notes.append(f"pg_recvlogical run{label}: " + _cpu.CpuSplit.per_unit_note(ref.cpu_split, count, unit))
+    if ours.cpu_split:
+        notes.append(f"cdc run{label}: " + _cpu.CpuSplit.per_unit_note(ours.cpu_split, count, unit))
+        before = ours.cpu_split_before_replay
+        if before and ours.replay_started_s is not None:
+            after = {k: max(0.0, v - before.get(k, 0.0)) for k, v in ours.cpu_split.items()}
+            replay_s = ours.streaming_seconds - ours.replay_started_s
+            notes.append(
+                f"cdc run{label}, {ours.replay_started_s:.2f} s until the replay began (reading into the spill): "
+                + _cpu.CpuSplit.per_unit_note(before, count, unit)
+            )
+            notes.append(
+                f"cdc run{label}, the replay and commit ({replay_s:.2f} s): "
+                + _cpu.CpuSplit.per_unit_note(after, count, unit)
+            )
+    return notes
 
 
 def rate_measures(name: str, unit: str, count: int, ours: Usage, ref: Usage, *, note: str) -> list[Measure]:
@@ -417,15 +482,37 @@ class CdcRun:
                     raise TimeoutError(f"cdc run did not start streaming in {timeout:.0f} s:\n{self.log_tail()}")
                 time.sleep(0.02)
 
-    def wait_for(self, end_lsn: int, *, since: float | None = None, timeout: float = 3600.0) -> Usage:
-        """Block until the slot's confirmed_flush_lsn >= end_lsn; seconds from `since` (default: the launch)."""
+    def wait_for(
+        self,
+        end_lsn: int,
+        *,
+        since: float | None = None,
+        timeout: float = 3600.0,
+        split: _cpu.CpuSplit | None = None,
+    ) -> Usage:
+        """Block until the slot's confirmed_flush_lsn >= end_lsn; seconds from `since` (default: the launch).
+        With ``split`` (started), the Usage carries the CPU per part until then, and until the first streamed
+        transaction's replay began when the log says so."""
         assert self.proc is not None
         start = self.started if since is None else since
-        deadline = time.monotonic() + timeout
+        streamed_at = time.monotonic()
+        deadline = streamed_at + timeout
+        before_replay: dict[str, float] | None = None
+        replay_at: float | None = None
         with self.s.connect() as conn:
             while True:
+                if (
+                    split is not None
+                    and before_replay is None
+                    and "replaying streamed transaction" in self.log.read_text(errors="replace")
+                ):
+                    before_replay, replay_at = split.now(), time.monotonic() - streamed_at
                 if self.confirmed_lsn(conn) >= end_lsn:
-                    return self.usage(time.monotonic() - start, conn)
+                    usage = self.usage(time.monotonic() - start, conn)
+                    if split is not None:
+                        usage.cpu_split = split.now()
+                        usage.cpu_split_before_replay, usage.replay_started_s = before_replay, replay_at
+                    return usage
                 if self.proc.poll() is not None:
                     raise RuntimeError(f"cdc run exited with {self.proc.returncode}:\n{self.log_tail()}")
                 if time.monotonic() > deadline:

@@ -19,6 +19,7 @@ import math
 import os
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -137,9 +138,12 @@ def write_document(doc: dict[str, Any], results_dir: Path = RESULTS) -> Path:
 
 
 def write_result(result: Result, results_dir: Path = RESULTS) -> Path:
-    """Write ``<results_dir>/<scenario>.json`` and print the scenario's table; returns the path."""
+    """Write ``<results_dir>/<scenario>.json``, print the scenario's table and, on stderr, its notes (what the
+    figures are read with: references, CPU per part); returns the path."""
     doc = document(result)
     path = write_document(doc, results_dir)
+    for note in result.notes:
+        print(f"note: {note}", file=sys.stderr)
     print(markdown_rows([doc]))
     return path
 

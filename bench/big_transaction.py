@@ -33,6 +33,7 @@ SCENARIO = "big-transaction"
 TABLE = "events"
 PUBLICATION = "bench"
 SLOT_CDC, SLOT_REF = "bench_cdc", "bench_ref"
+SLOT_CDC_PLAIN, SLOT_REF_PLAIN = "bench_cdc_plain", "bench_ref_plain"  # the same two readers without TLS
 WAL_BYTES_PER_ROW = 170  # the row without its padding, as measured on PostgreSQL 15 (plus the padding)
 RSS_LIMIT_MB = 300.0
 
@@ -58,6 +59,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default="on",
         help="pg_recvlogical asks for streaming like `cdc run` (on), or lets the server spill and send at commit",
     )
+    ap.add_argument(
+        "--without-tls",
+        choices=["auto", "no"],
+        default="auto",
+        help="auto: when the connection is encrypted, also time both readers with sslmode=disable (a variant)",
+    )
     return ap.parse_args(argv)
 
 
@@ -81,7 +88,10 @@ def run(argv: list[str] | None = None) -> Result:
             result.params["logical_decoding_work_mem"] = row[0] if row else None
         qualified = f"public.{TABLE}"
         s.create_publication(PUBLICATION, [qualified])
-        start_lsn = s.create_slots([SLOT_REF, SLOT_CDC])
+        # TLS costs the walsender more CPU per row serving `cdc run` than serving pg_recvlogical (measured
+        # 2026-11-24: 10-40 % with TLS, none without); the variant shows it on every run.
+        plain = args.without_tls == "auto" and s.server_tls()
+        start_lsn = s.create_slots([SLOT_REF, SLOT_CDC, *([SLOT_REF_PLAIN, SLOT_CDC_PLAIN] if plain else [])])
         t0 = time.monotonic()
         with s.connect() as conn:
             conn.execute(sql.SQL(_INSERT).format(sql.Identifier(TABLE)), (args.pad, rows))
@@ -93,6 +103,25 @@ def run(argv: list[str] | None = None) -> Result:
         ours = s.time_cdc(SLOT_CDC, PUBLICATION, [qualified], end_lsn)
         result.series["pg_recvlogical"] = ref.as_json()
         result.series["cdc"] = ours.as_json()
+        result.notes += cb.cpu_notes(rows, "row", ours, ref)
+        if plain:
+            p = s.without_tls()
+            ref_plain = p.recvlogical(SLOT_REF_PLAIN, PUBLICATION, end_lsn, streaming=args.reference_streaming == "on")
+            ours_plain = p.time_cdc(SLOT_CDC_PLAIN, PUBLICATION, [qualified], end_lsn)
+            result.series["pg_recvlogical_without_tls"] = ref_plain.as_json()
+            result.series["cdc_without_tls"] = ours_plain.as_json()
+            result.notes += cb.cpu_notes(rows, "row", ours_plain, ref_plain, label=" without TLS")
+            result.measures.append(
+                Measure(
+                    "capture rows/s, both readers without TLS",
+                    "rows/s",
+                    round(rows / ours_plain.streaming_seconds),
+                    reference=round(rows / ref_plain.seconds),
+                    reference_name="pg_recvlogical",
+                    note="a variant: the same WAL read again by both readers with sslmode=disable, on their own "
+                    "slots; the target is judged on the default connection above",
+                )
+            )
         result.measures += [
             *cb.rate_measures("capture rows/s", "rows/s", rows, ours, ref, note="one transaction"),
             Measure(

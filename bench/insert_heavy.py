@@ -114,6 +114,7 @@ def run(argv: list[str] | None = None) -> Result:
         ours = s.time_cdc(SLOT_CDC, PUBLICATION, [qualified], end_lsn)
         result.series["pg_recvlogical"] = ref.as_json()
         result.series["cdc"] = ours.as_json()
+        result.notes += cb.cpu_notes(args.rows, "row", ours, ref)
         ours_rate = args.rows / ours.streaming_seconds
         result.measures += cb.rate_measures(
             "capture rows/s", "rows/s", args.rows, ours, ref, note="same WAL, read one after the other"

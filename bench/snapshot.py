@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import subprocess
 import sys
 import tempfile
@@ -34,7 +35,8 @@ for _p in (str(ROOT), str(BENCH)):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-import _debezium as dbz  # noqa: E402 - a sibling module: bench/ is not a package
+import _cpu  # noqa: E402 - a sibling module: bench/ is not a package
+import _debezium as dbz  # noqa: E402
 from _capture_bench import drop_slots, dsn_for  # noqa: E402
 from _report import Measure, Result, write_result  # noqa: E402
 
@@ -53,16 +55,18 @@ _FILL = (
 )
 
 
-def _copy_seconds(dsn: str, fmt: str) -> tuple[float, int]:
-    """Seconds to read the whole table with COPY TO STDOUT in ``fmt`` (binary|text), and the bytes read."""
+def _copy_seconds(dsn: str, fmt: str, split: _cpu.CpuSplit) -> tuple[float, int, dict[str, float]]:
+    """Seconds to read the whole table with COPY TO STDOUT in ``fmt`` (binary|text), the bytes read, and the
+    CPU each part spent meanwhile (``split``: PostgreSQL and this process, whose main thread reads)."""
     query = sql.SQL("COPY (SELECT * FROM {}) TO STDOUT (FORMAT {})").format(sql.Identifier(TABLE), sql.SQL(fmt))
     nbytes = 0
     with psycopg.connect(dsn) as conn, conn.cursor() as cur:
+        split.start()
         start = time.monotonic()
         with cur.copy(query) as copy:
             for block in copy:
                 nbytes += len(block)
-        return time.monotonic() - start, nbytes
+        return time.monotonic() - start, nbytes, split.now()
 
 
 def _config(path: Path, dsn: str, *, kafka: str, registry: str, prefix: str) -> Path:
@@ -87,7 +91,11 @@ def _wait_log(proc: subprocess.Popen[bytes], log: Path, text: str, timeout: floa
     raise TimeoutError(f"no {text!r} in {log} after {timeout:.0f} s")
 
 
-def _ours(dsn: str, work: Path, *, kafka: str, registry: str, prefix: str, timeout: float) -> dict[str, float]:
+def _ours(
+    dsn: str, work: Path, *, kafka: str, registry: str, prefix: str, timeout: float, processes: dict[str, int | None]
+) -> tuple[dict[str, float], dict[str, float]]:
+    """`cdc run`'s snapshot: its timings, CPU and peak RSS; and the CPU per part (``processes``: PostgreSQL's
+    postmaster, the broker; the capture by thread) from its "snapshot of" log line to "snapshot done"."""
     config = _config(work / "cdc.toml", dsn, kafka=kafka, registry=registry, prefix=prefix)
     log = work / "cdc.log"
     with open(log, "wb") as out:
@@ -98,9 +106,12 @@ def _ours(dsn: str, work: Path, *, kafka: str, registry: str, prefix: str, timeo
             stderr=subprocess.STDOUT,
         )
     peak = [0.0]
+    split = _cpu.CpuSplit(processes, {"capture": proc.pid})
     try:
         started = _wait_log(proc, log, "snapshot of 1 table(s)", timeout, peak)
+        split.start()
         done = _wait_log(proc, log, "snapshot done", timeout, peak)
+        parts = split.now()
         cpu = dbz.cpu_seconds(proc.pid)
         peak[0] = max(peak[0], dbz.peak_rss_mb(proc.pid))
     finally:
@@ -111,7 +122,8 @@ def _ours(dsn: str, work: Path, *, kafka: str, registry: str, prefix: str, timeo
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(10)
-    return {"snapshot_s": done - started, "from_launch_s": done - launched, "cpu_s": cpu, "peak_rss_mb": peak[0]}
+    timings = {"snapshot_s": done - started, "from_launch_s": done - launched, "cpu_s": cpu, "peak_rss_mb": peak[0]}
+    return timings, parts
 
 
 def _debezium(dsn: str, work: Path, rows: int, prefix: str) -> dict[str, float]:
@@ -133,6 +145,25 @@ def _debezium(dsn: str, work: Path, rows: int, prefix: str) -> dict[str, float]:
             "cpu_s": run.cpu_seconds(),
             "peak_rss_mb": run.peak_rss_mb(),
         }
+
+
+def _bound(parts: dict[str, float], rows: int, seconds: float, ref_rate: float, target: float) -> str:
+    """What the CPU split says about the target: the rate the machine would allow if the capture's own threads
+    (its main and reader threads; librdkafka's are the Kafka client's) cost nothing, and what they may cost for
+    ``target``x of the reference on these CPUs with nothing idle."""
+    ncpu = os.cpu_count() or 1
+    ours = parts.get("capture main", 0.0) + parts.get("capture other", 0.0)
+    others = parts["busy"] - ours  # PostgreSQL, the broker, librdkafka, the rest of the machine
+    if others <= 0:
+        return "bound: no CPU split measured"
+    best_rate = ncpu * rows / others
+    allowed_us = (ncpu / (target * ref_rate) - others / rows) * 1e6
+    return (
+        f"bound: without the capture's own threads the rest took {others * 1e6 / rows:.2f} CPU-µs per row; on "
+        f"{ncpu} CPUs that alone allows {best_rate:,.0f} rows/s ({best_rate / ref_rate:.2f}x the reference) if "
+        f"the capture's threads cost nothing; {target}x needs them at {max(allowed_us, 0.0):.2f} CPU-µs per row "
+        f"with no CPU idle (they took {ours * 1e6 / rows:.2f}; {seconds:.2f} s measured)"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -173,20 +204,36 @@ def run(argv: list[str] | None = None) -> Result:
             result.params["table_size"] = size[0] if size else None
         print(f"{args.rows:,} rows loaded ({result.params['table_size']})", file=sys.stderr)
 
-        _copy_seconds(dsn, "binary")  # warm-up: the table into the page cache
-        copies = {fmt: _copy_seconds(dsn, fmt) for fmt in ("binary", "text")}
+        # The CPU of each part, so that a ratio can be read: PostgreSQL and the broker when they run here.
+        with psycopg.connect(admin) as conn:
+            row = conn.execute("SHOW data_directory").fetchone()
+        processes = {"PostgreSQL": _cpu.postmaster_pid(row[0]) if row else None}
+        reference_split = _cpu.CpuSplit(processes, {"COPY reader": os.getpid()})
+        processes["Kafka broker"] = _cpu.java_pid("kafka.Kafka")
+
+        _copy_seconds(dsn, "binary", reference_split)  # warm-up: the table into the page cache
+        copies = {fmt: _copy_seconds(dsn, fmt, reference_split) for fmt in ("binary", "text")}
         best = min(copies, key=lambda f: copies[f][0])
         ref_rate = args.rows / copies[best][0]
-        for fmt, (secs, nbytes) in copies.items():
+        for fmt, (secs, nbytes, _) in copies.items():
             result.notes.append(
                 f"COPY of the whole table TO STDOUT, FORMAT {fmt}, read by psycopg and dropped: "
                 f"{args.rows / secs:,.0f} rows/s ({secs:.2f} s, {nbytes / 1e6:,.0f} MB)"
             )
             print(result.notes[-1], file=sys.stderr)
+        result.notes.append(f"COPY {best}: " + _cpu.CpuSplit.per_unit_note(copies[best][2], args.rows, "row"))
 
         topics.append(f"{prefix}.public.{TABLE}")
-        ours = _ours(dsn, work, kafka=kafka, registry=registry, prefix=prefix, timeout=args.timeout)
+        ours, parts = _ours(
+            dsn, work, kafka=kafka, registry=registry, prefix=prefix, timeout=args.timeout, processes=processes
+        )
         print(f"cdc run: {ours}", file=sys.stderr)
+        result.notes.append("cdc run: " + _cpu.CpuSplit.per_unit_note(parts, args.rows, "row"))
+        result.notes.append(_bound(parts, args.rows, ours["snapshot_s"], ref_rate, 0.7))
+        result.series["cpu_s"] = {
+            f"COPY {best}": {k: round(v, 3) for k, v in copies[best][2].items()},
+            "cdc run": {k: round(v, 3) for k, v in parts.items()},
+        }
         result.measures += [
             Measure(
                 "snapshot rows/s",

@@ -148,6 +148,7 @@ def run(argv: list[str] | None = None) -> Result:
         ours = s.time_cdc(SLOT_CDC, PUBLICATION, [qualified], end_lsn)
         result.series["pg_recvlogical"] = ref.as_json()
         result.series["cdc"] = ours.as_json()
+        result.notes += cb.cpu_notes(args.changes, "change", ours, ref)
         result.measures += cb.rate_measures(
             "capture changes/s",
             "changes/s",

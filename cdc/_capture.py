@@ -583,8 +583,19 @@ class Capture:
                         try:
                             if msg.commit_lsn >= resume:
                                 txn_now_us = time.time_ns() // 1000
+                                # Worth a line each: a streamed transaction is one larger than the server's
+                                # logical_decoding_work_mem, and its events only start to flow now.
+                                log.info(
+                                    "replaying streamed transaction %d (%.0f MB spilled)", msg.xid, spill.size / 2**20
+                                )
+                                replay_started = time.monotonic()
                                 self._tx_begin(msg.xid, msg.commit_lsn, msg.commit_time_us)
                                 self._replay(spill, msg, proto, txn_now_us)
+                                log.info(
+                                    "replayed streamed transaction %d in %.2f s (its events commit with the current batch)",
+                                    msg.xid,
+                                    time.monotonic() - replay_started,
+                                )
                                 batch_lsn = max(batch_lsn, msg.end_lsn)
                                 first = self._commits_us[0] if self._commits_us else msg.commit_time_us
                                 self._commits_us = (first, msg.commit_time_us)

@@ -1,0 +1,91 @@
+"""bench/_cpu.py: CPU per part of the machine from /proc, which the benchmarks' notes read missed targets with."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+
+import _cpu
+import snapshot
+
+pytestmark = pytest.mark.skipif(not Path("/proc/stat").exists(), reason="reads Linux's /proc")
+
+_BURN = "import time\nend = time.process_time() + {s}\nwhile time.process_time() < end: pass\n"
+
+
+def _burn(seconds: float) -> None:
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
+def test_a_child_that_has_ended_still_counts_in_its_parents_tree() -> None:
+    """PostgreSQL's backends end during a run (a snapshot's COPY connections): the postmaster's reaped
+    children's CPU (cutime/cstime) must keep them in its total."""
+    before = _cpu.tree_cpu(os.getpid())
+    subprocess.run([sys.executable, "-c", _BURN.format(s=0.4)], check=True)  # waited for: reaped
+    assert _cpu.tree_cpu(os.getpid()) - before >= 0.35
+
+
+def test_a_live_child_counts_in_its_parents_tree() -> None:
+    child = subprocess.Popen([sys.executable, "-c", _BURN.format(s=0.4) + "time.sleep(30)\n"])
+    try:
+        before = _cpu.tree_cpu(os.getpid())
+        deadline = time.monotonic() + 20
+        while _cpu.tree_cpu(child.pid) < 0.35 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _cpu.tree_cpu(os.getpid()) - before >= 0.3  # the child's burn, not yet reaped
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_threads_split_into_main_librdkafka_and_the_rest_which_keeps_ended_threads() -> None:
+    start = _cpu.thread_cpu(os.getpid())
+    worker = threading.Thread(target=_burn, args=(0.3,))
+    worker.start()
+    worker.join()  # ended: no longer under /proc/<pid>/task, still in the process's total
+    _burn(0.2)
+    end = _cpu.thread_cpu(os.getpid())
+    assert set(end) == {"main", "librdkafka", "other"}
+    assert end["other"] - start["other"] >= 0.25
+    assert end["main"] - start["main"] >= 0.15
+    assert end["librdkafka"] == start["librdkafka"] == 0.0
+
+
+def test_a_split_reports_parts_the_rest_and_idle_since_its_start() -> None:
+    split = _cpu.CpuSplit({"self": os.getpid(), "gone": None}, {"me": os.getpid()})
+    split.start()
+    _burn(0.3)
+    parts = split.now()
+    assert "gone" not in parts  # a part that does not run here is left out, not zero
+    assert parts["self"] >= 0.25
+    assert parts["me main"] >= 0.25
+    assert all(v >= 0 for v in parts.values())
+    assert parts["busy"] >= parts["self"] - 0.05  # the machine was at least as busy as this process
+
+
+def test_the_note_is_per_unit_largest_first_with_idle_last_and_no_empty_parts() -> None:
+    split = {"busy": 3.0, "idle": 1.0, "PostgreSQL": 2.0, "broker": 0.5, "rest": 0.5, "nothing": 0.0}
+    note = _cpu.CpuSplit.per_unit_note(split, 1_000_000, "row")
+    assert note == "CPU-µs per row: PostgreSQL 2.00, broker 0.50, rest 0.50, idle 1.00"
+
+
+def test_the_snapshot_bound_says_what_the_rest_allows_and_what_ours_may_cost() -> None:
+    # 1M rows in 1 s on this machine's CPUs: the capture's threads 0.5 CPU-s, everything else 1.0 CPU-s.
+    ncpu = os.cpu_count() or 1
+    parts = {"busy": 1.5, "idle": 0.5, "capture main": 0.3, "capture other": 0.2, "PostgreSQL": 1.0}
+    note = snapshot._bound(parts, 1_000_000, 1.0, ref_rate=2_000_000, target=0.7)
+    best = ncpu * 1_000_000 / 1.0
+    assert f"took 1.00 CPU-µs per row; on {ncpu} CPUs that alone allows {best:,.0f} rows/s" in note
+    allowed = (ncpu / (0.7 * 2_000_000) - 1.0 / 1_000_000) * 1e6
+    assert f"needs them at {max(allowed, 0.0):.2f} CPU-µs per row" in note
+    assert "(they took 0.50;" in note
