@@ -257,6 +257,7 @@ class TransactionalProducer:
         # Per topic, the largest event produced by it in the open transaction: its events have no delivery
         # callback, so this is what says which event a broker refused as too large (_refused_as_too_large).
         self._direct_largest: dict[str, int] = {}
+        self._not_from_c: set[str] = set()  # topics DirectProducer has no handle for: asked and logged once
 
     def _on_delivery(self, err: KafkaError | None, msg: Any) -> None:
         if err is not None:
@@ -378,12 +379,14 @@ class TransactionalProducer:
     def replay_target(self, topic: str, plan: Any, parts: tuple[bytes, ...]) -> Any | None:
         """A cdc._native.ReplayTarget for :meth:`replay_changes` (``plan``: the table's TuplePlan, ``parts``:
         TableCodec.event_parts), or None when events cannot be produced from C here."""
-        if self._direct is None or plan is None:
+        if self._direct is None or plan is None or topic in self._not_from_c:
             return None
         try:
             return self._direct.target(plan, topic.encode(), parts)
         except RuntimeError as exc:  # no topic handle: the events go through produce()
-            log.info("replayed events for %r go through produce(): %s", topic, exc)
+            # Remembered: a live transaction asks again for each of its changes, and a log line each would flood.
+            self._not_from_c.add(topic)
+            log.info("events for %r go through produce(), not from C: %s", topic, exc)
             return None
 
     def replay_changes(self, block: bytes, at: int, targets: dict[int, Any], aborted: set[int], commit_lsn: int) -> int:
