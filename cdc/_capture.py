@@ -592,7 +592,7 @@ class Capture:
                                 self._tx_begin(msg.xid, msg.commit_lsn, msg.commit_time_us)
                                 self._replay(spill, msg, proto, txn_now_us)
                                 log.info(
-                                    "replayed streamed transaction %d in %.2f s (its events commit with the current batch)",
+                                    "replayed streamed transaction %d in %.2f s (its events commit with the batch)",
                                     msg.xid,
                                     time.monotonic() - replay_started,
                                 )
