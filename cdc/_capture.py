@@ -208,6 +208,10 @@ class Capture:
     def _kafka_conf(self) -> dict[str, Any]:
         return self.settings.kafka.client_conf()
 
+    def _new_producer(self) -> TransactionalProducer:
+        s = self.settings
+        return TransactionalProducer(self._kafka_conf(), s.transactional_id, gap_s=s.kafka.transaction_gap_ms / 1000)
+
     def _registry_conf(self) -> dict[str, Any]:
         return self.settings.registry.client_conf()
 
@@ -234,7 +238,7 @@ class Capture:
             self.registry = Registry(self._registry_conf())
             self.topics.ensure(s.offsets_topic, partitions=1)
             self.offsets = OffsetStore(self._kafka_conf(), s.offsets_topic, s.source.slot)
-            self.producer = TransactionalProducer(self._kafka_conf(), s.transactional_id)
+            self.producer = self._new_producer()
             try:
                 self._run_with_producer()
             finally:

@@ -112,6 +112,14 @@ class KafkaConfig(_Section, KafkaSecurity):
         default=None, description="default: pgcdc-<slot>; a second instance with the same id fences the first"
     )
     offsets_topic: str | None = Field(default=None, description="default: <topic_prefix>.offsets")
+    transaction_gap_ms: float = Field(
+        default=2.0,
+        ge=0,
+        le=1000,
+        description="a Kafka transaction begins at least this long after the previous one ended: until the "
+        "coordinator has written a commit's markers it refuses the next transaction's first partitions, and "
+        "librdkafka retries that after a fixed 20 ms (raise it where markers take longer, e.g. replicated)",
+    )
     producer: dict[str, str | int | float | bool] = Field(
         default_factory=dict, description="extra librdkafka producer settings (compression, linger, …)"
     )

@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 
 import pytest
 
+from cdc._capture import Capture
+from cdc._config import load_settings
 from cdc._kafka import Topics, TransactionalProducer
 from tests.integration._capture_helpers import committed_records
 
@@ -65,3 +68,28 @@ def test_back_to_back_transactions_wait_for_the_markers(kafka_bootstrap: str, un
 
     written = committed_records(kafka_bootstrap, table, 1, in_order=True)
     assert [value for _, _, value in written] == [f"v{i}".encode() for i in range(_TRANSACTIONS)]
+
+
+def test_the_gap_is_the_configured_one(kafka_bootstrap: str, unique: str, tmp_path: Path) -> None:
+    """kafka.transaction_gap_ms reaches the capture's producer: a longer gap (where markers take longer, as on a
+    replicated cluster) is waited."""
+    table = f"txgap.configured.{unique}"
+    Topics({"bootstrap.servers": kafka_bootstrap}, partitions=1, replication_factor=1).ensure(table)
+    config = tmp_path / "cdc.toml"
+    config.write_text(
+        '[source]\ndsn = "postgresql://unused@127.0.0.1:1/db"\ntables = ["public.t"]\n'
+        f'slot = "txgap_{unique}"\n[kafka]\nbootstrap_servers = "{kafka_bootstrap}"\ntransaction_gap_ms = 15\n'
+    )
+    producer = Capture(load_settings(config))._new_producer()
+    waits = []
+    try:
+        for i in range(10):
+            committed = time.monotonic()
+            producer.begin()
+            if i:
+                waits.append(time.monotonic() - committed)
+            producer.produce(table, f"k{i}".encode(), f"v{i}".encode())
+            producer.commit()
+    finally:
+        producer.close()
+    assert min(waits) >= 0.015, f"a transaction began {min(waits) * 1000:.2f} ms after the previous commit"

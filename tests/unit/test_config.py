@@ -30,6 +30,14 @@ def test_file_values_and_defaults(tmp_path: Path) -> None:
     assert s.transactional_id == "pgcdc-pgcdc"
     assert s.offsets_topic == "pgcdc.offsets"
     assert s.topic_for("public", "orders") == "pgcdc.public.orders"
+    assert s.kafka.transaction_gap_ms == 2.0  # cdc/_kafka.py's _TXN_GAP_S
+
+
+def test_transaction_gap_is_set_and_bounded(tmp_path: Path) -> None:
+    s = load_settings(_write(tmp_path, BASE + "\n[kafka]\ntransaction_gap_ms = 7.5\n"))
+    assert s.kafka.transaction_gap_ms == 7.5
+    with pytest.raises(ConfigError, match=r"kafka\.transaction_gap_ms"):
+        load_settings(_write(tmp_path, BASE + "\n[kafka]\ntransaction_gap_ms = -1\n"))
 
 
 def test_environment_overrides_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
