@@ -21,7 +21,7 @@ from pathlib import Path
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
-def _stat(path: Path) -> tuple[str, list[str]] | None:
+def stat(path: Path) -> tuple[str, list[str]] | None:
     """A /proc stat file's command name and its fields after it (field 3 of proc(5) first), or None."""
     try:
         text = path.read_text()
@@ -39,7 +39,7 @@ def box() -> tuple[float, float]:
 
 def tree_cpu(pid: int) -> float:
     """CPU seconds of a process, of its children it has reaped, and of its live descendants."""
-    found = _stat(Path(f"/proc/{pid}/stat"))
+    found = stat(Path(f"/proc/{pid}/stat"))
     if found is None:
         return 0.0
     fields = found[1]
@@ -54,13 +54,13 @@ def tree_cpu(pid: int) -> float:
 def thread_cpu(pid: int) -> dict[str, float]:
     """CPU seconds of a process by thread: ``main``, ``librdkafka`` (its threads are named ``rdk:*``) and
     ``other``: the rest of the process's total, which keeps the threads that have ended."""
-    found = _stat(Path(f"/proc/{pid}/stat"))
+    found = stat(Path(f"/proc/{pid}/stat"))
     if found is None:
         return {}
     total = (int(found[1][11]) + int(found[1][12])) / _CLK_TCK
     out = {"main": 0.0, "librdkafka": 0.0}
     for task in Path(f"/proc/{pid}/task").glob("*"):
-        thread = _stat(task / "stat")
+        thread = stat(task / "stat")
         if thread is None:
             continue
         comm, fields = thread

@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 
+import _cpu  # a sibling module: bench/ is not a package
 import psycopg
 from confluent_kafka import Consumer, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
@@ -149,12 +150,8 @@ def _free_port() -> int:
 
 def cpu_seconds(pid: int) -> float:
     """User + system CPU of the process so far."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return 0.0
-    fields = stat.rsplit(")", 1)[1].split()  # the command name may hold spaces: split after its ")"
-    return (int(fields[11]) + int(fields[12])) / _CLK_TCK  # utime, stime (fields 14, 15 of proc(5))
+    found = _cpu.stat(Path(f"/proc/{pid}/stat"))
+    return 0.0 if found is None else (int(found[1][11]) + int(found[1][12])) / _CLK_TCK  # utime, stime
 
 
 def thread_cpu(pid: int) -> dict[str, float]:
@@ -164,12 +161,10 @@ def thread_cpu(pid: int) -> dict[str, float]:
     """
     out = {"jit": 0.0, "gc": 0.0, "other": 0.0}
     for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            stat = (task / "stat").read_text()
-        except OSError:
+        found = _cpu.stat(task / "stat")
+        if found is None:
             continue  # the thread ended meanwhile
-        comm = stat[stat.index("(") + 1 : stat.rindex(")")]
-        fields = stat.rsplit(")", 1)[1].split()
+        comm, fields = found
         kind = "jit" if comm.startswith(("C1 Compiler", "C2 Compiler")) else "other"
         if comm.startswith(("GC Thread", "G1 ")):
             kind = "gc"
