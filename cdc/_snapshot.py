@@ -2,10 +2,11 @@
 
 Rows are read with ``COPY (SELECT … ORDER BY key LIMIT n) TO STDOUT (FORMAT binary)``: binary COPY
 carries each value in the same send format pgoutput uses with ``binary 'true'``, so the stream's
-converters serve both paths. Tables are read by several connections in parallel; the chunks are written
-to Kafka in transactions together with the snapshot's progress (per table: the last key read), committed
-every ``snapshot_commit_interval_s``, so a crash loses at most that much work and a restart continues after
-the last committed key.
+converters serve both paths. Tables are read by several connections in parallel, and a large table is split
+into key ranges read at once (split where a sample of its keys says; the split only balances the work, each
+range reads all the keys between its bounds). The chunks are written to Kafka in transactions together with the
+snapshot's progress (per table and range: the last key read), committed every ``snapshot_commit_interval_s``,
+so a crash loses at most that much work and a restart continues after the last committed keys.
 
 The hot loops are in C when the C build is there (cdc/_native.pyx): the COPY is read through libpq without
 the GIL (CopyReader), a chunk is encoded in one call (TuplePlan.encode_copy) and produced in one call without
@@ -51,10 +52,31 @@ _B, _T, _N = ord("b"), ord("t"), ord("n")
 @dataclass
 class _Chunk:
     table: str
+    part: int  # which of the table's key ranges
     keys: list[bytes]  # framed keys
     records: list[bytes]  # the Value records of the same rows
     last_key: list[str] | None
-    done: bool
+    done: bool  # the range is read to its end
+
+
+@dataclass(frozen=True)
+class _Range:
+    """One key range of a table to read: the keys after ``after`` up to ``upto`` (None: no bound)."""
+
+    table: TableInfo
+    part: int  # its index in the table's progress["ranges"]
+    after: list[str] | None
+    upto: list[str] | None
+
+
+# A table is split into ranges of at least this many chunks: fewer would spend more on the split (a sample, a
+# connection per range) than the ranges save.
+_MIN_RANGE_CHUNKS = 8
+# The split points come from the keys of about this many heap pages, sampled (TABLESAMPLE SYSTEM: whole pages).
+_SAMPLE_PAGES = 256
+# The most tuples a heap page holds (MaxHeapTuplesPerPage for 8 kB pages): a table with fewer pages than the
+# split needs rows for cannot be worth sampling.
+_MAX_TUPLES_PER_PAGE = 291
 
 
 # int8, int2, int4, text, varchar, uuid: their converters give int, str, UUID, whose str() is PostgreSQL's text form.
@@ -292,33 +314,49 @@ class Snapshotter:
             "librdkafka from C" if self.capture.producer.produces_from_c else "Producer.produce()",
         )
 
-        def worker(table: TableInfo) -> None:
+        def worker(r: _Range) -> None:
             try:
-                self._read_table(table, codecs[table.qualified], snapshot_name, chunks, cancel)
+                self._read_range(r, codecs[r.table.qualified], snapshot_name, chunks, cancel)
             except BaseException as exc:
                 chunks.put(exc)
                 raise
 
+        # The ranges still to read, table by table: the workers take them in this order, so the ranges of one
+        # large table are read at once.
+        left: dict[str, set[int]] = {}
+        work: list[_Range] = []
+        for t in tables:
+            ranges = self._ranges(t)
+            left[t.qualified] = {i for i, r in enumerate(ranges) if not r["done"]}
+            work += [_Range(t, i, r["after"], r["upto"]) for i, r in enumerate(ranges) if not r["done"]]
+        done_tables = 0
         with (
             progress,
             ThreadPoolExecutor(self.settings.capture.snapshot_workers, "snapshot") as pool,
             contextlib.ExitStack() as finish,
         ):
             finish.callback(metrics.snapshot_finished)
-            futures = [pool.submit(worker, t) for t in tables]
-            remaining = len(tables)
+            futures = [pool.submit(worker, w) for w in work]
+            pending = len(work)
             try:
-                while remaining:
+                for t in tables:
+                    if not left[t.qualified]:  # every range read, the table not finished (its gap deletes)
+                        self._end_table(t.qualified, consistent)
+                        done_tables += 1
+                        metrics.snapshot_rows(t.qualified, 0, table_done=True, done_tables=done_tables)
+                while pending:
                     item = chunks.get()
                     if isinstance(item, BaseException):
                         raise item
-                    self._write_chunk(item, codecs[item.table], consistent)
-                    progress.advance(tasks[item.table], len(item.keys))
+                    table_done = False
                     if item.done:
-                        remaining -= 1
-                    metrics.snapshot_rows(
-                        item.table, len(item.keys), table_done=item.done, done_tables=len(tables) - remaining
-                    )
+                        pending -= 1
+                        left[item.table].discard(item.part)
+                        table_done = not left[item.table]
+                    self._write_chunk(item, codecs[item.table], consistent, table_done=table_done)
+                    progress.advance(tasks[item.table], len(item.keys))
+                    done_tables += table_done
+                    metrics.snapshot_rows(item.table, len(item.keys), table_done=table_done, done_tables=done_tables)
                     if self.capture.stop.is_set():
                         if self._open_since is not None:  # the stop came after _write_chunk looked: commit
                             self.capture._commit_offsets(self.state)
@@ -344,16 +382,75 @@ class Snapshotter:
         row = self.capture.sql.execute("SELECT reltuples::bigint FROM pg_class WHERE oid = %s", (table.oid,)).fetchone()
         return int(row[0]) if row and row[0] and row[0] > 0 else None
 
-    def _read_table(
+    def _ranges(self, table: TableInfo) -> list[dict[str, Any]]:
+        """The table's key ranges in its progress (``after``: the last key read, ``upto``: the range's last key,
+        None for no bound; ``done``), split when the table is new to this snapshot."""
+        progress = self.snap["tables"].setdefault(table.qualified, {})
+        ranges: list[dict[str, Any]] | None = progress.get("ranges")
+        if ranges is None:
+            # A table begun by a version that read each table in one range has its last key here.
+            bounds = [] if progress.get("after") is not None else self._split(table)
+            lows: list[list[str] | None] = [progress.pop("after", None), *bounds]
+            highs: list[list[str] | None] = [*bounds, None]
+            ranges = [{"after": lo, "upto": hi, "done": False} for lo, hi in zip(lows, highs, strict=True)]
+            progress["ranges"] = ranges
+        return ranges
+
+    def _split(self, table: TableInfo) -> list[list[str]]:
+        """Keys (as text) that split ``table`` into up to ``snapshot_workers`` ranges of about the same number of
+        rows, from the keys of a sample of its pages; none for a table too small to be worth it. Balance is all
+        they are for: the ranges cover every key whatever they are, and a failed sample costs only the split."""
+        workers = self.settings.capture.snapshot_workers
+        min_rows = 2 * _MIN_RANGE_CHUNKS * self.settings.capture.snapshot_chunk_rows
+        if workers < 2:
+            return []
+        conn = self.capture.sql
+        keys = self.capture.report.key_columns[table.qualified]
+        try:
+            # A partitioned table's pages are its partitions' (pg_partition_tree lists nothing for a plain one).
+            row = conn.execute(
+                "SELECT (coalesce((SELECT sum(pg_relation_size(relid)) FROM pg_partition_tree(%(t)s::oid::regclass)),"
+                " 0) + pg_relation_size(%(t)s::oid)) / current_setting('block_size')::int",
+                {"t": table.oid},
+            ).fetchone()
+            pages = int(row[0]) if row and row[0] else 0
+            if pages * _MAX_TUPLES_PER_PAGE < min_rows:
+                return []
+            percent = min(100.0, 100.0 * _SAMPLE_PAGES / pages)
+            order = sql.SQL(", ").join(sql.SQL("src.{}").format(sql.Identifier(k)) for k in keys)
+            sample = conn.execute(
+                sql.SQL("SELECT {} FROM {} AS src TABLESAMPLE SYSTEM ({}) ORDER BY {}").format(
+                    sql.SQL(", ").join(sql.SQL("src.{}::text").format(sql.Identifier(k)) for k in keys),
+                    table.ident(),
+                    sql.Literal(percent),
+                    order,
+                )
+            ).fetchall()
+        except psycopg.Error as exc:
+            log.info("snapshot of %s reads it in one range: its keys could not be sampled: %s", table.qualified, exc)
+            return []
+        estimated_rows = int(len(sample) * 100.0 / percent)
+        parts = min(workers, estimated_rows // (_MIN_RANGE_CHUNKS * self.settings.capture.snapshot_chunk_rows))
+        if parts < 2:
+            return []
+        # Keys are unique and sorted, so the bounds are distinct and ascending.
+        bounds = [[str(v) for v in sample[i * len(sample) // parts]] for i in range(1, parts)]
+        # The bounds are row values: not logged (a key can be personal data).
+        log.info(
+            "snapshot of %s: %d key ranges read at once (split by %d sampled keys)", table.qualified, parts, len(sample)
+        )
+        return bounds
+
+    def _read_range(
         self,
-        table: TableInfo,
+        work: _Range,
         codec: TableCodec,
         snapshot_name: str | None,
         out: queue.Queue[_Chunk | BaseException],
         cancel: threading.Event,
     ) -> None:
+        table, after, upto = work.table, work.after, work.upto
         key_names = self.capture.report.key_columns[table.qualified]
-        after: list[str] | None = self.snap["tables"].get(table.qualified, {}).get("after")
         limit = self.settings.capture.snapshot_chunk_rows
         with psycopg.connect(self.settings.source.conninfo(), autocommit=False) as conn:
             conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
@@ -382,19 +479,22 @@ class Snapshotter:
             names = [c.name for c in table.columns]
             positions = [names.index(k) for k in key_names]
 
+            def literal(key: list[str]) -> sql.Composed:
+                # The key as literals, not as %s parameters: with parameters psycopg parses the whole query for
+                # placeholders, the quoted identifiers included, so a column named "a %s b" broke every resumed
+                # chunk ("the query has 2 placeholders but 1 parameters were passed").
+                return sql.SQL(", ").join(
+                    sql.SQL("{}::{}").format(sql.Literal(v), sql.SQL(t))  # t: format_type output
+                    for v, t in zip(key, key_types, strict=True)
+                )
+
             def query_for(after: list[str] | None) -> sql.Composed:
-                where: sql.Composable = sql.SQL("")
+                conditions = []
                 if after is not None:
-                    # The last key as literals, not as %s parameters: with parameters psycopg parses the whole
-                    # query for placeholders, the quoted identifiers included, so a column named "a %s b"
-                    # broke every resumed chunk ("the query has 2 placeholders but 1 parameters were passed").
-                    where = sql.SQL("WHERE ({}) > ({})").format(
-                        order,
-                        sql.SQL(", ").join(
-                            sql.SQL("{}::{}").format(sql.Literal(v), sql.SQL(t))  # t: format_type output
-                            for v, t in zip(after, key_types, strict=True)
-                        ),
-                    )
+                    conditions.append(sql.SQL("({}) > ({})").format(order, literal(after)))
+                if upto is not None:
+                    conditions.append(sql.SQL("({}) <= ({})").format(order, literal(upto)))
+                where = sql.SQL("WHERE ") + sql.SQL(" AND ").join(conditions) if conditions else sql.SQL("")
                 return sql.SQL(
                     "COPY (SELECT {} FROM {} AS src {} ORDER BY {} LIMIT {}) TO STDOUT (FORMAT binary)"
                 ).format(sql.SQL(", ").join(select_cols), table.ident(), where, order, sql.Literal(limit))
@@ -430,7 +530,7 @@ class Snapshotter:
                     if not done:
                         copies.abandon()
                     raise
-                out.put(_Chunk(table.qualified, keys, records, after, done))
+                out.put(_Chunk(table.qualified, work.part, keys, records, after, done))
                 if done:
                     return
 
@@ -446,7 +546,7 @@ class Snapshotter:
             types.append(str(row[0]))
         return types
 
-    def _write_chunk(self, chunk: _Chunk, codec: TableCodec, consistent: int) -> None:
+    def _write_chunk(self, chunk: _Chunk, codec: TableCodec, consistent: int, *, table_done: bool) -> None:
         gaps = self._gaps.get(chunk.table)
         pos = Position(consistent, consistent, time.time_ns() // 1000, None, "true")
         now_us = time.time_ns() // 1000
@@ -456,21 +556,30 @@ class Snapshotter:
             gaps.seen(chunk.keys)
         self.capture.metrics.count(codec.topic, "r", len(chunk.keys))
         # Updated, not replaced: the entry also holds the re-snapshot's start offsets ("since").
-        progress = self.snap["tables"].setdefault(chunk.table, {})
-        progress.update(after=chunk.last_key, done=chunk.done and gaps is None)
+        progress = self.snap["tables"][chunk.table]
+        progress["ranges"][chunk.part].update(after=chunk.last_key, done=chunk.done)
+        progress["done"] = table_done and gaps is None
         # The rows and the progress that covers them are committed together, every interval rather than every
         # chunk: a commit waits until Kafka has every event of its transaction, and nothing is sent meanwhile.
         now = time.monotonic()
         if self._open_since is None:
             self._open_since = now
         interval = self.settings.capture.snapshot_commit_interval_s
-        if chunk.done or now - self._open_since >= interval or self.capture.stop.is_set():
+        if table_done or now - self._open_since >= interval or self.capture.stop.is_set():
             self.capture._commit_offsets(self.state)
             self._open_since = None
-        if chunk.done and gaps is not None:
-            self._delete_gaps(chunk.table, gaps, consistent)
-            progress["done"] = True
-            self.capture._commit_offsets(self.state)
+        if table_done and gaps is not None:
+            self._end_table(chunk.table, consistent)
+
+    def _end_table(self, table: str, consistent: int) -> None:
+        """Every range of ``table`` is read and committed: the keys the snapshot did not find are deleted, if its
+        topic held any before, and the table is done."""
+        gaps = self._gaps.get(table)
+        if gaps is not None:
+            self._delete_gaps(table, gaps, consistent)
+        self.snap["tables"][table]["done"] = True
+        self.capture._commit_offsets(self.state)
+        self._open_since = None
 
     def _delete_gaps(self, table: str, gaps: GapDeletes, consistent: int) -> None:
         """The keys live in the topic that the snapshot did not find: deleted, in transactions that carry the

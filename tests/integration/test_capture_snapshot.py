@@ -16,6 +16,7 @@ from confluent_kafka.admin import AdminClient
 from tests.integration._capture_helpers import (
     CdcConfig,
     CdcProcess,
+    read_topic,
     scratch_database,
     stop_workload_and_converge,
     wait_for,
@@ -124,8 +125,55 @@ def test_snapshot_with_concurrent_writes_ends_at_the_source_state(
     finally:
         done.set()
         proc.stop()
+    # 100,000 rows in chunks of 500: split in two ranges read at once (in the crash case, both resumed)
+    assert "snapshot of public.items: 2 key ranges read at once" in proc.log.read_text()
     if crash:
         assert "resumed with a fresh snapshot" in proc.tail(200)
+
+
+def test_key_ranges_of_a_composite_key_read_every_row_once(
+    source: str, kafka_bootstrap: str, registry_url: str, unique: str, tmp_path: Path
+) -> None:
+    """Bounds of a text key in a collation of its own and of a type whose values are not printed the way
+    PostgreSQL reads them (timestamptz), under quoted names with a placeholder in them: the ranges meet exactly."""
+    table = 'ranges "q" %s'
+    with psycopg.connect(source, autocommit=True) as conn:
+        conn.execute(
+            'CREATE TABLE "ranges ""q"" %s" ("k %s" text COLLATE "C", at timestamptz, n int NOT NULL, '
+            'PRIMARY KEY ("k %s", at))'
+        )
+        # Upper and lower case interleaved: "C" orders every upper case letter first, most other collations
+        # do not; each key prefix has several timestamps, so the bounds fall inside a run of equal texts.
+        conn.execute(
+            'INSERT INTO "ranges ""q"" %%s" SELECT substr(%s, g %% 6 + 1, 1) || (g / 60)::text, '
+            "timestamptz '2026-01-01 00:00:00.123456+05:30' + (g %% 60) * interval '1.5 second', g "
+            "FROM generate_series(0, 2999) g",
+            ("aBcDeF",),
+        )
+    cfg = CdcConfig(
+        source,
+        kafka_bootstrap,
+        registry_url,
+        f"t{unique}",
+        [f'public."{table.replace(chr(34), chr(34) * 2)}"'],
+        f"s_{unique}",
+        f"p_{unique}",
+        extra="snapshot_chunk_rows = 25\nsnapshot_workers = 3\nsnapshot_commit_interval_s = 0",
+    )
+    proc = cfg.start(tmp_path)
+    try:
+        proc.wait_streaming(180)
+    finally:
+        proc.stop()
+    assert "3 key ranges read at once" in proc.log.read_text()
+    topic = next(
+        t
+        for t in AdminClient({"bootstrap.servers": kafka_bootstrap}).list_topics(timeout=30).topics
+        if t.startswith(f"t{unique}.") and "ranges" in t
+    )
+    events = read_topic(kafka_bootstrap, registry_url, topic)
+    read = sorted(e.value["after"]["n"] for e in events if e.value and e.value["op"] == "r")
+    assert read == list(range(3000)), f"{len(read)} rows read, {len(set(read))} distinct"
 
 
 def test_heartbeats_move_the_slot_while_captured_tables_are_idle(
