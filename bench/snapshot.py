@@ -4,7 +4,8 @@
     ~/.cache/pgcdc/venv/bin/python bench/snapshot.py [--rows 5000000] [--debezium]
 
 Creates a scratch database with one table of ``--rows`` rows (bigint key, text, int, numeric, boolean,
-timestamptz, jsonb), VACUUM ANALYZEs and CHECKPOINTs it and reads it once (warm cache, hint bits set, nothing left to flush), then
+timestamptz, jsonb), VACUUM ANALYZEs and CHECKPOINTs it and reads it once (warm cache, hint bits set, nothing
+left to flush), then
 1. the reference: ``COPY (SELECT * FROM t) TO STDOUT`` read by psycopg and dropped, in binary and in text
    format; the faster of the two is the reference (both are in the notes);
 2. ours: `cdc run` with ``capture.snapshot = "initial"`` on a fresh slot, timed from the log line

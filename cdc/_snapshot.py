@@ -74,6 +74,11 @@ class _Range:
 _MIN_RANGE_CHUNKS = 8
 # The split points come from the keys of about this many heap pages, sampled (TABLESAMPLE SYSTEM: whole pages).
 _SAMPLE_PAGES = 256
+# A chunk's COPY output is kept near this size: rows per chunk are snapshot_chunk_rows at most, fewer for wide
+# rows (TOASTed values arrive whole), so memory stays bounded whatever the table. A table's first chunk is
+# small until its row size is known.
+_CHUNK_BYTES = 8 << 20
+_FIRST_CHUNK_ROWS = 100
 # The most tuples a heap page holds (MaxHeapTuplesPerPage for 8 kB pages): a table with fewer pages than the
 # split needs rows for cannot be worth sampling.
 _MAX_TUPLES_PER_PAGE = 291
@@ -181,6 +186,13 @@ class _LibpqCopies:
 def _copies(conn: psycopg.Connection[Any]) -> _PsycopgCopies | _LibpqCopies:
     reader = _copy_reader()
     return _PsycopgCopies(conn) if reader is None else _LibpqCopies(reader, conn)
+
+
+def next_chunk_rows(most: int, size: int, rows: int) -> int:
+    """Rows for the next chunk of a table whose last chunk was ``rows`` rows in ``size`` bytes of COPY output:
+    as many as fit _CHUNK_BYTES, at least one, at most ``most`` (snapshot_chunk_rows)."""
+    per_row = max(1, size // max(rows, 1))
+    return max(1, min(most, _CHUNK_BYTES // per_row))
 
 
 def parse_binary_copy(data: bytes | bytearray | memoryview) -> list[list[bytes | None]]:
@@ -451,7 +463,8 @@ class Snapshotter:
     ) -> None:
         table, after, upto = work.table, work.after, work.upto
         key_names = self.capture.report.key_columns[table.qualified]
-        limit = self.settings.capture.snapshot_chunk_rows
+        most = self.settings.capture.snapshot_chunk_rows
+        limit = min(most, _FIRST_CHUNK_ROWS)
         with psycopg.connect(self.settings.source.conninfo(), autocommit=False) as conn:
             conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
             if snapshot_name:
@@ -488,7 +501,7 @@ class Snapshotter:
                     for v, t in zip(key, key_types, strict=True)
                 )
 
-            def query_for(after: list[str] | None) -> sql.Composed:
+            def query_for(after: list[str] | None, limit: int) -> sql.Composed:
                 conditions = []
                 if after is not None:
                     conditions.append(sql.SQL("({}) > ({})").format(order, literal(after)))
@@ -507,7 +520,7 @@ class Snapshotter:
             copies = _copies(conn)
             if cancel.is_set():
                 return
-            copies.send(query_for(after))
+            copies.send(query_for(after, limit))
             while True:
                 data = copies.receive()
                 try:
@@ -520,7 +533,8 @@ class Snapshotter:
                     after = resume_key(last_fields)
                     if cancel.is_set():
                         return
-                    copies.send(query_for(after))  # read ahead: PostgreSQL reads it while this one is encoded
+                    limit = next_chunk_rows(most, len(data), rows)
+                    copies.send(query_for(after, limit))  # read ahead: PostgreSQL reads it while this one is encoded
                 try:
                     try:
                         keys, records = encode_copy_rows(codec, data, kinds)

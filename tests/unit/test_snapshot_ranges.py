@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from cdc._snapshot import Snapshotter
+from cdc._snapshot import Snapshotter, next_chunk_rows
 
 
 def _snapshotter(progress: dict[str, Any], split: list[list[str]]) -> tuple[Snapshotter, list[str]]:
@@ -60,3 +60,16 @@ def test_a_table_begun_in_one_range_goes_on_after_its_last_key(key: list[str]) -
     assert snapshotter._ranges(_TABLE) == [{"after": key, "upto": None, "done": False}]
     assert "after" not in progress  # one place for the position: the range
     assert sampled == []  # splitting now would read again what is committed
+
+
+@pytest.mark.parametrize(
+    ("size", "rows", "expected"),
+    [
+        (100 * 1000, 1000, 25_000),  # narrow rows: the configured rows
+        (8 * 1000 * 1000, 1000, 1048),  # 8 kB rows: what fits 8 MiB
+        (50 << 20, 1, 1),  # one row over the budget: still one row at a time
+        (0, 0, 25_000),  # an empty chunk says nothing about the rows: no smaller than configured
+    ],
+)
+def test_chunks_are_kept_near_8_mib_whatever_the_row_size(size: int, rows: int, expected: int) -> None:
+    assert next_chunk_rows(25_000, size, rows) == expected
