@@ -457,10 +457,7 @@ class Reconciler:
         ``progress`` is the table's entry in the snapshot's committed state; ``since`` (the topic's end
         offsets when this snapshot first started on the table) is added to it, committed with the first chunk.
         """
-        begun = progress.get("after") is not None or any(
-            r.get("after") is not None or r.get("done") for r in progress.get("ranges", ())
-        )
-        if begun and "since" not in progress:
+        if progress.get("after") is not None and "since" not in progress:
             # Chunks were committed by a version that kept no boundary: the topic's snapshot rows cannot be
             # told from older events, and deleting on a guess could delete rows that exist.
             log.warning("re-snapshot of %s resumed without its start offsets: deleted rows are not tombstoned", table)

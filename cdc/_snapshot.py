@@ -348,14 +348,16 @@ class Snapshotter:
             contextlib.ExitStack() as finish,
         ):
             finish.callback(metrics.snapshot_finished)
+            # Tables with every range read but not finished (a stop during their gap deletes) first: while the
+            # topic is scanned the workers would hold their snapshots open, blocked on the full queue.
+            for t in tables:
+                if not left[t.qualified]:
+                    self._end_table(t.qualified, consistent)
+                    done_tables += 1
+                    metrics.snapshot_rows(t.qualified, 0, table_done=True, done_tables=done_tables)
             futures = [pool.submit(worker, w) for w in work]
             pending = len(work)
             try:
-                for t in tables:
-                    if not left[t.qualified]:  # every range read, the table not finished (its gap deletes)
-                        self._end_table(t.qualified, consistent)
-                        done_tables += 1
-                        metrics.snapshot_rows(t.qualified, 0, table_done=True, done_tables=done_tables)
                 while pending:
                     item = chunks.get()
                     if isinstance(item, BaseException):
@@ -419,12 +421,12 @@ class Snapshotter:
         conn = self.capture.sql
         keys = self.capture.report.key_columns[table.qualified]
         try:
-            # A partitioned table's pages are its partitions' (pg_partition_tree lists nothing for a plain one).
-            row = conn.execute(
-                "SELECT (coalesce((SELECT sum(pg_relation_size(relid)) FROM pg_partition_tree(%(t)s::oid::regclass)),"
-                " 0) + pg_relation_size(%(t)s::oid)) / current_setting('block_size')::int",
-                {"t": table.oid},
-            ).fetchone()
+            # A partitioned table's pages are its partitions' (pg_partition_tree, PostgreSQL 12+, lists nothing
+            # for a plain table and a partition itself for a partition; before 12 a partitioned one is not split).
+            own = "pg_relation_size(%(t)s::oid)"
+            tree = "(SELECT sum(pg_relation_size(relid)) FROM pg_partition_tree(%(t)s::oid::regclass))"
+            size = f"coalesce({tree}, {own})" if conn.info.server_version >= 120000 else own
+            row = conn.execute(f"SELECT {size} / current_setting('block_size')::int", {"t": table.oid}).fetchone()
             pages = int(row[0]) if row and row[0] else 0
             if pages * _MAX_TUPLES_PER_PAGE < min_rows:
                 return []
@@ -461,6 +463,8 @@ class Snapshotter:
         out: queue.Queue[_Chunk | BaseException],
         cancel: threading.Event,
     ) -> None:
+        if cancel.is_set():  # stopped before this range began: no connection, no snapshot to import
+            return
         table, after, upto = work.table, work.after, work.upto
         key_names = self.capture.report.key_columns[table.qualified]
         most = self.settings.capture.snapshot_chunk_rows
@@ -572,7 +576,8 @@ class Snapshotter:
         # Updated, not replaced: the entry also holds the re-snapshot's start offsets ("since").
         progress = self.snap["tables"][chunk.table]
         progress["ranges"][chunk.part].update(after=chunk.last_key, done=chunk.done)
-        progress["done"] = table_done and gaps is None
+        if table_done and gaps is None:
+            self._forget(chunk.table)
         # The rows and the progress that covers them are committed together, every interval rather than every
         # chunk: a commit waits until Kafka has every event of its transaction, and nothing is sent meanwhile.
         now = time.monotonic()
@@ -591,9 +596,14 @@ class Snapshotter:
         gaps = self._gaps.get(table)
         if gaps is not None:
             self._delete_gaps(table, gaps, consistent)
-        self.snap["tables"][table]["done"] = True
+        self._forget(table)
         self.capture._commit_offsets(self.state)
         self._open_since = None
+
+    def _forget(self, table: str) -> None:
+        """``table`` is done: its entry keeps no more than that. The state is written with every commit while
+        streaming, and its ranges hold key values."""
+        self.snap["tables"][table] = {"done": True}
 
     def _delete_gaps(self, table: str, gaps: GapDeletes, consistent: int) -> None:
         """The keys live in the topic that the snapshot did not find: deleted, in transactions that carry the

@@ -208,3 +208,32 @@ def test_heartbeats_move_the_slot_while_captured_tables_are_idle(
         wait_for(lambda: position(of_slot=True) >= end, 30, "the slot to move past the unrelated WAL", proc)
     finally:
         proc.stop()
+
+
+def test_a_partitioned_table_is_split_by_its_partitions_pages(
+    source: str, kafka_bootstrap: str, registry_url: str, unique: str, tmp_path: Path
+) -> None:
+    """The parent has no pages of its own: its size, which decides the split, is its partitions'."""
+    with psycopg.connect(source, autocommit=True) as conn:
+        conn.execute("CREATE TABLE parts (id int, region text, PRIMARY KEY (id, region)) PARTITION BY LIST (region)")
+        conn.execute("CREATE TABLE parts_eu PARTITION OF parts FOR VALUES IN ('eu')")
+        conn.execute("CREATE TABLE parts_us PARTITION OF parts FOR VALUES IN ('us')")
+        conn.execute("INSERT INTO parts SELECT g, (ARRAY['eu', 'us'])[g % 2 + 1] FROM generate_series(0, 2999) g")
+    cfg = CdcConfig(
+        source,
+        kafka_bootstrap,
+        registry_url,
+        f"t{unique}",
+        ["public.parts"],
+        f"s_{unique}",
+        f"p_{unique}",
+        extra="snapshot_chunk_rows = 25\nsnapshot_workers = 2\nsnapshot_commit_interval_s = 0",
+    )
+    proc = cfg.start(tmp_path)
+    try:
+        proc.wait_streaming(180)
+    finally:
+        proc.stop()
+    assert "snapshot of public.parts: 2 key ranges read at once" in proc.log.read_text()
+    events = read_topic(kafka_bootstrap, registry_url, f"t{unique}.public.parts")
+    assert sorted(e.value["after"]["id"] for e in events if e.value and e.value["op"] == "r") == list(range(3000))
