@@ -30,6 +30,11 @@ def stat(path: Path) -> tuple[str, list[str]] | None:
     return text[text.index("(") + 1 : text.rindex(")")], text.rsplit(")", 1)[1].split()
 
 
+def own_cpu(fields: list[str]) -> float:
+    """CPU seconds (user + system) in the fields :func:`stat` gives: a process's or a thread's own."""
+    return (int(fields[11]) + int(fields[12])) / _CLK_TCK
+
+
 def box() -> tuple[float, float]:
     """The machine's busy and idle CPU seconds so far, summed over its CPUs (/proc/stat; iowait is idle)."""
     values = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
@@ -57,7 +62,7 @@ def thread_cpu(pid: int) -> dict[str, float]:
     found = stat(Path(f"/proc/{pid}/stat"))
     if found is None:
         return {}
-    total = (int(found[1][11]) + int(found[1][12])) / _CLK_TCK
+    total = own_cpu(found[1])
     out = {"main": 0.0, "librdkafka": 0.0}
     for task in Path(f"/proc/{pid}/task").glob("*"):
         thread = stat(task / "stat")
@@ -65,7 +70,7 @@ def thread_cpu(pid: int) -> dict[str, float]:
             continue
         comm, fields = thread
         if task.name == str(pid) or comm.startswith("rdk:"):
-            out["main" if task.name == str(pid) else "librdkafka"] += (int(fields[11]) + int(fields[12])) / _CLK_TCK
+            out["main" if task.name == str(pid) else "librdkafka"] += own_cpu(fields)
     out["other"] = max(0.0, total - out["main"] - out["librdkafka"])
     return out
 

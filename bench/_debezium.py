@@ -87,7 +87,6 @@ APICURIO_JARS = [("org.apache.avro", "avro", "1.12.1")]
 # Java 24+ (the machine's JDK is Temurin 25) refuses jboss-threads' reflective access unless java.lang is opened;
 # harmless on 21.
 JVM_FLAGS = ("--add-opens=java.base/java.lang=ALL-UNNAMED",)
-_CLK_TCK = 100  # /proc/<pid>/stat counts CPU in clock ticks; Linux's USER_HZ is 100 on every supported arch
 
 
 def home(version: str = DEBEZIUM_VERSION) -> Path:
@@ -151,7 +150,7 @@ def _free_port() -> int:
 def cpu_seconds(pid: int) -> float:
     """User + system CPU of the process so far."""
     found = _cpu.stat(Path(f"/proc/{pid}/stat"))
-    return 0.0 if found is None else (int(found[1][11]) + int(found[1][12])) / _CLK_TCK  # utime, stime
+    return 0.0 if found is None else _cpu.own_cpu(found[1])
 
 
 def thread_cpu(pid: int) -> dict[str, float]:
@@ -168,7 +167,7 @@ def thread_cpu(pid: int) -> dict[str, float]:
         kind = "jit" if comm.startswith(("C1 Compiler", "C2 Compiler")) else "other"
         if comm.startswith(("GC Thread", "G1 ")):
             kind = "gc"
-        out[kind] += (int(fields[11]) + int(fields[12])) / _CLK_TCK
+        out[kind] += _cpu.own_cpu(fields)
     return out
 
 

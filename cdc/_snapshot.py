@@ -356,15 +356,13 @@ class Snapshotter:
                     done_tables += 1
                     metrics.snapshot_rows(t.qualified, 0, table_done=True, done_tables=done_tables)
             futures = [pool.submit(worker, w) for w in work]
-            pending = len(work)
             try:
-                while pending:
+                while any(left.values()):
                     item = chunks.get()
                     if isinstance(item, BaseException):
                         raise item
                     table_done = False
                     if item.done:
-                        pending -= 1
                         left[item.table].discard(item.part)
                         table_done = not left[item.table]
                     self._write_chunk(item, codecs[item.table], consistent, table_done=table_done)
@@ -415,7 +413,7 @@ class Snapshotter:
         rows, from the keys of a sample of its pages; none for a table too small to be worth it. Balance is all
         they are for: the ranges cover every key whatever they are, and a failed sample costs only the split."""
         workers = self.settings.capture.snapshot_workers
-        min_rows = 2 * _MIN_RANGE_CHUNKS * self.settings.capture.snapshot_chunk_rows
+        range_rows = _MIN_RANGE_CHUNKS * self.settings.capture.snapshot_chunk_rows  # the least a range may hold
         if workers < 2:
             return []
         conn = self.capture.sql
@@ -428,7 +426,7 @@ class Snapshotter:
             size = f"coalesce({tree}, {own})" if conn.info.server_version >= 120000 else own
             row = conn.execute(f"SELECT {size} / current_setting('block_size')::int", {"t": table.oid}).fetchone()
             pages = int(row[0]) if row and row[0] else 0
-            if pages * _MAX_TUPLES_PER_PAGE < min_rows:
+            if pages * _MAX_TUPLES_PER_PAGE < 2 * range_rows:
                 return []
             percent = min(100.0, 100.0 * _SAMPLE_PAGES / pages)
             order = sql.SQL(", ").join(sql.SQL("src.{}").format(sql.Identifier(k)) for k in keys)
@@ -444,7 +442,7 @@ class Snapshotter:
             log.info("snapshot of %s reads it in one range: its keys could not be sampled: %s", table.qualified, exc)
             return []
         estimated_rows = int(len(sample) * 100.0 / percent)
-        parts = min(workers, estimated_rows // (_MIN_RANGE_CHUNKS * self.settings.capture.snapshot_chunk_rows))
+        parts = min(workers, estimated_rows // range_rows)
         if parts < 2:
             return []
         # Keys are unique and sorted, so the bounds are distinct and ascending.
@@ -573,7 +571,8 @@ class Snapshotter:
         if gaps is not None:
             gaps.seen(chunk.keys)
         self.capture.metrics.count(codec.topic, "r", len(chunk.keys))
-        # Updated, not replaced: the entry also holds the re-snapshot's start offsets ("since").
+        # The range's entry is updated in place: the table's entry also holds the re-snapshot's start offsets
+        # ("since"), kept until the table is done.
         progress = self.snap["tables"][chunk.table]
         progress["ranges"][chunk.part].update(after=chunk.last_key, done=chunk.done)
         if table_done and gaps is None:

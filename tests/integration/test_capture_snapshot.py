@@ -16,6 +16,7 @@ from confluent_kafka.admin import AdminClient
 from tests.integration._capture_helpers import (
     CdcConfig,
     CdcProcess,
+    Event,
     read_topic,
     scratch_database,
     stop_workload_and_converge,
@@ -150,30 +151,42 @@ def test_key_ranges_of_a_composite_key_read_every_row_once(
             "FROM generate_series(0, 2999) g",
             ("aBcDeF",),
         )
-    cfg = CdcConfig(
+    log, events = _snapshot_in_chunks_of_25(
         source,
         kafka_bootstrap,
         registry_url,
+        unique,
+        tmp_path,
+        table=f'public."{table.replace(chr(34), chr(34) * 2)}"',
+        workers=3,
+    )
+    assert "3 key ranges read at once" in log
+    read = sorted(e.value["after"]["n"] for e in events if e.value and e.value["op"] == "r")
+    assert read == list(range(3000)), f"{len(read)} rows read, {len(set(read))} distinct"
+
+
+def _snapshot_in_chunks_of_25(
+    source: str, kafka: str, registry: str, unique: str, tmp_path: Path, *, table: str, workers: int
+) -> tuple[str, list[Event]]:
+    """`cdc run` on ``table`` (its config name) until it streams: its log, and the events of the table's topic."""
+    cfg = CdcConfig(
+        source,
+        kafka,
+        registry,
         f"t{unique}",
-        [f'public."{table.replace(chr(34), chr(34) * 2)}"'],
+        [table],
         f"s_{unique}",
         f"p_{unique}",
-        extra="snapshot_chunk_rows = 25\nsnapshot_workers = 3\nsnapshot_commit_interval_s = 0",
+        extra=f"snapshot_chunk_rows = 25\nsnapshot_workers = {workers}\nsnapshot_commit_interval_s = 0",
     )
     proc = cfg.start(tmp_path)
     try:
         proc.wait_streaming(180)
     finally:
         proc.stop()
-    assert "3 key ranges read at once" in proc.log.read_text()
-    topic = next(
-        t
-        for t in AdminClient({"bootstrap.servers": kafka_bootstrap}).list_topics(timeout=30).topics
-        if t.startswith(f"t{unique}.") and "ranges" in t
-    )
-    events = read_topic(kafka_bootstrap, registry_url, topic)
-    read = sorted(e.value["after"]["n"] for e in events if e.value and e.value["op"] == "r")
-    assert read == list(range(3000)), f"{len(read)} rows read, {len(set(read))} distinct"
+    topics = AdminClient({"bootstrap.servers": kafka}).list_topics(timeout=30).topics
+    (topic,) = [t for t in topics if t.startswith(f"t{unique}.") and not t.endswith((".offsets", ".messages"))]
+    return proc.log.read_text(), read_topic(kafka, registry, topic)
 
 
 def test_heartbeats_move_the_slot_while_captured_tables_are_idle(
@@ -219,21 +232,8 @@ def test_a_partitioned_table_is_split_by_its_partitions_pages(
         conn.execute("CREATE TABLE parts_eu PARTITION OF parts FOR VALUES IN ('eu')")
         conn.execute("CREATE TABLE parts_us PARTITION OF parts FOR VALUES IN ('us')")
         conn.execute("INSERT INTO parts SELECT g, (ARRAY['eu', 'us'])[g % 2 + 1] FROM generate_series(0, 2999) g")
-    cfg = CdcConfig(
-        source,
-        kafka_bootstrap,
-        registry_url,
-        f"t{unique}",
-        ["public.parts"],
-        f"s_{unique}",
-        f"p_{unique}",
-        extra="snapshot_chunk_rows = 25\nsnapshot_workers = 2\nsnapshot_commit_interval_s = 0",
+    log, events = _snapshot_in_chunks_of_25(
+        source, kafka_bootstrap, registry_url, unique, tmp_path, table="public.parts", workers=2
     )
-    proc = cfg.start(tmp_path)
-    try:
-        proc.wait_streaming(180)
-    finally:
-        proc.stop()
-    assert "snapshot of public.parts: 2 key ranges read at once" in proc.log.read_text()
-    events = read_topic(kafka_bootstrap, registry_url, f"t{unique}.public.parts")
+    assert "snapshot of public.parts: 2 key ranges read at once" in log
     assert sorted(e.value["after"]["id"] for e in events if e.value and e.value["op"] == "r") == list(range(3000))
