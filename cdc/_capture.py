@@ -83,7 +83,7 @@ log = logging.getLogger(__name__)
 HEARTBEAT_PREFIX = "pgcdc.heartbeat"
 _CHANGES = frozenset({Insert, Update, Delete, Truncate})
 _FAST_KINDS = frozenset(b"IUD")  # Insert, Update, Delete: the frames _fast_change takes
-_C_KINDS = frozenset(b"IU")  # Insert, Update: one event each, which cdc._native produces (a delete is two)
+_C_KINDS = _FAST_KINDS  # the kinds cdc._native produces too (not a key change: the general path takes it)
 _XLOG_DATA = ord("w")
 _XLOG_UNPACK = XLOG_HEADER.unpack_from
 _PAYLOAD_AT = XLOG_PAYLOAD_AT
@@ -640,14 +640,18 @@ class Capture:
                 self.metrics.count(target.topic.decode(), "u", target.updates)
                 self._batch_events += target.updates
                 target.updates = 0
+            if target.deletes:
+                self.metrics.count(target.topic.decode(), "d", target.deletes)
+                self._batch_events += 2 * target.deletes  # the event and its tombstone
+                target.deletes = 0
 
     def _more_changes(
         self, repl: ReplicationConnection, data: bytes, current: tuple[int, int, int | None, bool], now_us: int
     ) -> tuple[bytes | None, int]:
-        """After a live Insert or Update the fast path took (``data``): the Inserts and Updates already received
-        after it, produced from C (ChangeReader.live_changes) from a table's second one in the transaction on (a
-        one-row transaction does not pay for a ReplayTarget). Returns (the next message, not taken, or None; the largest
-        end LSN of those produced, 0 without any)."""
+        """After a live Insert, Update or Delete the fast path took (``data``): the ones already received after
+        it, produced from C (ChangeReader.live_changes) from a table's second one in the transaction on (a
+        one-row transaction does not pay for a ReplayTarget). Returns (the next message, not taken, or None; the
+        largest end LSN of those produced, 0 without any)."""
         relid = _U32(data, _PAYLOAD_AT + 1)[0]
         targets = self._live_targets
         if relid not in targets:
@@ -669,8 +673,8 @@ class Capture:
     def _replay(self, spill: _Spill, msg: StreamCommit, proto: int, now_us: int) -> None:
         """A committed streamed transaction's spilled changes, in order, into the open Kafka batch.
 
-        Runs of Inserts and Updates go from C (DirectProducer.replay_changes: the tuples encoded, the event
-        written and produced per message, no Python per row) for every table whose first one the fast path took,
+        Runs of Inserts, Updates and Deletes go from C (DirectProducer.replay_changes: the tuples encoded, the
+        events written and produced per message, no Python per row) for every table whose first one the fast path took,
         when there is no transaction metadata to count per event; every other message takes the same way as a
         live one."""
         self._stream_relations, self._stream_codecs = {}, {}

@@ -396,15 +396,17 @@ class TableCodec:
         """The C build of this codec's tuple encoder (cdc._native.TuplePlan), None without it."""
         return self._plan
 
-    def event_parts(self, pos: Position, now_us: int) -> tuple[bytes, bytes, bytes, bytes, bytes]:
-        """The constant parts of this table's "c" and "u" events at ``pos`` (its transaction's) without a
+    def event_parts(self, pos: Position, now_us: int) -> tuple[bytes, bytes, bytes, bytes, bytes, bytes]:
+        """The constant parts of this table's "c", "u" and "d" events at ``pos`` (its transaction's) without a
         transaction block, as :meth:`envelope_bytes` writes them: ``frame``, the before and after rows, ``head``,
         the sequence string of the commit LSN and the change's LSN, ``middle``, the change's LSN as a long, then
-        ``tail_c`` or ``tail_u`` (up to the unchanged columns) — cdc._native.DirectProducer._change writes them
-        so."""
+        ``tail_c``, ``tail_u`` or ``tail_d`` (up to the unchanged columns) — cdc._native.DirectProducer._change
+        writes them so."""
         head, middle, tail, ops_c = self._transaction_parts("c", pos, now_us)
         ops_u = self._transaction_parts("u", pos, now_us)[3]
-        return self._value_frame, head, middle, tail + b"\x00" + ops_c, tail + b"\x00" + ops_u
+        ops_d = self._transaction_parts("d", pos, now_us)[3]
+        no_transaction = tail + b"\x00"
+        return self._value_frame, head, middle, no_transaction + ops_c, no_transaction + ops_u, no_transaction + ops_d
 
     def read_event_frame(self, pos: Position, now_us: int) -> tuple[bytes, bytes]:
         """The bytes around the Value record of a snapshot read ("r": no before, the row as after): the event

@@ -393,10 +393,10 @@ class TransactionalProducer:
             return None
 
     def replay_changes(self, block: bytes, at: int, targets: dict[int, Any], aborted: set[int], commit_lsn: int) -> int:
-        """The Insert and Update events of a streamed transaction's spilled messages in ``block`` from ``at`` on,
-        from C (cdc._native.DirectProducer.replay_changes), up to the first message it does not take: returns
-        that message's offset (``len(block)`` when all were taken). The events count in their targets'
-        ``inserts`` and ``updates``."""
+        """The Insert, Update and Delete events of a streamed transaction's spilled messages in ``block`` from
+        ``at`` on, from C (cdc._native.DirectProducer.replay_changes), up to the first message it does not take:
+        returns that message's offset (``len(block)`` when all were taken). The events count in their targets'
+        ``inserts``, ``updates`` and ``deletes``."""
         assert self._direct is not None  # targets exist only with it
         self._producer.poll(0)  # serve the delivery reports: once per block
         while True:
@@ -405,6 +405,7 @@ class TransactionalProducer:
                 break
             if err == KafkaError._QUEUE_FULL:  # go on from the event refused
                 self._queue_full()
+                self._pay_owed(targets)
                 continue
             self._refused(err, topic.decode(), size, "producing a replayed transaction")
         self.produced_from_c(targets)
@@ -419,6 +420,7 @@ class TransactionalProducer:
         """``count`` events were produced from C to ``targets`` (ReplayTargets): note the largest per topic, which
         is what tells which event a broker refused as too large (_refused_as_too_large), and serve the delivery
         reports now and then, as :meth:`produce` does."""
+        self._pay_owed(targets)
         before, self._produced = self._produced, self._produced + count
         if before // 16384 != self._produced // 16384:
             self._producer.poll(0)
@@ -426,6 +428,14 @@ class TransactionalProducer:
             name = target.topic.decode()
             if target.largest > self._direct_largest.get(name, 0):
                 self._direct_largest[name] = target.largest
+
+    def _pay_owed(self, targets: dict[int, Any]) -> None:
+        """The tombstone of a delete produced from C whose own tombstone librdkafka refused (ReplayTarget.owed):
+        produced now, waiting for room, before any later event of its transaction."""
+        for target in targets.values():
+            if target.owed is not None:
+                key, target.owed = target.owed, None
+                self.produce(target.topic.decode(), key, None)
 
     def _refused_as_too_large(self, code: int) -> KafkaSetupError | None:
         """The size error behind a failed transaction (``code``: the failure's), if the broker refused an event as

@@ -685,23 +685,28 @@ cdef struct Row:
 
 @cython.no_gc_clear  # its owner (the producer's handle) must outlive rkt, even when collected in one pass
 cdef class ReplayTarget:
-    """One table's Insert and Update events produced from C in one transaction (DirectProducer.replay_changes,
-    ChangeReader.live_changes): the table version's TuplePlan, its topic, and the constant parts of its events
-    in that transaction, as TableCodec.event_parts gives them. ``inserts``, ``updates`` and ``largest``
-    accumulate what was produced for it."""
+    """One table's Insert, Update and Delete events produced from C in one transaction
+    (DirectProducer.replay_changes, ChangeReader.live_changes): the table version's TuplePlan, its topic, and the
+    constant parts of its events in that transaction, as TableCodec.event_parts gives them. ``inserts``,
+    ``updates``, ``deletes`` and ``largest`` accumulate what was produced for it. ``owed``: the key of a delete
+    whose event was produced but whose tombstone librdkafka refused (its queue full), else None — the caller
+    produces that tombstone before anything else (DirectProducer._change)."""
 
     cdef TuplePlan plan
     cdef readonly bytes topic
-    cdef bytes frame, head, middle, tail_c, tail_u
+    cdef bytes frame, head, middle, tail_c, tail_u, tail_d
     cdef void *rkt
     cdef rk_topic_destroy_t topic_destroy
     cdef object owner
     cdef public Py_ssize_t inserts
     cdef public Py_ssize_t updates
+    cdef public Py_ssize_t deletes
     cdef public Py_ssize_t largest
+    cdef public object owed
 
     def __cinit__(self) -> None:
         self.rkt = NULL
+        self.owed = None
 
     def __dealloc__(self) -> None:
         if self.rkt != NULL:
@@ -795,7 +800,7 @@ cdef class DirectProducer:
         """A ReplayTarget producing to ``topic`` on this handle; ``parts``: TableCodec.event_parts."""
         cdef ReplayTarget t = ReplayTarget()
         t.plan, t.topic = plan, topic
-        t.frame, t.head, t.middle, t.tail_c, t.tail_u = parts  # type-checked by the typed attributes
+        t.frame, t.head, t.middle, t.tail_c, t.tail_u, t.tail_d = parts  # type-checked by the typed attributes
         t.topic_destroy = self.topic_destroy
         t.owner = self  # the handle outlives the topic handle
         t.rkt = self.topic_new(self.rk, PyBytes_AS_STRING(topic), NULL)
@@ -805,31 +810,42 @@ cdef class DirectProducer:
 
     cdef int _change(self, ReplayTarget t, bytes data, Py_ssize_t at, Py_ssize_t end, int kind, uint64_t lsn,
                      int64_t commit_lsn, Buf* b) except -2:
-        """The event of the Insert ('I') or Update ('U') whose tuples start at ``at`` of ``data`` (after the
-        relation id; the message ends at ``end``), produced to ``t``'s topic as Capture._fast_change would: 1;
-        0 when it is not one record (an update that changes the key) or does not encode cleanly (nothing
-        produced: the general path handles and diagnoses it); -1 when librdkafka refused it (its error in
-        last_error(), its size in refused_size)."""
+        """The events of the Insert ('I'), Update ('U') or Delete ('D') whose tuples start at ``at`` of ``data``
+        (after the relation id; the message ends at ``end``), produced to ``t``'s topic as Capture._fast_change
+        would: 1; 0 when they are not what this writes (an update that changes the key) or do not encode cleanly
+        (nothing produced: the general path handles and diagnoses it); -1 when librdkafka refused the (first)
+        event (nothing produced; its error in last_error(), its size in refused_size); 2 for a delete whose
+        event was produced and whose tombstone was refused (its key is left in ``t.owed``, its error in
+        last_error(): the caller must produce that tombstone before any other event, and must not hand the
+        message to the general path, which would write the delete's event twice)."""
         cdef const unsigned char *d = <const unsigned char*>PyBytes_AS_STRING(data)
         cdef Py_ssize_t keylen, seq_start, digits_at
         cdef tuple encoded
-        cdef object before = None, old_key = None
+        cdef object before = None, old_key = None, record = None, key
+        cdef object unchanged = None
         cdef list names
+        cdef Py_ssize_t pos
+        cdef bytes tail
         if at >= end:
             return 0
         try:
-            if kind == 85 and (d[at] == 75 or d[at] == 79):  # the old key ('K') or row ('O')
+            if kind != 73 and (d[at] == 75 or d[at] == 79):  # Update/Delete: the old key ('K') or row ('O')
                 encoded = t.plan._encode(data, at + 1, None)
                 before, old_key, _, at = encoded
-                if old_key is None or at >= end:
+                if old_key is None:
                     return 0
-            if d[at] != 78:  # 'N'
-                return 0
-            encoded = t.plan._encode(data, at + 1, None)
+            if kind == 68:  # a delete: its old key or row, and nothing after it
+                if before is None or at != end:
+                    return 0
+                key, pos = old_key, end
+            else:
+                if at >= end or d[at] != 78:  # 'N'
+                    return 0
+                encoded = t.plan._encode(data, at + 1, None)
+                record, key, unchanged, pos = encoded
         except Exception:  # malformed or unconvertible: the general path diagnoses it
             return 0
-        record, key, unchanged, pos = encoded
-        if key is None or pos != end or (old_key is not None and old_key != key):
+        if key is None or pos != end or (kind == 85 and old_key is not None and old_key != key):
             return 0
         keylen = PyBytes_GET_SIZE(key)
         # TableCodec.envelope_bytes without a transaction block: the frame, before, after, then the source block
@@ -850,37 +866,44 @@ cdef class DirectProducer:
         b.p[seq_start] = <unsigned char>((b.n - digits_at) << 1)
         put_raw(b, <const unsigned char*>PyBytes_AS_STRING(t.middle), PyBytes_GET_SIZE(t.middle))
         put_long(b, <int64_t>lsn)
-        if kind == 73:
-            put_raw(b, <const unsigned char*>PyBytes_AS_STRING(t.tail_c), PyBytes_GET_SIZE(t.tail_c))
-        else:
-            put_raw(b, <const unsigned char*>PyBytes_AS_STRING(t.tail_u), PyBytes_GET_SIZE(t.tail_u))
-        names = <list>unchanged
-        if names:
-            put_long(b, len(names))
-            for name in names:
-                put_str(b, name)
+        tail = t.tail_c if kind == 73 else (t.tail_u if kind == 85 else t.tail_d)
+        put_raw(b, <const unsigned char*>PyBytes_AS_STRING(tail), PyBytes_GET_SIZE(tail))
+        if unchanged is not None:
+            names = <list>unchanged
+            if names:
+                put_long(b, len(names))
+                for name in names:
+                    put_str(b, name)
         put_byte(b, 0)
         if self.produce(t.rkt, RD_KAFKA_PARTITION_UA, RD_KAFKA_MSG_F_COPY, b.p, b.n,
                         PyBytes_AS_STRING(key), keylen, NULL) == -1:
             self.refused_size = keylen + b.n
             return -1
-        if kind == 73:
-            t.inserts += 1
-        else:
-            t.updates += 1
         if keylen + b.n > t.largest:
             t.largest = keylen + b.n
+        if kind == 73:
+            t.inserts += 1
+        elif kind == 85:
+            t.updates += 1
+        else:
+            t.deletes += 1
+            # The tombstone after it (no value): lets compaction drop the key, as Capture._emit writes it.
+            if self.produce(t.rkt, RD_KAFKA_PARTITION_UA, 0, NULL, 0, PyBytes_AS_STRING(key), keylen, NULL) == -1:
+                t.owed = key
+                return 2
         return 1
 
     def replay_changes(self, bytes block not None, Py_ssize_t at, dict targets not None, set aborted,
                        int64_t commit_lsn) -> tuple:
-        """Produces the Insert and Update events of a streamed transaction's spilled messages (``block``: whole
-        messages, each its LSN and length (>QI) then the pgoutput message with its xid after the type byte) from
-        offset ``at`` on, each to its table's topic (``targets``: relation id -> ReplayTarget) as
+        """Produces the Insert, Update and Delete events of a streamed transaction's spilled messages (``block``:
+        whole messages, each its LSN and length (>QI) then the pgoutput message with its xid after the type byte)
+        from offset ``at`` on, each to its table's topic (``targets``: relation id -> ReplayTarget) as
         Capture._fast_change would, until the first message it does not take: another kind, of a subtransaction
         in ``aborted``, of a relation without a target, or one _change does not take (the general path then
         handles and diagnoses that one). Returns (the offset of the first message not produced; librdkafka's error
-        code when that one was refused, else 0; then the refused event's size, key included, and topic)."""
+        code when that one was refused, else 0; then the refused event's size, key included, and topic). After
+        a delete whose tombstone was refused it returns at once: the offset after that delete, the error, size
+        0 and the topic, the tombstone owed in its target (see _change)."""
         cdef const unsigned char *d = <const unsigned char*>PyBytes_AS_STRING(block)
         cdef Py_ssize_t size = PyBytes_GET_SIZE(block), m, end, length
         cdef uint64_t lsn
@@ -901,8 +924,8 @@ cdef class DirectProducer:
                 length = be32(d + at + 8)
                 m = at + 12
                 end = m + length
-                # 'I' or 'U', xid, relid, then the tuples
-                if length > size - m or length < 12 or (d[m] != 73 and d[m] != 85):
+                # 'I', 'U' or 'D', xid, relid, then the tuples
+                if length > size - m or length < 12 or (d[m] != 73 and d[m] != 85 and d[m] != 68):
                     break
                 if aborted and <object>(be32(d + m + 1)) in aborted:
                     break
@@ -920,6 +943,8 @@ cdef class DirectProducer:
                 if done < 0:
                     return at, self.last_error(), self.refused_size, t.topic
                 at = end
+                if done == 2:  # the delete's tombstone is owed: nothing else before it
+                    return at, self.last_error(), 0, t.topic
             return at, 0, 0, None
         finally:
             if b.heap != NULL:
@@ -1081,7 +1106,8 @@ cdef enum:
 
 cdef class ChangeReader:
     """Reads a replication stream's row changes in bulk from libpq: a streamed transaction's, framed for its spill
-    (:meth:`read`), or a live transaction's Inserts and Updates, produced as they are read (:meth:`live_changes`)."""
+    (:meth:`read`), or a live transaction's Inserts, Updates and Deletes, produced as they are read
+    (:meth:`live_changes`)."""
 
     cdef pq_get_copy_data_t get_copy_data
     cdef pq_freemem_t freemem
@@ -1164,12 +1190,13 @@ cdef class ChangeReader:
 
     def live_changes(self, size_t pgconn, DirectProducer producer not None, dict targets not None,
                      int64_t commit_lsn, Py_ssize_t limit) -> tuple:
-        """The Inserts and Updates of a live transaction that libpq has buffered or the socket holds, without
-        waiting, each produced to its table's topic (``targets``: relation id -> ReplayTarget, made for this
-        transaction) as Capture._fast_change would, up to about ``limit`` bytes, until the first message it does
-        not take: not an XLogData holding an Insert or Update, of a relation without a target, one
+        """The Inserts, Updates and Deletes of a live transaction that libpq has buffered or the socket holds,
+        without waiting, each produced to its table's topic (``targets``: relation id -> ReplayTarget, made for
+        this transaction) as Capture._fast_change would, up to about ``limit`` bytes, until the first message it
+        does not take: not an XLogData holding an Insert, Update or Delete, of a relation without a target, one
         DirectProducer._change does not take, or an event librdkafka refused (the general path produces that
-        one again and reports what is wrong).
+        one again and reports what is wrong). It also stops after a delete whose tombstone was refused: that
+        delete is counted, its tombstone owed in its target (see DirectProducer._change).
         Returns (how many were produced; the largest end LSN among them, 0 without any; the message not taken,
         as bytes, or None; PQgetCopyData's last result when it was negative, else 0)."""
         cdef void *conn = <void*>pgconn
@@ -1182,6 +1209,7 @@ cdef class ChangeReader:
         cdef ReplayTarget t = None
         cdef bytes data, held = None
         cdef object found
+        cdef int done
         cdef unsigned char[STACK_BYTES] stack
         cdef Buf b
         if conn == NULL:
@@ -1199,8 +1227,10 @@ cdef class ChangeReader:
                 finally:
                     self.freemem(msg)
                 d = <const unsigned char*>PyBytes_AS_STRING(data)
-                # the XLogData header, then 'I' or 'U', the relation id and the tuples
-                if got < XLOG_PAYLOAD_AT + 8 or d[0] != 119 or (d[XLOG_PAYLOAD_AT] != 73 and d[XLOG_PAYLOAD_AT] != 85):
+                # the XLogData header, then 'I', 'U' or 'D', the relation id and the tuples
+                if got < XLOG_PAYLOAD_AT + 8 or d[0] != 119 or (
+                    d[XLOG_PAYLOAD_AT] != 73 and d[XLOG_PAYLOAD_AT] != 85 and d[XLOG_PAYLOAD_AT] != 68
+                ):
                     held, got = data, 0
                     break
                 relid = be32(d + XLOG_PAYLOAD_AT + 1)
@@ -1212,8 +1242,9 @@ cdef class ChangeReader:
                     t, last_relid = <ReplayTarget?>found, relid
                     if t.rkt == NULL:  # not made by DirectProducer.target
                         raise ValueError("a ReplayTarget without a topic handle")
-                if producer._change(t, data, XLOG_PAYLOAD_AT + 5, got, d[XLOG_PAYLOAD_AT], be64(d + 1), commit_lsn,
-                                    &b) != 1:
+                done = producer._change(t, data, XLOG_PAYLOAD_AT + 5, got, d[XLOG_PAYLOAD_AT], be64(d + 1),
+                                        commit_lsn, &b)
+                if done <= 0:
                     held, got = data, 0
                     break
                 end = be64(d + 9)
@@ -1221,6 +1252,9 @@ cdef class ChangeReader:
                     largest = end
                 count += 1
                 n += got
+                if done == 2:  # the delete's tombstone is owed: nothing else before it
+                    got = 0
+                    break
             return count, largest, held, (got if got < 0 else 0)
         finally:
             if b.heap != NULL:

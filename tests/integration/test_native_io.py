@@ -1,7 +1,7 @@
 """The snapshot's C loops against the real services: CopyReader (a COPY read through psycopg's libpq) gives what
 psycopg's Copy gives and fails as psycopg would; DirectProducer (a chunk produced on confluent_kafka's librdkafka
 handle) writes the same records, to the same partitions, in the same transaction, as Producer.produce(); a
-streamed or live transaction's Inserts and Updates produced from C (DirectProducer.replay_changes,
+streamed or live transaction's Inserts, Updates and Deletes produced from C (DirectProducer.replay_changes,
 ChangeReader.live_changes) are the events the fast path writes.
 """
 
@@ -18,7 +18,7 @@ import pytest
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from cdc._capture import Capture, _Spill
+from cdc._capture import _C_KINDS, Capture, _Spill
 from cdc._config import load_settings
 from cdc._events import SourceInfo
 from cdc._kafka import Topics, TransactionalProducer
@@ -144,9 +144,12 @@ def _row(i: int) -> list[bytes | None]:
     return [struct.pack(">q", i), name, struct.pack(">i", -i)]
 
 
-def _replay_into(kafka: str, topics: list[str], spill: _Spill, tid: str, *, from_c: bool) -> tuple[list[int], int]:
-    """Capture._replay of ``spill`` into ``topics`` (two tables) in one Kafka transaction; the offsets at which
-    the C loop stopped, for each call of it, and how many update events it made."""
+def _replay_into(
+    kafka: str, topics: list[str], spill: _Spill, tid: str, *, from_c: bool, queue: int | None = None
+) -> tuple[list[int], dict[str, int]]:
+    """Capture._replay of ``spill`` into ``topics`` (two tables) in one Kafka transaction, the producer's local
+    queue ``queue`` messages at most; the offsets at which the C loop stopped, for each call of it, and how many
+    create, update and delete events it made and deletes' tombstones it left owed ("owed")."""
     config = Path(tempfile.mkdtemp()) / "cdc.toml"
     config.write_text('[source]\ndsn = "postgresql://u@localhost/db"\ntables = ["public.t"]\n')
     cap = Capture(load_settings(config))
@@ -154,18 +157,13 @@ def _replay_into(kafka: str, topics: list[str], spill: _Spill, tid: str, *, from
     for relid, topic in zip((16384, 16385), topics, strict=True):
         # One source name for both runs: the events differ only in their topic.
         cap._codecs[relid] = make_codec(columns, topic=topic, key=["id"], source=SourceInfo("1.0", "src", "db"))
-    producer = TransactionalProducer({"bootstrap.servers": kafka}, tid)
+    conf: dict[str, Any] = {"bootstrap.servers": kafka}
+    if queue is not None:
+        conf["queue.buffering.max.messages"] = queue
+    producer = TransactionalProducer(conf, tid)
     cap.producer = producer
     stops: list[int] = []
-    updates = 0
-    counted = cap._counted
-
-    def counting(targets: dict[int, Any]) -> None:
-        nonlocal updates
-        updates += sum(target.updates for target in targets.values())
-        counted(targets)
-
-    cap._counted = counting  # type: ignore[method-assign]
+    made, owed = _count_made(cap), _count_owed(producer)
     replay = producer.replay_changes
 
     def stopping(block: bytes, at: int, targets: dict[int, Any], aborted: set[int], commit_lsn: int) -> int:
@@ -184,7 +182,7 @@ def _replay_into(kafka: str, topics: list[str], spill: _Spill, tid: str, *, from
         producer.commit()
     finally:
         producer.close()
-    return stops, updates
+    return stops, {**made, "owed": owed["n"]}
 
 
 def test_replayed_changes_from_c_are_what_the_fast_path_writes(kafka_bootstrap: str, unique: str) -> None:
@@ -211,11 +209,14 @@ def test_replayed_changes_from_c_are_what_the_fast_path_writes(kafka_bootstrap: 
             lsn += 100
             spill.add(lsn, message)
         spill.aborted_subxids.add(701)
-        stops, updates = _replay_into(kafka_bootstrap, direct, spill, f"replay-c-{unique}", from_c=True)
-        assert _replay_into(kafka_bootstrap, plain, spill, f"replay-py-{unique}", from_c=False) == ([], 0)
-    assert updates == 6 * 3  # the updates that are one event each (no key change) were produced from C
-    # The C loop ran, and handed back every message it does not take (a delete, a key change, aborted, the
-    # other table before its first change went through the fast path).
+        stops, made = _replay_into(kafka_bootstrap, direct, spill, f"replay-c-{unique}", from_c=True)
+        nothing = {"c": 0, "u": 0, "d": 0, "owed": 0}
+        assert _replay_into(kafka_bootstrap, plain, spill, f"replay-py-{unique}", from_c=False) == ([], nothing)
+    # The updates that are one event each (no key change), and the deletes, were produced from C.
+    assert made["u"] == 6 * 3
+    assert made["d"] == 6
+    # The C loop ran, and handed back every message it does not take (a key change, aborted, the other table
+    # before its first change went through the fast path).
     assert len(stops) > 20
     for topic_c, topic_py in zip(direct, plain, strict=True):
         written = committed_records(kafka_bootstrap, topic_c, 3, in_order=True)
@@ -224,6 +225,73 @@ def test_replayed_changes_from_c_are_what_the_fast_path_writes(kafka_bootstrap: 
     a = committed_records(kafka_bootstrap, direct[0], 3, in_order=True)
     # 3000 inserts, 6 x 3 updates, 6 deletes and 6 key changes (delete, tombstone, create); no rolled-back insert
     assert len(a) == 3000 + 6 * 3 + 6 * 2 + 6 * 3
+
+
+def test_a_deletes_refused_tombstone_is_written_once_after_it_when_replayed(kafka_bootstrap: str, unique: str) -> None:
+    """A one-message local queue: C produces a delete's event and librdkafka refuses its tombstone (the queue is
+    full until the event is delivered). The tombstone is produced next, once, and the delete is not handed to
+    the general path (which would write its event twice)."""
+    if PURE_PYTHON:
+        pytest.skip("CDC_PURE_PYTHON is set: a streamed transaction is replayed by the fast path only")
+    direct, plain = [f"od{unique}.public.a", f"od{unique}.public.b"], [f"op{unique}.public.a", f"op{unique}.public.b"]
+    _ensure_topics(kafka_bootstrap, *direct, *plain)
+    with tempfile.TemporaryFile() as file:
+        spill = _Spill(file, block=1 << 20)
+        lsn = 0x4_0000_0000
+        for i in range(40):
+            for message in (
+                _streamed(b"I", 700, 16384, (b"N", _row(i))),
+                _streamed(b"D", 700, 16384, (b"K", [struct.pack(">q", i - 1), None, None])),
+            ):
+                lsn += 100
+                spill.add(lsn, message)
+        _, made = _replay_into(kafka_bootstrap, direct, spill, f"owed-c-{unique}", from_c=True, queue=1)
+        _replay_into(kafka_bootstrap, plain, spill, f"owed-py-{unique}", from_c=False)
+    assert made["d"] == 40
+    assert made["owed"] > 0, "no tombstone was refused after its event: the owed path was not exercised"
+    written = committed_records(kafka_bootstrap, direct[0], 3, in_order=True)
+    assert written == committed_records(kafka_bootstrap, plain[0], 3, in_order=True)
+    assert len(written) == 40 + 40 * 2  # each delete: its event and one tombstone
+
+
+def test_a_deletes_refused_tombstone_is_written_once_after_it_when_live(
+    kafka_bootstrap: str, pg_dsn: str, unique: str
+) -> None:
+    """The same for a live transaction (ChangeReader.live_changes): one transaction of inserts, then deletes,
+    through a three-message local queue drained whenever it is full. The general path takes a delete C was
+    refused room for and leaves two messages queued; C then produces the next delete's event into the last
+    place and is refused its tombstone."""
+    if PURE_PYTHON:
+        pytest.skip("CDC_PURE_PYTHON is set: live changes go through the fast path only")
+    direct, plain = f"old{unique}.public.t", f"olp{unique}.public.t"
+    _ensure_topics(kafka_bootstrap, direct, plain)
+    with scratch_database(pg_dsn, f"ow_{unique}") as dsn:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute("CREATE TABLE t (id int PRIMARY KEY, body text, qty int)")
+            conn.execute("CREATE PUBLICATION pub FOR TABLE t")
+            for slot in ("c", "py"):
+                conn.execute("SELECT pg_create_logical_replication_slot(%s, 'pgoutput')", (slot,))
+        with psycopg.connect(dsn) as conn:
+            conn.execute("INSERT INTO t SELECT g, 'b' || g, g FROM generate_series(1, 60) g")
+            conn.execute("DELETE FROM t WHERE id % 2 = 0")
+            conn.commit()
+        made = _capture_live(
+            kafka_bootstrap,
+            dsn,
+            "c",
+            direct,
+            f"olive-c-{unique}",
+            from_c=True,
+            queue=3,
+            commits=1,
+            drain_when_full=True,
+        )
+        _capture_live(kafka_bootstrap, dsn, "py", plain, f"olive-py-{unique}", from_c=False, commits=1)
+    written = committed_records(kafka_bootstrap, direct, 3, in_order=True)
+    assert written == committed_records(kafka_bootstrap, plain, 3, in_order=True)
+    assert len(written) == 60 + 30 * 2
+    assert made["d"] > 0, "no delete was produced from C"
+    assert made["owed"] > 0, "no tombstone was refused after its event: the owed path was not exercised"
 
 
 def _read_stream(dsn: str, slot: str, *, bulk: bool) -> tuple[list[tuple[str, bytes]], int]:
@@ -287,12 +355,52 @@ def test_read_changes_takes_what_read_takes_one_at_a_time(pg_dsn: str, unique: s
     assert taken > len(one) // 2  # most changes came in runs
 
 
+def _count_made(cap: Capture) -> dict[str, int]:
+    """How many create, update and delete events C makes through ``cap`` from now on (a live count)."""
+    made = {"c": 0, "u": 0, "d": 0}
+    counted = cap._counted
+
+    def counting(targets: dict[int, Any]) -> None:
+        for target in targets.values():
+            made["c"] += target.inserts
+            made["u"] += target.updates
+            made["d"] += target.deletes
+        counted(targets)
+
+    cap._counted = counting  # type: ignore[method-assign]
+    return made
+
+
+def _count_owed(producer: TransactionalProducer) -> dict[str, int]:
+    """How many tombstones of deletes produced from C librdkafka refused, left for ``producer`` to produce."""
+    owed = {"n": 0}
+    pay = producer._pay_owed
+
+    def paying(targets: dict[int, Any]) -> None:
+        owed["n"] += sum(target.owed is not None for target in targets.values())
+        pay(targets)
+
+    producer._pay_owed = paying  # type: ignore[method-assign]
+    return owed
+
+
 def _capture_live(
-    kafka: str, dsn: str, slot: str, topic: str, tid: str, *, from_c: bool, queue: int | None = None
-) -> tuple[int, int, int]:
-    """The live transactions of ``slot`` (table t: id int, body text, qty int) through Capture._fast_change and,
-    with ``from_c``, Capture._more_changes, as the capture's loop calls them, into ``topic``; how many create and
-    update events C made, and how often the producer's local queue (``queue`` messages at most) was full."""
+    kafka: str,
+    dsn: str,
+    slot: str,
+    topic: str,
+    tid: str,
+    *,
+    from_c: bool,
+    queue: int | None = None,
+    commits: int = 3,
+    drain_when_full: bool = False,
+) -> dict[str, int]:
+    """The first ``commits`` live transactions of ``slot`` (table t: id int, body text, qty int) through
+    Capture._fast_change and, with ``from_c``, Capture._more_changes, as the capture's loop calls them, into
+    ``topic``. Returns how many create, update and delete events C made, how often the producer's local queue
+    (``queue`` messages at most) was full, and how many deletes' tombstones C left owed. ``drain_when_full``:
+    a wait for room waits until the queue is empty, which makes where C finds it full predictable."""
     config = Path(tempfile.mkdtemp()) / "cdc.toml"
     config.write_text('[source]\ndsn = "postgresql://u@localhost/db"\ntables = ["public.t"]\n')
     cap = Capture(load_settings(config))
@@ -307,32 +415,28 @@ def _capture_live(
     def counting_full() -> None:
         nonlocal full
         full += 1
-        queue_full()
+        if drain_when_full:
+            assert producer._producer.flush(30.0) == 0, "the local queue did not drain"
+        else:
+            queue_full()
 
     producer._queue_full = counting_full  # type: ignore[method-assign]
+    owed = _count_owed(producer)
     params = conninfo_to_dict(dsn)
     params["replication"] = "database"
     repl = ReplicationConnection(make_conninfo("", **params), where="test")
     columns = [("id", PgType(23, "int4"), -1), ("body", PgType(25, "text"), -1), ("qty", PgType(23, "int4"), -1)]
-    inserts = updates = commits = 0
+    committed = 0
     current: tuple[int, int, int | None, bool] = (0, 0, None, False)
-    counted = cap._counted
-
-    def counting(targets: dict[int, Any]) -> None:
-        nonlocal inserts, updates
-        inserts += sum(target.inserts for target in targets.values())
-        updates += sum(target.updates for target in targets.values())
-        counted(targets)
-
-    cap._counted = counting  # type: ignore[method-assign]
+    made = _count_made(cap)
     try:
         repl.start(slot, 0, {"proto_version": "1", "publication_names": '"pub"', "binary": "true"})
         cap._begin_batch()
         held: bytes | None = None
-        while commits < 3:
+        while committed < commits:
             raw = held if held is not None else repl.read(10.0)
             held = None
-            assert raw is not None, "the stream went quiet before the third commit"
+            assert raw is not None, f"the stream went quiet before commit {committed + 1}"
             data = bytes(raw)
             if data[0] != ord("w"):
                 continue
@@ -345,17 +449,17 @@ def _capture_live(
                 current = (final_lsn, commit_time, xid, False)
                 cap._live_targets, cap._live_seen = {}, set()
             elif kind == b"C":
-                commits += 1
+                committed += 1
             elif kind in (b"I", b"U", b"D"):
                 lsn = struct.unpack_from(">Q", data, 1)[0]
                 assert cap._fast_change(data, current, lsn, 1_700_000_000_000_000, start=25)
-                if from_c and kind in (b"I", b"U"):
+                if from_c and data[25] in _C_KINDS:
                     held, _ = cap._more_changes(repl, data, current, 1_700_000_000_000_000)
         producer.commit()
     finally:
         repl.close()
         producer.close()
-    return inserts, updates, full
+    return {**made, "full": full, "owed": owed["n"]}
 
 
 def test_live_changes_from_c_are_what_the_fast_path_writes(kafka_bootstrap: str, pg_dsn: str, unique: str) -> None:
@@ -387,20 +491,20 @@ def test_live_changes_from_c_are_what_the_fast_path_writes(kafka_bootstrap: str,
             conn.commit()
             conn.execute("INSERT INTO t SELECT g, 'y', g FROM generate_series(6001, 9000) g")
             conn.commit()
-        inserts, updates, _ = _capture_live(kafka_bootstrap, dsn, "c", direct, f"live-c-{unique}", from_c=True)
-        assert _capture_live(kafka_bootstrap, dsn, "py", plain, f"live-py-{unique}", from_c=False)[:2] == (0, 0)
+        made = _capture_live(kafka_bootstrap, dsn, "c", direct, f"live-c-{unique}", from_c=True)
+        by_python = _capture_live(kafka_bootstrap, dsn, "py", plain, f"live-py-{unique}", from_c=False)
+        assert (by_python["c"], by_python["u"], by_python["d"]) == (0, 0, 0)
         # A local queue of 300 messages: C's rd_kafka_produce is refused (queue full) again and again, hands the
         # change back, and the general path waits for room and produces it; nothing is lost or written twice.
-        small_inserts, _, full = _capture_live(
-            kafka_bootstrap, dsn, "cq", small, f"live-cq-{unique}", from_c=True, queue=300
-        )
+        small_queue = _capture_live(kafka_bootstrap, dsn, "cq", small, f"live-cq-{unique}", from_c=True, queue=300)
     written = committed_records(kafka_bootstrap, direct, 3, in_order=True)
     assert written == committed_records(kafka_bootstrap, plain, 3, in_order=True)
     assert written == committed_records(kafka_bootstrap, small, 3, in_order=True)
-    assert full > 0, "the 300-message queue never filled: the hand-back was not exercised"
-    assert small_inserts > 1000, "C made (almost) no events with a small queue"
+    assert small_queue["full"] > 0, "the 300-message queue never filled: the hand-back was not exercised"
+    assert small_queue["c"] > 1000, "C made (almost) no events with a small queue"
     assert len(written) == 1 + 5000 + 5 + 14 + 3 + 1000 + 4 * 2 + 3000
     unchanged = [v for _, _, v in written if v and v.endswith(b"\x02\x08body\x00")]  # ["body"] and the end
     assert len(unchanged) == 13  # the updates that left a long body alone (not 3150: NULL) carry it as unchanged
-    assert inserts > 8000  # most Inserts and Updates were produced from C
-    assert updates > 10
+    assert made["c"] > 8000  # most Inserts, Updates and Deletes were produced from C
+    assert made["u"] > 10
+    assert made["d"] >= 3  # the first of the 4 deletes may end a run of the general path
