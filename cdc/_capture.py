@@ -389,6 +389,13 @@ class Capture:
         self.producer.produce_framed(topic, keys, records, prefix, suffix)
         self._batch_events += len(keys)
 
+    def _produce_packed(self, topic: str, packed: bytes, rows: int, prefix: bytes, suffix: bytes) -> None:
+        """The ``rows`` events of ``packed`` (TuplePlan.encode_copy_packed) in the current batch."""
+        if not self._in_batch:
+            self._begin_batch()
+        self.producer.produce_packed(topic, packed, rows, prefix, suffix)
+        self._batch_events += rows
+
     def _commit_offsets(self, state: dict[str, Any]) -> None:
         """Write ``state`` to the offsets topic and commit the current batch with it."""
         self._begin_batch()

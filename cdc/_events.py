@@ -203,6 +203,13 @@ class TableCodec:
             return None
         return self._plan.encode_copy(data, copy_modes)  # type: ignore[no-any-return]
 
+    def encode_copy_packed(self, data: bytes, copy_modes: bytes) -> tuple[bytes, int] | None:
+        """:meth:`encode_copy` packed into one bytes object (TuplePlan.encode_copy_packed: per row its record's and
+        key's lengths, the record, the key) and the number of rows; None without the C build."""
+        if self._plan is None:
+            return None
+        return self._plan.encode_copy_packed(data, copy_modes)  # type: ignore[no-any-return]
+
     def encode_tuple_python(
         self, data: bytes, pos: int, *, copy_modes: bytes | None = None
     ) -> tuple[bytes, bytes | None, list[str], int]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import ssl
+import struct
 import time
 from collections.abc import Mapping
 from typing import Any, NoReturn
@@ -30,6 +31,7 @@ from cdc._events import native_module
 from cdc._libs import addresses, loaded_library
 from cdc.errors import AuthenticationError, CDCError, KafkaSetupError, SchemaRegistryError, TransientError
 
+_PACKED_HEAD = struct.Struct(">II")  # a packed row's record and key lengths (TuplePlan.encode_copy_packed)
 log = logging.getLogger(__name__)
 
 _TIMEOUT_S = 30.0
@@ -344,27 +346,35 @@ class TransactionalProducer:
 
     def produce_framed(self, topic: str, keys: list[bytes], records: list[bytes], prefix: bytes, suffix: bytes) -> None:
         """The events (keys[i], prefix + records[i] + suffix), each to the topic's partition for its key: a
-        snapshot chunk. From C without the GIL when the C build can (the reader thread reads and encodes the
-        next chunk meanwhile), else one produce() per event; the same events either way."""
+        snapshot chunk encoded without the C build's packing (or by the general path). One produce() per event;
+        with the C build, packed and produced from C as :meth:`produce_packed` does."""
         if self._direct is None:
             for key, record in zip(keys, records, strict=True):
                 self.produce(topic, key, prefix + record + suffix)
             return
+        packed = b"".join(_PACKED_HEAD.pack(len(r), len(k)) + r + k for k, r in zip(keys, records, strict=True))
+        self.produce_packed(topic, packed, len(keys), prefix, suffix)
+
+    def produce_packed(self, topic: str, packed: bytes, rows: int, prefix: bytes, suffix: bytes) -> None:
+        """The ``rows`` events (key, prefix + record + suffix) of ``packed`` (cdc._native's
+        TuplePlan.encode_copy_packed: a snapshot chunk), each to the topic's partition for its key, from C without
+        the GIL (cdc._native.DirectProducer): the reader thread reads and encodes the next chunk meanwhile."""
+        assert self._direct is not None  # packed rows are made only for it
         self._producer.poll(0)  # serve the delivery reports: once per chunk
         name = topic.encode()
         at = 0
         while True:
-            at, err, largest = self._direct.produce_rows(name, keys, records, prefix, suffix, at)
+            at, err, largest = self._direct.produce_packed(name, packed, prefix, suffix, at)
             if largest > self._direct_largest.get(topic, 0):
                 self._direct_largest[topic] = largest
             if err == 0:
-                self._produced += len(keys)
+                self._produced += rows
                 return
             if err == KafkaError._QUEUE_FULL:  # go on from the event refused
                 self._queue_full()
                 continue
-            size = len(keys[at]) + len(prefix) + len(records[at]) + len(suffix)
-            self._refused(err, topic, size, f"producing to {topic!r}")
+            reclen, keylen = _PACKED_HEAD.unpack_from(packed, at)
+            self._refused(err, topic, keylen + len(prefix) + reclen + len(suffix), f"producing to {topic!r}")
 
     def _queue_full(self) -> None:
         """The local queue is full (queue.buffering.max.*): let librdkafka send some. Its events leave the queue

@@ -150,6 +150,13 @@ cdef inline uint64_t be64(const unsigned char* p) noexcept nogil:
     return (<uint64_t>be32(p) << 32) | be32(p + 4)
 
 
+cdef inline void put_be32(unsigned char* p, uint32_t v) noexcept nogil:
+    p[0] = <unsigned char>(v >> 24)
+    p[1] = <unsigned char>(v >> 16)
+    p[2] = <unsigned char>(v >> 8)
+    p[3] = <unsigned char>v
+
+
 cdef int check_utf8(const unsigned char* p, Py_ssize_t n) except -1:
     """Raise UnicodeDecodeError unless the bytes are UTF-8 (what bytes.decode checks): Avro strings must be.
 
@@ -438,117 +445,185 @@ cdef class TuplePlan:
         Py_XDECREF(key)
         return record, found, unchanged, end
 
+    cdef const unsigned char* _modes(self, const unsigned char* d, Py_ssize_t pos, bytes copy_modes) except? NULL:
+        """Checks the field count of the tuple or COPY row at ``pos``; the COPY modes (NULL for a pgoutput tuple)."""
+        if copy_modes is None:
+            if be16(d + pos) != self.ncols:
+                raise ValueError("column count differs from the relation's")
+            return NULL
+        if <int16_t>be16(d + pos) < self.ncols:
+            raise ValueError("the COPY row has fewer fields than the table columns")
+        if PyBytes_GET_SIZE(copy_modes) < self.ncols:
+            raise ValueError("fewer COPY modes than columns")
+        return <const unsigned char*>PyBytes_AS_STRING(copy_modes)
+
+    cdef int _put_record(self, const unsigned char* d, Py_ssize_t size, Py_ssize_t pos, const unsigned char* modes,
+                         list unchanged, Py_ssize_t* end, Buf* b, Py_ssize_t* marks) except -1:
+        """Appends the Value record of the tuple whose fields start at ``pos`` (after its field count) to ``b``:
+        column i's bytes from ``marks[i]`` (offsets in ``b``) to ``marks[i + 1]``; the position after the tuple
+        to ``end``; the names of unchanged TOASTed columns to ``unchanged`` (None: there can be none, as in COPY
+        rows). ``modes``: read a binary COPY row (each field's mode, ord "b" or "t"), NULL for pgoutput."""
+        cdef Py_ssize_t ncols = self.ncols, i, start, length
+        cdef int kind
+        cdef int32_t l32
+        for i in range(ncols):
+            marks[i] = b.n
+            if modes == NULL:
+                if pos >= size:
+                    raise ValueError("truncated tuple")
+                kind = d[pos]
+                if kind == K_BINARY or kind == K_TEXT:
+                    if pos + 5 > size:
+                        raise ValueError("truncated tuple")
+                    length = be32(d + pos + 1)
+                    start = pos + 5
+                else:
+                    start = length = 0
+                    pos += 1
+            else:
+                if pos + 4 > size:
+                    raise ValueError("truncated row")
+                l32 = <int32_t>be32(d + pos)
+                start = pos + 4
+                if l32 < 0:
+                    kind = K_NULL
+                    length = 0
+                    pos = start
+                else:
+                    kind = modes[i]
+                    length = l32
+            if kind == K_BINARY:
+                if length < 0 or length > size - start:  # < 0: a length >= 2**31 where Py_ssize_t is 32 bits
+                    raise ValueError("truncated column")
+                pos = start + length
+                if not put_fast(b, self.wires[i], self.scales[i], d + start, length):
+                    self._through_python(b, self.binary[i], i, d + start, length)
+            elif kind == K_NULL:
+                put_byte(b, 0)
+            elif kind == K_UNCHANGED:
+                if unchanged is None:
+                    raise ValueError("an unchanged TOASTed value where there can be none")
+                put_byte(b, 0)
+                unchanged.append(self.names[i])
+            elif kind == K_TEXT:
+                if length < 0 or length > size - start:
+                    raise ValueError("truncated column")
+                pos = start + length
+                self._through_python(b, self.text[i], i, d + start, length)
+            else:
+                raise ValueError(f"unknown value kind {kind:#04x}")
+        marks[ncols] = b.n
+        end[0] = pos
+        return 0
+
+    cdef Py_ssize_t _key_length(self, const unsigned char* p, Py_ssize_t* marks):
+        """The length of the framed key cut from the record whose columns ``marks`` locates in ``p`` (see
+        _put_record); -1 when a key column is NULL (its union's null branch)."""
+        cdef Py_ssize_t keylen = PyBytes_GET_SIZE(self.key_frame), k
+        for k in self.key_indexes:
+            if p[marks[k]] == 0:
+                return -1
+            keylen += marks[k + 1] - marks[k]
+        return keylen
+
+    cdef void _cut_key(self, char* kp, const unsigned char* p, Py_ssize_t* marks):
+        """Writes the framed key (_key_length bytes) to ``kp``. Key's fields are Value's key fields with the same
+        types: the key is cut from the record."""
+        cdef Py_ssize_t keylen = PyBytes_GET_SIZE(self.key_frame), k
+        memcpy(kp, PyBytes_AS_STRING(self.key_frame), keylen)
+        for k in self.key_indexes:
+            memcpy(kp + keylen, p + marks[k], marks[k + 1] - marks[k])
+            keylen += marks[k + 1] - marks[k]
+
     cdef bytes _encode_row(self, bytes data, Py_ssize_t pos, bytes copy_modes, list unchanged, Py_ssize_t* end,
                            PyObject** key_out):
         """The tuple at ``pos``'s Value record. The position after it goes to ``end``; its key to ``key_out``, a
         reference the caller owns (NULL when a key column is NULL; set only on success); the names of unchanged
         TOASTed columns are appended to ``unchanged`` (None: there can be none, as in COPY rows). No tuple, list
-        or int per row: encode_copy calls this once per row of a snapshot chunk."""
+        or int per row."""
         cdef const unsigned char* d = <const unsigned char*>PyBytes_AS_STRING(data)
-        cdef Py_ssize_t size = PyBytes_GET_SIZE(data)
-        cdef const unsigned char* modes = NULL
-        cdef Py_ssize_t ncols = self.ncols, i, k, start, length, keylen
-        cdef int kind
-        cdef int32_t l32
+        cdef Py_ssize_t size = PyBytes_GET_SIZE(data), keylen
+        cdef const unsigned char* modes
         cdef unsigned char[STACK_BYTES] stack
         cdef Py_ssize_t[STACK_COLUMNS] stack_marks
         cdef Py_ssize_t* marks = stack_marks
         cdef Buf b
         cdef bytes key
-        cdef char* kp
         if pos < 0 or pos > size - 2:
             raise ValueError("truncated tuple")
-        if copy_modes is None:
-            if be16(d + pos) != ncols:
-                raise ValueError("column count differs from the relation's")
-        else:
-            if <int16_t>be16(d + pos) < ncols:
-                raise ValueError("the COPY row has fewer fields than the table columns")
-            if PyBytes_GET_SIZE(copy_modes) < ncols:
-                raise ValueError("fewer COPY modes than columns")
-            modes = <const unsigned char*>PyBytes_AS_STRING(copy_modes)
-        pos += 2
+        modes = self._modes(d, pos, copy_modes)
         b.p = stack
         b.n = 0
         b.cap = STACK_BYTES
         b.heap = NULL
-        if ncols + 1 > STACK_COLUMNS:
-            marks = <Py_ssize_t*>malloc((ncols + 1) * sizeof(Py_ssize_t))
+        if self.ncols + 1 > STACK_COLUMNS:
+            marks = <Py_ssize_t*>malloc((self.ncols + 1) * sizeof(Py_ssize_t))
             if marks == NULL:
                 raise MemoryError()
         try:
-            for i in range(ncols):
-                marks[i] = b.n
-                if modes == NULL:
-                    if pos >= size:
-                        raise ValueError("truncated tuple")
-                    kind = d[pos]
-                    if kind == K_BINARY or kind == K_TEXT:
-                        if pos + 5 > size:
-                            raise ValueError("truncated tuple")
-                        length = be32(d + pos + 1)
-                        start = pos + 5
-                    else:
-                        start = length = 0
-                        pos += 1
-                else:
-                    if pos + 4 > size:
-                        raise ValueError("truncated row")
-                    l32 = <int32_t>be32(d + pos)
-                    start = pos + 4
-                    if l32 < 0:
-                        kind = K_NULL
-                        length = 0
-                        pos = start
-                    else:
-                        kind = modes[i]
-                        length = l32
-                if kind == K_BINARY:
-                    if length < 0 or length > size - start:  # < 0: a length >= 2**31 where Py_ssize_t is 32 bits
-                        raise ValueError("truncated column")
-                    pos = start + length
-                    if not put_fast(&b, self.wires[i], self.scales[i], d + start, length):
-                        self._through_python(&b, self.binary[i], i, d + start, length)
-                elif kind == K_NULL:
-                    put_byte(&b, 0)
-                elif kind == K_UNCHANGED:
-                    if unchanged is None:
-                        raise ValueError("an unchanged TOASTed value where there can be none")
-                    put_byte(&b, 0)
-                    unchanged.append(self.names[i])
-                elif kind == K_TEXT:
-                    if length < 0 or length > size - start:
-                        raise ValueError("truncated column")
-                    pos = start + length
-                    self._through_python(&b, self.text[i], i, d + start, length)
-                else:
-                    raise ValueError(f"unknown value kind {kind:#04x}")
-            marks[ncols] = b.n
+            self._put_record(d, size, pos + 2, modes, unchanged, end, &b, marks)
             record = PyBytes_FromStringAndSize(<const char*>b.p, b.n)
-            keylen = PyBytes_GET_SIZE(self.key_frame)
-            for k in self.key_indexes:
-                if b.p[marks[k]] == 0:  # null branch: the key column is missing
-                    key_out[0] = NULL
-                    end[0] = pos
-                    return record
-                keylen += marks[k + 1] - marks[k]
-            # Key's fields are Value's key fields with the same types: the key is cut from the record.
+            keylen = self._key_length(b.p, marks)
+            if keylen < 0:
+                key_out[0] = NULL
+                return record
             key = PyBytes_FromStringAndSize(NULL, keylen)
-            kp = PyBytes_AS_STRING(key)
-            keylen = PyBytes_GET_SIZE(self.key_frame)
-            memcpy(kp, PyBytes_AS_STRING(self.key_frame), keylen)
-            for k in self.key_indexes:
-                memcpy(kp + keylen, b.p + marks[k], marks[k + 1] - marks[k])
-                keylen += marks[k + 1] - marks[k]
+            self._cut_key(PyBytes_AS_STRING(key), b.p, marks)
             Py_INCREF(key)  # handed to the caller (key_out), beside the local reference released on return
             key_out[0] = <PyObject*>key
-            end[0] = pos
             return record
         finally:
             if b.heap != NULL:
                 free(b.heap)
             if marks != stack_marks:
                 free(marks)
+
+    def encode_copy_packed(self, bytes data not None, bytes copy_modes not None) -> tuple:
+        """:meth:`encode_copy` packed into one bytes object, not two per row: per row, its record's and its key's
+        lengths (two big-endian uint32), then the record, then the key (DirectProducer.produce_packed reads
+        this). Returns (that, the number of rows). Raises on anything it does not take, a NULL key included."""
+        cdef const unsigned char* d = <const unsigned char*>PyBytes_AS_STRING(data)
+        cdef Py_ssize_t size = PyBytes_GET_SIZE(data), pos, head, reclen, keylen, rows = 0
+        cdef int16_t nfields
+        cdef const unsigned char* modes
+        cdef Py_ssize_t* marks
+        cdef Buf b
+        b.p = NULL
+        b.n = 0
+        b.cap = 0
+        b.heap = NULL
+        marks = <Py_ssize_t*>malloc((self.ncols + 1) * sizeof(Py_ssize_t))
+        if marks == NULL:
+            raise MemoryError()
+        try:
+            grow(&b, size + (size >> 1) + 64)  # about the COPY output's size: encoded rows are rarely longer
+            pos = copy_body_start(d, size)
+            while True:
+                if pos > size - 2:
+                    raise ValueError("truncated COPY output")
+                nfields = <int16_t>be16(d + pos)
+                if nfields == -1:
+                    return PyBytes_FromStringAndSize(<const char*>b.p, b.n), rows
+                modes = self._modes(d, pos, copy_modes)
+                reserve(&b, 8)
+                head = b.n
+                b.n += 8
+                self._put_record(d, size, pos + 2, modes, None, &pos, &b, marks)
+                reclen = b.n - head - 8
+                keylen = self._key_length(b.p, marks)
+                if keylen < 0:
+                    raise ValueError("a key column is NULL")
+                reserve(&b, keylen)  # may move b.p: the marks are offsets
+                self._cut_key(<char*>b.p + b.n, b.p, marks)
+                b.n += keylen
+                put_be32(b.p + head, <uint32_t>reclen)
+                put_be32(b.p + head + 4, <uint32_t>keylen)
+                rows += 1
+                pos = skip_fields(d, size, pos, nfields - self.ncols)
+        finally:
+            free(marks)
+            if b.heap != NULL:
+                free(b.heap)
 
 
 cdef inline int put_decimal_text(Buf* b, uint64_t v) except -1:
@@ -676,12 +751,6 @@ cdef int32_t RD_KAFKA_PARTITION_UA = -1
 cdef int RD_KAFKA_RESP_ERR__FAIL = -196
 cdef int RD_KAFKA_MSG_F_COPY = 0x2
 
-cdef struct Row:
-    const char *key
-    Py_ssize_t keylen
-    const char *record
-    Py_ssize_t reclen
-
 
 @cython.no_gc_clear  # its owner (the producer's handle) must outlive rkt, even when collected in one pass
 cdef class ReplayTarget:
@@ -737,64 +806,60 @@ cdef class DirectProducer:
             raise RuntimeError("this confluent_kafka Producer's layout is not the one DirectProducer reads")
         self.producer = producer  # keeps the handle alive as long as this
 
-    def produce_rows(self, bytes topic not None, list keys not None, list records not None, bytes prefix not None,
-                     bytes suffix not None, Py_ssize_t start=0) -> tuple:
-        """Produces the events (keys[i], prefix + records[i] + suffix) from i = start on, each to the partition
-        the producer's partitioner picks for its key, until one is refused. Returns (the index of the first
-        event not produced, len(keys) when all were; librdkafka's error code for it, 0 when none; the size of
-        the largest event produced, key included)."""
-        cdef Py_ssize_t n = len(keys) - start, i, done = 0, longest = 0, largest = 0, plen, slen
-        cdef Row *items
+    def produce_packed(self, bytes topic not None, bytes packed not None, bytes prefix not None,
+                       bytes suffix not None, Py_ssize_t start=0) -> tuple:
+        """Produces the events (key, prefix + record + suffix) of ``packed`` (TuplePlan.encode_copy_packed) from
+        byte offset ``start`` on, each to the partition the producer's partitioner picks for its key, until one
+        is refused. Returns (the offset of the first row not produced, len(packed) when all were; librdkafka's
+        error code for it, 0 when none; the size of the largest event produced, key included)."""
+        cdef const unsigned char *p = <const unsigned char*>PyBytes_AS_STRING(packed)
+        cdef Py_ssize_t size = PyBytes_GET_SIZE(packed), at, reclen, keylen, longest = 0, largest = 0, plen, slen
         cdef char *buf = NULL
         cdef void *rkt
         cdef int err = 0
         cdef const char *ctopic = PyBytes_AS_STRING(topic)
         cdef const char *sp = PyBytes_AS_STRING(suffix)
-        if len(records) != len(keys):
-            raise ValueError("one record per key")
-        if start < 0 or n < 0:
+        if start < 0 or start > size:
             raise IndexError("start out of range")
-        if n == 0:
+        at = start
+        while at < size:  # checked here, read below without bounds checks
+            if size - at < 8:
+                raise ValueError("truncated packed rows")
+            reclen, keylen = be32(p + at), be32(p + at + 4)
+            if reclen > size - at - 8 or keylen > size - at - 8 - reclen:
+                raise ValueError("truncated packed rows")
+            if reclen > longest:
+                longest = reclen
+            at += 8 + reclen + keylen
+        if start == size:
             return start, 0, 0
         plen, slen = PyBytes_GET_SIZE(prefix), PyBytes_GET_SIZE(suffix)
-        items = <Row*>malloc(n * sizeof(Row))
-        if items == NULL:
+        buf = <char*>malloc(plen + longest + slen)
+        if buf == NULL:
             raise MemoryError()
         try:
-            for i in range(n):
-                # Read while holding the GIL; the lists keep every bytes object alive while it is released.
-                key, record = keys[start + i], records[start + i]
-                if type(key) is not bytes or type(record) is not bytes:
-                    raise TypeError("keys and records must be bytes")
-                items[i].key, items[i].keylen = PyBytes_AS_STRING(key), PyBytes_GET_SIZE(key)
-                items[i].record, items[i].reclen = PyBytes_AS_STRING(record), PyBytes_GET_SIZE(record)
-                if items[i].reclen > longest:
-                    longest = items[i].reclen
-            buf = <char*>malloc(plen + longest + slen)
-            if buf == NULL:
-                raise MemoryError()
             memcpy(buf, PyBytes_AS_STRING(prefix), plen)
             rkt = self.topic_new(self.rk, ctopic, NULL)
             if rkt == NULL:
                 err = self.last_error()
                 return start, (err if err != 0 else RD_KAFKA_RESP_ERR__FAIL), 0
+            at = start
             with nogil:
-                for i in range(n):
-                    memcpy(buf + plen, items[i].record, items[i].reclen)
-                    memcpy(buf + plen + items[i].reclen, sp, slen)
-                    if self.produce(rkt, RD_KAFKA_PARTITION_UA, RD_KAFKA_MSG_F_COPY, buf,
-                                    plen + items[i].reclen + slen, items[i].key, items[i].keylen, NULL) == -1:
+                while at < size:
+                    reclen, keylen = be32(p + at), be32(p + at + 4)
+                    memcpy(buf + plen, p + at + 8, reclen)
+                    memcpy(buf + plen + reclen, sp, slen)
+                    if self.produce(rkt, RD_KAFKA_PARTITION_UA, RD_KAFKA_MSG_F_COPY, buf, plen + reclen + slen,
+                                    p + at + 8 + reclen, keylen, NULL) == -1:
                         err = self.last_error()
                         break
-                    if items[i].keylen + items[i].reclen > largest:
-                        largest = items[i].keylen + items[i].reclen
-                    done += 1
+                    if keylen + reclen > largest:
+                        largest = keylen + reclen
+                    at += 8 + reclen + keylen
                 self.topic_destroy(rkt)
-            return start + done, err, (largest + plen + slen if done else 0)
+            return at, err, (largest + plen + slen if at > start else 0)
         finally:
-            free(items)
             free(buf)
-
 
     def target(self, TuplePlan plan not None, bytes topic not None, tuple parts not None) -> ReplayTarget:
         """A ReplayTarget producing to ``topic`` on this handle; ``parts``: TableCodec.event_parts."""
@@ -1294,3 +1359,19 @@ def copy_rows_and_last(bytes data not None) -> tuple:
             fields.append(PyBytes_FromStringAndSize(<const char*>d + pos, length))
             pos += length
     return rows, fields
+
+
+def packed_keys(bytes packed not None) -> list:
+    """The keys of TuplePlan.encode_copy_packed's rows, in order."""
+    cdef const unsigned char* p = <const unsigned char*>PyBytes_AS_STRING(packed)
+    cdef Py_ssize_t size = PyBytes_GET_SIZE(packed), at = 0, reclen, keylen
+    cdef list keys = []
+    while at < size:
+        if size - at < 8:
+            raise ValueError("truncated packed rows")
+        reclen, keylen = be32(p + at), be32(p + at + 4)
+        if reclen > size - at - 8 or keylen > size - at - 8 - reclen:
+            raise ValueError("truncated packed rows")
+        keys.append(PyBytes_FromStringAndSize(<const char*>p + at + 8 + reclen, keylen))
+        at += 8 + reclen + keylen
+    return keys

@@ -9,8 +9,8 @@ snapshot's progress (per table and range: the last key read), committed every ``
 so a crash loses at most that much work and a restart continues after the last committed keys.
 
 The hot loops are in C when the C build is there (cdc/_native.pyx): the COPY is read through libpq without
-the GIL (CopyReader), a chunk is encoded in one call (TuplePlan.encode_copy) and produced in one call without
-the GIL (DirectProducer), so the reader thread and the main thread run at once.
+the GIL (CopyReader), a chunk is encoded in one call into one bytes object (TuplePlan.encode_copy_packed) and
+produced in one call without the GIL (DirectProducer), so the reader thread and the main thread run at once.
 """
 
 from __future__ import annotations
@@ -53,6 +53,8 @@ _B, _T, _N = ord("b"), ord("t"), ord("n")
 class _Chunk:
     table: str
     part: int  # which of the table's key ranges
+    rows: int  # how many rows the chunk holds
+    packed: bytes | None  # the rows as TuplePlan.encode_copy_packed packs them (produced from C), or:
     keys: list[bytes]  # framed keys
     records: list[bytes]  # the Value records of the same rows
     last_key: list[str] | None
@@ -133,6 +135,13 @@ def _rows_and_last(data: bytes) -> tuple[int, list[bytes | None] | None]:
         return native.copy_rows_and_last(data)  # type: ignore[no-any-return]
     rows = parse_binary_copy(data)
     return len(rows), (rows[-1] if rows else None)
+
+
+def _packed_keys(packed: bytes) -> list[bytes]:
+    """The keys of a chunk's packed rows (TuplePlan.encode_copy_packed)."""
+    native = native_module()
+    assert native is not None  # rows are packed only by it
+    return native.packed_keys(packed)  # type: ignore[no-any-return]
 
 
 class _PsycopgCopies:
@@ -366,9 +375,9 @@ class Snapshotter:
                         left[item.table].discard(item.part)
                         table_done = not left[item.table]
                     self._write_chunk(item, codecs[item.table], consistent, table_done=table_done)
-                    progress.advance(tasks[item.table], len(item.keys))
+                    progress.advance(tasks[item.table], item.rows)
                     done_tables += table_done
-                    metrics.snapshot_rows(item.table, len(item.keys), table_done=table_done, done_tables=done_tables)
+                    metrics.snapshot_rows(item.table, item.rows, table_done=table_done, done_tables=done_tables)
                     if self.capture.stop.is_set():
                         if self._open_since is not None:  # the stop came after _write_chunk looked: commit
                             self.capture._commit_offsets(self.state)
@@ -491,6 +500,7 @@ class Snapshotter:
                 ]
             order = sql.SQL(", ").join(sql.SQL("src.{}").format(sql.Identifier(k)) for k in key_names)
             kinds = bytes(_B if b else _T for b in codec.binary_capable)
+            from_c = self.capture.producer.produces_from_c
             names = [c.name for c in table.columns]
             positions = [names.index(k) for k in key_names]
 
@@ -537,16 +547,24 @@ class Snapshotter:
                         return
                     limit = next_chunk_rows(most, len(data), rows)
                     copies.send(query_for(after, limit))  # read ahead: PostgreSQL reads it while this one is encoded
+                packed: bytes | None = None
+                keys: list[bytes] = []
+                records: list[bytes] = []
                 try:
                     try:
-                        keys, records = encode_copy_rows(codec, data, kinds)
+                        # One bytes object for the chunk, not two per row, when the events are produced from C.
+                        found = codec.encode_copy_packed(data, kinds) if from_c else None
+                        if found is not None:
+                            packed = found[0]
+                        else:
+                            keys, records = encode_copy_rows(codec, data, kinds)
                     except Exception:  # the general path fails with the diagnosis (or succeeds)
-                        keys, records = _encode_copy_rows_slowly(codec, table.qualified, data, kinds)
+                        packed, keys, records = None, *_encode_copy_rows_slowly(codec, table.qualified, data, kinds)
                 except BaseException:
                     if not done:
                         copies.abandon()
                     raise
-                out.put(_Chunk(table.qualified, work.part, keys, records, after, done))
+                out.put(_Chunk(table.qualified, work.part, rows, packed, keys, records, after, done))
                 if done:
                     return
 
@@ -567,10 +585,13 @@ class Snapshotter:
         pos = Position(consistent, consistent, time.time_ns() // 1000, None, "true")
         now_us = time.time_ns() // 1000
         prefix, suffix = codec.read_event_frame(pos, now_us)
-        self.capture._produce_framed(codec.topic, chunk.keys, chunk.records, prefix, suffix)
+        if chunk.packed is not None:
+            self.capture._produce_packed(codec.topic, chunk.packed, chunk.rows, prefix, suffix)
+        else:
+            self.capture._produce_framed(codec.topic, chunk.keys, chunk.records, prefix, suffix)
         if gaps is not None:
-            gaps.seen(chunk.keys)
-        self.capture.metrics.count(codec.topic, "r", len(chunk.keys))
+            gaps.seen(chunk.keys if chunk.packed is None else _packed_keys(chunk.packed))
+        self.capture.metrics.count(codec.topic, "r", chunk.rows)
         # The range's entry is updated in place: the table's entry also holds the re-snapshot's start offsets
         # ("since"), kept until the table is done.
         progress = self.snap["tables"][chunk.table]

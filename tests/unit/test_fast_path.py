@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cdc._events import KeyMissingError, Position, TableCodec
-from cdc._snapshot import _rows_and_last, encode_copy_rows, parse_binary_copy
+from cdc._snapshot import _packed_keys, _rows_and_last, encode_copy_rows, parse_binary_copy
 from decoders import Insert, PgOutputDecoder, TupleData
 from schemas import PgType
 from tests._codecs import make_codec
@@ -345,11 +345,33 @@ def test_copy_rows_encode_as_the_general_path(codec: TableCodec, chunk: tuple[by
     except Exception:  # a value the converters refuse: so must the snapshot's encoder
         with pytest.raises(Exception):  # noqa: B017, PT011
             encode_copy_rows(codec, data, modes)
+        if codec.native_plan is not None:
+            with pytest.raises(Exception):  # noqa: B017, PT011
+                codec.encode_copy_packed(data, modes)
         return
     keys, records = encode_copy_rows(codec, data, modes)
     assert list(zip(keys, records, strict=True)) == expected
+    if codec.native_plan is not None:  # the same rows packed into one bytes object
+        found = codec.encode_copy_packed(data, modes)
+        assert found is not None
+        packed, rows = found
+        assert (rows, _unpacked(packed)) == (len(expected), expected)
+        assert _packed_keys(packed) == keys
     rows, last = _rows_and_last(data)  # what the next chunk's query is made from
     assert (rows, None if last is None else last[len(COLUMNS) :]) == (len(expected), extras[-1:] or None)
+
+
+def _unpacked(packed: bytes) -> list[tuple[bytes, bytes]]:
+    """TuplePlan.encode_copy_packed's rows as (key, record) pairs: per row the record's and the key's lengths
+    (big-endian uint32), the record, the key."""
+    out, at = [], 0
+    while at < len(packed):
+        reclen, keylen = struct.unpack_from(">II", packed, at)
+        at += 8
+        out.append((packed[at + reclen : at + reclen + keylen], packed[at : at + reclen]))
+        at += reclen + keylen
+    assert at == len(packed)
+    return out
 
 
 def _numeric_codec(typmod: int) -> tuple[TableCodec, TableCodec]:
@@ -424,7 +446,8 @@ def test_copy_rows_and_last_reads_what_the_python_parser_reads(chunk: tuple[byte
 
 
 def test_cut_copy_output_is_refused_not_read_past() -> None:
-    """Every prefix of a COPY output is refused with ValueError by both C readers (no read past the end)."""
+    """Every prefix of a COPY output is refused with ValueError by the C readers (no read past the end), and so
+    is every prefix of packed rows cut inside a row."""
     if CODEC._plan is None:
         pytest.skip("cdc._native is not built (test_the_c_encoder_is_built says why)")
     from cdc import _native  # type: ignore[attr-defined]
@@ -442,3 +465,13 @@ def test_cut_copy_output_is_refused_not_read_past() -> None:
             _native.copy_rows_and_last(data[:cut])
         with pytest.raises(ValueError):  # noqa: PT011
             CODEC._plan.encode_copy(data[:cut], modes)
+        with pytest.raises(ValueError):  # noqa: PT011
+            CODEC._plan.encode_copy_packed(data[:cut], modes)
+    packed, _ = CODEC._plan.encode_copy_packed(data, modes)
+    first_row_ends = len(packed) // 2  # two identical rows
+    for cut in range(1, len(packed)):
+        if cut == first_row_ends:
+            assert len(_native.packed_keys(packed[:cut])) == 1
+            continue
+        with pytest.raises(ValueError, match="truncated packed rows"):
+            _native.packed_keys(packed[:cut])
