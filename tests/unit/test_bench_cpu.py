@@ -89,3 +89,28 @@ def test_the_snapshot_bound_says_what_the_rest_allows_and_what_ours_may_cost() -
     allowed = (ncpu / (0.7 * 2_000_000) - 1.0 / 1_000_000) * 1e6
     assert f"needs them at {max(allowed, 0.0):.2f} CPU-µs per row" in note
     assert "(they took 0.50;" in note
+
+
+def test_settle_waits_for_a_quiet_machine_and_says_what_it_did(monkeypatch: pytest.MonkeyPatch) -> None:
+    """run_all.settle: a busy machine is waited out, a failed CHECKPOINT is said, not raised."""
+    import run_all
+
+    cpus = os.cpu_count() or 1
+    window = run_all.QUIET_WINDOW_S
+    # busy CPU-seconds read before and after each window: 90 %, 50 %, then 1 % of the machine
+    busy = iter([0.0, cpus * 0.9 * window, 10.0, 10.0 + cpus * 0.5 * window, 20.0, 20.0 + cpus * 0.01 * window])
+    monkeypatch.setattr(_cpu, "box", lambda: (next(busy), 0.0))
+    monkeypatch.setattr(time, "sleep", lambda _s: None)
+
+    def refused() -> None:
+        raise ConnectionError("no PostgreSQL")
+
+    said = run_all.settle(refused)
+    assert said.startswith("no CHECKPOINT (ConnectionError); quiet after")
+    assert said.endswith("(1% busy)")
+    assert next(busy, None) is None  # three windows were looked at: two busy, one quiet
+
+    ticks = iter(range(10**6))
+    monkeypatch.setattr(run_all, "QUIET_MAX_WAIT_S", 0.0)
+    monkeypatch.setattr(_cpu, "box", lambda: (next(ticks) * cpus * window, 0.0))  # always fully busy
+    assert "still busy" in run_all.settle(None)
