@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from cdc import _capture
 from cdc._capture import Capture
 from cdc._config import load_settings
 from schemas import PgType
@@ -61,3 +62,16 @@ def test_what_it_cannot_take_is_left_to_the_general_path(
     cap, producer = capture
     assert not cap._fast_change(message, TXN, 100, 0)
     assert producer.out == []
+
+
+def test_only_a_large_batch_caught_up_soon_after_a_commit_reads_on(capture: tuple[Capture, _KeepingProducer]) -> None:
+    """Capture._coalescing: a small batch (light load) is committed as soon as it is caught up; a large one
+    (heavy load) reads on until _COALESCE_S after the previous commit, then is committed."""
+    cap, _ = capture
+    cap._committed_at = 100.0
+    cap._batch_events = _capture._COALESCE_EVENTS - 1
+    assert cap._coalescing(100.001) == 0.0
+    cap._batch_events = _capture._COALESCE_EVENTS
+    assert cap._coalescing(100.005) == pytest.approx(_capture._COALESCE_S - 0.005)
+    assert cap._coalescing(100.0 + _capture._COALESCE_S) == 0.0
+    assert cap._coalescing(200.0) == 0.0
