@@ -6,7 +6,7 @@ Every capture scenario (bench/insert_heavy.py, update_heavy.py, pgbench_tpcb.py,
    it, and the Kafka topics and registry subjects of its topic prefix);
 2. creates its tables and the publication, then ``s.create_slots(...)`` — pgoutput slots created one after the
    other with no write of ours in between, so they all start at the same point of the same WAL;
-3. writes the workload and notes the end LSN (``s.current_lsn()``);
+3. writes the workload and notes the end LSN (``s.end_lsn()``, with a fence after it for `cdc run`'s slot);
 4. times ``s.recvlogical(...)`` — pg_recvlogical (pgoutput with `cdc run`'s options, to /dev/null) reading its
    slot to the end LSN: the reference, what logical decoding itself delivers here — and ``s.time_cdc(...)`` —
    ``cdc run`` with the default configuration (snapshot off) until its slot's confirmed_flush_lsn, which only
@@ -52,6 +52,7 @@ import _cpu  # noqa: E402 - a sibling module: bench/ is not a package
 import _debezium as dbz  # noqa: E402
 from _report import Measure  # noqa: E402
 
+from cdc._capture import HEARTBEAT_PREFIX  # noqa: E402 - what the end LSN's fence imitates
 from tests import _services  # noqa: E402 - finds (or starts) the local services like the tests do
 
 cpu_seconds = dbz.cpu_seconds
@@ -202,6 +203,26 @@ class Scratch:
             row = c.execute("SELECT (pg_current_wal_lsn() - '0/0')::bigint").fetchone()
         assert row is not None
         return int(row[0])
+
+    def end_lsn(self, conn: psycopg.Connection[Any] | None = None, *, fence_for: Sequence[str] = ()) -> int:
+        """The LSN after the workload just written (pg_current_wal_lsn()), then a fence after it for each slot
+        in ``fence_for``: a heartbeat as `cdc run` writes its own (a non-transactional logical message, prefix
+        pgcdc.heartbeat, content the slot's name; no event), which it confirms as soon as it reads it.
+
+        `cdc run` confirms a position in its slot only with what it has read and committed, not with the
+        walsender's keepalives, so WAL written after the workload's last commit and before the end LSN is read
+        (another process's: a checkpoint's, the bgwriter's, autovacuum's) was confirmed only at the capture's
+        next own heartbeat, 10 s after it started streaming: the ~10 s "stalls" of 1 in 20-35 update-heavy runs
+        (the stalled run of 2026-11-24 09:20 reached the end LSN 10.06 s after it began to stream, 60 ms after
+        its first heartbeat)."""
+        with contextlib.ExitStack() as stack:
+            c = conn or stack.enter_context(self.connect())
+            end = self.current_lsn(c)
+        if fence_for:
+            with self.connect() as fence:
+                for slot in fence_for:
+                    fence.execute("SELECT pg_logical_emit_message(false, %s, %s)", (HEARTBEAT_PREFIX, slot))
+        return end
 
     def create_publication(self, name: str, tables: Sequence[str]) -> None:
         """CREATE PUBLICATION name FOR TABLE tables ("schema.table")."""

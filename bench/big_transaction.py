@@ -95,7 +95,7 @@ def run(argv: list[str] | None = None) -> Result:
         t0 = time.monotonic()
         with s.connect() as conn:
             conn.execute(sql.SQL(_INSERT).format(sql.Identifier(TABLE)), (args.pad, rows))
-            end_lsn = s.current_lsn(conn)
+            end_lsn = s.end_lsn(conn, fence_for=[SLOT_CDC, *([SLOT_CDC_PLAIN] if plain else [])])
         result.params["write_s"] = round(time.monotonic() - t0, 2)
         result.params["wal_mb"] = round((end_lsn - start_lsn) / 2**20, 1)
 

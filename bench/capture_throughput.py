@@ -69,7 +69,7 @@ def main() -> int:
                     (args.pad, args.pad, first + 1, min(first + args.txn_rows, args.rows)),
                 )
             result["write_s"] = round(time.monotonic() - start, 2)
-            end = s.current_lsn(conn)
+            end = s.end_lsn(conn, fence_for=["bench_cdc"])
         lag = s.slot_lag_bytes("bench_cdc")
         result["wal_to_decode_mb"] = None if lag is None else round(lag / 2**20, 1)
 

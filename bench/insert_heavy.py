@@ -106,7 +106,7 @@ def run(argv: list[str] | None = None) -> Result:
             for n in sizes:
                 conn.execute(sql.SQL(_INSERT).format(table), (first, first + n - 1))
                 first += n
-            end_lsn = s.current_lsn(conn)
+            end_lsn = s.end_lsn(conn, fence_for=[SLOT_CDC])
         result.params["write_s"] = round(time.monotonic() - t0, 2)
         result.params["wal_mb"] = round((end_lsn - start_lsn) / 2**20, 1)
 

@@ -114,7 +114,7 @@ def run(argv: list[str] | None = None) -> Result:
             t0 = time.monotonic()
             out = _pgbench(s, run_args)
             bench_end = time.monotonic()
-            end_lsn = s.current_lsn()
+            end_lsn = s.end_lsn(fence_for=[SLOT_CDC])
             ours = ours_run.wait_for(end_lsn, since=t0)
         txns, tps = _parse(out)
         changes = txns * CHANGES_PER_TXN

@@ -136,7 +136,7 @@ def run(argv: list[str] | None = None) -> Result:
                 if by_kind["delete"]:
                     gone = set(by_kind["delete"])
                     live = [i for i in live if i not in gone]
-            end_lsn = s.current_lsn(conn)
+            end_lsn = s.end_lsn(conn, fence_for=[SLOT_CDC])
         result.params.update(
             write_s=round(time.monotonic() - t0, 2),
             wal_mb=round((end_lsn - start_lsn) / 2**20, 1),
