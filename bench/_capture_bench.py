@@ -219,7 +219,11 @@ class Scratch:
             c = conn or stack.enter_context(self.connect())
             end = self.current_lsn(c)
         if fence_for:
-            with self.connect() as fence:
+            with self.connect() as fence, fence.transaction():
+                # In a transaction with an xid, so that its commit flushes the WAL up to the fences: alone, a
+                # non-transactional message's WAL waits for the WAL writer (up to 3 x wal_writer_delay), and
+                # logical decoding sends only flushed WAL (PostgreSQL 17 adds a flush argument instead).
+                fence.execute("SELECT pg_current_xact_id()")
                 for slot in fence_for:
                     fence.execute("SELECT pg_logical_emit_message(false, %s, %s)", (HEARTBEAT_PREFIX, slot))
         return end
