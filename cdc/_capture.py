@@ -82,8 +82,7 @@ log = logging.getLogger(__name__)
 
 HEARTBEAT_PREFIX = "pgcdc.heartbeat"
 _CHANGES = frozenset({Insert, Update, Delete, Truncate})
-_FAST_KINDS = frozenset(b"IUD")  # Insert, Update, Delete: the frames _fast_change takes
-_C_KINDS = _FAST_KINDS  # the kinds cdc._native produces too (not a key change: the general path takes it)
+_FAST_KINDS = frozenset(b"IUD")  # Insert, Update, Delete: the frames _fast_change takes (and cdc._native)
 _XLOG_DATA = ord("w")
 _XLOG_UNPACK = XLOG_HEADER.unpack_from
 _PAYLOAD_AT = XLOG_PAYLOAD_AT
@@ -517,7 +516,7 @@ class Capture:
                         lsn, end_lsn, _ = _XLOG_UNPACK(data, 1)
                         received = max(received, end_lsn)
                         if self._fast_change(data, current, lsn, txn_now_us, start=_PAYLOAD_AT):
-                            if live_c and data[_PAYLOAD_AT] in _C_KINDS and self._tx is None:  # the ones after it
+                            if live_c and self._tx is None:  # the ones after it, from C
                                 held, end_lsn = self._more_changes(repl, data, current, txn_now_us)
                                 received = max(received, end_lsn)
                             continue
@@ -734,7 +733,7 @@ class Capture:
                 if aborted and _U32(data, 1)[0] in aborted:
                     continue
                 if data[0] in _FAST_KINDS and self._fast_change(data, txn, change_lsn, now_us, streamed=True):
-                    if from_c and data[0] in _C_KINDS:  # the table's next ones from C
+                    if from_c:  # the table's next ones from C
                         relid = _U32(data, 5)[0]
                         if relid not in targets:
                             codec = self._codec_in_use(relid)

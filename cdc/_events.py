@@ -201,11 +201,13 @@ class TableCodec:
         """cdc._snapshot.encode_copy_rows of a chunk by the C build (one call per chunk); None without it."""
         if self._plan is None:
             return None
-        return self._plan.encode_copy(data, copy_modes)  # type: ignore[no-any-return]
+        packed, _ = self._plan.encode_copy_packed(data, copy_modes)
+        return _native.packed_rows(packed)  # type: ignore[no-any-return]
 
     def encode_copy_packed(self, data: bytes, copy_modes: bytes) -> tuple[bytes, int] | None:
         """:meth:`encode_copy` packed into one bytes object (TuplePlan.encode_copy_packed: per row its record's and
-        key's lengths, the record, the key) and the number of rows; None without the C build."""
+        key's lengths, the record, the key) and the number of rows; None without the C build. What the snapshot
+        hands to a producer that produces from C."""
         if self._plan is None:
             return None
         return self._plan.encode_copy_packed(data, copy_modes)  # type: ignore[no-any-return]

@@ -150,6 +150,18 @@ cdef inline uint64_t be64(const unsigned char* p) noexcept nogil:
     return (<uint64_t>be32(p) << 32) | be32(p + 4)
 
 
+cdef Py_ssize_t packed_next(const unsigned char* p, Py_ssize_t size, Py_ssize_t at, Py_ssize_t* reclen,
+                            Py_ssize_t* keylen) except -1:
+    """The row of packed rows (TuplePlan.encode_copy_packed) at ``at``: its record's and key's lengths, checked
+    to lie within ``size``; returns where the next row starts."""
+    if size - at < 8:
+        raise ValueError("truncated packed rows")
+    reclen[0], keylen[0] = be32(p + at), be32(p + at + 4)
+    if reclen[0] > size - at - 8 or keylen[0] > size - at - 8 - reclen[0]:
+        raise ValueError("truncated packed rows")
+    return at + 8 + reclen[0] + keylen[0]
+
+
 cdef inline void put_be32(unsigned char* p, uint32_t v) noexcept nogil:
     p[0] = <unsigned char>(v >> 24)
     p[1] = <unsigned char>(v >> 16)
@@ -407,32 +419,6 @@ cdef class TuplePlan:
     def encode(self, bytes data not None, Py_ssize_t pos, bytes copy_modes=None) -> tuple:
         return self._encode(data, pos, copy_modes)
 
-    def encode_copy(self, bytes data not None, bytes copy_modes not None) -> tuple:
-        """A whole ``COPY … (FORMAT binary)`` chunk: the framed keys and the Value records of its rows (fields
-        after the table's columns are skipped), as cdc._snapshot.encode_copy_rows. Raises on anything it does not
-        take, a NULL key included."""
-        cdef const unsigned char* d = <const unsigned char*>PyBytes_AS_STRING(data)
-        cdef Py_ssize_t size = PyBytes_GET_SIZE(data), pos
-        cdef int16_t nfields
-        cdef list keys = [], records = []
-        cdef bytes record
-        cdef PyObject* key = NULL
-        pos = copy_body_start(d, size)
-        while True:
-            if pos > size - 2:
-                raise ValueError("truncated COPY output")
-            nfields = <int16_t>be16(d + pos)
-            if nfields == -1:
-                return keys, records
-            record = self._encode_row(data, pos, copy_modes, None, &pos, &key)  # refuses fewer fields than columns
-            if key == NULL:
-                raise ValueError("a key column is NULL")
-            keys.append(<object>key)
-            Py_XDECREF(key)  # the reference _encode_row handed over; the list holds its own
-            key = NULL
-            records.append(record)
-            pos = skip_fields(d, size, pos, nfields - self.ncols)
-
     cdef tuple _encode(self, bytes data, Py_ssize_t pos, bytes copy_modes):
         """(record, key or None, the unchanged TOASTed columns' names, the position after the tuple)."""
         cdef list unchanged = []
@@ -579,8 +565,9 @@ cdef class TuplePlan:
                 free(marks)
 
     def encode_copy_packed(self, bytes data not None, bytes copy_modes not None) -> tuple:
-        """:meth:`encode_copy` packed into one bytes object, not two per row: per row, its record's and its key's
-        lengths (two big-endian uint32), then the record, then the key (DirectProducer.produce_packed reads
+        """A whole ``COPY … (FORMAT binary)`` chunk's rows (fields after the table's columns are skipped) packed
+        into one bytes object, not two per row: per row, its Value record's and its framed key's lengths (two
+        big-endian uint32), then the record, then the key (DirectProducer.produce_packed and packed_rows read
         this). Returns (that, the number of rows). Raises on anything it does not take, a NULL key included."""
         cdef const unsigned char* d = <const unsigned char*>PyBytes_AS_STRING(data)
         cdef Py_ssize_t size = PyBytes_GET_SIZE(data), pos, head, reclen, keylen, rows = 0
@@ -823,14 +810,9 @@ cdef class DirectProducer:
             raise IndexError("start out of range")
         at = start
         while at < size:  # checked here, read below without bounds checks
-            if size - at < 8:
-                raise ValueError("truncated packed rows")
-            reclen, keylen = be32(p + at), be32(p + at + 4)
-            if reclen > size - at - 8 or keylen > size - at - 8 - reclen:
-                raise ValueError("truncated packed rows")
+            at = packed_next(p, size, at, &reclen, &keylen)
             if reclen > longest:
                 longest = reclen
-            at += 8 + reclen + keylen
         if start == size:
             return start, 0, 0
         plen, slen = PyBytes_GET_SIZE(prefix), PyBytes_GET_SIZE(suffix)
@@ -1361,17 +1343,16 @@ def copy_rows_and_last(bytes data not None) -> tuple:
     return rows, fields
 
 
-def packed_keys(bytes packed not None) -> list:
-    """The keys of TuplePlan.encode_copy_packed's rows, in order."""
+def packed_rows(bytes packed not None, bint records=True) -> tuple:
+    """TuplePlan.encode_copy_packed's rows as (their keys, their records), each a list in order; the records are
+    None when not asked for."""
     cdef const unsigned char* p = <const unsigned char*>PyBytes_AS_STRING(packed)
-    cdef Py_ssize_t size = PyBytes_GET_SIZE(packed), at = 0, reclen, keylen
-    cdef list keys = []
+    cdef Py_ssize_t size = PyBytes_GET_SIZE(packed), at = 0, row, reclen, keylen
+    cdef list keys = [], recs = [] if records else None
     while at < size:
-        if size - at < 8:
-            raise ValueError("truncated packed rows")
-        reclen, keylen = be32(p + at), be32(p + at + 4)
-        if reclen > size - at - 8 or keylen > size - at - 8 - reclen:
-            raise ValueError("truncated packed rows")
-        keys.append(PyBytes_FromStringAndSize(<const char*>p + at + 8 + reclen, keylen))
-        at += 8 + reclen + keylen
-    return keys
+        row = at
+        at = packed_next(p, size, at, &reclen, &keylen)
+        keys.append(PyBytes_FromStringAndSize(<const char*>p + row + 8 + reclen, keylen))
+        if records:
+            recs.append(PyBytes_FromStringAndSize(<const char*>p + row + 8, reclen))
+    return keys, recs

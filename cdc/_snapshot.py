@@ -141,7 +141,7 @@ def _packed_keys(packed: bytes) -> list[bytes]:
     """The keys of a chunk's packed rows (TuplePlan.encode_copy_packed)."""
     native = native_module()
     assert native is not None  # rows are packed only by it
-    return native.packed_keys(packed)  # type: ignore[no-any-return]
+    return native.packed_rows(packed, records=False)[0]  # type: ignore[no-any-return]
 
 
 class _PsycopgCopies:

@@ -18,7 +18,7 @@ import pytest
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from cdc._capture import _C_KINDS, Capture, _Spill
+from cdc._capture import Capture, _Spill
 from cdc._config import load_settings
 from cdc._events import SourceInfo
 from cdc._kafka import Topics, TransactionalProducer
@@ -83,6 +83,16 @@ def test_libpq_copies_fail_as_psycopg_would(reader: Any, pg_dsn: str, unique: st
         assert conn.info.transaction_status == psycopg.pq.TransactionStatus.INERROR
         conn.rollback()
         assert conn.execute("SELECT 1").fetchone() == (1,)
+
+
+def _published(dsn: str, *ddl: str, slots: tuple[str, ...]) -> None:
+    """Table t made by ``ddl``, in publication "pub", and a pgoutput slot per name in ``slots``, all at one point."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        for statement in ddl:
+            conn.execute(statement)
+        conn.execute("CREATE PUBLICATION pub FOR TABLE t")
+        for slot in slots:
+            conn.execute("SELECT pg_create_logical_replication_slot(%s, 'pgoutput')", (slot,))
 
 
 def _ensure_topics(kafka: str, *topics: str) -> None:
@@ -266,11 +276,7 @@ def test_a_deletes_refused_tombstone_is_written_once_after_it_when_live(
     direct, plain = f"old{unique}.public.t", f"olp{unique}.public.t"
     _ensure_topics(kafka_bootstrap, direct, plain)
     with scratch_database(pg_dsn, f"ow_{unique}") as dsn:
-        with psycopg.connect(dsn, autocommit=True) as conn:
-            conn.execute("CREATE TABLE t (id int PRIMARY KEY, body text, qty int)")
-            conn.execute("CREATE PUBLICATION pub FOR TABLE t")
-            for slot in ("c", "py"):
-                conn.execute("SELECT pg_create_logical_replication_slot(%s, 'pgoutput')", (slot,))
+        _published(dsn, "CREATE TABLE t (id int PRIMARY KEY, body text, qty int)", slots=("c", "py"))
         with psycopg.connect(dsn) as conn:
             conn.execute("INSERT INTO t SELECT g, 'b' || g, g FROM generate_series(1, 60) g")
             conn.execute("DELETE FROM t WHERE id % 2 = 0")
@@ -337,11 +343,7 @@ def test_read_changes_takes_what_read_takes_one_at_a_time(pg_dsn: str, unique: s
     if PURE_PYTHON:
         pytest.skip("CDC_PURE_PYTHON is set: changes are read one message at a time")
     with scratch_database(pg_dsn, f"rc_{unique}") as dsn:
-        with psycopg.connect(dsn, autocommit=True) as conn:
-            conn.execute("CREATE TABLE t (id int PRIMARY KEY, body text)")
-            conn.execute("CREATE PUBLICATION pub FOR TABLE t")
-            for slot in ("one", "bulk"):
-                conn.execute("SELECT pg_create_logical_replication_slot(%s, 'pgoutput')", (slot,))
+        _published(dsn, "CREATE TABLE t (id int PRIMARY KEY, body text)", slots=("one", "bulk"))
         with psycopg.connect(dsn) as conn:  # streamed: far past 64 kB, with updates and deletes inside
             conn.execute("INSERT INTO t SELECT g, repeat('x', g % 500) FROM generate_series(1, 20000) g")
             conn.execute("UPDATE t SET body = 'y' WHERE id % 3 = 0")
@@ -453,7 +455,7 @@ def _capture_live(
             elif kind in (b"I", b"U", b"D"):
                 lsn = struct.unpack_from(">Q", data, 1)[0]
                 assert cap._fast_change(data, current, lsn, 1_700_000_000_000_000, start=25)
-                if from_c and data[25] in _C_KINDS:
+                if from_c:
                     held, _ = cap._more_changes(repl, data, current, 1_700_000_000_000_000)
         producer.commit()
     finally:
@@ -468,12 +470,12 @@ def test_live_changes_from_c_are_what_the_fast_path_writes(kafka_bootstrap: str,
     direct, plain, small = f"ld{unique}.public.t", f"lp{unique}.public.t", f"lq{unique}.public.t"
     _ensure_topics(kafka_bootstrap, direct, plain, small)
     with scratch_database(pg_dsn, f"li_{unique}") as dsn:
-        with psycopg.connect(dsn, autocommit=True) as conn:
-            conn.execute("CREATE TABLE t (id int PRIMARY KEY, body text, qty int)")
-            conn.execute("ALTER TABLE t ALTER body SET STORAGE EXTERNAL")  # long values out of line, uncompressed
-            conn.execute("CREATE PUBLICATION pub FOR TABLE t")
-            for slot in ("c", "py", "cq"):
-                conn.execute("SELECT pg_create_logical_replication_slot(%s, 'pgoutput')", (slot,))
+        _published(
+            dsn,
+            "CREATE TABLE t (id int PRIMARY KEY, body text, qty int)",
+            "ALTER TABLE t ALTER body SET STORAGE EXTERNAL",  # long values out of line, uncompressed
+            slots=("c", "py", "cq"),
+        )
         with psycopg.connect(dsn) as conn:
             conn.execute("INSERT INTO t VALUES (-1, 'one row', 0)")  # a one-row transaction: no target for it
             conn.commit()
