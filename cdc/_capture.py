@@ -523,6 +523,17 @@ class Capture:
                 frame = parse_copy_data(raw)
                 if isinstance(frame, Keepalive):
                     received = max(received, frame.end_lsn)
+                    idle = current is None and stream_xid is None and not spills and not self._in_batch
+                    if received > acked and idle:
+                        # Nothing received is waiting for Kafka: every transaction that committed up to the
+                        # keepalive's position has been sent before it, and written and committed by us (or had
+                        # nothing we capture). So that position is confirmed, as PostgreSQL's own apply worker
+                        # and pg_recvlogical do: WAL written only for other tables or databases is freed without
+                        # waiting for a heartbeat. Uncommitted transactions are decoded again after a restart
+                        # whatever the slot confirms (it keeps their WAL: restart_lsn). The offsets state is not
+                        # rewritten for it; on the next start PostgreSQL moves a start position older than the
+                        # slot's confirmed one forward to it.
+                        acked = batch_lsn = received
                     if frame.reply_requested:
                         repl.send_status(received, acked, acked)
                         last_status = time.monotonic()

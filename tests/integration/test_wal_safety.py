@@ -64,15 +64,16 @@ def _capture(dsn: str, stack: tuple[str, str], slot: str, heartbeat_s: float, wo
     return CdcProcess(cfg.write(workdir / "cdc.toml"), workdir / "cdc.log")
 
 
-def test_heartbeats_keep_an_idle_slot_from_holding_wal_back(
+def test_an_idle_captured_table_does_not_make_the_slot_hold_wal_back(
     *, pg_dsn: str, kafka_bootstrap: str, registry_url: str, unique: str, tmp_path: Path
 ) -> None:
     """The captured table stays idle while another table writes ~48 MB of WAL.
 
-    With heartbeats (1 s here, 10 s by default) the slot's confirmed position follows the server, and the WAL
-    it retains on disk (restart_lsn) follows once PostgreSQL logs its next running-transactions record (every
-    15 s at most); without them (the control: a heartbeat interval longer than the test) the slot holds all
-    of that WAL back.
+    With heartbeats (1 s here, 10 s by default) the slot's confirmed position follows the server through them;
+    without any (a heartbeat interval longer than the test) it follows through the walsender's keepalives, whose
+    position the capture confirms when nothing it received waits for Kafka. The WAL the slot retains on disk
+    (restart_lsn) follows once PostgreSQL logs its next running-transactions record (every 15 s at most). Before
+    keepalive positions were confirmed, the second case held all of that WAL back.
     """
     results = {}
     with scratch_database(pg_dsn, f"wal_{unique}") as dsn:
@@ -93,8 +94,8 @@ def test_heartbeats_keep_an_idle_slot_from_holding_wal_back(
                 done = time.monotonic()
                 deadline = done + 45
                 # Until both settle: the retained WAL follows only at the next running-transactions record, and
-                # the confirmed position only at the next heartbeat after the last write (a read between the two
-                # saw 3.3 MB still unconfirmed).
+                # the confirmed position only at the next heartbeat or keepalive after the last write (a read
+                # between the two saw 3.3 MB still unconfirmed).
                 while time.monotonic() < deadline:
                     unconfirmed, retained, _ = _slot(dsn, slot)
                     if retained <= 8 * 2**20 and 0 <= unconfirmed < 2**20:
@@ -110,13 +111,11 @@ def test_heartbeats_keep_an_idle_slot_from_holding_wal_back(
             finally:
                 proc.stop()
     print(json.dumps(results, indent=2))  # the figures, shown with pytest -s
-    with_hb, without = results["with heartbeats"], results["without heartbeats"]
-    assert with_hb["wal_written"] > 40 * 2**20
-    # With heartbeats the slot has confirmed nearly everything; without, it holds back what was written.
-    assert with_hb["slot_unconfirmed"] < 2**20, results
-    assert with_hb["slot_retained"] < 8 * 2**20, results
-    assert without["slot_unconfirmed"] > 0.9 * without["wal_written"], results
-    assert without["slot_retained"] > 0.9 * without["wal_written"], results
+    for name, seen in results.items():
+        assert seen["wal_written"] > 40 * 2**20, (name, results)
+        # The slot has confirmed nearly everything, and retains little.
+        assert seen["slot_unconfirmed"] < 2**20, (name, results)
+        assert seen["slot_retained"] < 8 * 2**20, (name, results)
 
 
 def _quiet(dsn: str) -> dict[int, dict[str, Any]]:
