@@ -142,6 +142,21 @@ def describe_machine(machine: dict[str, Any]) -> str:
     return text
 
 
+def warmup_sentence(warmup: dict[str, Any] | None, scenarios: Sequence[dict[str, Any]] = ()) -> str:
+    """`` Before the latest run (insert-heavy, …) the Kafka broker was warmed for 60 s …``, from the summary's
+    ``broker_warmup`` and ``scenarios``: the table's other rows may come from earlier runs, not warmed."""
+    if not warmup or not warmup.get("seconds"):
+        return ""
+    names = ", ".join(str(s.get("scenario")) for s in scenarios if s.get("scenario"))
+    text = f" Before the latest run{f' ({names})' if names else ''} the Kafka broker was warmed for"
+    text += f" {float(warmup['seconds']):.0f} s"
+    text += f" ({int(warmup.get('records', 0)):,} records produced"
+    costs = [w["broker_us_per_record"] for w in warmup.get("windows", []) if w.get("broker_us_per_record") is not None]
+    if len(costs) >= 2:
+        text += f"; its CPU per record {costs[0]:.2f} µs in the first seconds, {costs[-1]:.2f} in the last"
+    return text + ")."
+
+
 def measured_line(docs: Sequence[dict[str, Any]], summary: dict[str, Any] | None) -> str:
     """The README's first line: when, on what, by which command."""
     days = sorted({str(doc.get("date", ""))[:10] for doc in docs} - {""})
@@ -163,9 +178,11 @@ def measured_line(docs: Sequence[dict[str, Any]], summary: dict[str, Any] | None
         if repeats
         else ""
     )
+    warmed = warmup_sentence((summary or {}).get("broker_warmup"), (summary or {}).get("scenarios") or [])
     return (
         f"Measured {when} on {'; '.join(machines) or 'an unknown machine'} by `{command}`{quick}. Every ratio is "
         f"against a reference measured in the same run, bigger is better; JSON in `bench/results/`.{medians}"
+        f"{warmed}"
     )
 
 

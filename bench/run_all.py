@@ -7,6 +7,7 @@
     ./dev bench --args 'insert-heavy=--rows 2000000'   extra arguments for one scenario (repeatable)
     ./dev bench --repeat 3                        each scenario 3 times: medians, with the runs' range in brackets
     ./dev bench --list                            the scenarios and the arguments each would get
+    ./dev bench --warm-broker 0                   skip the broker's warm-up (default: 60 s, 0 with --quick)
     ./dev bench --render-only                     redraw summary.md, charts and README from the JSON (= render.py)
 
 Each scenario is a module ``bench/<module>.py`` whose ``run(argv) -> _report.Result`` is imported only when its
@@ -15,6 +16,9 @@ raises is recorded as failed (traceback on stderr) and the others still run. At 
 run: date, machine, total time, each scenario's status, all documents), ``summary.md``, the charts and the
 README's block between ``<!-- bench:results:start -->`` and ``<!-- bench:results:end -->`` (see render.py).
 Exit status 1 when a scenario failed; a missed target does not fail the run, the tables show it.
+
+Before the first scenario the Kafka broker is warmed (``_warm_broker.py``: a minute of produce, so that the
+runs measure the capture and not the broker's JIT compilers); the summary and the README say how it went.
 """
 
 from __future__ import annotations
@@ -222,6 +226,26 @@ def settle(checkpoint: Callable[[], None] | None = None) -> str:
     return "; ".join(done)
 
 
+DEFAULT_WARM_BROKER_S = 60.0
+
+
+def warm_broker(seconds: float) -> dict[str, Any] | None:
+    """The broker's warm-up (``_warm_broker.warm``), as the summary records it; None when it failed (the
+    scenarios then report the missing broker themselves)."""
+    import _capture_bench as cb  # noqa: PLC0415 - on use: --list and --render-only need no services
+    import _warm_broker  # noqa: PLC0415
+
+    print(f"\n=== warming the Kafka broker for {seconds:g} s (bench/_warm_broker.py)", flush=True)
+    try:
+        done = _warm_broker.warm(cb.endpoints().kafka, seconds, log=lambda line: print(line, flush=True))
+    except Exception as exc:  # the services are missing, say: every scenario will say so too
+        warn(f"the broker's warm-up failed ({type(exc).__name__}: {exc}); the runs start on a cold broker")
+        return None
+    warmup = asdict(done)
+    print(render.warmup_sentence(warmup).strip(), flush=True)
+    return warmup
+
+
 def _checkpoint() -> None:
     """A CHECKPOINT on the services' PostgreSQL."""
     import _capture_bench as cb  # noqa: PLC0415 - on use: --list and --render-only need no services
@@ -303,7 +327,15 @@ def parse_extra(specs: list[str]) -> dict[str, list[str]]:
 
 
 def write_summary(
-    outcomes: list[Outcome], *, started: float, date: str, total: float, command: str, quick: bool, results_dir: Path
+    outcomes: list[Outcome],
+    *,
+    started: float,
+    date: str,
+    total: float,
+    command: str,
+    quick: bool,
+    results_dir: Path,
+    warmup: dict[str, Any] | None = None,
 ) -> Path:
     summary = {
         "date": date,
@@ -312,6 +344,7 @@ def write_summary(
         "command": command,
         "quick": quick,
         "total_seconds": round(total, 1),
+        "broker_warmup": warmup,
         "scenarios": [{k: v for k, v in asdict(o).items() if k != "document"} for o in outcomes],
         "documents": [o.document for o in outcomes if o.document is not None],
     }
@@ -366,6 +399,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--repeat", type=int, default=1, metavar="N", help="run each scenario N times; report medians and ranges"
     )
+    parser.add_argument(
+        "--warm-broker",
+        type=float,
+        metavar="SECONDS",
+        help="produce to the broker this long before the first scenario (default 60; 0 with --quick; 0 skips)",
+    )
     parser.add_argument("--list", action="store_true", help="print the scenarios and their arguments; run nothing")
     parser.add_argument("--render-only", action="store_true", help="redraw from the JSON in the results directory")
     parser.add_argument("--no-readme", action="store_true", help="leave README.md alone")
@@ -394,6 +433,8 @@ def main(argv: list[str] | None = None) -> int:
             return 2
 
     started, date, clock = time.time(), time.strftime("%Y-%m-%d %H:%M %Z"), time.monotonic()
+    warm_s = args.warm_broker if args.warm_broker is not None else 0.0 if args.quick else DEFAULT_WARM_BROKER_S
+    warmup = warm_broker(warm_s) if warm_s > 0 else None
     outcomes: list[Outcome] = []
     interrupted = False
     for name in names:
@@ -407,7 +448,14 @@ def main(argv: list[str] | None = None) -> int:
     total = time.monotonic() - clock
     command = shlex.join(["./dev", "bench", *(sys.argv[1:] if argv is None else argv)])
     summary = write_summary(
-        outcomes, started=started, date=date, total=total, command=command, quick=args.quick, results_dir=args.results
+        outcomes,
+        started=started,
+        date=date,
+        total=total,
+        command=command,
+        quick=args.quick,
+        results_dir=args.results,
+        warmup=warmup,
     )
     _print_outcomes(outcomes, total)
     print(f"run_all: wrote {summary}", flush=True)

@@ -18,6 +18,20 @@ import render
 import run_all
 from _report import Measure, Result, combine, markdown_rows, write_result
 
+
+@pytest.fixture(autouse=True)
+def warmed(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """run_all's broker warm-up, recorded instead of run: these tests have no broker."""
+    calls: list[float] = []
+
+    def warm_broker(seconds: float) -> dict[str, Any]:
+        calls.append(seconds)
+        return {"seconds": seconds}
+
+    monkeypatch.setattr(run_all, "warm_broker", warm_broker)
+    return calls
+
+
 X = "\N{MULTIPLICATION SIGN}"  # the table's own characters, spelled out for the linter
 DASH = "\N{EN DASH}"
 
@@ -408,16 +422,19 @@ def test_a_failing_scenario_is_recorded_and_the_others_still_run(
     assert (results / render.SUMMARY_MD).read_text() == md
 
 
-def test_a_run_where_every_scenario_works_exits_zero(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    suffix = tmp_path.name.replace("-", "_")
-    (tmp_path / f"ok_{suffix}.py").write_text(
-        "from _report import Measure, Result\n"
-        "def run(argv=None):\n"
-        "    return Result('ok', {}, [Measure('p99', 'ms', 500, limit=100, higher_is_better=False)])\n"
+def _only_scenario(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str, measure: str) -> None:
+    """Makes run_all's one scenario ``name``: a module in ``tmp_path`` whose run() reports ``measure`` (source)."""
+    module = f"only_{tmp_path.name.replace('-', '_')}"
+    (tmp_path / f"{module}.py").write_text(
+        f"from _report import Measure, Result\ndef run(argv=None):\n    return Result({name!r}, {{}}, [{measure}])\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setattr(run_all, "SCENARIO_DIR", tmp_path)
-    monkeypatch.setattr(run_all, "SCENARIOS", {"ok": f"ok_{suffix}"})
+    monkeypatch.setattr(run_all, "SCENARIOS", {name: module})
+
+
+def test_a_run_where_every_scenario_works_exits_zero(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _only_scenario(tmp_path, monkeypatch, "ok", "Measure('p99', 'ms', 500, limit=100, higher_is_better=False)")
     assert run_all.main(["--no-readme", "--results", str(tmp_path / "results")]) == 0  # a missed target is shown
     assert "**no**" in (tmp_path / "results" / render.SUMMARY_MD).read_text()
 
@@ -540,3 +557,31 @@ def test_repeat_runs_each_scenario_n_times_and_writes_the_medians(
     assert run_all.main(["--repeat", "2", "--no-readme", "--results", str(results)]) == 1
     assert not (results / "flaky.json").exists()
     assert "| flaky | **failed**" in (results / render.SUMMARY_MD).read_text()
+
+
+def test_the_readme_line_says_how_the_broker_was_warmed() -> None:
+    docs = [{"date": "2026-11-24 13:19 UTC", "machine": {"cpus": 2}}]
+    windows = [{"at_s": 5.0, "records_per_s": 1, "broker_us_per_record": 0.451}, {"broker_us_per_record": 0.29}]
+    warmed = {"broker_warmup": {"seconds": 60.2, "records": 40_660_000, "windows": windows}}
+    ran = [{"scenario": "insert-heavy"}, {"scenario": "snapshot"}]
+    line = render.measured_line(docs, {"command": "./dev bench", **warmed, "scenarios": ran})
+    assert line.endswith(
+        " Before the latest run (insert-heavy, snapshot) the Kafka broker was warmed for 60 s (40,660,000 records"
+        " produced; its CPU per record 0.45 µs in the first seconds, 0.29 in the last)."
+    )
+    assert "warmed" not in render.measured_line(docs, {"command": "./dev bench --warm-broker 0", "broker_warmup": None})
+
+
+def test_the_broker_is_warmed_unless_quick_or_told_not_to(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, warmed: list[float]
+) -> None:
+    _only_scenario(
+        tmp_path, monkeypatch, "insert-heavy", "Measure('rows/s', 'rows/s', 90, 100, 'ref', target_ratio=0.8)"
+    )
+    results = tmp_path / "results"
+    assert run_all.main(["--no-readme", "--results", str(results)]) == 0
+    assert run_all.main(["--quick", "--no-readme", "--results", str(results)]) == 0  # --quick: no warm-up
+    assert run_all.main(["--warm-broker", "0", "--no-readme", "--results", str(results)]) == 0
+    assert run_all.main(["--quick", "--warm-broker", "3", "--no-readme", "--results", str(results)]) == 0
+    assert warmed == [run_all.DEFAULT_WARM_BROKER_S, 3]
+    assert json.loads((results / render.SUMMARY_JSON).read_text())["broker_warmup"] == {"seconds": 3}
