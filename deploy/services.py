@@ -414,6 +414,24 @@ def running_pid(name: str) -> int | None:
     return pid
 
 
+LOG_ROTATE_BYTES = 64 * 1024 * 1024
+
+
+def rotate_log(path: Path, limit: int = LOG_ROTATE_BYTES) -> bool:
+    """At a start, a service's log over ``limit`` bytes becomes ``<name>.log.1`` (replacing the one before):
+    the services append to their logs across starts, and test runs made the broker's grow past 1.6 GB."""
+    try:
+        if path.stat().st_size <= limit:
+            return False
+    except FileNotFoundError:
+        return False
+    try:
+        path.replace(path.with_name(path.name + ".1"))
+    except OSError:  # a log that cannot be moved is no reason not to start the service
+        return False
+    return True
+
+
 def spawn(
     name: str,
     cmd: list[str],
@@ -425,6 +443,7 @@ def spawn(
     """Start cmd detached in its own session (so `down` can signal the whole group), log to logs/."""
     LOGS.mkdir(parents=True, exist_ok=True)
     RUN.mkdir(parents=True, exist_ok=True)
+    rotate_log(LOGS / f"{name}.log")
     with open(LOGS / f"{name}.log", "ab") as log:  # the child keeps its own copy of the descriptor
         log.write(f"\n==== {time.strftime('%Y-%m-%d %H:%M:%S')} starting: {' '.join(cmd)}\n".encode())
         log.flush()

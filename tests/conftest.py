@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import re
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,6 +15,7 @@ from tests import _services
 from tests.integration._sinks_helpers import Stack
 
 if TYPE_CHECKING:
+    from confluent_kafka.admin import AdminClient
     from pyspark.sql import SparkSession
 
 
@@ -34,8 +37,60 @@ def pg_dsn() -> str:
 
 
 @pytest.fixture(scope="session")
-def kafka_bootstrap() -> str:
-    return _services.find_or_skip("kafka")
+def kafka_bootstrap() -> Iterator[str]:
+    """The broker. On the local one (deploy/services.py: neither CDC_TEST_KAFKA nor testcontainers), the topics
+    the run created are deleted at its end.
+
+    A run creates ~2,000 topics: kept, runs piled up thousands of partitions on the local broker, whose metadata
+    then filled most of its heap and slowed its start-up (and the benchmarks run on it). A broker named by the
+    environment may be shared and a testcontainers one is thrown away, so nothing of them is deleted. The local
+    one may be in use meanwhile too (a demo, say), so only topics created during the run whose names carry a
+    test's ``unique`` suffix (ten hex digits, a letter among them) go.
+    """
+    from confluent_kafka.admin import AdminClient
+
+    bootstrap = _services.find_or_skip("kafka")
+    local = _services.find("kafka").source == "deploy"
+    # A client per end, not one held for the session: a held one keeps librdkafka's threads running in the
+    # test process all run long, where tests measure this process's CPU by thread (test_bench_cpu).
+    before = _topics(AdminClient({"bootstrap.servers": bootstrap})) if local else set()
+    yield bootstrap
+    if local:
+        _delete_test_topics(AdminClient({"bootstrap.servers": bootstrap}), before)
+
+
+_UNIQUE = re.compile(r"[0-9a-f]{10}")  # the `unique` fixture's suffix, which every test's topic names carry
+
+
+def _made_by_a_test(topic: str) -> bool:
+    return not topic.startswith("_") and any(set(run) & set("abcdef") for run in _UNIQUE.findall(topic))
+
+
+def _topics(admin: AdminClient) -> set[str]:
+    return set(admin.list_topics(timeout=30).topics)
+
+
+def _delete_test_topics(admin: AdminClient, before: set[str], budget_s: float = 180.0) -> None:
+    """Deletes the tests' topics created since ``before``, in batches, within ``budget_s``; a failure is a
+    warning, not a failed run (a broker a fault test left down, say)."""
+    import time
+    import warnings
+
+    from confluent_kafka import KafkaException
+
+    deadline = time.monotonic() + budget_s
+    try:
+        doomed = sorted(t for t in _topics(admin) - before if _made_by_a_test(t))
+        for i in range(0, len(doomed), 200):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                warnings.warn(f"left {len(doomed) - i} test topics undeleted: out of time", stacklevel=1)
+                return
+            for future in admin.delete_topics(doomed[i : i + 200], operation_timeout=min(60.0, left)).values():
+                with contextlib.suppress(KafkaException):  # already gone, say
+                    future.result(timeout=max(1.0, deadline - time.monotonic()))
+    except Exception as exc:  # the run's results stand either way
+        warnings.warn(f"could not delete the test topics: {type(exc).__name__}: {exc}", stacklevel=1)
 
 
 @pytest.fixture(scope="session")

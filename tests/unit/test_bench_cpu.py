@@ -58,7 +58,9 @@ def test_threads_split_into_main_librdkafka_and_the_rest_which_keeps_ended_threa
     assert set(end) == {"main", "librdkafka", "other"}
     assert end["other"] - start["other"] >= 0.25
     assert end["main"] - start["main"] >= 0.15
-    assert end["librdkafka"] == start["librdkafka"] == 0.0
+    # Not == 0: in the full suite the session's Kafka fixtures keep librdkafka threads (rdk:*) alive in this
+    # process, idling at a few ms of CPU; what must hold is that none of the burn above is booked to them.
+    assert end["librdkafka"] - start["librdkafka"] < 0.1
 
 
 def test_a_split_reports_parts_the_rest_and_idle_since_its_start() -> None:

@@ -62,3 +62,16 @@ def test_bad_port_variable_says_what_to_do(tmp_path: Path) -> None:
     )
     assert proc.returncode != 0
     assert "CDC_LOCAL_REDIS_PORT='six' is not a port number" in proc.stderr
+
+
+def test_a_service_log_over_the_limit_is_rotated_at_start(deploy: ModuleType, tmp_path: Path) -> None:
+    log = tmp_path / "kafka.log"
+    assert deploy.rotate_log(log, limit=10) is False  # no log yet
+    log.write_bytes(b"0123456789")
+    assert deploy.rotate_log(log, limit=10) is False  # at the limit: kept
+    assert log.read_bytes() == b"0123456789"
+    log.write_bytes(b"0123456789ab")
+    (tmp_path / "kafka.log.1").write_bytes(b"older")
+    assert deploy.rotate_log(log, limit=10) is True
+    assert not log.exists()
+    assert (tmp_path / "kafka.log.1").read_bytes() == b"0123456789ab"  # the one before is replaced
