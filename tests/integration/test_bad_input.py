@@ -394,9 +394,18 @@ def _config(case: Case, env: Env, dsn: str, *, redis_url: str, busy_port: int | 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_bad_input_is_refused_clearly(
-    case: Case, *, database: str, kafka_bootstrap: str, registry_url: str, redis_url: str, tmp_path: Path
+    case: Case,
+    *,
+    database: str,
+    kafka_bootstrap: str,
+    registry_url: str,
+    redis_url: str,
+    tmp_path: Path,
+    unique: str,
 ) -> None:
-    env = Env(database, kafka_bootstrap, registry_url, tmp_path, f"{os.getpid()}_{CASES.index(case)}")
+    # The `unique` suffix, not just the case's index: the run's topics then carry it, and conftest's clean-up
+    # deletes them at the end of the run.
+    env = Env(database, kafka_bootstrap, registry_url, tmp_path, f"{unique}_{CASES.index(case)}")
     busy = socket.socket() if "{busy_port}" in case.extra else None  # a port something else already holds
     try:
         if busy is not None:
