@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import re
+import time
 import uuid
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -25,10 +27,13 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.integration)
 
 
+_UNIQUE_LEN = 10  # hex digits; the end-of-run topic clean-up (kafka_bootstrap) recognises them
+
+
 @pytest.fixture
 def unique() -> str:
     """A short suffix that keeps names (tables, slots, topics, indices) apart across tests and runs."""
-    return uuid.uuid4().hex[:10]
+    return uuid.uuid4().hex[:_UNIQUE_LEN]
 
 
 @pytest.fixture(scope="session")
@@ -59,7 +64,7 @@ def kafka_bootstrap() -> Iterator[str]:
         _delete_test_topics(AdminClient({"bootstrap.servers": bootstrap}), before)
 
 
-_UNIQUE = re.compile(r"[0-9a-f]{10}")  # the `unique` fixture's suffix, which every test's topic names carry
+_UNIQUE = re.compile(f"[0-9a-f]{{{_UNIQUE_LEN}}}")  # the `unique` fixture's suffix, which test topics carry
 
 
 def _made_by_a_test(topic: str) -> bool:
@@ -73,9 +78,6 @@ def _topics(admin: AdminClient) -> set[str]:
 def _delete_test_topics(admin: AdminClient, before: set[str], budget_s: float = 180.0) -> None:
     """Deletes the tests' topics created since ``before``, in batches, within ``budget_s``; a failure is a
     warning, not a failed run (a broker a fault test left down, say)."""
-    import time
-    import warnings
-
     from confluent_kafka import KafkaException
 
     deadline = time.monotonic() + budget_s
