@@ -1136,6 +1136,99 @@ cdef class CopyReader:
         finally:
             free(out)
 
+    def receive_part(
+        self, size_t pgconn, bytes prefix not None, Py_ssize_t most, Py_ssize_t most_rows, bint first
+    ) -> tuple:
+        """About ``most`` bytes or ``most_rows`` rows more (whichever comes first) of the COPY :meth:`send` sent
+        on the PGconn at ``pgconn``, whole rows:
+        (``prefix`` + the output read, done, None, None), or (None, True, SQLSTATE or None, error message) when
+        it failed. Until done the COPY stays open on the connection (call again, or drain it). ``first``: the
+        first call after :meth:`send`, which takes the COPY's start. A part that is not the last gets the
+        binary COPY trailer (-1 fields) appended, so every part parses as a whole COPY output once the caller
+        gives the later ones the first part's header as ``prefix``."""
+        cdef void *conn = <void*>pgconn
+        cdef char *out = NULL
+        cdef char *grown
+        cdef char *row = NULL
+        cdef Py_ssize_t n = 0, cap = 0, start = len(prefix), rows = 0
+        cdef int got, status, was_nonblocking, failed = 0, ended = 0
+        cdef void *res = NULL
+        cdef bytes sqlstate = None, message = None
+        cdef const char *field
+        cdef const char *pre = PyBytes_AS_STRING(prefix)
+        if conn == NULL:
+            raise ValueError("no connection")
+        with nogil:
+            was_nonblocking = self.is_nonblocking(conn)
+            self.set_nonblocking(conn, 0)
+            if first:
+                res = self.get_result(conn)
+                status = self.result_status(res) if res != NULL else -1
+                if status != PGRES_COPY_OUT:
+                    failed = 1
+                    ended = 1
+                else:
+                    self.clear(res)
+                    res = NULL
+            if not failed:
+                cap = most + start + (1 << 16)
+                out = <char*>malloc(cap)
+                if out == NULL:
+                    failed = 2
+                else:
+                    memcpy(out, pre, start)
+                    n = start
+                while True:
+                    got = self.get_copy_data(conn, &row, 0)
+                    if got < 0:  # -1: the COPY is done; -2: an error, told by the result below
+                        ended = 1
+                        break
+                    if failed == 0 and n + got + 2 > cap:
+                        cap = max(cap * 2, n + got + 2)
+                        grown = <char*>realloc(out, cap)
+                        if grown == NULL:
+                            failed = 2  # the rest is read and dropped: libpq must leave the COPY state
+                        else:
+                            out = grown
+                    if failed == 0:
+                        memcpy(out + n, row, got)
+                        n += got
+                    self.freemem(row)
+                    rows += 1  # a CopyData message is a row (the first also holds the header)
+                    if failed == 0 and (n >= most or rows >= most_rows):
+                        break
+                if ended:
+                    res = self.get_result(conn)  # the COPY's own result: success or the error
+                    if res == NULL or self.result_status(res) != PGRES_COMMAND_OK:
+                        failed = failed or 1
+                elif failed == 0:
+                    out[n] = <char>0xff  # the trailer: this part ends here
+                    out[n + 1] = <char>0xff
+                    n += 2
+            if failed:
+                with gil:
+                    if res != NULL:
+                        field = self.result_error_field(res, PG_DIAG_SQLSTATE)
+                        if field != NULL:
+                            sqlstate = field
+                        field = self.result_error_field(res, PG_DIAG_MESSAGE_PRIMARY)
+                        message = field if field != NULL else self.result_error_message(res)
+                    if not message:
+                        message = self.error_message(conn)
+            if ended:
+                while res != NULL:  # the results left, until libpq says the statement is over
+                    self.clear(res)
+                    res = self.get_result(conn)
+            self.set_nonblocking(conn, was_nonblocking)
+        try:
+            if failed == 2:
+                raise MemoryError()
+            if failed:
+                return None, True, (sqlstate.decode() if sqlstate else None), message.decode(errors="replace").strip()
+            return PyBytes_FromStringAndSize(out, n), bool(ended), None, None
+        finally:
+            free(out)
+
 
 
 # --- Reading a streamed transaction's changes through libpq --------------------------------------------------------

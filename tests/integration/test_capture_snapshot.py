@@ -73,9 +73,9 @@ def _writer(dsn: str, done: threading.Event) -> None:
 
 
 @pytest.mark.parametrize(
-    ("crash", "pure_python"),
-    [(False, False), (True, False), (False, True)],
-    ids=["clean", "sigkill-mid-snapshot", "clean-pure-python"],
+    ("crash", "blocks", "pure_python"),
+    [(False, True, False), (True, True, False), (False, False, False), (True, False, False), (False, False, True)],
+    ids=["blocks", "blocks-sigkill-mid-snapshot", "keys", "keys-sigkill-mid-snapshot", "keys-pure-python"],
 )
 def test_snapshot_with_concurrent_writes_ends_at_the_source_state(
     *,
@@ -85,6 +85,7 @@ def test_snapshot_with_concurrent_writes_ends_at_the_source_state(
     unique: str,
     tmp_path: Path,
     crash: bool,
+    blocks: bool,
     pure_python: bool,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -92,7 +93,10 @@ def test_snapshot_with_concurrent_writes_ends_at_the_source_state(
         monkeypatch.setenv("CDC_PURE_PYTHON", "1")
     with psycopg.connect(source, autocommit=True) as conn:
         conn.execute("CREATE TABLE items (id int PRIMARY KEY, name text NOT NULL, qty int)")
-        conn.execute("INSERT INTO items SELECT g, 'item ' || g, 0 FROM generate_series(1, %s) g", (ROWS,))
+        # ~2,600 heap blocks: two block ranges of at least 1,024 each.
+        conn.execute(
+            "INSERT INTO items SELECT g, 'item ' || g || repeat('.', 160), 0 FROM generate_series(1, %s) g", (ROWS,)
+        )
         conn.execute("CREATE TABLE other (id int PRIMARY KEY)")
     cfg = CdcConfig(
         source,
@@ -102,7 +106,8 @@ def test_snapshot_with_concurrent_writes_ends_at_the_source_state(
         ["public.items", "public.other"],
         f"s_{unique}",
         f"p_{unique}",
-        extra="snapshot_chunk_rows = 500\nsnapshot_workers = 2\nsnapshot_commit_interval_s = 0",
+        extra="snapshot_chunk_rows = 500\nsnapshot_workers = 2\nsnapshot_commit_interval_s = 0\n"
+        f"snapshot_scan_max_mb = {8192 if blocks else 0}",
     )
     proc = CdcProcess(cfg.write(tmp_path / "cdc.toml"), tmp_path / "cdc.log")
     topic = f"t{unique}.public.items"
@@ -126,10 +131,17 @@ def test_snapshot_with_concurrent_writes_ends_at_the_source_state(
     finally:
         done.set()
         proc.stop()
-    # 100,000 rows in chunks of 500: split in two ranges read at once (in the crash case, both resumed)
-    assert "snapshot of public.items: 2 key ranges read at once" in proc.log.read_text()
+    # 100,000 rows in chunks of 500: split in two ranges read at once (in the crash case, both resumed; a table
+    # read in block ranges starts again, in key order)
+    log = proc.log.read_text()
+    if blocks:
+        assert "snapshot of public.items: 2 block range(s) of the slot's snapshot read at once" in log
     if crash:
         assert "resumed with a fresh snapshot" in proc.tail(200)
+        restarted = "snapshot of public.items starts again from its first row, in key order" in log
+        assert restarted == blocks
+    if crash or not blocks:
+        assert "snapshot of public.items: 2 key ranges read at once" in log
 
 
 def test_key_ranges_of_a_composite_key_read_every_row_once(
@@ -151,7 +163,7 @@ def test_key_ranges_of_a_composite_key_read_every_row_once(
             "FROM generate_series(0, 2999) g",
             ("aBcDeF",),
         )
-    log, events = _snapshot_in_chunks_of_25(
+    log, events = _snapshot_in_chunks(
         source,
         kafka_bootstrap,
         registry_url,
@@ -165,8 +177,17 @@ def test_key_ranges_of_a_composite_key_read_every_row_once(
     assert read == list(range(3000)), f"{len(read)} rows read, {len(set(read))} distinct"
 
 
-def _snapshot_in_chunks_of_25(
-    source: str, kafka: str, registry: str, unique: str, tmp_path: Path, *, table: str, workers: int
+def _snapshot_in_chunks(
+    source: str,
+    kafka: str,
+    registry: str,
+    unique: str,
+    tmp_path: Path,
+    *,
+    table: str,
+    workers: int,
+    scan_max_mb: int = 0,  # key order by default: the key ranges are what most of these tests are about
+    chunk_rows: int = 25,
 ) -> tuple[str, list[Event]]:
     """`cdc run` on ``table`` (its config name) until it streams: its log, and the events of the table's topic."""
     cfg = CdcConfig(
@@ -177,7 +198,8 @@ def _snapshot_in_chunks_of_25(
         [table],
         f"s_{unique}",
         f"p_{unique}",
-        extra=f"snapshot_chunk_rows = 25\nsnapshot_workers = {workers}\nsnapshot_commit_interval_s = 0",
+        extra=f"snapshot_chunk_rows = {chunk_rows}\nsnapshot_workers = {workers}\nsnapshot_commit_interval_s = 0\n"
+        f"snapshot_scan_max_mb = {scan_max_mb}",
     )
     proc = cfg.start(tmp_path)
     try:
@@ -187,6 +209,42 @@ def _snapshot_in_chunks_of_25(
     topics = AdminClient({"bootstrap.servers": kafka}).list_topics(timeout=30).topics
     (topic,) = [t for t in topics if t.startswith(f"t{unique}.") and not t.endswith((".offsets", ".messages"))]
     return proc.log.read_text(), read_topic(kafka, registry, topic)
+
+
+def test_block_ranges_read_every_live_row_once(
+    source: str, kafka_bootstrap: str, registry_url: str, unique: str, tmp_path: Path
+) -> None:
+    """Three block ranges meet exactly: rows on the blocks either side of each cut, dead row versions (deleted
+    and updated, not vacuumed) left out, TOASTed values read whole, a table of no key order at all."""
+    with psycopg.connect(source, autocommit=True) as conn:
+        conn.execute("CREATE TABLE blocks (id int PRIMARY KEY, pad text, big text)")
+        conn.execute("ALTER TABLE blocks SET (autovacuum_enabled = false)")
+        # Keys in random order across the blocks; ~4,000 blocks of ~25 rows; every 500th row a TOASTed value.
+        conn.execute(
+            "INSERT INTO blocks SELECT g, repeat('p', 300), CASE WHEN g % 500 = 0 THEN "
+            "(SELECT string_agg(md5(g::text || i::text), '') FROM generate_series(1, 600) i) END "
+            "FROM (SELECT g FROM generate_series(1, 100000) g ORDER BY md5(g::text)) s"
+        )
+        conn.execute("DELETE FROM blocks WHERE id % 7 = 0")
+        conn.execute("UPDATE blocks SET pad = 'moved' WHERE id % 11 = 0")  # new versions at the table's end
+    log, events = _snapshot_in_chunks(
+        source,
+        kafka_bootstrap,
+        registry_url,
+        unique,
+        tmp_path,
+        table="public.blocks",
+        workers=3,
+        scan_max_mb=8192,
+        chunk_rows=1000,
+    )
+    assert "snapshot of public.blocks: 3 block range(s) of the slot's snapshot read at once" in log
+    reads = [e.value["after"] for e in events if e.value and e.value["op"] == "r"]
+    ids = sorted(r["id"] for r in reads)
+    assert ids == [g for g in range(1, 100001) if g % 7], f"{len(ids)} rows read, {len(set(ids))} distinct"
+    by_id = {r["id"]: r for r in reads}
+    assert all(by_id[g]["pad"] == "moved" for g in range(11, 100001, 11) if g % 7)
+    assert all(len(by_id[g]["big"]) == 19200 for g in range(500, 100001, 500) if g % 7)
 
 
 def test_heartbeats_move_the_slot_while_captured_tables_are_idle(
@@ -232,7 +290,7 @@ def test_a_partitioned_table_is_split_by_its_partitions_pages(
         conn.execute("CREATE TABLE parts_eu PARTITION OF parts FOR VALUES IN ('eu')")
         conn.execute("CREATE TABLE parts_us PARTITION OF parts FOR VALUES IN ('us')")
         conn.execute("INSERT INTO parts SELECT g, (ARRAY['eu', 'us'])[g % 2 + 1] FROM generate_series(0, 2999) g")
-    log, events = _snapshot_in_chunks_of_25(
+    log, events = _snapshot_in_chunks(
         source, kafka_bootstrap, registry_url, unique, tmp_path, table="public.parts", workers=2
     )
     assert "snapshot of public.parts: 2 key ranges read at once" in log

@@ -23,7 +23,7 @@ from cdc._config import load_settings
 from cdc._events import SourceInfo
 from cdc._kafka import Topics, TransactionalProducer
 from cdc._replication import ReplicationConnection
-from cdc._snapshot import _copy_reader, _LibpqCopies
+from cdc._snapshot import _copy_reader, _LibpqCopies, parse_binary_copy
 from decoders import StreamCommit
 from schemas import PgType
 from tests._codecs import make_codec
@@ -66,6 +66,38 @@ def test_libpq_copies_give_what_psycopg_copy_gives(reader: Any, pg_dsn: str, uni
         copies.send(query)
         copies.abandon()
         assert conn.execute("SELECT count(*) FROM t").fetchone() == (20000,)
+
+
+def test_a_copy_streamed_in_parts_gives_the_rows_of_the_whole(reader: Any, pg_dsn: str, unique: str) -> None:
+    """Block ranges stream one COPY in parts of at most N rows: each part parses alone (the header repeated, a
+    trailer added) and together they are the whole COPY's rows, in order. A stream stopped early (the snapshot
+    was cancelled) leaves the connection usable, without reading the table to its end first."""
+    with scratch_database(pg_dsn, f"copyparts_{unique}") as dsn, psycopg.connect(dsn) as conn:
+        conn.execute("CREATE TABLE t (id int PRIMARY KEY, body text)")
+        conn.execute("INSERT INTO t SELECT g, repeat('y', g % 700) FROM generate_series(1, 25000) g")
+        conn.commit()
+        query = sql.SQL("COPY (SELECT * FROM t) TO STDOUT (FORMAT binary)")
+        copies = _LibpqCopies(reader, conn)
+        copies.send(query)
+        whole = parse_binary_copy(copies.receive())
+        copies.send(query)
+        parts: list[list[list[bytes | None]]] = []
+        done = False
+        while not done:
+            data, done = copies.receive_part(1000)
+            parts.append(parse_binary_copy(data))
+        assert [len(p) for p in parts[:-1]] == [1000] * 25  # the trailer is a message of its own: one empty part
+        assert parts[-1] == []
+        assert [row for part in parts for row in part] == whole
+        assert conn.execute("SELECT count(*) FROM t").fetchone() == (25000,)
+        # Stopped after one part of a COPY that would take a while: cancelled, not read to its end.
+        big = sql.SQL("COPY (SELECT g, repeat('z', 500) FROM generate_series(1, 50000000) g) TO STDOUT (FORMAT binary)")
+        copies.send(big)
+        assert len(parse_binary_copy(copies.receive_part(100)[0])) == 100
+        copies.abandon_stream()
+        assert conn.info.transaction_status == psycopg.pq.TransactionStatus.INERROR  # the cancel's error
+        conn.rollback()
+        assert conn.execute("SELECT count(*) FROM t").fetchone() == (25000,)
 
 
 def test_libpq_copies_fail_as_psycopg_would(reader: Any, pg_dsn: str, unique: str) -> None:

@@ -1,5 +1,6 @@
-"""A table's key ranges in the snapshot's progress: split once, kept across restarts, and a table begun by a
-version that read it in one range continues in that one range."""
+"""A table's ranges in the snapshot's progress: split once, kept across restarts, and a table begun by a
+version that read it in one range continues in that one range. Block ranges only in the slot's own snapshot,
+and a table interrupted in them starts again in key order."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ import pytest
 from cdc._snapshot import Snapshotter, next_chunk_rows
 
 
-def _snapshotter(progress: dict[str, Any], split: list[list[str]]) -> tuple[Snapshotter, list[str]]:
+def _snapshotter(
+    progress: dict[str, Any], split: list[list[str]], blocks: list[list[int | None]] | None = None
+) -> tuple[Snapshotter, list[str]]:
     snapshotter = Snapshotter.__new__(Snapshotter)
     snapshotter.snap = {"tables": {"public.t": progress}}
     sampled: list[str] = []
@@ -20,7 +23,12 @@ def _snapshotter(progress: dict[str, Any], split: list[list[str]]) -> tuple[Snap
         sampled.append(table.qualified)
         return split
 
+    def fake_blocks(table: Any) -> list[list[int | None]] | None:
+        sampled.append(f"blocks of {table.qualified}")
+        return blocks
+
     snapshotter._split = fake_split  # type: ignore[method-assign]
+    snapshotter._block_ranges = fake_blocks  # type: ignore[method-assign]
     return snapshotter, sampled
 
 
@@ -30,7 +38,7 @@ _TABLE: Any = SimpleNamespace(qualified="public.t")
 def test_a_new_table_is_split_into_ranges_that_meet_at_the_bounds() -> None:
     progress: dict[str, Any] = {"since": {"0": 0}}
     snapshotter, sampled = _snapshotter(progress, [["10"], ["20"]])
-    ranges = snapshotter._ranges(_TABLE)
+    ranges = snapshotter._ranges(_TABLE, exported=False)
     assert ranges == [
         {"after": None, "upto": ["10"], "done": False},
         {"after": ["10"], "upto": ["20"], "done": False},
@@ -43,13 +51,13 @@ def test_a_new_table_is_split_into_ranges_that_meet_at_the_bounds() -> None:
 
 def test_a_small_table_is_one_unbounded_range() -> None:
     snapshotter, _ = _snapshotter({}, [])
-    assert snapshotter._ranges(_TABLE) == [{"after": None, "upto": None, "done": False}]
+    assert snapshotter._ranges(_TABLE, exported=False) == [{"after": None, "upto": None, "done": False}]
 
 
 def test_committed_ranges_are_kept_and_not_split_again() -> None:
     ranges = [{"after": ["7"], "upto": ["10"], "done": False}, {"after": ["10"], "upto": None, "done": True}]
     snapshotter, sampled = _snapshotter({"ranges": ranges}, [["5"]])
-    assert snapshotter._ranges(_TABLE) == ranges
+    assert snapshotter._ranges(_TABLE, exported=False) == ranges
     assert sampled == []
 
 
@@ -57,7 +65,7 @@ def test_committed_ranges_are_kept_and_not_split_again() -> None:
 def test_a_table_begun_in_one_range_goes_on_after_its_last_key(key: list[str]) -> None:
     progress: dict[str, Any] = {"after": key, "done": False, "since": {"0": 3}}
     snapshotter, sampled = _snapshotter(progress, [["99"]])
-    assert snapshotter._ranges(_TABLE) == [{"after": key, "upto": None, "done": False}]
+    assert snapshotter._ranges(_TABLE, exported=False) == [{"after": key, "upto": None, "done": False}]
     assert "after" not in progress  # one place for the position: the range
     assert sampled == []  # splitting now would read again what is committed
 
@@ -73,3 +81,56 @@ def test_a_table_begun_in_one_range_goes_on_after_its_last_key(key: list[str]) -
 )
 def test_chunks_are_kept_near_8_mib_whatever_the_row_size(size: int, rows: int, expected: int) -> None:
     assert next_chunk_rows(25_000, size, rows) == expected
+
+
+def test_a_new_table_in_the_slots_snapshot_is_read_in_block_ranges() -> None:
+    progress: dict[str, Any] = {}
+    snapshotter, sampled = _snapshotter(progress, [["10"]], blocks=[[0, 4096], [4096, None]])
+    ranges = snapshotter._ranges(_TABLE, exported=True)
+    assert ranges == [
+        {"after": None, "upto": None, "done": False, "blocks": [0, 4096]},
+        {"after": None, "upto": None, "done": False, "blocks": [4096, None]},
+    ]
+    assert progress["ranges"] is ranges
+    assert sampled == ["blocks of public.t"]  # no key sample
+
+
+def test_a_table_not_to_be_read_in_blocks_is_split_by_key_even_in_the_slots_snapshot() -> None:
+    snapshotter, sampled = _snapshotter({}, [["10"]], blocks=None)  # too large, partitioned, no C build
+    assert snapshotter._ranges(_TABLE, exported=True) == [
+        {"after": None, "upto": ["10"], "done": False},
+        {"after": ["10"], "upto": None, "done": False},
+    ]
+    assert sampled == ["blocks of public.t", "public.t"]
+
+
+def test_a_fresh_snapshot_never_reads_in_block_ranges() -> None:
+    snapshotter, sampled = _snapshotter({}, [], blocks=[[0, None]])
+    assert snapshotter._ranges(_TABLE, exported=False) == [{"after": None, "upto": None, "done": False}]
+    assert sampled == ["public.t"]
+
+
+def test_a_table_interrupted_in_block_ranges_starts_again_in_key_order() -> None:
+    """Block positions hold only in the snapshot they were read in: a done block range says nothing about
+    which rows are left in a new one, so none of them counts."""
+    ranges = [
+        {"after": None, "upto": None, "done": True, "blocks": [0, 4096]},
+        {"after": None, "upto": None, "done": False, "blocks": [4096, None]},
+    ]
+    progress: dict[str, Any] = {"ranges": ranges, "since": {"0": 5}}
+    snapshotter, sampled = _snapshotter(progress, [["10"]], blocks=[[0, None]])
+    assert snapshotter._ranges(_TABLE, exported=False) == [
+        {"after": None, "upto": ["10"], "done": False},
+        {"after": ["10"], "upto": None, "done": False},
+    ]
+    assert progress["ranges"][0] == {"after": None, "upto": ["10"], "done": False}  # the new ranges committed
+    assert progress["since"] == {"0": 5}  # the re-snapshot's boundary is kept
+    assert sampled == ["public.t"]
+
+
+def test_a_table_whose_block_ranges_are_all_read_is_not_read_again() -> None:
+    """Every range read and committed, stopped before the table was finished (its gap deletes): it is done."""
+    ranges = [{"after": None, "upto": None, "done": True, "blocks": [0, None]}]
+    snapshotter, sampled = _snapshotter({"ranges": ranges}, [["10"]])
+    assert snapshotter._ranges(_TABLE, exported=False) == ranges
+    assert sampled == []
