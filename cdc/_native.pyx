@@ -17,6 +17,7 @@ from cpython.unicode cimport PyUnicode_AsUTF8AndSize, PyUnicode_DecodeUTF8
 from libc.stdint cimport int16_t, int32_t, int64_t, uint16_t, uint32_t, uint64_t, INT64_MIN, INT32_MAX, INT32_MIN
 from cpython.ref cimport PyObject, Py_INCREF, Py_XDECREF
 cimport cython
+from cpython.pyport cimport PY_SSIZE_T_MAX
 from libc.stdlib cimport free, malloc, realloc
 from libc.string cimport memcmp, memcpy
 
@@ -1074,67 +1075,8 @@ cdef class CopyReader:
         """The answer to the COPY :meth:`send` sent on the PGconn at address ``pgconn``: (the whole output,
         None, None), or (None, SQLSTATE or None, error message) when it failed; the connection is idle again
         either way (its transaction, if any, failed with the statement, as with psycopg)."""
-        cdef void *conn = <void*>pgconn
-        cdef char *out = NULL
-        cdef char *grown
-        cdef char *row = NULL
-        cdef Py_ssize_t n = 0, cap = 0
-        cdef int got, status, was_nonblocking, failed = 0
-        cdef void *res = NULL
-        cdef bytes sqlstate = None, message = None
-        cdef const char *field
-        if conn == NULL:
-            raise ValueError("no connection")
-        with nogil:
-            was_nonblocking = self.is_nonblocking(conn)
-            self.set_nonblocking(conn, 0)  # psycopg's are non-blocking; these calls are meant to block
-            res = self.get_result(conn)
-            status = self.result_status(res) if res != NULL else -1
-            if status != PGRES_COPY_OUT:
-                failed = 1
-            else:
-                self.clear(res)
-                res = NULL
-                while True:
-                    got = self.get_copy_data(conn, &row, 0)
-                    if got < 0:  # -1: the COPY is done; -2: an error, told by the result below
-                        break
-                    if n + got > cap:
-                        cap = max(cap * 2, n + got, 1 << 20)
-                        grown = <char*>realloc(out, cap)
-                        if grown == NULL:
-                            failed = 2  # the rest is read and dropped: libpq must leave the COPY state
-                        else:
-                            out = grown
-                    if failed == 0:
-                        memcpy(out + n, row, got)
-                        n += got
-                    self.freemem(row)
-                res = self.get_result(conn)  # the COPY's own result: success or the error
-                if res == NULL or self.result_status(res) != PGRES_COMMAND_OK:
-                    failed = failed or 1
-            if failed:
-                with gil:
-                    if res != NULL:
-                        field = self.result_error_field(res, PG_DIAG_SQLSTATE)
-                        if field != NULL:
-                            sqlstate = field
-                        field = self.result_error_field(res, PG_DIAG_MESSAGE_PRIMARY)
-                        message = field if field != NULL else self.result_error_message(res)
-                    if not message:
-                        message = self.error_message(conn)
-            while res != NULL:  # the results left, until libpq says the statement is over
-                self.clear(res)
-                res = self.get_result(conn)
-            self.set_nonblocking(conn, was_nonblocking)
-        try:
-            if failed == 2:
-                raise MemoryError()
-            if failed:
-                return None, (sqlstate.decode() if sqlstate else None), message.decode(errors="replace").strip()
-            return PyBytes_FromStringAndSize(out, n), None, None
-        finally:
-            free(out)
+        data, _, sqlstate, message = self.receive_part(pgconn, b"", PY_SSIZE_T_MAX, PY_SSIZE_T_MAX, True)
+        return data, sqlstate, message
 
     def receive_part(
         self, size_t pgconn, bytes prefix not None, Py_ssize_t most, Py_ssize_t most_rows, bint first
@@ -1171,7 +1113,7 @@ cdef class CopyReader:
                     self.clear(res)
                     res = NULL
             if not failed:
-                cap = most + start + (1 << 16)
+                cap = min(most, 1 << 20) + start + 2  # grown as the rows come
                 out = <char*>malloc(cap)
                 if out == NULL:
                     failed = 2
