@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import random
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import psycopg
@@ -144,9 +145,7 @@ def test_snapshot_with_concurrent_writes_ends_at_the_source_state(
         assert "snapshot of public.items: 2 key ranges read at once" in log
 
 
-def test_key_ranges_of_a_composite_key_read_every_row_once(
-    source: str, kafka_bootstrap: str, registry_url: str, unique: str, tmp_path: Path
-) -> None:
+def test_key_ranges_of_a_composite_key_read_every_row_once(source: str, snapshot_of: SnapshotOf) -> None:
     """Bounds of a text key in a collation of its own and of a type whose values are not printed the way
     PostgreSQL reads them (timestamptz), under quoted names with a placeholder in them: the ranges meet exactly."""
     table = 'ranges "q" %s'
@@ -163,18 +162,19 @@ def test_key_ranges_of_a_composite_key_read_every_row_once(
             "FROM generate_series(0, 2999) g",
             ("aBcDeF",),
         )
-    log, events = _snapshot_in_chunks(
-        source,
-        kafka_bootstrap,
-        registry_url,
-        unique,
-        tmp_path,
-        table=f'public."{table.replace(chr(34), chr(34) * 2)}"',
-        workers=3,
-    )
+    log, events = snapshot_of(table=f'public."{table.replace(chr(34), chr(34) * 2)}"', workers=3)
     assert "3 key ranges read at once" in log
     read = sorted(e.value["after"]["n"] for e in events if e.value and e.value["op"] == "r")
     assert read == list(range(3000)), f"{len(read)} rows read, {len(set(read))} distinct"
+
+
+SnapshotOf = Callable[..., tuple[str, list[Event]]]
+
+
+@pytest.fixture
+def snapshot_of(source: str, kafka_bootstrap: str, registry_url: str, unique: str, tmp_path: Path) -> SnapshotOf:
+    """:func:`_snapshot_in_chunks` on this test's database, broker and registry."""
+    return functools.partial(_snapshot_in_chunks, source, kafka_bootstrap, registry_url, unique, tmp_path)
 
 
 def _snapshot_in_chunks(
@@ -211,9 +211,7 @@ def _snapshot_in_chunks(
     return proc.log.read_text(), read_topic(kafka, registry, topic)
 
 
-def test_block_ranges_read_every_live_row_once(
-    source: str, kafka_bootstrap: str, registry_url: str, unique: str, tmp_path: Path
-) -> None:
+def test_block_ranges_read_every_live_row_once(source: str, snapshot_of: SnapshotOf) -> None:
     """Three block ranges meet exactly: rows on the blocks either side of each cut, dead row versions (deleted
     and updated, not vacuumed) left out, TOASTed values read whole, a table of no key order at all."""
     with psycopg.connect(source, autocommit=True) as conn:
@@ -227,17 +225,7 @@ def test_block_ranges_read_every_live_row_once(
         )
         conn.execute("DELETE FROM blocks WHERE id % 7 = 0")
         conn.execute("UPDATE blocks SET pad = 'moved' WHERE id % 11 = 0")  # new versions at the table's end
-    log, events = _snapshot_in_chunks(
-        source,
-        kafka_bootstrap,
-        registry_url,
-        unique,
-        tmp_path,
-        table="public.blocks",
-        workers=3,
-        scan_max_mb=8192,
-        chunk_rows=1000,
-    )
+    log, events = snapshot_of(table="public.blocks", workers=3, scan_max_mb=8192, chunk_rows=1000)
     assert "snapshot of public.blocks: 3 block range(s) of the slot's snapshot read at once" in log
     reads = [e.value["after"] for e in events if e.value and e.value["op"] == "r"]
     ids = sorted(r["id"] for r in reads)
@@ -281,17 +269,15 @@ def test_heartbeats_move_the_slot_while_captured_tables_are_idle(
         proc.stop()
 
 
-def test_a_partitioned_table_is_split_by_its_partitions_pages(
-    source: str, kafka_bootstrap: str, registry_url: str, unique: str, tmp_path: Path
-) -> None:
-    """The parent has no pages of its own: its size, which decides the split, is its partitions'."""
+def test_a_partitioned_table_is_split_by_its_partitions_pages(source: str, snapshot_of: SnapshotOf) -> None:
+    """The parent has no pages of its own: its size, which decides the split, is its partitions'. It is read in
+    key order even where block ranges are allowed."""
     with psycopg.connect(source, autocommit=True) as conn:
         conn.execute("CREATE TABLE parts (id int, region text, PRIMARY KEY (id, region)) PARTITION BY LIST (region)")
         conn.execute("CREATE TABLE parts_eu PARTITION OF parts FOR VALUES IN ('eu')")
         conn.execute("CREATE TABLE parts_us PARTITION OF parts FOR VALUES IN ('us')")
         conn.execute("INSERT INTO parts SELECT g, (ARRAY['eu', 'us'])[g % 2 + 1] FROM generate_series(0, 2999) g")
-    log, events = _snapshot_in_chunks(
-        source, kafka_bootstrap, registry_url, unique, tmp_path, table="public.parts", workers=2
-    )
+    # Block ranges allowed: a partitioned table is still read in key order (its blocks are its partitions').
+    log, events = snapshot_of(table="public.parts", workers=2, scan_max_mb=8192)
     assert "snapshot of public.parts: 2 key ranges read at once" in log
     assert sorted(e.value["after"]["id"] for e in events if e.value and e.value["op"] == "r") == list(range(3000))
