@@ -1092,14 +1092,19 @@ cdef class CopyReader:
         cdef char *out = NULL
         cdef char *grown
         cdef char *row = NULL
-        cdef Py_ssize_t n = 0, cap = 0, start = len(prefix), rows = 0
+        cdef Py_ssize_t n = 0, cap = 0, start = len(prefix), rows = 0, messages = 0, ceiling
         cdef int got, status, was_nonblocking, failed = 0, ended = 0
+        cdef bint trailer
         cdef void *res = NULL
         cdef bytes sqlstate = None, message = None
         cdef const char *field
         cdef const char *pre = PyBytes_AS_STRING(prefix)
         if conn == NULL:
             raise ValueError("no connection")
+        if most < 1 or most_rows < 1:
+            raise ValueError("a part holds at least one byte and one row")
+        # Doubling stops near the part's size (a part of ~8 MB not in 16 MB); no overflow for "no limit".
+        ceiling = most + start + 2 if most < PY_SSIZE_T_MAX - start - 2 else PY_SSIZE_T_MAX
         with nogil:
             was_nonblocking = self.is_nonblocking(conn)
             self.set_nonblocking(conn, 0)
@@ -1125,8 +1130,8 @@ cdef class CopyReader:
                     if got < 0:  # -1: the COPY is done; -2: an error, told by the result below
                         ended = 1
                         break
-                    if failed == 0 and n + got + 2 > cap:
-                        cap = max(cap * 2, n + got + 2)
+                    if failed == 0 and n + got + 2 > cap:  # 2: room for a trailer
+                        cap = max(min(cap * 2, ceiling), n + got + 2)
                         grown = <char*>realloc(out, cap)
                         if grown == NULL:
                             failed = 2  # the rest is read and dropped: libpq must leave the COPY state
@@ -1135,8 +1140,20 @@ cdef class CopyReader:
                     if failed == 0:
                         memcpy(out + n, row, got)
                         n += got
+                    # A CopyData message is a row (the first also holds the header), or the trailer: a message of
+                    # its own, -1 as the field count (with the header before it when there are no rows). A part
+                    # never ends at the trailer, so the COPY's end comes in the same part: ended there, the next
+                    # part would be a bare header.
+                    trailer = (
+                        (got == 2 or (first and messages == 0 and got == 21))
+                        and <unsigned char>row[got - 2] == 0xff
+                        and <unsigned char>row[got - 1] == 0xff
+                    )
+                    messages += 1
                     self.freemem(row)
-                    rows += 1  # a CopyData message is a row (the first also holds the header)
+                    if trailer:
+                        continue
+                    rows += 1
                     if failed == 0 and (n >= most or rows >= most_rows):
                         break
                 if ended:

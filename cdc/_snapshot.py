@@ -4,13 +4,14 @@ Rows are read with ``COPY (SELECT …) TO STDOUT (FORMAT binary)``: binary COPY 
 same send format pgoutput uses with ``binary 'true'``, so the stream's converters serve both paths. Tables are
 read by several connections in parallel, a large table in several ranges at once, in one of two ways:
 
-- **Block ranges** (the slot's exported snapshot, plain tables up to ``snapshot_scan_max_mb``): each range is
-  one unordered COPY of a range of heap blocks (``ctid >= '(lo,0)' AND ctid < '(hi,0)'``, a TID range scan,
-  PostgreSQL 14+; one range before), streamed in ~8 MB parts. It costs PostgreSQL what a plain sequential COPY
-  does; the key order below costs it ~15 % more per row (an index scan), the largest single part of the box's
-  CPU. Block positions mean nothing outside the snapshot they were read in, so a table interrupted while read
-  this way starts again from its first row, in key order, with the fresh snapshot of the restart: the size
-  limit bounds that redo.
+- **Block ranges** (the slot's exported snapshot, plain tables up to ``snapshot_scan_max_mb``, the C build):
+  each range is one unordered COPY of a range of heap blocks (``ctid >= '(lo,0)' AND ctid < '(hi,0)'``, a TID
+  range scan, PostgreSQL 14+; one range before), handed on in chunks of ``snapshot_chunk_rows`` rows or ~8 MB.
+  It costs PostgreSQL what a plain sequential COPY does; the key order below costs it ~15 % more per row (an
+  index scan), the largest single part of the box's CPU. Block positions mean nothing outside the snapshot
+  they were read in, so a table interrupted while read this way starts again from its first row, in key
+  order, with the fresh snapshot of the restart: the size limit bounds that redo. A table rewritten between
+  the reads of its ranges (its file changes) is restarted the same way.
 - **Key order** (larger tables, a restart, partitioned tables, no C build): ``COPY (SELECT … ORDER BY key
   LIMIT n)`` keyset chunks, the table split into key ranges where a sample of its keys says (the split only
   balances the work, each range reads all the keys between its bounds). It resumes after the last committed
@@ -46,7 +47,7 @@ from cdc._catalog import TableInfo
 from cdc._events import ColumnSpec, Position, TableCodec, native_module
 from cdc._libs import libpq_addresses
 from cdc._resnapshot import GapDeletes, Reconciler
-from cdc.errors import StreamError
+from cdc.errors import StreamError, TransientError
 from decoders import TupleData
 
 if TYPE_CHECKING:
@@ -81,6 +82,7 @@ class _Range:
     after: list[str] | None
     upto: list[str] | None
     blocks: list[int | None] | None = None  # a block range instead: [first block, block after the last or None]
+    filenode: int | None = None  # the table's file when its block ranges were made: a rewrite changes it
 
 
 # A table is split into ranges of at least this many chunks: fewer would spend more on the split (a sample, a
@@ -217,8 +219,8 @@ class _LibpqCopies:
 
     def abandon_stream(self) -> None:
         """Stops a COPY that :meth:`receive_part` has not read to its end: the server is asked to cancel it and
-        what it sent meanwhile is read and dropped (libpq must leave the COPY state). A table is not read to
-        its end to be thrown away."""
+        what it sent meanwhile is read and dropped (libpq must leave the COPY state), so a table is not read to
+        its end to be thrown away, unless the cancel request itself fails."""
         with contextlib.suppress(psycopg.Error):
             self._conn.cancel_safe(timeout=10)
         done = False
@@ -237,6 +239,14 @@ class _LibpqCopies:
 def _copies(conn: psycopg.Connection[Any]) -> _PsycopgCopies | _LibpqCopies:
     reader = _copy_reader()
     return _PsycopgCopies(conn) if reader is None else _LibpqCopies(reader, conn)
+
+
+def block_cuts(blocks: int, parts: int) -> list[list[int | None]]:
+    """``parts`` ranges of about ``blocks / parts`` blocks each, [first, after the last]: from block 0, each
+    starting where the one before ends, the last open-ended (it also takes blocks added meanwhile, which hold
+    no row of the snapshot, and a table grown since its size was read)."""
+    cuts: list[int | None] = [blocks * i // parts for i in range(parts)]
+    return [[low, high] for low, high in zip(cuts, [*cuts[1:], None], strict=True)]
 
 
 def _encode_chunk(
@@ -407,7 +417,9 @@ class Snapshotter:
             ranges = self._ranges(t, exported=snapshot_name is not None)
             left[t.qualified] = {i for i, r in enumerate(ranges) if not r["done"]}
             work += [
-                _Range(t, i, r["after"], r["upto"], r.get("blocks")) for i, r in enumerate(ranges) if not r["done"]
+                _Range(t, i, r["after"], r["upto"], r.get("blocks"), r.get("filenode"))
+                for i, r in enumerate(ranges)
+                if not r["done"]
             ]
         done_tables = 0
         with (
@@ -479,9 +491,12 @@ class Snapshotter:
             )
             ranges = None
         if ranges is None and exported and progress.get("after") is None:
-            blocks = self._block_ranges(table)
-            if blocks is not None:
-                ranges = [{"after": None, "upto": None, "done": False, "blocks": b} for b in blocks]
+            found = self._block_ranges(table)
+            if found is not None:
+                filenode, blocks = found
+                ranges = [
+                    {"after": None, "upto": None, "done": False, "blocks": b, "filenode": filenode} for b in blocks
+                ]
                 progress["ranges"] = ranges
         if ranges is None:
             # A table begun by a version that read each table in one range has its last key here.
@@ -492,19 +507,27 @@ class Snapshotter:
             progress["ranges"] = ranges
         return ranges
 
-    def _block_ranges(self, table: TableInfo) -> list[list[int | None]] | None:
-        """Block ranges that cover every block of ``table`` (the last one open-ended), one per worker for a table
-        large enough, or None when it is to be read in key order: over ``snapshot_scan_max_mb``, partitioned
-        (its blocks are its partitions'), or without the C build (which streams a COPY in parts)."""
+    def _block_ranges(self, table: TableInfo) -> tuple[int, list[list[int | None]]] | None:
+        """The table's file now, and block ranges that cover every block of ``table`` (the last one open-ended),
+        one per worker for a table large enough; or None when it is to be read in key order: over
+        ``snapshot_scan_max_mb``, partitioned (its blocks are its partitions'), without the C build (which
+        streams a COPY in parts), or when its size cannot be read."""
         most_mb = self.settings.capture.snapshot_scan_max_mb
         if most_mb <= 0 or table.relkind != "r" or _copy_reader() is None:
             return None
         conn = self.capture.sql
-        row = conn.execute(
-            "SELECT pg_table_size(%(t)s::oid), pg_relation_size(%(t)s::oid) / current_setting('block_size')::int",
-            {"t": table.oid},
-        ).fetchone()
-        size, blocks = (int(row[0] or 0), int(row[1] or 0)) if row else (0, 0)
+        try:
+            row = conn.execute(
+                "SELECT pg_table_size(%(t)s::oid), pg_relation_size(%(t)s::oid) / current_setting('block_size')::int,"
+                " pg_relation_filenode(%(t)s::oid)",
+                {"t": table.oid},
+            ).fetchone()
+        except psycopg.Error as exc:
+            log.info("snapshot of %s in key order: its size could not be read: %s", table.qualified, exc)
+            return None
+        if row is None or row[2] is None:
+            return None
+        size, blocks, filenode = int(row[0] or 0), int(row[1] or 0), int(row[2])
         if size > most_mb << 20:
             log.info(
                 "snapshot of %s in key order: its %d MB are over capture.snapshot_scan_max_mb (%d), so that an "
@@ -518,8 +541,6 @@ class Snapshotter:
         workers = self.settings.capture.snapshot_workers
         enough = conn.info.server_version >= 140000 and blocks >= workers * _MIN_RANGE_BLOCKS
         parts = workers if enough else 1
-        cuts: list[int | None] = [blocks * i // parts for i in range(parts)]
-        ranges = [[lo, hi] for lo, hi in zip(cuts, [*cuts[1:], None], strict=True)]
         log.info(
             "snapshot of %s: %d block range(s) of the slot's snapshot read at once (%d MB; if interrupted, the "
             "table is read again)",
@@ -527,7 +548,7 @@ class Snapshotter:
             parts,
             size >> 20,
         )
-        return ranges
+        return filenode, block_cuts(blocks, parts)
 
     def _split(self, table: TableInfo) -> list[list[str]]:
         """Keys (as text) that split ``table`` into up to ``snapshot_workers`` ranges of about the same number of
@@ -604,6 +625,7 @@ class Snapshotter:
                 copies = _copies(conn)
                 assert isinstance(copies, _LibpqCopies)  # block ranges are made only with the C build
                 self._stream_blocks(
+                    conn,
                     work,
                     codec,
                     copies,
@@ -686,6 +708,7 @@ class Snapshotter:
 
     @staticmethod
     def _stream_blocks(
+        conn: psycopg.Connection[Any],
         work: _Range,
         codec: TableCodec,
         copies: _LibpqCopies,
@@ -702,6 +725,17 @@ class Snapshotter:
         assert work.blocks is not None
         table = work.table
         low, high = work.blocks
+        # A table rewritten between the reads of two of its ranges (VACUUM FULL, CLUSTER, TRUNCATE, a column
+        # type change) keeps every row the snapshot sees, in other blocks: a range read after it would miss rows
+        # that moved into a range read before. Its file tells; held under this lock until this range is read.
+        conn.execute(sql.SQL("LOCK TABLE {} IN ACCESS SHARE MODE").format(table.ident()))
+        row = conn.execute("SELECT pg_relation_filenode(%s::oid)", (table.oid,)).fetchone()
+        if work.filenode is not None and (row is None or row[0] != work.filenode):
+            raise TableRewrittenError(
+                f"snapshot of {table.qualified}: the table was rewritten (VACUUM FULL, CLUSTER, TRUNCATE or an "
+                "ALTER TABLE) while it was read in block ranges; after the restart it is read again from its "
+                "first row, in key order"
+            )
         conditions = []
         if low:
             conditions.append(sql.SQL("src.ctid >= {}::tid").format(sql.Literal(f"({low},0)")))
@@ -805,6 +839,10 @@ class Snapshotter:
             table,
             deleted,
         )
+
+
+class TableRewrittenError(TransientError):
+    """A table was rewritten while it was read in block ranges: the capture restarts, and reads it in key order."""
 
 
 class SnapshotStoppedError(Exception):

@@ -7,9 +7,12 @@ ChangeReader.live_changes) are the events the fast path writes.
 
 from __future__ import annotations
 
+import functools
 import os
+import queue
 import struct
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -19,11 +22,12 @@ from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from cdc._capture import Capture, _Spill
+from cdc._catalog import load_table
 from cdc._config import load_settings
 from cdc._events import SourceInfo
 from cdc._kafka import Topics, TransactionalProducer
 from cdc._replication import ReplicationConnection
-from cdc._snapshot import _copy_reader, _LibpqCopies, parse_binary_copy
+from cdc._snapshot import Snapshotter, TableRewrittenError, _copy_reader, _LibpqCopies, _Range, parse_binary_copy
 from decoders import StreamCommit
 from schemas import PgType
 from tests._codecs import make_codec
@@ -78,17 +82,21 @@ def test_a_copy_streamed_in_parts_gives_the_rows_of_the_whole(reader: Any, pg_ds
         conn.commit()
         query = sql.SQL("COPY (SELECT * FROM t) TO STDOUT (FORMAT binary)")
         copies = _LibpqCopies(reader, conn)
-        copies.send(query)
-        whole = parse_binary_copy(copies.receive())
-        copies.send(query)
-        parts: list[list[list[bytes | None]]] = []
-        done = False
-        while not done:
-            data, done = copies.receive_part(1000)
-            parts.append(parse_binary_copy(data))
-        assert [len(p) for p in parts[:-1]] == [1000] * 25  # the trailer is a message of its own: one empty part
-        assert parts[-1] == []
-        assert [row for part in parts for row in part] == whole
+        # Parts that end with the rows, one before them, none at all; one row per part (the trailer is a message
+        # of its own and must not make a part of its own: a bare header is no COPY output).
+        for rows, per_part in [(25000, 1000), (24999, 1000), (3, 1), (1, 1), (0, 1), (0, 1000)]:
+            query = sql.SQL("COPY (SELECT * FROM t WHERE id <= {}) TO STDOUT (FORMAT binary)").format(rows)
+            copies.send(query)
+            whole = parse_binary_copy(copies.receive())
+            assert len(whole) == rows
+            copies.send(query)
+            parts: list[list[list[bytes | None]]] = []
+            done = False
+            while not done:
+                data, done = copies.receive_part(per_part)
+                parts.append(parse_binary_copy(data))
+            assert [len(p) for p in parts] == [per_part] * (rows // per_part) + [rows % per_part], (rows, per_part)
+            assert [row for part in parts for row in part] == whole
         assert conn.execute("SELECT count(*) FROM t").fetchone() == (25000,)
         # Stopped after one part of a COPY that would take a while: cancelled, not read to its end.
         big = sql.SQL("COPY (SELECT g, repeat('z', 500) FROM generate_series(1, 50000000) g) TO STDOUT (FORMAT binary)")
@@ -98,6 +106,52 @@ def test_a_copy_streamed_in_parts_gives_the_rows_of_the_whole(reader: Any, pg_ds
         assert conn.info.transaction_status == psycopg.pq.TransactionStatus.INERROR  # the cancel's error
         conn.rollback()
         assert conn.execute("SELECT count(*) FROM t").fetchone() == (25000,)
+
+
+def test_a_table_rewritten_between_its_block_ranges_is_not_read_on(reader: Any, pg_dsn: str, unique: str) -> None:
+    """VACUUM FULL keeps every row a snapshot sees but moves them to other blocks: a block range read after it
+    would miss the rows that moved into a range read before. The table's file tells, and the read stops with a
+    transient error (the restart reads the table in key order)."""
+    with scratch_database(pg_dsn, f"rewrite_{unique}") as dsn, psycopg.connect(dsn, autocommit=True) as setup:
+        setup.execute("CREATE TABLE t (id int PRIMARY KEY, body text)")
+        setup.execute("INSERT INTO t SELECT g, 'x' FROM generate_series(1, 1000) g")
+        table = load_table(setup, "public", "t")
+        assert table is not None
+        filenode = "SELECT pg_relation_filenode('t'::regclass)"
+        before = setup.execute(filenode).fetchone()
+        setup.execute("VACUUM FULL t")
+        after = setup.execute(filenode).fetchone()
+        assert before is not None
+        assert after is not None
+        assert before != after
+        chunks: queue.Queue[Any] = queue.Queue()
+        # Ranges made before the rewrite stop; ranges made after it read every row.
+        for made_with, rewritten in [(before[0], True), (after[0], False)]:
+            with psycopg.connect(dsn) as conn:
+                work = _Range(table, 1, None, None, [0, None], made_with)
+                codec = make_codec(
+                    [("id", PgType(23, "int4"), -1), ("body", PgType(25, "text"), -1)], topic="p.public.t"
+                )
+                stream = functools.partial(
+                    Snapshotter._stream_blocks,
+                    conn,
+                    work,
+                    codec,
+                    _LibpqCopies(reader, conn),
+                    select_cols=[sql.SQL("src.id"), sql.SQL("src.body")],
+                    kinds=b"bb",
+                    most_rows=400,
+                    from_c=False,
+                    out=chunks,
+                    cancel=threading.Event(),
+                )
+                if rewritten:
+                    with pytest.raises(TableRewrittenError, match="rewritten"):
+                        stream()
+                    assert chunks.empty()  # nothing read
+                else:
+                    stream()
+                    assert sum(chunks.get_nowait().rows for _ in range(chunks.qsize())) == 1000
 
 
 def test_libpq_copies_fail_as_psycopg_would(reader: Any, pg_dsn: str, unique: str) -> None:

@@ -4,12 +4,13 @@ and a table interrupted in them starts again in key order."""
 
 from __future__ import annotations
 
+import itertools
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
-from cdc._snapshot import Snapshotter, next_chunk_rows
+from cdc._snapshot import Snapshotter, block_cuts, next_chunk_rows
 
 
 def _snapshotter(
@@ -23,9 +24,9 @@ def _snapshotter(
         sampled.append(table.qualified)
         return split
 
-    def fake_blocks(table: Any) -> list[list[int | None]] | None:
+    def fake_blocks(table: Any) -> tuple[int, list[list[int | None]]] | None:
         sampled.append(f"blocks of {table.qualified}")
-        return blocks
+        return None if blocks is None else (16384, blocks)
 
     snapshotter._split = fake_split  # type: ignore[method-assign]
     snapshotter._block_ranges = fake_blocks  # type: ignore[method-assign]
@@ -88,8 +89,8 @@ def test_a_new_table_in_the_slots_snapshot_is_read_in_block_ranges() -> None:
     snapshotter, sampled = _snapshotter(progress, [["10"]], blocks=[[0, 4096], [4096, None]])
     ranges = snapshotter._ranges(_TABLE, exported=True)
     assert ranges == [
-        {"after": None, "upto": None, "done": False, "blocks": [0, 4096]},
-        {"after": None, "upto": None, "done": False, "blocks": [4096, None]},
+        {"after": None, "upto": None, "done": False, "blocks": [0, 4096], "filenode": 16384},
+        {"after": None, "upto": None, "done": False, "blocks": [4096, None], "filenode": 16384},
     ]
     assert progress["ranges"] is ranges
     assert sampled == ["blocks of public.t"]  # no key sample
@@ -134,3 +135,15 @@ def test_a_table_whose_block_ranges_are_all_read_is_not_read_again() -> None:
     snapshotter, sampled = _snapshotter({"ranges": ranges}, [["10"]])
     assert snapshotter._ranges(_TABLE, exported=False) == ranges
     assert sampled == []
+
+
+@pytest.mark.parametrize(("blocks", "parts"), [(8192, 2), (10007, 3), (5, 3), (0, 1), (4096, 1)])
+def test_block_cuts_cover_every_block_once_from_block_0_and_the_last_is_open_ended(blocks: int, parts: int) -> None:
+    cuts = block_cuts(blocks, parts)
+    assert len(cuts) == parts
+    assert cuts[0][0] == 0
+    assert cuts[-1][1] is None  # blocks added after the size was read are read too
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(cuts))  # each starts where the last ended
+    sizes = [(hi if hi is not None else blocks) - lo for lo, hi in cuts]  # type: ignore[operator]
+    assert sum(sizes) == blocks
+    assert max(sizes) - min(sizes) <= 1  # balanced
