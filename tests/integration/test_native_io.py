@@ -80,16 +80,15 @@ def test_a_copy_streamed_in_parts_gives_the_rows_of_the_whole(reader: Any, pg_ds
         conn.execute("CREATE TABLE t (id int PRIMARY KEY, body text)")
         conn.execute("INSERT INTO t SELECT g, repeat('y', g % 700) FROM generate_series(1, 25000) g")
         conn.commit()
-        query = sql.SQL("COPY (SELECT * FROM t) TO STDOUT (FORMAT binary)")
         copies = _LibpqCopies(reader, conn)
         # Parts that end with the rows, one before them, none at all; one row per part (the trailer is a message
         # of its own and must not make a part of its own: a bare header is no COPY output).
         for rows, per_part in [(25000, 1000), (24999, 1000), (3, 1), (1, 1), (0, 1), (0, 1000)]:
-            query = sql.SQL("COPY (SELECT * FROM t WHERE id <= {}) TO STDOUT (FORMAT binary)").format(rows)
-            copies.send(query)
+            first_rows = sql.SQL("COPY (SELECT * FROM t WHERE id <= {}) TO STDOUT (FORMAT binary)").format(rows)
+            copies.send(first_rows)
             whole = parse_binary_copy(copies.receive())
             assert len(whole) == rows
-            copies.send(query)
+            copies.send(first_rows)
             parts: list[list[list[bytes | None]]] = []
             done = False
             while not done:
