@@ -251,17 +251,26 @@ def block_cuts(blocks: int, parts: int) -> list[list[int | None]]:
 
 def _encode_chunk(
     codec: TableCodec, table: str, data: bytes, kinds: bytes, *, from_c: bool
-) -> tuple[bytes | None, list[bytes], list[bytes]]:
-    """A COPY chunk's rows as events: packed in one bytes object (not two per row) when they are produced from
-    C, else as framed keys and records. When the fast paths fail, the general one fails with the diagnosis."""
+) -> tuple[int, bytes | None, list[bytes], list[bytes]]:
+    """A COPY chunk's rows as events, and how many: packed in one bytes object (not two per row) when they are
+    produced from C, else as framed keys and records. When the fast paths fail, the general one fails with the
+    diagnosis (StreamError: a value, a key, or output cut short)."""
     try:
         found = codec.encode_copy_packed(data, kinds) if from_c else None
         if found is not None:
-            return found[0], [], []
+            return found[1], found[0], [], []
         keys, records = encode_copy_rows(codec, data, kinds)
-        return None, keys, records
     except Exception:
-        return None, *_encode_copy_rows_slowly(codec, table, data, kinds)
+        try:
+            keys, records = _encode_copy_rows_slowly(codec, table, data, kinds)
+        except struct.error as exc:
+            raise StreamError(f"cannot snapshot {table}: malformed COPY output: {exc}") from exc
+    return len(keys), None, keys, records
+
+
+def _where(conditions: list[sql.Composable]) -> sql.Composable:
+    """``WHERE`` and the conditions joined with AND; nothing without conditions."""
+    return sql.SQL("WHERE ") + sql.SQL(" AND ").join(conditions) if conditions else sql.SQL("")
 
 
 def next_chunk_rows(most: int, size: int, rows: int) -> int:
@@ -663,15 +672,14 @@ class Snapshotter:
                 )
 
             def query_for(after: list[str] | None, limit: int) -> sql.Composed:
-                conditions = []
+                conditions: list[sql.Composable] = []
                 if after is not None:
                     conditions.append(sql.SQL("({}) > ({})").format(order, literal(after)))
                 if upto is not None:
                     conditions.append(sql.SQL("({}) <= ({})").format(order, literal(upto)))
-                where = sql.SQL("WHERE ") + sql.SQL(" AND ").join(conditions) if conditions else sql.SQL("")
                 return sql.SQL(
                     "COPY (SELECT {} FROM {} AS src {} ORDER BY {} LIMIT {}) TO STDOUT (FORMAT binary)"
-                ).format(sql.SQL(", ").join(select_cols), table.ident(), where, order, sql.Literal(limit))
+                ).format(sql.SQL(", ").join(select_cols), table.ident(), _where(conditions), order, sql.Literal(limit))
 
             def resume_key(fields: list[bytes | None]) -> list[str]:
                 if key_by_value:  # the key columns' values as the events carry them, printed
@@ -697,7 +705,7 @@ class Snapshotter:
                     limit = next_chunk_rows(most, len(data), rows)
                     copies.send(query_for(after, limit))  # read ahead: PostgreSQL reads it while this one is encoded
                 try:
-                    packed, keys, records = _encode_chunk(codec, table.qualified, data, kinds, from_c=from_c)
+                    _, packed, keys, records = _encode_chunk(codec, table.qualified, data, kinds, from_c=from_c)
                 except BaseException:
                     if not done:
                         copies.abandon()
@@ -736,26 +744,22 @@ class Snapshotter:
                 "ALTER TABLE) while it was read in block ranges; after the restart it is read again from its "
                 "first row, in key order"
             )
-        conditions = []
+        conditions: list[sql.Composable] = []
         if low:
             conditions.append(sql.SQL("src.ctid >= {}::tid").format(sql.Literal(f"({low},0)")))
         if high is not None:
             conditions.append(sql.SQL("src.ctid < {}::tid").format(sql.Literal(f"({high},0)")))
-        where = sql.SQL("WHERE ") + sql.SQL(" AND ").join(conditions) if conditions else sql.SQL("")
         copies.send(
             sql.SQL("COPY (SELECT {} FROM {} AS src {}) TO STDOUT (FORMAT binary)").format(
-                sql.SQL(", ").join(select_cols), table.ident(), where
+                sql.SQL(", ").join(select_cols), table.ident(), _where(conditions)
             )
         )
         done = False
         try:
             while not done and not cancel.is_set():
                 data, done = copies.receive_part(most_rows)
-                try:
-                    rows = _rows_and_last(data)[0]
-                except (ValueError, IndexError, struct.error) as exc:
-                    raise StreamError(f"cannot snapshot {table.qualified}: malformed COPY output: {exc}") from exc
-                packed, keys, records = _encode_chunk(codec, table.qualified, data, kinds, from_c=from_c)
+                # No resume key to find first, as key order must: the encoder counts the rows.
+                rows, packed, keys, records = _encode_chunk(codec, table.qualified, data, kinds, from_c=from_c)
                 out.put(_Chunk(table.qualified, work.part, rows, packed, keys, records, None, done))
         finally:
             if not done:

@@ -1,4 +1,4 @@
-"""The binary COPY parser the snapshot reads rows with."""
+"""The binary COPY parser the snapshot reads rows with, and the chunk encoding around it."""
 
 from __future__ import annotations
 
@@ -6,8 +6,10 @@ import struct
 
 import pytest
 
-from cdc._snapshot import parse_binary_copy
+from cdc._snapshot import _encode_chunk, parse_binary_copy
 from cdc.errors import StreamError
+from schemas import PgType
+from tests._codecs import make_codec
 
 HEADER = b"PGCOPY\n\xff\r\n\x00" + struct.pack(">ii", 0, 0)
 
@@ -36,3 +38,18 @@ def test_no_rows() -> None:
 def test_not_binary_copy() -> None:
     with pytest.raises(StreamError, match="signature"):
         parse_binary_copy(b"1\tabc\n")
+
+
+@pytest.mark.parametrize("from_c", [True, False], ids=["packed", "framed"])
+def test_a_chunk_is_counted_by_its_encoder_and_a_cut_one_is_malformed(from_c: bool) -> None:
+    """Block ranges take a chunk's row count from the encoder (no second walk over the chunk); a chunk cut
+    short still fails as malformed COPY output, whichever path encodes it."""
+    codec = make_codec([("id", PgType(23, "int4"), -1), ("name", PgType(25, "text"), -1)], topic="p.public.t")
+    rows = [_row(struct.pack(">i", i), f"n{i}".encode()) for i in range(5)]
+    data = HEADER + b"".join(rows) + struct.pack(">h", -1)
+    count, packed, keys, _ = _encode_chunk(codec, "public.t", data, b"bb", from_c=from_c)
+    assert count == 5
+    if packed is None:  # without the C build, or asked for framed events
+        assert len(keys) == 5
+    with pytest.raises(StreamError, match="malformed COPY output"):
+        _encode_chunk(codec, "public.t", data[:-9], b"bb", from_c=from_c)
