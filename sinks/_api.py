@@ -1,10 +1,17 @@
 """What a sink is: the contract between the sinks runtime and each store (built-in or plugin).
 
-A sink is a class with a ``name``, ``open``/``write``/``close``, announced under the entry-point group
-``cdc.sinks``. The runtime reads the change topics, decodes them, keeps the last event per key of each
-micro-batch, and calls ``write`` once per micro-batch with one :class:`TableChanges` per table. Writes must be
-idempotent and must not go backwards: a batch is replayed after a crash, and the same key may arrive again
-with an older position (keep the newer one; positions order by ``(commit_lsn, lsn)``).
+A sink is a class with a ``name`` and ``open``/``close``, announced under the entry-point group ``cdc.sinks``.
+The runtime reads the change topics and folds each micro-batch (sinks._fold: decode, last event per key,
+truncates, unchanged TOAST) as a Spark plan. Then, per micro-batch, either
+
+* a :class:`PartitionSink` gets ``prepare`` on the driver and its :class:`PartitionWriter` writes each
+  partition of each table inside the executor tasks (search, cache): nothing per row runs on the driver; or
+* a frame-based :class:`Sink` gets ``write`` with one :class:`TableChanges` per table and writes its frame
+  with Spark (the warehouse's Delta MERGE).
+
+Writes must be idempotent and must not go backwards: a batch is replayed after a crash, a task may be retried,
+and the same key may arrive again with an older position (keep the newer one; positions order by
+``(commit_lsn, lsn)``).
 
 Sinks that can be rebuilt and verified also implement :class:`Rebuildable`: numbered *generations* of the
 store, one of them served, and a way to read a table back in document form.
@@ -13,7 +20,9 @@ store, one of them served, and a way to read a table back in document form.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator, Mapping
+import logging
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, runtime_checkable
 
@@ -52,13 +61,82 @@ def key_id(key: Mapping[str, Any]) -> str:
     return json.dumps(list(key.values()), separators=(",", ":"), ensure_ascii=False)
 
 
+@dataclass(frozen=True)
+class TableInfo:
+    """A table as a batch's writers know it: what an executor-side :class:`PartitionWriter` is handed."""
+
+    topic: str
+    name: str  # "<schema>.<table>" as in the topic name (sanitised parts)
+    key_schema: dict[str, Any]
+    row_schema: dict[str, Any]
+    generation: int
+    batch_id: int
+
+    @property
+    def columns(self) -> dict[str, str]:
+        return {f["name"]: column_name(f) for f in self.row_schema["fields"]}
+
+    @property
+    def key_columns(self) -> dict[str, str]:
+        return {f["name"]: column_name(f) for f in self.key_schema["fields"]}
+
+
+def projected(
+    frame: DataFrame, key_schema: dict[str, Any], row_schema: dict[str, Any], extra: Sequence[str] = ()
+) -> DataFrame:
+    """A folded frame with dates and timestamps as numbers: the form :class:`ChangeMaker` reads."""
+    from pyspark.sql import functions as F
+
+    names = Names()
+    return frame.select(
+        "topic",
+        "partition",
+        "offset",
+        spark_projection(key_schema, F.col("key"), names).alias("key"),
+        spark_projection(row_schema, F.col("row"), names).alias("row"),
+        "op",
+        "commit_lsn",
+        "lsn",
+        "ts_ms",
+        "unchanged",
+        *extra,
+    )
+
+
+class ChangeMaker:
+    """Rows of a :func:`projected` frame (as Arrow gives them) to :class:`Change` in document form."""
+
+    def __init__(self, key_schema: dict[str, Any], row_schema: dict[str, Any]) -> None:
+        names = Names()
+        self._key = doc_converter(key_schema, names, spark=True)
+        self._row = doc_converter(row_schema, names, spark=True)
+        self._columns = {f["name"]: column_name(f) for f in row_schema["fields"]}
+
+    def __call__(self, r: Mapping[str, Any]) -> Change:
+        if r["op"] == "t":  # the table's truncate: no key, no row, only its position
+            return Change({}, None, "t", r["commit_lsn"], r["lsn"], r["ts_ms"], (), r["partition"], r["offset"])
+        return Change(
+            self._key(r["key"]),
+            self._row(r["row"]),
+            r["op"],
+            r["commit_lsn"],
+            r["lsn"],
+            r["ts_ms"],
+            tuple(self._columns.get(u, u) for u in (r["unchanged"] or ())),
+            r["partition"],
+            r["offset"],
+        )
+
+
 @dataclass
 class TableChanges:
-    """One table's share of a micro-batch: the latest event per key, and a truncate if there was one.
+    """One table's share of a micro-batch for a frame-based sink: the latest event per key, and a truncate.
 
     ``frame`` columns: ``key`` (struct of key fields), ``row`` (struct of the row's fields, null for deletes),
-    ``op``, ``commit_lsn``, ``lsn``, ``ts_ms``, ``unchanged`` (array of field names), ``partition``, ``offset``.
-    Field names are Avro names; :attr:`columns` maps them to PostgreSQL column names.
+    ``op``, ``commit_lsn``, ``lsn``, ``ts_ms``, ``unchanged`` (array of field names), ``topic``, ``partition``,
+    ``offset``. Field names are Avro names; :attr:`columns` maps them to PostgreSQL column names. A sink that
+    writes this frame with Spark (as the warehouse merges it into Delta) does its per-row work on the
+    executors; a sink that writes row by row implements :class:`PartitionWriter` instead.
     """
 
     topic: str
@@ -68,9 +146,6 @@ class TableChanges:
     frame: DataFrame
     truncate: tuple[int, int] | None  # delete rows older than this (commit_lsn, lsn) before applying frame
     events: DataFrame | None = None  # every change event of the batch in offset order (same columns), for histories
-    # The changes already on the driver: a small batch for a sink that reads changes() alone (its frame is
-    # then None; see sinks._reader.LocalDecoder).
-    rows: list[Change] | None = None
 
     @property
     def columns(self) -> dict[str, str]:
@@ -81,45 +156,30 @@ class TableChanges:
         return {f["name"]: column_name(f) for f in self.key_schema["fields"]}
 
     def changes(self) -> Iterator[Change]:
-        """The frame's rows in document form, on the driver (one Arrow transfer per table and batch)."""
-        if self.rows is not None:
-            yield from self.rows
-            return
-        from pyspark.sql import functions as F
+        """The frame's rows in document form, **on the driver** (deprecated: see :class:`PartitionWriter`).
 
-        names = Names()
-        key_conv = doc_converter(self.key_schema, names, spark=True)
-        row_conv = doc_converter(self.row_schema, names, spark=True)
-        frame = self.frame.select(
-            spark_projection(self.key_schema, F.col("key"), names).alias("key"),
-            spark_projection(self.row_schema, F.col("row"), names).alias("row"),
-            "op",
-            "commit_lsn",
-            "lsn",
-            "ts_ms",
-            "unchanged",
-            "partition",
-            "offset",
+        Every row crosses to the driver and is converted there, so adding Spark executors adds nothing to
+        such a sink. It keeps working; a sink written this way is warned about once per process.
+        """
+        _warn_driver_side()
+        make = ChangeMaker(self.key_schema, self.row_schema)
+        for batch in projected(self.frame, self.key_schema, self.row_schema).toArrow().to_batches(10_000):
+            for r in batch.to_pylist():
+                yield make(r)
+
+
+_WARNED: list[bool] = []
+
+
+def _warn_driver_side() -> None:
+    if not _WARNED:
+        _WARNED.append(True)
+        message = (
+            "TableChanges.changes() moves every row to the Spark driver; write from the executors instead "
+            "(implement sinks.PartitionWriter: docs/sinks.md, 'Write a sink')"
         )
-        columns = self.columns
-        for r in _arrow_rows(frame):
-            yield Change(
-                key_conv(r["key"]),
-                row_conv(r["row"]),
-                r["op"],
-                r["commit_lsn"],
-                r["lsn"],
-                r["ts_ms"],
-                tuple(columns.get(u, u) for u in (r["unchanged"] or ())),
-                r["partition"],
-                r["offset"],
-            )
-
-
-def _arrow_rows(frame: DataFrame) -> Iterator[dict[str, Any]]:
-    """The frame's rows as dicts, through Arrow (pickled Rows cost several times more per row)."""
-    for batch in frame.toArrow().to_batches(max_chunksize=10_000):
-        yield from batch.to_pylist()
+        warnings.warn(message, DeprecationWarning, stacklevel=3)
+        logging.getLogger(__name__).warning(message)
 
 
 class Rejected(NamedTuple):
@@ -153,13 +213,46 @@ class SinkContext:
 
 @runtime_checkable
 class Sink(Protocol):
-    """A derived store kept by one Structured Streaming query."""
+    """A derived store kept by one Structured Streaming query, written from the driver's plan (a frame-based
+    sink: :class:`TableChanges`); a sink that writes row by row is a :class:`PartitionSink`."""
 
     name: str
 
     def open(self, context: SinkContext) -> None: ...
 
     def write(self, batch: Batch) -> None: ...
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class PartitionWriter(Protocol):
+    """Writes one partition of a table's changes, **inside a Spark executor task** (one call per task).
+
+    It is pickled to the executors with its attributes: hold settings, not clients; open clients in
+    :meth:`write` and close them before it returns. ``changes`` holds the latest change per key (each key
+    in one partition only) and possibly the table's truncate: a :class:`Change` with ``op == "t"`` and no key
+    or row, meaning "remove every stored row whose position is lower than this one's" (it commutes with
+    the other changes, which are all newer). Writes must be idempotent and never go backwards (a task can be
+    retried or run twice). Changes the store refuses are returned; they go to the dead-letter topic.
+    """
+
+    def write(self, table: TableInfo, changes: Iterator[Change]) -> Iterable[Rejected]: ...
+
+
+@runtime_checkable
+class PartitionSink(Protocol):
+    """A sink whose rows are written by :class:`PartitionWriter`\\ s on the executors."""
+
+    name: str
+
+    def open(self, context: SinkContext) -> None: ...
+
+    def prepare(self, tables: Sequence[TableInfo]) -> None:
+        """On the driver, before a batch's writes: create what the tables need (indices, mappings)."""
+        ...
+
+    def partition_writer(self) -> PartitionWriter: ...
 
     def close(self) -> None: ...
 

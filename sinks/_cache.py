@@ -15,12 +15,14 @@ from __future__ import annotations
 import json
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import redis
+from pydantic import SecretStr
 
-from sinks._api import BaseSink, Batch, Change, SinkContext, TableRef
+from sinks._api import BaseSink, Change, Rejected, SinkContext, TableInfo, TableRef
 from sinks.errors import SinkTransientError
 
 # Many entries per call (a round trip and a command per row would cost more than the work itself).
@@ -63,24 +65,31 @@ def _glob_escape(text: str) -> str:
 
 
 class CacheSink(BaseSink):
+    """Generations, read-back and set-up on the driver; rows are written by :class:`CacheWriter` on the executors."""
+
     name = "cache"
-    reads_changes_only = True  # write() uses table.changes() alone: small batches are decoded on the driver
 
     def open(self, context: SinkContext) -> None:
         super().open(context)
         cfg = context.settings.sinks.cache
         self.namespace = cfg.namespace or context.settings.kafka.topic_prefix
         self.ttl = cfg.ttl_s or 0
+        self.url = cfg.url
         self.client = redis.Redis.from_url(cfg.url.get_secret_value(), socket_timeout=30)
-        self._script = self.client.register_script(_APPLY)
 
     def close(self) -> None:
         self.client.close()
 
+    def prepare(self, tables: Sequence[TableInfo]) -> None:
+        return None  # keys appear as rows are written
+
+    def partition_writer(self) -> CacheWriter:
+        return CacheWriter(self.url, self.namespace, self.ttl)
+
     # --- generations -----------------------------------------------------------------------
 
     def current_generation(self) -> int | None:
-        value = self._call(self.client.get, f"{self.namespace}:current")
+        value = _call(self.client.get, f"{self.namespace}:current")
         return int(value) if value is not None else None
 
     def prepare_generation(self, generation: int) -> None:
@@ -89,7 +98,7 @@ class CacheSink(BaseSink):
 
     def swap(self, generation: int) -> None:
         old = self.current_generation()
-        self._call(self.client.set, f"{self.namespace}:current", str(generation))
+        _call(self.client.set, f"{self.namespace}:current", str(generation))
         if old is not None and old != generation:
             time.sleep(self.context.settings.sinks.swap_grace_s)  # readers that read the old number finish first
             self._drop(f"{_glob_escape(self.namespace)}:g{old}:*")
@@ -105,7 +114,7 @@ class CacheSink(BaseSink):
             self.client.unlink(*batch)
 
     def entry_prefix(self, table: str, generation: int) -> str:
-        return f"{self.namespace}:g{generation}:{table}:"
+        return entry_prefix(self.namespace, table, generation)
 
     def read_table(self, table: TableRef, generation: int) -> Iterator[tuple[str, dict[str, Any]]]:
         prefix = self.entry_prefix(table.name, generation)
@@ -119,35 +128,53 @@ class CacheSink(BaseSink):
                 if row is not None:
                     yield key.decode()[len(prefix) :], json.loads(row)
 
-    # --- writes ----------------------------------------------------------------------------
 
-    def write(self, batch: Batch) -> None:
-        for table in batch.tables:
-            prefix = self.entry_prefix(table.name, batch.generation)
-            if table.truncate is not None:
-                self._truncate(prefix, table.truncate)
+def entry_prefix(namespace: str, table: str, generation: int) -> str:
+    return f"{namespace}:g{generation}:{table}:"
+
+
+@dataclass(frozen=True)
+class CacheWriter:
+    """Writes one partition of a table's changes from an executor task: Lua-guarded pipelines, own client."""
+
+    url: SecretStr
+    namespace: str
+    ttl: int
+
+    def write(self, table: TableInfo, changes: Iterator[Change]) -> Iterable[Rejected]:
+        client = redis.Redis.from_url(self.url.get_secret_value(), socket_timeout=30)
+        try:
+            script = client.register_script(_APPLY)
+            prefix = entry_prefix(self.namespace, table.name, table.generation)
             pending: list[Change] = []
-            for change in table.changes():
+            for change in changes:
+                if change.op == "t":
+                    assert change.position is not None  # a truncate always has its position
+                    self._truncate(client, script, prefix, change.position)
+                    continue
                 pending.append(change)
                 if len(pending) >= _PIPELINE:
-                    self._apply(prefix, pending)
+                    self._apply(client, script, prefix, pending)
                     pending = []
             if pending:
-                self._apply(prefix, pending)
+                self._apply(client, script, prefix, pending)
+        finally:
+            client.close()
+        return ()
 
-    def _apply(self, prefix: str, changes: list[Change]) -> None:
+    def _apply(self, client: redis.Redis, script: Any, prefix: str, changes: list[Change]) -> None:
         partial = [c for c in changes if c.unchanged and c.row is not None]
         stored: dict[str, dict[str, Any]] = {}
         if partial:  # unchanged TOAST values: keep what the cache holds (the script does not parse JSON)
-            pipe = self.client.pipeline(transaction=False)
+            pipe = client.pipeline(transaction=False)
             for c in partial:
                 pipe.hget(prefix + c.doc_id, "row")
-            rows = self._call(pipe.execute)
+            rows = _call(pipe.execute)
             stored = {c.doc_id: json.loads(r) for c, r in zip(partial, rows, strict=True) if r is not None}
         now_ms = str(int(time.time() * 1000))
         keys: list[str] = []
         args: list[Any] = []
-        pipe = self.client.pipeline(transaction=False)
+        pipe = client.pipeline(transaction=False)
         for c in changes:
             doc_id = c.doc_id
             keys.append(prefix + doc_id)
@@ -163,33 +190,33 @@ class CacheSink(BaseSink):
                 row_json = json.dumps(row, separators=(",", ":"), ensure_ascii=False)
                 args += ["u", commit, lsn, row_json, c.op, c.ts_ms or 0, now_ms]
             if len(keys) >= _PER_CALL:
-                self._script(keys=keys, args=[self.ttl, *args], client=pipe)
+                script(keys=keys, args=[self.ttl, *args], client=pipe)
                 keys, args = [], []
         if keys:
-            self._script(keys=keys, args=[self.ttl, *args], client=pipe)
-        self._call(pipe.execute)
+            script(keys=keys, args=[self.ttl, *args], client=pipe)
+        _call(pipe.execute)
 
-    def _truncate(self, prefix: str, before: tuple[int, int]) -> None:
-        keys = list(self.client.scan_iter(match=_glob_escape(prefix) + "*", count=1000))
-        pipe = self.client.pipeline(transaction=False)
+    def _truncate(self, client: redis.Redis, script: Any, prefix: str, before: tuple[int, int]) -> None:
+        keys = list(_call(lambda: list(client.scan_iter(match=_glob_escape(prefix) + "*", count=1000))))
+        pipe = client.pipeline(transaction=False)
         for start in range(0, len(keys), _PER_CALL):
             chunk = keys[start : start + _PER_CALL]
             args: list[Any] = []
             for _ in chunk:
                 args += ["d", _hex(before[0]), _hex(before[1]), "", "", "", ""]
-            self._script(keys=chunk, args=[self.ttl, *args], client=pipe)
-        self._call(pipe.execute)
+            script(keys=chunk, args=[self.ttl, *args], client=pipe)
+        _call(pipe.execute)
 
-    @staticmethod
-    def _call(fn: Any, *args: Any) -> Any:
-        try:
-            return fn(*args)
-        except (redis.AuthenticationError, redis.exceptions.AuthorizationError) as exc:
-            # Transient like any store fault: credentials are often fixed on the server (an ACL user
-            # re-enabled, a rotated password restored) without restarting the sinks. Never the URL: it holds them.
-            raise SinkTransientError(
-                f"Redis refused the credentials of sinks.cache.url ({exc}); check the user and password in the URL "
-                "against the server's ACL (ACL GETUSER …)"
-            ) from exc
-        except (redis.ConnectionError, redis.TimeoutError) as exc:
-            raise SinkTransientError(f"Redis unreachable: {exc}") from exc
+
+def _call(fn: Any, *args: Any) -> Any:
+    try:
+        return fn(*args)
+    except (redis.AuthenticationError, redis.exceptions.AuthorizationError) as exc:
+        # Transient like any store fault: credentials are often fixed on the server (an ACL user
+        # re-enabled, a rotated password restored) without restarting the sinks. Never the URL: it holds them.
+        raise SinkTransientError(
+            f"Redis refused the credentials of sinks.cache.url ({exc}); check the user and password in the URL "
+            "against the server's ACL (ACL GETUSER …)"
+        ) from exc
+    except (redis.ConnectionError, redis.TimeoutError) as exc:
+        raise SinkTransientError(f"Redis unreachable: {exc}") from exc

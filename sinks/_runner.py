@@ -22,20 +22,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from sinks._api import Batch, Rebuildable, Rejected, SinkContext, TableRef, key_id
+from sinks._api import PartitionSink, Rebuildable, SinkContext, TableRef, key_id
 from sinks._metrics import SinkMetrics
 from sinks._plugins import load
 from sinks._progress import HEARTBEAT_S, REBUILD_FILE, STATUS_FILE, TopicEnds, batch_offsets, checkpoint_offsets
-from sinks._reader import (
-    LOCAL_MAX_RECORDS,
-    Decoder,
-    LocalDecoder,
-    ensure_dead_letter_topic,
-    open_stream,
-    send_to_dead_letter,
-)
+from sinks._reader import Decoder, ensure_dead_letter_topic, open_stream
 from sinks._spark import build_session
 from sinks._values import Names, column_name, doc_converter
+from sinks._write import Outcome, on_driver_plan, on_executors
 from sinks.errors import PluginError, SinkConfigError, SinkError, SinkTerminalError, StateDiskFullError
 
 if TYPE_CHECKING:
@@ -133,8 +127,6 @@ class SinkQuery:
             self.sink = sink
             sink.open(SinkContext(name, settings, {}, generation, self.spark))
         self.decoder = Decoder(settings)
-        # Small batches of a sink that reads changes() alone are decoded on the driver (sinks._reader).
-        self.local = LocalDecoder(self.decoder) if getattr(self.sink, "reads_changes_only", False) else None
         self.follow_swaps = follow_swaps and isinstance(self.sink, Rebuildable)
         base = settings.sinks.state_dir / name
         self.checkpoint = base / f"g{generation}" / "checkpoint"
@@ -170,39 +162,33 @@ class SinkQuery:
         if self.follow_swaps and self.sink.current_generation() != self.generation:
             raise RuntimeError(_GENERATION_CHANGED)
         started = time.monotonic()
-        local = self.local is not None and _batch_records(self.checkpoint, batch_id) <= LOCAL_MAX_RECORDS
-        if self.local is not None and local:
-            # One Spark job (the read); decode and last-per-key on the driver. Not persisted: the dead-letter
-            # join of store rejections, the only other reader, reads the same offsets again.
-            decoded = self.local.decode(raw.toArrow().to_pylist(), raw.sparkSession)
-        else:
+        topics = _batch_topics(self.checkpoint, batch_id)
+        if topics is None:  # the checkpoint does not say (not written by Spark as expected): ask the data
+            topics = {r["topic"] for r in raw.select("topic").distinct().collect()}
+        # Several topics: each table's branch reads the batch, so it is read from Kafka once and cached.
+        shared = len(topics) > 1
+        if shared:
             raw = raw.persist()
-            decoded = None
         try:
-            if decoded is None:
-                decoded = self.decoder.decode(raw)
-            try:
-                t_decoded = time.monotonic()
-                rejected: list[Rejected] = []
-                batch = Batch(batch_id, self.generation, decoded.tables, self.spark, rejected.extend)
-                if decoded.tables:
-                    self.sink.write(batch)
-                t_written = time.monotonic()
-                dead = 0
-                if decoded.poison is not None or rejected:
-                    dead = send_to_dead_letter(self.settings, self.name, decoded.poison, rejected, raw)
-                rows, newest = decoded.records, decoded.newest_ts_ms
-            finally:
-                decoded.release()
+            tables = self.decoder.plan(raw, topics)
+            batch = (batch_id, self.generation)
+            if isinstance(self.sink, PartitionSink):
+                outcome = on_executors(self.sink, tables, raw, self.settings, batch)
+            else:
+                outcome = on_driver_plan(self.sink, tables, raw, self.settings, batch)
         finally:
-            raw.unpersist()
+            if shared:
+                raw.unpersist()
+        self._report(batch_id, outcome, time.monotonic() - started)
+
+    def _report(self, batch_id: int, outcome: Outcome, elapsed: float) -> None:
         totals = self.status.data
         applied_ms = time.time() * 1000
-        elapsed = time.monotonic() - started
+        newest = outcome.newest_ts_ms
         self.status.update(
             batches=totals.get("batches", 0) + 1,
-            records=totals.get("records", 0) + rows,
-            dead_letters=totals.get("dead_letters", 0) + dead,
+            records=totals.get("records", 0) + outcome.records,
+            dead_letters=totals.get("dead_letters", 0) + outcome.dead_letters,
             last_batch_id=batch_id,
             last_batch_s=round(elapsed, 3),
             last_applied_ms=int(applied_ms),
@@ -210,20 +196,17 @@ class SinkQuery:
         )
         if self.metrics is not None:
             self.metrics.batch_seconds.labels(self.name).observe(elapsed)
-            self.metrics.records.labels(self.name).inc(rows)
-            self.metrics.dead_letters.labels(self.name).inc(dead)
+            self.metrics.records.labels(self.name).inc(outcome.records)
+            self.metrics.dead_letters.labels(self.name).inc(outcome.dead_letters)
             if newest is not None:
                 self.metrics.batch_latency.labels(self.name).set(max(0.0, (applied_ms - newest) / 1000))
         log.info(
-            "sink %s: batch %d: %d record(s) in %.2fs (%s %.2fs, write %.2fs, dead letters %.2fs)",
+            "sink %s: batch %d: %d record(s) in %.2fs, %d dead letter(s)",
             self.name,
             batch_id,
-            rows,
-            time.monotonic() - started,
-            "read and decode on the driver" if local else "decode",
-            t_decoded - started,
-            t_written - t_decoded,
-            time.monotonic() - t_written,
+            outcome.records,
+            elapsed,
+            outcome.dead_letters,
         )
 
     def caught_up(self) -> bool:
@@ -240,20 +223,17 @@ class SinkQuery:
         self.sink.close()
 
 
-def _batch_records(checkpoint: Path, batch_id: int) -> float:
-    """How many offsets batch ``batch_id`` spans, from its checkpoint (written before the batch runs).
-
-    Infinite when unknown (the first batch, which starts at the earliest offsets; a new topic or partition).
-    """
-    if batch_id < 1:
-        return float("inf")
+def _batch_topics(checkpoint: Path, batch_id: int) -> set[str] | None:
+    """The topics batch ``batch_id`` reads, from its checkpoint (Spark writes ``offsets/N`` before running N):
+    those whose end offsets moved since the batch before (all of them for the first batch); None if unknown."""
     try:
-        end, start = batch_offsets(checkpoint, batch_id), batch_offsets(checkpoint, batch_id - 1)
+        end = batch_offsets(checkpoint, batch_id)
+        start = batch_offsets(checkpoint, batch_id - 1) if batch_id > 0 else {}
     except (OSError, ValueError, AttributeError):
-        return float("inf")
-    if end is None or start is None or not set(end) <= set(start):
-        return float("inf")
-    return float(sum(max(0, offset - start[tp]) for tp, offset in end.items()))
+        return None
+    if end is None:
+        return None
+    return {topic for (topic, partition), offset in end.items() if (start or {}).get((topic, partition)) != offset}
 
 
 def _close(sink: Any) -> None:

@@ -15,7 +15,8 @@ import json
 import logging
 import re
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote
 
@@ -23,7 +24,8 @@ from opensearchpy import OpenSearch, helpers
 from opensearchpy.exceptions import ConnectionError as OSConnectionError
 from opensearchpy.exceptions import ConnectionTimeout, NotFoundError, RequestError, TransportError
 
-from sinks._api import BaseSink, Batch, Change, Rejected, SinkContext, TableChanges, TableRef
+from sinks._api import BaseSink, Change, Rejected, SinkContext, TableInfo, TableRef
+from sinks._config import SearchConfig
 from sinks._values import Names, column_name, search_mapping
 from sinks.errors import SinkTransientError
 
@@ -73,17 +75,23 @@ def _encoded(row: Mapping[str, Any]) -> dict[str, Any]:
     return {field_name(col): value for col, value in row.items()}
 
 
+def _client(cfg: SearchConfig) -> OpenSearch:
+    auth = (cfg.username, cfg.password.get_secret_value()) if cfg.username and cfg.password else None
+    return OpenSearch(
+        cfg.url, http_auth=auth, verify_certs=cfg.verify_certs, timeout=60, max_retries=3, retry_on_timeout=True
+    )
+
+
 class SearchSink(BaseSink):
+    """Generations, read-back and index set-up on the driver; documents are written by :class:`SearchWriter`
+    on the executors."""
+
     name = "search"
-    reads_changes_only = True  # write() uses table.changes() alone: small batches are decoded on the driver
 
     def open(self, context: SinkContext) -> None:
         super().open(context)
         cfg = context.settings.sinks.search
-        auth = (cfg.username, cfg.password.get_secret_value()) if cfg.username and cfg.password else None
-        self.client = OpenSearch(
-            cfg.url, http_auth=auth, verify_certs=cfg.verify_certs, timeout=60, max_retries=3, retry_on_timeout=True
-        )
+        self.client = _client(cfg)
         self.cfg = cfg
         self.prefix = (cfg.index_prefix or context.settings.kafka.topic_prefix).lower()
         self.state_index = f"{self.prefix}-cdc-sinks"
@@ -102,33 +110,31 @@ class SearchSink(BaseSink):
 
     def current_generation(self) -> int | None:
         try:
-            doc = self._call(self.client.get, index=self.state_index, id="search")
+            doc = _call(self.client.get, index=self.state_index, id="search")
         except NotFoundError:
             return None
         return int(doc["_source"]["generation"])
 
     def prepare_generation(self, generation: int) -> None:
         # Indices are created with their table's first batch; leftovers of a failed rebuild go first.
-        self._call(self.client.indices.delete, index=f"{self.prefix}-*-g{generation}", ignore_unavailable=True)
+        _call(self.client.indices.delete, index=f"{self.prefix}-*-g{generation}", ignore_unavailable=True)
         self._mapped.clear()
 
     def swap(self, generation: int) -> None:
         old = self.current_generation()
-        self._call(
-            self.client.index, index=self.state_index, id="search", body={"generation": generation}, refresh=True
-        )
+        _call(self.client.index, index=self.state_index, id="search", body={"generation": generation}, refresh=True)
         self._point_aliases(generation)
         if old is not None and old != generation:
             # Searches that resolved an alias just before the swap are still running on the old indices;
             # deleting them at once would fail those searches ("all shards failed").
             time.sleep(self.context.settings.sinks.swap_grace_s)
-            self._call(self.client.indices.delete, index=f"{self.prefix}-*-g{old}", ignore_unavailable=True)
+            _call(self.client.indices.delete, index=f"{self.prefix}-*-g{old}", ignore_unavailable=True)
 
     def _point_aliases(self, generation: int) -> None:
         """Point every table's alias at ``generation`` only, in one atomic request."""
         suffix = f"-g{generation}"
-        indices = self._call(self.client.indices.get, index=f"{self.prefix}-*{suffix}", ignore_unavailable=True)
-        holders = self._call(self.client.indices.get_alias, index=f"{self.prefix}-*", ignore_unavailable=True)
+        indices = _call(self.client.indices.get, index=f"{self.prefix}-*{suffix}", ignore_unavailable=True)
+        holders = _call(self.client.indices.get_alias, index=f"{self.prefix}-*", ignore_unavailable=True)
         actions: list[dict[str, Any]] = []
         for index in indices:
             alias = index[: -len(suffix)]
@@ -137,7 +143,7 @@ class SearchSink(BaseSink):
                     actions.append({"remove": {"index": other, "alias": alias}})
             actions.append({"add": {"index": index, "alias": alias}})
         if actions:
-            self._call(self.client.indices.update_aliases, body={"actions": actions})
+            _call(self.client.indices.update_aliases, body={"actions": actions})
 
     def read_table(self, table: TableRef, generation: int) -> Iterator[tuple[str, dict[str, Any]]]:
         index = self.index(table.name, generation)
@@ -151,7 +157,8 @@ class SearchSink(BaseSink):
 
     # --- writes ----------------------------------------------------------------------------
 
-    def _ensure_index(self, table: TableChanges, generation: int) -> str:
+    def _ensure_index(self, table: TableInfo) -> str:
+        generation = table.generation
         index = self.index(table.name, generation)
         signature = json.dumps(table.row_schema, sort_keys=True)
         if self._mapped.get(index) == signature:
@@ -169,7 +176,7 @@ class SearchSink(BaseSink):
         }
         # dynamic false: a column added later is mapped by put_mapping below, never guessed from a value.
         mappings = {"dynamic": False, "properties": properties}
-        if not self._call(self.client.indices.exists, index=index):
+        if not _call(self.client.indices.exists, index=index):
             body = {
                 "settings": {"number_of_shards": self.cfg.shards, "number_of_replicas": self.cfg.replicas},
                 "mappings": mappings,
@@ -180,38 +187,57 @@ class SearchSink(BaseSink):
                 if "resource_already_exists_exception" not in str(exc):
                     raise
             if generation == self.current_generation():
-                self._call(
+                _call(
                     self.client.indices.update_aliases,
                     body={"actions": [{"add": {"index": index, "alias": self.alias(table.name)}}]},
                 )
         else:
             # New columns only; an existing field's mapping never changes (FULL compatibility keeps types).
-            self._call(self.client.indices.put_mapping, index=index, body=mappings)
+            _call(self.client.indices.put_mapping, index=index, body=mappings)
         self._mapped[index] = signature
         return index
 
-    def write(self, batch: Batch) -> None:
+    def prepare(self, tables: Sequence[TableInfo]) -> None:
+        for table in tables:
+            self._ensure_index(table)
+
+    def partition_writer(self) -> SearchWriter:
+        return SearchWriter(self.cfg, self.prefix)
+
+
+@dataclass(frozen=True)
+class SearchWriter:
+    """Writes one partition of a table's changes from an executor task: bulk requests, own client."""
+
+    cfg: SearchConfig
+    prefix: str
+
+    def write(self, table: TableInfo, changes: Iterator[Change]) -> Iterable[Rejected]:
+        index = f"{index_alias(self.prefix, table.name)}-g{table.generation}"
+        client = _client(self.cfg)
         rejected: list[Rejected] = []
-        for table in batch.tables:
-            index = self._ensure_index(table, batch.generation)
-            if table.truncate is not None:
-                self._truncate(index, table.truncate)
+        try:
             pending: list[Change] = []
-            for change in table.changes():
+            for change in changes:
+                if change.op == "t":
+                    assert change.position is not None  # a truncate always has its position
+                    self._truncate(client, index, change.position)
+                    continue
                 pending.append(change)
                 if len(pending) >= _BULK:
-                    rejected += self._apply(index, table.topic, pending)
+                    rejected += self._apply(client, index, table.topic, pending)
                     pending = []
             if pending:
-                rejected += self._apply(index, table.topic, pending)
-        if rejected:
-            batch.reject(rejected)
+                rejected += self._apply(client, index, table.topic, pending)
+        finally:
+            client.close()
+        return rejected
 
-    def _apply(self, index: str, topic: str, changes: list[Change]) -> list[Rejected]:
+    def _apply(self, client: OpenSearch, index: str, topic: str, changes: list[Change]) -> list[Rejected]:
         partial = [c for c in changes if c.unchanged and c.row is not None]
         stored: dict[str, dict[str, Any]] = {}
         if partial:  # unchanged TOAST values: keep what the index holds
-            found = self._call(self.client.mget, index=index, body={"ids": [c.doc_id for c in partial]})
+            found = _call(client.mget, index=index, body={"ids": [c.doc_id for c in partial]})
             stored = {d["_id"]: d["_source"] for d in found["docs"] if d.get("found")}
         actions: list[dict[str, Any]] = []
         rejected: list[Rejected] = []
@@ -239,7 +265,7 @@ class SearchSink(BaseSink):
                 }
             actions.append(action)
         try:
-            _, errors = helpers.bulk(self.client, actions, raise_on_error=False, raise_on_exception=True)
+            _, errors = helpers.bulk(client, actions, raise_on_error=False, raise_on_exception=True)
         except (OSConnectionError, ConnectionTimeout) as exc:
             raise SinkTransientError(f"OpenSearch unreachable: {exc}") from exc
         except RequestError as exc:
@@ -247,7 +273,7 @@ class SearchSink(BaseSink):
             errors = []
             for action in actions:
                 try:
-                    helpers.bulk(self.client, [action], raise_on_error=False, raise_on_exception=True)
+                    helpers.bulk(client, [action], raise_on_error=False, raise_on_exception=True)
                 except RequestError as one:
                     errors.append(
                         {
@@ -271,7 +297,7 @@ class SearchSink(BaseSink):
             rejected.append(Rejected(topic, change.partition, change.offset, f"OpenSearch {op}: {result.get('error')}"))
         return rejected
 
-    def _truncate(self, index: str, before: tuple[int, int]) -> None:
+    def _truncate(self, client: OpenSearch, index: str, before: tuple[int, int]) -> None:
         commit, lsn = before
         older = {
             "bool": {
@@ -288,17 +314,17 @@ class SearchSink(BaseSink):
                 ]
             }
         }
-        self._call(
-            self.client.delete_by_query,
+        _call(
+            client.delete_by_query,
             index=index,
             body={"query": older},
             refresh=True,
             conflicts="proceed",
         )
 
-    @staticmethod
-    def _call(fn: Any, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return fn(*args, **kwargs)
-        except (OSConnectionError, ConnectionTimeout) as exc:
-            raise SinkTransientError(f"OpenSearch unreachable: {exc}") from exc
+
+def _call(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    try:
+        return fn(*args, **kwargs)
+    except (OSConnectionError, ConnectionTimeout) as exc:
+        raise SinkTransientError(f"OpenSearch unreachable: {exc}") from exc

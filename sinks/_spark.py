@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import os
+import sys
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
@@ -19,6 +21,8 @@ _DELTA_CONF = {
     # One scheduler pool per sink's query (sinks._runner.SinkQuery.start): the queries share the cores
     # instead of queueing behind whichever submitted its tasks first.
     "spark.scheduler.mode": "FAIR",
+    # Parquet timestamps as int64 µs: exact for every reader; INT96 (Spark's default) wraps for ±infinity.
+    "spark.sql.parquet.outputTimestampType": "TIMESTAMP_MICROS",
 }
 
 # Small-machine defaults: 200 shuffle partitions cost far more than they bring on a few cores.
@@ -49,6 +53,11 @@ def build_session(
         builder = builder.master(master)
         for key, value in _LOCAL_CONF.items():
             builder = builder.config(key, value)
+        if master.startswith("local"):
+            # The sinks' writers run in Python worker processes; on this machine they must be this Python
+            # (with pgcdc and the store clients installed), not whatever `python3` is first on PATH. PySpark
+            # reads the variable when the SparkContext is made.
+            os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     if jars:
         builder = builder.config("spark.jars", ",".join(jars))
     for key, value in {**_DELTA_CONF, **(conf or {})}.items():

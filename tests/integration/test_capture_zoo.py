@@ -8,6 +8,7 @@ import json
 import time
 import urllib.request
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,7 @@ import pytest
 from confluent_kafka import Consumer, KafkaError, TopicPartition
 from psycopg import sql
 
-from schemas import avro_mapping
+from schemas import AvroMapping, avro_mapping
 from tests.integration._capture_helpers import CdcConfig, wait_for
 from tests.integration.test_types_zoo import ZOO, Zoo, load_pgtype
 from tests.integration.test_types_zoo import zoo as zoo  # noqa: PLC0414 - the fixture, re-exported for pytest
@@ -70,7 +71,8 @@ def zoo_table(zoo: Zoo, unique: str) -> Iterator[tuple[str, int]]:
         zoo.conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(ident))
 
 
-def _insert(zoo: Zoo, table: str, first_id: int, rows: int) -> None:
+def insert_rows(zoo: Zoo, table: str, first_id: int, rows: int) -> None:
+    """Rows ``first_id``… of the zoo table: row j holds each type's j-th case (NULL past its last)."""
     for j in range(rows):
         values = ", ".join(zoo.column_type(cases[j][0]) if j < len(cases) else "NULL" for _, cases in ZOO)
         zoo.conn.execute(
@@ -93,7 +95,7 @@ def test_every_zoo_value_arrives_exactly(
     binary: bool,
 ) -> None:
     table, rows = zoo_table
-    _insert(zoo, table, 1, rows)  # read by the snapshot
+    insert_rows(zoo, table, 1, rows)  # read by the snapshot
     prefix = f"z{unique}"
     cfg = CdcConfig(
         pg_dsn,
@@ -109,7 +111,7 @@ def test_every_zoo_value_arrives_exactly(
     topic = f"{prefix}.{zoo.schema}.{table}"
     try:
         proc.wait_streaming()
-        _insert(zoo, table, 1001, rows)  # read from the stream
+        insert_rows(zoo, table, 1001, rows)  # read from the stream
         wait_for(lambda: len(_raw_afters(kafka_bootstrap, registry_url, topic)) >= 2 * rows, 120, "the rows", proc)
     finally:
         proc.stop()
@@ -117,28 +119,49 @@ def test_every_zoo_value_arrives_exactly(
             conn.execute("SELECT pg_drop_replication_slot(%s)", (f"z_{unique}",))
             conn.execute(sql.SQL("DROP PUBLICATION IF EXISTS {}").format(sql.Identifier(f"z_{unique}")))
     afters = _raw_afters(kafka_bootstrap, registry_url, topic)
-    # The expected value of each cell: the mapping applied to PostgreSQL's own text output of the stored
-    # value (test_types_zoo proves that equals the hand-written expectation for every case).
+    columns = source_columns(zoo, table)
+    mismatches = []
+    for i, column in enumerate(columns):
+        for row_id, expected in column.values().items():
+            got = afters[row_id][f"c{i}"]
+            if not same(got, expected):
+                path = "snapshot" if row_id < 1000 else "stream"
+                mismatches.append(f"{path} row {row_id} {column.column_type}: got {got!r}, expected {expected!r}")
+    assert len(afters) == len(columns[0].texts)
+    assert not mismatches, f"{len(mismatches)} mismatches:\n" + "\n".join(mismatches[:20])
+
+
+@dataclass
+class SourceColumn:
+    """Column ``c<i>`` of a zoo table as PostgreSQL holds it."""
+
+    column_type: str  # as ZOO spells it
+    mapping: AvroMapping
+    texts: dict[int, bytes | None]  # row id -> the server's text output; None only for SQL NULL
+
+    def values(self) -> dict[int, Any]:
+        """Row id -> the exact Avro value: the mapping applied to the server's text output (test_types_zoo
+        proves that equals the hand-written expectation for every case)."""
+        return {i: None if t is None else self.mapping.from_text(t) for i, t in self.texts.items()}
+
+
+def source_columns(zoo: Zoo, table: str) -> list[SourceColumn]:
+    """Every zoo column of ``table``, in ZOO's order."""
     ident = sql.Identifier(zoo.schema, table)
     attributes = zoo.conn.execute(
         "SELECT atttypid, atttypmod FROM pg_attribute WHERE attrelid = %s::regclass AND attnum > 1 ORDER BY attnum",
         (ident.as_string(zoo.conn),),
     ).fetchall()
     ids = [r[0] for r in zoo.conn.execute(sql.SQL("SELECT id FROM {} ORDER BY id").format(ident)).fetchall()]
-    mismatches = []
+    columns = []
     for i, ((column_type, _), (oid, typmod)) in enumerate(zip(ZOO, attributes, strict=True)):
-        mapping = avro_mapping(load_pgtype(zoo.conn, oid), typmod)
-        # Raw text-format values; None only for SQL NULL (a composite of NULLs "IS NULL" too, yet is a value).
+        # Raw text-format values (a composite of NULLs "IS NULL" too, yet is a value, not SQL NULL).
         cur = zoo.conn.cursor(binary=False)
         cur.execute(sql.SQL("SELECT {} FROM {} ORDER BY id").format(sql.Identifier(f"c{i}"), ident))
         result = cur.pgresult
         assert result is not None
         texts = [result.get_value(r, 0) for r in range(result.ntuples)]
-        for row_id, text in zip(ids, texts, strict=True):
-            expected = None if text is None else mapping.from_text(bytes(text))
-            got = afters[row_id][f"c{i}"]
-            if not same(got, expected):
-                path = "snapshot" if row_id < 1000 else "stream"
-                mismatches.append(f"{path} row {row_id} {column_type}: got {got!r}, expected {expected!r}")
-    assert len(afters) == len(ids)
-    assert not mismatches, f"{len(mismatches)} mismatches:\n" + "\n".join(mismatches[:20])
+        mapping = avro_mapping(load_pgtype(zoo.conn, oid), typmod)
+        by_id = {row_id: None if t is None else bytes(t) for row_id, t in zip(ids, texts, strict=True)}
+        columns.append(SourceColumn(column_type, mapping, by_id))
+    return columns

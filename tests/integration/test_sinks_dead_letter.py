@@ -72,8 +72,11 @@ def test_poison_and_rejected_changes_reach_the_dead_letter_topic(
             search = OpenSearch(stack.opensearch)
             search.indices.refresh(index=f"{prefix}-public.t")
             assert search.count(index=f"{prefix}-public.t")["count"] == 2  # a and b; the long key is dead-lettered
-            status = json.loads((tmp_path / "state" / "search" / "status.json").read_text())
-            assert status["dead_letters"] >= 2
+            # The batch records its dead letters in its status once it has written them.
+            status_file = tmp_path / "state" / "search" / "status.json"
+            wait_for(
+                lambda: json.loads(status_file.read_text()).get("dead_letters", 0) >= 2, 60, "the status file", None
+            )
             # Counted in the sinks app's metrics, and in the capture's view of the sinks (for the alert rule).
             inside = scrape(sinks_port)
             assert (metric(inside, "pgcdc_sink_dead_letters_total", sink="search") or 0) >= 2

@@ -1,10 +1,11 @@
-"""The driver-side decode of small batches (sinks._reader.LocalDecoder) keeps the Spark path's rules.
+"""The fold (sinks._fold): decode, last event per key, truncates, unchanged TOAST, tombstones and poison, run
+on a real local Spark exactly as the sinks run it.
 
 Real envelopes and keys are written by the capture's own code (TableCodec over schemas.envelope_schema and
-key_schema), Confluent-framed with the ids a small in-memory registry gives them, and fed to the decoder as the
-raw Kafka records (topic, partition, offset, key, value) Spark's Arrow fetch hands it. No Spark, no network: the
-registry is a fake with the two calls the Decoder makes, the session a fake that only records the poison frame
-the decoder asks it to create.
+key_schema), Confluent-framed with the ids a small in-memory registry gives them, and fed to the runtime's
+planning (Decoder.plan, then the fold and projection each batch runs) as the raw Kafka records (topic,
+partition, offset, key, value) Spark's Kafka source gives. The registry is a fake with the two calls the
+Decoder makes; Spark and spark-avro are real.
 """
 
 from __future__ import annotations
@@ -13,21 +14,28 @@ import json
 import struct
 from dataclasses import dataclass, field
 from decimal import Decimal
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 from confluent_kafka.schema_registry.error import SchemaRegistryError
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cdc._events import Position, SourceInfo, TableCodec
 from decoders import TupleData
 from schemas import PgType
-from sinks._api import Change, TableChanges
+from sinks._api import Change, ChangeMaker, projected
 from sinks._config import SinkSettings
-from sinks._reader import Decoded, Decoder, LocalDecoder
+from sinks._fold import KEY_UNFRAMED, VALUE_UNFRAMED
+from sinks._reader import Decoder
 from sinks._values import Names, doc_converter
+from sinks._write import _folded
 from tests._codecs import make_codec
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
+pytestmark = [pytest.mark.slow]
 
 PREFIX = "p"
 TOPIC = "p.public.t"
@@ -42,13 +50,16 @@ JSONB = PgType(3802, "jsonb")
 FLOAT8 = PgType(701, "float8")
 BOOL = PgType(16, "bool")
 
-# The reasons the Spark path (Decoder.decode) gives its poison records.
-KEY_UNFRAMED = "key is not Confluent-framed Avro (magic byte 0)"
-VALUE_UNFRAMED = "value is not Confluent-framed Avro (magic byte 0)"
-POISON_COLUMNS = "topic string, partition int, offset long, key binary, value binary, error string"
+_SESSION: list[SparkSession] = []
 
 
-# --- a registry, a session --------------------------------------------------------------------------
+@pytest.fixture(autouse=True)
+def _spark(spark: SparkSession) -> None:
+    """The run's SparkSession, for the harness below (hypothesis' tests take no function fixtures)."""
+    _SESSION[:] = [spark]
+
+
+# --- a registry, the batch's planning and fold ----------------------------------------------------------
 
 
 @dataclass
@@ -57,13 +68,14 @@ class _Schema:
 
 
 @dataclass
-class _Version:
+class _Registered:
+    schema_id: int
     schema: _Schema
 
 
 @dataclass
 class FakeRegistry:
-    """What Decoder calls of SchemaRegistryClient: get_schema(id) and get_latest_version(subject).
+    """What Decoder calls of SchemaRegistryClient: get_versions(subject) and get_version(subject, version).
 
     ``register`` is what the capture's TableCodec is given: one id per distinct schema text (the registry's
     rule), versions appended to the subject.
@@ -82,65 +94,102 @@ class FakeRegistry:
         return schema_id
 
     def _text(self, schema_id: int) -> str:
-        for text, i in self.ids.items():
-            if i == schema_id:
-                return text
-        raise SchemaRegistryError(404, 40403, f"Schema {schema_id} not found")
+        return next(text for text, i in self.ids.items() if i == schema_id)
 
-    def get_schema(self, schema_id: int) -> _Schema:
-        self.calls.append(("get_schema", schema_id))
-        return _Schema(self._text(schema_id))
-
-    def get_latest_version(self, subject: str) -> _Version:
-        self.calls.append(("get_latest_version", subject))
+    def get_versions(self, subject: str) -> list[int]:
+        self.calls.append(("get_versions", subject))
         if not self.subjects.get(subject):
             raise SchemaRegistryError(404, 40401, f"Subject '{subject}' not found")
-        return _Version(_Schema(self._text(self.subjects[subject][-1])))
+        return list(range(1, len(self.subjects[subject]) + 1))
+
+    def get_version(self, subject: str, version: int) -> _Registered:
+        self.calls.append(("get_version", (subject, version)))
+        schema_id = self.subjects[subject][version - 1]
+        return _Registered(schema_id, _Schema(self._text(schema_id)))
 
 
 @dataclass
-class PoisonFrame:
-    rows: list[tuple[Any, ...]]
-    schema: str
+class Table:
+    topic: str
+    name: str
+    key_schema: dict[str, Any]
+    row_schema: dict[str, Any]
+    truncate: tuple[int, int] | None
+    changes: list[Change]
 
 
-class FakeSpark:
-    """The only thing LocalDecoder.decode asks of the session: a DataFrame of the poison records."""
+@dataclass
+class Decoded:
+    tables: list[Table]
+    poison: list[tuple[Any, ...]]  # (topic, partition, offset, key, value, error), by (topic, partition, offset)
+    records: int
+    newest_ts_ms: int | None
 
-    def createDataFrame(self, data: list[tuple[Any, ...]], schema: str) -> PoisonFrame:  # noqa: N802
-        return PoisonFrame(list(data), schema)
 
-
-def _local(registry: FakeRegistry) -> LocalDecoder:
+def _local(registry: FakeRegistry) -> Decoder:
     decoder = Decoder(SinkSettings(kafka={"topic_prefix": PREFIX}))  # type: ignore[arg-type]
     decoder._client = registry  # type: ignore[assignment]  # constructing the real client opens no connection
-    return LocalDecoder(decoder)
+    return decoder
 
 
-def _decode(local: LocalDecoder, rows: list[dict[str, Any]]) -> Decoded:
-    return local.decode(rows, FakeSpark())  # type: ignore[arg-type]
+def _decode(decoder: Decoder, rows: list[dict[str, Any]]) -> Decoded:
+    """One batch through the runtime's planning and fold; the folded rows collected for the assertions."""
+    from pyspark.sql import functions as F
+
+    spark = _SESSION[0]
+    raw = spark.createDataFrame(
+        [(r["topic"], r["partition"], r["offset"], r["key"], r["value"]) for r in rows],
+        "topic string, partition int, offset long, key binary, value binary",
+    )
+    by_place = {(r["topic"], r["partition"], r["offset"]): r for r in rows}
+    tables, poison, records, newest = [], [], 0, None
+    for planned in Decoder.plan(decoder, raw, {r["topic"] for r in rows}):
+        stats = planned.decoded.agg(F.count(F.lit(1)).alias("n"), F.max("ts_ms").alias("ts")).collect()[0]
+        records += stats["n"]
+        if stats["ts"] is not None:
+            newest = max(newest or 0, stats["ts"])
+        folded = _folded(planned, planned.decoded)
+        if planned.schemas.registered:
+            folded = projected(folded, planned.key_schema, planned.row_schema, extra=("error",))
+        out = folded.toArrow().to_pylist()
+        for r in out:
+            if r["op"] == "!":
+                raw_row = by_place[(r["topic"], r["partition"], r["offset"])]
+                poison.append((r["topic"], r["partition"], r["offset"], raw_row["key"], raw_row["value"], r["error"]))
+        if not planned.schemas.registered:
+            continue
+        make = ChangeMaker(planned.key_schema, planned.row_schema)
+        truncates = [(r["commit_lsn"], r["lsn"]) for r in out if r["op"] == "t"]
+        changes = sorted((make(r) for r in out if r["op"] not in ("!", "t")), key=lambda c: (c.partition, c.offset))
+        if changes or truncates:
+            tables.append(
+                Table(
+                    planned.topic,
+                    planned.name,
+                    planned.key_schema,
+                    planned.row_schema,
+                    truncates[0] if truncates else None,
+                    changes,
+                )
+            )
+    return Decoded(tables, sorted(poison, key=lambda p: p[:3]), records, newest)
 
 
 def _poison(decoded: Decoded) -> list[tuple[Any, ...]]:
-    if decoded.poison is None:
-        return []
-    frame: Any = decoded.poison
-    assert isinstance(frame, PoisonFrame)
-    assert frame.schema == POISON_COLUMNS
-    return frame.rows
+    return decoded.poison
 
 
-def _table(decoded: Decoded, topic: str = TOPIC) -> TableChanges:
+def _table(decoded: Decoded, topic: str = TOPIC) -> Table:
     (table,) = [t for t in decoded.tables if t.topic == topic]
     return table
 
 
 def _changes(decoded: Decoded, topic: str = TOPIC) -> list[Change]:
-    table = _table(decoded, topic)
-    frame: Any = table.frame
-    assert frame is None  # a driver-side batch: changes() is all there is
-    assert table.rows is not None
-    return sorted(table.changes(), key=lambda c: (c.partition, c.offset))
+    return _table(decoded, topic).changes
+
+
+KEY_998 = f"key schema id 998 is not a version of {TOPIC}-key"
+VALUE_999 = f"value schema id 999 is not a version of {TOPIC}-value"
 
 
 # --- the capture's side ------------------------------------------------------------------------------
@@ -230,7 +279,7 @@ def test_decoded_rows_equal_the_source_values() -> None:
     sparse, _ = _row(codec, id="2", f="NaN", ok="f")
     rows = [_raw(10, *_event(codec, "c", full, 100, 90)), _raw(11, *_event(codec, "r", sparse, 100, 95))]
     decoded = _decode(_local(registry), rows)
-    assert decoded.poison is None
+    assert decoded.poison == []
     assert decoded.records == 2
     assert decoded.newest_ts_ms == 100  # commit_time_us // 1000
     table = _table(decoded)
@@ -274,7 +323,8 @@ def test_decoded_rows_equal_the_source_values() -> None:
 _texts = st.text(st.characters(exclude_categories=["Cs"], exclude_characters="\x00"), max_size=20)
 
 
-@settings(max_examples=100, deadline=None)
+# Each example runs Spark jobs (about a second): fewer examples than a pure-Python property test would get.
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     ident=st.integers(-(2**31), 2**31 - 1),
     big=st.none() | _texts,
@@ -375,7 +425,7 @@ def _histories(draw: st.DrawFn) -> list[tuple[int, str, int, int]]:
     )
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(_histories(), st.randoms(use_true_random=False), st.booleans())
 def test_the_newest_by_commit_lsn_lsn_offset_survives_property(
     history: list[tuple[int, str, int, int]], rng: Any, tombstones: bool
@@ -453,7 +503,7 @@ def test_a_lone_tombstone_is_a_delete_without_a_position() -> None:
         _raw(3, *_event(codec, "c", other, 30, 3)),
     ]
     decoded = _decode(_local(registry), rows)
-    assert decoded.poison is None
+    assert decoded.poison == []
     assert decoded.newest_ts_ms == 30
     assert _changes(decoded) == [
         Change({"id": 2}, {"id": 2, "name": "kept"}, "c", 30, 3, 30, (), 0, 3),
@@ -471,7 +521,7 @@ def test_a_tombstone_followed_by_a_new_row_of_the_key_is_the_new_row() -> None:
 
 
 def test_a_tombstone_in_a_batch_of_unframed_values_is_still_a_tombstone() -> None:
-    """Null values have no schema id: grouped with unframed ones, only those go to the dead letters."""
+    """Null values have no schema id: among unframed ones, only those go to the dead letters."""
     registry = FakeRegistry()
     codec = _codec(registry, NAMED)
     key = _event(codec, "c", _row(codec, id="1", name="x")[0], 1, 1)[0]
@@ -569,7 +619,7 @@ def test_a_truncate_drops_the_older_events_and_is_reported() -> None:
         ev(2, 2, 300, 1, partition=1),
     ]
     decoded = _decode(_local(registry), rows)
-    assert decoded.poison is None
+    assert decoded.poison == []
     assert decoded.newest_ts_ms == 300
     assert _table(decoded).truncate == (200, 5)
     assert [(c.key, c.op, c.position) for c in _changes(decoded)] == [
@@ -600,15 +650,15 @@ def _garbage_key(codec: TableCodec) -> bytes:
         ("key null", KEY_UNFRAMED),
         ("value magic byte 1", VALUE_UNFRAMED),
         ("value shorter than the framing", VALUE_UNFRAMED),
-        ("unknown value id", "value schema id 999 is unknown to the registry"),
-        ("unknown key id", "key schema id 998 is unknown to the registry"),
+        ("unknown value id", VALUE_999),
+        ("unknown key id", KEY_998),
         ("no subject", "no schema registered for p.public.nothing"),
         ("value cut short", "Avro decoding failed with the writer schema ids key {kid} / value {vid}"),
         ("value framing alone", "Avro decoding failed with the writer schema ids key {kid} / value {vid}"),
         ("key not Avro of its schema", "Avro decoding failed with the writer schema ids key {kid} / value {vid}"),
     ],
 )
-def test_poison_goes_to_the_dead_letters_with_the_spark_paths_reason(case: str, reason: str) -> None:
+def test_poison_goes_to_the_dead_letters_with_its_reason(case: str, reason: str) -> None:
     registry = FakeRegistry()
     codec = _codec(registry, NAMED)
     good_key, good_value = _event(codec, "c", _row(codec, id="7", name="fine")[0], 10, 1)
@@ -648,20 +698,21 @@ def test_a_batch_without_poison_has_no_dead_letter_frame() -> None:
     registry = FakeRegistry()
     codec = _codec(registry, NAMED)
     decoded = _decode(_local(registry), [_raw(0, *_event(codec, "c", _row(codec, id="1", name="a")[0], 1, 1))])
-    assert decoded.poison is None
-    assert decoded.persisted == []
+    assert decoded.poison == []
 
 
-def test_a_tombstone_whose_key_id_is_unknown_is_dropped_as_the_spark_path_drops_it() -> None:
-    """Not decodable (no key schema) and not poison (no value): neither applied nor dead-lettered."""
+def test_a_tombstone_whose_key_id_is_unknown_goes_to_the_dead_letters() -> None:
+    """Not decodable (no key schema): it cannot be applied, so it is kept where it can be inspected."""
     registry = FakeRegistry()
     codec = _codec(registry, NAMED)
     key = b"\x00" + struct.pack(">I", 998) + codec.key_of(_row(codec, id="1", name="x")[0])[5:]
     decoded = _decode(_local(registry), [_raw(0, key, None)])
-    assert (decoded.poison, decoded.tables) == (None, [])
+    assert [p[-1] for p in decoded.poison] == [KEY_998]
+    assert decoded.tables == []
 
 
-def test_unknown_ids_are_looked_up_once() -> None:
+def test_schema_versions_are_fetched_once() -> None:
+    """Each batch asks for the subjects' version lists; a version's schema is fetched only the first time."""
     registry = FakeRegistry()
     codec = _codec(registry, NAMED)
     good_key, good_value = _event(codec, "c", _row(codec, id="7", name="fine")[0], 10, 1)
@@ -669,8 +720,9 @@ def test_unknown_ids_are_looked_up_once() -> None:
     local = _local(registry)
     for _ in range(2):
         decoded = _decode(local, [_raw(0, good_key, bad), _raw(1, good_key, bad), _raw(2, good_key, good_value)])
-        assert [p[-1] for p in _poison(decoded)] == ["value schema id 999 is unknown to the registry"] * 2
-    assert registry.calls.count(("get_schema", 999)) == 1
+        assert [p[-1] for p in _poison(decoded)] == [VALUE_999] * 2
+    assert registry.calls.count(("get_versions", f"{TOPIC}-value")) == 2
+    assert registry.calls.count(("get_version", (f"{TOPIC}-value", 1))) == 1
 
 
 # --- schema evolution --------------------------------------------------------------------------------
@@ -690,7 +742,7 @@ def test_an_event_written_with_an_older_schema_reads_as_the_latest() -> None:
         _raw(1, *_event(new, "c", _row(new, id="2", name="after ALTER", extra="5")[0], 20, 1)),
     ]
     decoded = _decode(_local(registry), rows)
-    assert decoded.poison is None
+    assert decoded.poison == []
     assert _table(decoded).row_schema == new.value_schema["fields"][0]["type"][1]
     assert [c.row for c in _changes(decoded)] == [
         {"id": 1, "name": "before ALTER", "extra": None},  # the added nullable column: None
@@ -735,3 +787,41 @@ def test_a_new_schema_version_after_old_events_in_the_same_batch_is_read_with_it
         {"id": 1, "name": "b", "extra": None},
         {"id": 2, "name": "c", "extra": 5},
     ]
+
+
+# --- frame-based sinks ----------------------------------------------------------------------------------
+
+
+def test_a_frame_sink_gets_the_fold_and_its_rows_on_the_driver_with_a_deprecation_warning() -> None:
+    """The frame-based path (the warehouse's, and plugins written before executor-side writers): the same fold,
+    counted by one marks job; ``changes()`` still hands the rows over on the driver, and warns."""
+    import sinks._api
+    from sinks._write import on_driver_plan
+
+    registry = FakeRegistry()
+    codec = _codec(registry, NAMED)
+
+    def ev(offset: int, ident: int, name: str, commit_lsn: int, op: str = "c") -> dict[str, Any]:
+        return _raw(offset, *_event(codec, op, _row(codec, id=str(ident), name=name)[0], commit_lsn, 1))
+
+    rows = [ev(0, 1, "gone", 10), _raw(1, *_truncate(codec, 20, 1)), ev(2, 2, "a", 30), ev(3, 2, "b", 40, "u")]
+    raw = _SESSION[0].createDataFrame(
+        [(r["topic"], r["partition"], r["offset"], r["key"], r["value"]) for r in rows],
+        "topic string, partition int, offset long, key binary, value binary",
+    )
+    decoder = _local(registry)
+    got: list[tuple[tuple[int, int] | None, list[Change]]] = []
+
+    class FrameSink:
+        name = "frames"
+
+        def write(self, batch: Any) -> None:
+            got.extend((t.truncate, list(t.changes())) for t in batch.tables)
+
+    sinks._api._WARNED.clear()
+    with pytest.warns(DeprecationWarning, match="moves every row to the Spark driver"):
+        outcome = on_driver_plan(FrameSink(), decoder.plan(raw, {TOPIC}), raw, decoder.settings, (5, 1))
+    assert (outcome.records, outcome.dead_letters, outcome.newest_ts_ms) == (4, 0, 40)
+    ((truncate, changes),) = got
+    assert truncate == (20, 1)
+    assert [(c.key, c.row, c.op, c.position) for c in changes] == [({"id": 2}, {"id": 2, "name": "b"}, "u", (40, 1))]
