@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, runtime_checkable
 
-from sinks._values import Names, column_name, doc_converter, spark_projection
+from sinks._values import Names, column_name, doc_converter
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
@@ -85,22 +85,9 @@ def projected(
     frame: DataFrame, key_schema: dict[str, Any], row_schema: dict[str, Any], extra: Sequence[str] = ()
 ) -> DataFrame:
     """A folded frame with dates and timestamps as numbers: the form :class:`ChangeMaker` reads."""
-    from pyspark.sql import functions as F
+    from sinks._fold import projection
 
-    names = Names()
-    return frame.select(
-        "topic",
-        "partition",
-        "offset",
-        spark_projection(key_schema, F.col("key"), names).alias("key"),
-        spark_projection(row_schema, F.col("row"), names).alias("row"),
-        "op",
-        "commit_lsn",
-        "lsn",
-        "ts_ms",
-        "unchanged",
-        *extra,
-    )
+    return frame.select(*projection(key_schema, row_schema, tuple(extra)))
 
 
 class ChangeMaker:

@@ -10,9 +10,10 @@ only here:
   decode gets an ``error``; it comes out of the fold as a row of its own with ``op = '!'`` (and goes to the
   dead-letter topic); the rest of the batch goes on.
 * **Last event per key** by ``(commit_lsn, lsn, offset, partition)``.
-* **Truncates** (``op = 't'``, a key whose fields are all null): events at or before the table's newest
-  truncate in the batch are dropped; the truncate itself comes out as one row with ``op = 't'`` and its
-  position, which a store applies as "remove every row older than this".
+* **Truncates** (``op = 't'``, a key whose fields are all null): the table's newest truncate in the batch
+  comes out as one row with ``op = 't'`` and its position, which a store applies as "remove every row older
+  than this" after the batch's other writes (so whatever of the batch is older goes too). A frame-based sink
+  is given the position before it writes, and the fold then drops the events at or before it.
 * **Unchanged TOAST**: a partial update takes each missing column from the key's latest earlier event in the
   batch that sent it; columns still unknown stay listed in ``unchanged`` (the store keeps its value).
 * **Lone tombstones**: a tombstone whose delete event is not in the batch (compacted away) is a delete
@@ -28,6 +29,8 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+from sinks._values import Names, spark_projection
 
 if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame
@@ -92,33 +95,32 @@ def _unknown(ids: Column, known: Mapping[int, str], what: str, subject: str) -> 
     return F.when(~ids.isin(*known), message) if known else message
 
 
-def decode(raw: DataFrame, schemas: TopicSchemas) -> DataFrame:
-    """The records of one topic, decoded: ``topic, partition, offset, key, row, op, commit_lsn, lsn, ts_ms,
-    unchanged, tombstone, error`` (``error`` set, and the rest null, for poison)."""
+def decode_steps(schemas: TopicSchemas) -> list[list[Column]]:
+    """The projections that decode one topic's records, applied in order: the result has ``topic, partition,
+    offset, key, row, op, commit_lsn, lsn, ts_ms, unchanged, tombstone, error`` (``error`` set, and the rest
+    null, for poison)."""
     from pyspark.sql import functions as F
 
     kid, vid = schema_id(F.col("key")), schema_id(F.col("value"))
-    framed = raw.select("topic", "partition", "offset", "key", "value", kid.alias("_kid"), vid.alias("_vid"))
+    framed = [F.col(c) for c in ("topic", "partition", "offset", "key", "value")] + [
+        kid.alias("_kid"),
+        vid.alias("_vid"),
+    ]
     if not schemas.registered:
-        return _poison_only(framed, f"no schema registered for {schemas.topic}")
+        return [framed, _poison_only(f"no schema registered for {schemas.topic}")]
     assert schemas.key_reader is not None
     assert schemas.value_reader is not None
     kid, vid, value = F.col("_kid"), F.col("_vid"), F.col("value")
-    cheap = (
-        F.when(kid.isNull(), F.lit(KEY_UNFRAMED))
-        .otherwise(_unknown(kid, schemas.key_writers, "key", f"{schemas.topic}-key"))
-        .alias("_cheap")
-    )
     cheap = F.coalesce(
-        cheap,
+        F.when(kid.isNull(), F.lit(KEY_UNFRAMED)).otherwise(
+            _unknown(kid, schemas.key_writers, "key", f"{schemas.topic}-key")
+        ),
         F.when(value.isNotNull() & vid.isNull(), F.lit(VALUE_UNFRAMED)),
         F.when(value.isNotNull(), _unknown(vid, schemas.value_writers, "value", f"{schemas.topic}-value")),
     )
-    staged = framed.withColumn("_cheap", cheap)
     ok = F.col("_cheap").isNull()
     k = F.when(ok, _decoded(_body(F.col("key")), kid, schemas.key_writers, schemas.key_reader))
     v = F.when(ok & value.isNotNull(), _decoded(_body(value), vid, schemas.value_writers, schemas.value_reader))
-    staged = staged.select("*", k.alias("k"), v.alias("v"))
     undecodable = F.concat(
         F.lit("Avro decoding failed with the writer schema ids key "),
         F.coalesce(kid.cast("string"), F.lit("None")),
@@ -137,10 +139,10 @@ def decode(raw: DataFrame, schemas: TopicSchemas) -> DataFrame:
         | (holed & (value.isNull() | (F.col("v.op") != TRUNCATE)))
     )
     error = F.coalesce(F.col("_cheap"), F.when(broken, undecodable))
-    return staged.select(
-        "topic",
-        "partition",
-        "offset",
+    final = [
+        F.col("topic"),
+        F.col("partition"),
+        F.col("offset"),
         F.col("k").alias("key"),
         F.col("v.after").alias("row"),
         F.col("v.op").alias("op"),
@@ -150,16 +152,28 @@ def decode(raw: DataFrame, schemas: TopicSchemas) -> DataFrame:
         F.col("v.unchanged_toast").alias("unchanged"),
         value.isNull().alias("tombstone"),
         error.alias("error"),
-    )
+    ]
+    return [framed, [F.col("*"), cheap.alias("_cheap")], [F.col("*"), k.alias("k"), v.alias("v")], final]
 
 
-def _poison_only(framed: DataFrame, reason: str) -> DataFrame:
+def decode(raw: DataFrame, schemas: TopicSchemas) -> DataFrame:
+    """:func:`decode_steps` applied to ``raw`` (records of one topic)."""
+    return apply_steps(raw, decode_steps(schemas))
+
+
+def apply_steps(frame: DataFrame, steps: list[list[Column]]) -> DataFrame:
+    for step in steps:
+        frame = frame.select(*step)
+    return frame
+
+
+def _poison_only(reason: str) -> list[Column]:
     from pyspark.sql import functions as F
 
-    return framed.select(
-        "topic",
-        "partition",
-        "offset",
+    return [
+        F.col("topic"),
+        F.col("partition"),
+        F.col("offset"),
         F.lit(None).cast("binary").alias("key"),
         F.lit(None).cast("binary").alias("row"),
         F.lit(None).cast("string").alias("op"),
@@ -169,24 +183,13 @@ def _poison_only(framed: DataFrame, reason: str) -> DataFrame:
         F.lit(None).cast("array<string>").alias("unchanged"),
         F.col("value").isNull().alias("tombstone"),
         F.lit(reason).alias("error"),
-    )
+    ]
 
 
 def _is_truncate() -> Column:
     from pyspark.sql import functions as F
 
     return F.col("error").isNull() & ~F.col("tombstone") & (F.col("op") == TRUNCATE)
-
-
-def truncate_position(decoded: DataFrame) -> Column:
-    """The table's newest truncate in the batch, ``struct(commit_lsn, lsn)`` or null: a scalar subquery.
-
-    Spark runs it inside the plan that uses it; its filter is pushed down to the decode, so only the truncate
-    markers are decoded a second time.
-    """
-    from pyspark.sql import functions as F
-
-    return decoded.filter(_is_truncate()).select(F.max(F.struct("commit_lsn", "lsn"))).scalar()
 
 
 def fillable_fields(row_schema: Mapping[str, Any]) -> list[str]:
@@ -202,18 +205,32 @@ def fillable_fields(row_schema: Mapping[str, Any]) -> list[str]:
     return out
 
 
-def fold(decoded: DataFrame, row_schema: Mapping[str, Any], truncate: Column | None = None) -> DataFrame:
-    """The latest change per key of one table (module doc), plus its truncate and its poison rows.
+@dataclass(frozen=True)
+class FoldSteps:
+    """The fold's expressions: group by ``keys``, aggregate ``aggregates``, keep ``keep``, project ``rows``."""
 
-    ``truncate``: the table's truncate position (:func:`truncate_position`); computed here when not given.
+    keys: list[Column]
+    aggregates: list[Column]
+    keep: Column
+    rows: list[Column]
+
+    def apply(self, decoded: DataFrame) -> DataFrame:
+        return decoded.groupBy(*self.keys).agg(*self.aggregates).filter(self.keep).select(*self.rows)
+
+
+def fold_steps(row_schema: Mapping[str, Any], truncate: Column | None = None) -> FoldSteps:
+    """The fold of one table (module doc), plus its truncate and its poison rows.
+
+    ``truncate``: the table's truncate position, ``struct(commit_lsn, lsn)``: events at or before it are
+    dropped. Without it nothing is dropped, and the store's truncate, applied after the batch's other writes,
+    removes what is older.
     """
     from pyspark.sql import functions as F
 
-    t = truncate_position(decoded) if truncate is None else truncate
     bad = F.col("error").isNotNull()
-    change = (
-        ~bad & ~F.col("tombstone") & F.col("op").isin(*APPLY_OPS) & (t.isNull() | (F.struct("commit_lsn", "lsn") > t))
-    )
+    change = ~bad & ~F.col("tombstone") & F.col("op").isin(*APPLY_OPS)
+    if truncate is not None:
+        change = change & (truncate.isNull() | (F.struct("commit_lsn", "lsn") > truncate))
     pos = F.struct("commit_lsn", "lsn", "offset", "partition")
     fill = fillable_fields(row_schema)
     known = [
@@ -224,10 +241,8 @@ def fold(decoded: DataFrame, row_schema: Mapping[str, Any], truncate: Column | N
         for i, name in enumerate(fill)
     ]
     source = F.struct("topic", "partition", "offset")
-    grouped = decoded.groupBy(
-        F.col("key").alias("_key"),
-        F.when(bad, source).alias("_poison"),  # each poison record is a group of its own
-    ).agg(
+    keys = [F.col("key").alias("_key"), F.when(bad, source).alias("_poison")]  # each poison record: its own group
+    aggregates = [
         F.max_by(
             F.struct("row", "op", "commit_lsn", "lsn", "ts_ms", "unchanged", "topic", "partition", "offset"),
             F.when(change, pos),
@@ -238,12 +253,19 @@ def fold(decoded: DataFrame, row_schema: Mapping[str, Any], truncate: Column | N
         F.max_by(source, F.when(~bad & F.col("tombstone"), F.struct("offset", "partition", "topic"))).alias("_tomb"),
         F.first(F.when(bad, F.struct("topic", "partition", "offset", "error")), ignorenulls=True).alias("_bad"),
         *known,
-    )
-    return _folded_rows(grouped, row_schema, fill)
+    ]
+    keep, rows = _folded_rows(row_schema, fill)
+    return FoldSteps(keys, aggregates, keep, rows)
 
 
-def _folded_rows(grouped: DataFrame, row_schema: Mapping[str, Any], fill: list[str]) -> DataFrame:
-    """One output row per group: poison, else the latest change, else the truncate, else a lone tombstone."""
+def fold(decoded: DataFrame, row_schema: Mapping[str, Any], truncate: Column | None = None) -> DataFrame:
+    """:func:`fold_steps` applied to one table's decoded records."""
+    return fold_steps(row_schema, truncate).apply(decoded)
+
+
+def _folded_rows(row_schema: Mapping[str, Any], fill: list[str]) -> tuple[Column, list[Column]]:
+    """Which groups give a row, and its columns: poison, else the latest change, else the truncate, else a lone
+    tombstone."""
     from pyspark.sql import functions as F
 
     last, trunc, tomb, poison = F.col("_last"), F.col("_trunc"), F.col("_tomb"), F.col("_bad")
@@ -271,8 +293,8 @@ def _folded_rows(grouped: DataFrame, row_schema: Mapping[str, Any], fill: list[s
     )
     row, unchanged = _filled(last, row_schema, fill)
     # A key whose events were all dropped (older than the truncate) has nothing to say.
-    grouped = grouped.filter(is_bad | is_change | is_trunc | tomb.isNotNull())
-    return grouped.select(
+    keep = is_bad | is_change | is_trunc | tomb.isNotNull()
+    return keep, [
         source("topic", "string").alias("topic"),
         source("partition", "int").alias("partition"),
         source("offset", "long").alias("offset"),
@@ -284,7 +306,7 @@ def _folded_rows(grouped: DataFrame, row_schema: Mapping[str, Any], fill: list[s
         position("ts_ms").alias("ts_ms"),
         F.when(is_change, unchanged).otherwise(F.array().cast("array<string>")).alias("unchanged"),
         F.when(is_bad, poison.getField("error")).alias("error"),
-    )
+    ]
 
 
 def _filled(last: Column, row_schema: Mapping[str, Any], fill: list[str]) -> tuple[Column, Column]:
@@ -310,3 +332,54 @@ def _filled(last: Column, row_schema: Mapping[str, Any], fill: list[str]) -> tup
         lambda x: F.coalesce(*[F.when(x == name, F.col(f"_k{i}").isNull()) for name, i in index.items()], F.lit(True)),
     )
     return filled, still
+
+
+def projection(
+    key_schema: Mapping[str, Any], row_schema: Mapping[str, Any], extra: tuple[str, ...] = ()
+) -> list[Column]:
+    """A folded frame's columns with dates and timestamps as numbers: the form ``sinks.ChangeMaker`` reads."""
+    from pyspark.sql import functions as F
+
+    names = Names()
+    return [
+        F.col("topic"),
+        F.col("partition"),
+        F.col("offset"),
+        spark_projection(dict(key_schema), F.col("key"), names).alias("key"),
+        spark_projection(dict(row_schema), F.col("row"), names).alias("row"),
+        *[F.col(c) for c in ("op", "commit_lsn", "lsn", "ts_ms", "unchanged", *extra)],
+    ]
+
+
+@dataclass(frozen=True)
+class TopicPlan:
+    """One topic's decode, fold and projection for the executor-side writers, built once per set of schema
+    versions: building the expressions costs the driver far more than applying them to a batch."""
+
+    schemas: TopicSchemas
+    decode: list[list[Column]]
+    fold: FoldSteps | None  # None when the topic has no schemas: its records are all poison
+    project: list[Column] | None
+
+    @classmethod
+    def build(cls, schemas: TopicSchemas) -> TopicPlan:
+        if not schemas.registered:
+            return cls(schemas, decode_steps(schemas), None, None)
+        assert schemas.key_reader is not None
+        assert schemas.value_reader is not None
+        key_schema = json.loads(schemas.key_reader)
+        row_schema = json.loads(schemas.value_reader)["fields"][0]["type"][1]
+        return cls(
+            schemas,
+            decode_steps(schemas),
+            fold_steps(row_schema),
+            projection(key_schema, row_schema, ("error",)),
+        )
+
+    def changes(self, decoded: DataFrame) -> DataFrame:
+        """The folded, projected rows of a batch (poison rows: ``op = '!'`` with their ``error``)."""
+        from pyspark.sql import functions as F
+
+        if self.fold is None or self.project is None:
+            return decoded.select("topic", "partition", "offset", F.lit(POISON).alias("op"), "error")
+        return self.fold.apply(decoded).select(*self.project)

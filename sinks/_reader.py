@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from confluent_kafka.schema_registry import SchemaRegistryClient
 from confluent_kafka.schema_registry.error import SchemaRegistryError
 
-from sinks._fold import TopicSchemas, decode
+from sinks._fold import TopicPlan, TopicSchemas, apply_steps
 from sinks.errors import SinkConfigError, SinkTransientError
 
 if TYPE_CHECKING:
@@ -72,8 +72,12 @@ class PlannedTable:
 
     topic: str
     name: str  # "<schema>.<table>" as in the topic name
-    schemas: TopicSchemas
-    decoded: DataFrame  # sinks._fold.decode's columns
+    plan: TopicPlan
+    decoded: DataFrame  # sinks._fold.decode_steps' columns
+
+    @property
+    def schemas(self) -> TopicSchemas:
+        return self.plan.schemas
 
     @property
     def key_schema(self) -> dict[str, Any]:
@@ -99,6 +103,7 @@ class Decoder:
         self.settings = settings
         self._client = SchemaRegistryClient(settings.registry_conf())
         self._versions: dict[str, dict[int, tuple[int, str]]] = {}  # subject -> version -> (id, schema)
+        self._plans: dict[tuple[Any, ...], TopicPlan] = {}  # by topic and schema versions
 
     def _subject(self, subject: str) -> dict[int, tuple[int, str]] | None:
         try:
@@ -135,10 +140,23 @@ class Decoder:
 
         out = []
         for topic in sorted(topics):
-            schemas = self.schemas(topic)
-            decoded = decode(raw.filter(F.col("topic") == topic), schemas)
-            out.append(PlannedTable(topic, self.settings.table_name(topic), schemas, decoded))
+            plan = self._topic_plan(self.schemas(topic))
+            decoded = apply_steps(raw.filter(F.col("topic") == topic), plan.decode)
+            out.append(PlannedTable(topic, self.settings.table_name(topic), plan, decoded))
         return out
+
+    def _topic_plan(self, schemas: TopicSchemas) -> TopicPlan:
+        key = (
+            schemas.topic,
+            schemas.key_reader,
+            schemas.value_reader,
+            tuple(sorted(schemas.key_writers)),
+            tuple(sorted(schemas.value_writers)),
+        )
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = TopicPlan.build(schemas)
+        return plan
 
 
 def union_all(frames: list[DataFrame], columns: tuple[str, ...] | None = None) -> DataFrame | None:

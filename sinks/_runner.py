@@ -33,7 +33,7 @@ from sinks._write import Outcome, on_driver_plan, on_executors
 from sinks.errors import PluginError, SinkConfigError, SinkError, SinkTerminalError, StateDiskFullError
 
 if TYPE_CHECKING:
-    from pyspark.sql import SparkSession
+    from pyspark.sql import DataFrame, SparkSession
     from pyspark.sql.streaming.query import StreamingQuery
 
     from sinks._config import SinkSettings
@@ -127,6 +127,7 @@ class SinkQuery:
             self.sink = sink
             sink.open(SinkContext(name, settings, {}, generation, self.spark))
         self.decoder = Decoder(settings)
+        self.shuffle_partitions = int(self.spark.conf.get("spark.sql.shuffle.partitions") or 200)
         self.follow_swaps = follow_swaps and isinstance(self.sink, Rebuildable)
         base = settings.sinks.state_dir / name
         self.checkpoint = base / f"g{generation}" / "checkpoint"
@@ -162,15 +163,18 @@ class SinkQuery:
         if self.follow_swaps and self.sink.current_generation() != self.generation:
             raise RuntimeError(_GENERATION_CHANGED)
         started = time.monotonic()
-        topics = _batch_topics(self.checkpoint, batch_id)
-        if topics is None:  # the checkpoint does not say (not written by Spark as expected): ask the data
-            topics = {r["topic"] for r in raw.select("topic").distinct().collect()}
+        moved = _batch_moves(self.checkpoint, batch_id)
+        if moved is None:  # the checkpoint does not say (not written by Spark as expected): ask the data
+            moved = {r["topic"]: _UNKNOWN for r in raw.select("topic").distinct().collect()}
+        topics = set(moved)
+        raw = _sized(raw, sum(moved.values()), self.shuffle_partitions)
         # Several topics: each table's branch reads the batch, so it is read from Kafka once and cached.
         shared = len(topics) > 1
         if shared:
             raw = raw.persist()
         try:
             tables = self.decoder.plan(raw, topics)
+            planned = time.monotonic()
             batch = (batch_id, self.generation)
             if isinstance(self.sink, PartitionSink):
                 outcome = on_executors(self.sink, tables, raw, self.settings, batch)
@@ -179,9 +183,9 @@ class SinkQuery:
         finally:
             if shared:
                 raw.unpersist()
-        self._report(batch_id, outcome, time.monotonic() - started)
+        self._report(batch_id, outcome, time.monotonic() - started, planned - started)
 
-    def _report(self, batch_id: int, outcome: Outcome, elapsed: float) -> None:
+    def _report(self, batch_id: int, outcome: Outcome, elapsed: float, planning: float) -> None:
         totals = self.status.data
         applied_ms = time.time() * 1000
         newest = outcome.newest_ts_ms
@@ -201,11 +205,12 @@ class SinkQuery:
             if newest is not None:
                 self.metrics.batch_latency.labels(self.name).set(max(0.0, (applied_ms - newest) / 1000))
         log.info(
-            "sink %s: batch %d: %d record(s) in %.2fs, %d dead letter(s)",
+            "sink %s: batch %d: %d record(s) in %.2fs (planned in %.2fs), %d dead letter(s)",
             self.name,
             batch_id,
             outcome.records,
             elapsed,
+            planning,
             outcome.dead_letters,
         )
 
@@ -223,9 +228,13 @@ class SinkQuery:
         self.sink.close()
 
 
-def _batch_topics(checkpoint: Path, batch_id: int) -> set[str] | None:
-    """The topics batch ``batch_id`` reads, from its checkpoint (Spark writes ``offsets/N`` before running N):
-    those whose end offsets moved since the batch before (all of them for the first batch); None if unknown."""
+_UNKNOWN = 1 << 40  # offsets of a topic whose start the checkpoint does not say (the first batch reads from 0)
+_ROWS_PER_SHUFFLE = 25_000  # records per shuffle partition of a batch's fold
+
+
+def _batch_moves(checkpoint: Path, batch_id: int) -> dict[str, int] | None:
+    """The topics batch ``batch_id`` reads and how many offsets each spans, from its checkpoint (Spark writes
+    ``offsets/N`` before running N); None if unknown."""
     try:
         end = batch_offsets(checkpoint, batch_id)
         start = batch_offsets(checkpoint, batch_id - 1) if batch_id > 0 else {}
@@ -233,7 +242,28 @@ def _batch_topics(checkpoint: Path, batch_id: int) -> set[str] | None:
         return None
     if end is None:
         return None
-    return {topic for (topic, partition), offset in end.items() if (start or {}).get((topic, partition)) != offset}
+    moved: dict[str, int] = {}
+    for (topic, partition), offset in end.items():
+        before = (start or {}).get((topic, partition))
+        if before != offset:
+            moved[topic] = moved.get(topic, 0) + (_UNKNOWN if before is None else offset - before)
+    return moved
+
+
+def _sized(raw: DataFrame, offsets: int, most: int) -> DataFrame:
+    """The batch, partitioned for its size: one task from the read to the write for a small batch, else one
+    shuffle partition per ~25,000 records, up to the configured number.
+
+    Every partition is an executor task with a Python writer, and a shuffle is a stage of its own: a one-row
+    batch spread over four tasks and two stages costs far more than its work. A single input partition
+    satisfies the fold's grouping, so Spark plans no shuffle at all for it. (Adaptive execution, which would
+    coalesce small shuffles, is off in streaming.)
+    """
+    if offsets <= _ROWS_PER_SHUFFLE:
+        return raw.coalesce(1)
+    wanted = max(1, min(most, -(-offsets // _ROWS_PER_SHUFFLE)))
+    raw.sparkSession.conf.set("spark.sql.shuffle.partitions", str(wanted))
+    return raw
 
 
 def _close(sink: Any) -> None:

@@ -18,8 +18,8 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from sinks._api import Batch, ChangeMaker, PartitionWriter, Rejected, TableChanges, TableInfo, projected
-from sinks._fold import APPLY_OPS, POISON, TRUNCATE, fold, truncate_position
+from sinks._api import Batch, Change, ChangeMaker, PartitionWriter, Rejected, TableChanges, TableInfo
+from sinks._fold import APPLY_OPS, POISON, TRUNCATE, fold
 from sinks._reader import PlannedTable, dead_letters, union_all, write_dead_letters
 
 if TYPE_CHECKING:
@@ -29,6 +29,18 @@ if TYPE_CHECKING:
     from sinks._config import SinkSettings
 
 REJECTED = "topic string, partition int, offset long, error string"
+# What an executor task hands back: a record to dead-letter ("rejected") or the table's truncate ("truncate").
+RETURNED = "kind string, topic string, partition int, offset long, error string, commit_lsn long, lsn long, ts_ms long"
+_RETURNED_ARROW = (
+    ("kind", "string"),
+    ("topic", "string"),
+    ("partition", "int32"),
+    ("offset", "int64"),
+    ("error", "string"),
+    ("commit_lsn", "int64"),
+    ("lsn", "int64"),
+    ("ts_ms", "int64"),
+)
 
 
 @dataclass
@@ -50,44 +62,74 @@ def _observed(table: PlannedTable, name: str) -> tuple[DataFrame, Any]:
     return frame, seen
 
 
-def _folded(table: PlannedTable, decoded: DataFrame) -> DataFrame:
-    """The fold of a table; a topic without schemas gives its records as poison rows only."""
-    from pyspark.sql import functions as F
+def _returned(rows: list[tuple[Any, ...]]) -> pa.RecordBatch:
+    import pyarrow as pa
 
-    if not table.schemas.registered:
-        return decoded.select("topic", "partition", "offset", F.lit(POISON).alias("op"), "error")
-    return fold(decoded, table.row_schema, truncate_position(table.decoded))
+    schema = pa.schema([(name, getattr(pa, kind)()) for name, kind in _RETURNED_ARROW])
+    return pa.RecordBatch.from_pylist([dict(zip(schema.names, r, strict=True)) for r in rows], schema=schema)
 
 
 def _partition_task(
     writer: PartitionWriter | None, info: TableInfo | None
 ) -> Callable[[Iterable[pa.RecordBatch]], Iterable[pa.RecordBatch]]:
-    """The function each executor task runs over its partition of a table's fold (pickled with ``writer``)."""
+    """The function each executor task runs over its partition of a table's fold (pickled with ``writer``).
+
+    Changes go to the writer; poison rows and what the writer refuses come back as "rejected", the table's
+    truncate as "truncate" (applied after every task of the batch has written: see :func:`on_executors`).
+    """
 
     def run(batches: Iterable[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-        import pyarrow as pa
+        back: list[tuple[Any, ...]] = []
 
-        refused: list[Rejected] = []
-
-        def changes() -> Iterator[Any]:
+        def changes() -> Iterator[Change]:
             make = ChangeMaker(info.key_schema, info.row_schema) if info is not None else None
             for batch in batches:
                 for r in batch.to_pylist():
                     if r["op"] == POISON or make is None:
-                        refused.append(Rejected(r["topic"], r["partition"], r["offset"], r["error"]))
+                        back.append(("rejected", r["topic"], r["partition"], r["offset"], r["error"], None, None, None))
+                    elif r["op"] == TRUNCATE:
+                        back.append(
+                            (
+                                "truncate",
+                                r["topic"],
+                                r["partition"],
+                                r["offset"],
+                                None,
+                                r["commit_lsn"],
+                                r["lsn"],
+                                r["ts_ms"],
+                            )
+                        )
                     else:
                         yield make(r)
 
         if writer is not None and info is not None:
-            refused.extend(writer.write(info, changes()))
+            back.extend(("rejected", *r, None, None, None) for r in writer.write(info, changes()))
         else:
             for _ in changes():
                 pass
-        if refused:
-            schema = pa.schema(
-                [("topic", pa.string()), ("partition", pa.int32()), ("offset", pa.int64()), ("error", pa.string())]
-            )
-            yield pa.RecordBatch.from_pylist([r._asdict() for r in refused], schema=schema)
+        if back:
+            yield _returned(back)
+
+    return run
+
+
+def _truncate_task(
+    writer: PartitionWriter, infos: dict[str, TableInfo]
+) -> Callable[[Iterable[pa.RecordBatch]], Iterable[pa.RecordBatch]]:
+    """Applies tables' truncates in an executor task (one change with ``op = 't'`` per table)."""
+
+    def run(batches: Iterable[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        back: list[tuple[Any, ...]] = []
+        for batch in batches:
+            for r in batch.to_pylist():
+                change = Change(
+                    {}, None, TRUNCATE, r["commit_lsn"], r["lsn"], r["ts_ms"], (), r["partition"], r["offset"]
+                )
+                refused = writer.write(infos[r["topic"]], iter([change]))
+                back.extend(("rejected", *x, None, None, None) for x in refused)
+        if back:
+            yield _returned(back)
 
     return run
 
@@ -95,37 +137,56 @@ def _partition_task(
 def on_executors(
     sink: Any, tables: Sequence[PlannedTable], raw: DataFrame, settings: SinkSettings, batch: tuple[int, int]
 ) -> Outcome:
-    """One action: every table written by the sink's partition writers, refusals and poison to dead letters.
+    """The sink's partition writers write every table in one action; then, only when the batch has them, one
+    action applies the tables' truncates and one writes the dead letters.
 
-    ``batch``: (batch id, generation).
+    A truncate is applied after the batch's other writes (a shuffle-free plan cannot order tasks), so the
+    changes of the batch older than it, written a moment before, are removed with the rest. ``batch``:
+    (batch id, generation).
     """
     batch_id, generation = batch
-    infos = [
-        TableInfo(t.topic, t.name, t.key_schema, t.row_schema, generation, batch_id)
+    infos = {
+        t.topic: TableInfo(t.topic, t.name, t.key_schema, t.row_schema, generation, batch_id)
         for t in tables
         if t.schemas.registered
-    ]
+    }
     if infos:
-        sink.prepare(infos)
+        sink.prepare(list(infos.values()))
     writer: PartitionWriter = sink.partition_writer()
-    by_topic = {i.topic: i for i in infos}
     outs, seen = [], []
     for n, table in enumerate(tables):
         decoded, observation = _observed(table, f"pgcdc-{sink.name}-{batch_id}-{n}")
         seen.append(observation)
-        folded = _folded(table, decoded)
-        info = by_topic.get(table.topic)
-        if info is not None:
-            folded = projected(folded, info.key_schema, info.row_schema, extra=("error",))
-        outs.append(folded.mapInArrow(_partition_task(writer if info else None, info), REJECTED))
-    rejected = union_all(outs)
-    # The action: the tasks write, and only what was refused (rare) comes back to the driver.
-    found = [] if rejected is None else [tuple(r) for r in rejected.collect()]
+        info = infos.get(table.topic)
+        task = _partition_task(writer if info else None, info)
+        outs.append(table.plan.changes(decoded).mapInArrow(task, RETURNED))
+    returned = union_all(outs)
+    # The action: the tasks write; only refusals and truncates (rare) come back to the driver.
+    rows = [] if returned is None else returned.collect()
+    truncates = _newest_per_topic([r for r in rows if r["kind"] == "truncate"])
+    if truncates:
+        spark = raw.sparkSession
+        todo = spark.createDataFrame([tuple(r)[1:] for r in truncates], _TRUNCATES)
+        rows += todo.mapInArrow(_truncate_task(writer, infos), RETURNED).collect()
+    found = [(r["topic"], r["partition"], r["offset"], r["error"]) for r in rows if r["kind"] == "rejected"]
     dead = 0
     if found:
         refused = raw.sparkSession.createDataFrame(found, REJECTED)
         dead = write_dead_letters(settings, sink.name, dead_letters(raw, refused), len(found))
     return _outcome(seen, dead)
+
+
+_TRUNCATES = "topic string, partition int, offset long, error string, commit_lsn long, lsn long, ts_ms long"
+
+
+def _newest_per_topic(rows: list[Any]) -> list[Any]:
+    """One truncate per table: the newest (every partition of a topic carries a copy of each)."""
+    newest: dict[str, Any] = {}
+    for r in rows:
+        best = newest.get(r["topic"])
+        if best is None or (r["commit_lsn"], r["lsn"]) > (best["commit_lsn"], best["lsn"]):
+            newest[r["topic"]] = r
+    return list(newest.values())
 
 
 def _outcome(seen: list[Any], dead: int) -> Outcome:

@@ -5,7 +5,8 @@ Real envelopes and keys are written by the capture's own code (TableCodec over s
 key_schema), Confluent-framed with the ids a small in-memory registry gives them, and fed to the runtime's
 planning (Decoder.plan, then the fold and projection each batch runs) as the raw Kafka records (topic,
 partition, offset, key, value) Spark's Kafka source gives. The registry is a fake with the two calls the
-Decoder makes; Spark and spark-avro are real.
+Decoder makes; Spark and spark-avro are real. A batch's truncate is applied by the writers after its other
+changes, so the changes listed here are what the store keeps: those older than the truncate are gone.
 """
 
 from __future__ import annotations
@@ -24,12 +25,11 @@ from hypothesis import strategies as st
 from cdc._events import Position, SourceInfo, TableCodec
 from decoders import TupleData
 from schemas import PgType
-from sinks._api import Change, ChangeMaker, projected
+from sinks._api import Change, ChangeMaker
 from sinks._config import SinkSettings
 from sinks._fold import KEY_UNFRAMED, VALUE_UNFRAMED
 from sinks._reader import Decoder
 from sinks._values import Names, doc_converter
-from sinks._write import _folded
 from tests._codecs import make_codec
 
 if TYPE_CHECKING:
@@ -148,10 +148,7 @@ def _decode(decoder: Decoder, rows: list[dict[str, Any]]) -> Decoded:
         records += stats["n"]
         if stats["ts"] is not None:
             newest = max(newest or 0, stats["ts"])
-        folded = _folded(planned, planned.decoded)
-        if planned.schemas.registered:
-            folded = projected(folded, planned.key_schema, planned.row_schema, extra=("error",))
-        out = folded.toArrow().to_pylist()
+        out = planned.plan.changes(planned.decoded).toArrow().to_pylist()
         for r in out:
             if r["op"] == "!":
                 raw_row = by_place[(r["topic"], r["partition"], r["offset"])]
@@ -161,6 +158,9 @@ def _decode(decoder: Decoder, rows: list[dict[str, Any]]) -> Decoded:
         make = ChangeMaker(planned.key_schema, planned.row_schema)
         truncates = [(r["commit_lsn"], r["lsn"]) for r in out if r["op"] == "t"]
         changes = sorted((make(r) for r in out if r["op"] not in ("!", "t")), key=lambda c: (c.partition, c.offset))
+        if truncates:
+            # The writers apply the truncate after the batch's other writes: what it makes of the older ones.
+            changes = [c for c in changes if c.position is None or c.position > truncates[0]]
         if changes or truncates:
             tables.append(
                 Table(
