@@ -61,16 +61,11 @@ def key_id(key: Mapping[str, Any]) -> str:
     return json.dumps(list(key.values()), separators=(",", ":"), ensure_ascii=False)
 
 
-@dataclass(frozen=True)
-class TableInfo:
-    """A table as a batch's writers know it: what an executor-side :class:`PartitionWriter` is handed."""
+class _Columns:
+    """Avro field name -> PostgreSQL column name, for a table's row and key."""
 
-    topic: str
-    name: str  # "<schema>.<table>" as in the topic name (sanitised parts)
     key_schema: dict[str, Any]
     row_schema: dict[str, Any]
-    generation: int
-    batch_id: int
 
     @property
     def columns(self) -> dict[str, str]:
@@ -79,6 +74,18 @@ class TableInfo:
     @property
     def key_columns(self) -> dict[str, str]:
         return {f["name"]: column_name(f) for f in self.key_schema["fields"]}
+
+
+@dataclass(frozen=True)
+class TableInfo(_Columns):
+    """A table as a batch's writers know it: what an executor-side :class:`PartitionWriter` is handed."""
+
+    topic: str
+    name: str  # "<schema>.<table>" as in the topic name (sanitised parts)
+    key_schema: dict[str, Any]
+    row_schema: dict[str, Any]
+    generation: int
+    batch_id: int
 
 
 def projected(
@@ -116,7 +123,7 @@ class ChangeMaker:
 
 
 @dataclass
-class TableChanges:
+class TableChanges(_Columns):
     """One table's share of a micro-batch for a frame-based sink: the latest event per key, and a truncate.
 
     ``frame`` columns: ``key`` (struct of key fields), ``row`` (struct of the row's fields, null for deletes),
@@ -133,14 +140,6 @@ class TableChanges:
     frame: DataFrame
     truncate: tuple[int, int] | None  # delete rows older than this (commit_lsn, lsn) before applying frame
     events: DataFrame | None = None  # every change event of the batch in offset order (same columns), for histories
-
-    @property
-    def columns(self) -> dict[str, str]:
-        return {f["name"]: column_name(f) for f in self.row_schema["fields"]}
-
-    @property
-    def key_columns(self) -> dict[str, str]:
-        return {f["name"]: column_name(f) for f in self.key_schema["fields"]}
 
     def changes(self) -> Iterator[Change]:
         """The frame's rows in document form, **on the driver** (deprecated: see :class:`PartitionWriter`).
@@ -218,10 +217,11 @@ class PartitionWriter(Protocol):
 
     It is pickled to the executors with its attributes: hold settings, not clients; open clients in
     :meth:`write` and close them before it returns. ``changes`` holds the latest change per key (each key
-    in one partition only) and possibly the table's truncate: a :class:`Change` with ``op == "t"`` and no key
-    or row, meaning "remove every stored row whose position is lower than this one's" (it commutes with
-    the other changes, which are all newer). Writes must be idempotent and never go backwards (a task can be
-    retried or run twice). Changes the store refuses are returned; they go to the dead-letter topic.
+    in one partition only). A table's truncate comes in a call of its own, after every task of the batch has
+    written: one :class:`Change` with ``op == "t"`` and no key or row, meaning "remove every stored row whose
+    position is lower than this one's" (so the batch's changes older than the truncate go too). Writes must
+    be idempotent and never go backwards (a task can be retried or run twice). Changes the store refuses are
+    returned; they go to the dead-letter topic.
     """
 
     def write(self, table: TableInfo, changes: Iterator[Change]) -> Iterable[Rejected]: ...
