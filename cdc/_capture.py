@@ -115,7 +115,7 @@ _SPILL_BLOCK = 4 << 20  # a spill is replayed in blocks of whole messages of abo
 # instead of a wake-up every few messages. The changes are invisible until the transaction commits; a small
 # transaction committed meanwhile waits at most one pause more. Measured (the 1 GB transaction: the walsender and
 # our reader both spend less per row, 0.69-0.73x -> 0.75-0.93x of pg_recvlogical under TLS) and what is not
-# understood: docs/design/capture-hot-path.md, session 16.
+# understood: docs/design/capture-hot-path.md.
 _STREAM_PACE_S = 0.001
 _STREAM_PACE_BELOW = 256 * 1024
 _SPILL_READ = 1 << 20  # how much of a streamed transaction's changes are read at most in one call
