@@ -30,7 +30,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from sinks._values import Names, spark_projection
+from sinks._values import Names, envelope_row, spark_projection
 
 if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame
@@ -368,7 +368,7 @@ class TopicPlan:
         assert schemas.key_reader is not None
         assert schemas.value_reader is not None
         key_schema = json.loads(schemas.key_reader)
-        row_schema = json.loads(schemas.value_reader)["fields"][0]["type"][1]
+        row_schema = envelope_row(json.loads(schemas.value_reader))
         return cls(
             schemas,
             decode_steps(schemas),

@@ -22,6 +22,7 @@ from confluent_kafka.schema_registry import SchemaRegistryClient
 from confluent_kafka.schema_registry.error import SchemaRegistryError
 
 from sinks._fold import TopicPlan, TopicSchemas, apply_steps
+from sinks._values import envelope_row
 from sinks.errors import SinkConfigError, SinkTransientError
 
 if TYPE_CHECKING:
@@ -87,8 +88,7 @@ class PlannedTable:
     @property
     def row_schema(self) -> dict[str, Any]:
         assert self.schemas.value_reader is not None
-        envelope = json.loads(self.schemas.value_reader)
-        return dict(envelope["fields"][0]["type"][1])  # before: ["null", Value]: Value is defined there
+        return envelope_row(json.loads(self.schemas.value_reader))
 
 
 class Decoder:

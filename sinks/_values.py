@@ -43,12 +43,22 @@ def column_name(field: Mapping[str, Any]) -> str:
 
 
 class Names:
-    """Named Avro types seen so far: later uses refer to an earlier definition by name."""
+    """Named Avro types seen so far: later uses refer to an earlier definition by name.
+
+    A definition comes back with its namespace made explicit: a type referred to from elsewhere resolves
+    the names inside it in its own namespace, not in the referrer's. Registries print schemas with names
+    relative to the enclosing namespace (Java's ``Schema.toString``), so both forms occur.
+    """
 
     def __init__(self) -> None:
         self.types: dict[str, dict[str, Any]] = {}
 
     def resolve(self, avro: AvroType, namespace: str | None) -> AvroType:
+        """``avro`` itself, or the definition it names; every definition inside it is known afterwards.
+
+        Walkers that stop at a record (a search mapping does) still leave its inner types defined for the
+        columns after it, which may refer to them by name.
+        """
         if isinstance(avro, str) and avro not in _PRIMITIVES:
             full = avro if "." in avro else f"{namespace}.{avro}" if namespace else avro
             return self.types.get(full) or self.types[avro]
@@ -56,8 +66,36 @@ class Names:
             name = avro["name"]
             ns = avro.get("namespace", namespace)
             full = name if "." in name else f"{ns}.{name}" if ns else name
-            self.types.setdefault(full, avro)
+            own = full.rpartition(".")[0]
+            avro = {**avro, "namespace": own} if own else {k: v for k, v in avro.items() if k != "namespace"}
+            if full not in self.types:
+                self.types[full] = avro
+                for f in avro.get("fields", ()):
+                    self._define(f["type"], own or None)
+        elif isinstance(avro, (dict, list)):
+            self._define(avro, namespace)
         return avro
+
+    def _define(self, avro: AvroType, namespace: str | None) -> None:
+        if isinstance(avro, list):
+            for branch in avro:
+                self.resolve(branch, namespace)
+        elif isinstance(avro, dict):
+            kind = avro["type"]
+            inner = avro.get("items") if kind == "array" else avro.get("values") if kind == "map" else kind
+            if isinstance(inner, (dict, list)) or kind in ("record", "enum", "fixed"):
+                self.resolve(avro if kind in ("record", "enum", "fixed") else inner, namespace)
+
+
+def envelope_row(envelope: Mapping[str, Any]) -> dict[str, Any]:
+    """The row record of an envelope schema, standalone: its namespace, inherited from the envelope, explicit."""
+    row = dict(envelope["fields"][0]["type"][1])  # before: ["null", Value]: Value is defined there
+    if "namespace" not in row and "." not in row["name"]:
+        name, ns = envelope["name"], envelope.get("namespace")
+        ns = name.rpartition(".")[0] if "." in name else ns
+        if ns:
+            row["namespace"] = ns
+    return row
 
 
 _PRIMITIVES = {"null", "boolean", "int", "long", "float", "double", "bytes", "string"}
@@ -277,10 +315,11 @@ def _has_temporal(avro: AvroType, names: Names, namespace: str | None, seen: set
     if avro.get("logicalType") in ("date", "timestamp-micros", "local-timestamp-micros"):
         return True
     if kind == "record":
-        if avro["name"] in seen:
-            return False
-        seen.add(avro["name"])
         ns = avro.get("namespace", namespace)
+        full = f"{ns}.{avro['name']}"
+        if full in seen:
+            return False
+        seen.add(full)
         return any(_has_temporal(f["type"], names, ns, seen) for f in avro["fields"])
     if kind == "array":
         return _has_temporal(avro["items"], names, namespace, seen)

@@ -153,7 +153,7 @@ class WarehouseSink(BaseSink):
                 for f in fields
             ]
         )
-        convs = [(f["name"], column_name(f), doc_converter(f["type"], Names(), spark=True)) for f in fields]
+        convs = [(f["name"], column_name(f), doc_converter(f["type"], names, spark=True)) for f in fields]
         key_fields = {f["name"]: column_name(f) for f in fields if f["name"] in table.key_fields}
         for r in projected.toLocalIterator():
             row = {col: conv(r[name]) for name, col, conv in convs}

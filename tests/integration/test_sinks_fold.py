@@ -29,7 +29,7 @@ from sinks._api import Change, ChangeMaker
 from sinks._config import SinkSettings
 from sinks._fold import KEY_UNFRAMED, VALUE_UNFRAMED
 from sinks._reader import Decoder
-from sinks._values import Names, doc_converter
+from sinks._values import Names, doc_converter, envelope_row
 from tests._codecs import make_codec
 
 if TYPE_CHECKING:
@@ -284,7 +284,7 @@ def test_decoded_rows_equal_the_source_values() -> None:
     assert decoded.newest_ts_ms == 100  # commit_time_us // 1000
     table = _table(decoded)
     assert (table.name, table.truncate) == ("public.t", None)
-    assert table.row_schema == codec.value_schema["fields"][0]["type"][1]
+    assert table.row_schema == envelope_row(codec.value_schema)
     assert table.key_schema == codec.key_schema
     first, second = _changes(decoded)
     assert first == Change(
@@ -743,7 +743,7 @@ def test_an_event_written_with_an_older_schema_reads_as_the_latest() -> None:
     ]
     decoded = _decode(_local(registry), rows)
     assert decoded.poison == []
-    assert _table(decoded).row_schema == new.value_schema["fields"][0]["type"][1]
+    assert _table(decoded).row_schema == envelope_row(new.value_schema)
     assert [c.row for c in _changes(decoded)] == [
         {"id": 1, "name": "before ALTER", "extra": None},  # the added nullable column: None
         {"id": 2, "name": "after ALTER", "extra": 5},
@@ -782,7 +782,7 @@ def test_a_new_schema_version_after_old_events_in_the_same_batch_is_read_with_it
         _raw(2, *_event(new, "c", _row(new, id="2", name="c", extra="5")[0], 30, 1)),  # after it
     ]
     decoded = _decode(local, rows)
-    assert _table(decoded).row_schema == new.value_schema["fields"][0]["type"][1]
+    assert _table(decoded).row_schema == envelope_row(new.value_schema)
     assert [c.row for c in _changes(decoded)] == [
         {"id": 1, "name": "b", "extra": None},
         {"id": 2, "name": "c", "extra": 5},

@@ -16,7 +16,7 @@ import pytest
 
 from schemas import avro_mapping, nullable
 from sinks._config import SinkSettings, load_sink_settings
-from sinks._values import Names, doc_converter, search_mapping
+from sinks._values import Names, doc_converter, envelope_row, search_mapping
 from sinks.errors import SinkConfigError
 from tests.unit.test_types import numeric_typmod, pg
 
@@ -105,6 +105,58 @@ def test_records_use_column_names_and_named_types_resolve() -> None:
         "later": None,
         "days": ["1970-01-01", None],
     }
+
+
+def test_names_resolve_in_the_namespace_of_their_definition() -> None:
+    # How a registry prints a row (Java's Schema.toString): names relative to the enclosing namespace.
+    # ``pair`` is defined inside ``_pair`` (namespace ``zoo``); ``deep``, defined in the array of ``_deep``,
+    # refers to it by its short name, and a later column refers to ``deep`` by its full name from the
+    # row's own namespace, where ``pair`` alone would mean ``w.pair``.
+    pair = {"type": "record", "name": "pair", "fields": [{"name": "n", "type": ["null", "int"]}]}
+    deep = {
+        "type": "record",
+        "name": "deep",
+        "fields": [{"name": "nested", "type": ["null", "pair"]}, {"name": "at", "type": ["null", TSTZ]}],
+    }
+    envelope = {
+        "type": "record",
+        "name": "Envelope",
+        "namespace": "w",
+        "fields": [
+            {
+                "name": "before",
+                "type": [
+                    "null",
+                    {
+                        "type": "record",
+                        "name": "Value",
+                        "fields": [
+                            {"name": "pairs", "type": _in_zoo("_pair", pair)},
+                            {"name": "deeps", "type": _in_zoo("_deep", deep)},
+                            {"name": "one", "type": ["null", "zoo.deep"]},
+                        ],
+                    },
+                ],
+            }
+        ],
+    }
+    row = envelope_row(envelope)
+    assert row["namespace"] == "w"
+    value = {"pairs": {"e": []}, "deeps": {"e": []}, "one": {"nested": {"n": 7}, "at": 0}}
+    assert raw(row, value) == {
+        "pairs": {"e": []},
+        "deeps": {"e": []},
+        "one": {"nested": {"n": 7}, "at": "1970-01-01T00:00:00.000000Z"},
+    }
+    names = Names()
+    mapped = {f["name"]: search_mapping(f["type"], names, "w") for f in row["fields"]}
+    assert mapped["one"] == {"type": "object", "enabled": False}
+
+
+def _in_zoo(name: str, element: dict[str, Any]) -> dict[str, Any]:
+    """A record of namespace ``zoo`` whose one field is an array of ``element`` (defined there)."""
+    items = {"type": "array", "items": ["null", element]}
+    return {"type": "record", "name": name, "namespace": "zoo", "fields": [{"name": "e", "type": items}]}
 
 
 def test_document_form_agrees_with_fastavros_reading_of_the_same_bytes() -> None:
