@@ -12,7 +12,8 @@ Services: postgres (Debian packages, wal_level=logical, TLS offered), kafka (KRa
 a plaintext and a SASL_SSL listener), registry (Apicurio Registry, Confluent-compatible API), registry-tls
 (the registry behind nginx with HTTPS and basic authentication), opensearch (integ-test zip from Maven
 Central), redis (Debian packages), spark-jars (Kafka source, spark-avro and Delta Lake for the
-installed pyspark; nothing to run).
+installed pyspark; nothing to run), spark-master, spark-worker-1 and spark-worker-2 (a Spark standalone
+cluster from the pyspark install: three JVMs, one core and 2 GiB of executor memory per worker).
 
 Only the standard library is used, so this runs before the project's virtualenv exists.
 
@@ -22,7 +23,8 @@ Where things go (all outside the repository):
                        or /var/tmp/pgcdc when run as root)
 Ports: CDC_LOCAL_PG_PORT, CDC_LOCAL_KAFKA_PORT, CDC_LOCAL_KAFKA_CONTROLLER_PORT,
 CDC_LOCAL_REGISTRY_PORT, CDC_LOCAL_OPENSEARCH_PORT, CDC_LOCAL_REDIS_PORT, CDC_LOCAL_KAFKA_SASL_PORT,
-CDC_LOCAL_REGISTRY_TLS_PORT. TLS endpoints present a certificate of a local CA (state/data/tls/ca.crt).
+CDC_LOCAL_REGISTRY_TLS_PORT, CDC_LOCAL_SPARK_MASTER_PORT, CDC_LOCAL_SPARK_MASTER_UI_PORT (the workers' UIs
+take the two ports after it). TLS endpoints present a certificate of a local CA (state/data/tls/ca.crt).
 """
 
 from __future__ import annotations
@@ -117,6 +119,9 @@ PORTS = {
     "kafka-proxied": _port("CDC_LOCAL_KAFKA_PROXIED_PORT", 19095),
     "kafka-proxy": _port("CDC_LOCAL_KAFKA_PROXY_PORT", 19096),
     "registry-tls": _port("CDC_LOCAL_REGISTRY_TLS_PORT", 18443),
+    "spark-master": _port("CDC_LOCAL_SPARK_MASTER_PORT", 17077),
+    # Its workers' web UIs take the next ports (+1, +2).
+    "spark-master-ui": _port("CDC_LOCAL_SPARK_MASTER_UI_PORT", 18180),
 }
 TLS = DATA / "tls"
 
@@ -250,8 +255,8 @@ def maven_copy_dependencies(coords: list[str], dest: Path, exclusions: dict[str,
     return dest
 
 
-def java_home(min_version: int) -> Path | None:
-    """The first installed JDK whose major version is at least min_version."""
+def java_home(min_version: int, max_version: int = 99) -> Path | None:
+    """The first installed JDK whose major version is within [min_version, max_version]."""
     candidates = []
     if os.environ.get("JAVA_HOME"):
         candidates.append(Path(os.environ["JAVA_HOME"]))
@@ -263,7 +268,7 @@ def java_home(min_version: int) -> Path | None:
         for line in release.read_text().splitlines():
             if line.startswith("JAVA_VERSION="):
                 major = int(line.split("=", 1)[1].strip('"').split(".")[0])
-                if major >= min_version:
+                if min_version <= major <= max_version:
                     return home
     return None
 
@@ -504,6 +509,7 @@ class Service:
     name = ""
     needs: tuple[str, ...] = ()
     ready_timeout = 120.0
+    on_demand = False  # started only when named (`up spark-cluster`), not by a bare `up`
 
     def install(self) -> None: ...
     def start(self) -> None: ...
@@ -1119,6 +1125,140 @@ class SparkJars(Service):
         return {"jars": self.jars() if self.dir().exists() else []}
 
 
+def spark_home() -> Path:
+    """The Spark installation pyspark carries (bin/spark-class, jars/): the cluster runs what the sinks link."""
+    try:
+        import pyspark  # the project's virtualenv has it
+    except ImportError as exc:
+        raise DeployError(
+            "the Spark cluster runs from the pyspark install: run ./dev once to create the virtualenv"
+        ) from exc
+    return Path(pyspark.__file__).parent
+
+
+def spark_daemon(kind: str, args: list[str]) -> list[str]:
+    return [str(spark_home() / "bin" / "spark-class"), f"org.apache.spark.deploy.{kind}", *args]
+
+
+def spark_env(work: Path) -> dict[str, str]:
+    # Hadoop's login (UserGroupInformation) calls Subject.getSubject, which Java 23+ refuses.
+    jh = java_home(17, 21)
+    if jh is None:
+        raise DeployError("Spark 4 needs Java 17 to 21: apt-get install -y openjdk-17-jre-headless")
+    return {
+        "JAVA_HOME": str(jh),
+        "SPARK_HOME": str(spark_home()),
+        # The daemons only schedule; executors get their own heap (spark.executor.memory).
+        "SPARK_DAEMON_MEMORY": "384m",
+        "SPARK_LOG_DIR": str(LOGS),
+        "SPARK_LOCAL_DIRS": str(work / "tmp"),
+        "SPARK_NO_DAEMONIZE": "1",
+    }
+
+
+def spark_master_state() -> dict[str, Any] | None:
+    status, body = http_get(f"http://127.0.0.1:{PORTS['spark-master-ui']}/json/")
+    if status != 200:
+        return None
+    try:
+        state: dict[str, Any] = json.loads(body)
+    except ValueError:
+        return None
+    return state
+
+
+class SparkMaster(Service):
+    """A Spark standalone master (its own JVM): ``spark://127.0.0.1:<port>``; web UI and ``/json/`` beside it."""
+
+    name = "spark-master"
+    ready_timeout = 90.0
+    on_demand = True
+
+    def version(self) -> str:
+        return f"Spark {SPARK_VERSION} standalone"
+
+    def install(self) -> None:
+        spark_home()
+        (DATA / self.name / "tmp").mkdir(parents=True, exist_ok=True)
+
+    def start(self) -> None:
+        args = ["--host", "127.0.0.1", "--port", str(PORTS["spark-master"])]
+        args += ["--webui-port", str(PORTS["spark-master-ui"])]
+        spawn(self.name, spark_daemon("master.Master", args), env=spark_env(DATA / self.name))
+
+    def ready(self) -> bool:
+        state = spark_master_state()
+        return bool(state and state.get("status") == "ALIVE")
+
+    def endpoint(self) -> dict[str, Any]:
+        port, ui = PORTS["spark-master"], PORTS["spark-master-ui"]
+        return {"port": port, "url": f"spark://127.0.0.1:{port}", "ui": f"http://127.0.0.1:{ui}"}
+
+
+class SparkWorker(Service):
+    """A worker of the standalone cluster (its own JVM): one core and 2 GiB for executors, its own work dir."""
+
+    needs = ("spark-master",)
+    ready_timeout = 90.0
+    on_demand = True
+
+    def __init__(self, number: int) -> None:
+        self.number = number
+        self.name = f"spark-worker-{number}"
+
+    def version(self) -> str:
+        return f"Spark {SPARK_VERSION} standalone"
+
+    def install(self) -> None:
+        spark_home()
+        (DATA / self.name / "tmp").mkdir(parents=True, exist_ok=True)
+
+    def start(self) -> None:
+        work = DATA / self.name
+        args = [f"spark://127.0.0.1:{PORTS['spark-master']}", "--host", "127.0.0.1"]
+        args += ["--cores", "1", "--memory", "2g", "--work-dir", str(work / "work")]
+        args += ["--webui-port", str(self.ui_port())]
+        spawn(self.name, spark_daemon("worker.Worker", args), env=spark_env(work))
+
+    def ui_port(self) -> int:
+        return PORTS["spark-master-ui"] + self.number
+
+    def ready(self) -> bool:
+        state = spark_master_state()
+        if not state or running_pid(self.name) is None:
+            return False
+        ui = f":{self.ui_port()}"
+        return any(w.get("state") == "ALIVE" and str(w.get("webuiaddress", "")).endswith(ui) for w in state["workers"])
+
+    def endpoint(self) -> dict[str, Any]:
+        master = f"spark://127.0.0.1:{PORTS['spark-master']}"
+        ui = f"http://127.0.0.1:{self.ui_port()}"
+        return {"ui": ui, "master": master, "display": f"{ui} (worker of {master})"}
+
+
+class SparkCluster(Service):
+    """The master and both workers, by one name; nothing of its own runs."""
+
+    name = "spark-cluster"
+    needs = ("spark-master", "spark-worker-1", "spark-worker-2")
+    on_demand = True
+
+    def version(self) -> str:
+        return f"Spark {SPARK_VERSION} standalone, 2 workers"
+
+    def up(self) -> None:
+        pass
+
+    def ready(self) -> bool:
+        return all(SERVICES[n].ready() for n in self.needs)
+
+    def stop(self) -> None:
+        pass
+
+    def endpoint(self) -> dict[str, Any]:
+        return SERVICES["spark-master"].endpoint()
+
+
 def _artifact(jar_name: str) -> str:
     """'zstd-jni-1.5.6-10.jar' -> 'zstd-jni': the name before the first '-<digits>.<digits>'."""
     match = re.match(r"^(.*?)-\d+\.\d+", jar_name)
@@ -1126,7 +1266,20 @@ def _artifact(jar_name: str) -> str:
 
 
 SERVICES: dict[str, Service] = {
-    s.name: s for s in (Postgres(), Kafka(), Registry(), RegistryTLS(), OpenSearch(), Redis(), SparkJars())
+    s.name: s
+    for s in (
+        Postgres(),
+        Kafka(),
+        Registry(),
+        RegistryTLS(),
+        OpenSearch(),
+        Redis(),
+        SparkJars(),
+        SparkMaster(),
+        SparkWorker(1),
+        SparkWorker(2),
+        SparkCluster(),
+    )
 }
 
 
@@ -1134,7 +1287,7 @@ def select(names: list[str]) -> list[Service]:
     unknown = [n for n in names if n not in SERVICES]
     if unknown:
         raise DeployError(f"unknown service(s) {', '.join(unknown)}; choose from {', '.join(SERVICES)}")
-    chosen = set(names or SERVICES)
+    chosen = set(names or [n for n, s in SERVICES.items() if not s.on_demand])
     for name in list(chosen):  # a service's dependencies come with it
         chosen.update(SERVICES[name].needs)
     return [s for s in SERVICES.values() if s.name in chosen]
@@ -1181,6 +1334,8 @@ def status_rows(names: list[str]) -> list[dict[str, Any]]:
     for name, s in SERVICES.items():
         if names and name not in names:
             continue
+        if not names and s.on_demand and not s.ready():
+            continue
         ep = s.endpoint()
         healthy = s.ready()
         if name == "spark-jars":
@@ -1210,10 +1365,10 @@ def cmd_status(names: list[str], as_json: bool) -> int:
     if as_json:
         print(json.dumps(rows, indent=2))
     else:
-        print(f"{'SERVICE':<12} {'STATE':<8} {'PID':<8} {'VERSION':<34} WHERE")
+        print(f"{'SERVICE':<14} {'STATE':<8} {'PID':<8} {'VERSION':<34} WHERE")
         for r in rows:
             state = "ok" if r["healthy"] else "down"
-            print(f"{r['service']:<12} {state:<8} {r['pid'] or '-'!s:<8} {r['version']:<34} {r['where']}")
+            print(f"{r['service']:<14} {state:<8} {r['pid'] or '-'!s:<8} {r['version']:<34} {r['where']}")
         print(f"logs: {LOGS}/<service>.log   state: {STATE}   cache: {CACHE}")
     return 0 if all(r["healthy"] for r in rows) else 3
 
@@ -1226,6 +1381,8 @@ def cmd_env() -> None:
     print(f"export CDC_TEST_OPENSEARCH='{ep['opensearch']['url']}'")
     print(f"export CDC_TEST_REDIS='{ep['redis']['url']}'")
     print(f"export CDC_TEST_SPARK_JARS='{','.join(ep['spark-jars']['jars'])}'")
+    if SERVICES["spark-cluster"].ready():  # started on demand only
+        print(f"export CDC_TEST_SPARK_MASTER='{ep['spark-master']['url']}'")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -27,7 +27,7 @@ from sinks._metrics import SinkMetrics
 from sinks._plugins import load
 from sinks._progress import HEARTBEAT_S, REBUILD_FILE, STATUS_FILE, TopicEnds, batch_offsets, checkpoint_offsets
 from sinks._reader import Decoder, ensure_dead_letter_topic, open_stream
-from sinks._spark import build_session
+from sinks._spark import PARALLELISM_KEYS, build_session
 from sinks._values import Names, column_name, doc_converter
 from sinks._write import Outcome, on_driver_plan, on_executors
 from sinks.errors import PluginError, SinkConfigError, SinkError, SinkTerminalError, StateDiskFullError
@@ -121,6 +121,9 @@ class SinkQuery:
     ) -> None:
         self.name, self.settings, self.generation = name, settings, generation
         self.spark = spark.newSession()  # own SQL conf per sink, one SparkContext
+        for key in PARALLELISM_KEYS:  # fitted at run time (sinks._spark), which a new session does not inherit
+            if (value := spark.conf.get(key, None)) is not None:
+                self.spark.conf.set(key, value)
         if sink is None:
             self.sink = _opened(name, settings, generation, self.spark)
         else:  # an instance made elsewhere (benchmarks: a reference sink that is not installed)

@@ -11,8 +11,9 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
-# Delta Lake plugs into Spark SQL through these two settings; without them MERGE and the delta format fail.
-_DELTA_CONF = {
+# Every session, wherever it runs. Delta Lake plugs into Spark SQL through the first two settings; without
+# them MERGE and the delta format fail.
+_SESSION_CONF = {
     "spark.sql.extensions": "io.delta.sql.DeltaSparkSessionExtension",
     "spark.sql.catalog.spark_catalog": "org.apache.spark.sql.delta.catalog.DeltaCatalog",
     # Avro and PostgreSQL names are case-sensitive: a table may have columns "Order" and "order". Spark's
@@ -23,14 +24,25 @@ _DELTA_CONF = {
     "spark.scheduler.mode": "FAIR",
     # Parquet timestamps as int64 µs: exact for every reader; INT96 (Spark's default) wraps for ±infinity.
     "spark.sql.parquet.outputTimestampType": "TIMESTAMP_MICROS",
+    # Dates and timestamps become day and µs counts in UTC (sinks._values): never the machine's zone.
+    "spark.sql.session.timeZone": "UTC",
+    # Credentials stay out of the UI, the REST API and event logs: Spark's own pattern, plus the Kafka
+    # source's SASL settings (a JAAS line holds the password) and the stores' basic-auth settings.
+    "spark.redaction.regex": "(?i)secret|password|token|access[.]key|jaas|sasl|credential|auth",
+    "spark.sql.redaction.options.regex": "(?i)url|secret|password|token|access[.]key|jaas|sasl|credential|auth",
 }
+
+# How many tasks a shuffle, and Delta's reading of a table's log, are split into. A streaming batch's plan
+# gets no adaptive coalescing, so Spark's 200 (and Delta's 50) would be that many tasks per MERGE, nearly all
+# empty: on a cluster both are fitted to the executors' cores unless set.
+PARALLELISM_KEYS = ("spark.sql.shuffle.partitions", "spark.databricks.delta.snapshotPartitions")
 
 # Small-machine defaults: 200 shuffle partitions cost far more than they bring on a few cores.
 _LOCAL_CONF = {
     "spark.sql.shuffle.partitions": "4",
+    "spark.databricks.delta.snapshotPartitions": "4",
     "spark.ui.enabled": "false",
     "spark.ui.showConsoleProgress": "false",
-    "spark.sql.session.timeZone": "UTC",
 }
 
 
@@ -44,11 +56,19 @@ def build_session(
     """A SparkSession with the Kafka source, spark-avro and Delta Lake on its classpath.
 
     ``jars`` are local paths (deploy/services.py fetches them); ``master=None`` leaves the master to
-    spark-submit, so the same code runs on a cluster.
+    spark-submit, so the same code runs on a cluster. Under spark-submit, its ``--master`` and ``--jars``
+    win over both: its JVM is running already, with the classpath it was given.
     """
     from pyspark.sql import SparkSession
 
     builder = SparkSession.builder.appName(app_name)
+    if under_spark_submit():
+        if master is not None or jars:
+            logging.getLogger(__name__).info(
+                "run by spark-submit: its --master, --jars and --conf apply (sinks.spark_master and "
+                "sinks.spark_jars are not used)"
+            )
+        master, jars = None, ()
     if master is not None:
         builder = builder.master(master)
         for key, value in _LOCAL_CONF.items():
@@ -60,16 +80,34 @@ def build_session(
             os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     if jars:
         builder = builder.config("spark.jars", ",".join(jars))
-    for key, value in {**_DELTA_CONF, **(conf or {})}.items():
+    for key, value in {**_SESSION_CONF, **(conf or {})}.items():
         builder = builder.config(key, value)
     session = builder.getOrCreate()
+    if master is None:
+        _fit_shuffle_partitions(session, conf or {})
     if logging.getLogger().getEffectiveLevel() > logging.DEBUG:  # --log-level debug keeps Spark's account
+        session.sparkContext.setLogLevel("WARN")  # spark-submit's default is INFO: a line per task
         _quiet(session, _QUERY_FAILURE_LOGGER)
         # Pools are made on first use, each time with a warning that no allocation file configured it.
         _quiet(session, _POOL_LOGGER, "ERROR")
         # py4j logs the Python traceback of a batch that raised; the runner reports it (in full unless ours).
         logging.getLogger("py4j.clientserver").setLevel(logging.CRITICAL)
     return session
+
+
+def _fit_shuffle_partitions(session: SparkSession, conf: Mapping[str, str]) -> None:
+    """Each of PARALLELISM_KEYS not set by the user = the cores the application has when it starts."""
+    given = session.sparkContext.getConf()
+    cores = max(2, session.sparkContext.defaultParallelism)
+    for key in PARALLELISM_KEYS:
+        if key not in conf and not given.contains(key):
+            session.conf.set(key, str(cores))
+            logging.getLogger(__name__).info("%s = %d (the executors' cores; set it to override)", key, cores)
+
+
+def under_spark_submit() -> bool:
+    """Whether spark-submit started this Python (its PythonRunner hands over a running JVM gateway)."""
+    return "PYSPARK_GATEWAY_PORT" in os.environ
 
 
 # Spark logs a query that fails as a JVM stack trace of some 40 lines (around the Python traceback, when a

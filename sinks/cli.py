@@ -3,6 +3,7 @@
     cdc sinks list                               every sink found (built-ins and plugins), where it came from
     cdc sinks run [NAME …] --config cdc.toml     one streaming query per sink until SIGTERM/SIGINT
     cdc sinks rebuild NAME --config cdc.toml     rebuild from offset zero beside the served copy, verify, swap
+    cdc sinks spark-app                          the file spark-submit runs: spark-submit … FILE sinks run …
     cdc verify NAME --config cdc.toml            compare the store with PostgreSQL key by key
 
 Exit codes: 0 fine; 1 unexpected; 2 configuration; 8 plugin failed to load; 9 drift found; 11 the disk under
@@ -31,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     sinks = sub.add_parser("sinks", help="list, run or rebuild sinks")
     ssub = sinks.add_subparsers(dest="action", metavar="ACTION", required=True)
     ssub.add_parser("list", help="every sink found, with where it came from")
+    ssub.add_parser("spark-app", help="the file to hand spark-submit (its arguments are cdc's)")
     p = ssub.add_parser("run", help="keep the sinks in sync until stopped")
     p.add_argument("names", nargs="*", metavar="NAME", help="default: sinks.enabled")
     p.add_argument("--config", "-c", type=Path)
@@ -91,6 +93,11 @@ def main(argv: list[str]) -> int:
     try:
         if args.command == "sinks" and args.action == "list":
             return _list()
+        if args.command == "sinks" and args.action == "spark-app":
+            from cdc import spark_app  # the capture's front door, run by spark-submit
+
+            print(spark_app.__file__)
+            return 0
         settings = load_sink_settings(args.config)
         from sinks import _runner
 

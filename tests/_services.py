@@ -2,7 +2,8 @@
 
 For each service, in order:
 1. an environment variable names it (``CDC_TEST_PG_DSN``, ``CDC_TEST_KAFKA``, ``CDC_TEST_REGISTRY``,
-   ``CDC_TEST_OPENSEARCH``, ``CDC_TEST_REDIS``; ``CDC_TEST_SPARK_JARS`` is a comma-separated jar list);
+   ``CDC_TEST_OPENSEARCH``, ``CDC_TEST_REDIS``; ``CDC_TEST_SPARK_JARS`` is a comma-separated jar list;
+   ``CDC_TEST_SPARK_MASTER`` a standalone master with two workers, ``spark://host:port``);
 2. else, where a Docker engine answers, testcontainers starts it (once per test run);
 3. else the local services of ``deploy/services.py`` are used, started on demand.
 
@@ -36,6 +37,7 @@ ENV_VARS = {
     "opensearch": "CDC_TEST_OPENSEARCH",
     "redis": "CDC_TEST_REDIS",
     "spark-jars": "CDC_TEST_SPARK_JARS",
+    "spark-cluster": "CDC_TEST_SPARK_MASTER",
 }
 
 
@@ -174,6 +176,7 @@ _DEPLOY_KEYS = {
     "registry": "url",
     "opensearch": "url",
     "redis": "url",
+    "spark-cluster": "url",
 }
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -129,21 +130,29 @@ heartbeat_interval_s = {self.heartbeat_interval_s}
 class ChildProcess:
     """A `cdc …` command as a child process, as an operator would run it; output appended to ``log``."""
 
-    def __init__(self, args: list[str], log: Path) -> None:
+    def __init__(self, args: list[str], log: Path, launcher: list[str] | None = None) -> None:
         self.args = args
         self.log = log
+        # What runs ``cdc``'s arguments: the CLI itself, or e.g. spark-submit and the Spark application file.
+        self.launcher = launcher or [sys.executable, "-m", "cdc.cli"]
+        self.env: dict[str, str] = {}
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
         out = open(self.log, "ab")  # noqa: SIM115 - handed to the child, closed by it
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "cdc.cli", *self.args], stdout=out, stderr=subprocess.STDOUT, env={**os.environ}
+            [*self.launcher, *self.args],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **self.env},
+            start_new_session=True,  # a kill takes the child's own children with it (spark-submit's Python)
         )
         out.close()
 
     def kill(self) -> None:
         assert self.proc is not None
-        self.proc.send_signal(signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait(30)
 
     def terminate(self, timeout: float = 60) -> int:

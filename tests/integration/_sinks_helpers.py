@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import random
+import signal
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import psycopg
 from confluent_kafka import Consumer
 
 from tests.integration._capture_helpers import CdcConfig, ChildProcess
@@ -94,3 +101,129 @@ def dead_letters(kafka: str, topic: str) -> list[dict[str, str]]:
     finally:
         consumer.close()
     return out
+
+
+PIPELINE_TABLES = ["public.items", 'public."Notes"']
+
+
+def create_pipeline_tables(dsn: str) -> None:
+    """The pipeline tests' source: ``items`` (every kind of column the sinks map) and a mixed-case table
+    with a composite key."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(
+            "CREATE TABLE items (id int PRIMARY KEY, name text NOT NULL, qty int, price numeric(10,2), "
+            "at timestamptz DEFAULT '2026-01-02 03:04:05.123456+00', day date DEFAULT 'infinity', tags text[])"
+        )
+        conn.execute(
+            "INSERT INTO items (id, name, qty, price) SELECT g, 'item ' || g, g, g * 1.5 FROM generate_series(1, 300) g"
+        )
+        conn.execute('CREATE TABLE "Notes" (k text, n int, body text, PRIMARY KEY (k, n))')
+        conn.execute("""INSERT INTO "Notes" SELECT 'k' || (g % 7), g, 'note ' || g FROM generate_series(1, 50) g""")
+
+
+def pipeline_workload(dsn: str, stop: threading.Event, errors: list[BaseException], seed: int) -> None:
+    """Small transactions of inserts, updates and deletes on ``items`` until ``stop``; errors go to ``errors``."""
+    rnd = random.Random(seed)
+    try:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            next_id = 10_000
+            while not stop.is_set():
+                with conn.transaction():
+                    for _ in range(rnd.randint(1, 5)):
+                        r = rnd.random()
+                        if r < 0.45:
+                            next_id += 1
+                            conn.execute(
+                                "INSERT INTO items (id, name, qty, price, tags) VALUES (%s, %s, %s, %s, %s)",
+                                (next_id, f"new {next_id}", rnd.randint(0, 9), rnd.randint(1, 99_999) / 100, ["x"]),
+                            )
+                        elif r < 0.85:
+                            conn.execute(
+                                "UPDATE items SET qty = qty + 1, name = name || '+' WHERE id = %s",
+                                (rnd.randint(1, next_id),),
+                            )
+                        else:
+                            conn.execute("DELETE FROM items WHERE id = %s", (rnd.randint(1, next_id),))
+                time.sleep(0.01)
+    except BaseException as exc:
+        errors.append(exc)
+        raise
+
+
+# --- the sinks on a Spark standalone cluster ---------------------------------------------------------------
+
+ROOT = Path(__file__).resolve().parents[2]
+_PACKAGED = ("cdc", "decoders", "sinks", "schemas")
+
+
+def pgcdc_pex(cache: Path) -> Path:
+    """pgcdc and its sinks' dependencies as one PEX file for the executors (built once per source tree).
+
+    It is made the way docs/sinks.md tells users to: a wheel of the project, then ``pex 'pgcdc[sinks]'``
+    without pyspark and delta-spark (Spark puts its own pyspark on the workers' PYTHONPATH, which
+    ``--inherit-path=fallback`` keeps).
+    """
+    digest = hashlib.sha256()
+    for path in sorted(p for d in _PACKAGED for p in (ROOT / d).rglob("*") if p.is_file() and _shipped(p)):
+        digest.update(str(path.relative_to(ROOT)).encode() + b"\0" + path.read_bytes())
+    for name in ("pyproject.toml", "setup.py"):
+        digest.update((ROOT / name).read_bytes())
+    out = cache / "pex" / f"pgcdc-{digest.hexdigest()[:16]}.pex"
+    if out.exists():
+        return out
+    pex = Path(sys.executable).parent / "pex"
+    with tempfile.TemporaryDirectory(dir=cache) as tmp:
+        wheels = Path(tmp) / "wheels"
+        _run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", str(ROOT), "-w", str(wheels)])
+        built = Path(tmp) / "pgcdc.pex"
+        _run([str(pex), "-f", str(wheels), "pgcdc[sinks]", "--exclude", "pyspark", "--exclude", "delta-spark",
+              "--inherit-path=fallback", "--python", sys.executable, "-o", str(built)])  # fmt: skip
+        out.parent.mkdir(parents=True, exist_ok=True)
+        built.replace(out)
+    return out
+
+
+def _shipped(path: Path) -> bool:
+    return "__pycache__" not in path.parts and path.suffix not in (".so", ".c", ".pyc")
+
+
+def _run(cmd: list[str]) -> None:
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
+
+
+class SubmittedSinks(SinksProcess):
+    """`cdc sinks run` as spark-submit runs it on a standalone master, in client mode (docs/sinks.md)."""
+
+    def __init__(self, config: Path, log: Path, *, master: str, pex: Path, jars: list[str], ui_port: int) -> None:
+        spark_submit = Path(sys.executable).parent / "spark-submit"
+        launcher = [
+            str(spark_submit),
+            "--master", master,
+            "--deploy-mode", "client",
+            "--files", str(pex),
+            "--conf", f"spark.pyspark.python=./{pex.name}",
+            "--conf", f"spark.pyspark.driver.python={sys.executable}",
+            "--jars", ",".join(jars),
+            "--driver-memory", "1g",
+            "--executor-memory", "1g",
+            "--conf", f"spark.ui.port={ui_port}",
+            "--conf", "spark.ui.showConsoleProgress=false",
+            cdc("sinks", "spark-app").stdout.strip(),  # where the installed pgcdc keeps the file
+        ]  # fmt: skip
+        super().__init__(config, log)
+        self.launcher = launcher
+        self.args = ["--log-level", "info", *self.args]
+        self.ui = f"http://127.0.0.1:{ui_port}/api/v1"
+        import pyspark
+
+        # pyspark's bin/spark-submit looks for Spark with whatever `python3` is first on PATH otherwise.
+        self.env = {"SPARK_HOME": str(Path(pyspark.__file__).parent)}
+
+    def stop(self) -> int:
+        """SIGTERM to the driver's Python and spark-submit's JVM together; the driver's exit code."""
+        assert self.proc is not None
+        if self.alive():
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        return self.proc.wait(120)

@@ -19,7 +19,14 @@ import redis
 from opensearchpy import OpenSearch
 
 from tests.integration._capture_helpers import scratch_database, wait_for
-from tests.integration._sinks_helpers import SinksProcess, Stack, cdc
+from tests.integration._sinks_helpers import (
+    PIPELINE_TABLES,
+    SinksProcess,
+    Stack,
+    cdc,
+    create_pipeline_tables,
+    pipeline_workload,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
@@ -32,55 +39,18 @@ def source(pg_dsn: str, unique: str):  # type: ignore[no-untyped-def]
         yield dsn
 
 
-def _workload(dsn: str, stop: threading.Event, errors: list[BaseException], seed: int) -> None:
-    rnd = random.Random(seed)
-    try:
-        with psycopg.connect(dsn, autocommit=True) as conn:
-            next_id = 10_000
-            while not stop.is_set():
-                with conn.transaction():
-                    for _ in range(rnd.randint(1, 5)):
-                        r = rnd.random()
-                        if r < 0.45:
-                            next_id += 1
-                            conn.execute(
-                                "INSERT INTO items (id, name, qty, price, tags) VALUES (%s, %s, %s, %s, %s)",
-                                (next_id, f"new {next_id}", rnd.randint(0, 9), rnd.randint(1, 99_999) / 100, ["x"]),
-                            )
-                        elif r < 0.85:
-                            conn.execute(
-                                "UPDATE items SET qty = qty + 1, name = name || '+' WHERE id = %s",
-                                (rnd.randint(1, next_id),),
-                            )
-                        else:
-                            conn.execute("DELETE FROM items WHERE id = %s", (rnd.randint(1, next_id),))
-                time.sleep(0.01)
-    except BaseException as exc:
-        errors.append(exc)
-        raise
-
-
 def test_pipeline_survives_kills_and_rebuilds_with_no_drift(
     *, source: str, stack: Stack, unique: str, tmp_path: Path
 ) -> None:
-    with psycopg.connect(source, autocommit=True) as conn:
-        conn.execute(
-            "CREATE TABLE items (id int PRIMARY KEY, name text NOT NULL, qty int, price numeric(10,2), "
-            "at timestamptz DEFAULT '2026-01-02 03:04:05.123456+00', day date DEFAULT 'infinity', tags text[])"
-        )
-        conn.execute(
-            "INSERT INTO items (id, name, qty, price) SELECT g, 'item ' || g, g, g * 1.5 FROM generate_series(1, 300) g"
-        )
-        conn.execute('CREATE TABLE "Notes" (k text, n int, body text, PRIMARY KEY (k, n))')
-        conn.execute("""INSERT INTO "Notes" SELECT 'k' || (g % 7), g, 'note ' || g FROM generate_series(1, 50) g""")
+    create_pipeline_tables(source)
     prefix = f"t{unique}"
-    cfg = stack.config(source, ["public.items", 'public."Notes"'], prefix=prefix, unique=unique, workdir=tmp_path)
+    cfg = stack.config(source, PIPELINE_TABLES, prefix=prefix, unique=unique, workdir=tmp_path)
     capture = cfg.start(tmp_path)
     config = tmp_path / "cdc.toml"
     sinks = SinksProcess(config, tmp_path / "sinks.log")
     stop = threading.Event()
     errors: list[BaseException] = []
-    worker = threading.Thread(target=_workload, args=(source, stop, errors, 7))
+    worker = threading.Thread(target=pipeline_workload, args=(source, stop, errors, 7))
     try:
         capture.wait_streaming(180)
         sinks.start()

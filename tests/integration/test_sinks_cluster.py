@@ -1,0 +1,133 @@
+"""The sinks on a Spark standalone cluster (a master and two workers, separate JVMs), run as docs/sinks.md
+says: spark-submit in client mode, pgcdc shipped to the executors as a PEX file whose interpreter does not
+have pgcdc installed (the workers run this machine's plain ``python3.11``).
+
+The pipeline's workload streams through the capture while the submitted application is SIGKILLed once and
+submitted again; every store then verifies without drift, and Spark's REST API shows the writing stages'
+tasks on both executors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+import urllib.request
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+
+from tests import _services
+from tests.integration._capture_helpers import scratch_database, wait_for
+from tests.integration._sinks_helpers import (
+    PIPELINE_TABLES,
+    Stack,
+    SubmittedSinks,
+    cdc,
+    create_pipeline_tables,
+    pgcdc_pex,
+    pipeline_workload,
+)
+
+pytestmark = [pytest.mark.timeout(1500)]
+
+SINKS = ("search", "cache", "warehouse")
+
+
+@pytest.fixture(scope="module")
+def spark_master() -> str:
+    return _services.find_or_skip("spark-cluster")
+
+
+@pytest.fixture(scope="module")
+def executor_env() -> Path:
+    cache = Path(os.environ.get("CDC_LOCAL_CACHE", Path.home() / ".cache" / "pgcdc"))
+    return pgcdc_pex(cache)
+
+
+@pytest.fixture
+def source(pg_dsn: str, unique: str):  # type: ignore[no-untyped-def]
+    with scratch_database(pg_dsn, f"cluster_{unique}") as dsn:
+        yield dsn
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _get(url: str) -> Any:
+    with urllib.request.urlopen(url, timeout=10) as resp:  # noqa: S310 - an http:// URL built here
+        return json.load(resp)
+
+
+def _write_tasks_by_executor(api: str) -> tuple[Counter[str], dict[str, str]]:
+    """Successful tasks of the stages that write to the stores, per executor id; executor id -> host:port."""
+    app = _get(f"{api}/applications")[0]["id"]
+    executors = {e["id"]: e["hostPort"] for e in _get(f"{api}/applications/{app}/executors") if e["id"] != "driver"}
+    tasks: Counter[str] = Counter()
+    for stage in _get(f"{api}/applications/{app}/stages?status=complete&details=true"):
+        # The one action per batch of search and cache (sinks/_write.py), and the warehouse's MERGE jobs.
+        if "_write.py" not in stage["name"] and "merge" not in stage.get("description", "").lower():
+            continue
+        for task in stage.get("tasks", {}).values():
+            if task["status"] == "SUCCESS":
+                tasks[task["executorId"]] += 1
+    return tasks, executors
+
+
+def test_sinks_on_a_standalone_cluster_survive_a_kill_with_no_drift(
+    *, source: str, stack: Stack, spark_master: str, executor_env: Path, unique: str, tmp_path: Path
+) -> None:
+    create_pipeline_tables(source)
+    cfg = stack.config(source, PIPELINE_TABLES, prefix=f"k{unique}", unique=unique, workdir=tmp_path)
+    capture = cfg.start(tmp_path)
+    config = tmp_path / "cdc.toml"
+    log = tmp_path / "sinks.log"
+    sinks = SubmittedSinks(
+        config, log, master=spark_master, pex=executor_env, jars=stack.spark_jars, ui_port=_free_port()
+    )
+    stop = threading.Event()
+    errors: list[BaseException] = []
+    worker = threading.Thread(target=pipeline_workload, args=(source, stop, errors, 11))
+    try:
+        capture.wait_streaming(180)
+        sinks.start()
+        wait_for(lambda: sinks.batches() >= 3, 420, "the first batches on the cluster", None)
+        worker.start()
+        time.sleep(8)
+        with psycopg.connect(source, autocommit=True) as conn:
+            conn.execute("ALTER TABLE items ADD COLUMN note text")
+            conn.execute("UPDATE items SET note = 'after alter' WHERE id % 3 = 0")
+        before = sinks.batches()
+        wait_for(lambda: sinks.batches() > before + 2, 300, "batches before the kill", None)
+        sinks.kill()
+        sinks.start()
+        before = sinks.batches()
+        wait_for(lambda: sinks.batches() > before + 3, 420, "batches after the restart", None)
+        time.sleep(10)
+        stop.set()
+        worker.join(30)
+        assert not errors, errors
+        for name in SINKS:
+            result = cdc("verify", name, "--config", str(config), "--wait", "240", timeout=600)
+            assert result.returncode == 0, f"{name}:\n{result.stdout}\n{result.stderr}\n{sinks.tail()}"
+            assert "no drift" in result.stdout
+        tasks, executors = _write_tasks_by_executor(sinks.ui)
+        assert len(executors) == 2, executors
+        assert all(tasks[e] > 0 for e in executors), (tasks, executors)
+        assert "run by spark-submit" in sinks.log.read_text()
+        assert sinks.stop() in (0, 143), sinks.tail()
+    finally:
+        stop.set()
+        if worker.is_alive():
+            worker.join(30)
+        if sinks.alive():
+            sinks.kill()
+        capture.stop()
