@@ -1167,10 +1167,9 @@ def spark_master_state() -> dict[str, Any] | None:
     return state
 
 
-class SparkMaster(Service):
-    """A Spark standalone master (its own JVM): ``spark://127.0.0.1:<port>``; web UI and ``/json/`` beside it."""
+class SparkDaemon(Service):
+    """A JVM of the standalone cluster, run from the pyspark install with its own data directory."""
 
-    name = "spark-master"
     ready_timeout = 90.0
     on_demand = True
 
@@ -1180,6 +1179,12 @@ class SparkMaster(Service):
     def install(self) -> None:
         spark_home()
         (DATA / self.name / "tmp").mkdir(parents=True, exist_ok=True)
+
+
+class SparkMaster(SparkDaemon):
+    """A Spark standalone master: ``spark://127.0.0.1:<port>``; web UI and ``/json/`` beside it."""
+
+    name = "spark-master"
 
     def start(self) -> None:
         args = ["--host", "127.0.0.1", "--port", str(PORTS["spark-master"])]
@@ -1195,23 +1200,14 @@ class SparkMaster(Service):
         return {"port": port, "url": f"spark://127.0.0.1:{port}", "ui": f"http://127.0.0.1:{ui}"}
 
 
-class SparkWorker(Service):
-    """A worker of the standalone cluster (its own JVM): one core and 2 GiB for executors, its own work dir."""
+class SparkWorker(SparkDaemon):
+    """A worker of the standalone cluster: one core and 2 GiB for executors, its own work dir."""
 
     needs = ("spark-master",)
-    ready_timeout = 90.0
-    on_demand = True
 
     def __init__(self, number: int) -> None:
         self.number = number
         self.name = f"spark-worker-{number}"
-
-    def version(self) -> str:
-        return f"Spark {SPARK_VERSION} standalone"
-
-    def install(self) -> None:
-        spark_home()
-        (DATA / self.name / "tmp").mkdir(parents=True, exist_ok=True)
 
     def start(self) -> None:
         work = DATA / self.name

@@ -227,3 +227,36 @@ class SubmittedSinks(SinksProcess):
         if self.alive():
             os.killpg(self.proc.pid, signal.SIGTERM)
         return self.proc.wait(120)
+
+
+SINKS = ("search", "cache", "warehouse")
+
+
+class PipelineWorkload:
+    """:func:`pipeline_workload` on a thread: ``start``, then ``finish`` (failing with what it raised);
+    ``close`` in a ``finally``."""
+
+    def __init__(self, dsn: str, seed: int) -> None:
+        self._stop = threading.Event()
+        self.errors: list[BaseException] = []
+        self._thread = threading.Thread(target=pipeline_workload, args=(dsn, self._stop, self.errors, seed))
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def finish(self) -> None:
+        self.close()
+        assert not self.errors, self.errors
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(30)
+
+
+def assert_no_drift(config: Path, sinks: SinksProcess) -> None:
+    """`cdc verify` of every built-in sink (waiting up to 240 s each for it to converge) finds no drift."""
+    for name in SINKS:
+        result = cdc("verify", name, "--config", str(config), "--wait", "240", timeout=600)
+        assert result.returncode == 0, f"{name}:\n{result.stdout}\n{result.stderr}\n{sinks.tail()}"
+        assert "no drift" in result.stdout

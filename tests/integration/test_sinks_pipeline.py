@@ -21,16 +21,16 @@ from opensearchpy import OpenSearch
 from tests.integration._capture_helpers import scratch_database, wait_for
 from tests.integration._sinks_helpers import (
     PIPELINE_TABLES,
+    SINKS,
+    PipelineWorkload,
     SinksProcess,
     Stack,
+    assert_no_drift,
     cdc,
     create_pipeline_tables,
-    pipeline_workload,
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
-
-SINKS = ("search", "cache", "warehouse")
 
 
 @pytest.fixture
@@ -48,14 +48,12 @@ def test_pipeline_survives_kills_and_rebuilds_with_no_drift(
     capture = cfg.start(tmp_path)
     config = tmp_path / "cdc.toml"
     sinks = SinksProcess(config, tmp_path / "sinks.log")
-    stop = threading.Event()
-    errors: list[BaseException] = []
-    worker = threading.Thread(target=pipeline_workload, args=(source, stop, errors, 7))
+    workload = PipelineWorkload(source, 7)
     try:
         capture.wait_streaming(180)
         sinks.start()
         wait_for(lambda: sinks.batches() >= 3, 240, "the sinks' first batches", None)
-        worker.start()
+        workload.start()
         kills = 0
         for round_ in range(5):
             time.sleep(random.uniform(4, 9))
@@ -77,14 +75,9 @@ def test_pipeline_survives_kills_and_rebuilds_with_no_drift(
             sinks.kill()
             kills += 1
             sinks.start()
-        stop.set()
-        worker.join(30)
-        assert not errors, errors
+        workload.finish()
         assert kills == 5
-        for name in SINKS:
-            result = cdc("verify", name, "--config", str(config), "--wait", "240", timeout=600)
-            assert result.returncode == 0, f"{name}:\n{result.stdout}\n{result.stderr}\n{sinks.tail()}"
-            assert "no drift" in result.stdout
+        assert_no_drift(config, sinks)
         status = json.loads((tmp_path / "state" / "search" / "status.json").read_text())
         assert status["batches"] >= 1
 
@@ -133,15 +126,11 @@ def test_pipeline_survives_kills_and_rebuilds_with_no_drift(
         # The running sinks app follows the swap; the store stays in sync afterwards.
         with psycopg.connect(source, autocommit=True) as conn:
             conn.execute("UPDATE items SET name = 'after rebuild' WHERE id = 1")
-        for name in SINKS:
-            result = cdc("verify", name, "--config", str(config), "--wait", "240", timeout=600)
-            assert result.returncode == 0, f"{name}:\n{result.stdout}\n{result.stderr}\n{sinks.tail()}"
+        assert_no_drift(config, sinks)
         assert sinks.alive(), sinks.tail()
         assert sinks.stop() == 0, sinks.tail()
     finally:
-        stop.set()
-        if worker.is_alive():
-            worker.join(30)
+        workload.close()
         if sinks.alive():
             sinks.kill()
         capture.stop()
