@@ -77,15 +77,16 @@ class SinksProbe:
 
     def __init__(self, config_path: Path | None) -> None:
         from sinks._config import load_sink_settings  # noqa: PLC0415
-        from sinks._progress import TopicEnds, sink_progress  # noqa: PLC0415
+        from sinks._progress import TopicEnds, sink_progress, sinks_present  # noqa: PLC0415
 
         self._settings = load_sink_settings(config_path)
         self._progress = sink_progress
+        self._present = sinks_present
         self._new_ends = TopicEnds
         self._ends: Any = None  # the Kafka probe, made once some sink has a state directory
 
     def __call__(self) -> list[dict[str, Any]]:
-        if not any(self._settings.sinks.state_dir.glob("*/status.json")):
+        if not self._present(self._settings):
             return []
         if self._ends is None:
             self._ends = self._new_ends(self._settings)

@@ -11,9 +11,10 @@
 Services: postgres (Debian packages, wal_level=logical, TLS offered), kafka (KRaft, jars from Maven Central;
 a plaintext and a SASL_SSL listener), registry (Apicurio Registry, Confluent-compatible API), registry-tls
 (the registry behind nginx with HTTPS and basic authentication), opensearch (integ-test zip from Maven
-Central), redis (Debian packages), spark-jars (Kafka source, spark-avro and Delta Lake for the
-installed pyspark; nothing to run), spark-master, spark-worker-1 and spark-worker-2 (a Spark standalone
-cluster from the pyspark install: three JVMs, one core and 2 GiB of executor memory per worker).
+Central), redis (Debian packages), s3 (s3proxy from Maven Central, in memory), spark-jars (Kafka source,
+spark-avro and Delta Lake for the installed pyspark; nothing to run), spark-cloud-jars (Hadoop's S3A
+connector), spark-master, spark-worker-1 and spark-worker-2 (a Spark standalone cluster from the pyspark
+install: three JVMs, one core and 2 GiB of executor memory per worker).
 
 Only the standard library is used, so this runs before the project's virtualenv exists.
 
@@ -23,8 +24,9 @@ Where things go (all outside the repository):
                        or /var/tmp/pgcdc when run as root)
 Ports: CDC_LOCAL_PG_PORT, CDC_LOCAL_KAFKA_PORT, CDC_LOCAL_KAFKA_CONTROLLER_PORT,
 CDC_LOCAL_REGISTRY_PORT, CDC_LOCAL_OPENSEARCH_PORT, CDC_LOCAL_REDIS_PORT, CDC_LOCAL_KAFKA_SASL_PORT,
-CDC_LOCAL_REGISTRY_TLS_PORT, CDC_LOCAL_SPARK_MASTER_PORT, CDC_LOCAL_SPARK_MASTER_UI_PORT (the workers' UIs
-take the two ports after it). TLS endpoints present a certificate of a local CA (state/data/tls/ca.crt).
+CDC_LOCAL_REGISTRY_TLS_PORT, CDC_LOCAL_S3_PORT, CDC_LOCAL_SPARK_MASTER_PORT, CDC_LOCAL_SPARK_MASTER_UI_PORT
+(the workers' UIs take the two ports after it). TLS endpoints present a certificate of a local CA
+(state/data/tls/ca.crt).
 """
 
 from __future__ import annotations
@@ -65,6 +67,8 @@ OPENSEARCH_VERSION_JAVA17 = "2.19.6"  # used when no Java 21+ is installed
 SPARK_VERSION = "4.0.0"
 DELTA_VERSION = "4.0.0"
 SCALA_BINARY = "2.13"
+HADOOP_VERSION = "3.4.1"  # what pyspark 4.0.0 ships (jars/hadoop-client-api-*.jar); hadoop-aws must match it
+S3PROXY_VERSION = "2.6.0"
 
 MAVEN = os.environ.get("CDC_LOCAL_MAVEN", "https://repo1.maven.org/maven2")
 SERVICE_USER = "pgcdc"  # PostgreSQL and OpenSearch refuse to run as root
@@ -76,6 +80,8 @@ KAFKA_SASL_USER = "pgcdc"
 KAFKA_SASL_PASSWORD = os.environ.get("CDC_LOCAL_KAFKA_SASL_PASSWORD", "pgcdc-sasl-local")
 REGISTRY_USER = "pgcdc"
 REGISTRY_PASSWORD = os.environ.get("CDC_LOCAL_REGISTRY_PASSWORD", "pgcdc-registry-local")
+S3_ACCESS_KEY = "pgcdc"
+S3_SECRET_KEY = os.environ.get("CDC_LOCAL_S3_SECRET_KEY", "pgcdc-s3-local")
 # Members of this role may reach the local PostgreSQL only over TLS (pg_hba `hostnossl … reject`): the TLS
 # tests connect as such a role, so a connection that silently fell back to plaintext would be refused.
 PG_TLS_ONLY_ROLE = "pgcdc_tls_only"
@@ -122,6 +128,7 @@ PORTS = {
     "spark-master": _port("CDC_LOCAL_SPARK_MASTER_PORT", 17077),
     # Its workers' web UIs take the next ports (+1, +2).
     "spark-master-ui": _port("CDC_LOCAL_SPARK_MASTER_UI_PORT", 18180),
+    "s3": _port("CDC_LOCAL_S3_PORT", 19000),
 }
 TLS = DATA / "tls"
 
@@ -1125,6 +1132,75 @@ class SparkJars(Service):
         return {"jars": self.jars() if self.dir().exists() else []}
 
 
+class SparkCloudJars(SparkJars):
+    """Hadoop's S3A connector (hadoop-aws and the AWS SDK bundle it names) and Spark's cloud checkpoint manager.
+
+    Apart from spark-jars: the SDK bundle is 560 MB, and every jar in ``spark.jars`` is copied to each
+    executor (in local mode too). These belong on the JVMs' classpath instead (``spark.driver.extraClassPath``
+    and ``spark.executor.extraClassPath``), where a cluster's image would have them.
+    """
+
+    name = "spark-cloud-jars"
+
+    def dir(self) -> Path:
+        return OPT / f"spark-cloud-jars-{SPARK_VERSION}-hadoop-{HADOOP_VERSION}"
+
+    def version(self) -> str:
+        return f"hadoop-aws {HADOOP_VERSION}, spark-hadoop-cloud {SPARK_VERSION}"
+
+    def install(self) -> None:
+        cloud = f"org.apache.spark:spark-hadoop-cloud_{SCALA_BINARY}:{SPARK_VERSION}"
+        # spark-hadoop-cloud brings every cloud's connector; of them only hadoop-aws is wanted (above).
+        maven_copy_dependencies([f"org.apache.hadoop:hadoop-aws:{HADOOP_VERSION}", cloud], self.dir(), {cloud: ["*:*"]})
+
+    def endpoint(self) -> dict[str, Any]:
+        jars = self.jars() if self.dir().exists() else []
+        return {"jars": jars, "classpath": f"{self.dir()}/*"}
+
+
+class S3(Service):
+    """An S3-compatible server: s3proxy (Maven Central) with its in-memory store, path-style buckets.
+
+    In memory because S3A keeps empty directories as ``dir/`` marker objects, which s3proxy's filesystem
+    stores drop, so Spark's checkpoints would not find their own directories. Its contents go when it stops:
+    a test server, not a place for data to keep. Clients create their buckets.
+    """
+
+    name = "s3"
+    ready_timeout = 60.0
+
+    def version(self) -> str:
+        return f"s3proxy {S3PROXY_VERSION}"
+
+    def install(self) -> None:
+        download(maven_url("org.gaul", "s3proxy", S3PROXY_VERSION, "jar", "jar-with-dependencies"))
+        (DATA / "s3").mkdir(parents=True, exist_ok=True)
+
+    def start(self) -> None:
+        jh = java_home(17)
+        if jh is None:
+            raise DeployError("s3proxy needs Java 17 or newer: apt-get install -y openjdk-17-jre-headless")
+        conf = DATA / "s3" / "s3proxy.conf"
+        conf.write_text(
+            f"s3proxy.endpoint=http://127.0.0.1:{PORTS['s3']}\n"
+            "s3proxy.authorization=aws-v2-or-v4\n"
+            f"s3proxy.identity={S3_ACCESS_KEY}\ns3proxy.credential={S3_SECRET_KEY}\n"
+            "jclouds.provider=transient\n"
+            f"jclouds.identity={S3_ACCESS_KEY}\njclouds.credential={S3_SECRET_KEY}\n"
+        )
+        conf.chmod(0o600)
+        jar = download(maven_url("org.gaul", "s3proxy", S3PROXY_VERSION, "jar", "jar-with-dependencies"))
+        spawn(self.name, [str(jh / "bin" / "java"), "-Xmx2g", "-jar", str(jar), "--properties", str(conf)])
+
+    def ready(self) -> bool:
+        status, _ = http_get(f"http://127.0.0.1:{PORTS['s3']}/")
+        return status == 403  # up, and asking for credentials
+
+    def endpoint(self) -> dict[str, Any]:
+        url = f"http://127.0.0.1:{PORTS['s3']}"
+        return {"port": PORTS["s3"], "url": url, "access_key": S3_ACCESS_KEY, "secret_key": S3_SECRET_KEY}
+
+
 def spark_home() -> Path:
     """The Spark installation pyspark carries (bin/spark-class, jars/): the cluster runs what the sinks link."""
     try:
@@ -1270,7 +1346,9 @@ SERVICES: dict[str, Service] = {
         RegistryTLS(),
         OpenSearch(),
         Redis(),
+        S3(),
         SparkJars(),
+        SparkCloudJars(),
         SparkMaster(),
         SparkWorker(1),
         SparkWorker(2),
@@ -1334,8 +1412,7 @@ def status_rows(names: list[str]) -> list[dict[str, Any]]:
             continue
         ep = s.endpoint()
         healthy = s.ready()
-        if name == "spark-jars":
-            assert isinstance(s, SparkJars)
+        if isinstance(s, SparkJars):
             where = f"{len(ep['jars'])} jars in {s.dir()}" if healthy else "not installed"
         else:
             where = ep.get("display") or ep.get("url") or ep.get("bootstrap") or ""
@@ -1350,7 +1427,7 @@ def status_rows(names: list[str]) -> list[dict[str, Any]]:
                 "pid": running_pid(name),
                 "where": where,
                 "version": version,
-                "log": str(LOGS / f"{name}.log") if name != "spark-jars" else "",
+                "log": "" if isinstance(s, SparkJars) else str(LOGS / f"{name}.log"),
             }
         )
     return rows
@@ -1361,10 +1438,10 @@ def cmd_status(names: list[str], as_json: bool) -> int:
     if as_json:
         print(json.dumps(rows, indent=2))
     else:
-        print(f"{'SERVICE':<14} {'STATE':<8} {'PID':<8} {'VERSION':<34} WHERE")
+        print(f"{'SERVICE':<17} {'STATE':<8} {'PID':<8} {'VERSION':<34} WHERE")
         for r in rows:
             state = "ok" if r["healthy"] else "down"
-            print(f"{r['service']:<14} {state:<8} {r['pid'] or '-'!s:<8} {r['version']:<34} {r['where']}")
+            print(f"{r['service']:<17} {state:<8} {r['pid'] or '-'!s:<8} {r['version']:<34} {r['where']}")
         print(f"logs: {LOGS}/<service>.log   state: {STATE}   cache: {CACHE}")
     return 0 if all(r["healthy"] for r in rows) else 3
 
@@ -1377,6 +1454,10 @@ def cmd_env() -> None:
     print(f"export CDC_TEST_OPENSEARCH='{ep['opensearch']['url']}'")
     print(f"export CDC_TEST_REDIS='{ep['redis']['url']}'")
     print(f"export CDC_TEST_SPARK_JARS='{','.join(ep['spark-jars']['jars'])}'")
+    print(f"export CDC_TEST_SPARK_CLOUD_CLASSPATH='{ep['spark-cloud-jars']['classpath']}'")
+    print(f"export CDC_TEST_S3='{ep['s3']['url']}'")
+    print(f"export CDC_TEST_S3_ACCESS_KEY='{ep['s3']['access_key']}'")
+    print(f"export CDC_TEST_S3_SECRET_KEY='{ep['s3']['secret_key']}'")
     if SERVICES["spark-cluster"].ready():  # started on demand only
         print(f"export CDC_TEST_SPARK_MASTER='{ep['spark-master']['url']}'")
 

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, f
 from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
 
 from schemas import KafkaSecurity, RegistrySecurity, split_table_name, topic_name
+from sinks._storage import Location, location
 from sinks.errors import SinkConfigError
 
 _BUILTINS = ("search", "cache", "warehouse")
@@ -70,9 +71,26 @@ class WarehouseConfig(_Section):
     history: bool = Field(default=False, description="also keep an append-only change history table per table")
 
 
+class StorageConfig(_Section):
+    """The object store of ``s3a://`` locations (state_dir, warehouse.path), for Spark's S3A and for pgcdc.
+
+    Unset keys fall back to the AWS defaults of each client (environment variables, profiles, instance
+    roles). The secret goes to Spark as ``spark.hadoop.fs.s3a.secret.key``, which Spark redacts.
+    """
+
+    endpoint: str | None = Field(default=None, description="an S3-compatible server's URL; default: AWS S3")
+    region: str | None = None
+    access_key: str | None = None
+    secret_key: SecretStr | None = None
+    path_style: bool = Field(default=False, description="bucket in the path, not the host name (most non-AWS stores)")
+    timeout_s: float = Field(default=10.0, gt=0, description="connect and request timeout of pgcdc's own reads")
+
+
 class SinksConfig(_Section):
     enabled: tuple[str, ...] = Field(default=_BUILTINS, description="sinks `cdc sinks run` starts by default")
-    state_dir: Path = Field(default=Path(".cdc-sinks"), description="checkpoints and status of the queries")
+    state_dir: str = Field(
+        default=".cdc-sinks", description="checkpoints and status of the queries: a directory or a URI (s3a://…)"
+    )
     tables: tuple[str, ...] = Field(default=(), description="'schema.table' names to keep; empty = every table")
     trigger_interval_s: float = Field(default=1.0, ge=0)
     max_offsets_per_trigger: int | None = Field(default=200_000, ge=1)
@@ -91,9 +109,15 @@ class SinksConfig(_Section):
     search: SearchConfig = SearchConfig()
     cache: CacheConfig = CacheConfig()
     warehouse: WarehouseConfig = WarehouseConfig()
+    storage: StorageConfig = StorageConfig()
     plugins: dict[str, dict[str, Any]] = Field(
         default_factory=dict, description="settings handed to plugin sinks, by sink name"
     )
+
+    @field_validator("state_dir", mode="before")
+    @classmethod
+    def _path_text(cls, value: Any) -> Any:
+        return str(value) if isinstance(value, Path) else value
 
     @field_validator("spark_jars", mode="before")
     @classmethod
@@ -145,6 +169,10 @@ class SinkSettings(BaseSettings):
         except ValueError as exc:
             raise SinkConfigError(f"sinks.tables: {exc}") from exc
         return topic_name(self.kafka.topic_prefix, schema, table)
+
+    def state(self) -> Location:
+        """``sinks.state_dir``: where checkpoints and status files are."""
+        return location(self.sinks.state_dir, self.sinks.storage)
 
     def registry_conf(self) -> dict[str, Any]:
         return {"url": self.registry.url, "timeout": 30, **self.registry.security_conf()}

@@ -17,10 +17,10 @@ import re
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 from sinks._config import SinkSettings
+from sinks._storage import Location
 
 STATUS_FILE = "status.json"
 REBUILD_FILE = "rebuild.json"
@@ -28,12 +28,9 @@ HEARTBEAT_S = 5.0  # how often `cdc sinks run` says it is alive in each sink's s
 HEARTBEAT_STALE_S = 20.0
 
 
-def checkpoint_offsets(checkpoint: Path) -> dict[tuple[str, int], int] | None:
+def checkpoint_offsets(checkpoint: Location) -> dict[tuple[str, int], int] | None:
     """The end offsets of the newest committed batch; None when no batch has completed yet."""
-    try:
-        done = [int(p.name) for p in (checkpoint / "commits").iterdir() if p.name.isdigit()]
-    except FileNotFoundError:
-        return None
+    done = [int(p.name) for p in (checkpoint / "commits").children() if p.name.isdigit()]
     for batch in sorted(done, reverse=True):
         offsets = batch_offsets(checkpoint, batch)
         if offsets is None:  # purged between listing and reading: take the next newest
@@ -42,12 +39,12 @@ def checkpoint_offsets(checkpoint: Path) -> dict[tuple[str, int], int] | None:
     return None
 
 
-def batch_offsets(checkpoint: Path, batch: int) -> dict[tuple[str, int], int] | None:
+def batch_offsets(checkpoint: Location, batch: int) -> dict[tuple[str, int], int] | None:
     """The end offsets of batch ``batch`` (Spark writes ``offsets/N`` before it runs N); None when absent."""
-    try:
-        lines = (checkpoint / "offsets" / str(batch)).read_text().splitlines()
-    except FileNotFoundError:
+    text = (checkpoint / "offsets" / str(batch)).read_text()
+    if text is None:
         return None
+    lines = text.splitlines()
     offsets: dict[tuple[str, int], int] = {}
     for line in lines[2:]:
         if line.startswith("{"):
@@ -89,15 +86,21 @@ class SinkProgress:
         return asdict(self)
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+def _read_json(path: Location) -> dict[str, Any]:
+    return _parse_json(path.read_text() or "{}")
+
+
+def _parse_json(text: str) -> dict[str, Any]:
     try:
-        data = json.loads(path.read_text())
-    except (FileNotFoundError, json.JSONDecodeError):  # not written yet, or caught mid-replace on some FS
+        data = json.loads(text)
+    except json.JSONDecodeError:  # caught mid-replace on some filesystems
         return {}
     return data if isinstance(data, dict) else {}
 
 
-def _lag(checkpoint: Path | None, ends: Mapping[tuple[str, int], tuple[int, int]]) -> tuple[int, list[PartitionLag]]:
+def _lag(
+    checkpoint: Location | None, ends: Mapping[tuple[str, int], tuple[int, int]]
+) -> tuple[int, list[PartitionLag]]:
     # A sink that has not completed a batch yet (or never started a query) has applied nothing: it is behind
     # by everything, so the lag alerts can fire for a sink that fails on its first batch.
     committed = (checkpoint_offsets(checkpoint) if checkpoint is not None else None) or {}
@@ -107,6 +110,11 @@ def _lag(checkpoint: Path | None, ends: Mapping[tuple[str, int], tuple[int, int]
         done = committed.get((topic, partition), low)
         parts.append(PartitionLag(topic, partition, high, done, max(0, high - done)))
     return sum(p.lag for p in parts), parts
+
+
+def sinks_present(settings: SinkSettings) -> bool:
+    """Whether any sink has a status file under ``sinks.state_dir`` (before the first, there is nothing to show)."""
+    return any((d / STATUS_FILE).read_text() is not None for d in settings.state().children())
 
 
 def sink_progress(
@@ -123,13 +131,16 @@ def sink_progress(
     offset)``), falling back to the time since the newest event it applied when that is unknown.
     """
     now = time.time() if now is None else now
-    base = settings.sinks.state_dir
+    base = settings.state()
     pattern = re.compile(settings.topic_pattern())
     ends = {tp: v for tp, v in ends.items() if pattern.fullmatch(tp[0])}
     out = []
-    for status_path in sorted(base.glob(f"*/{STATUS_FILE}")) if base.is_dir() else []:
-        name = status_path.parent.name
-        status = _read_json(status_path)
+    for sink_dir in sorted(base.children(), key=lambda d: d.name):
+        name = sink_dir.name
+        text = (sink_dir / STATUS_FILE).read_text()
+        if text is None:
+            continue  # not a sink's directory
+        status = _parse_json(text)
         generation = status.get("generation")
         checkpoint = base / name / f"g{generation}" / "checkpoint" if isinstance(generation, int) else None
         lag: int | None
@@ -241,4 +252,12 @@ class TopicEnds:
         self._consumer.close()
 
 
-__all__ = ["PartitionLag", "SinkProgress", "TopicEnds", "batch_offsets", "checkpoint_offsets", "sink_progress"]
+__all__ = [
+    "PartitionLag",
+    "SinkProgress",
+    "TopicEnds",
+    "batch_offsets",
+    "checkpoint_offsets",
+    "sink_progress",
+    "sinks_present",
+]

@@ -28,6 +28,7 @@ from sinks._plugins import load
 from sinks._progress import HEARTBEAT_S, REBUILD_FILE, STATUS_FILE, TopicEnds, batch_offsets, checkpoint_offsets
 from sinks._reader import Decoder, ensure_dead_letter_topic, open_stream
 from sinks._spark import PARALLELISM_KEYS, build_session
+from sinks._storage import S3_SCHEMES, Location, hadoop_conf
 from sinks._values import Names, column_name, doc_converter
 from sinks._write import Outcome, on_driver_plan, on_executors
 from sinks.errors import PluginError, SinkConfigError, SinkError, SinkTerminalError, StateDiskFullError
@@ -45,6 +46,7 @@ _STATUS_LOCK = threading.Lock()
 _HEALTHY_S = 300.0  # a query that ran this long before failing was healthy: its backoff starts over
 _NO_SPACE = "No space left on device"  # ENOSPC as the JVM (Spark's checkpoint writes) and the C library say it
 _NEARLY_FULL = 64 * 2**20  # free bytes under which an ENOSPC is taken to be the state disk's
+_CHECKPOINT_MANAGER = "spark.sql.streaming.checkpointFileManagerClass"
 
 
 def spark_session(settings: SinkSettings, app: str) -> SparkSession:
@@ -54,7 +56,11 @@ def spark_session(settings: SinkSettings, app: str) -> SparkSession:
             "sinks.spark_jars is empty: list the Kafka, Avro and Delta jars for Spark "
             "(`./dev services env` prints them as CDC_TEST_SPARK_JARS; or set CDC_SINKS__SPARK_JARS)"
         )
-    conf = {"spark.sql.session.timeZone": "UTC", **cfg.spark_conf}
+    conf = {"spark.sql.session.timeZone": "UTC", **hadoop_conf(cfg.storage), **cfg.spark_conf}
+    if cfg.state_dir.partition("://")[0] in S3_SCHEMES and _CHECKPOINT_MANAGER not in conf:
+        # Spark's default checkpoint manager commits a file by rename, which S3 does not have (a copy and a
+        # delete, not atomic): this one writes each file in one upload that becomes visible whole, or never.
+        conf[_CHECKPOINT_MANAGER] = "org.apache.spark.internal.io.cloud.AbortableStreamBasedCheckpointFileManager"
     return build_session(app, list(cfg.spark_jars), master=cfg.spark_master, conf=conf)
 
 
@@ -72,19 +78,17 @@ def _opened(name: str, settings: SinkSettings, generation: int, spark: SparkSess
 class _Status:
     """A sink's status file: what `cdc status`, the dashboard and the capture's metrics read from outside."""
 
-    path: Path
+    path: Location
     data: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def load(cls, path: Path) -> _Status:
-        with contextlib.suppress(OSError):  # reported by update(), which cannot write either
-            path.parent.mkdir(parents=True, exist_ok=True)
+    def load(cls, path: Location) -> _Status:
         return cls(path, cls._read(path))
 
     @staticmethod
-    def _read(path: Path) -> dict[str, Any]:
+    def _read(path: Location) -> dict[str, Any]:
         with contextlib.suppress(OSError, ValueError):  # absent, unreadable, or torn by a crash mid-write
-            data = json.loads(path.read_text())
+            data = json.loads(path.read_text() or "{}")
             if isinstance(data, dict):
                 return data
         return {}
@@ -97,9 +101,7 @@ class _Status:
         with _STATUS_LOCK:
             try:
                 self.data = {**self._read(self.path), **values, "updated_at": time.time()}
-                tmp = self.path.with_suffix(".tmp")
-                tmp.write_text(json.dumps(self.data, indent=2))
-                tmp.replace(self.path)
+                self.path.write_text(json.dumps(self.data, indent=2))
             except OSError as exc:
                 log.warning("cannot write %s: %s", self.path, exc)
 
@@ -132,9 +134,9 @@ class SinkQuery:
         self.decoder = Decoder(settings)
         self.shuffle_partitions = int(self.spark.conf.get("spark.sql.shuffle.partitions") or 200)
         self.follow_swaps = follow_swaps and isinstance(self.sink, Rebuildable)
-        base = settings.sinks.state_dir / name
+        base = settings.state() / name
         self.checkpoint = base / f"g{generation}" / "checkpoint"
-        self.checkpoint.parent.mkdir(parents=True, exist_ok=True)
+        self.checkpoint.make_dirs()
         self.status = _Status.load(base / status_file)
         self.status.update(generation=generation)
         self.metrics = metrics
@@ -145,7 +147,7 @@ class SinkQuery:
         writer = (
             open_stream(self.spark, self.settings)
             .writeStream.queryName(f"pgcdc-sink-{self.name}-g{self.generation}")
-            .option("checkpointLocation", str(self.checkpoint.resolve()))
+            .option("checkpointLocation", self.checkpoint.uri)
             .foreachBatch(self._batch)
         )
         writer = writer.trigger(processingTime=f"{interval} seconds") if interval else writer
@@ -235,7 +237,7 @@ _UNKNOWN = 1 << 40  # offsets of a topic whose start the checkpoint does not say
 _ROWS_PER_SHUFFLE = 25_000  # records per shuffle partition of a batch's fold
 
 
-def _batch_moves(checkpoint: Path, batch_id: int) -> dict[str, int] | None:
+def _batch_moves(checkpoint: Location, batch_id: int) -> dict[str, int] | None:
     """The topics batch ``batch_id`` reads and how many offsets each spans, from its checkpoint (Spark writes
     ``offsets/N`` before running N); None if unknown."""
     try:
@@ -399,7 +401,7 @@ def run(settings: SinkSettings, names: Sequence[str], stop: threading.Event) -> 
 
 
 def _sink_status(settings: SinkSettings, name: str, file: str = STATUS_FILE) -> _Status:
-    return _Status.load(settings.sinks.state_dir / name / file)
+    return _Status.load(settings.state() / name / file)
 
 
 def _state_disk_full(settings: SinkSettings, name: str, error: Any) -> StateDiskFullError | None:
@@ -411,7 +413,10 @@ def _state_disk_full(settings: SinkSettings, name: str, error: Any) -> StateDisk
     """
     if not ((isinstance(error, OSError) and error.errno == errno.ENOSPC) or _NO_SPACE in str(error)):
         return None
-    state_dir = settings.sinks.state_dir.resolve()
+    state = settings.state()
+    if not state.local:
+        return None  # an object store has no disk to fill
+    state_dir = Path(state.path)
     try:
         free = shutil.disk_usage(state_dir).free
     except OSError:
@@ -549,11 +554,11 @@ def rebuild(
     new = current + 1
     probe.prepare_generation(new)
     _close(probe)
-    shutil.rmtree(settings.sinks.state_dir / name / f"g{new}", ignore_errors=True)
+    (settings.state() / name / f"g{new}").remove_tree()
     ensure_dead_letter_topic(settings)
     report(f"rebuilding {name}: generation {new} from offset zero, while generation {current} keeps serving")
     # The rebuild's own status file: the served generation's status.json stays the running app's.
-    (settings.sinks.state_dir / name / REBUILD_FILE).unlink(missing_ok=True)
+    (settings.state() / name / REBUILD_FILE).remove()
     q = SinkQuery(name, settings, spark, new, follow_swaps=False, status_file=REBUILD_FILE)
     status = q.status
     status.update(state="running", serving=current, started_at=time.time())

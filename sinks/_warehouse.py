@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sinks._api import BaseSink, Batch, SinkContext, TableChanges, TableRef, key_id
+from sinks._storage import location
 from sinks._values import Names, column_name, doc_converter, spark_projection
 
 if TYPE_CHECKING:
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
 
 _META = ("__op", "__commit_lsn", "__lsn", "__ts_ms", "__applied_ms")
 _UNCHANGED = "__unchanged"  # in the MERGE source only
+_CURRENT = "_cdc_current"  # the served generation's number
 
 
 def delta_columns(fields: Sequence[str], existing: Sequence[str] = ()) -> dict[str, str]:
@@ -87,58 +89,43 @@ class WarehouseSink(BaseSink):
 
     def open(self, context: SinkContext) -> None:
         super().open(context)
-        self.base = context.settings.sinks.warehouse.path.rstrip("/")
+        self.base = location(context.settings.sinks.warehouse.path, context.settings.sinks.storage)
         self.history = context.settings.sinks.warehouse.history
-        self.local = "://" not in self.base or self.base.startswith("file://")
-        if self.local:
-            Path(self._local(self.base)).mkdir(parents=True, exist_ok=True)
-
-    @staticmethod
-    def _local(path: str) -> str:
-        return path.removeprefix("file://")
+        self.base.make_dirs()
 
     def path(self, table: str, generation: int) -> str:
-        return f"{self.base}/g{generation}/{table}"
+        return (self.base / f"g{generation}" / table).uri
 
     # --- generations -----------------------------------------------------------------------
 
     def current_generation(self) -> int | None:
-        if not self.local:
-            raise NotImplementedError("generations on non-local warehouse paths are not supported yet")
-        try:
-            return int(Path(self._local(self.base), "_cdc_current").read_text().strip())
-        except FileNotFoundError:
-            return None
+        text = (self.base / _CURRENT).read_text()
+        return int(text.strip()) if text is not None else None
 
     def prepare_generation(self, generation: int) -> None:
-        import shutil
-
         # Leftovers of an earlier, failed rebuild to this number go first.
-        shutil.rmtree(self._local(f"{self.base}/g{generation}"), ignore_errors=True)
-        Path(self._local(f"{self.base}/g{generation}")).mkdir(parents=True, exist_ok=True)
+        (self.base / f"g{generation}").remove_tree()
+        (self.base / f"g{generation}").make_dirs()
 
     def swap(self, generation: int) -> None:
-        import shutil
-
-        base = Path(self._local(self.base))
         old = self.current_generation()
-        tmp = base / "_cdc_current.tmp"
-        tmp.write_text(f"{generation}\n")
-        os.replace(tmp, base / "_cdc_current")  # atomic: readers see the old or the new number
-        link = base / "current.tmp"
-        with contextlib.suppress(FileNotFoundError):
-            link.unlink()
-        link.symlink_to(f"g{generation}")
-        os.replace(link, base / "current")
+        (self.base / _CURRENT).write_text(f"{generation}\n")  # readers see the old or the new number
+        if self.base.local:  # a symlink for readers that take a path: <path>/current/<schema>.<table>
+            base = Path(self.base.path)
+            link = base / "current.tmp"
+            with contextlib.suppress(FileNotFoundError):
+                link.unlink()
+            link.symlink_to(f"g{generation}")
+            os.replace(link, base / "current")
         if old is not None and old != generation:
             time.sleep(self.context.settings.sinks.swap_grace_s)  # readers of the old copy finish first
-            shutil.rmtree(base / f"g{old}", ignore_errors=True)
+            (self.base / f"g{old}").remove_tree()
 
     def read_table(self, table: TableRef, generation: int) -> Iterator[tuple[str, dict[str, Any]]]:
         from pyspark.sql import functions as F
 
         path = self.path(table.name, generation)
-        if not Path(self._local(path), "_delta_log").exists():
+        if not (self.base / f"g{generation}" / table.name / "_delta_log").exists():
             return
         frame = self.context.spark.read.format("delta").load(path)
         present = set(frame.columns)

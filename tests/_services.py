@@ -38,6 +38,8 @@ ENV_VARS = {
     "redis": "CDC_TEST_REDIS",
     "spark-jars": "CDC_TEST_SPARK_JARS",
     "spark-cluster": "CDC_TEST_SPARK_MASTER",
+    "s3": "CDC_TEST_S3",
+    "spark-cloud-jars": "CDC_TEST_SPARK_CLOUD_CLASSPATH",
 }
 
 
@@ -177,7 +179,14 @@ _DEPLOY_KEYS = {
     "opensearch": "url",
     "redis": "url",
     "spark-cluster": "url",
+    "s3": "url",
+    "spark-cloud-jars": "classpath",
 }
+
+
+def deploy_record(name: str) -> dict[str, Any]:
+    """deploy/services.py's endpoint record of ``name`` (credentials of its local services included)."""
+    return _deploy_endpoints(name)
 
 
 def _from_deploy(name: str) -> str:

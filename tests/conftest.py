@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import time
 import uuid
@@ -14,7 +15,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 from tests import _services
-from tests.integration._sinks_helpers import Stack
+from tests.integration._sinks_helpers import ObjectStore, Stack
 
 if TYPE_CHECKING:
     from confluent_kafka.admin import AdminClient
@@ -113,6 +114,20 @@ def redis_url() -> str:
 @pytest.fixture(scope="session")
 def spark_jars() -> list[str]:
     return [jar for jar in _services.find_or_skip("spark-jars").split(",") if jar]
+
+
+@pytest.fixture(scope="session")
+def object_store() -> ObjectStore:
+    """deploy/services.py's S3 server, with the jars Spark reaches it with."""
+    url = _services.find_or_skip("s3")
+    classpath = _services.find_or_skip("spark-cloud-jars")
+    # s3proxy predates the integrity checksums AWS's SDKs send by default since 2025 (pyarrow's among them):
+    # the SDKs' documented switch for such stores, inherited by every `cdc` this run starts.
+    os.environ.setdefault("AWS_REQUEST_CHECKSUM_CALCULATION", "when_required")
+    os.environ.setdefault("AWS_RESPONSE_CHECKSUM_VALIDATION", "when_required")
+    access = os.environ.get("CDC_TEST_S3_ACCESS_KEY") or _services.deploy_record("s3")["access_key"]
+    secret = os.environ.get("CDC_TEST_S3_SECRET_KEY") or _services.deploy_record("s3")["secret_key"]
+    return ObjectStore(url, access, secret, classpath)
 
 
 @pytest.fixture(scope="session")

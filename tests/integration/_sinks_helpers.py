@@ -14,6 +14,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import psycopg
 from confluent_kafka import Consumer
@@ -31,8 +32,21 @@ class Stack:
     redis: str
     spark_jars: list[str]
 
-    def config(self, dsn: str, tables: list[str], *, prefix: str, unique: str, workdir: Path) -> CdcConfig:
-        """The capture's and the sinks' configuration in one file, state and warehouse under ``workdir``."""
+    def config(
+        self,
+        dsn: str,
+        tables: list[str],
+        *,
+        prefix: str,
+        unique: str,
+        workdir: Path,
+        bucket: ObjectStoreBucket | None = None,
+    ) -> CdcConfig:
+        """The capture's and the sinks' configuration in one file, state and warehouse under ``workdir``, or
+        in ``bucket`` of an object store."""
+        state, warehouse, storage = str(workdir / "state"), str(workdir / "warehouse"), ""
+        if bucket is not None:
+            state, warehouse, storage = bucket.uri("state"), bucket.uri("warehouse"), bucket.toml()
         return CdcConfig(
             dsn=dsn,
             kafka=self.kafka,
@@ -43,10 +57,11 @@ class Stack:
             publication=f"p_{unique}",
             extra=f"""
 [sinks]
-state_dir = "{workdir / "state"}"
+state_dir = "{state}"
 trigger_interval_s = 1.0
 metrics_port = 0
 spark_jars = {json.dumps(self.spark_jars)}
+{storage}
 
 [sinks.search]
 url = "{self.opensearch}"
@@ -55,10 +70,61 @@ url = "{self.opensearch}"
 url = "{self.redis}"
 
 [sinks.warehouse]
-path = "{workdir / "warehouse"}"
+path = "{warehouse}"
 history = true
 """,
         )
+
+
+@dataclass(frozen=True)
+class ObjectStore:
+    """The S3-compatible server (deploy/services.py's s3proxy) and the jars Spark needs to reach it."""
+
+    url: str
+    access_key: str
+    secret_key: str
+    classpath: str  # hadoop-aws, the AWS SDK bundle, spark-hadoop-cloud: for extraClassPath
+
+    def filesystem(self) -> Any:
+        from pyarrow import fs
+
+        return fs.S3FileSystem(
+            access_key=self.access_key,
+            secret_key=self.secret_key,
+            endpoint_override=self.url,
+            force_virtual_addressing=False,
+            allow_bucket_creation=True,
+            allow_bucket_deletion=True,
+        )
+
+    def bucket(self, name: str) -> ObjectStoreBucket:
+        """A new, empty bucket (each test its own: the server is shared)."""
+        self.filesystem().create_dir(name)
+        return ObjectStoreBucket(self, name)
+
+
+@dataclass(frozen=True)
+class ObjectStoreBucket:
+    store: ObjectStore
+    name: str
+
+    def uri(self, key: str) -> str:
+        return f"s3a://{self.name}/{key}"
+
+    def toml(self) -> str:
+        """``[sinks.storage]`` and the classpath, inside a ``[sinks]`` table."""
+        s = self.store
+        classpath = {"spark.driver.extraClassPath": s.classpath, "spark.executor.extraClassPath": s.classpath}
+        conf = ", ".join(f"{json.dumps(k)} = {json.dumps(v)}" for k, v in classpath.items())
+        return f"""spark_conf = {{ {conf} }}
+
+[sinks.storage]
+endpoint = "{s.url}"
+region = "us-east-1"
+access_key = "{s.access_key}"
+secret_key = "{s.secret_key}"
+path_style = true
+"""
 
 
 def cdc(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
@@ -196,8 +262,12 @@ def _run(cmd: list[str]) -> None:
 class SubmittedSinks(SinksProcess):
     """`cdc sinks run` as spark-submit runs it on a standalone master, in client mode (docs/sinks.md)."""
 
-    def __init__(self, config: Path, log: Path, *, master: str, pex: Path, jars: list[str], ui_port: int) -> None:
+    def __init__(
+        self, config: Path, log: Path, *, master: str, pex: Path, jars: list[str], ui_port: int, classpath: str = ""
+    ) -> None:
         spark_submit = Path(sys.executable).parent / "spark-submit"
+        # Jars already on the machines (the S3 connector): on the JVMs' classpath, not copied to each executor.
+        extra = ["--driver-class-path", classpath, "--conf", f"spark.executor.extraClassPath={classpath}"]
         launcher = [
             str(spark_submit),
             "--master", master,
@@ -210,6 +280,7 @@ class SubmittedSinks(SinksProcess):
             "--executor-memory", "1g",
             "--conf", f"spark.ui.port={ui_port}",
             "--conf", "spark.ui.showConsoleProgress=false",
+            *(extra if classpath else []),
             cdc("sinks", "spark-app").stdout.strip(),  # where the installed pgcdc keeps the file
         ]  # fmt: skip
         super().__init__(config, log)

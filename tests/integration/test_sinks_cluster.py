@@ -2,9 +2,10 @@
 says: spark-submit in client mode, pgcdc shipped to the executors as a PEX file whose interpreter does not
 have pgcdc installed (the workers run this machine's plain ``python3.11``).
 
-The pipeline's workload streams through the capture while the submitted application is SIGKILLed once and
-submitted again; every store then verifies without drift, and Spark's REST API shows the writing stages'
-tasks on both executors.
+The checkpoints, the status files and the warehouse are in a bucket of the local S3-compatible server
+(s3proxy), reached through Hadoop's S3A connector on the JVMs' classpath. The pipeline's workload streams
+through the capture while the submitted application is SIGKILLed once and submitted again; every store then
+verifies without drift, and Spark's REST API shows the writing stages' tasks on both executors.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from tests import _services
 from tests.integration._capture_helpers import scratch_database, wait_for
 from tests.integration._sinks_helpers import (
     PIPELINE_TABLES,
+    ObjectStore,
     PipelineWorkload,
     Stack,
     SubmittedSinks,
@@ -64,6 +66,12 @@ def _get(url: str) -> Any:
         return json.load(resp)
 
 
+def _everything(bucket: str) -> Any:
+    from pyarrow import fs
+
+    return fs.FileSelector(bucket, recursive=True)
+
+
 def _write_tasks_by_executor(api: str) -> tuple[Counter[str], dict[str, str]]:
     """Successful tasks of the stages that write to the stores, per executor id; executor id -> host:port."""
     app = _get(f"{api}/applications")[0]["id"]
@@ -80,15 +88,29 @@ def _write_tasks_by_executor(api: str) -> tuple[Counter[str], dict[str, str]]:
 
 
 def test_sinks_on_a_standalone_cluster_survive_a_kill_with_no_drift(
-    *, source: str, stack: Stack, spark_master: str, executor_env: Path, unique: str, tmp_path: Path
+    *,
+    source: str,
+    stack: Stack,
+    object_store: ObjectStore,
+    spark_master: str,
+    executor_env: Path,
+    unique: str,
+    tmp_path: Path,
 ) -> None:
     create_pipeline_tables(source)
-    cfg = stack.config(source, PIPELINE_TABLES, prefix=f"k{unique}", unique=unique, workdir=tmp_path)
+    bucket = object_store.bucket(f"cluster-{unique}")
+    cfg = stack.config(source, PIPELINE_TABLES, prefix=f"k{unique}", unique=unique, workdir=tmp_path, bucket=bucket)
     capture = cfg.start(tmp_path)
     config = tmp_path / "cdc.toml"
     log = tmp_path / "sinks.log"
     sinks = SubmittedSinks(
-        config, log, master=spark_master, pex=executor_env, jars=stack.spark_jars, ui_port=_free_port()
+        config,
+        log,
+        master=spark_master,
+        pex=executor_env,
+        jars=stack.spark_jars,
+        ui_port=_free_port(),
+        classpath=object_store.classpath,
     )
     workload = PipelineWorkload(source, 11)
     try:
@@ -113,6 +135,10 @@ def test_sinks_on_a_standalone_cluster_survive_a_kill_with_no_drift(
         assert len(executors) == 2, executors
         assert all(tasks[e] > 0 for e in executors), (tasks, executors)
         assert "run by spark-submit" in sinks.log.read_text()
+        keys = [i.path for i in object_store.filesystem().get_file_info(_everything(bucket.name))]
+        assert f"{bucket.name}/warehouse/_cdc_current" in keys
+        for name in ("search", "cache", "warehouse"):
+            assert any(k.startswith(f"{bucket.name}/state/{name}/g1/checkpoint/commits/") for k in keys), name
         assert sinks.stop() in (0, 143), sinks.tail()
     finally:
         workload.close()

@@ -7,8 +7,9 @@ import time
 from pathlib import Path
 
 from cdc._metrics import CaptureMetrics
-from sinks._config import SinksConfig, SinkSettings
+from sinks._config import SinksConfig, SinkSettings, StorageConfig
 from sinks._progress import checkpoint_offsets, sink_progress
+from sinks._storage import location
 
 
 def _batch(checkpoint: Path, batch: int, offsets: dict[str, dict[str, int]], *, committed: bool) -> None:
@@ -21,15 +22,16 @@ def _batch(checkpoint: Path, batch: int, offsets: dict[str, dict[str, int]], *, 
 
 
 def test_the_newest_committed_batch_is_what_was_applied(tmp_path: Path) -> None:
-    assert checkpoint_offsets(tmp_path) is None
+    checkpoint = location(tmp_path, StorageConfig())
+    assert checkpoint_offsets(checkpoint) is None
     _batch(tmp_path, 0, {"p.public.a": {"0": 5}}, committed=True)
     _batch(tmp_path, 1, {"p.public.a": {"0": 9}, "p.public.b": {"0": 3, "1": 4}}, committed=True)
     _batch(tmp_path, 2, {"p.public.a": {"0": 20}}, committed=False)  # planned, not done: not applied
-    assert checkpoint_offsets(tmp_path) == {("p.public.a", 0): 9, ("p.public.b", 0): 3, ("p.public.b", 1): 4}
+    assert checkpoint_offsets(checkpoint) == {("p.public.a", 0): 9, ("p.public.b", 0): 3, ("p.public.b", 1): 4}
 
 
 def _settings(state: Path) -> SinkSettings:
-    return SinkSettings(sinks=SinksConfig(state_dir=state))
+    return SinkSettings(sinks=SinksConfig(state_dir=str(state)))
 
 
 def _status(base: Path, name: str, **values: object) -> None:
