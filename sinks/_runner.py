@@ -25,9 +25,10 @@ from typing import TYPE_CHECKING, Any
 from sinks._api import PartitionSink, Rebuildable, SinkContext, TableRef, key_id
 from sinks._metrics import SinkMetrics
 from sinks._plugins import load
+from sinks._preflight import check_master, check_writable
 from sinks._progress import HEARTBEAT_S, REBUILD_FILE, STATUS_FILE, TopicEnds, batch_offsets, checkpoint_offsets
 from sinks._reader import Decoder, ensure_dead_letter_topic, open_stream
-from sinks._spark import PARALLELISM_KEYS, build_session
+from sinks._spark import PARALLELISM_KEYS, build_session, submitted_master, under_spark_submit
 from sinks._storage import S3_SCHEMES, Location, hadoop_conf
 from sinks._values import Names, column_name, doc_converter
 from sinks._write import Outcome, on_driver_plan, on_executors
@@ -56,6 +57,10 @@ def spark_session(settings: SinkSettings, app: str) -> SparkSession:
             "sinks.spark_jars is empty: list the Kafka, Avro and Delta jars for Spark "
             "(`./dev services env` prints them as CDC_TEST_SPARK_JARS; or set CDC_SINKS__SPARK_JARS)"
         )
+    if under_spark_submit():
+        check_master(submitted_master(), "spark-submit's --master")
+    elif cfg.spark_master:
+        check_master(cfg.spark_master, "sinks.spark_master")
     conf = {"spark.sql.session.timeZone": "UTC", **hadoop_conf(cfg.storage), **cfg.spark_conf}
     if cfg.state_dir.partition("://")[0] in S3_SCHEMES and _CHECKPOINT_MANAGER not in conf:
         # Spark's default checkpoint manager commits a file by rename, which S3 does not have (a copy and a
@@ -305,6 +310,7 @@ def run(settings: SinkSettings, names: Sequence[str], stop: threading.Event) -> 
     if not usable:
         raise problems[0] if problems else SinkConfigError("no sinks to run: name some or set sinks.enabled")
     names = usable
+    check_writable(settings.state(), "sinks.state_dir")
     ensure_dead_letter_topic(settings)
     cfg = settings.sinks
     metrics = SinkMetrics()
@@ -325,6 +331,16 @@ def run(settings: SinkSettings, names: Sequence[str], stop: threading.Event) -> 
         _sink_status(settings, name).update(state="backoff", last_error=why)
         log.error("sink %s %s; restarting in %.0fs", name, why, delay)
 
+    def give_up(name: str, exc: SinkTerminalError) -> None:
+        # Retrying cannot help (its configuration, say): this sink stops, the others go on.
+        queries.pop(name, None)
+        given_up[name] = exc
+        metrics.running.labels(name).set(0)
+        _sink_status(settings, name).update(state="given_up", last_error=_short(exc))
+        log.error("sink %s cannot run: %s; the other sinks go on", name, exc)
+        if len(given_up) == len(names):
+            raise exc
+
     def start(name: str) -> None:
         started_at[name] = time.monotonic()
         try:
@@ -336,14 +352,7 @@ def run(settings: SinkSettings, names: Sequence[str], stop: threading.Event) -> 
             queries[name].status.update(state="running")
             metrics.running.labels(name).set(1)
         except SinkTerminalError as exc:
-            # Retrying cannot help (its configuration, say): this sink stops, the others go on.
-            queries.pop(name, None)
-            given_up[name] = exc
-            metrics.running.labels(name).set(0)
-            _sink_status(settings, name).update(state="given_up", last_error=_short(exc))
-            log.error("sink %s cannot run: %s; the other sinks go on", name, exc)
-            if len(given_up) == len(names):
-                raise
+            give_up(name, exc)
         except Exception as exc:  # the store or Kafka not reachable yet, a plugin's own failure
             queries.pop(name, None)
             full = _state_disk_full(settings, name, exc)
@@ -385,6 +394,10 @@ def run(settings: SinkSettings, names: Sequence[str], stop: threading.Event) -> 
                     if full is not None:  # terminal for the whole app: see sinks.errors.StateDiskFullError
                         metrics.running.labels(name).set(0)
                         raise full
+                    missing = _missing_module(error)
+                    if missing is not None:
+                        give_up(name, missing)
+                        continue
                     if _raised_by(error) is None:  # not one of ours: its whole account (Spark's own log is off)
                         log.warning("sink %s: the query failed:\n%s", name, error)
                     back_off(name, f"stopped: {_short(error)}")
@@ -442,6 +455,22 @@ def _raised_by(error: Any) -> str | None:
     if raised and raised[-1]["type"].startswith("sinks.errors."):
         return raised[-1]["message"]
     return None
+
+
+_NO_MODULE = re.compile(r"ModuleNotFoundError: No module named '(?P<module>[\w.]+)'")
+
+
+def _missing_module(error: Any) -> SinkConfigError | None:
+    """The operator's error when the executors' Python lacks pgcdc or a library it needs (a cluster whose
+    executors were not given the PEX), else None: every retry would fail the same way."""
+    found = _NO_MODULE.search(str(error)) if error is not None else None
+    if found is None:
+        return None
+    return SinkConfigError(
+        f"the executors' Python cannot import {found['module']!r}: they lack pgcdc[sinks] or a library it needs. "
+        "Ship it with the application: build pgcdc.pex and pass spark-submit --files pgcdc.pex "
+        "--conf spark.pyspark.python=./pgcdc.pex (docs/sinks.md, On a cluster)"
+    )
 
 
 def _short(error: Any) -> str:
@@ -546,6 +575,7 @@ def rebuild(
     Returns the new generation and the final comparison; on drift nothing is swapped (the served copy
     stays) and the caller reports it.
     """
+    check_writable(settings.state(), "sinks.state_dir")
     spark = spark_session(settings, f"pgcdc-rebuild-{name}")
     probe: Any = _opened(name, settings, 0, spark)
     if not isinstance(probe, Rebuildable):

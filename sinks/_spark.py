@@ -110,6 +110,13 @@ def under_spark_submit() -> bool:
     return "PYSPARK_GATEWAY_PORT" in os.environ
 
 
+def submitted_master() -> str:
+    """The master spark-submit was given (``--master``), from the JVM it started."""
+    from pyspark import SparkConf
+
+    return str(SparkConf().get("spark.master", ""))
+
+
 # Spark logs a query that fails as a JVM stack trace of some 40 lines (around the Python traceback, when a
 # batch raised). The runner (sinks._runner) reports every failed query itself: one line for a failure it
 # knows (a full state disk, a store refusing its credentials: what, where, how to fix), the whole error for

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sinks._api import BaseSink, Batch, SinkContext, TableChanges, TableRef, key_id
+from sinks._preflight import check_writable
 from sinks._storage import location
 from sinks._values import Names, column_name, doc_converter, spark_projection
 
@@ -91,7 +92,7 @@ class WarehouseSink(BaseSink):
         super().open(context)
         self.base = location(context.settings.sinks.warehouse.path, context.settings.sinks.storage)
         self.history = context.settings.sinks.warehouse.history
-        self.base.make_dirs()
+        check_writable(self.base, "sinks.warehouse.path")
 
     def path(self, table: str, generation: int) -> str:
         return (self.base / f"g{generation}" / table).uri

@@ -23,9 +23,13 @@ if TYPE_CHECKING:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    long_profile = os.environ.get("CDC_TEST_LONG", "") not in ("", "0")
     for item in items:
         if "integration" in Path(str(item.path)).parts:
             item.add_marker(pytest.mark.integration)
+        if item.get_closest_marker("long") and not long_profile:
+            # Opt-in, so the default run stays well inside CI's time; what it covers is said at each test.
+            item.add_marker(pytest.mark.skip(reason="in the long profile only: CDC_TEST_LONG=1 ./dev test"))
 
 
 _UNIQUE_LEN = 10  # hex digits; the end-of-run topic clean-up (kafka_bootstrap) recognises them

@@ -97,6 +97,13 @@ class ObjectStore:
             allow_bucket_deletion=True,
         )
 
+    def ensure_bucket(self, name: str) -> None:
+        from pyarrow import fs
+
+        store = self.filesystem()
+        if store.get_file_info(name).type == fs.FileType.NotFound:
+            store.create_dir(name)
+
     def bucket(self, name: str) -> ObjectStoreBucket:
         """A new, empty bucket (each test its own: the server is shared)."""
         self.filesystem().create_dir(name)
@@ -263,7 +270,16 @@ class SubmittedSinks(SinksProcess):
     """`cdc sinks run` as spark-submit runs it on a standalone master, in client mode (docs/sinks.md)."""
 
     def __init__(
-        self, config: Path, log: Path, *, master: str, pex: Path, jars: list[str], ui_port: int, classpath: str = ""
+        self,
+        config: Path,
+        log: Path,
+        *,
+        master: str,
+        pex: Path | None,
+        jars: list[str],
+        ui_port: int,
+        classpath: str = "",
+        names: list[str] | None = None,
     ) -> None:
         spark_submit = Path(sys.executable).parent / "spark-submit"
         # Jars already on the machines (the S3 connector): on the JVMs' classpath, not copied to each executor.
@@ -272,8 +288,9 @@ class SubmittedSinks(SinksProcess):
             str(spark_submit),
             "--master", master,
             "--deploy-mode", "client",
-            "--files", str(pex),
-            "--conf", f"spark.pyspark.python=./{pex.name}",
+            # No PEX: the executors run the machine's plain python3.11, which lacks pgcdc.
+            *(["--files", str(pex), "--conf", f"spark.pyspark.python=./{pex.name}"] if pex else []),
+            *([] if pex else ["--conf", "spark.pyspark.python=python3.11"]),
             "--conf", f"spark.pyspark.driver.python={sys.executable}",
             "--jars", ",".join(jars),
             "--driver-memory", "1g",
@@ -283,7 +300,7 @@ class SubmittedSinks(SinksProcess):
             *(extra if classpath else []),
             cdc("sinks", "spark-app").stdout.strip(),  # where the installed pgcdc keeps the file
         ]  # fmt: skip
-        super().__init__(config, log)
+        super().__init__(config, log, names)
         self.launcher = launcher
         self.args = ["--log-level", "info", *self.args]
         self.ui = f"http://127.0.0.1:{ui_port}/api/v1"

@@ -24,6 +24,7 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from tests._services import tool_or_skip
 from tests.integration._capture_helpers import scratch_database
+from tests.integration._sinks_helpers import ObjectStore
 
 pytestmark = pytest.mark.integration
 
@@ -48,6 +49,19 @@ class Env:
         params = conninfo_to_dict(self.admin)
         params.update(changes)
         return make_conninfo("", **params)
+
+
+# State in a bucket of deploy/services.py's S3 server; the cases change its endpoint, bucket or secret key.
+_S3_STATE = """[sinks]
+metrics_enabled = false
+state_dir = "s3a://pgcdc/state"
+[sinks.storage]
+endpoint = "{s3}"
+path_style = true
+region = "us-east-1"
+access_key = "{access}"
+secret_key = "{secret}"
+"""
 
 
 @dataclass
@@ -346,6 +360,34 @@ CASES = [
     ),
     Case("sinks-unknown-sink", 8, ["nosuch", "cdc sinks list"], args=["sinks", "run", "nosuch"]),
     Case(
+        "sinks-wrong-spark-master",
+        2,
+        ["sinks.spark_master = 'spark://127.0.0.1:1'", "no Spark master answers at 127.0.0.1:1", "fix sinks."],
+        extra='[sinks]\nspark_master = "spark://127.0.0.1:1"\nmetrics_enabled = false\nstate_dir = "{work}/state"\n',
+        args=["sinks", "run", "cache"],
+    ),
+    Case(
+        "sinks-object-store-unreachable",
+        10,
+        ["object store of sinks.state_dir (s3a://pgcdc/state) does not answer", "sinks.storage.endpoint"],
+        extra=_S3_STATE.replace("{s3}", "http://127.0.0.1:1"),
+        args=["sinks", "run", "cache"],
+    ),
+    Case(
+        "sinks-bucket-missing",
+        2,
+        ["bucket 'nosuch-bucket-pgcdc' of sinks.state_dir", "does not exist: create it, or fix sinks.state_dir"],
+        extra=_S3_STATE.replace("s3a://pgcdc/", "s3a://nosuch-bucket-pgcdc/"),
+        args=["sinks", "run", "cache"],
+    ),
+    Case(
+        "sinks-object-store-refuses-the-keys",
+        2,
+        ["refused to let pgcdc write s3a://pgcdc/state", "access denied", "sinks.storage.access_key and secret_key"],
+        extra=_S3_STATE.replace("{secret}", SECRET),
+        args=["sinks", "run", "cache"],
+    ),
+    Case(
         "verify-a-sink-that-never-ran",
         2,
         ["has never run", "nothing to verify"],
@@ -371,7 +413,9 @@ def _section(base: dict[str, str], lines: str) -> str:
     return "".join(f"{k} = {v}\n" for k, v in base.items() if k not in overridden) + "".join(f"{x}\n" for x in own)
 
 
-def _config(case: Case, env: Env, dsn: str, *, redis_url: str, busy_port: int | None) -> str:
+def _config(
+    case: Case, env: Env, dsn: str, *, redis_url: str, busy_port: int | None, store: ObjectStore | None = None
+) -> str:
     if case.raw_config is not None:
         return case.raw_config
     n = env.suffix
@@ -389,6 +433,9 @@ def _config(case: Case, env: Env, dsn: str, *, redis_url: str, busy_port: int | 
         + case.extra
     )
     text = text.replace("{n}", n).replace("{work}", str(env.work)).replace("{redis}", redis_url)
+    if store is not None:
+        text = text.replace("{s3}", store.url).replace("{access}", store.access_key)
+        text = text.replace("{secret}", store.secret_key)
     return text.replace("{busy_port}", str(busy_port))
 
 
@@ -402,7 +449,11 @@ def test_bad_input_is_refused_clearly(
     redis_url: str,
     tmp_path: Path,
     unique: str,
+    request: pytest.FixtureRequest,
 ) -> None:
+    store = request.getfixturevalue("object_store") if "s3a://" in case.extra else None
+    if store is not None:
+        store.ensure_bucket("pgcdc")  # the bucket the cases' state_dir names
     # The `unique` suffix, not just the case's index: the run's topics then carry it, and conftest's clean-up
     # deletes them at the end of the run.
     env = Env(database, kafka_bootstrap, registry_url, tmp_path, f"{unique}_{CASES.index(case)}")
@@ -415,7 +466,7 @@ def test_bad_input_is_refused_clearly(
         dsn = case.dsn(env) if case.dsn else database
         config = tmp_path / "cdc.toml"
         config.write_text(
-            _config(case, env, dsn, redis_url=redis_url, busy_port=busy.getsockname()[1] if busy else None)
+            _config(case, env, dsn, redis_url=redis_url, busy_port=busy.getsockname()[1] if busy else None, store=store)
         )
         args = case.args if "--config" in case.args else [*case.args, "--config", str(config)]
         # Only the file speaks: no CDC_* override from the test run's environment.

@@ -266,6 +266,9 @@ _SINK_WORST = [
 ]
 
 
+# Five minutes: in the long profile. The default suite keeps the capture's test above and the sinks' naming
+# rules' unit tests (tests/unit/test_sink_names.py, test_sink_values.py).
+@pytest.mark.long
 def test_hostile_names_through_every_sink(*, source: str, stack: Stack, unique: str, tmp_path: Path) -> None:
     drawn = find(
         h.table_sets(max_tables=4),
