@@ -1,8 +1,10 @@
 """The source as the events describe it: every row of the captured tables, as the capture would encode it.
 
 ``cdc verify`` compares a derived store with this. Rows are read in one REPEATABLE READ snapshot with binary
-COPY and converted by the capture's own codec (``build_codec`` → ``TableCodec.row``, as the snapshot does), so
-a value is compared in exactly the form its events carry (raw Avro values by field name).
+COPY, in key order and in chunks (``ORDER BY key LIMIT n``, each chunk after the last one's key), so memory
+holds one chunk whatever the table's size; they are converted by the capture's own codec (``build_codec`` →
+``TableCodec.row``, as the snapshot does), so a value is compared in exactly the form its events carry (raw
+Avro values by field name).
 """
 
 from __future__ import annotations
@@ -36,27 +38,52 @@ class SourceTable:
     row_schema: dict[str, Any]  # the Avro ``Value`` record (named types defined once)
     _settings: Settings
     _codec: TableCodec
-    _select: sql.Composed
+    _select: list[sql.Composable]  # the table's columns, then its key columns as text (where a chunk ends)
+    _ident: sql.Composable
+    _key: sql.Composable  # the key columns, for ORDER BY and the row comparison
+    _key_types: tuple[str, ...]  # format_type of each key column
 
     @property
     def qualified(self) -> str:
         return f"{self.schema}.{self.table}"
 
-    def rows(self) -> Iterator[dict[str, Any]]:
-        """Every row now in the table: raw Avro values by field name (what the Avro writer takes)."""
-        with connect(self._settings, autocommit=False) as conn:
-            conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
-            data = bytearray()
-            with conn.cursor() as cur, cur.copy(self._select) as copy:
-                for block in copy:
-                    data += block
+    def rows(self, chunk_rows: int = 20_000) -> Iterator[dict[str, Any]]:
+        """Every row now in the table, in key order: raw Avro values by field name (what the Avro writer takes)."""
         kinds = bytes(_B if b else _T for b in self._codec.binary_capable)
-        for raw in parse_binary_copy(data):
-            # Exactly as the snapshot converts a row (binary COPY, text for types without a binary reader).
-            row, _ = self._codec.row(
-                TupleData(bytes(_N if v is None else k for v, k in zip(raw, kinds, strict=True)), tuple(raw))
+        width = len(kinds)
+        with connect(self._settings, autocommit=False) as conn:
+            conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")  # every chunk sees one snapshot
+            after: list[str] | None = None
+            while True:
+                data = bytearray()
+                with conn.cursor() as cur, cur.copy(self._chunk(after, chunk_rows)) as copy:
+                    for block in copy:
+                        data += block
+                chunk = parse_binary_copy(data)
+                for raw in chunk:
+                    values = raw[:width]
+                    # Exactly as the snapshot converts a row (binary COPY, text for types without a binary reader).
+                    row, _ = self._codec.row(
+                        TupleData(
+                            bytes(_N if v is None else k for v, k in zip(values, kinds, strict=True)), tuple(values)
+                        )
+                    )
+                    yield row
+                if len(chunk) < chunk_rows:
+                    return
+                after = [(v or b"").decode() for v in chunk[-1][width:]]
+
+    def _chunk(self, after: list[str] | None, limit: int) -> sql.Composed:
+        where: sql.Composable = sql.SQL("")
+        if after is not None:  # literals, not %s: quoted identifiers may hold a "%s" (see cdc._snapshot)
+            last = sql.SQL(", ").join(
+                sql.SQL("{}::{}").format(sql.Literal(v), sql.SQL(t))
+                for v, t in zip(after, self._key_types, strict=True)
             )
-            yield row
+            where = sql.SQL("WHERE ({}) > ({})").format(self._key, last)
+        return sql.SQL("COPY (SELECT {} FROM {} AS src {} ORDER BY {} LIMIT {}) TO STDOUT (FORMAT binary)").format(
+            sql.SQL(", ").join(self._select), self._ident, where, self._key, sql.Literal(limit)
+        )
 
 
 def source_tables(config: Path | Settings | None) -> list[SourceTable]:
@@ -74,12 +101,24 @@ def source_tables(config: Path | Settings | None) -> list[SourceTable]:
             codec = build_codec(
                 settings, types, info.schema, info.name, columns, key_columns=keys, source=source, register=lambda *_: 0
             )
-            select = sql.SQL("COPY (SELECT {} FROM {}) TO STDOUT (FORMAT binary)").format(
-                sql.SQL(", ").join(
-                    sql.Identifier(c.name) if binary else sql.SQL("{}::text").format(sql.Identifier(c.name))
-                    for c, binary in zip(info.columns, codec.binary_capable, strict=True)
-                ),
-                info.ident(),
+            select: list[sql.Composable] = [
+                sql.SQL("src.{}").format(sql.Identifier(c.name))
+                if binary
+                else sql.SQL("src.{}::text").format(sql.Identifier(c.name))
+                for c, binary in zip(info.columns, codec.binary_capable, strict=True)
+            ]
+            # Aliased, so that no output name shadows a column; ORDER BY qualified, so it sorts by the column.
+            select += [
+                sql.SQL("src.{}::text AS {}").format(sql.Identifier(k), sql.Identifier(f"__pgcdc_key_{i}"))
+                for i, k in enumerate(keys)
+            ]
+            key_types = tuple(
+                str(row[0])
+                for k in keys
+                for row in conn.execute(
+                    "SELECT format_type(atttypid, atttypmod) FROM pg_attribute WHERE attrelid = %s AND attname = %s",
+                    (info.oid, k),
+                ).fetchall()
             )
             out.append(
                 SourceTable(
@@ -91,6 +130,9 @@ def source_tables(config: Path | Settings | None) -> list[SourceTable]:
                     _settings=settings,
                     _codec=codec,
                     _select=select,
+                    _ident=info.ident(),
+                    _key=sql.SQL(", ").join(sql.SQL("src.{}").format(sql.Identifier(k)) for k in keys),
+                    _key_types=key_types,
                 )
             )
     return out

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from sinks._api import PartitionSink, Rebuildable, SinkContext, TableRef, key_id
+from sinks._api import PartitionSink, Rebuildable, SinkContext
 from sinks._metrics import SinkMetrics
 from sinks._plugins import load
 from sinks._preflight import check_master, check_writable
@@ -30,7 +30,7 @@ from sinks._progress import HEARTBEAT_S, REBUILD_FILE, STATUS_FILE, TopicEnds, b
 from sinks._reader import Decoder, ensure_dead_letter_topic, open_stream
 from sinks._spark import PARALLELISM_KEYS, build_session, submitted_master, under_spark_submit
 from sinks._storage import S3_SCHEMES, Location, hadoop_conf
-from sinks._values import Names, column_name, doc_converter
+from sinks._verify import Drift, compare
 from sinks._write import Outcome, on_driver_plan, on_executors
 from sinks.errors import PluginError, SinkConfigError, SinkError, SinkTerminalError, StateDiskFullError
 
@@ -482,49 +482,6 @@ def _short(error: Any) -> str:
 # --- verify -----------------------------------------------------------------------------------
 
 
-@dataclass
-class Drift:
-    table: str
-    missing: list[str]
-    extra: list[str]
-    different: list[tuple[str, dict[str, Any], dict[str, Any]]]
-
-    @property
-    def clean(self) -> bool:
-        return not (self.missing or self.extra or self.different)
-
-
-def compare(sink: Any, source_tables: Sequence[Any], generation: int, settings: SinkSettings) -> list[Drift]:
-    """Each source table against the sink's copy, key by key, in document form."""
-    drifts = []
-    for src in source_tables:
-        names = Names()
-        convs = [
-            (f["name"], column_name(f), doc_converter(f["type"], names, spark=False)) for f in src.row_schema["fields"]
-        ]
-        cols = {f["name"]: column_name(f) for f in src.row_schema["fields"]}
-        expected: dict[str, dict[str, Any]] = {}
-        for raw in src.rows():
-            row = {col: conv(raw[name]) for name, col, conv in convs}
-            expected[key_id({cols[k]: row[cols[k]] for k in src.key_fields})] = row
-        ref = TableRef(
-            src.topic,
-            settings.table_name(src.topic),
-            src.key_fields,
-            src.row_schema,
-        )
-        actual = dict(sink.read_table(ref, generation))
-        missing = sorted(set(expected) - set(actual))
-        extra = sorted(set(actual) - set(expected))
-        different = [
-            (k, expected[k], {c: actual[k].get(c) for c in expected[k]})
-            for k in sorted(set(expected) & set(actual))
-            if any(actual[k].get(c) != v for c, v in expected[k].items())
-        ]
-        drifts.append(Drift(src.qualified, missing, extra, different))
-    return drifts
-
-
 def verify(
     settings: SinkSettings,
     name: str,
@@ -550,7 +507,8 @@ def verify(
                     time.sleep(2.0)
                     continue
                 raise SinkConfigError(f"sink {name!r} has never run: nothing to verify")
-            drifts = compare(sink, source_tables(), gen, settings)
+            reports = settings.state() / name / "verify"
+            drifts = compare(sink, source_tables(), gen, settings.table_name, reports)
             if all(d.clean for d in drifts) or time.monotonic() >= deadline:
                 return drifts
             time.sleep(2.0)

@@ -76,6 +76,17 @@ class Location:
             with self.fs.open_output_stream(self.path) as f:
                 f.write(text.encode())
 
+    def write_from(self, local: Path) -> None:
+        """Replace the file with a copy of the local file ``local``, streamed (it may be large)."""
+        if self.local:
+            Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+        tmp = f"{self.path}.tmp" if self.local else self.path
+        with open(local, "rb") as source, self.fs.open_output_stream(tmp) as out:
+            while block := source.read(1 << 20):
+                out.write(block)
+        if self.local:
+            os.replace(tmp, self.path)
+
     def exists(self) -> bool:
         from pyarrow import fs as pafs
 

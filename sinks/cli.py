@@ -77,7 +77,8 @@ def _print_drift(name: str, drifts: list[Any]) -> bool:
             print(f"{name} {d.table}: no drift")
             continue
         clean = False
-        print(f"{name} {d.table}: DRIFT missing {len(d.missing)}, extra {len(d.extra)}, different {len(d.different)}")
+        n = d.counts
+        print(f"{name} {d.table}: DRIFT missing {n['missing']}, extra {n['extra']}, different {n['different']}")
         for key in d.missing[:10]:
             print(f"  missing  {key}")
         for key in d.extra[:10]:
@@ -85,6 +86,8 @@ def _print_drift(name: str, drifts: list[Any]) -> bool:
         for key, want, got in d.different[:10]:
             cols = [c for c in want if want[c] != got.get(c)]
             print(f"  differs  {key}: " + ", ".join(f"{c}: source {want[c]!r} store {got.get(c)!r}" for c in cols))
+        if d.report:
+            print(f"  every key: {d.report}")
     return clean
 
 

@@ -29,7 +29,8 @@ def test_require_services_flag(monkeypatch: pytest.MonkeyPatch, raw: str, requir
 
 def test_every_service_has_a_variable() -> None:
     assert set(_services.ENV_VARS) == {
-        *("postgres", "kafka", "registry", "opensearch", "redis", "spark-jars", "spark-cluster")
+        *("postgres", "kafka", "registry", "opensearch", "redis", "spark-jars", "spark-cluster"),
+        *("s3", "spark-cloud-jars"),
     }
 
 

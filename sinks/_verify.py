@@ -1,0 +1,152 @@
+"""``cdc verify``'s comparison of a store with the source, in memory that does not grow with the table.
+
+Both sides stream through: the source in keyset chunks (cdc's ``SourceTable.rows``), the store as its sink
+reads it back (``read_table``). Each row, in document form, is kept pickled with a digest in an on-disk SQLite
+ledger (a temporary file, removed afterwards), keyed by its key; SQLite's joins then find the keys that are
+missing from the store, extra in it, or whose digests differ (those rows are compared again as values: two
+encodings of one value, such as 0.0 and -0.0, are not a drift). Memory holds a chunk of rows and the first few
+keys of each kind, whatever the table's size; the disk holds the ledger.
+
+Every key found is written to ``<state_dir>/<sink>/verify/<schema>.<table>.jsonl`` (docs/sinks.md), one JSON
+object per line: ``{"kind": "missing" | "extra" | "different", "key": <key>}`` where ``<key>`` is the store's key
+of the row (the key fields' JSON). The file is replaced at each verify and removed when there is no drift.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import pickle
+import sqlite3
+import tempfile
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import closing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sinks._api import TableRef, key_id
+from sinks._storage import Location
+from sinks._values import Names, column_name, doc_converter
+
+SAMPLE = 10  # keys of each kind kept for the report on the terminal
+_BATCH = 5_000  # rows per SQLite insert
+
+
+@dataclass
+class Drift:
+    """One table's comparison: counts, the first keys of each kind, and where the full list is."""
+
+    table: str
+    missing: list[str] = field(default_factory=list)  # the first SAMPLE
+    extra: list[str] = field(default_factory=list)
+    different: list[tuple[str, dict[str, Any], dict[str, Any]]] = field(default_factory=list)
+    counts: dict[str, int] = field(default_factory=lambda: {"missing": 0, "extra": 0, "different": 0})
+    report: str | None = None  # the file listing every key found
+
+    @property
+    def clean(self) -> bool:
+        return not any(self.counts.values())
+
+
+def compare(
+    sink: Any, source_tables: Sequence[Any], generation: int, table_name: Any, reports: Location | None
+) -> list[Drift]:
+    """Each source table against the sink's copy of generation ``generation``, key by key, in document form.
+
+    ``table_name(topic)`` is the store's name of a table; ``reports`` the directory for the key lists.
+    """
+    drifts = []
+    for src in source_tables:
+        ref = TableRef(src.topic, table_name(src.topic), src.key_fields, src.row_schema)
+        with tempfile.TemporaryDirectory(prefix="pgcdc-verify-") as tmp, closing(_ledger(Path(tmp))) as db:
+            columns = _fill(db, "src", _source_docs(src))
+            _fill(db, "dst", ((k, {c: row.get(c) for c in columns}) for k, row in sink.read_table(ref, generation)))
+            drift = Drift(src.qualified)
+            report = reports / f"{ref.name}.jsonl" if reports is not None else None
+            _collect(db, drift, report, Path(tmp) / "report.jsonl")
+        drifts.append(drift)
+    return drifts
+
+
+def _source_docs(src: Any) -> Iterator[tuple[str, dict[str, Any]]]:
+    names = Names()
+    fields = src.row_schema["fields"]
+    convs = [(f["name"], column_name(f), doc_converter(f["type"], names, spark=False)) for f in fields]
+    cols = {f["name"]: column_name(f) for f in fields}
+    for raw in src.rows():
+        row = {col: conv(raw[name]) for name, col, conv in convs}
+        yield key_id({cols[k]: row[cols[k]] for k in src.key_fields}), row
+
+
+def _ledger(directory: Path) -> sqlite3.Connection:
+    db = sqlite3.connect(directory / "ledger.db")
+    db.execute("PRAGMA journal_mode = OFF")  # a scratch file: nothing to recover after a crash
+    db.execute("PRAGMA synchronous = OFF")
+    db.execute("PRAGMA cache_size = -65536")  # 64 MiB of pages at most
+    for side in ("src", "dst"):
+        db.execute(f"CREATE TABLE {side} (key TEXT PRIMARY KEY, digest BLOB NOT NULL, row BLOB NOT NULL)")
+    return db
+
+
+def _fill(db: sqlite3.Connection, side: str, rows: Iterable[tuple[str, dict[str, Any]]]) -> list[str]:
+    """Insert ``rows`` into ``side``; the columns of the first row (every row has the same)."""
+    columns: list[str] = []
+    batch: list[tuple[str, bytes, bytes]] = []
+    for key, row in rows:
+        if not columns:
+            columns = list(row)
+        blob = pickle.dumps(row, protocol=pickle.HIGHEST_PROTOCOL)
+        batch.append((key, hashlib.blake2b(blob, digest_size=16).digest(), blob))
+        if len(batch) >= _BATCH:
+            db.executemany(f"INSERT OR REPLACE INTO {side} VALUES (?, ?, ?)", batch)  # noqa: S608 - side is ours
+            batch.clear()
+    db.executemany(f"INSERT OR REPLACE INTO {side} VALUES (?, ?, ?)", batch)  # noqa: S608
+    db.commit()
+    return columns
+
+
+_MISSING = "SELECT s.key FROM src s LEFT JOIN dst d ON d.key = s.key WHERE d.key IS NULL ORDER BY s.key"
+_EXTRA = "SELECT d.key FROM dst d LEFT JOIN src s ON s.key = d.key WHERE s.key IS NULL ORDER BY d.key"
+_DIGESTS_DIFFER = (
+    "SELECT s.key, s.row, d.row FROM src s JOIN dst d ON d.key = s.key WHERE s.digest <> d.digest ORDER BY s.key"
+)
+
+
+def _collect(db: sqlite3.Connection, drift: Drift, report: Location | None, scratch: Path) -> None:
+    """Count and sample each kind of difference; list every one in ``report`` (removed when there is none)."""
+    with scratch.open("w") as lines:
+
+        def found(kind: str, key: str) -> None:
+            drift.counts[kind] += 1
+            lines.write(json.dumps({"kind": kind, "key": key}) + "\n")
+
+        _differences(db, drift, found)
+    if report is None:
+        return
+    if drift.clean:
+        report.remove()
+    else:
+        report.write_from(scratch)
+        drift.report = report.uri
+
+
+def _differences(db: sqlite3.Connection, drift: Drift, found: Any) -> None:
+    for (key,) in db.execute(_MISSING):
+        found("missing", key)
+        if len(drift.missing) < SAMPLE:
+            drift.missing.append(key)
+    for (key,) in db.execute(_EXTRA):
+        found("extra", key)
+        if len(drift.extra) < SAMPLE:
+            drift.extra.append(key)
+    for key, want_blob, got_blob in db.execute(_DIGESTS_DIFFER):
+        want, got = pickle.loads(want_blob), pickle.loads(got_blob)  # noqa: S301 - written above, by this process
+        if all(got.get(c) == v for c, v in want.items()):
+            continue  # equal values, encoded differently
+        found("different", key)
+        if len(drift.different) < SAMPLE:
+            drift.different.append((key, want, {c: got.get(c) for c in want}))
+
+
+__all__ = ["SAMPLE", "Drift", "compare"]

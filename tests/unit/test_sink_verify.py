@@ -1,0 +1,84 @@
+"""The comparison behind `cdc verify` (sinks._verify): counts, samples and the list of every key found."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sinks._api import TableRef
+from sinks._config import StorageConfig
+from sinks._storage import location
+from sinks._verify import SAMPLE, compare
+
+_SCHEMA = {
+    "type": "record",
+    "name": "Value",
+    "fields": [{"name": "id", "type": "int"}, {"name": "v", "type": ["null", "double"]}],
+}
+
+
+@dataclass
+class _Source:
+    """A source table as cdc.source_tables describes it (raw Avro values by field name)."""
+
+    values: dict[int, float | None]
+    topic: str = "p.public.t"
+    qualified: str = "public.t"
+    key_fields: tuple[str, ...] = ("id",)
+    row_schema: dict[str, Any] = field(default_factory=lambda: _SCHEMA)
+
+    def rows(self) -> Iterator[dict[str, Any]]:
+        for k, v in sorted(self.values.items()):
+            yield {"id": k, "v": v}
+
+
+@dataclass
+class _Store:
+    rows: dict[int, dict[str, Any]]
+
+    def read_table(self, ref: TableRef, generation: int) -> Iterator[tuple[str, dict[str, Any]]]:
+        assert (ref.name, generation) == ("public.t", 3)
+        for k, row in self.rows.items():
+            yield json.dumps([k]), row
+
+
+def _table_name(topic: str) -> str:
+    return topic.removeprefix("p.")
+
+
+def test_every_difference_is_counted_sampled_and_listed(tmp_path: Path) -> None:
+    source = _Source({i: float(i) for i in range(100)})
+    store: dict[int, dict[str, Any]] = {i: {"id": i, "v": float(i)} for i in range(100)}
+    for i in range(40):  # 40 missing, more than a sample
+        del store[i]
+    store[100] = {"id": 100, "v": 1.0}  # extra
+    store[50]["v"] = 0.5  # different
+    store[60]["extra column"] = "a dropped column, still in the store"  # not compared
+    source.values[70] = -0.0  # equal to the store's 0.0 as a value, though not as bytes
+    store[70]["v"] = 0.0
+    reports = location(tmp_path / "state" / "cache" / "verify", StorageConfig())
+    (drift,) = compare(_Store(store), [source], 3, _table_name, reports)
+    assert drift.counts == {"missing": 40, "extra": 1, "different": 1}
+    assert not drift.clean
+    assert drift.missing == [json.dumps([i]) for i in sorted(range(40), key=lambda i: json.dumps([i]))][:SAMPLE]
+    assert drift.extra == ["[100]"]
+    assert drift.different == [("[50]", {"id": 50, "v": 50.0}, {"id": 50, "v": 0.5})]
+    listed = [json.loads(line) for line in (tmp_path / "state/cache/verify/public.t.jsonl").read_text().splitlines()]
+    assert len(listed) == 42
+    assert {"kind": "different", "key": "[50]"} in listed
+    assert drift.report == str(tmp_path / "state/cache/verify/public.t.jsonl")
+
+
+def test_a_clean_comparison_removes_the_last_list(tmp_path: Path) -> None:
+    reports = location(tmp_path / "verify", StorageConfig())
+    source = _Source({1: 1.0, 2: None})
+    (drift,) = compare(_Store({1: {"id": 1, "v": 2.0}}), [source], 3, _table_name, reports)
+    assert drift.counts == {"missing": 1, "extra": 0, "different": 1}
+    assert (tmp_path / "verify" / "public.t.jsonl").exists()
+    (drift,) = compare(_Store({1: {"id": 1, "v": 1.0}, 2: {"id": 2, "v": None}}), [source], 3, _table_name, reports)
+    assert drift.clean
+    assert drift.report is None
+    assert not (tmp_path / "verify" / "public.t.jsonl").exists()
