@@ -68,6 +68,9 @@ def _lsn(text: str | None) -> int | None:
     return (int(hi, 16) << 32) + int(lo, 16)
 
 
+_OBJECT_STORE_EVERY_S = 5.0
+
+
 class SinksProbe:
     """Every sink's progress (see sinks/_progress.py), read from its state directory and the topics' ends.
 
@@ -84,8 +87,20 @@ class SinksProbe:
         self._present = sinks_present
         self._new_ends = TopicEnds
         self._ends: Any = None  # the Kafka probe, made once some sink has a state directory
+        # A state directory on an object store costs a request per file read (some 15 per look, billed on
+        # S3): looked at every few seconds, not at every sample of the dashboard.
+        self._every_s = 0.0 if self._settings.state().local else _OBJECT_STORE_EVERY_S
+        self._last: tuple[float, list[dict[str, Any]]] | None = None
 
     def __call__(self) -> list[dict[str, Any]]:
+        now = time.monotonic()
+        if self._last is not None and now - self._last[0] < self._every_s:
+            return self._last[1]
+        sinks = self._look()
+        self._last = (now, sinks)
+        return sinks
+
+    def _look(self) -> list[dict[str, Any]]:
         if not self._present(self._settings):
             return []
         if self._ends is None:
