@@ -122,6 +122,7 @@ class SearchSink(BaseSink):
 
     def swap(self, generation: int) -> None:
         old = self.current_generation()
+        self._serve(generation)
         _call(self.client.index, index=self.state_index, id="search", body={"generation": generation}, refresh=True)
         self._point_aliases(generation)
         if old is not None and old != generation:
@@ -129,6 +130,22 @@ class SearchSink(BaseSink):
             # deleting them at once would fail those searches ("all shards failed").
             time.sleep(self.context.settings.sinks.swap_grace_s)
             _call(self.client.indices.delete, index=f"{self.prefix}-*-g{old}", ignore_unavailable=True)
+
+    def _serve(self, generation: int) -> None:
+        """Give a generation's indices the settings of served ones (a rebuild built them without refreshes or
+        replicas), make every document searchable, and wait for the replicas before readers are pointed there."""
+        pattern = f"{self.prefix}-*-g{generation}"
+        current = _call(self.client.indices.get_settings, index=pattern, name="index.refresh_interval")
+        built = [i for i, info in current.items() if info["settings"]["index"].get("refresh_interval") == "-1"]
+        if not built:  # served already (a restart completing an earlier swap): settings an operator set stay
+            return
+        served = {"index": {"refresh_interval": None, "number_of_replicas": self.cfg.replicas}}  # None: the default
+        _call(self.client.indices.put_settings, index=",".join(built), body=served)
+        _call(self.client.indices.refresh, index=pattern)
+        status = "green" if self.cfg.replicas else "yellow"
+        health = _call(self.client.cluster.health, index=pattern, wait_for_status=status, timeout="120s")
+        if health.get("timed_out"):
+            log.warning("search: %s did not reach %s health in 120 s; serving it anyway", pattern, status)
 
     def _point_aliases(self, generation: int) -> None:
         """Point every table's alias at ``generation`` only, in one atomic request."""
@@ -177,16 +194,16 @@ class SearchSink(BaseSink):
         # dynamic false: a column added later is mapped by put_mapping below, never guessed from a value.
         mappings = {"dynamic": False, "properties": properties}
         if not _call(self.client.indices.exists, index=index):
-            body = {
-                "settings": {"number_of_shards": self.cfg.shards, "number_of_replicas": self.cfg.replicas},
-                "mappings": mappings,
-            }
+            served = self.current_generation()
+            settings: dict[str, Any] = {"number_of_shards": self.cfg.shards, "number_of_replicas": self.cfg.replicas}
+            if served is not None and generation != served:
+                settings.update(_BUILDING)  # a rebuild's index: nobody reads it until the swap restores these
             try:
-                self.client.indices.create(index=index, body=body)
+                self.client.indices.create(index=index, body={"settings": settings, "mappings": mappings})
             except TransportError as exc:
                 if "resource_already_exists_exception" not in str(exc):
                     raise
-            if generation == self.current_generation():
+            if generation == served:
                 _call(
                     self.client.indices.update_aliases,
                     body={"actions": [{"add": {"index": index, "alias": self.alias(table.name)}}]},
@@ -321,6 +338,11 @@ class SearchWriter:
             refresh=True,
             conflicts="proceed",
         )
+
+
+# A rebuild writes an index no one reads yet: no periodic refresh (each makes a segment) and no replicas to
+# copy every write to; the swap restores both (OpenSearch's advice for bulk loads).
+_BUILDING = {"refresh_interval": "-1", "number_of_replicas": 0}
 
 
 def _call(fn: Any, *args: Any, **kwargs: Any) -> Any:

@@ -186,7 +186,8 @@ class WarehouseSink(BaseSink):
         columns = list(delta.items())  # (Avro field, Delta column)
         keys = [delta[f["name"]] for f in table.key_schema["fields"]]
         if not exists:
-            source.drop(_UNCHANGED).limit(0).write.format("delta").mode("ignore").save(path)
+            self._create(batch, table, source, path, delta)
+            return
         target = DeltaTable.forPath(spark, path)
         existing = {c.lower() for c in target.toDF().columns}  # Delta's names ignore case
         added = [f for f in source.drop(_UNCHANGED).schema.fields if f.name.lower() not in existing]
@@ -213,15 +214,39 @@ class WarehouseSink(BaseSink):
             .execute()
         )
         if self.history and table.events is not None:
-            (
-                self._source(table, table.events, delta)
-                .write.format("delta")
-                .mode("append")
-                .option("mergeSchema", "true")
-                .option("txnAppId", f"pgcdc-{self.context.name}-{table.name}-g{batch.generation}")
-                .option("txnVersion", str(batch.batch_id))
-                .save(history_path(path))
-            )
+            self._append_history(batch, table, path, delta)
+
+    def _append_history(self, batch: Batch, table: TableChanges, path: str, delta: dict[str, str]) -> None:
+        assert table.events is not None
+        (
+            self._source(table, table.events, delta)
+            .write.format("delta")
+            .mode("append")
+            .option("mergeSchema", "true")
+            .option("txnAppId", f"pgcdc-{self.context.name}-{table.name}-g{batch.generation}")
+            .option("txnVersion", str(batch.batch_id))
+            .save(history_path(path))
+        )
+
+    def _create(self, batch: Batch, table: TableChanges, source: DataFrame, path: str, delta: dict[str, str]) -> None:
+        """The batch that creates a table writes its rows as a plain append: into an empty table a MERGE would
+        insert exactly the batch's last non-delete event per key (what the fold left), at a join's cost.
+
+        A first run and every table of a rebuild's generation start this way. Idempotent by Delta's
+        transaction ids: a replay of the batch after this commit finds the table and takes the MERGE path
+        (a no-op for rows already there); a replay of this commit itself is skipped by txnAppId/txnVersion.
+        """
+        (
+            source.filter("__op <> 'd'")
+            .drop(_UNCHANGED)
+            .write.format("delta")
+            .mode("append")
+            .option("txnAppId", f"pgcdc-{self.context.name}-{table.name}-g{batch.generation}-create")
+            .option("txnVersion", str(batch.batch_id))
+            .save(path)
+        )
+        if self.history and table.events is not None:
+            self._append_history(batch, table, path, delta)
 
 
 def history_path(path: str) -> str:

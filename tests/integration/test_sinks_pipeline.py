@@ -123,6 +123,12 @@ def test_pipeline_survives_kills_and_rebuilds_with_no_drift(
             read_thread.join(10)
         assert not failed_reads, failed_reads[:5]
         assert ok_reads[0] > 20
+        # The rebuild built its indices without refreshes or replicas; the swap gave them the served settings.
+        built = os_client.indices.get_settings(index=f"{prefix}-*-g2".lower())
+        assert built
+        for index, info in built.items():
+            assert info["settings"]["index"].get("refresh_interval") != "-1", index
+            assert info["settings"]["index"]["number_of_replicas"] == "0", index
         # The running sinks app follows the swap; the store stays in sync afterwards.
         with psycopg.connect(source, autocommit=True) as conn:
             conn.execute("UPDATE items SET name = 'after rebuild' WHERE id = 1")
