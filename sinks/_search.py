@@ -136,7 +136,7 @@ class SearchSink(BaseSink):
         replicas), make every document searchable, and wait for the replicas before readers are pointed there."""
         pattern = f"{self.prefix}-*-g{generation}"
         current = _call(self.client.indices.get_settings, index=pattern, name="index.refresh_interval")
-        built = [i for i, info in current.items() if info["settings"]["index"].get("refresh_interval") == "-1"]
+        built = [i for i, info in current.items() if _refresh_interval(info) == "-1"]
         if not built:  # served already (a restart completing an earlier swap): settings an operator set stay
             return
         served = {"index": {"refresh_interval": None, "number_of_replicas": self.cfg.replicas}}  # None: the default
@@ -343,6 +343,11 @@ class SearchWriter:
 # A rebuild writes an index no one reads yet: no periodic refresh (each makes a segment) and no replicas to
 # copy every write to; the swap restores both (OpenSearch's advice for bulk loads).
 _BUILDING = {"refresh_interval": "-1", "number_of_replicas": 0}
+
+
+def _refresh_interval(info: dict[str, Any]) -> Any:
+    """An index's own refresh_interval from get_settings (absent when the index has the default)."""
+    return info.get("settings", {}).get("index", {}).get("refresh_interval")
 
 
 def _call(fn: Any, *args: Any, **kwargs: Any) -> Any:

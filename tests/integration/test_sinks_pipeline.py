@@ -127,7 +127,7 @@ def test_pipeline_survives_kills_and_rebuilds_with_no_drift(
         built = os_client.indices.get_settings(index=f"{prefix}-*-g2".lower())
         assert built
         for index, info in built.items():
-            assert info["settings"]["index"].get("refresh_interval") != "-1", index
+            assert info["settings"]["index"].get("refresh_interval", "the default") != "-1", index
             assert info["settings"]["index"]["number_of_replicas"] == "0", index
         # The running sinks app follows the swap; the store stays in sync afterwards.
         with psycopg.connect(source, autocommit=True) as conn:
