@@ -63,7 +63,7 @@ def storage_error(exc: OSError, where: Location, setting: str) -> SinkError:
             f"{setting} = {where.uri!r} cannot be written ({text}): make it a directory this user may write, "
             f"or point {setting} elsewhere"
         )
-    if "network_connection" in lowered or "could not connect" in lowered or "timed out" in lowered:
+    if any(s in lowered for s in ("network_connection", "could not connect", "timed out", "timeout was reached")):
         return SinkTransientError(
             f"the object store of {setting} ({where.uri}) does not answer ({text}). Nothing was written. Check "
             "that it is up and that sinks.storage.endpoint (CDC_SINKS__STORAGE__ENDPOINT) is its URL"
