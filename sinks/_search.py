@@ -331,6 +331,9 @@ class SearchWriter:
                 ]
             }
         }
+        # delete_by_query sees only what a refresh has made searchable: documents of the batches just before
+        # (within the refresh interval, or any while a rebuild builds without refreshes) must be seen too.
+        _call(client.indices.refresh, index=index)
         _call(
             client.delete_by_query,
             index=index,
