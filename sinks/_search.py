@@ -143,9 +143,10 @@ class SearchSink(BaseSink):
         _call(self.client.indices.put_settings, index=",".join(built), body=served)
         _call(self.client.indices.refresh, index=pattern)
         status = "green" if self.cfg.replicas else "yellow"
-        health = _call(self.client.cluster.health, index=pattern, wait_for_status=status, timeout="120s")
+        # OpenSearch waits up to its default 30 s (the client's `timeout` is the HTTP one, not this wait's).
+        health = _call(self.client.cluster.health, index=pattern, wait_for_status=status, request_timeout=60)
         if health.get("timed_out"):
-            log.warning("search: %s did not reach %s health in 120 s; serving it anyway", pattern, status)
+            log.warning("search: %s did not reach %s health in 30 s; serving it anyway", pattern, status)
 
     def _point_aliases(self, generation: int) -> None:
         """Point every table's alias at ``generation`` only, in one atomic request."""
