@@ -104,6 +104,12 @@ class ObjectStore:
         if store.get_file_info(name).type == fs.FileType.NotFound:
             store.create_dir(name)
 
+    def keys(self, bucket: str) -> list[str]:
+        """Every object's path (``bucket/key``) in ``bucket``."""
+        from pyarrow import fs
+
+        return [i.path for i in self.filesystem().get_file_info(fs.FileSelector(bucket, recursive=True))]
+
     def bucket(self, name: str) -> ObjectStoreBucket:
         """A new, empty bucket (each test its own: the server is shared)."""
         self.filesystem().create_dir(name)

@@ -71,12 +71,6 @@ def _get(url: str) -> Any:
         return json.load(resp)
 
 
-def _everything(bucket: str) -> Any:
-    from pyarrow import fs
-
-    return fs.FileSelector(bucket, recursive=True)
-
-
 def _write_tasks_by_executor(api: str) -> tuple[Counter[str], dict[str, str]]:
     """Successful tasks of the stages that write to the stores, per executor id; executor id -> host:port."""
     app = _get(f"{api}/applications")[0]["id"]
@@ -164,7 +158,7 @@ def test_sinks_on_a_standalone_cluster_survive_a_kill_with_no_drift(
 
 def _assert_state_in_the_bucket(store: ObjectStore, bucket: str) -> None:
     fs = store.filesystem()
-    keys = [i.path for i in fs.get_file_info(_everything(bucket))]
+    keys = store.keys(bucket)
     with fs.open_input_stream(f"{bucket}/warehouse/_cdc_current") as f:
         assert f.read() == b"2\n"
     assert not [k for k in keys if k.startswith(f"{bucket}/warehouse/g1/")], "the replaced generation is dropped"

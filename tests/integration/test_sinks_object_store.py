@@ -84,8 +84,7 @@ def test_state_and_warehouse_in_a_bucket_survive_a_kill_and_read_without_spark(
             assert result.returncode == 0, f"{result.stdout}{result.stderr}"
             assert "no drift" in result.stdout
 
-        fs = object_store.filesystem()
-        keys = {i.path for i in fs.get_file_info(_selector(bucket.name))}
+        keys = object_store.keys(bucket.name)
         assert f"{bucket.name}/state/warehouse/status.json" in keys
         assert any(k.startswith(f"{bucket.name}/state/warehouse/g1/checkpoint/commits/") for k in keys)
         assert not list(tmp_path.glob("state")), "nothing of the state may land on the local disk"
@@ -102,12 +101,6 @@ def test_state_and_warehouse_in_a_bucket_survive_a_kill_and_read_without_spark(
         if sinks.alive():
             sinks.kill()
         capture.stop()
-
-
-def _selector(bucket: str):  # type: ignore[no-untyped-def]
-    from pyarrow import fs
-
-    return fs.FileSelector(bucket, recursive=True)
 
 
 def _status_without_pyspark(config: Path) -> dict:  # type: ignore[type-arg]
