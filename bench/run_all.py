@@ -66,7 +66,7 @@ QUICK_ARGV: dict[str, list[str]] = {
     "big-transaction": ["--megabytes", "64"],
     "snapshot": ["--rows", "100000"],
     "latency": ["--seconds", "10", "--warmup-seconds", "2"],
-    "sinks": ["--rows", "10000", "--freshness-seconds", "15"],
+    "sinks": ["--rows", "10000", "--freshness-seconds", "15", "--heavy-seconds", "15"],
 }
 
 # functions that build a module's parser, tried (without arguments) before reading the source

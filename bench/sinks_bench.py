@@ -1,25 +1,28 @@
 #!/usr/bin/env python3
-"""Sinks: replay throughput, rebuild from offset zero, freshness and keeping up, against same-run references.
+"""Sinks against the limits of the parts underneath them, measured on the same topic in the same run.
 
-    ~/.cache/pgcdc/venv/bin/python bench/sinks_bench.py [--rows 100000] [--freshness-seconds 60] [--rate 5]
+    ~/.cache/pgcdc/venv/bin/python bench/sinks_bench.py [--rows 1000000] [--heavy-seconds 120] [--no-live]
 
-1. Snapshots a scratch table of ``--rows`` rows (6 columns incl. numeric, timestamptz, jsonb) into Kafka with
-   `cdc run`, then stops the capture.
-2. Throughput: each sink alone (search, cache, warehouse) replays the whole topic from offset zero into a fresh
-   copy as fast as it can, in this process; the reference is the same Spark query with a sink that only
-   materialises the decoded, last-per-key frame (read + decode + dedupe: what every sink pays before its
-   store). events/s against the reference's.
-3. Freshness: `cdc run` streams again and `cdc sinks run` keeps all three stores as in production while
-   ``--rate`` single-row transactions per second are committed for ``--freshness-seconds``; every store records
-   when it applied each change (applied_ms), so freshness = applied - commit time (source ts_ms), p50/p99
-   (limits: cache and search p99 < 2 s, warehouse p99 < 30 s). The search index makes a document searchable at
-   its next refresh (1 s by default) after that. Keeping up: meanwhile, every second, each sink's lag as
-   `cdc status` measures it (sinks/_progress.py: records between its checkpoint and the topics' ends, and the
-   age of its oldest unapplied change) is sampled; after the load, how long each takes to reach lag 0.
-4. Rebuild: with the capture and the sinks stopped, `cdc sinks rebuild NAME` (what an operator runs: a fresh
-   generation from offset zero beside the served one, verified against PostgreSQL, swapped in) for each sink;
-   its replay is timed from its "rebuilding" line to its "caught up" line, as events/s against the reference
-   of step 2 (the whole command, Spark start-up and verify included, is in the notes).
+1. Workload: a table of ``--rows`` rows (numeric, timestamptz, jsonb, and a 2.2 kB text stored out of line
+   in one row of 20) is snapshotted into Kafka by `cdc run`, which then streams ~22 % of the rows updated
+   (the out-of-line text unchanged: partial rows with ``unchanged_toast``) and ~6 % deleted, in transactions
+   of 3,000 rows. The topic's records are the unit of every rate below (tombstones included).
+2. References (`bench/_sink_refs.py`): Kafka read + Avro decode on one Python thread (confluent-kafka +
+   fastavro, no Spark); each store's native load of the same changes (Redis pipelined, OpenSearch bulk with
+   refresh off, a plain Spark Delta append); a COPY of the source and a plain scan of each store.
+3. Replay: each sink alone, in this process, with the shipped defaults, from offset zero into a fresh
+   generation; events/s against the slower of (read + decode, its store's native load): target ≥ 0.5x. The
+   CPU of the Spark driver (this Python process and the JVM's threads other than executor tasks) per event
+   against the sink's whole CPU per event (plus the executors' task threads and Python workers): target < 10 %.
+4. Rebuild: `cdc sinks rebuild NAME`, what an operator runs, for each sink, every phase timed; target: start to
+   swap ≤ its replay time + 1.5 x (COPY of the source + a plain scan of the new store) + start-up.
+5. Live (`--no-live` skips): `cdc run` and `cdc sinks run` serve the rebuilt generations as in production.
+   Light load: ``--rate`` single-row transactions/s; every store records when it applied each change, so
+   freshness = applied - commit time: search and cache p99 < 1.5 s. Keeping up: 2,000 changes/s in 20-row
+   transactions for ``--heavy-seconds``; freshness as `cdc status` measures it from outside (the age of each
+   sink's oldest unapplied change, sampled every second): p99 < 2 s for search and cache, < 20 s for the
+   warehouse. Restart: `cdc sinks run` is SIGKILLed under load and started again; each sink's first batch
+   after the restart against its median batch before: target ≤ 2x.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import contextlib
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import statistics
@@ -37,8 +41,9 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import psycopg
 from psycopg import sql
@@ -50,8 +55,10 @@ for _p in (str(ROOT), str(BENCH)):
         sys.path.insert(0, _p)
 
 import _debezium as dbz  # noqa: E402 - a sibling module: bench/ is not a package
+import _sink_refs as refs  # noqa: E402
 import redis  # noqa: E402
 from _capture_bench import dsn_for  # noqa: E402
+from _cpu import own_cpu, stat, tree_cpu  # noqa: E402
 from _report import Measure, Result, percentile, write_result  # noqa: E402
 from confluent_kafka import Consumer, TopicPartition  # noqa: E402
 from opensearchpy import OpenSearch  # noqa: E402
@@ -64,12 +71,16 @@ from tests import _services  # noqa: E402 - finds (or starts) the local services
 
 SCENARIO = "sinks"
 SINKS = ("search", "cache", "warehouse")
-FRESHNESS_LIMIT_S = {"search": 2.0, "cache": 2.0, "warehouse": 30.0}
 TABLE = "events"
+LIGHT_LIMIT_S = {"search": 1.5, "cache": 1.5}
+HEAVY_LIMIT_S = {"search": 2.0, "cache": 2.0, "warehouse": 20.0}
+HEAVY_RATE = 2000  # changes/s
+HEAVY_TXN_ROWS = 20
+_BATCH_LINE = re.compile(r"sink (\w+): batch (\d+): (\d+) record\(s\) in ([\d.]+)s")
 
 
 class _Reference(BaseSink):
-    """Materialises what every sink starts from, and nothing more."""
+    """Materialises what every sink starts from (the decoded, last-per-key frame), and nothing more."""
 
     name = "reference"
 
@@ -78,30 +89,72 @@ class _Reference(BaseSink):
             table.frame.count()
 
 
-def _config(path: Path, dsn: str, *, kafka: str, registry: str, prefix: str, extra: str) -> None:
-    path.write_text(
-        f"""[source]
-dsn = "{dsn}"
+@dataclass
+class Env:
+    """The run's services, scratch names and files."""
+
+    admin: str
+    kafka: str
+    registry: str
+    opensearch: str
+    redis_url: str
+    jars: list[str]
+    prefix: str
+    work: Path
+
+    @property
+    def topic(self) -> str:
+        return f"{self.prefix}.public.{TABLE}"
+
+    @property
+    def dsn(self) -> str:
+        return dsn_for(self.admin, self.prefix)
+
+    def config(self, state: str) -> Path:
+        path = self.work / f"cdc-{state}.toml"
+        path.write_text(
+            f"""[source]
+dsn = "{self.dsn}"
 tables = ["public.{TABLE}"]
-slot = "{prefix}"
-publication = "{prefix}"
+slot = "{self.prefix}"
+publication = "{self.prefix}"
 
 [kafka]
-bootstrap_servers = "{kafka}"
-topic_prefix = "{prefix}"
+bootstrap_servers = "{self.kafka}"
+topic_prefix = "{self.prefix}"
 
 [registry]
-url = "{registry}"
+url = "{self.registry}"
 
 [metrics]
 port = 0
-{extra}
+
+[sinks]
+state_dir = "{self.work / state}"
+spark_jars = {json.dumps(self.jars)}
+
+[sinks.search]
+url = "{self.opensearch}"
+
+[sinks.cache]
+url = "{self.redis_url}"
+
+[sinks.warehouse]
+path = "{self.work / f"warehouse-{state}"}"
 """
-    )
+        )
+        return path
 
 
 def _cdc(args: list[str], log: IO[bytes]) -> subprocess.Popen[bytes]:
-    return subprocess.Popen([sys.executable, "-m", "cdc.cli", *args], stdout=log, stderr=log)
+    # A session of its own: a SIGKILL of the group takes its Spark JVM at the same instant, like a container's.
+    return subprocess.Popen(
+        [sys.executable, "-m", "cdc.cli", *args],
+        stdout=log,
+        stderr=log,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        start_new_session=True,
+    )
 
 
 def _stop(proc: subprocess.Popen[bytes], timeout: float) -> None:
@@ -114,35 +167,242 @@ def _stop(proc: subprocess.Popen[bytes], timeout: float) -> None:
             proc.wait(10)
 
 
-class _LagSampler(threading.Thread):
-    """Each sink's lag (records, and age of its oldest unapplied change) once a second, as `cdc status` sees it."""
+# -- 1. workload --------------------------------------------------------------------------------------------
 
-    def __init__(self, config: Path) -> None:
-        super().__init__(name="lag-sampler", daemon=True)
-        self.settings = load_sink_settings(config)
-        self.samples: dict[str, list[tuple[float, int | None, float | None]]] = {n: [] for n in SINKS}
-        self.started = time.monotonic()
+
+def _create(env: Env, rows: int) -> None:
+    with psycopg.connect(env.admin, autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(env.prefix)))
+    with psycopg.connect(env.dsn, autocommit=True) as conn:
+        table = sql.Identifier(TABLE)
+        conn.execute(
+            sql.SQL(
+                "CREATE TABLE {} (id bigint PRIMARY KEY, name text, qty int, price numeric(12,2), "
+                "at timestamptz DEFAULT now(), payload jsonb, doc text)"
+            ).format(table)
+        )
+        # EXTERNAL: stored out of line uncompressed, so an update that leaves it alone sends it as unchanged TOAST
+        conn.execute(sql.SQL("ALTER TABLE {} ALTER COLUMN doc SET STORAGE EXTERNAL").format(table))
+        conn.execute(
+            sql.SQL(
+                "INSERT INTO {} SELECT g, 'name ' || g, g %% 1000, g / 100.0, now(), "
+                "jsonb_build_object('g', g, 'tags', jsonb_build_array('a', 'b')), "
+                "CASE WHEN g %% 20 = 1 THEN repeat(md5(g::text), 70) END FROM generate_series(1, %s) g"
+            ).format(table),
+            (rows,),
+        )
+
+
+def _changes(env: Env, rows: int) -> int:
+    """Updates (id % 10 in 1..3, the out-of-line text untouched) and deletes (id % 100 in 40..47), 3,000-row
+    transactions; returns the WAL position after the last commit."""
+    table = sql.Identifier(TABLE)
+    update = sql.SQL(
+        "UPDATE {} SET qty = qty + 1, name = name || '+' WHERE id BETWEEN %s AND %s AND id %% 10 IN (1, 2, 3)"
+    )
+    delete = sql.SQL("DELETE FROM {} WHERE id BETWEEN %s AND %s AND id %% 100 BETWEEN 40 AND 47")
+    with psycopg.connect(env.dsn, autocommit=True) as conn:
+        for stmt, span in ((update, 10_000), (delete, 37_500)):
+            for low in range(1, rows + 1, span):
+                conn.execute(stmt.format(table), (low, low + span - 1))
+        lsn = conn.execute("SELECT pg_current_wal_lsn() - '0/0'").fetchone()
+    assert lsn is not None
+    return int(lsn[0])
+
+
+def _capture(env: Env, rows: int, config: Path, log: IO[bytes]) -> None:
+    """Snapshot, stream the changes, and stop once the slot has confirmed the last of them."""
+    capture = _cdc(["run", "--config", str(config)], log)
+    try:
+        with psycopg.connect(env.admin, autocommit=True) as conn:
+            _wait(lambda: _topic_end(env) >= rows, capture, "the snapshot")
+            end = _changes(env, rows)
+            query = "SELECT confirmed_flush_lsn - '0/0' >= %s FROM pg_replication_slots WHERE slot_name = %s"
+            _wait(lambda: bool((conn.execute(query, (end, env.prefix)).fetchone() or [False])[0]), capture, "changes")
+    finally:
+        _stop(capture, 120)
+
+
+def _topic_end(env: Env) -> int:
+    consumer = Consumer({"bootstrap.servers": env.kafka, "group.id": f"{env.prefix}-probe"})
+    try:
+        return int(consumer.get_watermark_offsets(TopicPartition(env.topic, 0), timeout=5)[1])
+    except Exception:
+        return 0
+    finally:
+        consumer.close()
+
+
+def _wait(done: Any, proc: subprocess.Popen[bytes], what: str, timeout: float = 1800) -> None:
+    deadline = time.monotonic() + timeout
+    while not done():
+        if proc.poll() is not None:
+            raise RuntimeError(f"cdc exited with {proc.returncode} during {what}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what} not done within {timeout:.0f} s")
+        time.sleep(1)
+
+
+# -- 3. replays ---------------------------------------------------------------------------------------------
+
+
+class _SparkCpu(threading.Thread):
+    """CPU of this Spark application (local mode: this process and its JVM child) while it runs, by role.
+
+    - driver: this Python process (foreachBatch, planning) and the JVM's own threads (scheduler, listeners,
+      the streaming query's thread, RPC);
+    - executors: the JVM's task threads ("Executor task launch worker ...") and the Python workers under it;
+    - runtime: the JVM's JIT compiler and GC threads, which serve both and cannot be split in local mode.
+
+    Threads are sampled every 0.25 s, so a task thread that ends keeps the CPU it was last seen with.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(name="spark-cpu", daemon=True)
+        self.jvm = _jvm_pid()
         self.halt = threading.Event()
+        self.first: dict[str, tuple[str, float]] = {}
+        self.last: dict[str, tuple[str, float]] = {}
+        self.start_self = self._self()
+        self.start_workers = self._workers()
+        self.own = 0.0  # this sampler's own CPU, not the driver's
+        self._sample(initial=True)
+
+    def _self(self) -> float:
+        found = stat(Path(f"/proc/{os.getpid()}/stat"))
+        return own_cpu(found[1]) if found else 0.0
+
+    def _workers(self) -> float:
+        if self.jvm is None:
+            return 0.0
+        found = stat(Path(f"/proc/{self.jvm}/stat"))
+        return tree_cpu(self.jvm) - (own_cpu(found[1]) if found else 0.0)
+
+    def _sample(self, *, initial: bool = False) -> None:
+        for task in Path(f"/proc/{self.jvm}/task").glob("*") if self.jvm else ():
+            thread = stat(task / "stat")
+            if thread is not None:
+                cpu = own_cpu(thread[1])
+                self.first.setdefault(task.name, (thread[0], cpu if initial else 0.0))  # born since: from 0
+                self.last[task.name] = (thread[0], cpu)
 
     def run(self) -> None:
-        ends = TopicEnds(self.settings)
-        try:
-            while not self.halt.is_set():
-                with contextlib.suppress(Exception):  # a metadata hiccup is a missing sample, not a failure
-                    marks = ends.read()
-                    t = time.monotonic() - self.started
-                    for p in sink_progress(self.settings, marks, timestamp_at=ends.timestamp_at):
-                        if p.name in self.samples:
-                            self.samples[p.name].append((t, p.lag_records, p.freshness_s))
-                self.halt.wait(1.0)
-        finally:
-            ends.close()
+        while not self.halt.wait(0.25):
+            self._sample()
+        self.own = time.thread_time()
 
-    def latest(self, name: str) -> int | None:
-        return self.samples[name][-1][1] if self.samples[name] else None
+    def stop(self) -> dict[str, float]:
+        self.halt.set()
+        self.join(5)
+        self._sample()
+        driver = self._self() - self.start_self - self.own
+        out = {"driver": driver, "executors": self._workers() - self.start_workers}
+        out["runtime"] = 0.0
+        for tid, (comm, cpu) in self.last.items():
+            spent = cpu - self.first[tid][1]
+            role = "executors" if comm.startswith("Executor task") else "driver"
+            if comm.startswith(("C1 Compiler", "C2 Compiler", "GC Thread", "G1 ", "VM Thread")):
+                role = "runtime"
+            out[role] += spent
+        return out
 
-    def window(self, name: str, start: float, end: float) -> list[tuple[float, int | None, float | None]]:
-        return [s for s in self.samples[name] if start <= s[0] <= end]
+
+def _jvm_pid() -> int | None:
+    try:
+        children = Path(f"/proc/{os.getpid()}/task/{os.getpid()}/children").read_text().split()
+    except OSError:
+        return None
+    for child in children:
+        with contextlib.suppress(OSError):
+            if Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")[0].endswith(b"java"):
+                return int(child)
+    return None
+
+
+def _replay(name: str, settings: Any, spark: Any, records: int) -> tuple[float, dict[str, float]]:
+    """Seconds for one sink (or the reference) to replay the topic from zero, and the CPU it took."""
+    sink = _Reference() if name in ("warm-up", "reference") else None
+    query = SinkQuery(name, settings, spark, 1000, follow_swaps=False, sink=sink)
+    cpu = _SparkCpu()
+    cpu.start()
+    started = time.monotonic()
+    query.start()
+    while not query.caught_up():
+        if query.query is not None and not query.query.isActive:
+            raise RuntimeError(f"{name} failed: {query.query.exception()}")
+        # Not more often: each look at lastProgress is dozens of py4j round trips (~40 ms of the JVM's CPU).
+        time.sleep(1.0)
+    elapsed = time.monotonic() - started
+    spent = cpu.stop()
+    query.stop()
+    print(f"{name}: {records / elapsed:,.0f} events/s ({elapsed:.1f} s); CPU s {spent}", file=sys.stderr)
+    return elapsed, spent
+
+
+def _replays(env: Env, changes: refs.Changes, result: Result) -> dict[str, float]:
+    settings = load_sink_settings(env.config("state-replay"))
+    spark = spark_session(settings, "pgcdc-sinks-bench")
+    limits: dict[str, tuple[float, str]] = {}
+    try:
+        _replay("warm-up", settings, spark, changes.records)  # class loading and JIT, not counted
+        ref_s, _ = _replay("reference", settings, spark, changes.records)
+        native = _natives(env, spark, changes, result)
+        for name in SINKS:
+            limits[name] = min((changes.rate, "read + decode"), (native[name], f"{name} native"))
+        seconds: dict[str, float] = {}
+        for name in SINKS:
+            elapsed, cpu = _replay(name, settings, spark, changes.records)
+            seconds[name] = elapsed
+            limit, limit_name = limits[name]
+            total = sum(cpu.values())
+            result.measures += [
+                Measure(
+                    f"{name} replay events/s",
+                    "events/s",
+                    round(changes.records / elapsed),
+                    reference=round(limit),
+                    reference_name=limit_name,
+                    target_ratio=0.5,
+                    note=f"one sink alone from offset zero, shipped defaults; Spark decode-only query: "
+                    f"{changes.records / ref_s:,.0f} events/s",
+                ),
+                Measure(
+                    f"{name} driver CPU share",
+                    "%",
+                    round(100 * cpu["driver"] / total, 1) if total else float("nan"),
+                    higher_is_better=False,
+                    limit=10,
+                    note="CPU-µs per event: "
+                    + ", ".join(f"{k} {v * 1e6 / changes.records:.1f}" for k, v in cpu.items())
+                    + " (runtime: the JVM's JIT and GC, counted in the total only)",
+                ),
+            ]
+    finally:
+        spark.stop()
+    return seconds
+
+
+def _natives(env: Env, spark: Any, changes: refs.Changes, result: Result) -> dict[str, float]:
+    """Each store's native load of the changes, as records/s (and as measures, for the table)."""
+    seconds = {
+        "cache": refs.redis_native(env.redis_url, f"{env.prefix}-native", changes),
+        "search": refs.opensearch_native(env.opensearch, f"{env.prefix}-native", changes),
+        "warehouse": refs.delta_append(spark, changes),
+    }
+    how = {
+        "cache": "Redis pipelined HSET/DEL, 1,000 per round trip, one Python thread",
+        "search": "OpenSearch helpers.bulk, 1,000 per request, refresh off, no replicas, one Python thread",
+        "warehouse": "plain Spark Delta append of the rows (no MERGE), local[*]",
+    }
+    for name, s in seconds.items():
+        result.measures.append(
+            Measure(f"{name} store native load", "events/s", round(changes.records / s), note=how[name])
+        )
+        print(f"{name} native: {changes.records / s:,.0f} records/s", file=sys.stderr)
+    return {name: changes.records / s for name, s in seconds.items()}
+
+
+# -- 4. rebuilds --------------------------------------------------------------------------------------------
 
 
 def _rebuild(name: str, config: Path, log: Path) -> dict[str, float]:
@@ -172,325 +432,369 @@ def _rebuild(name: str, config: Path, log: Path) -> dict[str, float]:
     return marks
 
 
-def _cleanup(prefix: str, *, kafka: str, registry: str, opensearch: str, redis_url: str) -> None:
-    with contextlib.suppress(Exception):
-        client = OpenSearch(opensearch)
-        client.indices.delete(index=f"{prefix}*", expand_wildcards="all")
-    with contextlib.suppress(Exception):
-        r = redis.Redis.from_url(redis_url)
-        for key in r.scan_iter(match=f"{prefix}:*", count=1000):
-            r.delete(key)
-    topic = f"{prefix}.public.{TABLE}"
-    with contextlib.suppress(Exception):
-        dbz.delete_topics(kafka, [topic, f"{prefix}.offsets", f"{prefix}.dead-letter"])
-        dbz.delete_subjects(registry, [topic])
+def _scan(env: Env, spark: Any, name: str, generation: int) -> float:
+    if name == "cache":
+        return refs.scan_cache(env.redis_url, f"{env.prefix}:g{generation}:public.{TABLE}:*")
+    if name == "search":
+        return refs.scan_search(env.opensearch, f"{env.prefix}-public.{TABLE}".lower())
+    return refs.scan_warehouse(spark, str(env.work / "warehouse-state-live" / f"g{generation}" / f"public.{TABLE}"))
+
+
+def _rebuilds(env: Env, replay_s: dict[str, float], records: int, result: Result) -> None:
+    config = env.config("state-live")
+    copy_s = refs.copy_source(env.dsn, TABLE)
+    marks: dict[str, dict[str, float]] = {}
+    for name in SINKS:
+        marks[name] = _rebuild(name, config, env.work / f"rebuild-{name}.log")
+        print(f"rebuild {name}: {marks[name]}", file=sys.stderr)
+    spark = spark_session(load_sink_settings(config), "pgcdc-sinks-bench-scan")
+    try:
+        scans = {name: _scan(env, spark, name, 2) for name in SINKS}
+    finally:
+        spark.stop()
+    for name in SINKS:
+        m = marks[name]
+        bound = replay_s[name] + 1.5 * (copy_s + scans[name]) + m["rebuilding"]
+        result.measures.append(
+            Measure(
+                f"{name} rebuild start to swap",
+                "s",
+                round(m["exit"], 1),
+                higher_is_better=False,
+                limit=round(bound, 1),
+                note=f"start-up {m['rebuilding']:.1f} s, replay {m['caught_up'] - m['rebuilding']:.1f} s "
+                f"({records / (m['caught_up'] - m['rebuilding']):,.0f} events/s), verify and swap "
+                f"{m['exit'] - m['caught_up']:.1f} s; bound = replay {replay_s[name]:.1f} + 1.5 x (COPY "
+                f"{copy_s:.1f} + scan {scans[name]:.1f}) + start-up",
+            )
+        )
+    result.series["rebuild_s"] = {k: {p: round(v, 2) for p, v in m.items()} for k, m in marks.items()}
+
+
+# -- 5. live ------------------------------------------------------------------------------------------------
+
+
+class _LagSampler(threading.Thread):
+    """Each sink's lag (records, and the age of its oldest unapplied change) every second, as `cdc status`
+    measures it: from outside, its checkpoint against the topics' ends."""
+
+    def __init__(self, config: Path) -> None:
+        super().__init__(name="lag-sampler", daemon=True)
+        self.settings = load_sink_settings(config)
+        self.samples: dict[str, list[tuple[float, int | None, float | None]]] = {n: [] for n in SINKS}
+        self.started = time.monotonic()
+        self.halt = threading.Event()
+
+    def now(self) -> float:
+        return time.monotonic() - self.started
+
+    def run(self) -> None:
+        ends = TopicEnds(self.settings)
+        try:
+            while not self.halt.is_set():
+                with contextlib.suppress(Exception):  # a metadata hiccup is a missing sample, not a failure
+                    marks = ends.read()
+                    t = self.now()
+                    for p in sink_progress(self.settings, marks, timestamp_at=ends.timestamp_at):
+                        if p.name in self.samples:
+                            self.samples[p.name].append((t, p.lag_records, p.freshness_s))
+                self.halt.wait(1.0)
+        finally:
+            ends.close()
+
+    def caught_up(self) -> bool:
+        return all(s and s[-1][1] == 0 for s in self.samples.values())
+
+    def ages(self, name: str, start: float, end: float) -> list[float]:
+        return [s[2] for s in self.samples[name] if start <= s[0] <= end and s[2] is not None]
+
+
+class _Load(threading.Thread):
+    """Inserts ``rows_per_txn``-row transactions at ``changes_per_s`` from ``first`` until stopped."""
+
+    def __init__(self, dsn: str, first: int, changes_per_s: float, rows_per_txn: int, seconds: float) -> None:
+        super().__init__(name="load", daemon=True)
+        self.dsn, self.first, self.rate, self.rows, self.seconds = dsn, first, changes_per_s, rows_per_txn, seconds
+        self.done = 0
+        self.elapsed = 0.0
+
+    def run(self) -> None:
+        insert = sql.SQL(
+            "INSERT INTO {} (id, name, qty, price, payload) SELECT g, 'probe', %s, 1.5, '{{}}' "
+            "FROM generate_series(%s, %s) g"
+        ).format(sql.Identifier(TABLE))
+        rnd = random.Random(1)  # noqa: S311 - workload values, not secrets
+        txns = int(self.seconds * self.rate / self.rows)
+        with psycopg.connect(self.dsn, autocommit=True) as conn:
+            t0 = time.monotonic()
+            for i in range(txns):
+                low = self.first + i * self.rows
+                conn.execute(insert, (rnd.randint(0, 9), low, low + self.rows - 1))
+                self.done += self.rows
+                time.sleep(max(0.0, t0 + (i + 1) * self.rows / self.rate - time.monotonic()))
+            self.elapsed = time.monotonic() - t0
+
+    @property
+    def ids(self) -> range:
+        return range(self.first, self.first + self.done)
+
+
+def _applied(env: Env, ids: range) -> dict[str, list[float]]:
+    """Per store, applied - commit time (ms) of each of ``ids`` it holds."""
+    client = OpenSearch(env.opensearch, timeout=120)
+    docs = client.mget(index=f"{env.prefix}-public.{TABLE}".lower(), body={"ids": [f"[{i}]" for i in ids]})["docs"]
+    out = {
+        "search": [d["_source"]["__cdc"]["applied_ms"] - d["_source"]["__cdc"]["ts_ms"] for d in docs if d.get("found")]
+    }
+    r = redis.Redis.from_url(env.redis_url)
+    gen = int(r.get(f"{env.prefix}:current") or 1)
+    pipe = r.pipeline(transaction=False)
+    for i in ids:
+        pipe.hmget(f"{env.prefix}:g{gen}:public.{TABLE}:[{i}]", "applied_ms", "ts_ms")
+    out["cache"] = [int(a) - int(t) for a, t in pipe.execute() if a]
+    return out
+
+
+def _light(env: Env, sampler: _LagSampler, rows: int, args: argparse.Namespace, result: Result) -> None:
+    load = _Load(env.dsn, rows * 10 + 1, args.rate, 1, args.freshness_seconds)
+    load.run()
+    time.sleep(10)  # the last probes reach the stores
+    applied = _applied(env, load.ids)
+    result.series["light_freshness_ms"] = {k: sorted(v) for k, v in applied.items()}
+    for name, values in applied.items():
+        result.measures.append(
+            Measure(
+                f"{name} freshness p99, light load",
+                "s",
+                round(percentile(values, 99) / 1000, 2),
+                higher_is_better=False,
+                limit=LIGHT_LIMIT_S[name],
+                note=f"{args.rate:g} single-row transactions/s for {args.freshness_seconds:g} s; applied in the "
+                f"store - commit; p50 {percentile(values, 50) / 1000:.2f} s; {len(values)}/{load.done} probes seen",
+            )
+        )
+
+
+def _heavy(env: Env, sampler: _LagSampler, rows: int, args: argparse.Namespace, result: Result) -> None:
+    load = _Load(env.dsn, rows * 20 + 1, HEAVY_RATE, HEAVY_TXN_ROWS, args.heavy_seconds)
+    start = sampler.now()
+    load.run()
+    end = sampler.now()
+    deadline = time.monotonic() + 120
+    while not sampler.caught_up() and time.monotonic() < deadline:
+        time.sleep(1)
+    drained = sampler.now() - end
+    achieved = load.done / load.elapsed
+    for name in SINKS:
+        ages = sampler.ages(name, start, end)
+        result.measures.append(
+            Measure(
+                f"{name} freshness p99, {HEAVY_RATE:,} changes/s",
+                "s",
+                round(percentile(ages, 99), 2) if ages else float("nan"),
+                higher_is_better=False,
+                limit=HEAVY_LIMIT_S[name],
+                note=f"age of the oldest unapplied change as `cdc status` sees it, {len(ages)} samples over "
+                f"{args.heavy_seconds:g} s at {achieved:,.0f} changes/s in {HEAVY_TXN_ROWS}-row transactions; "
+                f"max {max(ages, default=float('nan')):.2f} s; all sinks at lag 0 {drained:.0f} s after the load",
+            )
+        )
+    result.series["lag"] = {
+        name: {"t_s": [round(s[0] - start, 1) for s in v], "records": [s[1] for s in v], "age_s": [s[2] for s in v]}
+        for name, v in sampler.samples.items()
+    }
+    result.series["lag_load_window_s"] = [0.0, round(end - start, 1)]
+
+
+def _batches(log: Path, start: int, end: int | None = None) -> dict[str, list[tuple[int, float]]]:
+    """Each sink's (records, seconds) per batch logged between byte offsets ``start`` and ``end``."""
+    with open(log, "rb") as f:
+        f.seek(start)
+        text = f.read(-1 if end is None else end - start).decode(errors="replace")
+    out: dict[str, list[tuple[int, float]]] = {n: [] for n in SINKS}
+    for m in _BATCH_LINE.finditer(text):
+        if m.group(1) in out:
+            out[m.group(1)].append((int(m.group(3)), float(m.group(4))))
+    return out
+
+
+def _live(env: Env, rows: int, args: argparse.Namespace, result: Result) -> None:
+    config = env.config("state-live")
+    sinks_log = env.work / "sinks.log"
+    with open(env.work / "live.log", "ab") as log, open(sinks_log, "ab") as out:
+        capture = _cdc(["run", "--config", str(config)], log)
+        sinks = _cdc(["sinks", "run", "--config", str(config)], out)
+        sampler = _LagSampler(config)
+        sampler.start()
+        try:
+            _wait(sampler.caught_up, sinks, "the sinks' catch-up")
+            # A first batch after a start pays the JVM's warm-up (measured below, after a SIGKILL): one row
+            # through every sink first, so the light load measures the steady state.
+            _Load(env.dsn, rows * 5 + 1, 1, 1, 1).run()
+            _wait(lambda: all(_batches_done(env, n) > 0 for n in SINKS), sinks, "the sinks' first batch")
+            time.sleep(10)
+            _light(env, sampler, rows, args, result)
+            _heavy(env, sampler, rows, args, result)
+            sinks = _restart(env, sinks, log=sinks_log, out=out, config=config, rows=rows, result=result)
+        finally:
+            sampler.halt.set()
+            _stop(sinks, 180)
+            _stop(capture, 120)
+
+
+def _batches_done(env: Env, name: str) -> int:
+    with contextlib.suppress(OSError, ValueError):
+        return int(json.loads((env.work / "state-live" / name / "status.json").read_text()).get("batches", 0))
+    return 0
+
+
+def _restart(
+    env: Env, sinks: subprocess.Popen[bytes], *, log: Path, out: IO[bytes], config: Path, rows: int, result: Result
+) -> subprocess.Popen[bytes]:
+    """SIGKILL `cdc sinks run` (its JVM with it) under load, start it again: first batch against the steady."""
+    load = _Load(env.dsn, rows * 40 + 1, 200, HEAVY_TXN_ROWS, 90)
+    load.start()
+    steady_from = log.stat().st_size
+    time.sleep(30)
+    killed_at = log.stat().st_size
+    os.killpg(sinks.pid, signal.SIGKILL)
+    sinks.wait(30)
+    time.sleep(5)
+    restarted_at = log.stat().st_size
+    sinks = _cdc(["sinks", "run", "--config", str(config)], out)
+    load.join()
+    time.sleep(10)
+    steady = _batches(log, steady_from, killed_at)
+    after = _batches(log, restarted_at)
+    for name in SINKS:
+        times = [s for r, s in steady[name] if r > 0]
+        typical = statistics.median(times) if times else float("nan")
+        first = after[name][0] if after[name] else (0, float("nan"))
+        result.measures.append(
+            Measure(
+                f"{name} first batch after a SIGKILL",
+                "s",
+                first[1],
+                reference=round(typical, 2),
+                reference_name="its median batch before",
+                higher_is_better=False,
+                target_ratio=0.5,
+                note=f"{first[0]} records (the changes written while it was down); steady: {len(times)} batches "
+                "under 200 changes/s",
+            )
+        )
+    return sinks
+
+
+# -- the run ------------------------------------------------------------------------------------------------
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rows", type=int, default=100_000)
-    parser.add_argument(
-        "--freshness-seconds", "--seconds", type=float, default=60.0, help="seconds of load while freshness is measured"
-    )
-    parser.add_argument("--rate", type=float, default=5.0, help="transactions per second during freshness")
-    parser.add_argument("--max-offsets", type=int, default=50_000, help="maxOffsetsPerTrigger for the replays")
-    parser.add_argument("--drain-seconds", type=float, default=60.0, help="after the load: wait for lag 0")
+    parser.add_argument("--rows", type=int, default=1_000_000)
+    parser.add_argument("--freshness-seconds", type=float, default=60.0, help="seconds of light load")
+    parser.add_argument("--rate", type=float, default=5.0, help="transactions per second of the light load")
+    parser.add_argument("--heavy-seconds", type=float, default=120.0, help="seconds at 2,000 changes/s")
     parser.add_argument("--no-rebuild", action="store_true", help="skip step 4")
+    parser.add_argument("--no-live", action="store_true", help="skip step 5")
     parser.add_argument("--keep", action="store_true", help="keep the scratch database, stores, topics and logs")
     return parser
 
 
+def _env() -> Env:
+    run_id = str(int(time.time()))
+    return Env(
+        admin=_services.find("postgres").value,
+        kafka=_services.find("kafka").value,
+        registry=_services.find("registry").value,
+        opensearch=_services.find("opensearch").value,
+        redis_url=_services.find("redis").value,
+        jars=[j for j in _services.find("spark-jars").value.split(",") if j],
+        prefix=f"sbench_{run_id}",
+        work=Path(tempfile.mkdtemp(prefix="pgcdc-sinks-bench-")),
+    )
+
+
+def _workload(env: Env, rows: int, result: Result) -> refs.Changes:
+    _create(env, rows)
+    with open(env.work / "capture.log", "ab") as log:
+        _capture(env, rows, env.config("state-live"), log)
+    changes = refs.read_and_decode(env.kafka, env.registry, env.topic)
+    events = sum(v for k, v in changes.ops.items() if k != "tombstone")
+    result.params["topic"] = {
+        "records": changes.records,
+        "ops": changes.ops,
+        "updates_share": round(changes.ops.get("u", 0) / events, 3),
+        "deletes_share": round(changes.ops.get("d", 0) / events, 3),
+    }
+    result.measures.append(
+        Measure(
+            "Kafka read + Avro decode",
+            "events/s",
+            round(changes.rate),
+            note="confluent-kafka + fastavro, keys and values, one Python thread, no Spark",
+        )
+    )
+    print(f"read + decode: {changes.rate:,.0f} records/s; {result.params['topic']}", file=sys.stderr)
+    return changes
+
+
 def run(argv: list[str] | None = None) -> Result:
     args = build_parser().parse_args(argv)
-
-    admin = _services.find("postgres").value
-    kafka, registry = _services.find("kafka").value, _services.find("registry").value
-    opensearch, redis_url = _services.find("opensearch").value, _services.find("redis").value
-    jars = [j for j in _services.find("spark-jars").value.split(",") if j]
-    run_id = str(int(time.time()))
-    prefix = f"sbench_{run_id}"
-    db = f"sbench_{run_id}"
-    topic = f"{prefix}.public.{TABLE}"
-    work = Path(tempfile.mkdtemp(prefix="pgcdc-sinks-bench-"))
-    n = int(args.freshness_seconds * args.rate)
+    env = _env()
     result = Result(
         SCENARIO,
         params={
             "rows": args.rows,
-            "max_offsets_per_trigger": args.max_offsets,
-            "freshness_load": f"{args.rate:g} single-row transactions/s for {args.freshness_seconds:g} s, "
-            "capture and 3 sinks at once",
-            "table": "id bigint PK, name text, qty int, price numeric(12,2), at timestamptz, payload jsonb",
+            "table": "id bigint PK, name text, qty int, price numeric(12,2), at timestamptz, payload jsonb, "
+            "doc text (2.2 kB, out of line, in 1 row of 20)",
+            "defaults": "shipped: trigger 1 s, maxOffsetsPerTrigger 200,000",
         },
     )
-    with psycopg.connect(admin, autocommit=True) as conn:
-        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(db)))
-    dsn = dsn_for(admin, db)
-    log = open(work / "cdc.log", "ab")  # noqa: SIM115 - handed to the children, closed at the end
     try:
-        with psycopg.connect(dsn, autocommit=True) as conn:
-            conn.execute(
-                sql.SQL(
-                    "CREATE TABLE {} (id bigint PRIMARY KEY, name text, qty int, price numeric(12,2), "
-                    "at timestamptz DEFAULT now(), payload jsonb)"
-                ).format(sql.Identifier(TABLE))
-            )
-            conn.execute(
-                sql.SQL(
-                    "INSERT INTO {} SELECT g, 'name ' || g, g %% 1000, g / 100.0, now(), "
-                    "jsonb_build_object('g', g, 'tags', jsonb_build_array('a', 'b')) FROM generate_series(1, %s) g"
-                ).format(sql.Identifier(TABLE)),
-                (args.rows,),
-            )
-        sinks_toml = f"""
-[sinks]
-state_dir = "{work / "state"}"
-spark_jars = {json.dumps(jars)}
-trigger_interval_s = 1.0
-max_offsets_per_trigger = {args.max_offsets}
-
-[sinks.search]
-url = "{opensearch}"
-
-[sinks.cache]
-url = "{redis_url}"
-
-[sinks.warehouse]
-path = "{work / "warehouse"}"
-"""
-        config = work / "cdc.toml"
-        _config(config, dsn, kafka=kafka, registry=registry, prefix=prefix, extra=sinks_toml)
-
-        # 1. the snapshot into Kafka
-        capture = _cdc(["run", "--config", str(config)], log)
-        consumer = Consumer({"bootstrap.servers": kafka, "group.id": f"bench-{run_id}"})
-        deadline = time.monotonic() + 1800
-        while time.monotonic() < deadline:
-            try:
-                _, high = consumer.get_watermark_offsets(TopicPartition(topic, 0), timeout=5)
-            except Exception:
-                high = 0
-            if high >= args.rows:
-                break
-            if capture.poll() is not None:
-                raise RuntimeError(f"cdc run exited with {capture.returncode}; log: {work / 'cdc.log'}")
-            time.sleep(1)
-        consumer.close()
-        _stop(capture, 120)
-        print(f"snapshot of {args.rows:,} rows in {topic}", file=sys.stderr)
-
-        # 2. throughput, in this process
-        settings = load_sink_settings(config)
-        spark = spark_session(settings, "pgcdc-sinks-bench")
-        throughput: dict[str, float] = {}
-        # The first replay in a JVM pays for class loading and JIT: a warm-up pass of the reference is not counted.
-        for name in ("warm-up", "reference", *SINKS):
-            sink = _Reference() if name in ("warm-up", "reference") else None
-            query = SinkQuery(name, settings, spark, 1000, follow_swaps=False, sink=sink)
-            started = time.monotonic()
-            query.start()
-            while not query.caught_up():
-                if query.query is not None and not query.query.isActive:
-                    raise RuntimeError(f"{name} failed: {query.query.exception()}")
-                time.sleep(0.2)
-            elapsed = time.monotonic() - started
-            query.stop()
-            if name != "warm-up":
-                throughput[name] = args.rows / elapsed
-            print(f"{name}: {args.rows / elapsed:,.0f} events/s ({elapsed:.1f} s)", file=sys.stderr)
-        spark.stop()
-        ref = throughput["reference"]
-        for name in SINKS:
-            result.measures.append(
-                Measure(
-                    f"{name} replay events/s",
-                    "events/s",
-                    round(throughput[name]),
-                    reference=round(ref),
-                    reference_name="decode-only query",
-                    note="one sink alone, in-process, from offset zero into a fresh generation",
-                )
-            )
-
-        # 3. freshness and keeping up: the production shape, capture and all three sinks as processes
-        live = work / "state-live"
-        _config(
-            config,
-            dsn,
-            kafka=kafka,
-            registry=registry,
-            prefix=prefix,
-            extra=sinks_toml.replace(str(work / "state"), str(live)),
-        )
-        capture = _cdc(["run", "--config", str(config)], log)
-        sinks_log = open(work / "sinks.log", "ab")  # noqa: SIM115 - handed to the child
-        sinks_proc = _cdc(["sinks", "run", "--config", str(config)], sinks_log)
-        status = [live / s / "status.json" for s in SINKS]
-
-        def caught_up_all() -> bool:
-            return all(p.exists() and json.loads(p.read_text()).get("records", 0) >= args.rows for p in status)
-
-        deadline = time.monotonic() + 1800
-        while not caught_up_all() and time.monotonic() < deadline:
-            if sinks_proc.poll() is not None:
-                raise RuntimeError(f"cdc sinks run exited with {sinks_proc.returncode}; log: {work / 'sinks.log'}")
-            time.sleep(2)
-        time.sleep(10)  # steady state: the replay's last batches are done
-        sampler = _LagSampler(config)
-        sampler.start()
-        rnd = random.Random(1)  # noqa: S311 - workload values, not secrets
-        first = args.rows + 1
-        load_start = time.monotonic() - sampler.started
-        insert = sql.SQL("INSERT INTO {} (id, name, qty, price, payload) VALUES (%s, 'probe', %s, 1.5, '{{}}')").format(
-            sql.Identifier(TABLE)
-        )
-        with psycopg.connect(dsn, autocommit=True) as conn:
-            t0 = time.monotonic()
-            for i in range(n):
-                conn.execute(insert, (first + i, rnd.randint(0, 9)))
-                time.sleep(max(0.0, t0 + (i + 1) / args.rate - time.monotonic()))
-        load_end = time.monotonic() - sampler.started
-        drained: dict[str, float | None] = dict.fromkeys(SINKS)
-        deadline = time.monotonic() + args.drain_seconds
-        while time.monotonic() < deadline and any(v is None for v in drained.values()):
-            time.sleep(1)
-            for name in SINKS:
-                if drained[name] is None and sampler.latest(name) == 0:
-                    drained[name] = time.monotonic() - sampler.started - load_end
-        time.sleep(2)
-        sampler.halt.set()
-        sampler.join(30)
-        _stop(sinks_proc, 180)
-        _stop(capture, 120)
-        sinks_log.close()
-
-        ids = list(range(first, first + n))
-        freshness: dict[str, list[float]] = {}
-        client = OpenSearch(opensearch)
-        docs = client.mget(index=f"{prefix}-public.{TABLE}".lower(), body={"ids": [f"[{i}]" for i in ids]})["docs"]
-        freshness["search"] = [
-            d["_source"]["__cdc"]["applied_ms"] - d["_source"]["__cdc"]["ts_ms"] for d in docs if d.get("found")
-        ]
-        r = redis.Redis.from_url(redis_url)
-        gen = int(r.get(f"{prefix}:current") or 1)
-        pipe = r.pipeline()
-        for i in ids:
-            pipe.hmget(f"{prefix}:g{gen}:public.{TABLE}:[{i}]", "applied_ms", "ts_ms")
-        freshness["cache"] = [int(a) - int(t) for a, t in pipe.execute() if a]
-        settings = load_sink_settings(config)
-        spark = spark_session(settings, "pgcdc-sinks-bench-read")
-        current = (work / "warehouse" / "_cdc_current").read_text().strip()
-        rows = (
-            spark.read.format("delta")
-            .load(str(work / "warehouse" / f"g{current}" / f"public.{TABLE}"))
-            .where(f"id >= {first}")
-            .select("__applied_ms", "__ts_ms")
-            .collect()
-        )
-        freshness["warehouse"] = [float(x["__applied_ms"] - x["__ts_ms"]) for x in rows]
-        spark.stop()
-
-        result.series["freshness_ms"] = {k: sorted(v) for k, v in freshness.items()}
-        result.series["lag"] = {
-            name: {
-                "t_s": [round(s[0] - load_start, 1) for s in sampler.samples[name]],
-                "records": [s[1] for s in sampler.samples[name]],
-                "age_s": [None if s[2] is None else round(s[2], 2) for s in sampler.samples[name]],
-            }
-            for name in SINKS
-        }
-        result.series["lag_load_window_s"] = [0.0, round(load_end - load_start, 1)]
-        for name in SINKS:
-            values = freshness[name]
-            limit = FRESHNESS_LIMIT_S[name]
-            seen = f"{len(values)}/{n} probes seen"
-            result.measures += [
-                Measure(f"{name} freshness p50", "s", round(percentile(values, 50) / 1000, 2), higher_is_better=False),
-                Measure(
-                    f"{name} freshness p99",
-                    "s",
-                    round(percentile(values, 99) / 1000, 2),
-                    higher_is_better=False,
-                    limit=limit,
-                    note=f"{seen}; mean {statistics.fmean(values) / 1000 if values else float('nan'):.2f} s",
-                ),
-            ]
-            during = sampler.window(name, load_start, load_end)
-            max_records = max((s[1] for s in during if s[1] is not None), default=None)
-            ages = [s[2] for s in during if s[2] is not None]
-            max_age = max(ages) if ages else float("nan")
-            half = (load_start + load_end) / 2
-            first_half = [s[1] for s in during if s[1] is not None and s[0] < half]
-            second_half = [s[1] for s in during if s[1] is not None and s[0] >= half]
-            growing = bool(first_half and second_half and max(second_half) > 2 * max(first_half) + args.rate * 5)
-            kept_up = drained[name] is not None and not growing
-            result.measures.append(
-                Measure(
-                    f"{name} max lag during load",
-                    "s",
-                    round(max_age, 2),
-                    higher_is_better=False,
-                    limit=limit,
-                    note=f"max {max_records} offsets behind (records and transaction markers); "
-                    + (
-                        f"lag 0 {drained[name]:.1f} s after the load"
-                        if drained[name] is not None
-                        else f"lag not back to 0 within {args.drain_seconds:g} s after the load"
-                    )
-                    + ("; lag grew over the load" if growing else "")
-                    + f"; kept up: {'yes' if kept_up else 'NO'}",
-                )
-            )
-            result.notes.append(f"{name} kept up with the capture: {'yes' if kept_up else 'no'} ({seen})")
-
-        # 4. rebuild from offset zero, as an operator runs it
+        changes = _workload(env, args.rows, result)
+        replay_s = _replays(env, changes, result)
+        records = changes.records
+        del changes  # ~GBs of decoded rows
         if not args.no_rebuild:
-            events = args.rows + n
-            rebuilds: dict[str, dict[str, float]] = {}
-            for name in SINKS:
-                marks = _rebuild(name, config, work / f"rebuild-{name}.log")
-                rebuilds[name] = marks
-                replay_s = marks["caught_up"] - marks["rebuilding"]
-                print(f"rebuild {name}: {marks}", file=sys.stderr)
-                result.measures.append(
-                    Measure(
-                        f"{name} rebuild events/s",
-                        "events/s",
-                        round(events / replay_s),
-                        reference=round(ref),
-                        reference_name="decode-only query",
-                        note=f"`cdc sinks rebuild {name}`: {events:,} events replayed in {replay_s:.1f} s; the "
-                        f"whole command {marks['exit']:.1f} s (Spark start {marks['rebuilding']:.1f} s, "
-                        f"verify and swap {marks['exit'] - marks['caught_up']:.1f} s)",
-                    )
-                )
-            result.series["rebuild_s"] = {
-                k: {m: round(v, 2) for m, v in marks.items()} for k, marks in rebuilds.items()
-            }
+            _rebuilds(env, replay_s, records, result)
+        if not args.no_live:
+            _live(env, args.rows, args, result)
     finally:
-        log.close()
         if not args.keep:
-            with psycopg.connect(admin, autocommit=True) as conn:
-                for _ in range(50):
-                    try:
-                        conn.execute(
-                            "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = %s",
-                            (prefix,),
-                        )
-                        break
-                    except psycopg.errors.ObjectInUse:
-                        time.sleep(0.2)
-                conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(db)))
-            _cleanup(prefix, kafka=kafka, registry=registry, opensearch=opensearch, redis_url=redis_url)
-    if not args.keep:
-        shutil.rmtree(work, ignore_errors=True)
-    else:
-        result.notes.append(f"logs and state: {work}")
+            _cleanup(env)
+    if args.keep:
+        result.notes.append(f"logs and state: {env.work}")
     result.notes.append(
-        "throughput: one sink at a time, in this process, 1 s trigger, maxOffsetsPerTrigger as in params; "
-        "freshness = the store's applied_ms - the event's source ts_ms (commit time)"
+        "rates are topic records per second (tombstones included); a sink's limit is the slower of read + decode "
+        "and its store's native load of the same changes; driver CPU = this Python process and the JVM's threads "
+        "other than executor tasks"
     )
     return result
+
+
+def _cleanup(env: Env) -> None:
+    with psycopg.connect(env.admin, autocommit=True) as conn:
+        for _ in range(50):
+            try:
+                conn.execute(
+                    "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = %s",
+                    (env.prefix,),
+                )
+                break
+            except psycopg.errors.ObjectInUse:
+                time.sleep(0.2)
+        conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(env.prefix)))
+    with contextlib.suppress(Exception):
+        OpenSearch(env.opensearch).indices.delete(index=f"{env.prefix}*", expand_wildcards="all")
+    with contextlib.suppress(Exception):
+        r = redis.Redis.from_url(env.redis_url)
+        for key in r.scan_iter(match=f"{env.prefix}:*", count=1000):
+            r.delete(key)
+    with contextlib.suppress(Exception):
+        dbz.delete_topics(env.kafka, [env.topic, f"{env.prefix}.offsets", f"{env.prefix}.dead-letter"])
+        dbz.delete_subjects(env.registry, [env.topic])
+    shutil.rmtree(env.work, ignore_errors=True)
 
 
 if __name__ == "__main__":
