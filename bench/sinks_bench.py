@@ -65,7 +65,7 @@ from opensearchpy import OpenSearch  # noqa: E402
 
 from sinks import BaseSink, Batch  # noqa: E402
 from sinks._config import load_sink_settings  # noqa: E402
-from sinks._progress import TopicEnds, sink_progress  # noqa: E402
+from sinks._progress import TopicEnds, checkpoint_offsets, sink_progress  # noqa: E402
 from sinks._runner import SinkQuery, spark_session  # noqa: E402
 from tests import _services  # noqa: E402 - finds (or starts) the local services like the tests do
 
@@ -323,15 +323,24 @@ def _replay(name: str, settings: Any, spark: Any, records: int) -> tuple[float, 
     """Seconds for one sink (or the reference) to replay the topic from zero, and the CPU it took."""
     sink = _Reference() if name in ("warm-up", "reference") else None
     query = SinkQuery(name, settings, spark, 1000, follow_swaps=False, sink=sink)
+    ends = TopicEnds(settings)
+    try:
+        marks = ends.read()  # the topic does not move during the replays
+    finally:
+        ends.close()
     cpu = _SparkCpu()
     cpu.start()
     started = time.monotonic()
     query.start()
-    while not query.caught_up():
+    while True:
         if query.query is not None and not query.query.isActive:
             raise RuntimeError(f"{name} failed: {query.query.exception()}")
-        # Not more often: each look at lastProgress is dozens of py4j round trips (~40 ms of the JVM's CPU).
-        time.sleep(1.0)
+        # Spark's own answer (lastProgress) is dozens of py4j round trips, ~80 ms of the JVM's CPU: asked only
+        # once the checkpoint has reached the topic's end, so the driver's CPU below is the sink's own.
+        done = checkpoint_offsets(query.checkpoint) or {}
+        if all(done.get(tp, -1) >= high for tp, (_, high) in marks.items()) and query.caught_up():
+            break
+        time.sleep(0.2)
     elapsed = time.monotonic() - started
     spent = cpu.stop()
     query.stop()
