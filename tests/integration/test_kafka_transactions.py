@@ -61,11 +61,13 @@ def test_back_to_back_transactions_wait_for_the_markers(kafka_bootstrap: str, un
         producer.close()
     assert min(waits) >= _GAP_S, f"a transaction began {min(waits) * 1000:.2f} ms after the previous commit"
     refused = [line for line in lines.lines if "AddPartitionsToTxn response" in line]
-    # The gap covers the markers' write in all but rare stalls (a broker GC pause). On an idle broker even
-    # back-to-back transactions are seldom refused (~1 in 300 here), so this bound only catches a gap that
-    # stopped working altogether; the wait above is what fails without it. Under the latency benchmark's load,
-    # without the gap, p99 showed the 20 ms retries of about one Kafka transaction in twenty.
-    assert len(refused) <= _TRANSACTIONS // 20, refused[:3]
+    # The gap covers the markers' write in all but stalls (a broker GC pause, its JIT still warming). On an
+    # idle broker even back-to-back transactions are seldom refused (~1 in 300 here), yet a broker started
+    # moments before, early in a full test run, refused 11 of 200 with the gap. So this bound only catches a
+    # gap that stopped working altogether (most transactions refused); the wait above is what fails without
+    # it. Under the latency benchmark's load, without the gap, p99 showed the 20 ms retries of about one
+    # Kafka transaction in twenty.
+    assert len(refused) <= _TRANSACTIONS // 4, refused[:3]
 
     written = committed_records(kafka_bootstrap, table, 1, in_order=True)
     assert [value for _, _, value in written] == [f"v{i}".encode() for i in range(_TRANSACTIONS)]
