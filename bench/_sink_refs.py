@@ -138,7 +138,7 @@ def redis_native(url: str, prefix: str, changes: Changes, batch: int = 1000) -> 
         pipe.execute()
         return time.monotonic() - started
     finally:
-        for keys in _chunks(list(client.scan_iter(match=f"{prefix}:*", count=5000)), 5000):
+        for keys in chunks(list(client.scan_iter(match=f"{prefix}:*", count=5000)), 5000):
             client.delete(*keys)
         client.close()
 
@@ -191,7 +191,7 @@ def scan_cache(url: str, match: str) -> float:
     client = redis.Redis.from_url(url)
     try:
         started = time.monotonic()
-        for keys in _chunks(client.scan_iter(match=match, count=5000), 5000):
+        for keys in chunks(client.scan_iter(match=match, count=5000), 5000):
             pipe = client.pipeline(transaction=False)
             for key in keys:
                 pipe.hgetall(key)
@@ -217,7 +217,7 @@ def scan_warehouse(spark: Any, path: str) -> float:
     return time.monotonic() - started
 
 
-def _chunks(items: Any, size: int) -> Iterator[list[Any]]:
+def chunks(items: Any, size: int) -> Iterator[list[Any]]:
     chunk: list[Any] = []
     for item in items:
         chunk.append(item)
