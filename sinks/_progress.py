@@ -39,6 +39,12 @@ def checkpoint_offsets(checkpoint: Location) -> dict[tuple[str, int], int] | Non
     return None
 
 
+def reached(done: Mapping[tuple[str, int], int], ends: Mapping[tuple[str, int], tuple[int, int]]) -> bool:
+    """Whether a checkpoint's committed offsets (``done``) reach every partition's high watermark in ``ends``
+    ((low, high)); a partition the checkpoint does not name yet has read nothing (its low)."""
+    return all(done.get(tp, low) >= high for tp, (low, high) in ends.items())
+
+
 def batch_offsets(checkpoint: Location, batch: int) -> dict[tuple[str, int], int] | None:
     """The end offsets of batch ``batch`` (Spark writes ``offsets/N`` before it runs N); None when absent."""
     text = (checkpoint / "offsets" / str(batch)).read_text()

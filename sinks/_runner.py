@@ -27,7 +27,15 @@ from sinks._api import PartitionSink, Rebuildable, SinkContext
 from sinks._metrics import SinkMetrics
 from sinks._plugins import load
 from sinks._preflight import check_master, check_writable
-from sinks._progress import HEARTBEAT_S, REBUILD_FILE, STATUS_FILE, TopicEnds, batch_offsets, checkpoint_offsets
+from sinks._progress import (
+    HEARTBEAT_S,
+    REBUILD_FILE,
+    STATUS_FILE,
+    TopicEnds,
+    batch_offsets,
+    checkpoint_offsets,
+    reached,
+)
 from sinks._reader import Decoder, ensure_dead_letter_topic, open_stream
 from sinks._spark import PARALLELISM_KEYS, build_session, submitted_master, under_spark_submit
 from sinks._storage import S3_SCHEMES, Location, hadoop_conf
@@ -595,7 +603,7 @@ def _catch_up(q: SinkQuery, settings: SinkSettings, timeout_s: float) -> None:
             read = sum(min(high, done.get(tp, low)) - low for tp, (low, high) in marks.items())
             progress.update(task, total=total, completed=read)
             q.status.update(records_total=total, records_done=read)
-            return read >= total
+            return reached(done, marks)
         return None
 
     try:

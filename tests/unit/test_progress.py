@@ -8,7 +8,7 @@ from pathlib import Path
 
 from cdc._metrics import CaptureMetrics
 from sinks._config import SinksConfig, SinkSettings, StorageConfig
-from sinks._progress import checkpoint_offsets, sink_progress
+from sinks._progress import checkpoint_offsets, reached, sink_progress
 from sinks._storage import location
 
 
@@ -28,6 +28,14 @@ def test_the_newest_committed_batch_is_what_was_applied(tmp_path: Path) -> None:
     _batch(tmp_path, 1, {"p.public.a": {"0": 9}, "p.public.b": {"0": 3, "1": 4}}, committed=True)
     _batch(tmp_path, 2, {"p.public.a": {"0": 20}}, committed=False)  # planned, not done: not applied
     assert checkpoint_offsets(checkpoint) == {("p.public.a", 0): 9, ("p.public.b", 0): 3, ("p.public.b", 1): 4}
+
+
+def test_the_end_is_reached_only_when_every_partition_is() -> None:
+    ends = {("p.public.a", 0): (0, 9), ("p.public.b", 0): (4, 4)}  # b: compacted away, nothing left to read
+    assert reached({("p.public.a", 0): 9}, ends)
+    assert not reached({("p.public.a", 0): 8, ("p.public.b", 0): 4}, ends)
+    assert not reached({}, {("p.public.a", 0): (0, 9)}), "a partition the checkpoint does not name read nothing"
+    assert reached({}, {}), "no topics: nothing to read"
 
 
 def _settings(state: Path) -> SinkSettings:
