@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Sinks against the limits of the parts underneath them, measured on the same topic in the same run.
 
-    ~/.cache/pgcdc/venv/bin/python bench/sinks_bench.py [--rows 1000000] [--heavy-seconds 120] [--no-live]
+    ~/.cache/pgcdc/venv/bin/python bench/sinks_bench.py [--rows 1000000] [--heavy-seconds 120] [--no-live] [--cluster]
 
 1. Workload: a table of ``--rows`` rows (numeric, timestamptz, jsonb, and a 2.2 kB text stored out of line
    in one row of 20) is snapshotted into Kafka by `cdc run`, which then streams ~22 % of the rows updated
@@ -23,6 +23,10 @@
    sink's oldest unapplied change, sampled every second): p99 < 2 s for search and cache, < 20 s for the
    warehouse. Restart: `cdc sinks run` is SIGKILLed under load and started again; each sink's first batch
    after the restart against its median batch before: target ≤ 2x.
+Cluster (`--cluster`, scenario ``sinks-cluster``, instead of steps 3-5): each sink is rebuilt by `cdc sinks
+rebuild NAME` on local[*], then under spark-submit on the local standalone cluster (a master and two one-core
+workers) with checkpoints and warehouse in the local S3-compatible server; every phase timed, the local run as
+the reference (no target: the two workers share this machine's two cores with everything else).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import random
 import re
 import shutil
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -69,8 +74,16 @@ from sinks._config import load_sink_settings  # noqa: E402
 from sinks._progress import TopicEnds, checkpoint_offsets, reached, sink_progress  # noqa: E402
 from sinks._runner import SinkQuery, spark_session  # noqa: E402
 from tests import _services  # noqa: E402 - finds (or starts) the local services like the tests do
+from tests.integration._sinks_helpers import (  # noqa: E402 - spark-submit as the cluster tests run it
+    ObjectStore,
+    ObjectStoreBucket,
+    pgcdc_pex,
+    submit_command,
+    submit_env,
+)
 
 SCENARIO = "sinks"
+CLUSTER_SCENARIO = "sinks-cluster"
 SINKS = ("search", "cache", "warehouse")
 TABLE = "events"
 LIGHT_LIMIT_S = {"search": 1.5, "cache": 1.5}
@@ -111,8 +124,24 @@ class Env:
     def dsn(self) -> str:
         return dsn_for(self.admin, self.prefix)
 
-    def config(self, state: str) -> Path:
+    @property
+    def bucket(self) -> str:
+        return self.prefix.replace("_", "-")  # S3 bucket names have no underscores
+
+    def config(
+        self, state: str, bucket: ObjectStoreBucket | None = None, spark_conf: dict[str, str] | None = None
+    ) -> Path:
+        """The run's cdc.toml; state and warehouse in ``work`` or, with ``bucket``, in an object store, where
+        the search and cache sinks get names of their own (``-cl`` and ``:cl``) beside the local ones."""
         path = self.work / f"cdc-{state}.toml"
+        state_dir, warehouse, storage = str(self.work / state), str(self.work / f"warehouse-{state}"), ""
+        search, cache = "", ""
+        if spark_conf:
+            pairs = ", ".join(f"{json.dumps(k)} = {json.dumps(v)}" for k, v in spark_conf.items())
+            storage = f"spark_conf = {{ {pairs} }}\n"
+        if bucket is not None:
+            state_dir, warehouse, storage = bucket.uri(state), bucket.uri(f"warehouse-{state}"), bucket.toml()
+            search, cache = f'index_prefix = "{self.prefix}-cl"', f'namespace = "{self.prefix}:cl"'
         path.write_text(
             f"""[source]
 dsn = "{self.dsn}"
@@ -131,17 +160,19 @@ url = "{self.registry}"
 port = 0
 
 [sinks]
-state_dir = "{self.work / state}"
+state_dir = "{state_dir}"
 spark_jars = {json.dumps(self.jars)}
-
+{storage}
 [sinks.search]
 url = "{self.opensearch}"
+{search}
 
 [sinks.cache]
 url = "{self.redis_url}"
+{cache}
 
 [sinks.warehouse]
-path = "{self.work / f"warehouse-{state}"}"
+path = "{warehouse}"
 """
         )
         return path
@@ -421,16 +452,18 @@ def _natives(env: Env, spark: Any, changes: refs.Changes, result: Result) -> dic
 # -- 4. rebuilds --------------------------------------------------------------------------------------------
 
 
-def _rebuild(name: str, config: Path, log: Path) -> dict[str, float]:
-    """Run `cdc sinks rebuild NAME`; seconds from launch to its 'rebuilding', 'caught up' and final lines."""
+def _rebuild(name: str, config: Path, log: Path, launcher: list[str] | None = None) -> dict[str, float]:
+    """Run `cdc sinks rebuild NAME` (by ``launcher``: spark-submit …); seconds from launch to its 'rebuilding',
+    'caught up' and final lines."""
     marks: dict[str, float] = {}
     started = time.monotonic()
     with open(log, "ab") as out:
+        args = ["sinks", "rebuild", name, "--config", str(config), "--verify-wait", "60"]
         proc = subprocess.Popen(
-            [sys.executable, "-m", "cdc.cli", "sinks", "rebuild", name, "--config", str(config), "--verify-wait", "60"],
+            [*(launcher or [sys.executable, "-m", "cdc.cli"]), *args],
             stdout=subprocess.PIPE,
             stderr=out,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(submit_env() if launcher else {})},
         )
         assert proc.stdout is not None
         for raw in proc.stdout:
@@ -485,6 +518,63 @@ def _rebuilds(env: Env, replay_s: dict[str, float], records: int, result: Result
             )
         )
     result.series["rebuild_s"] = {k: {p: round(v, 2) for p, v in m.items()} for k, m in marks.items()}
+
+
+# -- 6. cluster ---------------------------------------------------------------------------------------------
+
+
+def _object_store() -> ObjectStore:
+    url = _services.find("s3").value
+    record = _services.deploy_record("s3")
+    # s3proxy predates the integrity checksums AWS's SDKs send by default (pyarrow's among them).
+    os.environ.setdefault("AWS_REQUEST_CHECKSUM_CALCULATION", "when_required")
+    os.environ.setdefault("AWS_RESPONSE_CHECKSUM_VALIDATION", "when_required")
+    return ObjectStore(url, record["access_key"], record["secret_key"], _services.find("spark-cloud-jars").value)
+
+
+def _cluster(env: Env, records: int, result: Result) -> None:
+    """Each sink rebuilt by `cdc sinks rebuild NAME` on local[*] (state in ``work``), then under spark-submit on
+    the standalone cluster with state and warehouse in S3; the local run is the cluster run's reference."""
+    store = _object_store()
+    bucket = store.bucket(env.bucket)
+    cluster_config = env.config("state-cluster", bucket)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    launcher = submit_command(
+        master=_services.find("spark-cluster").value,
+        pex=pgcdc_pex(Path(os.environ.get("CDC_LOCAL_CACHE", Path.home() / ".cache" / "pgcdc"))),
+        jars=env.jars,
+        ui_port=port,
+        classpath=store.classpath,
+    )
+    marks: dict[str, dict[str, dict[str, float]]] = {"local": {}, "cluster": {}}
+    for name in SINKS:
+        local = marks["local"][name] = _rebuild(name, env.config("state-live"), env.work / f"rebuild-{name}.log")
+        m = marks["cluster"][name] = _rebuild(name, cluster_config, env.work / f"cluster-{name}.log", launcher)
+        print(f"rebuild {name}: local {local}, cluster {m}", file=sys.stderr)
+        result.measures.append(
+            Measure(
+                f"{name} rebuild on the cluster + S3, start to swap",
+                "s",
+                round(m["exit"], 1),
+                reference=round(local["exit"], 1),
+                reference_name="local[*], local disk",
+                higher_is_better=False,
+                note=f"cluster: {_phases(m, records)}; local[*]: {_phases(local, records)}",
+            )
+        )
+    result.series["rebuild_s"] = {
+        where: {n: {p: round(v, 2) for p, v in m.items()} for n, m in by.items()} for where, by in marks.items()
+    }
+
+
+def _phases(m: dict[str, float], records: int) -> str:
+    replay = m["caught_up"] - m["rebuilding"]
+    return (
+        f"start-up {m['rebuilding']:.1f} s, replay {replay:.1f} s ({records / replay:,.0f} events/s), verify and "
+        f"swap {m['exit'] - m['caught_up']:.1f} s"
+    )
 
 
 # -- 5. live ------------------------------------------------------------------------------------------------
@@ -711,6 +801,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--heavy-seconds", type=float, default=120.0, help="seconds at 2,000 changes/s")
     parser.add_argument("--no-rebuild", action="store_true", help="skip step 4")
     parser.add_argument("--no-live", action="store_true", help="skip step 5")
+    parser.add_argument(
+        "--cluster",
+        action="store_true",
+        help="instead of steps 3-5: rebuild each sink locally and on the standalone cluster with S3 (sinks-cluster)",
+    )
     parser.add_argument("--keep", action="store_true", help="keep the scratch database, stores, topics and logs")
     return parser
 
@@ -765,8 +860,13 @@ def run(argv: list[str] | None = None) -> Result:
             "defaults": "shipped: trigger 1 s, maxOffsetsPerTrigger 200,000",
         },
     )
+    if args.cluster:
+        result.scenario = CLUSTER_SCENARIO
     try:
         changes = _workload(env, args.rows, result)
+        if args.cluster:
+            _cluster(env, changes.records, result)
+            return result
         replay_s = _replays(env, changes, result)
         records = changes.records
         del changes  # ~GBs of decoded rows
@@ -808,6 +908,10 @@ def _cleanup(env: Env) -> None:
     with contextlib.suppress(Exception):
         dbz.delete_topics(env.kafka, [env.topic, f"{env.prefix}.offsets", f"{env.prefix}.dead-letter"])
         dbz.delete_subjects(env.registry, [env.topic])
+    with contextlib.suppress(Exception):
+        store = _object_store().filesystem()
+        if store.get_file_info(env.bucket).type.name != "NotFound":
+            store.delete_dir(env.bucket)
     shutil.rmtree(env.work, ignore_errors=True)
 
 

@@ -272,6 +272,37 @@ def _run(cmd: list[str]) -> None:
         raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
 
 
+def submit_command(*, master: str, pex: Path | None, jars: list[str], ui_port: int, classpath: str = "") -> list[str]:
+    """spark-submit in client mode on ``master`` as docs/sinks.md gives it, up to the application's arguments
+    (cdc's: ``sinks run …``, ``sinks rebuild NAME …``)."""
+    spark_submit = Path(sys.executable).parent / "spark-submit"
+    # Jars already on the machines (the S3 connector): on the JVMs' classpath, not copied to each executor.
+    extra = ["--driver-class-path", classpath, "--conf", f"spark.executor.extraClassPath={classpath}"]
+    return [
+        str(spark_submit),
+        "--master", master,
+        "--deploy-mode", "client",
+        # No PEX: the executors run the machine's plain python3.11, which lacks pgcdc.
+        *(["--files", str(pex), "--conf", f"spark.pyspark.python=./{pex.name}"] if pex else []),
+        *([] if pex else ["--conf", "spark.pyspark.python=python3.11"]),
+        "--conf", f"spark.pyspark.driver.python={sys.executable}",
+        "--jars", ",".join(jars),
+        "--driver-memory", "1g",
+        "--executor-memory", "1g",
+        "--conf", f"spark.ui.port={ui_port}",
+        "--conf", "spark.ui.showConsoleProgress=false",
+        *(extra if classpath else []),
+        cdc("sinks", "spark-app").stdout.strip(),  # where the installed pgcdc keeps the file
+    ]  # fmt: skip
+
+
+def submit_env() -> dict[str, str]:
+    """pyspark's bin/spark-submit looks for Spark with whatever `python3` is first on PATH otherwise."""
+    import pyspark
+
+    return {"SPARK_HOME": str(Path(pyspark.__file__).parent)}
+
+
 class SubmittedSinks(SinksProcess):
     """`cdc sinks run` as spark-submit runs it on a standalone master, in client mode (docs/sinks.md)."""
 
@@ -287,33 +318,11 @@ class SubmittedSinks(SinksProcess):
         classpath: str = "",
         names: list[str] | None = None,
     ) -> None:
-        spark_submit = Path(sys.executable).parent / "spark-submit"
-        # Jars already on the machines (the S3 connector): on the JVMs' classpath, not copied to each executor.
-        extra = ["--driver-class-path", classpath, "--conf", f"spark.executor.extraClassPath={classpath}"]
-        launcher = [
-            str(spark_submit),
-            "--master", master,
-            "--deploy-mode", "client",
-            # No PEX: the executors run the machine's plain python3.11, which lacks pgcdc.
-            *(["--files", str(pex), "--conf", f"spark.pyspark.python=./{pex.name}"] if pex else []),
-            *([] if pex else ["--conf", "spark.pyspark.python=python3.11"]),
-            "--conf", f"spark.pyspark.driver.python={sys.executable}",
-            "--jars", ",".join(jars),
-            "--driver-memory", "1g",
-            "--executor-memory", "1g",
-            "--conf", f"spark.ui.port={ui_port}",
-            "--conf", "spark.ui.showConsoleProgress=false",
-            *(extra if classpath else []),
-            cdc("sinks", "spark-app").stdout.strip(),  # where the installed pgcdc keeps the file
-        ]  # fmt: skip
         super().__init__(config, log, names)
-        self.launcher = launcher
+        self.launcher = submit_command(master=master, pex=pex, jars=jars, ui_port=ui_port, classpath=classpath)
         self.args = ["--log-level", "info", *self.args]
         self.ui = f"http://127.0.0.1:{ui_port}/api/v1"
-        import pyspark
-
-        # pyspark's bin/spark-submit looks for Spark with whatever `python3` is first on PATH otherwise.
-        self.env = {"SPARK_HOME": str(Path(pyspark.__file__).parent)}
+        self.env = submit_env()
 
     def stop(self) -> int:
         """SIGTERM to the driver's Python and spark-submit's JVM together; the driver's exit code."""
