@@ -236,6 +236,9 @@ port = {_DEMO_METRICS_PORT}
             "group.id": f"pgcdc-demo-{time.time_ns()}",
             "auto.offset.reset": "earliest",
             "isolation.level": "read_committed",
+            # It subscribes before the capture has created the topics; librdkafka looks for them again only at
+            # each metadata refresh (every 5 minutes by default), so a topic made later would stay unread.
+            "topic.metadata.refresh.interval.ms": 1000,
         }
     )
     counts: dict[str, dict[str, int]] = {t: {} for t in topics}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import secrets
 import subprocess
 import sys
@@ -301,10 +302,18 @@ def test_demo_command_captures_a_live_workload(pg_dsn: str, kafka_bootstrap: str
         text=True,
         check=False,
         timeout=300,
+        env={**os.environ, "COLUMNS": "200"},  # the live table's rows on one line each
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "demo.public.orders" in proc.stdout
     assert "capture stopped (exit 0)" in proc.stdout
+    # The last drawing of the live table: every table's topic shows the events read back (the orders topic is
+    # created after the demo's consumer subscribes, and must be read all the same).
+    for topic in ("demo.public.customers", "demo.public.orders"):
+        rows = [line for line in proc.stdout.splitlines() if f" {topic} " in line]
+        assert rows, f"{topic} is not in the demo's table:\n{proc.stdout[-3000:]}"
+        cells = [c.strip() for c in rows[-1].split("\u2502")]  # rich's box-drawing column separator
+        counts = [int(c) for c in cells[2:7]]  # r, c, u, d, tombstone
+        assert sum(counts) > 0, f"no events of {topic} read back:\n{rows[-1]}"
 
 
 def test_a_second_instance_fences_the_first_and_takes_over(

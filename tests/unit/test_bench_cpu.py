@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -36,16 +37,22 @@ def test_a_child_that_has_ended_still_counts_in_its_parents_tree() -> None:
 
 
 def test_a_live_child_counts_in_its_parents_tree() -> None:
-    child = subprocess.Popen([sys.executable, "-c", _BURN.format(s=0.4) + "time.sleep(30)\n"])
+    # A parent of its own: this test process's tree also holds whatever other tests left running, whose
+    # exits move their CPU out of it while we measure.
+    burner = _BURN.format(s=0.4) + "time.sleep(30)\n"
+    spawn = f"import subprocess, sys, time\nsubprocess.Popen([sys.executable, '-c', {burner!r}])\ntime.sleep(30)\n"
+    parent = subprocess.Popen([sys.executable, "-c", spawn], start_new_session=True)
     try:
-        before = _cpu.tree_cpu(os.getpid())
         deadline = time.monotonic() + 20
-        while _cpu.tree_cpu(child.pid) < 0.35 and time.monotonic() < deadline:
+        while _cpu.tree_cpu(parent.pid) < 0.35 and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert _cpu.tree_cpu(os.getpid()) - before >= 0.3  # the child's burn, not yet reaped
+        found = _cpu.stat(Path(f"/proc/{parent.pid}/stat"))
+        assert found is not None
+        assert _cpu.own_cpu(found[1]) < 0.3  # the burn is the child's, not yet reaped...
+        assert _cpu.tree_cpu(parent.pid) >= 0.35  # ...and counts in its parent's tree
     finally:
-        child.kill()
-        child.wait()
+        os.killpg(parent.pid, signal.SIGKILL)  # the parent and its child
+        parent.wait()
 
 
 def test_threads_split_into_main_librdkafka_and_the_rest_which_keeps_ended_threads() -> None:
