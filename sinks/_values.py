@@ -350,7 +350,9 @@ def search_mapping(avro: AvroType, names: Names, namespace: str | None = None) -
         return {"type": "date", "format": "strict_date", "ignore_malformed": True}
     if logical in ("timestamp-micros", "local-timestamp-micros"):
         return {"type": "date_nanos", "format": "strict_date_optional_time_nanos", "ignore_malformed": True}
-    if logical == "uuid":
+    if logical in ("uuid", "time-micros"):
+        # A time of day is "HH:MM:SS.ffffff" (24:00:00 included): OpenSearch has no type for it, and the fixed
+        # width makes a keyword's order the time's order.
         return {"type": "keyword"}
     simple: dict[str, dict[str, Any]] = {
         "boolean": {"type": "boolean"},

@@ -181,6 +181,36 @@ def test_search_mappings() -> None:
     assert search_mapping({"type": "array", "items": "int"}, Names()) == {"type": "object", "enabled": False}
 
 
+@pytest.mark.parametrize(
+    ("avro", "value"),
+    [
+        ({"type": "long", "logicalType": "time-micros"}, 45_296_789_000),
+        ({"type": "long", "logicalType": "time-micros"}, 86_400_000_000),  # 24:00:00
+        ({"type": "int", "logicalType": "date"}, 19_000),
+        ({"type": "long", "logicalType": "timestamp-micros"}, 1_767_323_045_123_456),
+        ({"type": "string", "logicalType": "uuid"}, "a0eebc99-9c0b-4ef8-bb6d-6bb9bd380a11"),
+        ("long", 7),
+        ("double", 1.5),
+        ("bytes", b"\x00"),
+    ],
+)
+def test_each_search_mapping_takes_the_document_form_of_its_type(avro: Any, value: Any) -> None:
+    """A field's mapping must accept the document form the sink writes, or OpenSearch refuses the whole row."""
+    doc = doc_converter(avro, Names(), spark=False)(value)
+    accepts = {
+        "long": int,
+        "integer": int,
+        "double": (int, float),
+        "keyword": str,
+        "date": str,
+        "date_nanos": str,
+        "binary": str,
+        "text": str,
+    }
+    mapped = search_mapping(avro, Names())["type"]
+    assert isinstance(doc, accepts[mapped]), f"{avro}: {doc!r} into a {mapped} field"
+
+
 def test_sink_settings_read_the_shared_file_and_ignore_capture_keys(tmp_path: Any) -> None:
     path = tmp_path / "cdc.toml"
     path.write_text(
