@@ -127,7 +127,7 @@ def _one(rows: int) -> tuple[float, dict[str, int]]:
             sb._capture(env, rows, config, log)
         filled = _fill(env, config)
         seconds, peaks = _verify(config, env.work / "verify.log")
-        print(f"{rows:,} rows: warehouse filled in {filled:.0f} s, verify {seconds:.0f} s", file=sys.stderr)
+        print(f"{rows:,} rows: warehouse filled in {filled:.0f} s, verify {seconds:.0f} s, peak RSS (bytes) {peaks}")
         return seconds, peaks
     finally:
         sb._cleanup(env)

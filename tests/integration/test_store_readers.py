@@ -67,8 +67,9 @@ def _documented(column_type: str, expected: Any, text: bytes | None) -> Any:
     return _SKIP
 
 
-_BY_HAND = ("boolean", "real", "double precision", "numeric", "numeric(12,2)", "text", "bytea", "date")
-_BY_HAND += ("timestamp", "timestamptz")
+_BY_HAND = frozenset(
+    ("boolean", "real", "double precision", "numeric", "numeric(12,2)", "text", "bytea", "date", "timestamp")
+) | {"timestamptz"}
 
 
 def _search_rows(url: str, alias: str) -> dict[int, dict[str, Any]]:

@@ -197,7 +197,7 @@ def test_search_mappings() -> None:
 def test_each_search_mapping_takes_the_document_form_of_its_type(avro: Any, value: Any) -> None:
     """A field's mapping must accept the document form the sink writes, or OpenSearch refuses the whole row."""
     doc = doc_converter(avro, Names(), spark=False)(value)
-    accepts = {
+    accepts: dict[str, type | tuple[type, ...]] = {
         "long": int,
         "integer": int,
         "double": (int, float),
