@@ -49,11 +49,20 @@ def tree_cpu(pid: int) -> float:
         return 0.0
     fields = found[1]
     total = sum(int(fields[i]) for i in (11, 12, 13, 14)) / _CLK_TCK  # utime, stime, cutime, cstime
+    return total + sum(tree_cpu(child) for child in children(pid))
+
+
+def children(pid: int) -> list[int]:
+    """The live children of a process (its main thread's; none once it has ended)."""
     try:
-        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
     except OSError:
-        children = []
-    return total + sum(tree_cpu(int(child)) for child in children)
+        return []
+
+
+def tree(pid: int) -> list[int]:
+    """A process and its live descendants."""
+    return [pid, *(p for child in children(pid) for p in tree(child))]
 
 
 def thread_cpu(pid: int) -> dict[str, float]:

@@ -26,7 +26,9 @@ for _p in (str(ROOT), str(BENCH)):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-import sinks_bench as sb  # noqa: E402 - a sibling module: bench/ is not a package
+import _cpu  # noqa: E402 - sibling modules: bench/ is not a package
+import _debezium as dbz  # noqa: E402
+import sinks_bench as sb  # noqa: E402
 from _report import Measure, Result, write_result  # noqa: E402
 
 from sinks._config import load_sink_settings  # noqa: E402
@@ -38,47 +40,27 @@ LIMIT = 1.2  # the largest size's peak within 20 % of the smallest's
 
 
 class _PeakRss(threading.Thread):
-    """The highest VmHWM seen of a process and of each of its descendants, by command name, every 0.2 s."""
+    """The highest VmHWM (MiB) seen of a process and of each of its descendants, by kind, every 0.2 s."""
 
     def __init__(self, pid: int) -> None:
         super().__init__(name="rss", daemon=True)
         self.pid = pid
-        self.peaks: dict[int, tuple[str, int]] = {}
+        self.peaks: dict[int, tuple[str, float]] = {}
         self.halt = threading.Event()
 
     def run(self) -> None:
         while not self.halt.is_set():
-            for pid in self._tree(self.pid):
-                self._sample(pid)
+            for pid in _cpu.tree(self.pid):
+                found = _cpu.stat(Path(f"/proc/{pid}/stat"))
+                if found is not None:
+                    kind = "jvm" if found[0] == "java" else "python"
+                    self.peaks[pid] = (kind, max(self.peaks.get(pid, (kind, 0.0))[1], dbz.peak_rss_mb(pid)))
             self.halt.wait(0.2)
 
-    def _tree(self, pid: int) -> list[int]:
-        out = [pid]
-        try:
-            for task in Path(f"/proc/{pid}/task").iterdir():
-                for child in (task / "children").read_text().split():
-                    out += self._tree(int(child))
-        except OSError:
-            pass
-        return out
-
-    def _sample(self, pid: int) -> None:
-        try:
-            status = Path(f"/proc/{pid}/status").read_text()
-        except OSError:
-            return
-        fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
-        if "VmHWM" not in fields:
-            return
-        hwm = int(fields["VmHWM"].split()[0]) * 1024
-        name = "jvm" if fields["Name"].strip() == "java" else "python"
-        if hwm >= self.peaks.get(pid, ("", 0))[1]:
-            self.peaks[pid] = (name, hwm)
-
-    def by_kind(self) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for name, peak in self.peaks.values():
-            out[name] = out.get(name, 0) + peak
+    def by_kind(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for kind, peak in self.peaks.values():
+            out[kind] = out.get(kind, 0.0) + peak
         return out
 
 
@@ -101,8 +83,8 @@ def _fill(env: sb.Env, config: Path) -> float:
     return time.monotonic() - started
 
 
-def _verify(config: Path, log: Path) -> tuple[float, dict[str, int]]:
-    """`cdc verify warehouse`: seconds and peak RSS (bytes) by process kind."""
+def _verify(config: Path, log: Path) -> tuple[float, dict[str, float]]:
+    """`cdc verify warehouse`: seconds and peak RSS (MiB) by process kind."""
     started = time.monotonic()
     with open(log, "ab") as out:
         proc = subprocess.Popen(
@@ -118,7 +100,7 @@ def _verify(config: Path, log: Path) -> tuple[float, dict[str, int]]:
     return time.monotonic() - started, rss.by_kind()
 
 
-def _one(rows: int) -> tuple[float, dict[str, int]]:
+def _one(rows: int) -> tuple[float, dict[str, float]]:
     env = sb._env()
     try:
         sb._create(env, rows)
@@ -127,7 +109,7 @@ def _one(rows: int) -> tuple[float, dict[str, int]]:
             sb._capture(env, rows, config, log)
         filled = _fill(env, config)
         seconds, peaks = _verify(config, env.work / "verify.log")
-        print(f"{rows:,} rows: warehouse filled in {filled:.0f} s, verify {seconds:.0f} s, peak RSS (bytes) {peaks}")
+        print(f"{rows:,} rows: warehouse filled in {filled:.0f} s, verify {seconds:.0f} s, peak RSS (MiB) {peaks}")
         return seconds, peaks
     finally:
         sb._cleanup(env)
@@ -147,10 +129,10 @@ def run(argv: list[str] | None = None) -> Result:
             Measure(
                 f"cdc verify warehouse peak RSS, {rows:,} rows",
                 "MiB",
-                round(total / 2**20),
+                round(total),
                 higher_is_better=False,
-                limit=None if rows == sizes[0] else round(LIMIT * base / 2**20),
-                note=f"Python {peaks.get('python', 0) / 2**20:,.0f} MiB + JVM {peaks.get('jvm', 0) / 2**20:,.0f} "
+                limit=None if rows == sizes[0] else round(LIMIT * base),
+                note=f"Python {peaks.get('python', 0):,.0f} MiB + JVM {peaks.get('jvm', 0):,.0f} "
                 f"MiB (each one's VmHWM); verify took {seconds:.0f} s ({rows / seconds:,.0f} rows/s)"
                 + ("" if rows == sizes[0] else f"; limit: {LIMIT:g}x the {sizes[0]:,}-row run"),
             )

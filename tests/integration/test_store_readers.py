@@ -27,13 +27,13 @@ import redis
 from opensearchpy import OpenSearch, helpers
 from psycopg import sql
 
-from sinks._values import Names, doc_converter
 from tests.integration._capture_helpers import wait_for
 from tests.integration._sinks_helpers import SinksProcess, Stack
 from tests.integration.test_capture_zoo import SourceColumn, insert_rows, source_columns
 from tests.integration.test_capture_zoo import zoo_table as zoo_table  # noqa: PLC0414 - the fixture, for pytest
 from tests.integration.test_types_zoo import INT32_MAX, INT32_MIN, INT64_MAX, INT64_MIN, TEXT, ZOO, Zoo
 from tests.integration.test_types_zoo import zoo as zoo  # noqa: PLC0414 - the fixture, re-exported for pytest
+from tests.integration.test_warehouse_readers import check_every_column
 from tests.unit.test_types import same
 
 pytestmark = pytest.mark.timeout(1200)
@@ -108,7 +108,7 @@ def test_plain_clients_read_every_zoo_value_in_the_documented_form(
     for reader, got in stored.items():
         assert sorted(got) == sorted(columns[0].texts), reader  # every row, once
         _check_by_hand(got, columns, reader)
-        _check_every_column(got, columns, reader)
+        check_every_column(got, columns, reader, spark_values=False)
 
 
 @contextlib.contextmanager
@@ -156,15 +156,3 @@ def _check_by_hand(got: dict[int, dict[str, Any]], columns: list[SourceColumn], 
             if not same(value, want):
                 mismatches.append(f"{column_type} {expression}: got {value!r}, expected {want!r}")
     assert not mismatches, f"{where}: {len(mismatches)} mismatches:\n" + "\n".join(mismatches)
-
-
-def _check_every_column(got: dict[int, dict[str, Any]], columns: list[SourceColumn], where: str) -> None:
-    """Every zoo column: what the client read against the document form of PostgreSQL's value."""
-    mismatches = []
-    for i, column in enumerate(columns):
-        documented = doc_converter(column.mapping.schema, Names(), spark=False)
-        for row_id, value in column.values().items():
-            stored, expected = got[row_id].get(f"c{i}"), documented(value)
-            if not same(stored, expected):
-                mismatches.append(f"row {row_id} {column.column_type}: got {stored!r}, expected {expected!r}")
-    assert not mismatches, f"{where}: {len(mismatches)} mismatches:\n" + "\n".join(mismatches[:20])
