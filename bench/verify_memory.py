@@ -95,8 +95,10 @@ def _verify(config: Path, log: Path) -> tuple[float, dict[str, float]]:
         code = proc.wait()
         rss.halt.set()
         rss.join()
-    if code != 0:
-        raise RuntimeError(f"cdc verify warehouse exited {code}: {log}")
+    if code != 0:  # the work directory goes with the cleanup: its account goes to stderr first
+        tail = log.read_text(errors="replace").splitlines()[-60:]
+        print("\n".join(tail), file=sys.stderr)
+        raise RuntimeError(f"cdc verify warehouse exited {code}")
     return time.monotonic() - started, rss.by_kind()
 
 

@@ -93,7 +93,13 @@ class SinksConfig(_Section):
     )
     tables: tuple[str, ...] = Field(default=(), description="'schema.table' names to keep; empty = every table")
     trigger_interval_s: float = Field(default=1.0, ge=0)
-    max_offsets_per_trigger: int | None = Field(default=200_000, ge=1)
+    max_offsets_per_trigger: int | None = Field(default=200_000, ge=1, description="records a batch reads at most")
+    rebuild_max_offsets_per_trigger: int | None = Field(
+        default=5_000_000,
+        ge=1,
+        description="records a rebuild's batch reads at most: large, so a rebuild dedupes across much of the topic "
+        "and its first batch is a bulk load (null: no bound)",
+    )
     dead_letter_topic: str | None = Field(default=None, description="default: <topic_prefix>.dead-letter")
     spark_master: str | None = Field(default="local[2]", description="null: leave it to spark-submit")
     spark_jars: Annotated[tuple[str, ...], NoDecode] = Field(

@@ -53,8 +53,14 @@ def kafka_options(settings: SinkSettings) -> dict[str, str]:
     return options
 
 
-def open_stream(spark: SparkSession, settings: SinkSettings) -> DataFrame:
-    """The streaming DataFrame of change records (from offset zero unless a checkpoint says otherwise)."""
+def open_stream(spark: SparkSession, settings: SinkSettings, *, rebuild: bool = False) -> DataFrame:
+    """The streaming DataFrame of change records (from offset zero unless a checkpoint says otherwise).
+
+    A rebuild reads in larger batches (``rebuild_max_offsets_per_trigger``): a new generation has no reader,
+    so latency does not matter, and each batch's fold dedupes across everything it read. Its first batch is a
+    bulk load (the warehouse appends instead of merging), and every later one pays a guarded write against
+    a growing copy (a MERGE rewrites the files its keys fall in), so fewer, larger batches cost less.
+    """
     reader = spark.readStream.format("kafka").options(**kafka_options(settings))
     reader = reader.option("subscribePattern", settings.topic_pattern())
     reader = reader.option("startingOffsets", "earliest")
@@ -62,8 +68,9 @@ def open_stream(spark: SparkSession, settings: SinkSettings) -> DataFrame:
     reader = reader.option("failOnDataLoss", "false")
     # New tables (topics) are picked up within seconds rather than the consumer's default five minutes.
     reader = reader.option("kafka.metadata.max.age.ms", "5000")
-    if settings.sinks.max_offsets_per_trigger:
-        reader = reader.option("maxOffsetsPerTrigger", str(settings.sinks.max_offsets_per_trigger))
+    most = settings.sinks.rebuild_max_offsets_per_trigger if rebuild else settings.sinks.max_offsets_per_trigger
+    if most:
+        reader = reader.option("maxOffsetsPerTrigger", str(most))
     return reader.load().select("topic", "partition", "offset", "key", "value")
 
 

@@ -132,7 +132,7 @@ class SinkQuery:
         *,
         follow_swaps: bool = True,
         sink: Any | None = None,
-        status_file: str = STATUS_FILE,
+        rebuild: bool = False,
         metrics: SinkMetrics | None = None,
     ) -> None:
         self.name, self.settings, self.generation = name, settings, generation
@@ -147,11 +147,14 @@ class SinkQuery:
             sink.open(SinkContext(name, settings, {}, generation, self.spark))
         self.decoder = Decoder(settings)
         self.shuffle_partitions = int(self.spark.conf.get("spark.sql.shuffle.partitions") or 200)
-        self.follow_swaps = follow_swaps and isinstance(self.sink, Rebuildable)
+        # A rebuild's query writes a generation nobody serves yet, beside a running app it must not disturb:
+        # it never follows swaps, keeps its own status file, and reads in a rebuild's larger batches.
+        self.rebuild = rebuild
+        self.follow_swaps = follow_swaps and not rebuild and isinstance(self.sink, Rebuildable)
         base = settings.state() / name
         self.checkpoint = base / f"g{generation}" / "checkpoint"
         self.checkpoint.make_dirs()
-        self.status = _Status.load(base / status_file)
+        self.status = _Status.load(base / (REBUILD_FILE if rebuild else STATUS_FILE))
         self.status.update(generation=generation)
         self.metrics = metrics
         self.query: StreamingQuery | None = None
@@ -159,7 +162,7 @@ class SinkQuery:
     def start(self) -> StreamingQuery:
         interval = self.settings.sinks.trigger_interval_s
         writer = (
-            open_stream(self.spark, self.settings)
+            open_stream(self.spark, self.settings, rebuild=self.rebuild)
             .writeStream.queryName(f"pgcdc-sink-{self.name}-g{self.generation}")
             .option("checkpointLocation", self.checkpoint.uri)
             .foreachBatch(self._batch)
@@ -556,7 +559,7 @@ def rebuild(
     report(f"rebuilding {name}: generation {new} from offset zero, while generation {current} keeps serving")
     # The rebuild's own status file: the served generation's status.json stays the running app's.
     (settings.state() / name / REBUILD_FILE).remove()
-    q = SinkQuery(name, settings, spark, new, follow_swaps=False, status_file=REBUILD_FILE)
+    q = SinkQuery(name, settings, spark, new, rebuild=True)
     status = q.status
     status.update(state="running", serving=current, started_at=time.time())
     q.start()

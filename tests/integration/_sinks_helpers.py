@@ -41,9 +41,10 @@ class Stack:
         unique: str,
         workdir: Path,
         bucket: ObjectStoreBucket | None = None,
+        sinks_settings: str = "",
     ) -> CdcConfig:
         """The capture's and the sinks' configuration in one file, state and warehouse under ``workdir``, or
-        in ``bucket`` of an object store."""
+        in ``bucket`` of an object store; ``sinks_settings``: more lines of ``[sinks]``."""
         state, warehouse, storage = str(workdir / "state"), str(workdir / "warehouse"), ""
         if bucket is not None:
             state, warehouse, storage = bucket.uri("state"), bucket.uri("warehouse"), bucket.toml()
@@ -61,6 +62,7 @@ state_dir = "{state}"
 trigger_interval_s = 1.0
 metrics_port = 0
 spark_jars = {json.dumps(self.spark_jars)}
+{sinks_settings}
 {storage}
 
 [sinks.search]

@@ -18,6 +18,9 @@ import pytest
 import redis
 from opensearchpy import OpenSearch
 
+from sinks._config import StorageConfig
+from sinks._progress import batch_offsets
+from sinks._storage import location
 from tests.integration._capture_helpers import scratch_database, wait_for
 from tests.integration._sinks_helpers import (
     PIPELINE_TABLES,
@@ -31,6 +34,7 @@ from tests.integration._sinks_helpers import (
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
+LIVE_BATCH = 1000
 
 
 @pytest.fixture
@@ -44,7 +48,15 @@ def test_pipeline_survives_kills_and_rebuilds_with_no_drift(
 ) -> None:
     create_pipeline_tables(source)
     prefix = f"t{unique}"
-    cfg = stack.config(source, PIPELINE_TABLES, prefix=prefix, unique=unique, workdir=tmp_path)
+    # Small live batches, so that a rebuild's one large batch (rebuild_max_offsets_per_trigger) shows.
+    cfg = stack.config(
+        source,
+        PIPELINE_TABLES,
+        prefix=prefix,
+        unique=unique,
+        workdir=tmp_path,
+        sinks_settings=f"max_offsets_per_trigger = {LIVE_BATCH}",
+    )
     capture = cfg.start(tmp_path)
     config = tmp_path / "cdc.toml"
     sinks = SinksProcess(config, tmp_path / "sinks.log")
@@ -118,6 +130,11 @@ def test_pipeline_survives_kills_and_rebuilds_with_no_drift(
                 assert 0.5 * progress["records_total"] <= progress["records_done"] <= progress["records_total"], (
                     progress
                 )
+                # It caught up in one batch, larger than the live app's (the workload had ended): a bulk load.
+                checkpoint = location(tmp_path / "state" / name / "g2" / "checkpoint", StorageConfig())
+                assert progress["records_total"] > LIVE_BATCH, progress
+                assert batch_offsets(checkpoint, 0), name
+                assert batch_offsets(checkpoint, 1) is None, name
         finally:
             reading.set()
             read_thread.join(10)
