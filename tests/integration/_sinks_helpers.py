@@ -12,6 +12,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,10 +42,9 @@ class Stack:
         unique: str,
         workdir: Path,
         bucket: ObjectStoreBucket | None = None,
-        sinks_settings: str = "",
     ) -> CdcConfig:
         """The capture's and the sinks' configuration in one file, state and warehouse under ``workdir``, or
-        in ``bucket`` of an object store; ``sinks_settings``: more lines of ``[sinks]``."""
+        in ``bucket`` of an object store."""
         state, warehouse, storage = str(workdir / "state"), str(workdir / "warehouse"), ""
         if bucket is not None:
             state, warehouse, storage = bucket.uri("state"), bucket.uri("warehouse"), bucket.toml()
@@ -62,7 +62,6 @@ state_dir = "{state}"
 trigger_interval_s = 1.0
 metrics_port = 0
 spark_jars = {json.dumps(self.spark_jars)}
-{sinks_settings}
 {storage}
 
 [sinks.search]
@@ -142,9 +141,15 @@ path_style = true
 """
 
 
-def cdc(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+def cdc(*args: str, timeout: float = 600, env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """``cdc ARGS``; ``env``: variables added to this process's environment (settings: ``CDC_…``)."""
     return subprocess.run(
-        [sys.executable, "-m", "cdc.cli", *args], capture_output=True, text=True, timeout=timeout, check=False
+        [sys.executable, "-m", "cdc.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+        env={**os.environ, **env} if env else None,
     )
 
 

@@ -34,6 +34,7 @@ from tests.integration._sinks_helpers import (
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
+# The rebuilds run with live batches this small, so that a rebuild's own, larger bound shows.
 LIVE_BATCH = 1000
 
 
@@ -48,15 +49,7 @@ def test_pipeline_survives_kills_and_rebuilds_with_no_drift(
 ) -> None:
     create_pipeline_tables(source)
     prefix = f"t{unique}"
-    # Small live batches, so that a rebuild's one large batch (rebuild_max_offsets_per_trigger) shows.
-    cfg = stack.config(
-        source,
-        PIPELINE_TABLES,
-        prefix=prefix,
-        unique=unique,
-        workdir=tmp_path,
-        sinks_settings=f"max_offsets_per_trigger = {LIVE_BATCH}",
-    )
+    cfg = stack.config(source, PIPELINE_TABLES, prefix=prefix, unique=unique, workdir=tmp_path)
     capture = cfg.start(tmp_path)
     config = tmp_path / "cdc.toml"
     sinks = SinksProcess(config, tmp_path / "sinks.log")
@@ -119,7 +112,15 @@ def test_pipeline_survives_kills_and_rebuilds_with_no_drift(
         read_thread.start()
         try:
             for name in SINKS:
-                result = cdc("sinks", "rebuild", name, "--config", str(config), timeout=900)
+                result = cdc(
+                    "sinks",
+                    "rebuild",
+                    name,
+                    "--config",
+                    str(config),
+                    timeout=900,
+                    env={"CDC_SINKS__MAX_OFFSETS_PER_TRIGGER": str(LIVE_BATCH)},
+                )
                 assert result.returncode == 0, f"{name}:\n{result.stdout}\n{result.stderr}"
                 assert "generation 2 is now served" in result.stdout
                 # Its progress, as the dashboard and `cdc status` read it (the workload goes on meanwhile, so
@@ -130,7 +131,7 @@ def test_pipeline_survives_kills_and_rebuilds_with_no_drift(
                 assert 0.5 * progress["records_total"] <= progress["records_done"] <= progress["records_total"], (
                     progress
                 )
-                # It caught up in one batch, larger than the live app's (the workload had ended): a bulk load.
+                # It caught up in one batch (the workload had ended), larger than a live batch: a bulk load.
                 checkpoint = location(tmp_path / "state" / name / "g2" / "checkpoint", StorageConfig())
                 assert progress["records_total"] > LIVE_BATCH, progress
                 assert batch_offsets(checkpoint, 0), name
