@@ -61,7 +61,7 @@ from cdc._events import Position, TableCodec
 from cdc.errors import KafkaSetupError, TransientError
 
 if TYPE_CHECKING:
-    from cdc._capture import Capture
+    from cdc._config import Settings
 
 log = logging.getLogger(__name__)
 
@@ -416,8 +416,8 @@ def _error(exc: KafkaException, doing: str) -> Exception:
 class Reconciler:
     """What a snapshot needs to tombstone what the source lost: one consumer and the writer schemas."""
 
-    def __init__(self, capture: Capture) -> None:
-        self.capture = capture
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
         self._reader: TopicReader | None = None
         self._registry: SchemaRegistryClient | None = None
         self._schemas: dict[int, Any | None] = {}
@@ -431,7 +431,7 @@ class Reconciler:
         if self._reader is None:
             # The capture's own Kafka client settings (security included), as the offsets topic is read.
             self._reader = TopicReader(
-                self.capture._kafka_conf(), f"pgcdc-resnapshot-{self.capture.settings.source.slot}"
+                self.settings.kafka.client_conf(), f"pgcdc-resnapshot-{self.settings.source.slot}"
             )
         return self._reader
 
@@ -439,7 +439,7 @@ class Reconciler:
         """The writer schema of ``schema_id`` (logical types stripped); None when the registry does not know it."""
         if schema_id not in self._schemas:
             if self._registry is None:
-                self._registry = SchemaRegistryClient({"timeout": 30, **self.capture._registry_conf()})
+                self._registry = SchemaRegistryClient({"timeout": 30, **self.settings.registry.client_conf()})
             try:
                 text = self._registry.get_schema(schema_id).schema_str
                 self._schemas[schema_id] = parse_plain(text) if text else None

@@ -374,7 +374,7 @@ class Snapshotter:
         codecs = {t.qualified: self._codec(t) for t in tables}
         # Before anything is written: the keys live in each table's topic, to delete those the source no
         # longer has when the table's snapshot ends (cdc/_resnapshot.py; nothing is read for an empty topic).
-        reconciler = Reconciler(self.capture)
+        reconciler = Reconciler(self.capture.settings)
         try:
             for t in tables:
                 progress = self.snap["tables"].setdefault(t.qualified, {})
