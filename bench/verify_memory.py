@@ -32,7 +32,7 @@ import sinks_bench as sb  # noqa: E402
 from _report import Measure, Result, write_result  # noqa: E402
 
 from sinks._config import load_sink_settings  # noqa: E402
-from sinks._progress import TopicEnds, checkpoint_offsets, reached  # noqa: E402
+from sinks._progress import TopicEnds, checkpoint_location, checkpoint_offsets, reached  # noqa: E402
 
 SCENARIO = "verify-memory"
 DRIVER_MEMORY = "1g"
@@ -72,7 +72,7 @@ def _fill(env: sb.Env, config: Path) -> float:
         marks = ends.read()
     finally:
         ends.close()
-    checkpoint = settings.state() / "warehouse" / "g1" / "checkpoint"
+    checkpoint = checkpoint_location(settings.state(), "warehouse", 1)
     started = time.monotonic()
     with open(env.work / "sinks.log", "ab") as log:
         proc = sb._cdc(["sinks", "run", "warehouse", "--config", str(config)], log)

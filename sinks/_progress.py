@@ -45,6 +45,11 @@ def reached(done: Mapping[tuple[str, int], int], ends: Mapping[tuple[str, int], 
     return all(done.get(tp, low) >= high for tp, (low, high) in ends.items())
 
 
+def checkpoint_location(state: Location, sink: str, generation: int) -> Location:
+    """Where the query of ``sink``'s generation ``generation`` keeps its checkpoint, under ``sinks.state_dir``."""
+    return state / sink / f"g{generation}" / "checkpoint"
+
+
 def batch_offsets(checkpoint: Location, batch: int) -> dict[tuple[str, int], int] | None:
     """The end offsets of batch ``batch`` (Spark writes ``offsets/N`` before it runs N); None when absent."""
     text = (checkpoint / "offsets" / str(batch)).read_text()
@@ -148,7 +153,7 @@ def sink_progress(
             continue  # not a sink's directory
         status = _parse_json(text)
         generation = status.get("generation")
-        checkpoint = base / name / f"g{generation}" / "checkpoint" if isinstance(generation, int) else None
+        checkpoint = checkpoint_location(base, name, generation) if isinstance(generation, int) else None
         lag: int | None
         lag, parts = _lag(checkpoint, ends)
         last_ts = status.get("last_source_ts_ms")
@@ -173,7 +178,7 @@ def sink_progress(
         if rebuild and rebuild.get("state") in ("running", "verifying") and now - rebuild.get("updated_at", 0) > 600:
             rebuild = {**rebuild, "state": "interrupted"}  # its process is gone; a new rebuild starts over
         if rebuild is not None and rebuild.get("state") == "running" and isinstance(rebuild.get("generation"), int):
-            rlag, rparts = _lag(base / name / f"g{rebuild['generation']}" / "checkpoint", ends)
+            rlag, rparts = _lag(checkpoint_location(base, name, rebuild["generation"]), ends)
             total = sum(p.end - (ends[(p.topic, p.partition)][0]) for p in rparts) if rparts else None
             rebuild = {
                 **rebuild,

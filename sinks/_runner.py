@@ -33,6 +33,7 @@ from sinks._progress import (
     STATUS_FILE,
     TopicEnds,
     batch_offsets,
+    checkpoint_location,
     checkpoint_offsets,
     reached,
 )
@@ -152,7 +153,7 @@ class SinkQuery:
         self.rebuild = rebuild
         self.follow_swaps = follow_swaps and not rebuild and isinstance(self.sink, Rebuildable)
         base = settings.state() / name
-        self.checkpoint = base / f"g{generation}" / "checkpoint"
+        self.checkpoint = checkpoint_location(settings.state(), name, generation)
         self.checkpoint.make_dirs()
         self.status = _Status.load(base / (REBUILD_FILE if rebuild else STATUS_FILE))
         self.status.update(generation=generation)

@@ -18,9 +18,8 @@ import pytest
 import redis
 from opensearchpy import OpenSearch
 
-from sinks._config import StorageConfig
-from sinks._progress import batch_offsets
-from sinks._storage import location
+from sinks._config import load_sink_settings
+from sinks._progress import batch_offsets, checkpoint_location
 from tests.integration._capture_helpers import scratch_database, wait_for
 from tests.integration._sinks_helpers import (
     PIPELINE_TABLES,
@@ -132,7 +131,7 @@ def test_pipeline_survives_kills_and_rebuilds_with_no_drift(
                     progress
                 )
                 # It caught up in one batch (the workload had ended), larger than a live batch: a bulk load.
-                checkpoint = location(tmp_path / "state" / name / "g2" / "checkpoint", StorageConfig())
+                checkpoint = checkpoint_location(load_sink_settings(config).state(), name, 2)
                 assert progress["records_total"] > LIVE_BATCH, progress
                 assert batch_offsets(checkpoint, 0), name
                 assert batch_offsets(checkpoint, 1) is None, name
