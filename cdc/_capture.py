@@ -42,6 +42,7 @@ from cdc._config import Settings
 from cdc._events import ColumnSpec, Position, SourceInfo, TableCodec, build_codec
 from cdc._kafka import OffsetStore, Registry, Topics, TransactionalProducer
 from cdc._metrics import CaptureMetrics
+from cdc._offsets import CaptureState, SnapshotState
 from cdc._replication import ReplicationConnection
 from cdc._snapshot import SnapshotStoppedError, Snapshotter
 from cdc._source import AttachReport, check_and_prepare, connect, translate_pg_error
@@ -264,30 +265,31 @@ class Capture:
 
     def _run_with_producer(self) -> None:
         s = self.settings
-        state = self.offsets.load() or {}
+        state = self.offsets.load()
         repl = ReplicationConnection(s.source.conninfo(replication="database"), where=s.source.display_dsn())
         try:
             if not self.report.slot_exists:
                 created = repl.create_slot(s.source.slot, export_snapshot=s.capture.snapshot == "initial")
                 log.info("created replication slot %s at %X", s.source.slot, created.consistent_lsn)
-                state = {"lsn": created.consistent_lsn}
+                state = CaptureState(lsn=created.consistent_lsn)
                 if s.capture.snapshot == "initial":
-                    state["snapshot"] = {"status": "running", "consistent_lsn": created.consistent_lsn, "tables": {}}
+                    state.snapshot = SnapshotState.started(created.consistent_lsn)
                     self._snapshot(state, created.snapshot_name)
                 else:
                     self._commit_offsets(state)
-            elif state.get("snapshot", {}).get("status") == "running" or (
-                not state and s.capture.snapshot == "initial"
-            ):
+            elif (state is not None and state.snapshot_running) or (state is None and s.capture.snapshot == "initial"):
                 # The exported snapshot died with the process that created it. Finish with a fresh
                 # snapshot: the stream restarts at the slot's position, so every change after it is
                 # replayed over the rows read now, and each key ends at its latest value.
-                slot_lsn = self._slot_confirmed_lsn()
-                state.setdefault("lsn", slot_lsn)
-                state.setdefault("snapshot", {"status": "running", "consistent_lsn": state["lsn"], "tables": {}})
+                state = state or CaptureState()
+                if state.lsn is None:
+                    state.lsn = self._slot_confirmed_lsn()
+                if state.snapshot is None:
+                    state.snapshot = SnapshotState.started(state.lsn)
                 self._snapshot(state, None)
-            if "lsn" not in state:
-                state["lsn"] = self._slot_confirmed_lsn()
+            state = state or CaptureState()
+            if state.lsn is None:
+                state.lsn = self._slot_confirmed_lsn()
             self._binary = s.capture.binary and self._all_binary_capable()
             while not self.stop.is_set():
                 try:
@@ -315,7 +317,7 @@ class Capture:
                     return False
         return True
 
-    def _snapshot(self, state: dict[str, Any], snapshot_name: str | None) -> None:
+    def _snapshot(self, state: CaptureState, snapshot_name: str | None) -> None:
         # On SnapshotStoppedError the progress is committed; run() sees the stop flag and returns.
         with contextlib.suppress(SnapshotStoppedError):
             Snapshotter(self, state).run(snapshot_name)
@@ -412,7 +414,7 @@ class Capture:
         self.producer.produce_packed(topic, packed, rows, prefix, suffix)
         self._batch_events += rows
 
-    def _commit_offsets(self, state: dict[str, Any]) -> None:
+    def _commit_offsets(self, state: CaptureState) -> None:
         """Write ``state`` to the offsets topic and commit the current batch with it."""
         self._begin_batch()
         self.producer.produce(self.offsets.topic, self.offsets.key, self.offsets.encode(state), 0)
@@ -424,14 +426,15 @@ class Capture:
             raise
         self._in_batch = False
         self._committed_at = time.monotonic()
-        self.metrics.committed(self._batch_events, time.monotonic() - started, int(state["lsn"]), self._commits_us)
+        self.metrics.committed(self._batch_events, time.monotonic() - started, state.lsn or 0, self._commits_us)
         self._commits_us = None
 
     # --- streaming ----------------------------------------------------------------------------
 
-    def _stream(self, repl: ReplicationConnection, state: dict[str, Any]) -> None:
+    def _stream(self, repl: ReplicationConnection, state: CaptureState) -> None:
         s = self.settings
-        resume = int(state["lsn"])
+        assert state.lsn is not None  # set by _run_with_producer
+        resume = state.lsn
         server_version = self.sql.info.server_version
         proto = 2 if server_version >= 140000 else 1
         options = {"proto_version": str(proto), "publication_names": _quote_list([s.source.publication])}
@@ -466,7 +469,7 @@ class Capture:
             nonlocal acked
             if not self._in_batch and batch_lsn <= acked:
                 return
-            state["lsn"] = batch_lsn
+            state.lsn = batch_lsn
             self._commit_offsets(state)
             acked = batch_lsn
             repl.send_status(received, acked, acked)

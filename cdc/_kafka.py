@@ -29,6 +29,7 @@ from confluent_kafka.schema_registry.error import SchemaRegistryError as _Regist
 
 from cdc._events import native_module
 from cdc._libs import addresses, loaded_library
+from cdc._offsets import CaptureState, NewerStateError, OffsetsStateError
 from cdc.errors import AuthenticationError, CDCError, KafkaSetupError, SchemaRegistryError, TransientError
 
 _PACKED_HEAD = struct.Struct(">II")  # a packed row's record and key lengths (TuplePlan.encode_copy_packed)
@@ -501,7 +502,7 @@ class OffsetStore:
         self.topic = topic
         self.key = slot.encode()
 
-    def load(self) -> dict[str, Any] | None:
+    def load(self) -> CaptureState | None:
         """The last committed state for our slot, or None when we never committed one."""
         consumer = Consumer(
             {
@@ -515,7 +516,7 @@ class OffsetStore:
         try:
             md = consumer.list_topics(self.topic, timeout=_TIMEOUT_S)
             partitions = list(md.topics[self.topic].partitions)
-            state: dict[str, Any] | None = None
+            value: bytes | None = None
             for p in partitions:
                 low, high = consumer.get_watermark_offsets(TopicPartition(self.topic, p), timeout=_TIMEOUT_S)
                 if high <= low:
@@ -534,15 +535,27 @@ class OffsetStore:
                         raise _kafka_error(KafkaException(err), f"reading offsets topic {self.topic!r}")
                     if msg.key() == self.key:
                         value = msg.value()
-                        state = json.loads(value) if value else None
-            return state
         except KafkaException as exc:
             raise _kafka_error(exc, f"reading offsets topic {self.topic!r}") from exc
         finally:
             consumer.close()
+        return self._decode(value) if value else None
 
-    def encode(self, state: Mapping[str, Any]) -> bytes:
-        return json.dumps(state, separators=(",", ":"), sort_keys=True).encode()
+    def _decode(self, value: bytes) -> CaptureState:
+        where = f"the committed state of slot {self.key.decode()!r} in topic {self.topic!r}"
+        try:
+            return CaptureState.from_json(json.loads(value))
+        except NewerStateError as exc:
+            raise NewerStateError(f"{where}: {exc}") from exc
+        except (ValueError, OffsetsStateError) as exc:
+            # The slot is untouched: the record can be fixed by hand (it is JSON), or the capture started over.
+            raise OffsetsStateError(
+                f"{where} cannot be resumed: {exc}. Nothing was read from the slot; either produce a corrected "
+                "record under the same key, or run `cdc detach` then `cdc run` to start over with a snapshot"
+            ) from exc
+
+    def encode(self, state: CaptureState) -> bytes:
+        return json.dumps(state.to_json(), separators=(",", ":"), sort_keys=True).encode()
 
 
 def _certificate_refused(exc: BaseException) -> bool:

@@ -479,9 +479,10 @@ def collect_status(settings: Settings, config_path: Path | None) -> dict[str, An
         out["capture"]["service"] = _health(f"http://{host}:{cfg.port}/healthz")
     conf = s.kafka.client_conf()
     try:
-        state = OffsetStore(conf, s.offsets_topic, s.source.slot).load() or {}
-        out["capture"]["resume_lsn"] = format_lsn(int(state["lsn"])) if "lsn" in state else None
-        out["capture"]["snapshot"] = state.get("snapshot", {}).get("status")
+        state = OffsetStore(conf, s.offsets_topic, s.source.slot).load()
+        lsn = state.lsn if state is not None else None
+        out["capture"]["resume_lsn"] = format_lsn(lsn) if lsn is not None else None
+        out["capture"]["snapshot"] = state.snapshot.status if state is not None and state.snapshot else None
         consumer = Consumer(
             {
                 **conf,

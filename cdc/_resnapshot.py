@@ -58,6 +58,7 @@ from confluent_kafka.schema_registry import SchemaRegistryClient
 from confluent_kafka.schema_registry.error import SchemaRegistryError as _RegistryHTTPError
 
 from cdc._events import Position, TableCodec
+from cdc._offsets import TableProgress
 from cdc.errors import KafkaSetupError, TransientError
 
 if TYPE_CHECKING:
@@ -451,22 +452,21 @@ class Reconciler:
                 raise TransientError(f"cannot reach the schema registry: {type(exc).__name__}: {exc}") from exc
         return self._schemas[schema_id]
 
-    def prepare(self, table: str, codec: TableCodec, progress: dict[str, Any]) -> GapDeletes | None:
+    def prepare(self, table: str, codec: TableCodec, progress: TableProgress) -> GapDeletes | None:
         """Before ``table``'s snapshot writes: its live keys, or None when its topic held nothing before.
 
         ``progress`` is the table's entry in the snapshot's committed state; ``since`` (the topic's end
         offsets when this snapshot first started on the table) is added to it, committed with the first chunk.
         """
-        if progress.get("after") is not None and "since" not in progress:
+        if progress.legacy_after is not None and progress.since is None:
             # Chunks were committed by a version that kept no boundary: the topic's snapshot rows cannot be
             # told from older events, and deleting on a guess could delete rows that exist.
             log.warning("re-snapshot of %s resumed without its start offsets: deleted rows are not tombstoned", table)
             return None
         ends = self.reader.ends(codec.topic)
-        since = {
-            int(p): int(o)
-            for p, o in progress.setdefault("since", {str(p): high for p, (_, high) in ends.items()}).items()
-        }
+        if progress.since is None:
+            progress.since = {p: high for p, (_, high) in ends.items()}
+        since = progress.since
         # Partitions added after the boundary was taken hold only what was written after it.
         # Never past the current end: a topic recreated (or truncated by an unclean election) since the boundary
         # was taken would otherwise never reach it, and every retry would wait for it again.

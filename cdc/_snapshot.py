@@ -46,6 +46,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from cdc._catalog import TableInfo
 from cdc._events import ColumnSpec, Position, TableCodec, native_module
 from cdc._libs import libpq_addresses
+from cdc._offsets import CaptureState, RangeProgress, SnapshotState, TableProgress
 from cdc._resnapshot import GapDeletes, Reconciler
 from cdc.errors import StreamError, TransientError
 from decoders import TupleData
@@ -360,25 +361,25 @@ def _encode_copy_rows_slowly(
 
 
 class Snapshotter:
-    def __init__(self, capture: Capture, state: dict[str, Any]) -> None:
+    def __init__(self, capture: Capture, state: CaptureState) -> None:
         self.capture = capture
         self.state = state
-        self.snap: dict[str, Any] = state["snapshot"]
+        assert state.snapshot is not None
+        self.snap: SnapshotState = state.snapshot
         self.settings = capture.settings
         self._gaps: dict[str, GapDeletes] = {}  # tables whose topics held live keys before this snapshot
         self._open_since: float | None = None  # when the first chunk not yet committed was produced
 
     def run(self, snapshot_name: str | None) -> None:
-        tables = [t for t in self.capture.report.tables if not self.snap["tables"].get(t.qualified, {}).get("done")]
-        consistent = int(self.snap["consistent_lsn"])
+        tables = [t for t in self.capture.report.tables if not self.snap.table_done(t.qualified)]
+        consistent = self.snap.consistent_lsn
         codecs = {t.qualified: self._codec(t) for t in tables}
         # Before anything is written: the keys live in each table's topic, to delete those the source no
         # longer has when the table's snapshot ends (cdc/_resnapshot.py; nothing is read for an empty topic).
         reconciler = Reconciler(self.capture.settings)
         try:
             for t in tables:
-                progress = self.snap["tables"].setdefault(t.qualified, {})
-                gaps = reconciler.prepare(t.qualified, codecs[t.qualified], progress)
+                gaps = reconciler.prepare(t.qualified, codecs[t.qualified], self.snap.table(t.qualified))
                 if gaps is not None:
                     self._gaps[t.qualified] = gaps
             self._run(tables, codecs, consistent, snapshot_name)
@@ -424,12 +425,8 @@ class Snapshotter:
         work: list[_Range] = []
         for t in tables:
             ranges = self._ranges(t, exported=snapshot_name is not None)
-            left[t.qualified] = {i for i, r in enumerate(ranges) if not r["done"]}
-            work += [
-                _Range(t, i, r["after"], r["upto"], r.get("blocks"), r.get("filenode"))
-                for i, r in enumerate(ranges)
-                if not r["done"]
-            ]
+            left[t.qualified] = {i for i, r in enumerate(ranges) if not r.done}
+            work += [_Range(t, i, r.after, r.upto, r.blocks, r.filenode) for i, r in enumerate(ranges) if not r.done]
         done_tables = 0
         with (
             progress,
@@ -470,7 +467,7 @@ class Snapshotter:
                     with contextlib.suppress(queue.Empty):
                         chunks.get(timeout=0.1)
                 raise
-        self.snap["status"] = "done"
+        self.snap.status = "done"
         self.capture._commit_offsets(self.state)
         log.info("snapshot done")
 
@@ -483,13 +480,13 @@ class Snapshotter:
         row = self.capture.sql.execute("SELECT reltuples::bigint FROM pg_class WHERE oid = %s", (table.oid,)).fetchone()
         return int(row[0]) if row and row[0] and row[0] > 0 else None
 
-    def _ranges(self, table: TableInfo, *, exported: bool) -> list[dict[str, Any]]:
+    def _ranges(self, table: TableInfo, *, exported: bool) -> list[RangeProgress]:
         """The table's ranges in its progress (``after``: the last key read, ``upto``: the range's last key,
         None for no bound; ``done``; ``blocks`` for a block range), split when the table is new to this
         snapshot. ``exported``: this snapshot is the slot's own, so the table may be read in block ranges."""
-        progress = self.snap["tables"].setdefault(table.qualified, {})
-        ranges: list[dict[str, Any]] | None = progress.get("ranges")
-        if ranges is not None and any("blocks" in r for r in ranges) and not all(r["done"] for r in ranges):
+        progress = self.snap.table(table.qualified)
+        ranges = progress.ranges
+        if ranges is not None and any(r.blocks is not None for r in ranges) and not all(r.done for r in ranges):
             # Its block ranges were read in the snapshot that ended with the last run; in this one rows may
             # have moved between blocks (an update writes a new version elsewhere), so what was read says
             # nothing about what is left. From the first row, in key order, which resumes with any snapshot.
@@ -499,21 +496,20 @@ class Snapshotter:
                 table.qualified,
             )
             ranges = None
-        if ranges is None and exported and progress.get("after") is None:
+        if ranges is None and exported and progress.legacy_after is None:
             found = self._block_ranges(table)
             if found is not None:
                 filenode, blocks = found
-                ranges = [
-                    {"after": None, "upto": None, "done": False, "blocks": b, "filenode": filenode} for b in blocks
-                ]
-                progress["ranges"] = ranges
+                ranges = [RangeProgress(blocks=b, filenode=filenode) for b in blocks]
+                progress.ranges = ranges
         if ranges is None:
             # A table begun by a version that read each table in one range has its last key here.
-            bounds = [] if progress.get("after") is not None else self._split(table)
-            lows: list[list[str] | None] = [progress.pop("after", None), *bounds]
+            bounds = [] if progress.legacy_after is not None else self._split(table)
+            lows: list[list[str] | None] = [progress.legacy_after, *bounds]
             highs: list[list[str] | None] = [*bounds, None]
-            ranges = [{"after": lo, "upto": hi, "done": False} for lo, hi in zip(lows, highs, strict=True)]
-            progress["ranges"] = ranges
+            ranges = [RangeProgress(after=lo, upto=hi) for lo, hi in zip(lows, highs, strict=True)]
+            progress.ranges = ranges
+            progress.legacy_after = None  # one place for the position: the range
         return ranges
 
     def _block_ranges(self, table: TableInfo) -> tuple[int, list[list[int | None]]] | None:
@@ -791,8 +787,9 @@ class Snapshotter:
         self.capture.metrics.count(codec.topic, "r", chunk.rows)
         # The range's entry is updated in place: the table's entry also holds the re-snapshot's start offsets
         # ("since"), kept until the table is done.
-        progress = self.snap["tables"][chunk.table]
-        progress["ranges"][chunk.part].update(after=chunk.last_key, done=chunk.done)
+        ranges = self.snap.tables[chunk.table].ranges
+        assert ranges is not None  # made by _ranges before any chunk is read
+        ranges[chunk.part].after, ranges[chunk.part].done = chunk.last_key, chunk.done
         if table_done and gaps is None:
             self._forget(chunk.table)
         # The rows and the progress that covers them are committed together, every interval rather than every
@@ -820,7 +817,7 @@ class Snapshotter:
     def _forget(self, table: str) -> None:
         """``table`` is done: its entry keeps no more than that. The state is written with every commit while
         streaming, and its ranges hold key values."""
-        self.snap["tables"][table] = {"done": True}
+        self.snap.tables[table] = TableProgress(done=True)
 
     def _delete_gaps(self, table: str, gaps: GapDeletes, consistent: int) -> None:
         """The keys live in the topic that the snapshot did not find: deleted, in transactions that carry the

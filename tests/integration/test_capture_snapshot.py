@@ -3,21 +3,25 @@
 from __future__ import annotations
 
 import functools
+import json
 import random
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
-from confluent_kafka import Consumer, TopicPartition
+from confluent_kafka import Consumer, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient
 
 from tests.integration._capture_helpers import (
     CdcConfig,
     CdcProcess,
     Event,
+    committed_records,
     read_topic,
     scratch_database,
     stop_workload_and_converge,
@@ -143,6 +147,85 @@ def test_snapshot_with_concurrent_writes_ends_at_the_source_state(
         assert restarted == blocks
     if crash or not blocks:
         assert "snapshot of public.items: 2 key ranges read at once" in log
+
+
+def _last_state(kafka: str, topic: str, slot: str) -> dict[str, Any]:
+    """The slot's last committed record in the offsets topic, as JSON."""
+    found = [v for _, k, v in committed_records(kafka, topic, 1, in_order=True) if k == slot.encode()]
+    assert found, f"no committed state for {slot} in {topic}"
+    assert found[-1] is not None
+    state: dict[str, Any] = json.loads(found[-1])
+    return state
+
+
+def _commit_state(kafka: str, topic: str, slot: str, state: dict[str, Any]) -> None:
+    """``state`` committed under the slot's key, as the capture commits it: in a Kafka transaction."""
+    producer = Producer({"bootstrap.servers": kafka, "transactional.id": f"test-rewrite-{slot}"})
+    producer.init_transactions(30)
+    producer.begin_transaction()
+    producer.produce(topic, json.dumps(state).encode(), slot.encode(), partition=0)
+    producer.commit_transaction(30)
+
+
+@pytest.mark.parametrize("shape", ["key ranges", "one range per table"])
+def test_a_snapshot_resumes_from_a_state_of_format_1(
+    *, source: str, kafka_bootstrap: str, registry_url: str, unique: str, tmp_path: Path, shape: str
+) -> None:
+    """Killed mid-snapshot, its committed state rewritten as the release before format 2 wrote it (no
+    ``version``; for "one range per table", the table's last key in its own ``after``): the restart reads it,
+    goes on after the last key committed and reads no row twice and none of a table already done."""
+    rows = 60_000
+    with psycopg.connect(source, autocommit=True) as conn:
+        conn.execute("CREATE TABLE small (id int PRIMARY KEY)")
+        conn.execute("INSERT INTO small SELECT generate_series(1, 10)")
+        conn.execute("CREATE TABLE items (id int PRIMARY KEY, name text NOT NULL)")
+        conn.execute("INSERT INTO items SELECT g, repeat('.', 160) FROM generate_series(1, %s) g", (rows,))
+    workers = 2 if shape == "key ranges" else 1
+    cfg = CdcConfig(
+        source,
+        kafka_bootstrap,
+        registry_url,
+        f"t{unique}",
+        ["public.small", "public.items"],
+        f"s_{unique}",
+        f"p_{unique}",
+        extra=f"snapshot_chunk_rows = 200\nsnapshot_workers = {workers}\nsnapshot_commit_interval_s = 0\n"
+        "snapshot_scan_max_mb = 0",
+    )
+    proc = CdcProcess(cfg.write(tmp_path / "cdc.toml"), tmp_path / "cdc.log")
+    topic, offsets = f"t{unique}.public.items", f"t{unique}.offsets"
+    proc.start()
+    try:
+        wait_for(lambda: "snapshot of" in proc.tail(), 120, "the snapshot to start", proc)
+        _first_committed_event(kafka_bootstrap, topic, 60)
+        proc.kill()
+        assert "snapshot done" not in proc.tail(), "the snapshot finished before the kill: test proves nothing"
+        state = _last_state(kafka_bootstrap, offsets, cfg.slot)
+        assert state.pop("version") == 2
+        snap = state["snapshot"]
+        assert snap["status"] == "running"
+        assert snap["tables"]["public.small"] == {"done": True}, "the small table is read first"
+        items = snap["tables"]["public.items"]
+        assert len(items["ranges"]) == workers
+        if shape == "one range per table":
+            (only,) = items.pop("ranges")
+            assert only["after"] is not None, "killed before a chunk of items was committed"
+            assert not only["done"]
+            items.update(after=only["after"], done=False)
+        _commit_state(kafka_bootstrap, offsets, cfg.slot, state)
+        proc.start()
+        proc.wait_streaming(180)
+    finally:
+        proc.stop()
+    log = proc.log.read_text()
+    assert "snapshot of public.items starts again from its first row" not in log
+    assert "resumed without its start offsets" not in log
+    reads = Counter(e.value["after"]["id"] for e in read_topic(kafka_bootstrap, registry_url, topic) if e.value)
+    assert sorted(reads) == list(range(1, rows + 1))
+    assert max(reads.values()) == 1, f"{sum(n > 1 for n in reads.values())} row(s) read twice"
+    small = read_topic(kafka_bootstrap, registry_url, f"t{unique}.public.small")
+    assert len(small) == 10, "a table done before the kill was read again"
+    assert _last_state(kafka_bootstrap, offsets, cfg.slot)["version"] == 2
 
 
 def test_key_ranges_of_a_composite_key_read_every_row_once(source: str, snapshot_of: SnapshotOf) -> None:

@@ -10,14 +10,16 @@ from typing import Any
 
 import pytest
 
+from cdc._offsets import RangeProgress, SnapshotState, TableProgress
 from cdc._snapshot import Snapshotter, block_cuts, next_chunk_rows
 
 
 def _snapshotter(
     progress: dict[str, Any], split: list[list[str]], blocks: list[list[int | None]] | None = None
 ) -> tuple[Snapshotter, list[str]]:
+    """A snapshotter whose state holds ``progress`` (as committed) for public.t."""
     snapshotter = Snapshotter.__new__(Snapshotter)
-    snapshotter.snap = {"tables": {"public.t": progress}}
+    snapshotter.snap = SnapshotState("running", 1, {"public.t": TableProgress.from_json(progress)})
     sampled: list[str] = []
 
     def fake_split(table: Any) -> list[list[str]]:
@@ -36,29 +38,38 @@ def _snapshotter(
 _TABLE: Any = SimpleNamespace(qualified="public.t")
 
 
+def _ranges(snapshotter: Snapshotter, *, exported: bool) -> list[dict[str, Any]]:
+    """The table's ranges, as committed."""
+    return [r.to_json() for r in snapshotter._ranges(_TABLE, exported=exported)]
+
+
+def _committed(snapshotter: Snapshotter) -> dict[str, Any]:
+    """The table's progress, as the next commit writes it."""
+    return snapshotter.snap.tables["public.t"].to_json()
+
+
 def test_a_new_table_is_split_into_ranges_that_meet_at_the_bounds() -> None:
-    progress: dict[str, Any] = {"since": {"0": 0}}
-    snapshotter, sampled = _snapshotter(progress, [["10"], ["20"]])
+    snapshotter, sampled = _snapshotter({"since": {"0": 0}}, [["10"], ["20"]])
     ranges = snapshotter._ranges(_TABLE, exported=False)
     assert ranges == [
-        {"after": None, "upto": ["10"], "done": False},
-        {"after": ["10"], "upto": ["20"], "done": False},
-        {"after": ["20"], "upto": None, "done": False},
+        RangeProgress(after=None, upto=["10"]),
+        RangeProgress(after=["10"], upto=["20"]),
+        RangeProgress(after=["20"], upto=None),
     ]
-    assert progress["ranges"] is ranges  # written into the progress committed with the chunks
-    assert progress["since"] == {"0": 0}
+    assert snapshotter.snap.tables["public.t"].ranges is ranges  # the progress committed with the chunks
+    assert _committed(snapshotter) == {"since": {"0": 0}, "ranges": [r.to_json() for r in ranges]}
     assert sampled == ["public.t"]
 
 
 def test_a_small_table_is_one_unbounded_range() -> None:
     snapshotter, _ = _snapshotter({}, [])
-    assert snapshotter._ranges(_TABLE, exported=False) == [{"after": None, "upto": None, "done": False}]
+    assert _ranges(snapshotter, exported=False) == [{"after": None, "upto": None, "done": False}]
 
 
 def test_committed_ranges_are_kept_and_not_split_again() -> None:
     ranges = [{"after": ["7"], "upto": ["10"], "done": False}, {"after": ["10"], "upto": None, "done": True}]
     snapshotter, sampled = _snapshotter({"ranges": ranges}, [["5"]])
-    assert snapshotter._ranges(_TABLE, exported=False) == ranges
+    assert _ranges(snapshotter, exported=False) == ranges
     assert sampled == []
 
 
@@ -66,8 +77,9 @@ def test_committed_ranges_are_kept_and_not_split_again() -> None:
 def test_a_table_begun_in_one_range_goes_on_after_its_last_key(key: list[str]) -> None:
     progress: dict[str, Any] = {"after": key, "done": False, "since": {"0": 3}}
     snapshotter, sampled = _snapshotter(progress, [["99"]])
-    assert snapshotter._ranges(_TABLE, exported=False) == [{"after": key, "upto": None, "done": False}]
-    assert "after" not in progress  # one place for the position: the range
+    assert _ranges(snapshotter, exported=False) == [{"after": key, "upto": None, "done": False}]
+    # One place for the position: the range.
+    assert _committed(snapshotter) == {"since": {"0": 3}, "ranges": [{"after": key, "upto": None, "done": False}]}
     assert sampled == []  # splitting now would read again what is committed
 
 
@@ -85,20 +97,19 @@ def test_chunks_are_kept_near_8_mib_whatever_the_row_size(size: int, rows: int, 
 
 
 def test_a_new_table_in_the_slots_snapshot_is_read_in_block_ranges() -> None:
-    progress: dict[str, Any] = {}
-    snapshotter, sampled = _snapshotter(progress, [["10"]], blocks=[[0, 4096], [4096, None]])
-    ranges = snapshotter._ranges(_TABLE, exported=True)
+    snapshotter, sampled = _snapshotter({}, [["10"]], blocks=[[0, 4096], [4096, None]])
+    ranges = _ranges(snapshotter, exported=True)
     assert ranges == [
         {"after": None, "upto": None, "done": False, "blocks": [0, 4096], "filenode": 16384},
         {"after": None, "upto": None, "done": False, "blocks": [4096, None], "filenode": 16384},
     ]
-    assert progress["ranges"] is ranges
+    assert _committed(snapshotter) == {"ranges": ranges}
     assert sampled == ["blocks of public.t"]  # no key sample
 
 
 def test_a_table_not_to_be_read_in_blocks_is_split_by_key_even_in_the_slots_snapshot() -> None:
     snapshotter, sampled = _snapshotter({}, [["10"]], blocks=None)  # too large, partitioned, no C build
-    assert snapshotter._ranges(_TABLE, exported=True) == [
+    assert _ranges(snapshotter, exported=True) == [
         {"after": None, "upto": ["10"], "done": False},
         {"after": ["10"], "upto": None, "done": False},
     ]
@@ -107,7 +118,7 @@ def test_a_table_not_to_be_read_in_blocks_is_split_by_key_even_in_the_slots_snap
 
 def test_a_fresh_snapshot_never_reads_in_block_ranges() -> None:
     snapshotter, sampled = _snapshotter({}, [], blocks=[[0, None]])
-    assert snapshotter._ranges(_TABLE, exported=False) == [{"after": None, "upto": None, "done": False}]
+    assert _ranges(snapshotter, exported=False) == [{"after": None, "upto": None, "done": False}]
     assert sampled == ["public.t"]
 
 
@@ -115,25 +126,23 @@ def test_a_table_interrupted_in_block_ranges_starts_again_in_key_order() -> None
     """Block positions hold only in the snapshot they were read in: a done block range says nothing about
     which rows are left in a new one, so none of them counts."""
     ranges = [
-        {"after": None, "upto": None, "done": True, "blocks": [0, 4096]},
-        {"after": None, "upto": None, "done": False, "blocks": [4096, None]},
+        {"after": None, "upto": None, "done": True, "blocks": [0, 4096], "filenode": 16384},
+        {"after": None, "upto": None, "done": False, "blocks": [4096, None], "filenode": 16384},
     ]
     progress: dict[str, Any] = {"ranges": ranges, "since": {"0": 5}}
     snapshotter, sampled = _snapshotter(progress, [["10"]], blocks=[[0, None]])
-    assert snapshotter._ranges(_TABLE, exported=False) == [
-        {"after": None, "upto": ["10"], "done": False},
-        {"after": ["10"], "upto": None, "done": False},
-    ]
-    assert progress["ranges"][0] == {"after": None, "upto": ["10"], "done": False}  # the new ranges committed
-    assert progress["since"] == {"0": 5}  # the re-snapshot's boundary is kept
+    new = [{"after": None, "upto": ["10"], "done": False}, {"after": ["10"], "upto": None, "done": False}]
+    assert _ranges(snapshotter, exported=False) == new
+    # The new ranges are committed, and the re-snapshot's boundary is kept.
+    assert _committed(snapshotter) == {"ranges": new, "since": {"0": 5}}
     assert sampled == ["public.t"]
 
 
 def test_a_table_whose_block_ranges_are_all_read_is_not_read_again() -> None:
     """Every range read and committed, stopped before the table was finished (its gap deletes): it is done."""
-    ranges = [{"after": None, "upto": None, "done": True, "blocks": [0, None]}]
+    ranges = [{"after": None, "upto": None, "done": True, "blocks": [0, None], "filenode": 16384}]
     snapshotter, sampled = _snapshotter({"ranges": ranges}, [["10"]])
-    assert snapshotter._ranges(_TABLE, exported=False) == ranges
+    assert _ranges(snapshotter, exported=False) == ranges
     assert sampled == []
 
 
