@@ -25,9 +25,11 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from cdc._batch import CommitPolicy, KafkaBatchWriter  # noqa: E402
 from cdc._capture import Capture  # noqa: E402
 from cdc._config import load_settings  # noqa: E402
 from cdc._events import Position, SourceInfo, TableCodec  # noqa: E402
+from cdc._kafka import OffsetStore  # noqa: E402
 from decoders import XLOG_HEADER, XLOG_PAYLOAD_AT, Insert, PgOutputDecoder, parse_copy_data  # noqa: E402
 from schemas import PgType  # noqa: E402
 from tests._codecs import make_codec  # noqa: E402
@@ -107,9 +109,11 @@ def _capture_stub(c: TableCodec, out: list[tuple[str, bytes | None, bytes | None
         config = Path(tmp) / "cdc.toml"
         config.write_text('[source]\ndsn = "postgresql://bench@localhost/bench"\ntables = ["public.events"]\n')
         capture = Capture(load_settings(config))
-    capture.producer = _KeepingProducer(out)  # type: ignore[assignment]
+    offsets = OffsetStore({}, "bench.offsets", "bench")
+    policy = CommitPolicy(max_events=1 << 62)
+    capture.writer = KafkaBatchWriter(_KeepingProducer(out), offsets, capture.metrics, policy)  # type: ignore[arg-type]
+    capture.writer.in_batch = True  # a Kafka transaction is open
     capture._codecs[16384] = c
-    capture._in_batch = True
     return capture
 
 

@@ -1,18 +1,7 @@
 """The capture service: snapshot, then stream every committed change into Kafka, exactly once.
 
-Delivery protocol (why nothing is lost or doubled):
-
-1. Events are produced inside a Kafka transaction, whole PostgreSQL transactions at a time; several
-   PostgreSQL transactions may share one Kafka transaction (a *batch*).
-2. The batch ends with a record in the offsets topic holding the resume LSN (the end of the last
-   PostgreSQL commit in the batch), in the same Kafka transaction, which is then committed.
-3. Only after that commit is the LSN reported to PostgreSQL as flushed, so the slot never moves past
-   what Kafka holds.
-4. On start, the resume LSN is read back (read_committed) and streaming restarts there; transactions
-   that committed before it are skipped (PostgreSQL skips them too). A crash anywhere leaves either a
-   committed batch with its offset, or an aborted one without: never half.
-5. A second instance with the same transactional.id fences the first (init_transactions), whose next
-   commit fails, so it stops without acknowledging anything.
+Every event reaches Kafka through the batch writer (cdc/_batch.py), in Kafka transactions that also carry the
+committed state (cdc/_offsets.py); its docstring gives the delivery protocol, why nothing is lost or doubled.
 
 Streamed (in-progress, protocol v2) transactions are spilled to disk per transaction and replayed into
 the batch at Stream Commit, so memory stays bounded and aborted transactions never reach Kafka.
@@ -37,6 +26,7 @@ from typing import IO, Any
 import psycopg
 
 from cdc import __version__
+from cdc._batch import CommitPolicy, KafkaBatchWriter
 from cdc._catalog import TypeResolver, qualified_name
 from cdc._config import Settings
 from cdc._events import ColumnSpec, Position, SourceInfo, TableCodec, build_codec
@@ -91,21 +81,6 @@ _OLD_TUPLE = frozenset(b"KO")
 _NEW_TUPLE = ord("N")
 _U32 = struct.Struct(">I").unpack_from
 _STREAM_START = struct.Struct(">BIB")  # 'S', xid, first segment
-# A batch (one Kafka transaction holding whole PostgreSQL transactions) is committed as soon as the stream
-# has nothing more to read at a transaction boundary: under light load each transaction is visible in Kafka
-# one commit round trip after PostgreSQL committed it; under load, what arrives during a commit makes the next
-# batch, so batches grow with the load by themselves. A busy stream is still committed every _BATCH_LINGER_S
-# (and every capture.max_batch_events events), so acknowledgements to PostgreSQL keep moving.
-_BATCH_LINGER_S = 0.05
-# Except under heavy load: a batch of _COALESCE_EVENTS events or more that is caught up within _COALESCE_S of the
-# previous commit reads on until then. A commit costs librdkafka and the broker ~3 ms of CPU whatever its size
-# (measured: update-heavy's 150 commits of ~700 events took 4.2-4.7 CPU-µs per change in librdkafka and
-# 3.9-5.1 in the broker; 31 commits, 1.0-1.4 and 2.3-3.0), so at tens of thousands of changes per second the
-# commits themselves took a tenth of the machine. At 2,000 small transactions per second a batch holds ~13
-# events and is still committed as soon as it is caught up, so its latency is unchanged.
-_COALESCE_EVENTS = 256
-_COALESCE_S = 0.02
-
 
 _SPILL_HEAD = struct.Struct(">QI")  # a spilled message: its LSN and length, then the pgoutput message as received
 
@@ -199,15 +174,8 @@ class Capture:
         self.settings = settings
         self.stop = stop or threading.Event()
         self.metrics = metrics or CaptureMetrics()
-        # Source commit times of the oldest and the newest transaction in the open batch.
-        self._commits_us: tuple[int, int] | None = None
         self._codecs: dict[int, TableCodec] = {}
         self._binary = settings.capture.binary
-        # The open Kafka transaction ("batch"): whole PostgreSQL transactions, committed with their offset.
-        self._in_batch = False
-        self._batch_started = 0.0
-        self._committed_at = 0.0  # when the last batch's commit returned (time.monotonic)
-        self._batch_events = 0
         self._side: dict[str, tuple[str, bytes, Any, bytes, Any]] = {}
         self._stream_codecs: dict[int, TableCodec] = {}
         self._fast_txn: tuple[int, int, int | None, bool] | None = None  # _fast_change's Position, per transaction
@@ -228,6 +196,9 @@ class Capture:
     def _new_producer(self) -> TransactionalProducer:
         s = self.settings
         return TransactionalProducer(self._kafka_conf(), s.transactional_id, gap_s=s.kafka.transaction_gap_ms / 1000)
+
+    def _new_writer(self, producer: TransactionalProducer, offsets: OffsetStore) -> KafkaBatchWriter:
+        return KafkaBatchWriter(producer, offsets, self.metrics, CommitPolicy.from_settings(self.settings.capture))
 
     def _registry_conf(self) -> dict[str, Any]:
         return self.settings.registry.client_conf()
@@ -255,11 +226,12 @@ class Capture:
             self.registry = Registry(self._registry_conf())
             self.topics.ensure(s.offsets_topic, partitions=1)
             self.offsets = OffsetStore(self._kafka_conf(), s.offsets_topic, s.source.slot)
-            self.producer = self._new_producer()
+            producer = self._new_producer()
+            self.writer = self._new_writer(producer, self.offsets)
             try:
                 self._run_with_producer()
             finally:
-                self.producer.close()
+                producer.close()
         finally:
             self.sql.close()
 
@@ -276,7 +248,7 @@ class Capture:
                     state.snapshot = SnapshotState.started(created.consistent_lsn)
                     self._snapshot(state, created.snapshot_name)
                 else:
-                    self._commit_offsets(state)
+                    self.writer.commit(state)
             elif (state is not None and state.snapshot_running) or (state is None and s.capture.snapshot == "initial"):
                 # The exported snapshot died with the process that created it. Finish with a fresh
                 # snapshot: the stream restarts at the slot's position, so every change after it is
@@ -320,7 +292,7 @@ class Capture:
     def _snapshot(self, state: CaptureState, snapshot_name: str | None) -> None:
         # On SnapshotStoppedError the progress is committed; run() sees the stop flag and returns.
         with contextlib.suppress(SnapshotStoppedError):
-            Snapshotter(self, state).run(snapshot_name)
+            Snapshotter(self, self.writer, state).run(snapshot_name)
 
     def _slot_confirmed_lsn(self) -> int:
         row = self.sql.execute(
@@ -383,52 +355,6 @@ class Capture:
         cols = [ColumnSpec(c.name, c.type_oid, c.type_modifier) for c in rel.columns]
         return self.codec_for(rel.namespace, rel.name, cols, [c.is_key for c in rel.columns])
 
-    # --- Kafka batches --------------------------------------------------------------------------
-
-    def _begin_batch(self) -> None:
-        if not self._in_batch:
-            self.producer.begin()
-            self._in_batch = True
-            self._batch_started = time.monotonic()
-            self._batch_events = 0
-
-    def _produce(self, topic: str, key: bytes, value: bytes | None, partition: int | None = None) -> None:
-        if not self._in_batch:  # checked here: this runs for every event
-            self._begin_batch()
-        self.producer.produce(topic, key, value, partition)
-        self._batch_events += 1
-
-    def _produce_framed(
-        self, topic: str, keys: list[bytes], records: list[bytes], prefix: bytes, suffix: bytes
-    ) -> None:
-        """The events (keys[i], prefix + records[i] + suffix) in the current batch."""
-        if not self._in_batch:
-            self._begin_batch()
-        self.producer.produce_framed(topic, keys, records, prefix, suffix)
-        self._batch_events += len(keys)
-
-    def _produce_packed(self, topic: str, packed: bytes, rows: int, prefix: bytes, suffix: bytes) -> None:
-        """The ``rows`` events of ``packed`` (TuplePlan.encode_copy_packed) in the current batch."""
-        if not self._in_batch:
-            self._begin_batch()
-        self.producer.produce_packed(topic, packed, rows, prefix, suffix)
-        self._batch_events += rows
-
-    def _commit_offsets(self, state: CaptureState) -> None:
-        """Write ``state`` to the offsets topic and commit the current batch with it."""
-        self._begin_batch()
-        self.producer.produce(self.offsets.topic, self.offsets.key, self.offsets.encode(state), 0)
-        started = time.monotonic()
-        try:
-            self.producer.commit()
-        except BaseException:
-            self.metrics.aborted()  # these events were not delivered: the next attempt counts them again
-            raise
-        self._in_batch = False
-        self._committed_at = time.monotonic()
-        self.metrics.committed(self._batch_events, time.monotonic() - started, state.lsn or 0, self._commits_us)
-        self._commits_us = None
-
     # --- streaming ----------------------------------------------------------------------------
 
     def _stream(self, repl: ReplicationConnection, state: CaptureState) -> None:
@@ -460,17 +386,19 @@ class Capture:
         last_heartbeat = time.monotonic()
         stopping = False
         txn_now_us = 0
+        writer = self.writer
+        policy = writer.policy
         bulk = repl.reads_changes_in_bulk
-        live_c = bulk and self.producer.produces_from_c  # a live transaction's changes from C (_more_changes)
+        live_c = bulk and writer.produces_from_c  # a live transaction's changes from C (_more_changes)
         held: bytes | None = None
         raw: bytes | memoryview | None
 
         def flush() -> None:
             nonlocal acked
-            if not self._in_batch and batch_lsn <= acked:
+            if not writer.in_batch and batch_lsn <= acked:
                 return
             state.lsn = batch_lsn
-            self._commit_offsets(state)
+            writer.commit(state)
             acked = batch_lsn
             repl.send_status(received, acked, acked)
 
@@ -483,7 +411,7 @@ class Capture:
                     flush()
                     return
                 now = time.monotonic()
-                if self._in_batch and current is None and now - self._batch_started >= _BATCH_LINGER_S:
+                if writer.in_batch and current is None and now - writer.started >= policy.linger_s:
                     flush()
                 if now - last_heartbeat >= s.capture.heartbeat_interval_s:
                     self.sql.execute("SELECT pg_logical_emit_message(false, %s, %s)", (HEARTBEAT_PREFIX, s.source.slot))
@@ -491,9 +419,9 @@ class Capture:
                 if now - last_status >= s.capture.status_interval_s:
                     repl.send_status(received, acked, acked)
                     last_status = now
-                if self._in_batch:
-                    # caught up between transactions: commit (a large batch: once _COALESCE_S since the last)
-                    timeout = self._coalescing(now) if current is None else _BATCH_LINGER_S
+                if writer.in_batch:
+                    # caught up between transactions: commit (a large batch: once coalesce_s since the last)
+                    timeout = writer.coalescing(now) if current is None else policy.linger_s
                 else:
                     timeout = min(1.0, s.capture.status_interval_s)
                 if held is not None:  # the message after a run that read_changes took
@@ -501,7 +429,7 @@ class Capture:
                 else:
                     raw = repl.read(timeout)
                 if raw is None:
-                    if self._in_batch and current is None and not self._coalescing(time.monotonic()):
+                    if writer.in_batch and current is None and not writer.coalescing(time.monotonic()):
                         flush()
                     elif current is None and stream_xid is None and not spills:
                         self.metrics.set_behind(0.0)  # the server has nothing more to send: not behind
@@ -536,7 +464,7 @@ class Capture:
                 frame = parse_copy_data(raw)
                 if isinstance(frame, Keepalive):
                     received = max(received, frame.end_lsn)
-                    idle = current is None and stream_xid is None and not spills and not self._in_batch
+                    idle = current is None and stream_xid is None and not spills and not writer.in_batch
                     if received > acked and idle:
                         # Nothing received is waiting for Kafka: every transaction that committed up to the
                         # keepalive's position has been sent before it, and written and committed by us (or had
@@ -573,10 +501,10 @@ class Capture:
                 elif isinstance(msg, Commit):
                     if current is not None and not current[3]:
                         batch_lsn = max(batch_lsn, msg.end_lsn)
-                        self._commits_us = (self._commits_us[0] if self._commits_us else current[1], current[1])
+                        writer.note_commit(current[1])
                         self._tx_end()
                     current = None
-                    if self._in_batch and self._batch_events >= s.capture.max_batch_events:
+                    if writer.full:
                         flush()
                 elif isinstance(msg, Relation):
                     if stream_xid is not None:
@@ -642,8 +570,7 @@ class Capture:
                                     time.monotonic() - replay_started,
                                 )
                                 batch_lsn = max(batch_lsn, msg.end_lsn)
-                                first = self._commits_us[0] if self._commits_us else msg.commit_time_us
-                                self._commits_us = (first, msg.commit_time_us)
+                                writer.note_commit(msg.commit_time_us)
                                 self._tx_end()
                         finally:
                             spill.close()
@@ -658,40 +585,13 @@ class Capture:
             self._live_targets, self._live_seen = {}, set()
             for spill in spills.values():
                 spill.close()
-            if self._in_batch:
-                self.producer.abort()
-                self._in_batch = False
-                self.metrics.aborted()
-                self._commits_us = None
+            writer.abort()
             self.metrics.set_state("stopped")
-
-    def _coalescing(self, now: float) -> float:
-        """How long the open batch, caught up at a transaction boundary, should read on before its commit: 0 but
-        for a large batch within _COALESCE_S of the previous commit (see _COALESCE_EVENTS)."""
-        if self._batch_events < _COALESCE_EVENTS:
-            return 0.0
-        return max(0.0, self._committed_at + _COALESCE_S - now)
 
     def _codec_in_use(self, relid: int) -> TableCodec:
         """The codec _fast_change has just encoded a change of ``relid`` with (it inlines this lookup): a streamed
         transaction's own schema while its spill is replayed, else the live one."""
         return (self._stream_codecs if relid in self._stream_relations else self._codecs)[relid]
-
-    def _counted(self, targets: dict[int, Any]) -> None:
-        """Counts the events produced from C to ``targets`` (ReplayTargets) since the last call."""
-        for target in targets.values():
-            if target.inserts:
-                self.metrics.count(target.topic.decode(), "c", target.inserts)
-                self._batch_events += target.inserts
-                target.inserts = 0
-            if target.updates:
-                self.metrics.count(target.topic.decode(), "u", target.updates)
-                self._batch_events += target.updates
-                target.updates = 0
-            if target.deletes:
-                self.metrics.count(target.topic.decode(), "d", target.deletes)
-                self._batch_events += 2 * target.deletes  # the event and its tombstone
-                target.deletes = 0
 
     def _more_changes(
         self, repl: ReplicationConnection, data: bytes, current: tuple[int, int, int | None, bool], now_us: int
@@ -708,14 +608,13 @@ class Capture:
                 return None, 0
             codec = self._codec_in_use(relid)
             pos = Position(current[0], 0, current[1], current[2])
-            target = self.producer.replay_target(codec.topic, codec.native_plan, codec.event_parts(pos, now_us))
+            target = self.writer.replay_target(codec.topic, codec.native_plan, codec.event_parts(pos, now_us))
             if target is None:
                 return None, 0
             targets[relid] = target
-        count, end_lsn, held = repl.read_live_changes(self.producer.direct, targets, current[0], _SPILL_READ)
+        count, end_lsn, held = repl.read_live_changes(self.writer.direct, targets, current[0], _SPILL_READ)
         if count:
-            self._counted(targets)
-            self.producer.produced_from_c(targets, count)
+            self.writer.produced_from_c(targets, count)
         return held, end_lsn
 
     def _replay(self, spill: _Spill, msg: StreamCommit, proto: int, now_us: int) -> None:
@@ -739,16 +638,14 @@ class Capture:
         aborted = spill.aborted_subxids
         # relation id -> cdc._native.ReplayTarget (tables without one go through _fast_change)
         targets: dict[int, Any] = {}
-        from_c = self._tx is None and self.producer.produces_from_c
+        writer = self.writer
+        from_c = self._tx is None and writer.produces_from_c
         pos = Position(msg.commit_lsn, 0, msg.commit_time_us, msg.xid)
         for block in spill.blocks():
             at, size = 0, len(block)
             while at < size:
                 if targets:
-                    if not self._in_batch:
-                        self._begin_batch()
-                    at = self.producer.replay_changes(block, at, targets, aborted, msg.commit_lsn)
-                    self._counted(targets)
+                    at = writer.replay_changes(block, at, targets, aborted, msg.commit_lsn)
                     if at == size:
                         break
                 change_lsn, length = _SPILL_HEAD.unpack_from(block, at)
@@ -761,7 +658,7 @@ class Capture:
                         relid = _U32(data, 5)[0]
                         if relid not in targets:
                             codec = self._codec_in_use(relid)
-                            target = self.producer.replay_target(
+                            target = writer.replay_target(
                                 codec.topic, codec.native_plan, codec.event_parts(pos, now_us)
                             )
                             if target is not None:
@@ -801,7 +698,7 @@ class Capture:
         key_bytes, value_bytes = bytearray(key_frame), bytearray(value_frame)
         write_key(key, key_bytes)
         write_value(value, value_bytes)
-        self._produce(topic, bytes(key_bytes), bytes(value_bytes))
+        self.writer.produce(topic, bytes(key_bytes), bytes(value_bytes))
 
     def _message(self, msg: LogicalMessage, pos: Position, now_us: int) -> None:
         """A pg_logical_emit_message() message, to <prefix>.messages."""
@@ -975,9 +872,10 @@ class Capture:
             now_us=now_us,
             transaction=self._tx_block(codec),
         )
-        self._produce(codec.topic, key, value)
+        produce = self.writer.produce
+        produce(codec.topic, key, value)
         if op == "d":
-            self._produce(codec.topic, key, None)  # tombstone: lets compaction drop the key
+            produce(codec.topic, key, None)  # tombstone: lets compaction drop the key
 
     def _apply(self, msg: Insert | Update | Delete | Truncate | LogicalMessage, pos: Position, now_us: int) -> None:
         try:
@@ -1002,7 +900,7 @@ class Capture:
                 )
                 # A truncate concerns every key: one marker per partition keeps it in order with each.
                 for partition in range(self.topics.ensure(truncated.topic)):
-                    self._produce(truncated.topic, truncated.truncate_key, value, partition)
+                    self.writer.produce(truncated.topic, truncated.truncate_key, value, partition)
             return
         codec = self._codec(msg.relid)
         if isinstance(msg, Insert):

@@ -52,6 +52,7 @@ from cdc.errors import StreamError, TransientError
 from decoders import TupleData
 
 if TYPE_CHECKING:
+    from cdc._batch import BatchWriter
     from cdc._capture import Capture
 
 log = logging.getLogger(__name__)
@@ -361,14 +362,14 @@ def _encode_copy_rows_slowly(
 
 
 class Snapshotter:
-    def __init__(self, capture: Capture, state: CaptureState) -> None:
+    def __init__(self, capture: Capture, writer: BatchWriter, state: CaptureState) -> None:
         self.capture = capture
+        self.writer = writer
         self.state = state
         assert state.snapshot is not None
         self.snap: SnapshotState = state.snapshot
         self.settings = capture.settings
         self._gaps: dict[str, GapDeletes] = {}  # tables whose topics held live keys before this snapshot
-        self._open_since: float | None = None  # when the first chunk not yet committed was produced
 
     def run(self, snapshot_name: str | None) -> None:
         tables = [t for t in self.capture.report.tables if not self.snap.table_done(t.qualified)]
@@ -409,7 +410,7 @@ class Snapshotter:
             consistent,
             "" if snapshot_name else " (resumed with a fresh snapshot)",
             "libpq from C" if _copy_reader() is not None else "psycopg",
-            "librdkafka from C" if self.capture.producer.produces_from_c else "Producer.produce()",
+            "librdkafka from C" if self.writer.produces_from_c else "Producer.produce()",
         )
 
         def worker(r: _Range) -> None:
@@ -456,9 +457,8 @@ class Snapshotter:
                     done_tables += table_done
                     metrics.snapshot_rows(item.table, item.rows, table_done=table_done, done_tables=done_tables)
                     if self.capture.stop.is_set():
-                        if self._open_since is not None:  # the stop came after _write_chunk looked: commit
-                            self.capture._commit_offsets(self.state)
-                            self._open_since = None
+                        if self.writer.in_batch:  # the stop came after _write_chunk looked: commit
+                            self.writer.commit(self.state)
                         log.info("stop requested during the snapshot; it resumes on the next start")
                         raise SnapshotStoppedError
             except BaseException:
@@ -468,7 +468,7 @@ class Snapshotter:
                         chunks.get(timeout=0.1)
                 raise
         self.snap.status = "done"
-        self.capture._commit_offsets(self.state)
+        self.writer.commit(self.state)
         log.info("snapshot done")
 
     def _codec(self, table: TableInfo) -> TableCodec:
@@ -625,7 +625,7 @@ class Snapshotter:
                 for c, binary in zip(table.columns, codec.binary_capable, strict=True)
             ]
             kinds = bytes(_B if b else _T for b in codec.binary_capable)
-            from_c = self.capture.producer.produces_from_c
+            from_c = self.writer.produces_from_c
             if work.blocks is not None:
                 copies = _copies(conn)
                 assert isinstance(copies, _LibpqCopies)  # block ranges are made only with the C build
@@ -779,9 +779,9 @@ class Snapshotter:
         now_us = time.time_ns() // 1000
         prefix, suffix = codec.read_event_frame(pos, now_us)
         if chunk.packed is not None:
-            self.capture._produce_packed(codec.topic, chunk.packed, chunk.rows, prefix, suffix)
+            self.writer.produce_packed(codec.topic, chunk.packed, chunk.rows, prefix, suffix)
         else:
-            self.capture._produce_framed(codec.topic, chunk.keys, chunk.records, prefix, suffix)
+            self.writer.produce_framed(codec.topic, chunk.keys, chunk.records, prefix, suffix)
         if gaps is not None:
             gaps.seen(chunk.keys if chunk.packed is None else _packed_keys(chunk.packed))
         self.capture.metrics.count(codec.topic, "r", chunk.rows)
@@ -794,13 +794,9 @@ class Snapshotter:
             self._forget(chunk.table)
         # The rows and the progress that covers them are committed together, every interval rather than every
         # chunk: a commit waits until Kafka has every event of its transaction, and nothing is sent meanwhile.
-        now = time.monotonic()
-        if self._open_since is None:
-            self._open_since = now
         interval = self.settings.capture.snapshot_commit_interval_s
-        if table_done or now - self._open_since >= interval or self.capture.stop.is_set():
-            self.capture._commit_offsets(self.state)
-            self._open_since = None
+        if table_done or self.writer.batch_age(time.monotonic()) >= interval or self.capture.stop.is_set():
+            self.writer.commit(self.state)
         if table_done and gaps is not None:
             self._end_table(chunk.table, consistent)
 
@@ -811,8 +807,7 @@ class Snapshotter:
         if gaps is not None:
             self._delete_gaps(table, gaps, consistent)
         self._forget(table)
-        self.capture._commit_offsets(self.state)
-        self._open_since = None
+        self.writer.commit(self.state)
 
     def _forget(self, table: str) -> None:
         """``table`` is done: its entry keeps no more than that. The state is written with every commit while
@@ -826,10 +821,10 @@ class Snapshotter:
 
         def commit(deleted: int) -> None:
             self.capture.metrics.count(gaps.codec.topic, "d", deleted)  # counted when committed, as streamed ones
-            self.capture._commit_offsets(self.state)
+            self.writer.commit(self.state)
 
         deleted = gaps.emit(
-            produce=self.capture._produce,
+            produce=self.writer.produce,
             commit=commit,
             consistent_lsn=consistent,
             batch=self.settings.capture.snapshot_chunk_rows,

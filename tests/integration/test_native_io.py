@@ -21,11 +21,12 @@ import pytest
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
+from cdc._batch import CommitPolicy, KafkaBatchWriter
 from cdc._capture import Capture, _Spill
 from cdc._catalog import load_table
 from cdc._config import load_settings
 from cdc._events import SourceInfo
-from cdc._kafka import Topics, TransactionalProducer
+from cdc._kafka import OffsetStore, Topics, TransactionalProducer
 from cdc._replication import ReplicationConnection
 from cdc._snapshot import Snapshotter, TableRewrittenError, _copy_reader, _LibpqCopies, _Range, parse_binary_copy
 from decoders import StreamCommit
@@ -256,7 +257,7 @@ def _replay_into(
     if queue is not None:
         conf["queue.buffering.max.messages"] = queue
     producer = TransactionalProducer(conf, tid)
-    cap.producer = producer
+    cap.writer = _writer(cap, producer)
     stops: list[int] = []
     made, owed = _count_made(cap), _count_owed(producer)
     replay = producer.replay_changes
@@ -272,7 +273,7 @@ def _replay_into(
         xid=700, flags=0, commit_lsn=0x5_0000_0000, end_lsn=0x5_0000_1000, commit_time_us=1_700_000_000_000_000
     )
     try:
-        cap._begin_batch()
+        cap.writer.begin()
         cap._replay(spill, commit, 2, 1_700_000_000_123_456)
         producer.commit()
     finally:
@@ -442,10 +443,16 @@ def test_read_changes_takes_what_read_takes_one_at_a_time(pg_dsn: str, unique: s
     assert taken > len(one) // 2  # most changes came in runs
 
 
+def _writer(cap: Capture, producer: TransactionalProducer) -> KafkaBatchWriter:
+    """The capture's batch writer on ``producer`` (the test commits through the producer itself)."""
+    offsets = OffsetStore({}, "unused.offsets", "unused")
+    return KafkaBatchWriter(producer, offsets, cap.metrics, CommitPolicy(max_events=1 << 62))
+
+
 def _count_made(cap: Capture) -> dict[str, int]:
     """How many create, update and delete events C makes through ``cap`` from now on (a live count)."""
     made = {"c": 0, "u": 0, "d": 0}
-    counted = cap._counted
+    counted = cap.writer.count_from_c
 
     def counting(targets: dict[int, Any]) -> None:
         for target in targets.values():
@@ -454,7 +461,7 @@ def _count_made(cap: Capture) -> dict[str, int]:
             made["d"] += target.deletes
         counted(targets)
 
-    cap._counted = counting  # type: ignore[method-assign]
+    cap.writer.count_from_c = counting  # type: ignore[method-assign]
     return made
 
 
@@ -495,7 +502,7 @@ def _capture_live(
     if queue is not None:
         conf["queue.buffering.max.messages"] = queue
     producer = TransactionalProducer(conf, tid)
-    cap.producer = producer
+    cap.writer = _writer(cap, producer)
     full = 0
     queue_full = producer._queue_full
 
@@ -518,7 +525,7 @@ def _capture_live(
     made = _count_made(cap)
     try:
         repl.start(slot, 0, {"proto_version": "1", "publication_names": '"pub"', "binary": "true"})
-        cap._begin_batch()
+        cap.writer.begin()
         held: bytes | None = None
         while committed < commits:
             raw = held if held is not None else repl.read(10.0)

@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from cdc import _capture
+from cdc._batch import CommitPolicy, KafkaBatchWriter
 from cdc._capture import Capture
 from cdc._config import load_settings
+from cdc._kafka import OffsetStore
 from schemas import PgType
 from tests._codecs import make_codec
 
@@ -30,9 +31,10 @@ def capture(tmp_path: Path) -> tuple[Capture, _KeepingProducer]:
     config.write_text('[source]\ndsn = "postgresql://u@localhost/db"\ntables = ["public.t"]\n')
     cap = Capture(load_settings(config))
     producer = _KeepingProducer()
-    cap.producer = producer  # type: ignore[assignment]
+    offsets = OffsetStore({}, "p.offsets", "slot")
+    cap.writer = KafkaBatchWriter(producer, offsets, cap.metrics, CommitPolicy(max_events=1000))  # type: ignore[arg-type]
+    cap.writer.in_batch = True  # a Kafka transaction is open
     cap._codecs[16384] = make_codec([("id", PgType(20, "int8"), -1)], topic="p.public.t", key=["id"])
-    cap._in_batch = True
     return cap, producer
 
 
@@ -62,16 +64,3 @@ def test_what_it_cannot_take_is_left_to_the_general_path(
     cap, producer = capture
     assert not cap._fast_change(message, TXN, 100, 0)
     assert producer.out == []
-
-
-def test_only_a_large_batch_caught_up_soon_after_a_commit_reads_on(capture: tuple[Capture, _KeepingProducer]) -> None:
-    """Capture._coalescing: a small batch (light load) is committed as soon as it is caught up; a large one
-    (heavy load) reads on until _COALESCE_S after the previous commit, then is committed."""
-    cap, _ = capture
-    cap._committed_at = 100.0
-    cap._batch_events = _capture._COALESCE_EVENTS - 1
-    assert cap._coalescing(100.001) == 0.0
-    cap._batch_events = _capture._COALESCE_EVENTS
-    assert cap._coalescing(100.005) == pytest.approx(_capture._COALESCE_S - 0.005)
-    assert cap._coalescing(100.0 + _capture._COALESCE_S) == 0.0
-    assert cap._coalescing(200.0) == 0.0
