@@ -25,17 +25,16 @@ from typing import IO, Any
 
 import psycopg
 
-from cdc import __version__
+from cdc._attach import CaptureContext, TextModeNeededError, attach
 from cdc._batch import CommitPolicy, KafkaBatchWriter
-from cdc._catalog import TypeResolver, qualified_name
 from cdc._config import Settings
-from cdc._events import ColumnSpec, Position, SourceInfo, TableCodec, build_codec
-from cdc._kafka import OffsetStore, Registry, Topics, TransactionalProducer
+from cdc._events import Position, TableCodec
+from cdc._kafka import OffsetStore, TransactionalProducer
 from cdc._metrics import CaptureMetrics
 from cdc._offsets import CaptureState, SnapshotState
 from cdc._replication import ReplicationConnection
 from cdc._snapshot import SnapshotStoppedError, Snapshotter
-from cdc._source import AttachReport, check_and_prepare, connect, translate_pg_error
+from cdc._source import translate_pg_error
 from cdc.errors import StreamError
 from decoders import (
     XLOG_HEADER,
@@ -149,10 +148,6 @@ class _TxMeta:
     begun: bool = False
 
 
-class _TextModeNeededError(Exception):
-    """A relation arrived with a column we can only read in text form."""
-
-
 def _freeze_startup_objects() -> None:
     """Hides what the process made before streaming (modules, settings, clients, codecs: ~hundreds of thousands of
     objects that live as long as it does) from the cyclic garbage collector. A full collection then scans only
@@ -174,6 +169,7 @@ class Capture:
         self.settings = settings
         self.stop = stop or threading.Event()
         self.metrics = metrics or CaptureMetrics()
+        self.ctx = CaptureContext(settings, self.stop, self.metrics)
         self._codecs: dict[int, TableCodec] = {}
         self._binary = settings.capture.binary
         self._side: dict[str, tuple[str, bytes, Any, bytes, Any]] = {}
@@ -190,18 +186,12 @@ class Capture:
 
     # --- set-up -------------------------------------------------------------------------------
 
-    def _kafka_conf(self) -> dict[str, Any]:
-        return self.settings.kafka.client_conf()
-
     def _new_producer(self) -> TransactionalProducer:
         s = self.settings
-        return TransactionalProducer(self._kafka_conf(), s.transactional_id, gap_s=s.kafka.transaction_gap_ms / 1000)
+        return TransactionalProducer(s.kafka.client_conf(), s.transactional_id, gap_s=s.kafka.transaction_gap_ms / 1000)
 
     def _new_writer(self, producer: TransactionalProducer, offsets: OffsetStore) -> KafkaBatchWriter:
         return KafkaBatchWriter(producer, offsets, self.metrics, CommitPolicy.from_settings(self.settings.capture))
-
-    def _registry_conf(self) -> dict[str, Any]:
-        return self.settings.registry.client_conf()
 
     def run(self) -> None:
         """Attach, snapshot if needed, stream until ``stop`` is set; raises CDCError subclasses."""
@@ -214,33 +204,21 @@ class Capture:
             raise translate_pg_error(exc, self.settings.source.display_dsn()) from exc
 
     def _run(self) -> None:
-        s = self.settings
-        self.sql = connect(s)
-        try:
-            self.report: AttachReport = check_and_prepare(self.sql, s, dry_run=False, allow_active_slot=True)
-            self.types = TypeResolver(self.sql)
-            self.source_info = SourceInfo(__version__, s.kafka.topic_prefix, self.sql.info.dbname)
-            self.topics = Topics(
-                self._kafka_conf(), partitions=s.kafka.partitions, replication_factor=s.kafka.replication_factor
-            )
-            self.registry = Registry(self._registry_conf())
-            self.topics.ensure(s.offsets_topic, partitions=1)
-            self.offsets = OffsetStore(self._kafka_conf(), s.offsets_topic, s.source.slot)
+        with attach(self.ctx) as attached:
+            self.attached = attached
             producer = self._new_producer()
-            self.writer = self._new_writer(producer, self.offsets)
+            self.writer = self._new_writer(producer, self.attached.offsets)
             try:
                 self._run_with_producer()
             finally:
                 producer.close()
-        finally:
-            self.sql.close()
 
     def _run_with_producer(self) -> None:
         s = self.settings
-        state = self.offsets.load()
+        state = self.attached.offsets.load()
         repl = ReplicationConnection(s.source.conninfo(replication="database"), where=s.source.display_dsn())
         try:
-            if not self.report.slot_exists:
+            if not self.attached.report.slot_exists:
                 created = repl.create_slot(s.source.slot, export_snapshot=s.capture.snapshot == "initial")
                 log.info("created replication slot %s at %X", s.source.slot, created.consistent_lsn)
                 state = CaptureState(lsn=created.consistent_lsn)
@@ -267,7 +245,7 @@ class Capture:
                 try:
                     self._stream(repl, state)
                     break
-                except _TextModeNeededError as exc:
+                except TextModeNeededError as exc:
                     # pgoutput's binary option is all or nothing for a connection: go back to the committed
                     # position and stream in text, which every type has.
                     log.info("%s: restarting the stream in text mode", exc)
@@ -280,9 +258,9 @@ class Capture:
             repl.close()
 
     def _all_binary_capable(self) -> bool:
-        for table in self.report.tables:
+        for table in self.attached.report.tables:
             for col in table.columns:
-                if avro_mapping(self.types.resolve(col.type_oid), col.typmod).from_binary is None:
+                if avro_mapping(self.attached.types.resolve(col.type_oid), col.typmod).from_binary is None:
                     log.info(
                         "column %s.%s has no binary reader: values are streamed as text", table.qualified, col.name
                     )
@@ -292,42 +270,14 @@ class Capture:
     def _snapshot(self, state: CaptureState, snapshot_name: str | None) -> None:
         # On SnapshotStoppedError the progress is committed; run() sees the stop flag and returns.
         with contextlib.suppress(SnapshotStoppedError):
-            Snapshotter(self, self.writer, state).run(snapshot_name)
+            Snapshotter(self.ctx, self.attached, self.writer, state).run(snapshot_name)
 
     def _slot_confirmed_lsn(self) -> int:
-        row = self.sql.execute(
+        row = self.attached.sql.execute(
             "SELECT (confirmed_flush_lsn - '0/0')::bigint FROM pg_replication_slots WHERE slot_name = %s",
             (self.settings.source.slot,),
         ).fetchone()
         return int(row[0]) if row and row[0] is not None else 0
-
-    # --- codecs -------------------------------------------------------------------------------
-
-    def codec_for(
-        self, schema: str, table: str, columns: Sequence[ColumnSpec], key_flags: Sequence[bool]
-    ) -> TableCodec:
-        """Build (and register schemas for) the codec of one version of a table; callers cache it."""
-        qualified = qualified_name(schema, table)
-        key = self.report.key_columns.get(qualified) or tuple(
-            c.name for c, is_key in zip(columns, key_flags, strict=True) if is_key
-        )
-        if not key:
-            raise StreamError(
-                f"table {qualified} has no key columns in the stream; give it a primary key or set "
-                f"source.key_columns for it"
-            )
-        self.topics.ensure(self.settings.topic_for(schema, table))
-        self.metrics.tables[self.settings.topic_for(schema, table)] = f"{schema}.{table}"
-        return build_codec(
-            self.settings,
-            self.types,
-            schema,
-            table,
-            columns,
-            key_columns=key,
-            source=self.source_info,
-            register=lambda subject, sch: self.registry.register(subject, sch, table=qualified),
-        )
 
     def _codec(self, relid: int) -> TableCodec:
         """The codec a change of ``relid`` is encoded with: its streamed transaction's own schema first.
@@ -341,19 +291,9 @@ class Capture:
             if rel is not None:
                 codec = codecs.get(relid)
                 if codec is None:
-                    codec = codecs[relid] = self._checked_codec(rel)
+                    codec = codecs[relid] = self.attached.codecs.for_relation(rel, binary=self._binary)
                 return codec
         raise StreamError(f"change for relation {relid} before its Relation message")
-
-    def _checked_codec(self, rel: Relation) -> TableCodec:
-        codec = self._codec_from_relation(rel)
-        if self._binary and not all(codec.binary_capable):
-            raise _TextModeNeededError(f"table {rel.namespace}.{rel.name} has a column without a binary reader")
-        return codec
-
-    def _codec_from_relation(self, rel: Relation) -> TableCodec:
-        cols = [ColumnSpec(c.name, c.type_oid, c.type_modifier) for c in rel.columns]
-        return self.codec_for(rel.namespace, rel.name, cols, [c.is_key for c in rel.columns])
 
     # --- streaming ----------------------------------------------------------------------------
 
@@ -361,7 +301,7 @@ class Capture:
         s = self.settings
         assert state.lsn is not None  # set by _run_with_producer
         resume = state.lsn
-        server_version = self.sql.info.server_version
+        server_version = self.attached.sql.info.server_version
         proto = 2 if server_version >= 140000 else 1
         options = {"proto_version": str(proto), "publication_names": _quote_list([s.source.publication])}
         if proto >= 2:
@@ -414,7 +354,9 @@ class Capture:
                 if writer.in_batch and current is None and now - writer.started >= policy.linger_s:
                     flush()
                 if now - last_heartbeat >= s.capture.heartbeat_interval_s:
-                    self.sql.execute("SELECT pg_logical_emit_message(false, %s, %s)", (HEARTBEAT_PREFIX, s.source.slot))
+                    self.attached.sql.execute(
+                        "SELECT pg_logical_emit_message(false, %s, %s)", (HEARTBEAT_PREFIX, s.source.slot)
+                    )
                     last_heartbeat = now
                 if now - last_status >= s.capture.status_interval_s:
                     repl.send_status(received, acked, acked)
@@ -516,7 +458,7 @@ class Capture:
                         self._codecs.pop(msg.relid, None)
                         self._live_targets.pop(msg.relid, None)
                 elif isinstance(msg, TypeInfo):
-                    self.types.invalidate(msg.oid)
+                    self.attached.types.invalidate(msg.oid)
                 elif isinstance(msg, LogicalMessage):
                     if msg.transactional:
                         if s.capture.emit_messages and stream_xid is not None:
@@ -682,9 +624,9 @@ class Capture:
         side = self._side.get(name)
         if side is None:
             topic = f"{self.settings.kafka.topic_prefix}.{name}"
-            self.topics.ensure(topic, policy="delete")
+            self.attached.topics.ensure(topic, policy="delete")
             frames = [
-                struct.pack(">bI", 0, self.registry.register(f"{topic}-{part}", schema, table=name))
+                struct.pack(">bI", 0, self.attached.registry.register(f"{topic}-{part}", schema, table=name))
                 for part, schema in zip(("key", "value"), schemas, strict=True)
             ]
             side = self._side[name] = (
@@ -703,7 +645,7 @@ class Capture:
     def _message(self, msg: LogicalMessage, pos: Position, now_us: int) -> None:
         """A pg_logical_emit_message() message, to <prefix>.messages."""
         ns = avro_namespace(self.settings.kafka.topic_prefix, "messages")
-        src = self.source_info
+        src = self.attached.codecs.source_info
         self.metrics.count(f"{self.settings.kafka.topic_prefix}.messages", "m")
         self._side_event(
             "messages",
@@ -899,7 +841,7 @@ class Capture:
                     "t", pos, before=None, after=None, now_us=now_us, transaction=self._tx_block(truncated)
                 )
                 # A truncate concerns every key: one marker per partition keeps it in order with each.
-                for partition in range(self.topics.ensure(truncated.topic)):
+                for partition in range(self.attached.topics.ensure(truncated.topic)):
                     self.writer.produce(truncated.topic, truncated.truncate_key, value, partition)
             return
         codec = self._codec(msg.relid)

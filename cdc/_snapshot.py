@@ -52,8 +52,8 @@ from cdc.errors import StreamError, TransientError
 from decoders import TupleData
 
 if TYPE_CHECKING:
+    from cdc._attach import Attached, CaptureContext
     from cdc._batch import BatchWriter
-    from cdc._capture import Capture
 
 log = logging.getLogger(__name__)
 
@@ -362,22 +362,23 @@ def _encode_copy_rows_slowly(
 
 
 class Snapshotter:
-    def __init__(self, capture: Capture, writer: BatchWriter, state: CaptureState) -> None:
-        self.capture = capture
+    def __init__(self, ctx: CaptureContext, attached: Attached, writer: BatchWriter, state: CaptureState) -> None:
+        self.ctx = ctx
+        self.attached = attached
         self.writer = writer
         self.state = state
         assert state.snapshot is not None
         self.snap: SnapshotState = state.snapshot
-        self.settings = capture.settings
+        self.settings = ctx.settings
         self._gaps: dict[str, GapDeletes] = {}  # tables whose topics held live keys before this snapshot
 
     def run(self, snapshot_name: str | None) -> None:
-        tables = [t for t in self.capture.report.tables if not self.snap.table_done(t.qualified)]
+        tables = [t for t in self.attached.report.tables if not self.snap.table_done(t.qualified)]
         consistent = self.snap.consistent_lsn
         codecs = {t.qualified: self._codec(t) for t in tables}
         # Before anything is written: the keys live in each table's topic, to delete those the source no
         # longer has when the table's snapshot ends (cdc/_resnapshot.py; nothing is read for an empty topic).
-        reconciler = Reconciler(self.capture.settings)
+        reconciler = Reconciler(self.ctx.settings)
         try:
             for t in tables:
                 gaps = reconciler.prepare(t.qualified, codecs[t.qualified], self.snap.table(t.qualified))
@@ -402,7 +403,7 @@ class Snapshotter:
         )
         estimates = {t.qualified: self._estimate(t) for t in tables}
         tasks = {t.qualified: progress.add_task(t.qualified, total=estimates[t.qualified]) for t in tables}
-        metrics = self.capture.metrics
+        metrics = self.ctx.metrics
         metrics.snapshot_started(estimates)
         log.info(
             "snapshot of %d table(s) at %X%s; COPY read through %s, events produced through %s",
@@ -456,7 +457,7 @@ class Snapshotter:
                     progress.advance(tasks[item.table], item.rows)
                     done_tables += table_done
                     metrics.snapshot_rows(item.table, item.rows, table_done=table_done, done_tables=done_tables)
-                    if self.capture.stop.is_set():
+                    if self.ctx.stop.is_set():
                         if self.writer.in_batch:  # the stop came after _write_chunk looked: commit
                             self.writer.commit(self.state)
                         log.info("stop requested during the snapshot; it resumes on the next start")
@@ -472,12 +473,14 @@ class Snapshotter:
         log.info("snapshot done")
 
     def _codec(self, table: TableInfo) -> TableCodec:
-        key = set(self.capture.report.key_columns[table.qualified])
+        key = set(self.attached.report.key_columns[table.qualified])
         cols = [ColumnSpec(c.name, c.type_oid, c.typmod) for c in table.columns]
-        return self.capture.codec_for(table.schema, table.name, cols, [c.name in key for c in cols])
+        return self.attached.codecs.for_table(table.schema, table.name, cols, [c.name in key for c in cols])
 
     def _estimate(self, table: TableInfo) -> int | None:
-        row = self.capture.sql.execute("SELECT reltuples::bigint FROM pg_class WHERE oid = %s", (table.oid,)).fetchone()
+        row = self.attached.sql.execute(
+            "SELECT reltuples::bigint FROM pg_class WHERE oid = %s", (table.oid,)
+        ).fetchone()
         return int(row[0]) if row and row[0] and row[0] > 0 else None
 
     def _ranges(self, table: TableInfo, *, exported: bool) -> list[RangeProgress]:
@@ -520,7 +523,7 @@ class Snapshotter:
         most_mb = self.settings.capture.snapshot_scan_max_mb
         if most_mb <= 0 or table.relkind != "r" or _copy_reader() is None:
             return None
-        conn = self.capture.sql
+        conn = self.attached.sql
         try:
             row = conn.execute(
                 "SELECT pg_table_size(%(t)s::oid), pg_relation_size(%(t)s::oid) / current_setting('block_size')::int,"
@@ -563,8 +566,8 @@ class Snapshotter:
         range_rows = _MIN_RANGE_CHUNKS * self.settings.capture.snapshot_chunk_rows  # the least a range may hold
         if workers < 2:
             return []
-        conn = self.capture.sql
-        keys = self.capture.report.key_columns[table.qualified]
+        conn = self.attached.sql
+        keys = self.attached.report.key_columns[table.qualified]
         try:
             # A partitioned table's pages are its partitions' (pg_partition_tree, PostgreSQL 12+, lists nothing
             # for a plain table and a partition itself for a partition; before 12 a partitioned one is not split).
@@ -611,7 +614,7 @@ class Snapshotter:
         if cancel.is_set():  # stopped before this range began: no connection, no snapshot to import
             return
         table, after, upto = work.table, work.after, work.upto
-        key_names = self.capture.report.key_columns[table.qualified]
+        key_names = self.attached.report.key_columns[table.qualified]
         most = self.settings.capture.snapshot_chunk_rows
         limit = min(most, _FIRST_CHUNK_ROWS)
         with psycopg.connect(self.settings.source.conninfo(), autocommit=False) as conn:
@@ -784,7 +787,7 @@ class Snapshotter:
             self.writer.produce_framed(codec.topic, chunk.keys, chunk.records, prefix, suffix)
         if gaps is not None:
             gaps.seen(chunk.keys if chunk.packed is None else _packed_keys(chunk.packed))
-        self.capture.metrics.count(codec.topic, "r", chunk.rows)
+        self.ctx.metrics.count(codec.topic, "r", chunk.rows)
         # The range's entry is updated in place: the table's entry also holds the re-snapshot's start offsets
         # ("since"), kept until the table is done.
         ranges = self.snap.tables[chunk.table].ranges
@@ -795,7 +798,7 @@ class Snapshotter:
         # The rows and the progress that covers them are committed together, every interval rather than every
         # chunk: a commit waits until Kafka has every event of its transaction, and nothing is sent meanwhile.
         interval = self.settings.capture.snapshot_commit_interval_s
-        if table_done or self.writer.batch_age(time.monotonic()) >= interval or self.capture.stop.is_set():
+        if table_done or self.writer.batch_age(time.monotonic()) >= interval or self.ctx.stop.is_set():
             self.writer.commit(self.state)
         if table_done and gaps is not None:
             self._end_table(chunk.table, consistent)
@@ -820,7 +823,7 @@ class Snapshotter:
         reads the topic again, deletes only what is left."""
 
         def commit(deleted: int) -> None:
-            self.capture.metrics.count(gaps.codec.topic, "d", deleted)  # counted when committed, as streamed ones
+            self.ctx.metrics.count(gaps.codec.topic, "d", deleted)  # counted when committed, as streamed ones
             self.writer.commit(self.state)
 
         deleted = gaps.emit(

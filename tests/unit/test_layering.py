@@ -60,3 +60,42 @@ def test_forbidden_import_is_detected(tmp_path: Path) -> None:
     bad = tmp_path / "bad.py"
     bad.write_text("import pyspark.sql\nfrom cdc.errors import CDCError\nfrom . import sibling\n")
     assert _imported_modules(bad) == {"pyspark", "cdc"}
+
+
+def _full_imports(path: Path) -> set[str]:
+    """Every module ``path`` imports, by its full name (relative imports resolved within ``cdc``), wherever
+    the import sits: at the top, inside a function or under ``if TYPE_CHECKING``."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join([*path.relative_to(ROOT).parent.parts, *([base] if base else [])])
+            names.add(base)
+            names.update(f"{base}.{alias.name}" for alias in node.names)
+    return names
+
+
+def test_only_the_cli_imports_the_capture_coordinator() -> None:
+    """The phases (snapshot, re-snapshot, stream, batch writer) are given what they need; none reaches back into
+    the coordinator that runs them, so the capture's imports have no cycle."""
+    offences = sorted(
+        str(path.relative_to(ROOT))
+        for path in (ROOT / "cdc").rglob("*.py")
+        if path.name != "cli.py" and "cdc._capture" in _full_imports(path)
+    )
+    assert not offences, offences
+
+
+def test_the_coordinator_import_is_seen_wherever_it_hides(tmp_path: Path) -> None:
+    """The checker above must be able to fail, on each way of writing the import."""
+    for text in (
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from cdc._capture import Capture\n",
+        "def f():\n    import cdc._capture\n",
+        "from cdc import _capture\n",
+    ):
+        (tmp_path / "bad.py").write_text(text)
+        assert "cdc._capture" in _full_imports(tmp_path / "bad.py"), text
