@@ -16,7 +16,6 @@ import gc
 import json
 import struct
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -25,14 +24,11 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from cdc._batch import CommitPolicy, KafkaBatchWriter  # noqa: E402
-from cdc._capture import Capture  # noqa: E402
-from cdc._config import load_settings  # noqa: E402
+from cdc._changes import ChangeWriter  # noqa: E402
 from cdc._events import Position, SourceInfo, TableCodec  # noqa: E402
-from cdc._kafka import OffsetStore  # noqa: E402
 from decoders import XLOG_HEADER, XLOG_PAYLOAD_AT, Insert, PgOutputDecoder, parse_copy_data  # noqa: E402
 from schemas import PgType  # noqa: E402
-from tests._codecs import make_codec  # noqa: E402
+from tests._codecs import change_writer, make_codec  # noqa: E402
 
 _PG_EPOCH_US = 946_684_800_000_000
 COLUMNS = [
@@ -103,18 +99,11 @@ class _KeepingProducer:
         self.out.append((topic, key, value))
 
 
-def _capture_stub(c: TableCodec, out: list[tuple[str, bytes | None, bytes | None]]) -> Capture:
-    """A Capture that has read the benchmark table's Relation and has a Kafka transaction open."""
-    with tempfile.TemporaryDirectory() as tmp:
-        config = Path(tmp) / "cdc.toml"
-        config.write_text('[source]\ndsn = "postgresql://bench@localhost/bench"\ntables = ["public.events"]\n')
-        capture = Capture(load_settings(config))
-    offsets = OffsetStore({}, "bench.offsets", "bench")
-    policy = CommitPolicy(max_events=1 << 62)
-    capture.writer = KafkaBatchWriter(_KeepingProducer(out), offsets, capture.metrics, policy)  # type: ignore[arg-type]
-    capture.writer.in_batch = True  # a Kafka transaction is open
-    capture._codecs[16384] = c
-    return capture
+def _capture_stub(c: TableCodec, out: list[tuple[str, bytes | None, bytes | None]]) -> ChangeWriter:
+    """The capture's ChangeWriter, having read the benchmark table's Relation, with a Kafka transaction open."""
+    changes = change_writer(_KeepingProducer(out), in_batch=True)
+    changes._codecs[16384] = c
+    return changes
 
 
 def _best(fn: Callable[[], Any], repeat: int) -> float:
@@ -208,9 +197,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     txn = (pos0.commit_lsn, pos0.commit_time_us, pos0.xid, False)
 
     def capture_path() -> None:
-        """Capture._fast_change as the read loop calls it (header read in place), producing into ``out``."""
+        """ChangeWriter.fast_change as the read loop calls it (header read in place), producing into ``out``."""
         out.clear()
-        fast_change, unpack = capture._fast_change, XLOG_HEADER.unpack_from
+        fast_change, unpack = capture.fast_change, XLOG_HEADER.unpack_from
         for data in frames_only:
             lsn, _end, _ = unpack(data, 1)
             if not fast_change(data, txn, lsn, now_us, start=XLOG_PAYLOAD_AT):

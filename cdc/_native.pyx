@@ -859,7 +859,7 @@ cdef class DirectProducer:
     cdef int _change(self, ReplayTarget t, bytes data, Py_ssize_t at, Py_ssize_t end, int kind, uint64_t lsn,
                      int64_t commit_lsn, Buf* b) except -2:
         """The events of the Insert ('I'), Update ('U') or Delete ('D') whose tuples start at ``at`` of ``data``
-        (after the relation id; the message ends at ``end``), produced to ``t``'s topic as Capture._fast_change
+        (after the relation id; the message ends at ``end``), produced to ``t``'s topic as ChangeWriter.fast_change
         would: 1; 0 when they are not what this writes (an update that changes the key) or do not encode cleanly
         (nothing produced: the general path handles and diagnoses it); -1 when librdkafka refused the (first)
         event (nothing produced; its error in last_error(), its size in refused_size); 2 for a delete whose
@@ -935,7 +935,7 @@ cdef class DirectProducer:
             t.updates += 1
         else:
             t.deletes += 1
-            # The tombstone after it (no value): lets compaction drop the key, as Capture._emit writes it.
+            # The tombstone after it (no value): lets compaction drop the key, as ChangeWriter._emit writes it.
             if self.produce(t.rkt, RD_KAFKA_PARTITION_UA, 0, NULL, 0, PyBytes_AS_STRING(key), keylen, NULL) == -1:
                 t.owed = key
                 return 2
@@ -946,7 +946,7 @@ cdef class DirectProducer:
         """Produces the Insert, Update and Delete events of a streamed transaction's spilled messages (``block``:
         whole messages, each its LSN and length (>QI) then the pgoutput message with its xid after the type byte)
         from offset ``at`` on, each to its table's topic (``targets``: relation id -> ReplayTarget) as
-        Capture._fast_change would, until the first message it does not take: another kind, of a subtransaction
+        ChangeWriter.fast_change would, until the first message it does not take: another kind, of a subtransaction
         in ``aborted``, of a relation without a target, or one _change does not take (the general path then
         handles and diagnoses that one). Returns (the offset of the first message not produced; librdkafka's error
         code when that one was refused, else 0; then the refused event's size, key included, and topic). After
@@ -1291,7 +1291,7 @@ cdef class ChangeReader:
                      int64_t commit_lsn, Py_ssize_t limit) -> tuple:
         """The Inserts, Updates and Deletes of a live transaction that libpq has buffered or the socket holds,
         without waiting, each produced to its table's topic (``targets``: relation id -> ReplayTarget, made for
-        this transaction) as Capture._fast_change would, up to about ``limit`` bytes, until the first message it
+        this transaction) as ChangeWriter.fast_change would, up to about ``limit`` bytes, until the first message it
         does not take: not an XLogData holding an Insert, Update or Delete, of a relation without a target, one
         DirectProducer._change does not take, or an event librdkafka refused (the general path produces that
         one again and reports what is wrong). It also stops after a delete whose tombstone was refused: that

@@ -1,12 +1,38 @@
-"""A TableCodec from column types, without a database: what the unit tests and bench/hotpath_micro.py encode with."""
+"""A TableCodec from column types, and the capture's ChangeWriter around such codecs, without a database: what
+the unit tests and bench/hotpath_micro.py encode with."""
 
 from __future__ import annotations
 
+import tempfile
+import threading
 from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
+from cdc._attach import CaptureContext
+from cdc._batch import CommitPolicy, KafkaBatchWriter
+from cdc._changes import ChangeWriter
+from cdc._config import load_settings
 from cdc._events import SourceInfo, TableCodec
+from cdc._kafka import OffsetStore
+from cdc._metrics import CaptureMetrics
 from schemas import ColumnShape, PgType, avro_mapping
+
+
+def change_writer(producer: Any, *, in_batch: bool = False) -> ChangeWriter:
+    """The capture's ChangeWriter writing through a batch writer on ``producer`` (a TransactionalProducer, or
+    anything with its produce methods), with no source behind it: the caller gives it the codecs of its
+    relations (``changes._codecs[relid] = make_codec(...)``). ``in_batch``: a Kafka transaction is taken as open,
+    so ``producer`` needs no begin()."""
+    with tempfile.TemporaryDirectory() as tmp:
+        config = Path(tmp) / "cdc.toml"
+        config.write_text('[source]\ndsn = "postgresql://u@localhost/db"\ntables = ["public.t"]\n')
+        settings = load_settings(config)
+    ctx = CaptureContext(settings, threading.Event(), CaptureMetrics())
+    offsets = OffsetStore({}, "unused.offsets", "unused")
+    writer = KafkaBatchWriter(producer, offsets, ctx.metrics, CommitPolicy(max_events=1 << 62))
+    writer.in_batch = in_batch
+    return ChangeWriter(ctx, None, writer)  # type: ignore[arg-type]  # no source: codecs are given
 
 
 def make_codec(

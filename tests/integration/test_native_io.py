@@ -13,7 +13,6 @@ import queue
 import struct
 import tempfile
 import threading
-from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -21,17 +20,16 @@ import pytest
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from cdc._batch import CommitPolicy, KafkaBatchWriter
-from cdc._capture import Capture, _Spill
+from cdc._assembler import Spill
 from cdc._catalog import load_table
-from cdc._config import load_settings
+from cdc._changes import ChangeWriter
 from cdc._events import SourceInfo
-from cdc._kafka import OffsetStore, Topics, TransactionalProducer
+from cdc._kafka import Topics, TransactionalProducer
 from cdc._replication import ReplicationConnection
 from cdc._snapshot import Snapshotter, TableRewrittenError, _copy_reader, _LibpqCopies, _Range, parse_binary_copy
 from decoders import StreamCommit
 from schemas import PgType
-from tests._codecs import make_codec
+from tests._codecs import change_writer, make_codec
 from tests.integration._capture_helpers import committed_records, scratch_database
 
 pytestmark = pytest.mark.integration
@@ -241,23 +239,20 @@ def _row(i: int) -> list[bytes | None]:
 
 
 def _replay_into(
-    kafka: str, topics: list[str], spill: _Spill, tid: str, *, from_c: bool, queue: int | None = None
+    kafka: str, topics: list[str], spill: Spill, tid: str, *, from_c: bool, queue: int | None = None
 ) -> tuple[list[int], dict[str, int]]:
-    """Capture._replay of ``spill`` into ``topics`` (two tables) in one Kafka transaction, the producer's local
+    """ChangeWriter.replay of ``spill`` into ``topics`` (two tables) in one Kafka transaction, the producer's local
     queue ``queue`` messages at most; the offsets at which the C loop stopped, for each call of it, and how many
     create, update and delete events it made and deletes' tombstones it left owed ("owed")."""
-    config = Path(tempfile.mkdtemp()) / "cdc.toml"
-    config.write_text('[source]\ndsn = "postgresql://u@localhost/db"\ntables = ["public.t"]\n')
-    cap = Capture(load_settings(config))
-    columns = [("id", PgType(20, "int8"), -1), ("name", PgType(25, "text"), -1), ("qty", PgType(23, "int4"), -1)]
-    for relid, topic in zip((16384, 16385), topics, strict=True):
-        # One source name for both runs: the events differ only in their topic.
-        cap._codecs[relid] = make_codec(columns, topic=topic, key=["id"], source=SourceInfo("1.0", "src", "db"))
     conf: dict[str, Any] = {"bootstrap.servers": kafka}
     if queue is not None:
         conf["queue.buffering.max.messages"] = queue
     producer = TransactionalProducer(conf, tid)
-    cap.writer = _writer(cap, producer)
+    cap = change_writer(producer)
+    columns = [("id", PgType(20, "int8"), -1), ("name", PgType(25, "text"), -1), ("qty", PgType(23, "int4"), -1)]
+    for relid, topic in zip((16384, 16385), topics, strict=True):
+        # One source name for both runs: the events differ only in their topic.
+        cap._codecs[relid] = make_codec(columns, topic=topic, key=["id"], source=SourceInfo("1.0", "src", "db"))
     stops: list[int] = []
     made, owed = _count_made(cap), _count_owed(producer)
     replay = producer.replay_changes
@@ -273,8 +268,8 @@ def _replay_into(
         xid=700, flags=0, commit_lsn=0x5_0000_0000, end_lsn=0x5_0000_1000, commit_time_us=1_700_000_000_000_000
     )
     try:
-        cap.writer.begin()
-        cap._replay(spill, commit, 2, 1_700_000_000_123_456)
+        cap._writer.begin()
+        cap.replay(spill, commit, 2, 1_700_000_000_123_456)
         producer.commit()
     finally:
         producer.close()
@@ -287,7 +282,7 @@ def test_replayed_changes_from_c_are_what_the_fast_path_writes(kafka_bootstrap: 
     direct, plain = [f"d{unique}.public.a", f"d{unique}.public.b"], [f"p{unique}.public.a", f"p{unique}.public.b"]
     _ensure_topics(kafka_bootstrap, *direct, *plain)
     with tempfile.TemporaryFile() as file:
-        spill = _Spill(file, block=4096)  # many blocks: runs cut at their ends too
+        spill = Spill(file, block=4096)  # many blocks: runs cut at their ends too
         lsn = 0x4_0000_0000
         messages = []
         for i in range(3000):
@@ -332,7 +327,7 @@ def test_a_deletes_refused_tombstone_is_written_once_after_it_when_replayed(kafk
     direct, plain = [f"od{unique}.public.a", f"od{unique}.public.b"], [f"op{unique}.public.a", f"op{unique}.public.b"]
     _ensure_topics(kafka_bootstrap, *direct, *plain)
     with tempfile.TemporaryFile() as file:
-        spill = _Spill(file, block=1 << 20)
+        spill = Spill(file, block=1 << 20)
         lsn = 0x4_0000_0000
         for i in range(40):
             for message in (
@@ -443,16 +438,10 @@ def test_read_changes_takes_what_read_takes_one_at_a_time(pg_dsn: str, unique: s
     assert taken > len(one) // 2  # most changes came in runs
 
 
-def _writer(cap: Capture, producer: TransactionalProducer) -> KafkaBatchWriter:
-    """The capture's batch writer on ``producer`` (the test commits through the producer itself)."""
-    offsets = OffsetStore({}, "unused.offsets", "unused")
-    return KafkaBatchWriter(producer, offsets, cap.metrics, CommitPolicy(max_events=1 << 62))
-
-
-def _count_made(cap: Capture) -> dict[str, int]:
+def _count_made(cap: ChangeWriter) -> dict[str, int]:
     """How many create, update and delete events C makes through ``cap`` from now on (a live count)."""
     made = {"c": 0, "u": 0, "d": 0}
-    counted = cap.writer.count_from_c
+    counted = cap._writer.count_from_c
 
     def counting(targets: dict[int, Any]) -> None:
         for target in targets.values():
@@ -461,7 +450,7 @@ def _count_made(cap: Capture) -> dict[str, int]:
             made["d"] += target.deletes
         counted(targets)
 
-    cap.writer.count_from_c = counting  # type: ignore[method-assign]
+    cap._writer.count_from_c = counting  # type: ignore[method-assign]
     return made
 
 
@@ -491,18 +480,15 @@ def _capture_live(
     drain_when_full: bool = False,
 ) -> dict[str, int]:
     """The first ``commits`` live transactions of ``slot`` (table t: id int, body text, qty int) through
-    Capture._fast_change and, with ``from_c``, Capture._more_changes, as the capture's loop calls them, into
+    ChangeWriter.fast_change and, with ``from_c``, ChangeWriter.more_changes, as the capture's loop calls them, into
     ``topic``. Returns how many create, update and delete events C made, how often the producer's local queue
     (``queue`` messages at most) was full, and how many deletes' tombstones C left owed. ``drain_when_full``:
     a wait for room waits until the queue is empty, which makes where C finds it full predictable."""
-    config = Path(tempfile.mkdtemp()) / "cdc.toml"
-    config.write_text('[source]\ndsn = "postgresql://u@localhost/db"\ntables = ["public.t"]\n')
-    cap = Capture(load_settings(config))
     conf: dict[str, Any] = {"bootstrap.servers": kafka}
     if queue is not None:
         conf["queue.buffering.max.messages"] = queue
     producer = TransactionalProducer(conf, tid)
-    cap.writer = _writer(cap, producer)
+    cap = change_writer(producer)
     full = 0
     queue_full = producer._queue_full
 
@@ -525,7 +511,7 @@ def _capture_live(
     made = _count_made(cap)
     try:
         repl.start(slot, 0, {"proto_version": "1", "publication_names": '"pub"', "binary": "true"})
-        cap.writer.begin()
+        cap._writer.begin()
         held: bytes | None = None
         while committed < commits:
             raw = held if held is not None else repl.read(10.0)
@@ -541,14 +527,14 @@ def _capture_live(
             elif kind == b"B":
                 final_lsn, commit_time, xid = struct.unpack_from(">QqI", data, 26)
                 current = (final_lsn, commit_time, xid, False)
-                cap._live_targets, cap._live_seen = {}, set()
+                cap.begin()
             elif kind == b"C":
                 committed += 1
             elif kind in (b"I", b"U", b"D"):
                 lsn = struct.unpack_from(">Q", data, 1)[0]
-                assert cap._fast_change(data, current, lsn, 1_700_000_000_000_000, start=25)
+                assert cap.fast_change(data, current, lsn, 1_700_000_000_000_000, start=25)
                 if from_c:
-                    held, _ = cap._more_changes(repl, data, current, 1_700_000_000_000_000)
+                    held, _ = cap.more_changes(repl, data, current, 1_700_000_000_000_000)
         producer.commit()
     finally:
         repl.close()

@@ -1,18 +1,14 @@
-"""Capture._fast_change takes only what it can encode; anything else is left, untouched, to the general path."""
+"""ChangeWriter.fast_change takes only what it can encode; anything else is left, untouched, to the general path."""
 
 from __future__ import annotations
 
 import struct
-from pathlib import Path
 
 import pytest
 
-from cdc._batch import CommitPolicy, KafkaBatchWriter
-from cdc._capture import Capture
-from cdc._config import load_settings
-from cdc._kafka import OffsetStore
+from cdc._changes import ChangeWriter
 from schemas import PgType
-from tests._codecs import make_codec
+from tests._codecs import change_writer, make_codec
 
 TXN = (0x2_0000_0000, 1_700_000_000_000_000, 7, False)
 
@@ -26,25 +22,20 @@ class _KeepingProducer:
 
 
 @pytest.fixture
-def capture(tmp_path: Path) -> tuple[Capture, _KeepingProducer]:
-    config = tmp_path / "cdc.toml"
-    config.write_text('[source]\ndsn = "postgresql://u@localhost/db"\ntables = ["public.t"]\n')
-    cap = Capture(load_settings(config))
+def capture() -> tuple[ChangeWriter, _KeepingProducer]:
     producer = _KeepingProducer()
-    offsets = OffsetStore({}, "p.offsets", "slot")
-    cap.writer = KafkaBatchWriter(producer, offsets, cap.metrics, CommitPolicy(max_events=1000))  # type: ignore[arg-type]
-    cap.writer.in_batch = True  # a Kafka transaction is open
-    cap._codecs[16384] = make_codec([("id", PgType(20, "int8"), -1)], topic="p.public.t", key=["id"])
-    return cap, producer
+    changes = change_writer(producer, in_batch=True)
+    changes._codecs[16384] = make_codec([("id", PgType(20, "int8"), -1)], topic="p.public.t", key=["id"])
+    return changes, producer
 
 
 def _insert(relid: int, value: int) -> bytes:
     return b"I" + struct.pack(">I", relid) + b"N" + struct.pack(">H", 1) + b"b" + struct.pack(">Iq", 8, value)
 
 
-def test_an_insert_is_produced(capture: tuple[Capture, _KeepingProducer]) -> None:
+def test_an_insert_is_produced(capture: tuple[ChangeWriter, _KeepingProducer]) -> None:
     cap, producer = capture
-    assert cap._fast_change(b"header" + _insert(16384, 5), TXN, 100, 0, start=6)
+    assert cap.fast_change(b"header" + _insert(16384, 5), TXN, 100, 0, start=6)
     assert [(topic, key[5:]) for topic, key, _ in producer.out] == [("p.public.t", b"\x02\x0a")]
 
 
@@ -59,8 +50,8 @@ def test_an_insert_is_produced(capture: tuple[Capture, _KeepingProducer]) -> Non
     ],
 )
 def test_what_it_cannot_take_is_left_to_the_general_path(
-    capture: tuple[Capture, _KeepingProducer], message: bytes
+    capture: tuple[ChangeWriter, _KeepingProducer], message: bytes
 ) -> None:
     cap, producer = capture
-    assert not cap._fast_change(message, TXN, 100, 0)
+    assert not cap.fast_change(message, TXN, 100, 0)
     assert producer.out == []

@@ -1,0 +1,478 @@
+"""A transaction's changes as Kafka events: live from the stream, or replayed from a streamed transaction's
+spill; rows encoded by the table's codec, written through the batch writer.
+
+The fast path (fast_change, and the runs of changes produced from C by more_changes and replay) takes Insert,
+Update and Delete frames as they arrive, without decoding them into messages; anything it does not take goes
+the general way (apply), which also diagnoses what is wrong with a change. docs/design/capture-hot-path.md
+says what each costs and why it is built this way."""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass, field
+from typing import Any
+
+from cdc._assembler import SPILL_HEAD, SPILL_READ, Spill
+from cdc._attach import Attached, CaptureContext
+from cdc._batch import KafkaBatchWriter
+from cdc._events import Position, TableCodec
+from cdc._replication import ReplicationConnection
+from cdc.errors import StreamError
+from decoders import (
+    XLOG_PAYLOAD_AT,
+    Delete,
+    Insert,
+    LogicalMessage,
+    PgOutputDecoder,
+    Relation,
+    StreamCommit,
+    Truncate,
+    Update,
+    format_lsn,
+)
+from schemas import (
+    avro_namespace,
+    compile_writer,
+    message_key_schema,
+    message_value_schema,
+    transaction_key_schema,
+    transaction_value_schema,
+)
+
+FAST_KINDS = frozenset(b"IUD")  # Insert, Update, Delete: the frames fast_change takes (and cdc._native)
+_PAYLOAD_AT = XLOG_PAYLOAD_AT
+_OLD_TUPLE = frozenset(b"KO")
+_NEW_TUPLE = ord("N")
+_U32 = struct.Struct(">I").unpack_from
+_STREAM_START = struct.Struct(">BIB")  # 'S', xid, first segment
+
+
+@dataclass
+class _TxMeta:
+    """Transaction metadata being gathered for one PostgreSQL transaction (capture.emit_transactions)."""
+
+    id: str
+    commit_time_us: int
+    total: int = 0
+    per_table: dict[str, int] = field(default_factory=dict)
+    begun: bool = False
+
+
+class ChangeWriter:
+    """Encodes the changes of the transaction being captured and writes them through the batch writer.
+
+    Owns the codecs of the tables the stream has described (and of a streamed transaction's own schema while it
+    is replayed), the transaction's metadata (capture.emit_transactions) and the live transaction's tables whose
+    changes go from C."""
+
+    def __init__(self, ctx: CaptureContext, attached: Attached, writer: KafkaBatchWriter) -> None:
+        self._settings = ctx.settings
+        self._metrics = ctx.metrics
+        self._attached = attached
+        self._writer = writer
+        self._produce = writer.produce  # bound once: called for every event
+        self.binary = ctx.settings.capture.binary  # the stream is in binary mode (pgoutput's binary option)
+        self._codecs: dict[int, TableCodec] = {}
+        self._relations: dict[int, Relation] = {}
+        self._stream_codecs: dict[int, TableCodec] = {}
+        self._stream_relations: dict[int, Relation] = {}
+        self._side: dict[str, tuple[str, bytes, Any, bytes, Any]] = {}
+        self._fast_txn: tuple[int, int, int | None, bool] | None = None  # fast_change's Position, per transaction
+        self._fast_pos = Position(0, 0, 0, None)
+        self.tx: _TxMeta | None = None
+        # The open live transaction's tables whose Inserts and Updates go from C (more_changes), and those seen
+        # once.
+        self._live_targets: dict[int, Any] = {}
+        self._live_seen: set[int] = set()
+
+    def begin(self) -> None:
+        """A live transaction begins: its tables are looked at again for changes from C."""
+        self._live_targets, self._live_seen = {}, set()
+
+    def relation(self, msg: Relation) -> None:
+        """A Relation outside a streamed transaction: a changed one makes its table's codec again."""
+        if self._relations.get(msg.relid) != msg:
+            self._relations[msg.relid] = msg
+            self._codecs.pop(msg.relid, None)
+            self._live_targets.pop(msg.relid, None)
+
+    def reset(self) -> None:
+        """The stream ended: a later stream must not see this one's transaction state (fast_change and
+        more_changes take a table's codec from it). The codecs of the live relations are kept."""
+        self._stream_relations, self._stream_codecs = {}, {}
+        self._live_targets, self._live_seen = {}, set()
+
+    def _codec(self, relid: int) -> TableCodec:
+        """The codec a change of ``relid`` is encoded with: its streamed transaction's own schema first.
+
+        Built on the first change, not when the Relation arrives: PostgreSQL also describes relations no
+        event will be written for (the leaf partitions of a table published via its root) and re-sends
+        unchanged ones (after a truncate, in every streamed transaction).
+        """
+        for relations, codecs in ((self._stream_relations, self._stream_codecs), (self._relations, self._codecs)):
+            rel = relations.get(relid)
+            if rel is not None:
+                codec = codecs.get(relid)
+                if codec is None:
+                    codec = codecs[relid] = self._attached.codecs.for_relation(rel, binary=self.binary)
+                return codec
+        raise StreamError(f"change for relation {relid} before its Relation message")
+
+    def _codec_in_use(self, relid: int) -> TableCodec:
+        """The codec fast_change has just encoded a change of ``relid`` with (it inlines this lookup): a streamed
+        transaction's own schema while its spill is replayed, else the live one."""
+        return (self._stream_codecs if relid in self._stream_relations else self._codecs)[relid]
+
+    def more_changes(
+        self, repl: ReplicationConnection, data: bytes, current: tuple[int, int, int | None, bool], now_us: int
+    ) -> tuple[bytes | None, int]:
+        """After a live Insert, Update or Delete the fast path took (``data``): the ones already received after
+        it, produced from C (ChangeReader.live_changes) from a table's second one in the transaction on (a
+        one-row transaction does not pay for a ReplayTarget). Returns (the next message, not taken, or None; the
+        largest end LSN of those produced, 0 without any)."""
+        relid = _U32(data, _PAYLOAD_AT + 1)[0]
+        targets = self._live_targets
+        if relid not in targets:
+            if relid not in self._live_seen:
+                self._live_seen.add(relid)
+                return None, 0
+            codec = self._codec_in_use(relid)
+            pos = Position(current[0], 0, current[1], current[2])
+            target = self._writer.replay_target(codec.topic, codec.native_plan, codec.event_parts(pos, now_us))
+            if target is None:
+                return None, 0
+            targets[relid] = target
+        count, end_lsn, held = repl.read_live_changes(self._writer.direct, targets, current[0], SPILL_READ)
+        if count:
+            self._writer.produced_from_c(targets, count)
+        return held, end_lsn
+
+    def replay(self, spill: Spill, msg: StreamCommit, proto: int, now_us: int) -> None:
+        """A committed streamed transaction's spilled changes, in order, into the open Kafka batch.
+
+        Runs of Inserts, Updates and Deletes go from C (DirectProducer.replay_changes: the tuples encoded, the
+        events written and produced per message, no Python per row) for every table whose first one the fast path took,
+        when there is no transaction metadata to count per event; every other message takes the same way as a
+        live one."""
+        self._stream_relations, self._stream_codecs = {}, {}
+        try:
+            self._replay_spill(spill, msg, proto, now_us)
+        finally:  # its schema is the streamed transaction's own: never a later one's
+            self._stream_relations, self._stream_codecs = {}, {}
+
+    def _replay_spill(self, spill: Spill, msg: StreamCommit, proto: int, now_us: int) -> None:
+        # The spilled messages carry an xid after their type byte, as inside a stream.
+        decoder = PgOutputDecoder(proto, streaming=True)
+        decoder.decode(_STREAM_START.pack(ord("S"), msg.xid, 0))
+        txn = (msg.commit_lsn, msg.commit_time_us, msg.xid, False)
+        aborted = spill.aborted_subxids
+        # relation id -> cdc._native.ReplayTarget (tables without one go through fast_change)
+        targets: dict[int, Any] = {}
+        writer = self._writer
+        from_c = self.tx is None and writer.produces_from_c
+        pos = Position(msg.commit_lsn, 0, msg.commit_time_us, msg.xid)
+        for block in spill.blocks():
+            at, size = 0, len(block)
+            while at < size:
+                if targets:
+                    at = writer.replay_changes(block, at, targets, aborted, msg.commit_lsn)
+                    if at == size:
+                        break
+                change_lsn, length = SPILL_HEAD.unpack_from(block, at)
+                data = block[at + SPILL_HEAD.size : at + SPILL_HEAD.size + length]
+                at += SPILL_HEAD.size + length
+                if aborted and _U32(data, 1)[0] in aborted:
+                    continue
+                if data[0] in FAST_KINDS and self.fast_change(data, txn, change_lsn, now_us, streamed=True):
+                    if from_c:  # the table's next ones from C
+                        relid = _U32(data, 5)[0]
+                        if relid not in targets:
+                            codec = self._codec_in_use(relid)
+                            target = writer.replay_target(
+                                codec.topic, codec.native_plan, codec.event_parts(pos, now_us)
+                            )
+                            if target is not None:
+                                targets[relid] = target
+                    continue
+                change = decoder.decode(data)
+                if isinstance(change, Relation):
+                    self._stream_relations[change.relid] = change
+                    self._stream_codecs.pop(change.relid, None)
+                    targets.pop(change.relid, None)
+                    continue
+                self.apply(
+                    change,  # type: ignore[arg-type]
+                    Position(msg.commit_lsn, change_lsn, msg.commit_time_us, msg.xid),
+                    now_us,
+                )
+
+    def _side_event(self, name: str, schemas: tuple[dict[str, Any], dict[str, Any]], key: Any, value: Any) -> None:
+        """An event on one of the side topics (<prefix>.messages, <prefix>.transaction): event streams with
+        cleanup.policy=delete, registered on first use."""
+        side = self._side.get(name)
+        if side is None:
+            topic = f"{self._settings.kafka.topic_prefix}.{name}"
+            self._attached.topics.ensure(topic, policy="delete")
+            frames = [
+                struct.pack(">bI", 0, self._attached.registry.register(f"{topic}-{part}", schema, table=name))
+                for part, schema in zip(("key", "value"), schemas, strict=True)
+            ]
+            side = self._side[name] = (
+                topic,
+                frames[0],
+                compile_writer(schemas[0]),
+                frames[1],
+                compile_writer(schemas[1]),
+            )
+        topic, key_frame, write_key, value_frame, write_value = side
+        key_bytes, value_bytes = bytearray(key_frame), bytearray(value_frame)
+        write_key(key, key_bytes)
+        write_value(value, value_bytes)
+        self._produce(topic, bytes(key_bytes), bytes(value_bytes))
+
+    def _message(self, msg: LogicalMessage, pos: Position, now_us: int) -> None:
+        """A pg_logical_emit_message() message, to <prefix>.messages."""
+        ns = avro_namespace(self._settings.kafka.topic_prefix, "messages")
+        src = self._attached.codecs.source_info
+        self._metrics.count(f"{self._settings.kafka.topic_prefix}.messages", "m")
+        self._side_event(
+            "messages",
+            (message_key_schema(ns), message_value_schema(ns)),
+            {"prefix": msg.prefix},
+            {
+                "op": "m",
+                "ts_ms": now_us // 1000,
+                "source": {
+                    "version": src.version,
+                    "connector": "postgresql",
+                    "name": src.name,
+                    "db": src.db,
+                    "ts_ms": pos.commit_time_us // 1000,
+                    "ts_us": pos.commit_time_us,
+                    "snapshot": "false",
+                    "sequence": f'["{pos.commit_lsn}","{pos.lsn}"]',
+                    "schema": "",
+                    "table": "",
+                    "txId": pos.xid,
+                    "lsn": pos.lsn,
+                    "xmin": None,
+                    "commit_lsn": pos.commit_lsn,
+                },
+                "message": {"prefix": msg.prefix, "content": bytes(msg.content), "transactional": msg.transactional},
+            },
+        )
+
+    # --- transaction metadata -------------------------------------------------------------------
+
+    def tx_begin(self, xid: int | None, commit_lsn: int, commit_time_us: int) -> None:
+        self.tx = _TxMeta(f"{xid}:{commit_lsn}", commit_time_us) if self._settings.capture.emit_transactions else None
+
+    def _tx_event(self, status: str) -> None:
+        tx = self.tx
+        assert tx is not None
+        ns = avro_namespace(self._settings.kafka.topic_prefix, "transaction")
+        end = status == "END"
+        self._side_event(
+            "transaction",
+            (transaction_key_schema(ns), transaction_value_schema(ns)),
+            {"id": tx.id},
+            {
+                "status": status,
+                "id": tx.id,
+                "event_count": tx.total if end else None,
+                "data_collections": [{"data_collection": t, "event_count": n} for t, n in tx.per_table.items()]
+                if end
+                else None,
+                "ts_ms": tx.commit_time_us // 1000,
+            },
+        )
+
+    def _tx_block(self, codec: TableCodec) -> tuple[str, int, int] | None:
+        """The next change event's place in its transaction (and the BEGIN event before the first)."""
+        tx = self.tx
+        if tx is None:
+            return None
+        if not tx.begun:
+            tx.begun = True
+            self._tx_event("BEGIN")
+        name = f"{codec.schema}.{codec.table}"
+        tx.total += 1
+        tx.per_table[name] = tx.per_table.get(name, 0) + 1
+        return tx.id, tx.total, tx.per_table[name]
+
+    def tx_end(self) -> None:
+        if self.tx is not None and self.tx.begun:
+            self._tx_event("END")
+        self.tx = None
+
+    def fast_change(
+        self,
+        data: bytes,
+        current: tuple[int, int, int | None, bool],
+        lsn: int,
+        now_us: int,
+        *,
+        start: int = 0,
+        streamed: bool = False,
+    ) -> bool:
+        """An Insert, Update or Delete message at ``start`` of ``data`` (live, or replayed from a streamed
+        transaction's spill: ``streamed``, an xid after the type byte) straight to Kafka.
+
+        The same events as decode + :meth:`_apply_change`, without building messages and row dicts
+        (TableCodec.encode_tuple). Returns False, having done nothing, for anything it does not take (a relation
+        whose codec is not built yet, a missing key, a malformed or unconvertible frame): the general path then
+        handles that frame and reports errors with the full diagnosis.
+        """
+        kind = data[start]
+        at = start + 5 if streamed else start + 1
+        if len(data) < at + 4:  # cut before its relation id: the general path says what is wrong
+            return False
+        relid = _U32(data, at)[0]
+        # A streamed transaction's own schema first (set while its spill is replayed), as in _codec.
+        codec = self._stream_codecs.get(relid) if relid in self._stream_relations else self._codecs.get(relid)
+        if codec is None:
+            return False
+        at += 4
+        try:
+            before = old_key = None
+            if kind != 73 and data[at] in _OLD_TUPLE:  # Update/Delete: the old key ('K') or row ('O')
+                before, old_key, _, at = codec.encode_tuple(data, at + 1)
+                if old_key is None:
+                    return False
+            if kind == 68:  # Delete
+                after = key = None
+                unchanged: list[str] = []
+                if before is None or at != len(data):
+                    return False
+            else:
+                if data[at] != _NEW_TUPLE:
+                    return False
+                after, key, unchanged, at = codec.encode_tuple(data, at + 1)
+                if key is None or at != len(data):
+                    return False
+        except Exception:  # malformed or unconvertible: the general path diagnoses it
+            return False
+        if current is not self._fast_txn:  # one Position per transaction; each change passes its own LSN
+            self._fast_txn = current
+            self._fast_pos = Position(current[0], 0, current[1], current[2])
+        if kind == 68:
+            self._emit(codec, "d", self._fast_pos, lsn, key=old_key, before=before, after=None, now_us=now_us)  # type: ignore[arg-type]
+        else:
+            self._emit(
+                codec,
+                "c" if kind == 73 else "u",
+                self._fast_pos,
+                lsn,
+                key=key,  # type: ignore[arg-type]
+                before=before,
+                after=after,
+                old_key=old_key,
+                unchanged=unchanged,
+                now_us=now_us,
+            )
+        return True
+
+    def _emit(
+        self,
+        codec: TableCodec,
+        op: str,
+        pos: Position,
+        lsn: int,
+        *,
+        key: bytes,
+        before: bytes | None,
+        after: bytes | None,
+        old_key: bytes | None = None,
+        unchanged: list[str] | None = None,
+        now_us: int,
+    ) -> None:
+        """The Kafka records of one row change (rows as encoded Value records): c, u or d (+ tombstone); an
+        update that changed the key is a delete + tombstone of the old key and a create of the new one."""
+        if op == "u" and old_key is not None and old_key != key:
+            self._emit(codec, "d", pos, lsn, key=old_key, before=before, after=None, now_us=now_us)
+            op, before = "c", None
+        self._metrics.count(codec.topic, op)
+        value = codec.envelope_bytes(
+            op,
+            pos,
+            lsn=lsn,
+            before=before,
+            after=after,
+            unchanged=unchanged,
+            now_us=now_us,
+            transaction=self._tx_block(codec),
+        )
+        self._produce(codec.topic, key, value)
+        if op == "d":
+            self._produce(codec.topic, key, None)  # tombstone: lets compaction drop the key
+
+    def apply(self, msg: Insert | Update | Delete | Truncate | LogicalMessage, pos: Position, now_us: int) -> None:
+        try:
+            self._apply_change(msg, pos, now_us)
+        except (ValueError, IndexError) as exc:  # an unconvertible value, a missing key: stop, ack nothing
+            raise StreamError(f"cannot capture the change at LSN {format_lsn(pos.lsn)}: {exc}") from exc
+
+    def _apply_change(
+        self, msg: Insert | Update | Delete | Truncate | LogicalMessage, pos: Position, now_us: int
+    ) -> None:
+        if isinstance(msg, LogicalMessage):
+            self._message(msg, pos, now_us)
+            return
+        if isinstance(msg, Truncate):
+            if not self._settings.capture.emit_truncates:
+                return
+            for relid in msg.relids:
+                truncated = self._codec(relid)
+                self._metrics.count(truncated.topic, "t")
+                value = truncated.envelope(
+                    "t", pos, before=None, after=None, now_us=now_us, transaction=self._tx_block(truncated)
+                )
+                # A truncate concerns every key: one marker per partition keeps it in order with each.
+                for partition in range(self._attached.topics.ensure(truncated.topic)):
+                    self._produce(truncated.topic, truncated.truncate_key, value, partition)
+            return
+        codec = self._codec(msg.relid)
+        if isinstance(msg, Insert):
+            after, unchanged = codec.row(msg.new)
+            self._emit(
+                codec,
+                "c",
+                pos,
+                pos.lsn,
+                key=codec.key_of(after),
+                before=None,
+                after=codec.encode_row(after),
+                unchanged=unchanged,
+                now_us=now_us,
+            )
+        elif isinstance(msg, Update):
+            after, unchanged = codec.row(msg.new)
+            before = codec.row(msg.old)[0] if msg.old is not None else None
+            key = codec.key_of(after)
+            self._emit(
+                codec,
+                "u",
+                pos,
+                pos.lsn,
+                key=key,
+                before=None if before is None else codec.encode_row(before),
+                after=codec.encode_row(after),
+                old_key=None if before is None else codec.key_of(before),
+                unchanged=unchanged,
+                now_us=now_us,
+            )
+        else:
+            before = codec.row(msg.old)[0]
+            self._emit(
+                codec,
+                "d",
+                pos,
+                pos.lsn,
+                key=codec.key_of(before),
+                before=codec.encode_row(before),
+                after=None,
+                now_us=now_us,
+            )
+
+
+__all__ = ["FAST_KINDS", "ChangeWriter"]
