@@ -15,7 +15,7 @@ import psycopg
 from psycopg import sql
 
 from cdc._catalog import TableInfo, load_table
-from cdc._config import Settings
+from cdc._config import Settings, SourceConfig
 from cdc.errors import AuthenticationError, ConfigError, SourceCheckError, StreamError, TransientError
 from schemas import split_table_name
 
@@ -92,24 +92,8 @@ def check_and_prepare(
     _check_privileges(conn)
     report.slot_exists = _check_slot(conn, src.slot, allow_active=allow_active_slot)
     report.publication_exists = _publication_exists(conn, src.publication)
-
-    names = [split_table_name(t) for t in src.tables]
-    if not names:
-        if not report.publication_exists:
-            raise SourceCheckError(
-                'no tables to capture: list them in source.tables (e.g. tables = ["public.orders"]), '
-                f"or create the publication {src.publication!r} yourself",
-                check="tables",
-            )
-        names = _publication_tables(conn, src.publication)
-        if not names:
-            raise SourceCheckError(
-                f"publication {src.publication!r} contains no tables; add some or list them in source.tables",
-                check="tables",
-            )
-
     configured_keys = {split_table_name(k): v for k, v in src.key_columns.items()}
-    for schema, table in names:
+    for schema, table in _captured_names(conn, src, publication_exists=report.publication_exists):
         info = load_table(conn, schema, table)
         if info is None:
             raise SourceCheckError(
@@ -118,9 +102,45 @@ def check_and_prepare(
             )
         report.tables.append(info)
         report.key_columns[info.qualified] = _key_columns(info, configured_keys.get((schema, table)))
+    _check_topic_names(settings, report.tables)
+    if report.publication_exists:
+        _check_publication(conn, src.publication, report.tables)
+    else:
+        report.actions.append(_create_publication(conn, src.publication, report.tables, dry_run=dry_run))
+    if not report.slot_exists:
+        report.notes.append(
+            f"replication slot {src.slot!r} will be created by `cdc run`, together with the initial snapshot, "
+            "so that both start from the same consistent point"
+        )
+    return report
 
+
+def _captured_names(
+    conn: psycopg.Connection[Any], src: SourceConfig, *, publication_exists: bool
+) -> list[tuple[str, str]]:
+    """(schema, table) of each table to capture: source.tables, or else the existing publication's tables."""
+    names = [split_table_name(t) for t in src.tables]
+    if names:
+        return names
+    if not publication_exists:
+        raise SourceCheckError(
+            'no tables to capture: list them in source.tables (e.g. tables = ["public.orders"]), '
+            f"or create the publication {src.publication!r} yourself",
+            check="tables",
+        )
+    names = _publication_tables(conn, src.publication)
+    if not names:
+        raise SourceCheckError(
+            f"publication {src.publication!r} contains no tables; add some or list them in source.tables",
+            check="tables",
+        )
+    return names
+
+
+def _check_topic_names(settings: Settings, tables: list[TableInfo]) -> None:
+    """Each table's topic is a name Kafka takes, and no two tables share one."""
     topics: dict[str, str] = {}
-    for captured in report.tables:
+    for captured in tables:
         topic = settings.topic_for(captured.schema, captured.name)
         if len(topic) > 249:
             raise SourceCheckError(
@@ -135,47 +155,47 @@ def check_and_prepare(
                 check="topic-name",
             )
         topics[topic] = captured.qualified
-    partitioned = any(t.relkind == "p" for t in report.tables)
 
-    if report.publication_exists:
-        if (
-            partitioned
-            and not _one(conn, "SELECT pubviaroot FROM pg_publication WHERE pubname = %s", (src.publication,))[0]
-        ):
-            raise SourceCheckError(
-                f"publication {src.publication!r} publishes partitioned tables through their partitions, so "
-                "changes would not reach the parent's topic: run ALTER PUBLICATION "
-                f"{sql.Identifier(src.publication).as_string(conn)} SET (publish_via_partition_root = true)",
-                check="publication-partitions",
-            )
-        present = set(_publication_tables(conn, src.publication))
-        missing = [t for t in report.tables if (t.schema, t.name) not in present]
-        if missing:
-            listing = ", ".join(_quoted(t) for t in missing)
-            raise SourceCheckError(
-                f"publication {src.publication!r} lacks {', '.join(t.qualified for t in missing)}; run "
-                f"ALTER PUBLICATION {sql.Identifier(src.publication).as_string(conn)} ADD TABLE {listing}",
-                check="publication-tables",
-            )
-        _check_publication_actions(conn, src.publication)
-    else:
-        # Changes of a partitioned table then arrive as the parent's, matching its snapshot and topic.
-        stmt = sql.SQL("CREATE PUBLICATION {} FOR TABLE {}{}").format(
-            sql.Identifier(src.publication),
-            sql.SQL(", ").join(t.ident() for t in report.tables),
-            sql.SQL(" WITH (publish_via_partition_root = true)") if partitioned else sql.SQL(""),
-        )
-        report.actions.append(stmt.as_string(conn))
-        if not dry_run:
-            conn.execute(stmt)
-            log.info("created publication %s", src.publication)
 
-    if not report.slot_exists:
-        report.notes.append(
-            f"replication slot {src.slot!r} will be created by `cdc run`, together with the initial snapshot, "
-            "so that both start from the same consistent point"
+def _check_publication(conn: psycopg.Connection[Any], publication: str, tables: list[TableInfo]) -> None:
+    """An existing publication publishes every captured table, partitioned ones through their root, and every
+    kind of change."""
+    ident = sql.Identifier(publication).as_string(conn)
+    partitioned = any(t.relkind == "p" for t in tables)
+    if partitioned and not _one(conn, "SELECT pubviaroot FROM pg_publication WHERE pubname = %s", (publication,))[0]:
+        raise SourceCheckError(
+            f"publication {publication!r} publishes partitioned tables through their partitions, so "
+            f"changes would not reach the parent's topic: run ALTER PUBLICATION {ident} "
+            "SET (publish_via_partition_root = true)",
+            check="publication-partitions",
         )
-    return report
+    present = set(_publication_tables(conn, publication))
+    missing = [t for t in tables if (t.schema, t.name) not in present]
+    if missing:
+        listing = ", ".join(_quoted(t) for t in missing)
+        raise SourceCheckError(
+            f"publication {publication!r} lacks {', '.join(t.qualified for t in missing)}; run "
+            f"ALTER PUBLICATION {ident} ADD TABLE {listing}",
+            check="publication-tables",
+        )
+    _check_publication_actions(conn, publication)
+
+
+def _create_publication(
+    conn: psycopg.Connection[Any], publication: str, tables: list[TableInfo], *, dry_run: bool
+) -> str:
+    """The statement that creates the publication of ``tables``, run unless ``dry_run``."""
+    # Changes of a partitioned table then arrive as the parent's, matching its snapshot and topic.
+    partitioned = any(t.relkind == "p" for t in tables)
+    stmt = sql.SQL("CREATE PUBLICATION {} FOR TABLE {}{}").format(
+        sql.Identifier(publication),
+        sql.SQL(", ").join(t.ident() for t in tables),
+        sql.SQL(" WITH (publish_via_partition_root = true)") if partitioned else sql.SQL(""),
+    )
+    if not dry_run:
+        conn.execute(stmt)
+        log.info("created publication %s", publication)
+    return stmt.as_string(conn)
 
 
 def _quoted(t: TableInfo) -> str:
