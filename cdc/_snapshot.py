@@ -36,12 +36,12 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import psycopg
 from psycopg import sql
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeRemainingColumn
 
 from cdc._catalog import TableInfo
 from cdc._events import ColumnSpec, Position, TableCodec, native_module
@@ -275,6 +275,140 @@ def _where(conditions: list[sql.Composable]) -> sql.Composable:
     return sql.SQL("WHERE ") + sql.SQL(" AND ").join(conditions) if conditions else sql.SQL("")
 
 
+@dataclass
+class _RangeJob:
+    """One range being read: what every chunk of it is encoded with."""
+
+    work: _Range
+    codec: TableCodec
+    most_rows: int  # rows per chunk at most (capture.snapshot_chunk_rows)
+    from_c: bool  # events are produced from C: a chunk is encoded into one packed buffer
+    select_cols: list[sql.Composable] = field(init=False)  # binary where the column has a binary reader
+    kinds: bytes = field(init=False)  # per column, how COPY sends it (_B or _T)
+
+    def __post_init__(self) -> None:
+        binary = self.codec.binary_capable
+        self.select_cols = [
+            sql.SQL("src.{}").format(sql.Identifier(c.name))
+            if b
+            else sql.SQL("src.{}::text").format(sql.Identifier(c.name))
+            for c, b in zip(self.work.table.columns, binary, strict=True)
+        ]
+        self.kinds = bytes(_B if b else _T for b in binary)
+
+    def chunk(self, data: bytes, last_key: list[str] | None, done: bool) -> _Chunk:
+        """``data`` (COPY output, whole rows) encoded as the range's next chunk."""
+        table = self.work.table.qualified
+        rows, packed, keys, records = _encode_chunk(self.codec, table, data, self.kinds, from_c=self.from_c)
+        return _Chunk(table, self.work.part, rows, packed, keys, records, last_key, done)
+
+
+class _Keyset:
+    """A table read in key order: chunk after chunk, each starting after the last key of the one before."""
+
+    def __init__(self, job: _RangeJob, key_names: Sequence[str], key_types: list[str]) -> None:
+        table = job.work.table
+        self.job = job
+        self.key_types = key_types
+        # The next chunk starts after the last key, written as a literal. For integer, text and uuid keys it is
+        # the last row's values, printed; for other types, whose values do not print as PostgreSQL's text form,
+        # the key is selected again as text (a ::text per row costs the COPY ~15 %). Aliased so no output name
+        # shadows a column, and ORDER BY qualified so it sorts by the column.
+        types = {c.name: c.type_oid for c in table.columns}
+        self.key_by_value = all(types[k] in _KEYS_PRINTED_AS_POSTGRESQL for k in key_names)
+        self.select_cols = list(job.select_cols)
+        if not self.key_by_value:
+            self.select_cols += [
+                sql.SQL("src.{}::text AS {}").format(sql.Identifier(k), sql.Identifier(f"__pgcdc_key_{i}"))
+                for i, k in enumerate(key_names)
+            ]
+        self.order = sql.SQL(", ").join(sql.SQL("src.{}").format(sql.Identifier(k)) for k in key_names)
+        self.columns = len(table.columns)
+        names = [c.name for c in table.columns]
+        self.positions = [names.index(k) for k in key_names]
+
+    @classmethod
+    def of(cls, conn: psycopg.Connection[Any], job: _RangeJob, key_names: Sequence[str]) -> _Keyset:
+        types = []
+        for name in key_names:
+            row = conn.execute(
+                "SELECT format_type(atttypid, atttypmod) FROM pg_attribute WHERE attrelid = %s AND attname = %s",
+                (job.work.table.oid, name),
+            ).fetchone()
+            assert row is not None
+            types.append(str(row[0]))
+        return cls(job, key_names, types)
+
+    def literal(self, key: list[str]) -> sql.Composed:
+        # The key as literals, not as %s parameters: with parameters psycopg parses the whole query for
+        # placeholders, the quoted identifiers included, so a column named "a %s b" broke every resumed
+        # chunk ("the query has 2 placeholders but 1 parameters were passed").
+        return sql.SQL(", ").join(
+            sql.SQL("{}::{}").format(sql.Literal(v), sql.SQL(t))  # t: format_type output
+            for v, t in zip(key, self.key_types, strict=True)
+        )
+
+    def query_for(self, after: list[str] | None, limit: int) -> sql.Composed:
+        conditions: list[sql.Composable] = []
+        if after is not None:
+            conditions.append(sql.SQL("({}) > ({})").format(self.order, self.literal(after)))
+        upto = self.job.work.upto
+        if upto is not None:
+            conditions.append(sql.SQL("({}) <= ({})").format(self.order, self.literal(upto)))
+        return sql.SQL("COPY (SELECT {} FROM {} AS src {} ORDER BY {} LIMIT {}) TO STDOUT (FORMAT binary)").format(
+            sql.SQL(", ").join(self.select_cols),
+            self.job.work.table.ident(),
+            _where(conditions),
+            self.order,
+            sql.Literal(limit),
+        )
+
+    def resume_key(self, fields: list[bytes | None]) -> list[str]:
+        if self.key_by_value:  # the key columns' values as the events carry them, printed
+            return [str(self.job.codec.binary_value(i, fields[i] or b"")) for i in self.positions]
+        return [(v or b"").decode() for v in fields[self.columns :]]  # the key::text columns
+
+
+def _read_keyset(
+    conn: psycopg.Connection[Any],
+    job: _RangeJob,
+    keyset: _Keyset,
+    out: queue.Queue[_Chunk | BaseException],
+    cancel: threading.Event,
+) -> None:
+    """The range in key order, in chunks: the next chunk's COPY is sent before this one is encoded, so
+    PostgreSQL reads it meanwhile."""
+    after, table = job.work.after, job.work.table.qualified
+    limit = min(job.most_rows, _FIRST_CHUNK_ROWS)
+    copies = _copies(conn)
+    if cancel.is_set():
+        return
+    copies.send(keyset.query_for(after, limit))
+    while True:
+        data = copies.receive()
+        try:
+            rows, last_fields = _rows_and_last(data)
+        except (ValueError, IndexError, struct.error) as exc:
+            raise StreamError(f"cannot snapshot {table}: malformed COPY output: {exc}") from exc
+        done = rows < limit
+        if not done:
+            assert last_fields is not None
+            after = keyset.resume_key(last_fields)
+            if cancel.is_set():
+                return
+            limit = next_chunk_rows(job.most_rows, len(data), rows)
+            copies.send(keyset.query_for(after, limit))  # read ahead: PostgreSQL reads it while this one is encoded
+        try:
+            chunk = job.chunk(data, after, done)
+        except BaseException:
+            if not done:
+                copies.abandon()
+            raise
+        out.put(chunk)
+        if done:
+            return
+
+
 def next_chunk_rows(most: int, size: int, rows: int) -> int:
     """Rows for the next chunk of a table whose last chunk was ``rows`` rows in ``size`` bytes of COPY output:
     as many as fit _CHUNK_BYTES, at least one, at most ``most`` (snapshot_chunk_rows)."""
@@ -371,6 +505,7 @@ class Snapshotter:
         self.snap: SnapshotState = state.snapshot
         self.settings = ctx.settings
         self._gaps: dict[str, GapDeletes] = {}  # tables whose topics held live keys before this snapshot
+        self._done_tables = 0
 
     def run(self, snapshot_name: str | None) -> None:
         tables = [t for t in self.attached.report.tables if not self.snap.table_done(t.qualified)]
@@ -393,18 +528,7 @@ class Snapshotter:
     ) -> None:
         chunks: queue.Queue[_Chunk | BaseException] = queue.Queue(maxsize=4)
         cancel = threading.Event()
-        progress = Progress(
-            TextColumn("snapshot {task.description}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TimeRemainingColumn(),
-            disable=not sys.stderr.isatty(),
-            transient=False,
-        )
-        estimates = {t.qualified: self._estimate(t) for t in tables}
-        tasks = {t.qualified: progress.add_task(t.qualified, total=estimates[t.qualified]) for t in tables}
-        metrics = self.ctx.metrics
-        metrics.snapshot_started(estimates)
+        progress, tasks = self._display(tables)
         log.info(
             "snapshot of %d table(s) at %X%s; COPY read through %s, events produced through %s",
             len(tables),
@@ -421,47 +545,27 @@ class Snapshotter:
                 chunks.put(exc)
                 raise
 
-        # The ranges still to read, table by table: the workers take them in this order, so the ranges of one
-        # large table are read at once.
-        left: dict[str, set[int]] = {}
-        work: list[_Range] = []
-        for t in tables:
-            ranges = self._ranges(t, exported=snapshot_name is not None)
-            left[t.qualified] = {i for i, r in enumerate(ranges) if not r.done}
-            work += [_Range(t, i, r.after, r.upto, r.blocks, r.filenode) for i, r in enumerate(ranges) if not r.done]
-        done_tables = 0
+        left, work = self._plan(tables, exported=snapshot_name is not None)
         with (
             progress,
             ThreadPoolExecutor(self.settings.capture.snapshot_workers, "snapshot") as pool,
             contextlib.ExitStack() as finish,
         ):
-            finish.callback(metrics.snapshot_finished)
+            finish.callback(self.ctx.metrics.snapshot_finished)
             # Tables with every range read but not finished (a stop during their gap deletes) first: while the
             # topic is scanned the workers would hold their snapshots open, blocked on the full queue.
             for t in tables:
                 if not left[t.qualified]:
                     self._end_table(t.qualified, consistent)
-                    done_tables += 1
-                    metrics.snapshot_rows(t.qualified, 0, table_done=True, done_tables=done_tables)
+                    self._table_done(t.qualified, 0)
             futures = [pool.submit(worker, w) for w in work]
             try:
                 while any(left.values()):
                     item = chunks.get()
                     if isinstance(item, BaseException):
                         raise item
-                    table_done = False
-                    if item.done:
-                        left[item.table].discard(item.part)
-                        table_done = not left[item.table]
-                    self._write_chunk(item, codecs[item.table], consistent, table_done=table_done)
+                    self._take(item, left, codecs[item.table], consistent)
                     progress.advance(tasks[item.table], item.rows)
-                    done_tables += table_done
-                    metrics.snapshot_rows(item.table, item.rows, table_done=table_done, done_tables=done_tables)
-                    if self.ctx.stop.is_set():
-                        if self.writer.in_batch:  # the stop came after _write_chunk looked: commit
-                            self.writer.commit(self.state)
-                        log.info("stop requested during the snapshot; it resumes on the next start")
-                        raise SnapshotStoppedError
             except BaseException:
                 cancel.set()
                 while not all(f.done() for f in futures):  # unblock workers waiting on a full queue
@@ -471,6 +575,53 @@ class Snapshotter:
         self.snap.status = "done"
         self.writer.commit(self.state)
         log.info("snapshot done")
+
+    def _display(self, tables: list[TableInfo]) -> tuple[Progress, dict[str, TaskID]]:
+        """A progress bar per table (on a terminal), from the tables' estimated rows, which the metrics get too."""
+        progress = Progress(
+            TextColumn("snapshot {task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeRemainingColumn(),
+            disable=not sys.stderr.isatty(),
+            transient=False,
+        )
+        estimates = {t.qualified: self._estimate(t) for t in tables}
+        self.ctx.metrics.snapshot_started(estimates)
+        return progress, {t.qualified: progress.add_task(t.qualified, total=estimates[t.qualified]) for t in tables}
+
+    def _plan(self, tables: list[TableInfo], *, exported: bool) -> tuple[dict[str, set[int]], list[_Range]]:
+        """The ranges still to read, table by table (each table's parts left, and the work in the order the workers
+        take it: the ranges of one large table are read at once)."""
+        left: dict[str, set[int]] = {}
+        work: list[_Range] = []
+        for t in tables:
+            ranges = self._ranges(t, exported=exported)
+            left[t.qualified] = {i for i, r in enumerate(ranges) if not r.done}
+            work += [_Range(t, i, r.after, r.upto, r.blocks, r.filenode) for i, r in enumerate(ranges) if not r.done]
+        return left, work
+
+    def _take(self, chunk: _Chunk, left: dict[str, set[int]], codec: TableCodec, consistent: int) -> None:
+        """A chunk read by a worker: written (and committed when due), counted; a stop request commits what is
+        written and stops the snapshot."""
+        table_done = False
+        if chunk.done:
+            left[chunk.table].discard(chunk.part)
+            table_done = not left[chunk.table]
+        self._write_chunk(chunk, codec, consistent, table_done=table_done)
+        if table_done:
+            self._table_done(chunk.table, chunk.rows)
+        else:
+            self.ctx.metrics.snapshot_rows(chunk.table, chunk.rows, table_done=False, done_tables=self._done_tables)
+        if self.ctx.stop.is_set():
+            if self.writer.in_batch:  # the stop came after _write_chunk looked: commit
+                self.writer.commit(self.state)
+            log.info("stop requested during the snapshot; it resumes on the next start")
+            raise SnapshotStoppedError
+
+    def _table_done(self, table: str, rows: int) -> None:
+        self._done_tables += 1
+        self.ctx.metrics.snapshot_rows(table, rows, table_done=True, done_tables=self._done_tables)
 
     def _codec(self, table: TableInfo) -> TableCodec:
         key = set(self.attached.report.key_columns[table.qualified])
@@ -613,122 +764,35 @@ class Snapshotter:
     ) -> None:
         if cancel.is_set():  # stopped before this range began: no connection, no snapshot to import
             return
-        table, after, upto = work.table, work.after, work.upto
-        key_names = self.attached.report.key_columns[table.qualified]
-        most = self.settings.capture.snapshot_chunk_rows
-        limit = min(most, _FIRST_CHUNK_ROWS)
         with psycopg.connect(self.settings.source.conninfo(), autocommit=False) as conn:
             conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
             if snapshot_name:
                 conn.execute(sql.SQL("SET TRANSACTION SNAPSHOT {}").format(sql.Literal(snapshot_name)))
-            select_cols = [
-                sql.SQL("src.{}").format(sql.Identifier(c.name))
-                if binary
-                else sql.SQL("src.{}::text").format(sql.Identifier(c.name))
-                for c, binary in zip(table.columns, codec.binary_capable, strict=True)
-            ]
-            kinds = bytes(_B if b else _T for b in codec.binary_capable)
-            from_c = self.writer.produces_from_c
+            job = _RangeJob(
+                work,
+                codec,
+                most_rows=self.settings.capture.snapshot_chunk_rows,
+                from_c=self.writer.produces_from_c,
+            )
             if work.blocks is not None:
                 copies = _copies(conn)
                 assert isinstance(copies, _LibpqCopies)  # block ranges are made only with the C build
-                self._stream_blocks(
-                    conn,
-                    work,
-                    codec,
-                    copies,
-                    select_cols=select_cols,
-                    kinds=kinds,
-                    most_rows=most,
-                    from_c=from_c,
-                    out=out,
-                    cancel=cancel,
-                )
+                self._stream_blocks(conn, job, copies, out, cancel)
                 return
-            key_types = self._key_types(conn, table, key_names)
-            # The next chunk starts after the last key, written as a literal. For integer, text and uuid keys
-            # it is the last row's values, printed; for other types, whose values do not print as PostgreSQL's
-            # text form, the key is selected again as text (a ::text per row costs the COPY ~15 %). Aliased so
-            # no output name shadows a column, and ORDER BY qualified so it sorts by the column.
-            types = {c.name: c.type_oid for c in table.columns}
-            key_by_value = all(types[k] in _KEYS_PRINTED_AS_POSTGRESQL for k in key_names)
-            if not key_by_value:
-                select_cols += [
-                    sql.SQL("src.{}::text AS {}").format(sql.Identifier(k), sql.Identifier(f"__pgcdc_key_{i}"))
-                    for i, k in enumerate(key_names)
-                ]
-            order = sql.SQL(", ").join(sql.SQL("src.{}").format(sql.Identifier(k)) for k in key_names)
-            names = [c.name for c in table.columns]
-            positions = [names.index(k) for k in key_names]
-
-            def literal(key: list[str]) -> sql.Composed:
-                # The key as literals, not as %s parameters: with parameters psycopg parses the whole query for
-                # placeholders, the quoted identifiers included, so a column named "a %s b" broke every resumed
-                # chunk ("the query has 2 placeholders but 1 parameters were passed").
-                return sql.SQL(", ").join(
-                    sql.SQL("{}::{}").format(sql.Literal(v), sql.SQL(t))  # t: format_type output
-                    for v, t in zip(key, key_types, strict=True)
-                )
-
-            def query_for(after: list[str] | None, limit: int) -> sql.Composed:
-                conditions: list[sql.Composable] = []
-                if after is not None:
-                    conditions.append(sql.SQL("({}) > ({})").format(order, literal(after)))
-                if upto is not None:
-                    conditions.append(sql.SQL("({}) <= ({})").format(order, literal(upto)))
-                return sql.SQL(
-                    "COPY (SELECT {} FROM {} AS src {} ORDER BY {} LIMIT {}) TO STDOUT (FORMAT binary)"
-                ).format(sql.SQL(", ").join(select_cols), table.ident(), _where(conditions), order, sql.Literal(limit))
-
-            def resume_key(fields: list[bytes | None]) -> list[str]:
-                if key_by_value:  # the key columns' values as the events carry them, printed
-                    return [str(codec.binary_value(i, fields[i] or b"")) for i in positions]
-                return [(v or b"").decode() for v in fields[len(names) :]]  # the key::text columns
-
-            copies = _copies(conn)
-            if cancel.is_set():
-                return
-            copies.send(query_for(after, limit))
-            while True:
-                data = copies.receive()
-                try:
-                    rows, last_fields = _rows_and_last(data)
-                except (ValueError, IndexError, struct.error) as exc:
-                    raise StreamError(f"cannot snapshot {table.qualified}: malformed COPY output: {exc}") from exc
-                done = rows < limit
-                if not done:
-                    assert last_fields is not None
-                    after = resume_key(last_fields)
-                    if cancel.is_set():
-                        return
-                    limit = next_chunk_rows(most, len(data), rows)
-                    copies.send(query_for(after, limit))  # read ahead: PostgreSQL reads it while this one is encoded
-                try:
-                    _, packed, keys, records = _encode_chunk(codec, table.qualified, data, kinds, from_c=from_c)
-                except BaseException:
-                    if not done:
-                        copies.abandon()
-                    raise
-                out.put(_Chunk(table.qualified, work.part, rows, packed, keys, records, after, done))
-                if done:
-                    return
+            keyset = _Keyset.of(conn, job, self.attached.report.key_columns[work.table.qualified])
+            _read_keyset(conn, job, keyset, out, cancel)
 
     @staticmethod
     def _stream_blocks(
         conn: psycopg.Connection[Any],
-        work: _Range,
-        codec: TableCodec,
+        job: _RangeJob,
         copies: _LibpqCopies,
-        *,
-        select_cols: Sequence[sql.Composable],
-        kinds: bytes,
-        most_rows: int,
-        from_c: bool,
         out: queue.Queue[_Chunk | BaseException],
         cancel: threading.Event,
     ) -> None:
         """A block range in one COPY, unordered (what a sequential scan finds), handed on in chunks of up to
         ``most_rows`` rows and ~8 MB. The chunks carry no resume position: the range is done with its last."""
+        work = job.work
         assert work.blocks is not None
         table = work.table
         low, high = work.blocks
@@ -750,31 +814,18 @@ class Snapshotter:
             conditions.append(sql.SQL("src.ctid < {}::tid").format(sql.Literal(f"({high},0)")))
         copies.send(
             sql.SQL("COPY (SELECT {} FROM {} AS src {}) TO STDOUT (FORMAT binary)").format(
-                sql.SQL(", ").join(select_cols), table.ident(), _where(conditions)
+                sql.SQL(", ").join(job.select_cols), table.ident(), _where(conditions)
             )
         )
         done = False
         try:
             while not done and not cancel.is_set():
-                data, done = copies.receive_part(most_rows)
+                data, done = copies.receive_part(job.most_rows)
                 # No resume key to find first, as key order must: the encoder counts the rows.
-                rows, packed, keys, records = _encode_chunk(codec, table.qualified, data, kinds, from_c=from_c)
-                out.put(_Chunk(table.qualified, work.part, rows, packed, keys, records, None, done))
+                out.put(job.chunk(data, None, done))
         finally:
             if not done:
                 copies.abandon_stream()
-
-    @staticmethod
-    def _key_types(conn: psycopg.Connection[Any], table: TableInfo, key_names: Sequence[str]) -> list[str]:
-        types = []
-        for name in key_names:
-            row = conn.execute(
-                "SELECT format_type(atttypid, atttypmod) FROM pg_attribute WHERE attrelid = %s AND attname = %s",
-                (table.oid, name),
-            ).fetchone()
-            assert row is not None
-            types.append(str(row[0]))
-        return types
 
     def _write_chunk(self, chunk: _Chunk, codec: TableCodec, consistent: int, *, table_done: bool) -> None:
         gaps = self._gaps.get(chunk.table)

@@ -26,7 +26,15 @@ from cdc._changes import ChangeWriter
 from cdc._events import SourceInfo
 from cdc._kafka import Topics, TransactionalProducer
 from cdc._replication import ReplicationConnection
-from cdc._snapshot import Snapshotter, TableRewrittenError, _copy_reader, _LibpqCopies, _Range, parse_binary_copy
+from cdc._snapshot import (
+    Snapshotter,
+    TableRewrittenError,
+    _copy_reader,
+    _LibpqCopies,
+    _Range,
+    _RangeJob,
+    parse_binary_copy,
+)
 from decoders import StreamCommit
 from schemas import PgType
 from tests._codecs import change_writer, make_codec
@@ -130,18 +138,10 @@ def test_a_table_rewritten_between_its_block_ranges_is_not_read_on(reader: Any, 
                 codec = make_codec(
                     [("id", PgType(23, "int4"), -1), ("body", PgType(25, "text"), -1)], topic="p.public.t"
                 )
+                job = _RangeJob(work, codec, most_rows=400, from_c=False)
+                assert job.kinds == b"bb"
                 stream = functools.partial(
-                    Snapshotter._stream_blocks,
-                    conn,
-                    work,
-                    codec,
-                    _LibpqCopies(reader, conn),
-                    select_cols=[sql.SQL("src.id"), sql.SQL("src.body")],
-                    kinds=b"bb",
-                    most_rows=400,
-                    from_c=False,
-                    out=chunks,
-                    cancel=threading.Event(),
+                    Snapshotter._stream_blocks, conn, job, _LibpqCopies(reader, conn), chunks, threading.Event()
                 )
                 if rewritten:
                     with pytest.raises(TableRewrittenError, match="rewritten"):
