@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
     capture = _capture_stub(c, out)
     frames_only = [bytes(r) for r in raw]
-    txn = (pos0.commit_lsn, pos0.commit_time_us, pos0.xid, False)
+    capture.begin(pos0.commit_lsn, pos0.commit_time_us, pos0.xid, now_us)
 
     def capture_path() -> None:
         """ChangeWriter.fast_change as the read loop calls it (header read in place), producing into ``out``."""
@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         fast_change, unpack = capture.fast_change, XLOG_HEADER.unpack_from
         for data in frames_only:
             lsn, _end, _ = unpack(data, 1)
-            if not fast_change(data, txn, lsn, now_us, start=XLOG_PAYLOAD_AT):
+            if not fast_change(data, lsn, XLOG_PAYLOAD_AT):
                 raise AssertionError("the fast path refused a benchmark frame")
 
     fast_path()

@@ -27,7 +27,6 @@ from cdc._attach import CaptureContext, TextModeNeededError, attach
 from cdc._batch import CommitPolicy, KafkaBatchWriter
 from cdc._changes import FAST_KINDS, ChangeWriter
 from cdc._config import Settings
-from cdc._events import Position
 from cdc._kafka import OffsetStore, TransactionalProducer
 from cdc._metrics import CaptureMetrics
 from cdc._offsets import CaptureState, SnapshotState
@@ -218,7 +217,6 @@ class Capture:
         last_status = time.monotonic()
         last_heartbeat = time.monotonic()
         stopping = False
-        txn_now_us = 0
         writer = self.writer
         policy = writer.policy
         changes = self.changes
@@ -293,9 +291,9 @@ class Capture:
                         data = bytes(raw)
                         lsn, end_lsn, _ = _XLOG_UNPACK(data, 1)
                         received = max(received, end_lsn)
-                        if fast_change(data, current, lsn, txn_now_us, start=_PAYLOAD_AT):
+                        if fast_change(data, lsn, _PAYLOAD_AT):
                             if live_c and changes.tx is None:  # the ones after it, from C
-                                held, end_lsn = changes.more_changes(repl, data, current, txn_now_us)
+                                held, end_lsn = changes.more_changes(repl, data)
                                 received = max(received, end_lsn)
                             continue
                 frame = parse_copy_data(raw)
@@ -327,13 +325,13 @@ class Capture:
                     elif current is None:
                         raise StreamError(f"change outside a transaction at {lsn:X}")
                     elif not current[3]:
-                        changes.apply(msg, Position(current[0], lsn, current[1], current[2]), txn_now_us)  # type: ignore[arg-type]
+                        changes.apply(msg, lsn)  # type: ignore[arg-type]
                 elif isinstance(msg, Begin):
                     current = (msg.final_lsn, msg.commit_time_us, msg.xid, msg.final_lsn < resume)
-                    changes.begin()
                     if not current[3]:
                         self.metrics.pending(msg.commit_time_us)
-                    txn_now_us = time.time_ns() // 1000  # one "processed at" per transaction
+                    # One "processed at" per transaction.
+                    changes.begin(msg.final_lsn, msg.commit_time_us, msg.xid, time.time_ns() // 1000)
                     changes.tx_begin(msg.xid, msg.final_lsn, msg.commit_time_us)
                 elif isinstance(msg, Commit):
                     if current is not None and not current[3]:
@@ -357,14 +355,13 @@ class Capture:
                         if s.capture.emit_messages and stream_xid is not None:
                             spills[stream_xid].add(lsn, bytes(payload))
                         elif s.capture.emit_messages and current is not None and not current[3]:
-                            changes.apply(msg, Position(current[0], msg.lsn, current[1], current[2]), txn_now_us)
+                            changes.apply(msg, msg.lsn)
                     elif msg.lsn >= resume:
                         # Not part of any transaction: PostgreSQL skips such a message only when it lies
                         # before the start position, so the resume position must move past it.
                         heartbeat = msg.prefix == HEARTBEAT_PREFIX
                         if not heartbeat and s.capture.emit_messages:
-                            now_us = time.time_ns() // 1000
-                            changes.apply(msg, Position(msg.lsn, msg.lsn, now_us, None), now_us)
+                            changes.apply_outside(msg)
                         if current is None and stream_xid is None:
                             batch_lsn = max(batch_lsn, msg.lsn + 1)
                             if heartbeat and bytes(msg.content) == s.source.slot.encode():
@@ -390,7 +387,7 @@ class Capture:
                     if spill is not None:
                         try:
                             if msg.commit_lsn >= resume:
-                                txn_now_us = time.time_ns() // 1000
+                                now_us = time.time_ns() // 1000
                                 # Worth a line each: a streamed transaction is one larger than the server's
                                 # logical_decoding_work_mem, and its events only start to flow now.
                                 log.info(
@@ -398,7 +395,7 @@ class Capture:
                                 )
                                 replay_started = time.monotonic()
                                 changes.tx_begin(msg.xid, msg.commit_lsn, msg.commit_time_us)
-                                changes.replay(spill, msg, proto, txn_now_us)
+                                changes.replay(spill, msg, proto, now_us)
                                 log.info(
                                     "replayed streamed transaction %d in %.2f s (its events commit with the batch)",
                                     msg.xid,

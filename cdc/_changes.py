@@ -9,7 +9,8 @@ says what each costs and why it is built this way."""
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass, field
+import time
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from cdc._assembler import SPILL_HEAD, SPILL_READ, Spill
@@ -77,16 +78,20 @@ class ChangeWriter:
         self._stream_codecs: dict[int, TableCodec] = {}
         self._stream_relations: dict[int, Relation] = {}
         self._side: dict[str, tuple[str, bytes, Any, bytes, Any]] = {}
-        self._fast_txn: tuple[int, int, int | None, bool] | None = None  # fast_change's Position, per transaction
-        self._fast_pos = Position(0, 0, 0, None)
+        # The transaction being captured: its position (each change passes its own LSN) and its processing time.
+        self._pos = Position(0, 0, 0, None)
+        self._now_us = 0
         self.tx: _TxMeta | None = None
         # The open live transaction's tables whose Inserts and Updates go from C (more_changes), and those seen
         # once.
         self._live_targets: dict[int, Any] = {}
         self._live_seen: set[int] = set()
 
-    def begin(self) -> None:
-        """A live transaction begins: its tables are looked at again for changes from C."""
+    def begin(self, commit_lsn: int, commit_time_us: int, xid: int | None, now_us: int) -> None:
+        """A transaction begins (live, or a streamed one replayed): its changes are events of this position,
+        processed at ``now_us``; a live one's tables are looked at again for changes from C."""
+        self._pos = Position(commit_lsn, 0, commit_time_us, xid)
+        self._now_us = now_us
         self._live_targets, self._live_seen = {}, set()
 
     def relation(self, msg: Relation) -> None:
@@ -123,9 +128,7 @@ class ChangeWriter:
         transaction's own schema while its spill is replayed, else the live one."""
         return (self._stream_codecs if relid in self._stream_relations else self._codecs)[relid]
 
-    def more_changes(
-        self, repl: ReplicationConnection, data: bytes, current: tuple[int, int, int | None, bool], now_us: int
-    ) -> tuple[bytes | None, int]:
+    def more_changes(self, repl: ReplicationConnection, data: bytes) -> tuple[bytes | None, int]:
         """After a live Insert, Update or Delete the fast path took (``data``): the ones already received after
         it, produced from C (ChangeReader.live_changes) from a table's second one in the transaction on (a
         one-row transaction does not pay for a ReplayTarget). Returns (the next message, not taken, or None; the
@@ -137,12 +140,13 @@ class ChangeWriter:
                 self._live_seen.add(relid)
                 return None, 0
             codec = self._codec_in_use(relid)
-            pos = Position(current[0], 0, current[1], current[2])
-            target = self._writer.replay_target(codec.topic, codec.native_plan, codec.event_parts(pos, now_us))
+            parts = codec.event_parts(self._pos, self._now_us)
+            target = self._writer.replay_target(codec.topic, codec.native_plan, parts)
             if target is None:
                 return None, 0
             targets[relid] = target
-        count, end_lsn, held = repl.read_live_changes(self._writer.direct, targets, current[0], SPILL_READ)
+        commit_lsn = self._pos.commit_lsn
+        count, end_lsn, held = repl.read_live_changes(self._writer.direct, targets, commit_lsn, SPILL_READ)
         if count:
             self._writer.produced_from_c(targets, count)
         return held, end_lsn
@@ -155,22 +159,21 @@ class ChangeWriter:
         when there is no transaction metadata to count per event; every other message takes the same way as a
         live one."""
         self._stream_relations, self._stream_codecs = {}, {}
+        self.begin(msg.commit_lsn, msg.commit_time_us, msg.xid, now_us)
         try:
-            self._replay_spill(spill, msg, proto, now_us)
+            self._replay_spill(spill, msg, proto)
         finally:  # its schema is the streamed transaction's own: never a later one's
             self._stream_relations, self._stream_codecs = {}, {}
 
-    def _replay_spill(self, spill: Spill, msg: StreamCommit, proto: int, now_us: int) -> None:
+    def _replay_spill(self, spill: Spill, msg: StreamCommit, proto: int) -> None:
         # The spilled messages carry an xid after their type byte, as inside a stream.
         decoder = PgOutputDecoder(proto, streaming=True)
         decoder.decode(_STREAM_START.pack(ord("S"), msg.xid, 0))
-        txn = (msg.commit_lsn, msg.commit_time_us, msg.xid, False)
         aborted = spill.aborted_subxids
         # relation id -> cdc._native.ReplayTarget (tables without one go through fast_change)
         targets: dict[int, Any] = {}
         writer = self._writer
         from_c = self.tx is None and writer.produces_from_c
-        pos = Position(msg.commit_lsn, 0, msg.commit_time_us, msg.xid)
         for block in spill.blocks():
             at, size = 0, len(block)
             while at < size:
@@ -183,14 +186,13 @@ class ChangeWriter:
                 at += SPILL_HEAD.size + length
                 if aborted and _U32(data, 1)[0] in aborted:
                     continue
-                if data[0] in FAST_KINDS and self.fast_change(data, txn, change_lsn, now_us, streamed=True):
+                if data[0] in FAST_KINDS and self.fast_change(data, change_lsn, streamed=True):
                     if from_c:  # the table's next ones from C
                         relid = _U32(data, 5)[0]
                         if relid not in targets:
                             codec = self._codec_in_use(relid)
-                            target = writer.replay_target(
-                                codec.topic, codec.native_plan, codec.event_parts(pos, now_us)
-                            )
+                            parts = codec.event_parts(self._pos, self._now_us)
+                            target = writer.replay_target(codec.topic, codec.native_plan, parts)
                             if target is not None:
                                 targets[relid] = target
                     continue
@@ -200,11 +202,7 @@ class ChangeWriter:
                     self._stream_codecs.pop(change.relid, None)
                     targets.pop(change.relid, None)
                     continue
-                self.apply(
-                    change,  # type: ignore[arg-type]
-                    Position(msg.commit_lsn, change_lsn, msg.commit_time_us, msg.xid),
-                    now_us,
-                )
+                self.apply(change, change_lsn)  # type: ignore[arg-type]
 
     def _side_event(self, name: str, schemas: tuple[dict[str, Any], dict[str, Any]], key: Any, value: Any) -> None:
         """An event on one of the side topics (<prefix>.messages, <prefix>.transaction): event streams with
@@ -305,20 +303,12 @@ class ChangeWriter:
             self._tx_event("END")
         self.tx = None
 
-    def fast_change(
-        self,
-        data: bytes,
-        current: tuple[int, int, int | None, bool],
-        lsn: int,
-        now_us: int,
-        *,
-        start: int = 0,
-        streamed: bool = False,
-    ) -> bool:
+    def fast_change(self, data: bytes, lsn: int, start: int = 0, streamed: bool = False) -> bool:
         """An Insert, Update or Delete message at ``start`` of ``data`` (live, or replayed from a streamed
-        transaction's spill: ``streamed``, an xid after the type byte) straight to Kafka.
+        transaction's spill: ``streamed``, an xid after the type byte) straight to Kafka, as a change of the
+        transaction :meth:`begin` began.
 
-        The same events as decode + :meth:`_apply_change`, without building messages and row dicts
+        The same events as decode + :meth:`apply`, without building messages and row dicts
         (TableCodec.encode_tuple). Returns False, having done nothing, for anything it does not take (a relation
         whose codec is not built yet, a missing key, a malformed or unconvertible frame): the general path then
         handles that frame and reports errors with the full diagnosis.
@@ -340,139 +330,132 @@ class ChangeWriter:
                 if old_key is None:
                     return False
             if kind == 68:  # Delete
-                after = key = None
-                unchanged: list[str] = []
                 if before is None or at != len(data):
                     return False
-            else:
-                if data[at] != _NEW_TUPLE:
-                    return False
-                after, key, unchanged, at = codec.encode_tuple(data, at + 1)
-                if key is None or at != len(data):
-                    return False
+                self._delete(codec, lsn, old_key, before)  # type: ignore[arg-type]
+                return True
+            if data[at] != _NEW_TUPLE:
+                return False
+            after, key, unchanged, at = codec.encode_tuple(data, at + 1)
+            if key is None or at != len(data):
+                return False
         except Exception:  # malformed or unconvertible: the general path diagnoses it
             return False
-        if current is not self._fast_txn:  # one Position per transaction; each change passes its own LSN
-            self._fast_txn = current
-            self._fast_pos = Position(current[0], 0, current[1], current[2])
-        if kind == 68:
-            self._emit(codec, "d", self._fast_pos, lsn, key=old_key, before=before, after=None, now_us=now_us)  # type: ignore[arg-type]
+        if kind == 73:
+            self._insert(codec, lsn, key, after, unchanged)
         else:
-            self._emit(
-                codec,
-                "c" if kind == 73 else "u",
-                self._fast_pos,
-                lsn,
-                key=key,  # type: ignore[arg-type]
-                before=before,
-                after=after,
-                old_key=old_key,
-                unchanged=unchanged,
-                now_us=now_us,
-            )
+            self._update(codec, lsn, (old_key, key), before, after, unchanged=unchanged)
         return True
 
-    def _emit(
+    def _insert(self, codec: TableCodec, lsn: int, key: bytes, after: bytes, unchanged: list[str] | None) -> None:
+        self._metrics.count(codec.topic, "c")
+        value = codec.envelope_bytes(
+            "c",
+            self._pos,
+            lsn=lsn,
+            before=None,
+            after=after,
+            unchanged=unchanged,
+            now_us=self._now_us,
+            transaction=self._tx_block(codec),
+        )
+        self._produce(codec.topic, key, value)
+
+    def _update(
         self,
         codec: TableCodec,
-        op: str,
-        pos: Position,
         lsn: int,
-        *,
-        key: bytes,
+        keys: tuple[bytes | None, bytes],
         before: bytes | None,
-        after: bytes | None,
-        old_key: bytes | None = None,
-        unchanged: list[str] | None = None,
-        now_us: int,
+        after: bytes,
+        *,
+        unchanged: list[str] | None,
     ) -> None:
-        """The Kafka records of one row change (rows as encoded Value records): c, u or d (+ tombstone); an
-        update that changed the key is a delete + tombstone of the old key and a create of the new one."""
-        if op == "u" and old_key is not None and old_key != key:
-            self._emit(codec, "d", pos, lsn, key=old_key, before=before, after=None, now_us=now_us)
-            op, before = "c", None
-        self._metrics.count(codec.topic, op)
+        """``keys``: the old key (None when the update has no old row) and the new one. An update that changed
+        the key is a delete + tombstone of the old key and a create of the new one."""
+        old_key, key = keys
+        if old_key is not None and old_key != key:
+            self._delete(codec, lsn, old_key, before)
+            self._insert(codec, lsn, key, after, unchanged)
+            return
+        self._metrics.count(codec.topic, "u")
         value = codec.envelope_bytes(
-            op,
-            pos,
+            "u",
+            self._pos,
             lsn=lsn,
             before=before,
             after=after,
             unchanged=unchanged,
-            now_us=now_us,
+            now_us=self._now_us,
             transaction=self._tx_block(codec),
         )
         self._produce(codec.topic, key, value)
-        if op == "d":
-            self._produce(codec.topic, key, None)  # tombstone: lets compaction drop the key
 
-    def apply(self, msg: Insert | Update | Delete | Truncate | LogicalMessage, pos: Position, now_us: int) -> None:
+    def _delete(self, codec: TableCodec, lsn: int, key: bytes, before: bytes | None) -> None:
+        """The delete event, then its tombstone, which lets compaction drop the key."""
+        self._metrics.count(codec.topic, "d")
+        value = codec.envelope_bytes(
+            "d",
+            self._pos,
+            lsn=lsn,
+            before=before,
+            after=None,
+            now_us=self._now_us,
+            transaction=self._tx_block(codec),
+        )
+        self._produce(codec.topic, key, value)
+        self._produce(codec.topic, key, None)
+
+    def apply(self, msg: Insert | Update | Delete | Truncate | LogicalMessage, lsn: int) -> None:
+        """A change (or a transactional logical message) at ``lsn`` of the transaction :meth:`begin` began, the
+        general way: decoded, then converted column by column."""
         try:
-            self._apply_change(msg, pos, now_us)
+            if isinstance(msg, LogicalMessage):
+                self._message(msg, replace(self._pos, lsn=lsn), self._now_us)
+            elif isinstance(msg, Truncate):
+                self._truncate(msg, lsn)
+            else:
+                self._apply_row(msg, lsn)
         except (ValueError, IndexError) as exc:  # an unconvertible value, a missing key: stop, ack nothing
-            raise StreamError(f"cannot capture the change at LSN {format_lsn(pos.lsn)}: {exc}") from exc
+            raise StreamError(f"cannot capture the change at LSN {format_lsn(lsn)}: {exc}") from exc
 
-    def _apply_change(
-        self, msg: Insert | Update | Delete | Truncate | LogicalMessage, pos: Position, now_us: int
-    ) -> None:
-        if isinstance(msg, LogicalMessage):
-            self._message(msg, pos, now_us)
+    def apply_outside(self, msg: LogicalMessage) -> None:
+        """A logical message written outside any transaction: its own position and processing time."""
+        now_us = time.time_ns() // 1000
+        try:
+            self._message(msg, Position(msg.lsn, msg.lsn, now_us, None), now_us)
+        except (ValueError, IndexError) as exc:
+            raise StreamError(f"cannot capture the message at LSN {format_lsn(msg.lsn)}: {exc}") from exc
+
+    def _truncate(self, msg: Truncate, lsn: int) -> None:
+        if not self._settings.capture.emit_truncates:
             return
-        if isinstance(msg, Truncate):
-            if not self._settings.capture.emit_truncates:
-                return
-            for relid in msg.relids:
-                truncated = self._codec(relid)
-                self._metrics.count(truncated.topic, "t")
-                value = truncated.envelope(
-                    "t", pos, before=None, after=None, now_us=now_us, transaction=self._tx_block(truncated)
-                )
-                # A truncate concerns every key: one marker per partition keeps it in order with each.
-                for partition in range(self._attached.topics.ensure(truncated.topic)):
-                    self._produce(truncated.topic, truncated.truncate_key, value, partition)
-            return
+        pos = replace(self._pos, lsn=lsn)
+        for relid in msg.relids:
+            truncated = self._codec(relid)
+            self._metrics.count(truncated.topic, "t")
+            value = truncated.envelope(
+                "t", pos, before=None, after=None, now_us=self._now_us, transaction=self._tx_block(truncated)
+            )
+            # A truncate concerns every key: one marker per partition keeps it in order with each.
+            for partition in range(self._attached.topics.ensure(truncated.topic)):
+                self._produce(truncated.topic, truncated.truncate_key, value, partition)
+
+    def _apply_row(self, msg: Insert | Update | Delete, lsn: int) -> None:
         codec = self._codec(msg.relid)
         if isinstance(msg, Insert):
             after, unchanged = codec.row(msg.new)
-            self._emit(
-                codec,
-                "c",
-                pos,
-                pos.lsn,
-                key=codec.key_of(after),
-                before=None,
-                after=codec.encode_row(after),
-                unchanged=unchanged,
-                now_us=now_us,
-            )
+            self._insert(codec, lsn, codec.key_of(after), codec.encode_row(after), unchanged)
         elif isinstance(msg, Update):
             after, unchanged = codec.row(msg.new)
             before = codec.row(msg.old)[0] if msg.old is not None else None
-            key = codec.key_of(after)
-            self._emit(
-                codec,
-                "u",
-                pos,
-                pos.lsn,
-                key=key,
-                before=None if before is None else codec.encode_row(before),
-                after=codec.encode_row(after),
-                old_key=None if before is None else codec.key_of(before),
-                unchanged=unchanged,
-                now_us=now_us,
-            )
+            old_key = None if before is None else codec.key_of(before)
+            encoded = None if before is None else codec.encode_row(before)
+            keys = (old_key, codec.key_of(after))
+            self._update(codec, lsn, keys, encoded, codec.encode_row(after), unchanged=unchanged)
         else:
             before = codec.row(msg.old)[0]
-            self._emit(
-                codec,
-                "d",
-                pos,
-                pos.lsn,
-                key=codec.key_of(before),
-                before=codec.encode_row(before),
-                after=None,
-                now_us=now_us,
-            )
+            self._delete(codec, lsn, codec.key_of(before), codec.encode_row(before))
 
 
 __all__ = ["FAST_KINDS", "ChangeWriter"]

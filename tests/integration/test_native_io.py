@@ -507,7 +507,6 @@ def _capture_live(
     repl = ReplicationConnection(make_conninfo("", **params), where="test")
     columns = [("id", PgType(23, "int4"), -1), ("body", PgType(25, "text"), -1), ("qty", PgType(23, "int4"), -1)]
     committed = 0
-    current: tuple[int, int, int | None, bool] = (0, 0, None, False)
     made = _count_made(cap)
     try:
         repl.start(slot, 0, {"proto_version": "1", "publication_names": '"pub"', "binary": "true"})
@@ -526,15 +525,14 @@ def _capture_live(
                 cap._codecs[relid] = make_codec(columns, topic=topic, key=["id"], source=SourceInfo("1.0", "s", "db"))
             elif kind == b"B":
                 final_lsn, commit_time, xid = struct.unpack_from(">QqI", data, 26)
-                current = (final_lsn, commit_time, xid, False)
-                cap.begin()
+                cap.begin(final_lsn, commit_time, xid, 1_700_000_000_000_000)
             elif kind == b"C":
                 committed += 1
             elif kind in (b"I", b"U", b"D"):
                 lsn = struct.unpack_from(">Q", data, 1)[0]
-                assert cap.fast_change(data, current, lsn, 1_700_000_000_000_000, start=25)
+                assert cap.fast_change(data, lsn, start=25)
                 if from_c:
-                    held, _ = cap.more_changes(repl, data, current, 1_700_000_000_000_000)
+                    held, _ = cap.more_changes(repl, data)
         producer.commit()
     finally:
         repl.close()

@@ -35,7 +35,8 @@ def _insert(relid: int, value: int) -> bytes:
 
 def test_an_insert_is_produced(capture: tuple[ChangeWriter, _KeepingProducer]) -> None:
     cap, producer = capture
-    assert cap.fast_change(b"header" + _insert(16384, 5), TXN, 100, 0, start=6)
+    cap.begin(*TXN[:3], 0)
+    assert cap.fast_change(b"header" + _insert(16384, 5), 100, start=6)
     assert [(topic, key[5:]) for topic, key, _ in producer.out] == [("p.public.t", b"\x02\x0a")]
 
 
@@ -53,5 +54,6 @@ def test_what_it_cannot_take_is_left_to_the_general_path(
     capture: tuple[ChangeWriter, _KeepingProducer], message: bytes
 ) -> None:
     cap, producer = capture
-    assert not cap.fast_change(message, TXN, 100, 0)
+    cap.begin(*TXN[:3], 0)
+    assert not cap.fast_change(message, 100)
     assert producer.out == []
