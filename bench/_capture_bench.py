@@ -52,7 +52,7 @@ import _cpu  # noqa: E402 - a sibling module: bench/ is not a package
 import _debezium as dbz  # noqa: E402
 from _report import Measure  # noqa: E402
 
-from cdc._capture import HEARTBEAT_PREFIX  # noqa: E402 - what the end LSN's fence imitates
+from cdc._stream import HEARTBEAT_PREFIX  # noqa: E402 - what the end LSN's fence imitates
 from tests import _services  # noqa: E402 - finds (or starts) the local services like the tests do
 
 cpu_seconds = dbz.cpu_seconds

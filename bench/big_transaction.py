@@ -8,8 +8,8 @@ A scratch database with the insert-heavy table plus a ``pad`` text column; two p
 then ONE INSERT of as many rows (``--pad`` bytes of padding each) as make about ``--megabytes`` MB of WAL.
 pgoutput (protocol 2, streaming on: what `cdc run` asks for by default) streams the transaction while it is in
 progress once it outgrows logical_decoding_work_mem; `cdc run` spills the streamed changes to a temporary file
-and replays them into one Kafka transaction at Stream Commit, its producer's queue capped (cdc/_capture.py,
-cdc/_kafka.py). The configuration is the default one (only where to read and write, snapshot off; CDC_*
+and replays them into one Kafka transaction at Stream Commit, its producer's queue capped (cdc/_stream.py,
+cdc/_changes.py, cdc/_kafka.py). The configuration is the default one (only where to read and write, snapshot off; CDC_*
 environment variables are removed), so the figures are what a user gets.
 1. pg_recvlogical reads the slot to the end LSN — the reference (target: ours ≥ 0.8x its rows/s);
 2. ``cdc run`` until its slot's confirmed_flush_lsn reaches the end LSN: rows/s and its peak RSS (limit 300 MB).

@@ -326,7 +326,7 @@ def run(argv: list[str] | None = None) -> Result:
         f"pgbench committed {sent} transactions ({behind}); "
         f"{streamed} streamed events read back ({missing} missing after the drain)",
         "consumer: confluent-kafka, isolation.level=read_committed, fetch.wait.max.ms=10; the capture commits a "
-        "Kafka transaction whenever it has read everything PostgreSQL sent (cdc/_capture.py)",
+        "Kafka transaction whenever it has read everything PostgreSQL sent (cdc/_stream.py, cdc/_batch.py)",
         f"logs: {work}",
     ]
     per_second: list[dict[str, float]] = []
