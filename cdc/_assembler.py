@@ -15,14 +15,14 @@ SPILL_HEAD = struct.Struct(">QI")  # a spilled message: its LSN and length, then
 
 
 _SPILL_BLOCK = 4 << 20  # a spill is replayed in blocks of whole messages of about this size
-# While a streamed transaction arrives, a read that found less than _STREAM_PACE_BELOW waiting (and stopped at
-# no other message) is followed by a _STREAM_PACE_S pause, so that the backlog is taken in fewer, larger reads
+# While a streamed transaction arrives, a read that found less than STREAM_PACE_BELOW waiting (and stopped at
+# no other message) is followed by a STREAM_PACE_S pause, so that the backlog is taken in fewer, larger reads
 # instead of a wake-up every few messages. The changes are invisible until the transaction commits; a small
 # transaction committed meanwhile waits at most one pause more. Measured (the 1 GB transaction: the walsender and
 # our reader both spend less per row, 0.69-0.73x -> 0.75-0.93x of pg_recvlogical under TLS) and what is not
 # understood: docs/design/capture-hot-path.md.
-_STREAM_PACE_S = 0.001
-_STREAM_PACE_BELOW = 256 * 1024
+STREAM_PACE_S = 0.001
+STREAM_PACE_BELOW = 256 * 1024
 SPILL_READ = 1 << 20  # how much of a streamed transaction's changes are read at most in one call
 
 
@@ -67,4 +67,4 @@ class Spill:
         self.file.close()
 
 
-__all__ = ["SPILL_HEAD", "SPILL_READ", "Spill"]
+__all__ = ["SPILL_HEAD", "SPILL_READ", "STREAM_PACE_BELOW", "STREAM_PACE_S", "Spill"]

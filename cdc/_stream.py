@@ -25,7 +25,7 @@ from typing import Any
 
 import psycopg
 
-from cdc._assembler import _STREAM_PACE_BELOW, _STREAM_PACE_S, SPILL_READ, Spill
+from cdc._assembler import SPILL_READ, STREAM_PACE_BELOW, STREAM_PACE_S, Spill
 from cdc._attach import Attached, CaptureContext
 from cdc._batch import KafkaBatchWriter
 from cdc._changes import FAST_KINDS, ChangeWriter
@@ -304,8 +304,8 @@ class Streamer:
             if count:
                 into.add_framed(framed)
                 source.received = max(source.received, end_lsn)
-            if self.held is None and len(framed) < _STREAM_PACE_BELOW:
-                time.sleep(_STREAM_PACE_S)  # let the walsender's backlog build (cdc/_assembler.py)
+            if self.held is None and len(framed) < STREAM_PACE_BELOW:
+                time.sleep(STREAM_PACE_S)  # let the walsender's backlog build (cdc/_assembler.py)
 
     def _on_message(self, frame: XLogData) -> None:
         """Any message the fast paths did not take: decoded, then handled by its type."""
