@@ -213,10 +213,32 @@ def _status(settings: Settings, config_path: Path | None, *, as_json: bool) -> i
     if as_json:
         print(json.dumps(status, indent=2, default=str))
         return 3 if problems else 0
-    src, cap = status["source"], status["capture"]
     table = Table(title=f"pgcdc status: slot {settings.source.slot!r}, publication {settings.source.publication!r}")
     for col in ("part", "state", "lag", "details"):
         table.add_column(col)
+    _source_rows(table, status["source"])
+    cap = status["capture"]
+    _row(
+        table,
+        "capture",
+        escape(str(cap.get("service", "?"))),
+        "",
+        f"resume LSN {cap.get('resume_lsn')}, snapshot {cap.get('snapshot')}"
+        + (f"; Kafka: {cap['kafka_error']}" if "kafka_error" in cap else ""),
+    )
+    for t in status["topics"]:
+        _row(table, f"  topic {t['topic']}", "", "", f"{t['records']} records in {t['partitions']} partition(s)")
+    for sink in status["sinks"]:
+        _sink_row(table, sink)
+    console = Console(width=None if sys.stdout.isatty() else 160)
+    console.print(table)
+    for problem in problems:
+        console.print(f"[yellow]attention:[/] {escape(problem)}")
+    return 3 if problems else 0
+
+
+def _source_rows(table: Any, src: dict[str, Any]) -> None:
+    """The source database and its slot."""
     if "error" in src:
         _row(table, "source", "[red]unreachable[/]", "", f"{src['dsn']}: {src['error']}")
     else:
@@ -234,37 +256,23 @@ def _status(settings: Settings, config_path: Path | None, *, as_json: bool) -> i
             f"confirmed {src.get('confirmed_flush_lsn')}, wal_status {src.get('wal_status')}, "
             f"holds {_bytes(src.get('retained_wal_bytes'))} of WAL",
         )
+
+
+def _sink_row(table: Any, sink: dict[str, Any]) -> None:
+    from rich.markup import escape  # noqa: PLC0415
+
+    fresh = sink.get("freshness_s")
+    rebuild = sink.get("rebuild")
     _row(
         table,
-        "capture",
-        escape(str(cap.get("service", "?"))),
-        "",
-        f"resume LSN {cap.get('resume_lsn')}, snapshot {cap.get('snapshot')}"
-        + (f"; Kafka: {cap['kafka_error']}" if "kafka_error" in cap else ""),
+        f"sink {sink['name']}",
+        escape(str(sink["state"])),
+        "?" if sink["lag_records"] is None else f"{sink['lag_records']} records",
+        f"generation {sink['generation']}, freshness {'?' if fresh is None else f'{fresh:.1f}s'}, "
+        f"{sink['batches']} batches, {sink['dead_letters']} dead letters"
+        + (f", last error: {sink['last_error']}" if sink.get("last_error") else "")
+        + (f", rebuild g{rebuild.get('generation')} {rebuild.get('state')}" if rebuild else ""),
     )
-    for t in status["topics"]:
-        _row(table, f"  topic {t['topic']}", "", "", f"{t['records']} records in {t['partitions']} partition(s)")
-    for sink in status["sinks"]:
-        fresh = sink.get("freshness_s")
-        _row(
-            table,
-            f"sink {sink['name']}",
-            escape(str(sink["state"])),
-            "?" if sink["lag_records"] is None else f"{sink['lag_records']} records",
-            f"generation {sink['generation']}, freshness {'?' if fresh is None else f'{fresh:.1f}s'}, "
-            f"{sink['batches']} batches, {sink['dead_letters']} dead letters"
-            + (f", last error: {sink['last_error']}" if sink.get("last_error") else "")
-            + (
-                f", rebuild g{sink['rebuild'].get('generation')} {sink['rebuild'].get('state')}"
-                if sink.get("rebuild")
-                else ""
-            ),
-        )
-    console = Console(width=None if sys.stdout.isatty() else 160)
-    console.print(table)
-    for problem in problems:
-        console.print(f"[yellow]attention:[/] {escape(problem)}")
-    return 3 if problems else 0
 
 
 def _row(table: Any, part: str, state: str, lag: str, details: str) -> None:

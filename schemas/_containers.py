@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 import struct
+from collections.abc import Callable
 from typing import Any
 
 from schemas._conv import I32, Conv, FormatError, conv, nullable
@@ -144,11 +145,14 @@ def array(name: str, element: Conv, delimiter: str) -> Conv:
             "lower_bounds": lower_bounds,
         }
 
-    element_bin = element.from_binary
-    if element_bin is None:
+    if element.from_binary is None:
         return conv(schema, from_str, None)
+    return conv(schema, from_str, _array_from_binary(element.from_binary, element.fixed))
 
-    fixed = element.fixed
+
+def _array_from_binary(element_bin: Callable[[bytes], Any], fixed: str | None) -> Callable[[bytes], dict[str, Any]]:
+    """The reader of an array's binary form (array_send) whose elements ``element_bin`` reads; ``fixed``: the
+    struct format of a fixed-width element, read for a whole array without nulls in one unpack."""
     fixed_readers: dict[int, struct.Struct] = {}
 
     def from_binary(data: bytes, _element: Any = element_bin) -> dict[str, Any]:
@@ -183,7 +187,7 @@ def array(name: str, element: Conv, delimiter: str) -> Conv:
                 pos += length
         return {"elements": elements, "dims": dims, "lower_bounds": lower_bounds}
 
-    return conv(schema, from_str, from_binary)
+    return from_binary
 
 
 # --- composites --------------------------------------------------------------------------------------

@@ -154,45 +154,15 @@ def sink_progress(
         status = _parse_json(text)
         generation = status.get("generation")
         checkpoint = checkpoint_location(base, name, generation) if isinstance(generation, int) else None
-        lag: int | None
         lag, parts = _lag(checkpoint, ends)
         last_ts = status.get("last_source_ts_ms")
-        freshness: float | None = None
-        if lag == 0:
-            freshness = 0.0
-        elif lag is not None:
-            oldest = [
-                ts
-                for p in parts
-                if p.lag and timestamp_at is not None
-                for ts in [timestamp_at(p.topic, p.partition, p.committed)]
-                if ts is not None
-            ]
-            since = min(oldest) if oldest else (last_ts / 1000 if last_ts else None)
-            freshness = max(0.0, now - since) if since is not None else None
-        state = str(status.get("state", "unknown"))
-        beat = status.get("heartbeat_at")
-        if state in ("running", "backoff") and (not isinstance(beat, int | float) or now - beat > HEARTBEAT_STALE_S):
-            state = "not running"  # the app said running but has not been heard from: killed, or its host is gone
-        rebuild = _read_json(base / name / REBUILD_FILE) or None
-        if rebuild and rebuild.get("state") in ("running", "verifying") and now - rebuild.get("updated_at", 0) > 600:
-            rebuild = {**rebuild, "state": "interrupted"}  # its process is gone; a new rebuild starts over
-        if rebuild is not None and rebuild.get("state") == "running" and isinstance(rebuild.get("generation"), int):
-            rlag, rparts = _lag(checkpoint_location(base, name, rebuild["generation"]), ends)
-            total = sum(p.end - (ends[(p.topic, p.partition)][0]) for p in rparts) if rparts else None
-            rebuild = {
-                **rebuild,
-                "lag_records": rlag,
-                "total": total,
-                "done": None if total is None else total - (rlag or 0),
-            }
         out.append(
             SinkProgress(
                 name=name,
                 generation=generation if isinstance(generation, int) else None,
-                state=state,
+                state=_state(status, now),
                 lag_records=lag,
-                freshness_s=freshness,
+                freshness_s=_freshness(lag, parts, last_ts, now, timestamp_at),
                 dead_letters=int(status.get("dead_letters", 0)),
                 batches=int(status.get("batches", 0)),
                 records=int(status.get("records", 0)),
@@ -201,10 +171,57 @@ def sink_progress(
                 last_error=status.get("last_error"),
                 updated_at=status.get("updated_at"),
                 partitions=parts,
-                rebuild=rebuild,
+                rebuild=_rebuild(base, name, ends, now),
             )
         )
     return out
+
+
+def _state(status: dict[str, Any], now: float) -> str:
+    state = str(status.get("state", "unknown"))
+    beat = status.get("heartbeat_at")
+    if state in ("running", "backoff") and (not isinstance(beat, int | float) or now - beat > HEARTBEAT_STALE_S):
+        state = "not running"  # the app said running but has not been heard from: killed, or its host is gone
+    return state
+
+
+def _freshness(
+    lag: int,
+    parts: list[PartitionLag],
+    last_ts: int | None,
+    now: float,
+    timestamp_at: Callable[[str, int, int], float | None] | None,
+) -> float | None:
+    if lag == 0:
+        return 0.0
+    oldest = [
+        ts
+        for p in parts
+        if p.lag and timestamp_at is not None
+        for ts in [timestamp_at(p.topic, p.partition, p.committed)]
+        if ts is not None
+    ]
+    since = min(oldest) if oldest else (last_ts / 1000 if last_ts else None)
+    return max(0.0, now - since) if since is not None else None
+
+
+def _rebuild(
+    base: Location, name: str, ends: Mapping[tuple[str, int], tuple[int, int]], now: float
+) -> dict[str, Any] | None:
+    """The sink's rebuild status, if any, with its progress while it runs."""
+    rebuild = _read_json(base / name / REBUILD_FILE) or None
+    if rebuild and rebuild.get("state") in ("running", "verifying") and now - rebuild.get("updated_at", 0) > 600:
+        rebuild = {**rebuild, "state": "interrupted"}  # its process is gone; a new rebuild starts over
+    if rebuild is not None and rebuild.get("state") == "running" and isinstance(rebuild.get("generation"), int):
+        rlag, rparts = _lag(checkpoint_location(base, name, rebuild["generation"]), ends)
+        total = sum(p.end - (ends[(p.topic, p.partition)][0]) for p in rparts) if rparts else None
+        rebuild = {
+            **rebuild,
+            "lag_records": rlag,
+            "total": total,
+            "done": None if total is None else total - (rlag or 0),
+        }
+    return rebuild
 
 
 class TopicEnds:

@@ -261,50 +261,14 @@ class SearchWriter:
         rejected: list[Rejected] = []
         now = int(time.time() * 1000)  # when the change was applied: freshness = applied_ms - ts_ms
         for c in changes:
-            doc_id = c.doc_id
-            if len(doc_id.encode()) > _MAX_ID_BYTES:  # OpenSearch refuses the whole bulk request for one such id
+            if len(c.doc_id.encode()) > _MAX_ID_BYTES:  # OpenSearch refuses the whole bulk request for one such id
                 rejected.append(
                     Rejected(topic, c.partition, c.offset, f"OpenSearch: document id over {_MAX_ID_BYTES} bytes")
                 )
-                continue
-            action: dict[str, Any] = {"_index": index, "_id": doc_id}
-            if c.commit_lsn is not None:
-                action.update(_version=c.commit_lsn, _version_type="external_gte")
-            if c.row is None:
-                action["_op_type"] = "delete"
             else:
-                row = _encoded(c.row)
-                old = stored.get(c.doc_id)
-                if c.unchanged and old is not None:
-                    row = {**row, **{field_name(col): old.get(field_name(col)) for col in c.unchanged}}
-                action["_source"] = {
-                    **row,
-                    _META: {"commit_lsn": c.commit_lsn, "lsn": c.lsn, "op": c.op, "ts_ms": c.ts_ms, "applied_ms": now},
-                }
-            actions.append(action)
-        try:
-            _, errors = helpers.bulk(client, actions, raise_on_error=False, raise_on_exception=True)
-        except (OSConnectionError, ConnectionTimeout) as exc:
-            raise SinkTransientError(f"OpenSearch unreachable: {exc}") from exc
-        except RequestError as exc:
-            # The request as a whole was refused (validation): find the culprits one action at a time.
-            errors = []
-            for action in actions:
-                try:
-                    helpers.bulk(client, [action], raise_on_error=False, raise_on_exception=True)
-                except RequestError as one:
-                    errors.append(
-                        {
-                            action.get("_op_type", "index"): {
-                                "_id": action["_id"],
-                                "status": 400,
-                                "error": str(one.info or one),
-                            }
-                        }
-                    )
-            log.warning("OpenSearch refused a bulk request (%s); applied its actions one by one", exc.error)
+                actions.append(_action(index, c, stored.get(c.doc_id), now))
         by_id = {c.doc_id: c for c in changes}
-        for item in errors if isinstance(errors, list) else []:
+        for item in _bulk(client, actions):
             ((op, result),) = item.items()
             status = int(result.get("status", 0))
             if status in (404, 409):  # already gone / a newer version is stored: nothing to do
@@ -359,3 +323,39 @@ def _call(fn: Any, *args: Any, **kwargs: Any) -> Any:
         return fn(*args, **kwargs)
     except (OSConnectionError, ConnectionTimeout) as exc:
         raise SinkTransientError(f"OpenSearch unreachable: {exc}") from exc
+
+
+def _action(index: str, c: Change, old: dict[str, Any] | None, now_ms: int) -> dict[str, Any]:
+    """The bulk action of one change: a delete, or the document (``old``: what the index holds, for the
+    unchanged TOAST values), versioned by its commit LSN so an older change never replaces a newer one."""
+    action: dict[str, Any] = {"_index": index, "_id": c.doc_id}
+    if c.commit_lsn is not None:
+        action.update(_version=c.commit_lsn, _version_type="external_gte")
+    if c.row is None:
+        action["_op_type"] = "delete"
+        return action
+    row = _encoded(c.row)
+    if c.unchanged and old is not None:
+        row = {**row, **{field_name(col): old.get(field_name(col)) for col in c.unchanged}}
+    meta = {"commit_lsn": c.commit_lsn, "lsn": c.lsn, "op": c.op, "ts_ms": c.ts_ms, "applied_ms": now_ms}
+    action["_source"] = {**row, _META: meta}
+    return action
+
+
+def _bulk(client: OpenSearch, actions: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The bulk request's per-action errors. A request refused as a whole (validation) is applied one action at
+    a time to find the culprits."""
+    try:
+        _, errors = helpers.bulk(client, actions, raise_on_error=False, raise_on_exception=True)
+    except (OSConnectionError, ConnectionTimeout) as exc:
+        raise SinkTransientError(f"OpenSearch unreachable: {exc}") from exc
+    except RequestError as exc:
+        errors = []
+        for action in actions:
+            try:
+                helpers.bulk(client, [action], raise_on_error=False, raise_on_exception=True)
+            except RequestError as one:
+                op = action.get("_op_type", "index")
+                errors.append({op: {"_id": action["_id"], "status": 400, "error": str(one.info or one)}})
+        log.warning("OpenSearch refused a bulk request (%s); applied its actions one by one", exc.error)
+    return errors if isinstance(errors, list) else []
