@@ -322,108 +322,123 @@ def run(settings: SinkSettings, names: Sequence[str], stop: threading.Event) -> 
             log.error("%s; running the other sinks", exc)
     if not usable:
         raise problems[0] if problems else SinkConfigError("no sinks to run: name some or set sinks.enabled")
-    names = usable
     check_writable(settings.state(), "sinks.state_dir")
     ensure_dead_letter_topic(settings)
     cfg = settings.sinks
     metrics = SinkMetrics()
     server = metrics.serve(cfg.metrics_host, cfg.metrics_port) if cfg.metrics_enabled else None
-    spark = spark_session(settings, "pgcdc-sinks")
-    queries: dict[str, SinkQuery] = {}
-    delays: dict[str, float] = {}  # the next backoff per sink
-    started_at: dict[str, float] = {}
-    retry_at: dict[str, float] = {}
-    given_up: dict[str, SinkTerminalError] = {}
-
-    def back_off(name: str, why: str) -> None:
-        # A query that ran a while before failing starts the backoff over; a crash loop doubles it up to 60 s.
-        ran = time.monotonic() - started_at.get(name, time.monotonic())
-        delay = 2.0 if ran > _HEALTHY_S else min(delays.get(name, 1.0) * 2, 60.0)
-        delays[name], retry_at[name] = delay, time.monotonic() + delay
-        metrics.running.labels(name).set(0)
-        _sink_status(settings, name).update(state="backoff", last_error=why)
-        log.error("sink %s %s; restarting in %.0fs", name, why, delay)
-
-    def give_up(name: str, exc: SinkTerminalError) -> None:
-        # Retrying cannot help (its configuration, say): this sink stops, the others go on.
-        queries.pop(name, None)
-        given_up[name] = exc
-        metrics.running.labels(name).set(0)
-        _sink_status(settings, name).update(state="given_up", last_error=_short(exc))
-        log.error("sink %s cannot run: %s; the other sinks go on", name, exc)
-        if len(given_up) == len(names):
-            raise exc
-
-    def start(name: str) -> None:
-        started_at[name] = time.monotonic()
-        try:
-            probe = _opened(name, settings, 0, spark)
-            generation = served_generation(probe)
-            probe.close()
-            queries[name] = SinkQuery(name, settings, spark, generation, metrics=metrics)
-            queries[name].start()
-            queries[name].status.update(state="running")
-            metrics.running.labels(name).set(1)
-        except SinkTerminalError as exc:
-            give_up(name, exc)
-        except Exception as exc:  # the store or Kafka not reachable yet, a plugin's own failure
-            queries.pop(name, None)
-            full = _state_disk_full(settings, name, exc)
-            if full is not None:
-                raise full from exc
-            back_off(name, f"could not start ({_short(exc)})")
-
-    def heartbeat() -> None:
-        # "Alive" for readers outside the app (cdc status, the capture's dashboard and metrics). Its own
-        # thread: the loop below blocks while a sink starts or stops (Spark, a store's timeouts).
-        while not stop.wait(HEARTBEAT_S):
-            for name in names:
-                _sink_status(settings, name).update(heartbeat_at=time.time())
-
-    for name in names:
-        _sink_status(settings, name).update(heartbeat_at=time.time())
-    threading.Thread(target=heartbeat, name="pgcdc-heartbeat", daemon=True).start()
+    supervisor = _Supervisor(settings, usable, spark_session(settings, "pgcdc-sinks"), metrics)
     try:
-        for name in names:
-            start(name)
-        while not stop.is_set():
-            for name in names:
-                q = queries.get(name)
-                if name in given_up:
-                    continue
-                if q is None:
-                    if time.monotonic() >= retry_at.get(name, 0):
-                        start(name)
-                    continue
-                if q.query is not None and not q.query.isActive:
-                    error = q.query.exception()
-                    q.stop()
-                    queries.pop(name)
-                    if error is not None and _GENERATION_CHANGED in str(error):
-                        log.info("sink %s: a rebuild swapped in a new generation; switching to it", name)
-                        start(name)
-                        continue
-                    full = _state_disk_full(settings, name, error)
-                    if full is not None:  # terminal for the whole app: see sinks.errors.StateDiskFullError
-                        metrics.running.labels(name).set(0)
-                        raise full
-                    missing = _missing_module(error)
-                    if missing is not None:
-                        give_up(name, missing)
-                        continue
-                    if _raised_by(error) is None:  # not one of ours: its whole account (Spark's own log is off)
-                        log.warning("sink %s: the query failed:\n%s", name, error)
-                    back_off(name, f"stopped: {_short(error)}")
-            stop.wait(1.0)
+        supervisor.run(stop)
     finally:
-        for q in queries.values():
-            q.stop()
-        for name in names:
-            if name not in given_up:
-                _sink_status(settings, name).update(state="stopped")
         if server is not None:
             server.shutdown()
     return 0
+
+
+class _Supervisor:
+    """Keeps each sink's query running: started with the generation it serves, restarted with backoff when it
+    fails, switched when a rebuild swaps in a new generation, given up when retrying cannot help."""
+
+    def __init__(self, settings: SinkSettings, names: list[str], spark: SparkSession, metrics: SinkMetrics) -> None:
+        self.settings, self.names, self.spark, self.metrics = settings, names, spark, metrics
+        self.queries: dict[str, SinkQuery] = {}
+        self.delays: dict[str, float] = {}  # the next backoff per sink
+        self.started_at: dict[str, float] = {}
+        self.retry_at: dict[str, float] = {}
+        self.given_up: dict[str, SinkTerminalError] = {}
+
+    def run(self, stop: threading.Event) -> None:
+        for name in self.names:
+            _sink_status(self.settings, name).update(heartbeat_at=time.time())
+        threading.Thread(target=self._heartbeat, args=(stop,), name="pgcdc-heartbeat", daemon=True).start()
+        try:
+            for name in self.names:
+                self._start(name)
+            while not stop.is_set():
+                for name in self.names:
+                    if name not in self.given_up:
+                        self._check(name)
+                stop.wait(1.0)
+        finally:
+            for q in self.queries.values():
+                q.stop()
+            for name in self.names:
+                if name not in self.given_up:
+                    _sink_status(self.settings, name).update(state="stopped")
+
+    def _heartbeat(self, stop: threading.Event) -> None:
+        # "Alive" for readers outside the app (cdc status, the capture's dashboard and metrics). Its own
+        # thread: the loop blocks while a sink starts or stops (Spark, a store's timeouts).
+        while not stop.wait(HEARTBEAT_S):
+            for name in self.names:
+                _sink_status(self.settings, name).update(heartbeat_at=time.time())
+
+    def _check(self, name: str) -> None:
+        """Starts the sink when its backoff is over; looks at its query when it has stopped."""
+        q = self.queries.get(name)
+        if q is None:
+            if time.monotonic() >= self.retry_at.get(name, 0):
+                self._start(name)
+            return
+        if q.query is None or q.query.isActive:
+            return
+        error = q.query.exception()
+        q.stop()
+        self.queries.pop(name)
+        if error is not None and _GENERATION_CHANGED in str(error):
+            log.info("sink %s: a rebuild swapped in a new generation; switching to it", name)
+            self._start(name)
+            return
+        full = _state_disk_full(self.settings, name, error)
+        if full is not None:  # terminal for the whole app: see sinks.errors.StateDiskFullError
+            self.metrics.running.labels(name).set(0)
+            raise full
+        missing = _missing_module(error)
+        if missing is not None:
+            self._give_up(name, missing)
+            return
+        if _raised_by(error) is None:  # not one of ours: its whole account (Spark's own log is off)
+            log.warning("sink %s: the query failed:\n%s", name, error)
+        self._back_off(name, f"stopped: {_short(error)}")
+
+    def _start(self, name: str) -> None:
+        self.started_at[name] = time.monotonic()
+        try:
+            probe = _opened(name, self.settings, 0, self.spark)
+            generation = served_generation(probe)
+            probe.close()
+            q = self.queries[name] = SinkQuery(name, self.settings, self.spark, generation, metrics=self.metrics)
+            q.start()
+            q.status.update(state="running")
+            self.metrics.running.labels(name).set(1)
+        except SinkTerminalError as exc:
+            self._give_up(name, exc)
+        except Exception as exc:  # the store or Kafka not reachable yet, a plugin's own failure
+            self.queries.pop(name, None)
+            full = _state_disk_full(self.settings, name, exc)
+            if full is not None:
+                raise full from exc
+            self._back_off(name, f"could not start ({_short(exc)})")
+
+    def _back_off(self, name: str, why: str) -> None:
+        # A query that ran a while before failing starts the backoff over; a crash loop doubles it up to 60 s.
+        ran = time.monotonic() - self.started_at.get(name, time.monotonic())
+        delay = 2.0 if ran > _HEALTHY_S else min(self.delays.get(name, 1.0) * 2, 60.0)
+        self.delays[name], self.retry_at[name] = delay, time.monotonic() + delay
+        self.metrics.running.labels(name).set(0)
+        _sink_status(self.settings, name).update(state="backoff", last_error=why)
+        log.error("sink %s %s; restarting in %.0fs", name, why, delay)
+
+    def _give_up(self, name: str, exc: SinkTerminalError) -> None:
+        # Retrying cannot help (its configuration, say): this sink stops, the others go on.
+        self.queries.pop(name, None)
+        self.given_up[name] = exc
+        self.metrics.running.labels(name).set(0)
+        _sink_status(self.settings, name).update(state="given_up", last_error=_short(exc))
+        log.error("sink %s cannot run: %s; the other sinks go on", name, exc)
+        if len(self.given_up) == len(self.names):
+            raise exc
 
 
 def _sink_status(settings: SinkSettings, name: str, file: str = STATUS_FILE) -> _Status:
