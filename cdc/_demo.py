@@ -177,113 +177,108 @@ def run_demo(
     console: Console | None = None,
     sinks: DemoSinks | None = None,
 ) -> int:
-    console = console or Console(stderr=False)
+    demo = _Demo(console or Console(stderr=False), kafka, registry, sinks)
     dsn = _reset_database(admin_dsn)
-    prefix = "demo"
-    run_id = str(int(time.time()))
-    _reset_topics(kafka, prefix)
-    workdir = Path(tempfile.mkdtemp(prefix="pgcdc-demo-"))
-    config = workdir / "cdc.toml"
-    config.write_text(
-        f"""[source]
+    _reset_topics(kafka, demo.prefix)
+    config = demo.write_config(dsn)
+    log = demo.workdir / "cdc.log"
+    demo.console.print(f"[bold]pgcdc demo[/]: database {DEMO_DB!r}, topics {demo.prefix}.public.*, capture log {log}")
+    demo.console.print(
+        f"live dashboard: [bold]http://127.0.0.1:{_DEMO_METRICS_PORT}/[/] (metrics at /metrics); "
+        f"or run `cdc status --config {config}` in another terminal"
+    )
+    proc = _start(["run", "--config", str(config)], log)
+    sinks_proc = None
+    if sinks:
+        sinks_log = demo.workdir / "sinks.log"
+        demo.console.print(f"sinks: search index, cache and warehouse kept by `cdc sinks run` (log {sinks_log})")
+        sinks_proc = _start(["sinks", "run", "--config", str(config)], sinks_log)
+    try:
+        if not demo.watch(dsn, proc, seconds):
+            demo.console.print(f"[red]the capture service exited ({proc.returncode}); see {log}[/]")
+            return 1
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(60)
+    demo.console.print(f"capture stopped (exit {proc.returncode}). Topics stay in Kafka; read them again any time.")
+    verified = sinks_proc is None or demo.verify_and_stop(config, sinks_proc)
+    return 0 if proc.returncode == 0 and verified else 1
+
+
+def _start(args: list[str], log: Path) -> subprocess.Popen[bytes]:
+    """`cdc ARGS` in a process of its own, its output to ``log``."""
+    with open(log, "wb") as out:
+        return subprocess.Popen([sys.executable, "-m", "cdc.cli", *args], stdout=out, stderr=subprocess.STDOUT)
+
+
+class _Demo:
+    """One run of the demo: its configuration, the live table of what Kafka holds, the stores' verification."""
+
+    def __init__(self, console: Console, kafka: str, registry: str, sinks: DemoSinks | None) -> None:
+        self.console, self.kafka, self.registry, self.sinks = console, kafka, registry, sinks
+        self.prefix = "demo"
+        self.run_id = str(int(time.time()))
+        self.workdir = Path(tempfile.mkdtemp(prefix="pgcdc-demo-"))
+
+    def write_config(self, dsn: str) -> Path:
+        config = self.workdir / "cdc.toml"
+        config.write_text(
+            f"""[source]
 dsn = "{dsn}"
 tables = {list(TABLES)!r}
 slot = "pgcdc_demo"
 publication = "pgcdc_demo"
 
 [kafka]
-bootstrap_servers = "{kafka}"
-topic_prefix = "{prefix}"
-transactional_id = "pgcdc-demo-{int(time.time())}"
-offsets_topic = "{prefix}.offsets.{int(time.time())}"
+bootstrap_servers = "{self.kafka}"
+topic_prefix = "{self.prefix}"
+transactional_id = "pgcdc-demo-{self.run_id}"
+offsets_topic = "{self.prefix}.offsets.{self.run_id}"
 
 [registry]
-url = "{registry}"
+url = "{self.registry}"
 
 [metrics]
 port = {_DEMO_METRICS_PORT}
 """.replace("'", '"')
-        + (_sinks_section(sinks, workdir, run_id) if sinks else "")
-    )
-    log = workdir / "cdc.log"
-    console.print(f"[bold]pgcdc demo[/]: database {DEMO_DB!r}, topics {prefix}.public.*, capture log {log}")
-    console.print(
-        f"live dashboard: [bold]http://127.0.0.1:{_DEMO_METRICS_PORT}/[/] (metrics at /metrics); "
-        f"or run `cdc status --config {config}` in another terminal"
-    )
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "cdc.cli", "run", "--config", str(config)], stdout=out, stderr=subprocess.STDOUT
+            + (_sinks_section(self.sinks, self.workdir, self.run_id) if self.sinks else "")
         )
-    sinks_proc = None
-    if sinks:
-        sinks_log = workdir / "sinks.log"
-        console.print(f"sinks: search index, cache and warehouse kept by `cdc sinks run` (log {sinks_log})")
-        with open(sinks_log, "wb") as out:
-            sinks_proc = subprocess.Popen(
-                [sys.executable, "-m", "cdc.cli", "sinks", "run", "--config", str(config)],
-                stdout=out,
-                stderr=subprocess.STDOUT,
-            )
-    stores: dict[str, str] = {}
-    last_counted = 0.0
-    topics = [f"{prefix}.{t}" for t in TABLES]
-    client = SchemaRegistryClient({"url": registry, "timeout": 30})
-    value_de = AvroDeserializer(client, conf={"subject.name.strategy.type": "TOPIC"})
-    consumer = Consumer(
-        {
-            "bootstrap.servers": kafka,
-            "group.id": f"pgcdc-demo-{time.time_ns()}",
-            "auto.offset.reset": "earliest",
-            "isolation.level": "read_committed",
-            # It subscribes before the capture has created the topics; librdkafka looks for them again only at
-            # each metadata refresh (every 5 minutes by default), so a topic made later would stay unread.
-            "topic.metadata.refresh.interval.ms": 1000,
-        }
-    )
-    counts: dict[str, dict[str, int]] = {t: {} for t in topics}
-    last: dict[str, str] = {}
-    rnd = random.Random(42)  # noqa: S311 - a demo workload, not cryptography
-    try:
-        with psycopg.connect(dsn, autocommit=True) as conn, Live(console=console, refresh_per_second=4) as live:
-            deadline = time.monotonic() + seconds
-            subscribed = False
-            while time.monotonic() < deadline:
-                if proc.poll() is not None:
-                    console.print(f"[red]the capture service exited ({proc.returncode}); see {log}[/]")
-                    return 1
-                _workload_step(conn, rnd)
-                if not subscribed:
-                    consumer.subscribe(topics)
-                    subscribed = True
-                msg = consumer.poll(0.05)
-                while msg is not None:
-                    err = msg.error()
-                    topic = msg.topic() or ""
-                    if err is None:
-                        value = value_de(msg.value(), SerializationContext(topic, MessageField.VALUE))
-                        op = value["op"] if value else "tombstone"
-                        counts[topic][op] = counts[topic].get(op, 0) + 1
-                        if value and value.get("after"):
-                            last[topic] = ", ".join(f"{k}={v}" for k, v in list(value["after"].items())[:4])
-                    elif err.code() not in (KafkaError._PARTITION_EOF, KafkaError.UNKNOWN_TOPIC_OR_PART):
-                        # An unknown topic is expected until the capture has created it.
-                        console.print(f"[yellow]{err}[/]")
-                    msg = consumer.poll(0)
-                if sinks and time.monotonic() - last_counted > 2:
-                    stores, last_counted = _store_counts(sinks, workdir, run_id), time.monotonic()
-                live.update(_table(counts, last, deadline, stores))
-    finally:
-        consumer.close()
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(60)
-    console.print(f"capture stopped (exit {proc.returncode}). Topics stay in Kafka; read them again any time.")
-    verified = True
-    if sinks_proc is not None and sinks is not None:
+        return config
+
+    def watch(self, dsn: str, proc: subprocess.Popen[bytes], seconds: float) -> bool:
+        """The workload for ``seconds``, with a live table of the events read back from Kafka (and the stores'
+        counts); False when the capture service exited meanwhile."""
+        stores: dict[str, str] = {}
+        last_counted = 0.0
+        reader = _EventCounter(self.kafka, self.registry, [f"{self.prefix}.{t}" for t in TABLES], self.console)
+        rnd = random.Random(42)  # noqa: S311 - a demo workload, not cryptography
+        try:
+            with (
+                psycopg.connect(dsn, autocommit=True) as conn,
+                Live(console=self.console, refresh_per_second=4) as live,
+            ):
+                deadline = time.monotonic() + seconds
+                while time.monotonic() < deadline:
+                    if proc.poll() is not None:
+                        return False
+                    _workload_step(conn, rnd)
+                    reader.poll()
+                    if self.sinks and time.monotonic() - last_counted > 2:
+                        stores, last_counted = _store_counts(self.sinks, self.workdir, self.run_id), time.monotonic()
+                    live.update(_table(reader.counts, reader.last, deadline, stores))
+        finally:
+            reader.close()
+        return True
+
+    def verify_and_stop(self, config: Path, sinks_proc: subprocess.Popen[bytes]) -> bool:
+        """`cdc verify` of each store against PostgreSQL, then the sinks stopped; whether every store matched."""
+        assert self.sinks is not None
+        console = self.console
         console.print(
             "the workload stopped; `cdc verify` compares each store with PostgreSQL (waits for it to catch up)"
         )
+        verified = True
         for name in ("search", "cache", "warehouse"):
             result = subprocess.run(
                 [sys.executable, "-m", "cdc.cli", "verify", name, "--config", str(config), "--wait", "180"],
@@ -293,12 +288,59 @@ port = {_DEMO_METRICS_PORT}
             )
             console.print(result.stdout.rstrip() or result.stderr.rstrip())
             verified = verified and result.returncode == 0
-        for key, value in _store_counts(sinks, workdir, run_id).items():
+        for key, value in _store_counts(self.sinks, self.workdir, self.run_id).items():
             console.print(f"  {key}: {value}")
         sinks_proc.send_signal(signal.SIGTERM)
         sinks_proc.wait(120)
-        console.print(f"sinks stopped (exit {sinks_proc.returncode}); the warehouse is in {workdir / 'warehouse'}")
-    return 0 if proc.returncode == 0 and verified else 1
+        console.print(f"sinks stopped (exit {sinks_proc.returncode}); the warehouse is in {self.workdir / 'warehouse'}")
+        return verified
+
+
+class _EventCounter:
+    """The demo topics' events read back from Kafka (read_committed), counted per operation."""
+
+    def __init__(self, kafka: str, registry: str, topics: list[str], console: Console) -> None:
+        client = SchemaRegistryClient({"url": registry, "timeout": 30})
+        self._value_de = AvroDeserializer(client, conf={"subject.name.strategy.type": "TOPIC"})
+        self._console = console
+        self._topics = topics
+        self._consumer = Consumer(
+            {
+                "bootstrap.servers": kafka,
+                "group.id": f"pgcdc-demo-{time.time_ns()}",
+                "auto.offset.reset": "earliest",
+                "isolation.level": "read_committed",
+                # It subscribes before the capture has created the topics; librdkafka looks for them again only
+                # at each metadata refresh (every 5 minutes by default), so a topic made later would stay unread.
+                "topic.metadata.refresh.interval.ms": 1000,
+            }
+        )
+        self._subscribed = False
+        self.counts: dict[str, dict[str, int]] = {t: {} for t in topics}
+        self.last: dict[str, str] = {}
+
+    def poll(self) -> None:
+        """Everything that has arrived, counted."""
+        if not self._subscribed:
+            self._consumer.subscribe(self._topics)
+            self._subscribed = True
+        msg = self._consumer.poll(0.05)
+        while msg is not None:
+            err = msg.error()
+            topic = msg.topic() or ""
+            if err is None:
+                value = self._value_de(msg.value(), SerializationContext(topic, MessageField.VALUE))
+                op = value["op"] if value else "tombstone"
+                self.counts[topic][op] = self.counts[topic].get(op, 0) + 1
+                if value and value.get("after"):
+                    self.last[topic] = ", ".join(f"{k}={v}" for k, v in list(value["after"].items())[:4])
+            elif err.code() not in (KafkaError._PARTITION_EOF, KafkaError.UNKNOWN_TOPIC_OR_PART):
+                # An unknown topic is expected until the capture has created it.
+                self._console.print(f"[yellow]{err}[/]")
+            msg = self._consumer.poll(0)
+
+    def close(self) -> None:
+        self._consumer.close()
 
 
 def _table(counts: dict[str, dict[str, int]], last: dict[str, str], deadline: float, stores: dict[str, str]) -> Table:
