@@ -27,6 +27,23 @@ class CaptureMetrics:
         self.registry = r = CollectorRegistry()
         self.info = Info("pgcdc_capture", "The capture service", registry=r)
         self.streaming = Gauge("pgcdc_capture_streaming", "1 while changes are being streamed", registry=r)
+        self._declare_slot(r)
+        self._declare_progress(r)
+        self._declare_snapshot(r)
+        self._declare_sinks(r)
+        self._lock = threading.Lock()
+        self._pending: dict[tuple[str, str], int] = {}
+        self.totals: dict[tuple[str, str], int] = {}  # (table, op) -> committed events (for the dashboard)
+        self.tables: dict[str, str] = {}  # topic -> "schema.table"
+        self.state = "starting"
+        self.committed_lsn_value: int | None = None
+        self.snapshot: dict[str, Any] | None = None
+        self._snap_started = 0.0
+        self._snap_estimates: dict[str, int | None] = {}
+        self._snap_rows: dict[str, int] = {}
+
+    def _declare_slot(self, r: CollectorRegistry) -> None:
+        """The replication slot as the server sees it."""
         self.slot_lag = Gauge(
             "pgcdc_slot_lag_bytes", "Server WAL position minus the slot's confirmed flush", ["slot"], registry=r
         )
@@ -52,6 +69,9 @@ class CaptureMetrics:
             registry=r,
         )
         self.wal_lsn = Gauge("pgcdc_source_wal_lsn_bytes", "The server's current WAL position", registry=r)
+
+    def _declare_progress(self, r: CollectorRegistry) -> None:
+        """What the capture committed, how far behind the source it is, its Kafka transactions and errors."""
         self.committed_lsn = Gauge(
             "pgcdc_committed_lsn_bytes", "Resume LSN committed to Kafka (and acknowledged to the server)", registry=r
         )
@@ -77,6 +97,15 @@ class CaptureMetrics:
             ["table", "op"],
             registry=r,
         )
+        self.txn_events = Histogram(
+            "pgcdc_kafka_transaction_events", "Records per Kafka transaction", buckets=_SIZE_BUCKETS, registry=r
+        )
+        self.commit_seconds = Histogram(
+            "pgcdc_kafka_commit_seconds", "Kafka transaction commit duration", buckets=_COMMIT_BUCKETS, registry=r
+        )
+        self.errors = Counter("pgcdc_errors", "Errors by class", ["error", "kind"], registry=r)
+
+    def _declare_snapshot(self, r: CollectorRegistry) -> None:
         self.snapshot_running = Gauge("pgcdc_snapshot_running", "1 while a snapshot runs", registry=r)
         self.snapshot_tables_total = Gauge("pgcdc_snapshot_tables_total", "Tables in the snapshot", registry=r)
         self.snapshot_tables_done = Gauge("pgcdc_snapshot_tables_done", "Tables whose snapshot is done", registry=r)
@@ -85,14 +114,9 @@ class CaptureMetrics:
         )
         self.snapshot_rows_done = Gauge("pgcdc_snapshot_rows_done", "Rows snapshotted so far", registry=r)
         self.snapshot_eta = Gauge("pgcdc_snapshot_eta_seconds", "Estimated time to finish the snapshot", registry=r)
-        self.txn_events = Histogram(
-            "pgcdc_kafka_transaction_events", "Records per Kafka transaction", buckets=_SIZE_BUCKETS, registry=r
-        )
-        self.commit_seconds = Histogram(
-            "pgcdc_kafka_commit_seconds", "Kafka transaction commit duration", buckets=_COMMIT_BUCKETS, registry=r
-        )
-        self.errors = Counter("pgcdc_errors", "Errors by class", ["error", "kind"], registry=r)
-        # The sinks as seen from outside (checkpoints against topic ends): still measured when they are down.
+
+    def _declare_sinks(self, r: CollectorRegistry) -> None:
+        """The sinks as seen from outside (checkpoints against topic ends): still measured when they are down."""
         self.sink_lag = Gauge(
             "pgcdc_sink_lag_records",
             "Topic end offset minus the sink's applied offset",
@@ -115,17 +139,6 @@ class CaptureMetrics:
             ["sink", "generation"],
             registry=r,
         )
-
-        self._lock = threading.Lock()
-        self._pending: dict[tuple[str, str], int] = {}
-        self.totals: dict[tuple[str, str], int] = {}  # (table, op) -> committed events (for the dashboard)
-        self.tables: dict[str, str] = {}  # topic -> "schema.table"
-        self.state = "starting"
-        self.committed_lsn_value: int | None = None
-        self.snapshot: dict[str, Any] | None = None
-        self._snap_started = 0.0
-        self._snap_estimates: dict[str, int | None] = {}
-        self._snap_rows: dict[str, int] = {}
 
     # --- the capture's hot path ----------------------------------------------------------------
 
