@@ -21,13 +21,13 @@ import os
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import psycopg
 
 from cdc._assembler import SPILL_READ, STREAM_PACE_BELOW, STREAM_PACE_S, Spill
 from cdc._attach import Attached, CaptureContext
-from cdc._batch import KafkaBatchWriter
+from cdc._batch import BatchWriter, KafkaBatchWriter
 from cdc._changes import FAST_KINDS, ChangeWriter
 from cdc._config import CaptureConfig
 from cdc._offsets import CaptureState
@@ -66,6 +66,19 @@ _PAYLOAD_AT = XLOG_PAYLOAD_AT
 # A transaction being read: (its commit LSN = Begin's final LSN, its commit time, its xid, skipped: it
 # committed before the resume position, so it is already in Kafka).
 Txn = tuple[int, int, int | None, bool]
+
+
+class BetweenTransactions(Protocol):
+    """Work that writes to Kafka between two stream transactions (a backfill's chunk, say): its events and the
+    state they advance are committed in a Kafka transaction of their own, after the stream's batch."""
+
+    def ready(self, now: float) -> bool:
+        """Whether it has something to write now (``now``: time.monotonic())."""
+        ...
+
+    def run(self, writer: BatchWriter, state: CaptureState) -> None:
+        """Produce through ``writer`` and update ``state``; the streamer commits both together."""
+        ...
 
 
 def _freeze_startup_objects() -> None:
@@ -172,6 +185,7 @@ class Streamer:
         self.spills: dict[int, Spill] = {}  # streamed transactions not yet committed or aborted
         self.held: bytes | None = None  # the message after a run of changes read from C
         self.stopping = False
+        self.between: list[BetweenTransactions] = []  # run at transaction boundaries, each in its own commit
         self.proto = 1
         self.decoder = PgOutputDecoder(1)
         self._handlers: dict[type, Callable[[Any, int, Any], None]] = {
@@ -289,6 +303,21 @@ class Streamer:
             self._commit()
         elif self._idle:
             self.ctx.metrics.set_behind(0.0)  # the server has nothing more to send: not behind
+        if self.between and self.current is None:
+            self._between_transactions()
+
+    def _between_transactions(self) -> None:
+        """The work that is ready, each piece in a Kafka transaction of its own after the stream's batch is
+        committed: every Kafka transaction is either the stream's or one piece's, and each piece's state record
+        carries the stream position already committed, so a crash in between replays nothing twice."""
+        now = time.monotonic()
+        ready = [task for task in self.between if task.ready(now)]
+        if not ready:
+            return
+        self._commit()
+        for task in ready:
+            task.run(self.writer, self.state)
+            self.writer.commit(self.state)
 
     def _spill_raw(self, raw: bytes | memoryview, bulk: bool) -> None:
         """A row change of the streamed transaction, to its spill as received, with the ones after it that have
@@ -344,6 +373,8 @@ class Streamer:
         self.current, self.capturing = None, False
         if self.writer.full:
             self._commit()
+        if self.between:
+            self._between_transactions()
 
     def _on_relation(self, msg: Relation, lsn: int, payload: bytes | memoryview) -> None:
         if self.stream_xid is not None:
@@ -433,4 +464,4 @@ class Streamer:
         self.ctx.metrics.set_state("stopped")
 
 
-__all__ = ["HEARTBEAT_PREFIX", "ReplicationSource", "Streamer"]
+__all__ = ["HEARTBEAT_PREFIX", "BetweenTransactions", "ReplicationSource", "Streamer"]
