@@ -935,7 +935,7 @@ cdef class DirectProducer:
             t.updates += 1
         else:
             t.deletes += 1
-            # The tombstone after it (no value): lets compaction drop the key, as ChangeWriter._emit writes it.
+            # The tombstone after it (no value): lets compaction drop the key, as ChangeWriter._delete writes it.
             if self.produce(t.rkt, RD_KAFKA_PARTITION_UA, 0, NULL, 0, PyBytes_AS_STRING(key), keylen, NULL) == -1:
                 t.owed = key
                 return 2
