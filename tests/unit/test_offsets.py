@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from cdc._kafka import OffsetStore
 from cdc._offsets import STATE_VERSION, CaptureState, OffsetsStateError, RangeProgress, SnapshotState, TableProgress
 from cdc.errors import StreamError
 
@@ -237,3 +238,24 @@ def test_every_state_survives_its_record(state: CaptureState) -> None:
             if r.blocks is None:
                 r.filenode = None  # a key range has no file: not written, so not read back
     assert CaptureState.from_json(json.loads(json.dumps(state.to_json()))) == state
+
+
+@pytest.mark.parametrize(
+    ("value", "says"),
+    [
+        (b'{"version": 3, "lsn": 1}', "slot 'slot_a' in topic 'p.offsets': the offsets record has format 3"),
+        (b"{not json", "cannot be resumed: .*produce a corrected record under the same key, or run `cdc detach`"),
+        (b'{"lsn": "x"}', "lsn is not a non-negative integer: 'x'. Nothing was read from the slot"),
+    ],
+)
+def test_the_store_names_the_record_and_the_way_on(value: bytes, says: str) -> None:
+    store = OffsetStore({}, "p.offsets", "slot_a")
+    with pytest.raises(OffsetsStateError, match=says) as info:
+        store._decode(value)
+    assert info.value.exit_code == 7
+
+
+def test_the_store_writes_what_it_reads() -> None:
+    store = OffsetStore({}, "p.offsets", "slot_a")
+    state = CaptureState.from_json(V1["mid-snapshot in key ranges"])
+    assert store._decode(store.encode(state)) == state
