@@ -37,6 +37,7 @@ class CaptureMetrics:
         self.tables: dict[str, str] = {}  # topic -> "schema.table"
         self.state = "starting"
         self.committed_lsn_value: int | None = None
+        self._wal_lsn_value = 0
         self.snapshot: dict[str, Any] | None = None
         self._snap_started = 0.0
         self._snap_estimates: dict[str, int | None] = {}
@@ -166,6 +167,8 @@ class CaptureMetrics:
         self.commit_seconds.observe(seconds)
         self.committed_lsn.set(lsn)
         self.committed_lsn_value = lsn
+        if lsn > self._wal_lsn_value:  # the server has written at least what it sent
+            self.source_wal(lsn)
         if commits_us is not None:
             self.last_commit_ts.set(commits_us[1] / 1e6)
             self.set_behind(max(0.0, time.time() - commits_us[0] / 1e6))
@@ -192,6 +195,12 @@ class CaptureMetrics:
     @property
     def behind_s(self) -> float | None:
         return self._behind_recent() if self._behind or self._pending_since_us is not None else None
+
+    def source_wal(self, lsn: int) -> None:
+        """The server's WAL position, as sampled. Never shown behind the committed LSN: a sample taken just before
+        a commit would be, and a dashboard's "WAL minus committed" would go negative."""
+        self._wal_lsn_value = max(lsn, self.committed_lsn_value or 0)
+        self.wal_lsn.set(self._wal_lsn_value)
 
     def set_state(self, state: str) -> None:
         self.state = state

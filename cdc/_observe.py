@@ -276,7 +276,7 @@ class Observer:
             self._warn_once("slot status", exc)
             return {"error": "source unreachable"}
         if info.get("wal_lsn_bytes") is not None:
-            m.wal_lsn.set(info["wal_lsn_bytes"])
+            m.source_wal(info["wal_lsn_bytes"])
         if info.get("exists"):
             for gauge, key in (
                 (m.slot_lag, "lag_bytes"),

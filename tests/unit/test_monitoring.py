@@ -274,3 +274,19 @@ def test_compose_file_parses_and_mounts_what_exists() -> None:
             if source.startswith("./"):
                 assert (ROOT / source).exists(), f"{name} mounts {source}, which does not exist"
     assert "host.docker.internal:host-gateway" in services["prometheus"]["extra_hosts"]
+
+
+def test_the_wal_position_is_never_shown_behind_the_committed_lsn() -> None:
+    """A sample of the server's position taken just before a commit must not show the server behind it."""
+    m = CaptureMetrics()
+
+    def shown() -> float | None:
+        return m.registry.get_sample_value("pgcdc_source_wal_lsn_bytes")
+
+    m.source_wal(1_000)
+    m.committed(3, 0.01, 1_500, None)
+    assert shown() == 1_500
+    m.source_wal(1_200)  # sampled before that commit, stored after it
+    assert shown() == 1_500
+    m.source_wal(2_000)
+    assert shown() == 2_000
