@@ -443,7 +443,7 @@ class CdcRun:
         self.started = time.monotonic()
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "cdc.cli", "run", "--config", str(self.config)],
+                [sys.executable, "-m", "pgcdc", "run", "--config", str(self.config)],
                 cwd=ROOT,
                 env=env,
                 stdin=subprocess.DEVNULL,

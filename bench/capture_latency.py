@@ -166,7 +166,7 @@ def run(argv: list[str] | None = None) -> Result:
         log = work / "cdc.log"
         with open(log, "wb") as out:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "cdc.cli", "--log-level", "info", "run", "--config", str(config)],
+                [sys.executable, "-m", "pgcdc", "--log-level", "info", "run", "--config", str(config)],
                 stdout=out,
                 stderr=subprocess.STDOUT,
             )

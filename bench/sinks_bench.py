@@ -181,7 +181,7 @@ path = "{warehouse}"
 def _cdc(args: list[str], log: IO[bytes]) -> subprocess.Popen[bytes]:
     # A session of its own: a SIGKILL of the group takes its Spark JVM at the same instant, like a container's.
     return subprocess.Popen(
-        [sys.executable, "-m", "cdc.cli", *args],
+        [sys.executable, "-m", "pgcdc", *args],
         stdout=log,
         stderr=log,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
@@ -460,7 +460,7 @@ def _rebuild(name: str, config: Path, log: Path, launcher: list[str] | None = No
     with open(log, "ab") as out:
         args = ["sinks", "rebuild", name, "--config", str(config), "--verify-wait", "60"]
         proc = subprocess.Popen(
-            [*(launcher or [sys.executable, "-m", "cdc.cli"]), *args],
+            [*(launcher or [sys.executable, "-m", "pgcdc"]), *args],
             stdout=subprocess.PIPE,
             stderr=out,
             env={**os.environ, "PYTHONUNBUFFERED": "1", **(submit_env() if launcher else {})},

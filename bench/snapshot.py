@@ -102,7 +102,7 @@ def _ours(
     with open(log, "wb") as out:
         launched = time.monotonic()
         proc = subprocess.Popen(
-            [sys.executable, "-m", "cdc.cli", "--log-level", "info", "run", "--config", str(config)],
+            [sys.executable, "-m", "pgcdc", "--log-level", "info", "run", "--config", str(config)],
             stdout=out,
             stderr=subprocess.STDOUT,
         )

@@ -88,7 +88,7 @@ def _verify(config: Path, log: Path) -> tuple[float, dict[str, float]]:
     started = time.monotonic()
     with open(log, "ab") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "cdc.cli", "verify", "warehouse", "--config", str(config)], stdout=out, stderr=out
+            [sys.executable, "-m", "pgcdc", "verify", "warehouse", "--config", str(config)], stdout=out, stderr=out
         )
         rss = _PeakRss(proc.pid)
         rss.start()

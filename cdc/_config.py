@@ -9,16 +9,16 @@ registry credentials) are ``SecretStr`` and can come from files; they never appe
 from __future__ import annotations
 
 import re
-import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from cdc.errors import ConfigError
-from schemas import TEXT_OUTPUT_SETTINGS, KafkaSecurity, RegistrySecurity, split_table_name, topic_name
+from common.config import FileSettings, KafkaConnection, RegistryConnection, explain, read_config_file, settings_config
+from common.errors import ConfigError
+from common.topics import split_table_name, topic_name
+from schemas import TEXT_OUTPUT_SETTINGS
 
 _IDENT = re.compile(r"^[^\x00]{1,63}$")  # PostgreSQL names: any character but NUL, at most 63 bytes
 
@@ -101,11 +101,11 @@ class SourceConfig(_Section):
         return make_conninfo("", **params)
 
 
-class KafkaConfig(_Section, KafkaSecurity):
-    """The brokers; TLS and SASL keys come from KafkaSecurity (shared with the sinks, schemas/_security.py)."""
+class KafkaConfig(_Section, KafkaConnection):
+    """The brokers, the topic prefix, TLS and SASL (shared with the sinks: common/config.py), and the capture's own
+    producer keys."""
 
-    bootstrap_servers: str = "127.0.0.1:9092"
-    topic_prefix: str = "pgcdc"
+    model_config = ConfigDict(extra="forbid", frozen=True)
     partitions: int = Field(default=1, ge=1, description="partitions of newly created change topics")
     replication_factor: int = Field(default=-1, description="-1 = the broker's default")
     transactional_id: str | None = Field(
@@ -129,8 +129,9 @@ class KafkaConfig(_Section, KafkaSecurity):
         return {"bootstrap.servers": self.bootstrap_servers, **self.librdkafka(), **self.producer}
 
 
-class RegistryConfig(_Section, RegistrySecurity):
-    url: str = "http://127.0.0.1:8081"
+class RegistryConfig(_Section, RegistryConnection):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
     extra: dict[str, str] = Field(default_factory=dict, description="extra SchemaRegistryClient settings")
 
     def client_conf(self) -> dict[str, Any]:
@@ -179,12 +180,10 @@ class MetricsConfig(_Section):
     history_s: float = Field(default=900.0, gt=0, description="how much history the dashboard's charts keep")
 
 
-class Settings(BaseSettings):
+class Settings(FileSettings):
     """The whole configuration (see the module docstring for its sources)."""
 
-    model_config = SettingsConfigDict(
-        env_prefix="CDC_", env_nested_delimiter="__", extra="forbid", frozen=True, case_sensitive=False
-    )
+    model_config = settings_config(extra="forbid")
 
     source: SourceConfig
     kafka: KafkaConfig = KafkaConfig()
@@ -199,18 +198,6 @@ class Settings(BaseSettings):
         for name in self.source.key_columns:
             split_table_name(name)
         return self
-
-    @classmethod
-    def settings_customise_sources(
-        cls,
-        settings_cls: type[BaseSettings],
-        init_settings: PydanticBaseSettingsSource,
-        env_settings: PydanticBaseSettingsSource,
-        dotenv_settings: PydanticBaseSettingsSource,
-        file_secret_settings: PydanticBaseSettingsSource,
-    ) -> tuple[PydanticBaseSettingsSource, ...]:
-        # The file's contents arrive as init arguments; the environment overrides them.
-        return env_settings, init_settings
 
     @property
     def transactional_id(self) -> str:
@@ -227,31 +214,8 @@ class Settings(BaseSettings):
 
 def load_settings(path: Path | None) -> Settings:
     """Read the TOML file (if any), apply environment overrides, validate; ConfigError says what is wrong."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        try:
-            data = tomllib.loads(path.read_text())
-        except FileNotFoundError as exc:
-            raise ConfigError(f"config file {str(path)!r} not found; pass --config with an existing file") from exc
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"config file {str(path)!r} is not valid TOML: {exc}") from exc
+    data = read_config_file(path)
     try:
         return Settings(**data)
     except ValidationError as exc:
-        raise ConfigError(_explain(exc, path)) from exc
-
-
-def _explain(exc: ValidationError, path: Path | None) -> str:
-    where = f"in {str(path)!r} or CDC_* environment variables" if path else "in CDC_* environment variables"
-    lines = [f"invalid configuration ({where}):"]
-    for err in exc.errors():
-        key = ".".join(str(p) for p in err["loc"])
-        env = "CDC_" + "__".join(str(p).upper() for p in err["loc"])
-        if err["type"] == "extra_forbidden":
-            lines.append(f"  {key}: unknown key; remove it or check its spelling (see docs/configuration.md)")
-        elif err["type"] == "missing":
-            lines.append(f"  {key}: required; set it in the file or as {env}")
-        else:
-            # Never echo the offending input: it may be a secret.
-            lines.append(f"  {key}: {err['msg']} (set via the file or {env})")
-    return "\n".join(lines)
+        raise ConfigError(explain(exc, path)) from exc

@@ -17,7 +17,7 @@ from psycopg import sql
 from cdc._catalog import TableInfo, load_table
 from cdc._config import Settings, SourceConfig
 from cdc.errors import AuthenticationError, ConfigError, SourceCheckError, StreamError, TransientError
-from schemas import split_table_name
+from common.topics import split_table_name
 
 log = logging.getLogger(__name__)
 

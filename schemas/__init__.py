@@ -1,8 +1,7 @@
 """Avro schemas for change events: relation metadata to key and envelope schemas.
 
-Knows nothing of the network; registering schemas is the capture service's job. It also holds the other
-part of the contract the capture and the sinks share: how both reach a secured Kafka and registry
-(:class:`KafkaSecurity`, :class:`RegistrySecurity`: settings only, no client).
+Knows nothing of the network; registering schemas is the capture service's job. Topic naming and the
+security settings the capture and the sinks share live in the common layer (``common``).
 
 Column types: :func:`avro_mapping` maps a PostgreSQL type (:class:`PgType`) and type modifier to an Avro
 schema and to converters from both wire formats to Avro-ready values (docs/types.md has the table).
@@ -24,8 +23,6 @@ from schemas._envelope import (
 )
 from schemas._names import dedupe_named_types
 from schemas._pgtype import PgType, TypeKind
-from schemas._security import KafkaSecurity, RegistrySecurity, read_secret_file
-from schemas._topics import split_table_name, topic_name, topic_part
 from schemas._types import TEXT_OUTPUT_SETTINGS, AvroMapping, avro_mapping
 from schemas._writer import UnsupportedSchemaError, compile_field_writers, compile_writer, write_long, write_string
 
@@ -35,9 +32,7 @@ __all__ = [
     "AvroSchema",
     "ColumnShape",
     "FormatError",
-    "KafkaSecurity",
     "PgType",
-    "RegistrySecurity",
     "TypeKind",
     "UnsupportedSchemaError",
     "UnsupportedTypeError",
@@ -54,11 +49,7 @@ __all__ = [
     "message_key_schema",
     "message_value_schema",
     "nullable",
-    "read_secret_file",
     "source_schema",
-    "split_table_name",
-    "topic_name",
-    "topic_part",
     "transaction_key_schema",
     "transaction_value_schema",
     "write_long",

@@ -8,16 +8,16 @@ The sinks read only what they need from the shared file — ``[kafka]`` (where t
 from __future__ import annotations
 
 import re
-import tomllib
 from pathlib import Path
 from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
-from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic_settings import NoDecode
 
-from schemas import KafkaSecurity, RegistrySecurity, split_table_name, topic_name
-from sinks._storage import Location, location
-from sinks.errors import SinkConfigError
+from common.config import FileSettings, KafkaConnection, RegistryConnection, explain, read_config_file, settings_config
+from common.errors import SinkConfigError
+from common.topics import split_table_name, topic_name
+from sinks._storage import Location, StorageConfig, location
 
 _BUILTINS = ("search", "cache", "warehouse")
 
@@ -32,11 +32,10 @@ class _Foreign(BaseModel):
     model_config = ConfigDict(extra="ignore", frozen=True)
 
 
-class KafkaSection(_Foreign, KafkaSecurity):
-    """The brokers and their security (the same keys the capture reads: schemas/_security.py)."""
+class KafkaSection(_Foreign, KafkaConnection):
+    """The brokers, the topic prefix and their security (the keys the capture reads too: common/config.py)."""
 
-    bootstrap_servers: str = "127.0.0.1:9092"
-    topic_prefix: str = "pgcdc"
+    model_config = ConfigDict(extra="ignore", frozen=True)
     consumer: dict[str, str] = Field(
         default_factory=dict, description="extra Java consumer settings for Spark's Kafka source"
     )
@@ -46,8 +45,8 @@ class KafkaSection(_Foreign, KafkaSecurity):
         return {"bootstrap.servers": self.bootstrap_servers, **self.librdkafka()}
 
 
-class RegistrySection(_Foreign, RegistrySecurity):
-    url: str = "http://127.0.0.1:8081"
+class RegistrySection(_Foreign, RegistryConnection):
+    model_config = ConfigDict(extra="ignore", frozen=True)
 
 
 class SearchConfig(_Section):
@@ -69,21 +68,6 @@ class CacheConfig(_Section):
 class WarehouseConfig(_Section):
     path: str = Field(default="warehouse", description="base directory or URI of the Delta tables")
     history: bool = Field(default=False, description="also keep an append-only change history table per table")
-
-
-class StorageConfig(_Section):
-    """The object store of ``s3a://`` locations (state_dir, warehouse.path), for Spark's S3A and for pgcdc.
-
-    Unset keys fall back to the AWS defaults of each client (environment variables, profiles, instance
-    roles). The secret goes to Spark as ``spark.hadoop.fs.s3a.secret.key``, which Spark redacts.
-    """
-
-    endpoint: str | None = Field(default=None, description="an S3-compatible server's URL; default: AWS S3")
-    region: str | None = None
-    access_key: str | None = None
-    secret_key: SecretStr | None = None
-    path_style: bool = Field(default=False, description="bucket in the path, not the host name (most non-AWS stores)")
-    timeout_s: float = Field(default=10.0, gt=0, description="connect and request timeout of pgcdc's own reads")
 
 
 class SinksConfig(_Section):
@@ -134,25 +118,12 @@ class SinksConfig(_Section):
         return value
 
 
-class SinkSettings(BaseSettings):
-    model_config = SettingsConfigDict(
-        env_prefix="CDC_", env_nested_delimiter="__", extra="ignore", frozen=True, case_sensitive=False
-    )
+class SinkSettings(FileSettings):
+    model_config = settings_config(extra="ignore")
 
     kafka: KafkaSection = KafkaSection()
     registry: RegistrySection = RegistrySection()
     sinks: SinksConfig = SinksConfig()
-
-    @classmethod
-    def settings_customise_sources(
-        cls,
-        settings_cls: type[BaseSettings],
-        init_settings: PydanticBaseSettingsSource,
-        env_settings: PydanticBaseSettingsSource,
-        dotenv_settings: PydanticBaseSettingsSource,
-        file_secret_settings: PydanticBaseSettingsSource,
-    ) -> tuple[PydanticBaseSettingsSource, ...]:
-        return env_settings, init_settings
 
     @property
     def dead_letter_topic(self) -> str:
@@ -185,20 +156,8 @@ class SinkSettings(BaseSettings):
 
 
 def load_sink_settings(path: Path | None) -> SinkSettings:
-    data: dict[str, Any] = {}
-    if path is not None:
-        try:
-            data = tomllib.loads(path.read_text())
-        except FileNotFoundError as exc:
-            raise SinkConfigError(f"config file {str(path)!r} not found; pass --config with an existing file") from exc
-        except tomllib.TOMLDecodeError as exc:
-            raise SinkConfigError(f"config file {str(path)!r} is not valid TOML: {exc}") from exc
+    data = read_config_file(path, SinkConfigError)
     try:
         return SinkSettings(**{k: v for k, v in data.items() if k in ("kafka", "registry", "sinks")})
     except ValidationError as exc:
-        lines = [f"invalid sinks configuration (in {str(path)!r} or CDC_* environment variables):"]
-        for err in exc.errors():
-            key = ".".join(str(p) for p in err["loc"])
-            hint = "unknown key; check its spelling" if err["type"] == "extra_forbidden" else err["msg"]
-            lines.append(f"  {key}: {hint}")
-        raise SinkConfigError("\n".join(lines)) from exc
+        raise SinkConfigError(explain(exc, path, what="sinks configuration")) from exc

@@ -19,14 +19,31 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from pydantic import BaseModel, ConfigDict, Field, SecretStr
+
 if TYPE_CHECKING:
     from pyarrow import fs as pafs
-
-    from sinks._config import StorageConfig
 
 # Hadoop's S3 connector is s3a; s3:// and s3n:// name the same buckets (the connector is the same since
 # Hadoop 3), and pyarrow knows the buckets by name alone.
 S3_SCHEMES = ("s3a", "s3", "s3n")
+
+
+class StorageConfig(BaseModel):
+    """The object store of ``s3a://`` locations (state_dir, warehouse.path), for Spark's S3A and for pgcdc.
+
+    Unset keys fall back to the AWS defaults of each client (environment variables, profiles, instance
+    roles). The secret goes to Spark as ``spark.hadoop.fs.s3a.secret.key``, which Spark redacts.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    endpoint: str | None = Field(default=None, description="an S3-compatible server's URL; default: AWS S3")
+    region: str | None = None
+    access_key: str | None = None
+    secret_key: SecretStr | None = None
+    path_style: bool = Field(default=False, description="bucket in the path, not the host name (most non-AWS stores)")
+    timeout_s: float = Field(default=10.0, gt=0, description="connect and request timeout of pgcdc's own reads")
 
 
 @dataclass(frozen=True)

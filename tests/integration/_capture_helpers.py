@@ -134,7 +134,7 @@ class ChildProcess:
         self.args = args
         self.log = log
         # What runs ``cdc``'s arguments: the CLI itself, or e.g. spark-submit and the Spark application file.
-        self.launcher = launcher or [sys.executable, "-m", "cdc.cli"]
+        self.launcher = launcher or [sys.executable, "-m", "pgcdc"]
         self.env: dict[str, str] = {}
         self.proc: subprocess.Popen[bytes] | None = None
 

@@ -12,6 +12,7 @@ import sys
 import tempfile
 import threading
 import time
+import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -144,7 +145,7 @@ path_style = true
 def cdc(*args: str, timeout: float = 600, env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """``cdc ARGS``; ``env``: variables added to this process's environment (settings: ``CDC_…``)."""
     return subprocess.run(
-        [sys.executable, "-m", "cdc.cli", *args],
+        [sys.executable, "-m", "pgcdc", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -239,7 +240,7 @@ def pipeline_workload(dsn: str, stop: threading.Event, errors: list[BaseExceptio
 # --- the sinks on a Spark standalone cluster ---------------------------------------------------------------
 
 ROOT = Path(__file__).resolve().parents[2]
-_PACKAGED = ("cdc", "decoders", "sinks", "schemas")
+_PACKAGED = tuple(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
 
 
 def pgcdc_pex(cache: Path) -> Path:

@@ -472,7 +472,7 @@ def test_bad_input_is_refused_clearly(
         # Only the file speaks: no CDC_* override from the test run's environment.
         clean = {k: v for k, v in os.environ.items() if not k.startswith("CDC_") or k.startswith("CDC_TEST_")}
         result = subprocess.run(
-            [sys.executable, "-m", "cdc.cli", *args],
+            [sys.executable, "-m", "pgcdc", *args],
             capture_output=True,
             text=True,
             timeout=180,

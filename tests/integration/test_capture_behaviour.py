@@ -217,7 +217,7 @@ def test_attach_dry_run_and_detach(
     path = cfg.write(tmp_path / "cdc.toml")
 
     def cdc(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "cdc.cli", *args], capture_output=True, text=True, check=False)
+        return subprocess.run([sys.executable, "-m", "pgcdc", *args], capture_output=True, text=True, check=False)
 
     dry = cdc("attach", "--config", str(path), "--dry-run")
     assert dry.returncode == 0, dry.stderr
@@ -287,7 +287,7 @@ def test_demo_command_captures_a_live_workload(pg_dsn: str, kafka_bootstrap: str
         [
             sys.executable,
             "-m",
-            "cdc.cli",
+            "pgcdc",
             "demo",
             "--pg",
             pg_dsn,

@@ -190,7 +190,7 @@ def test_capture_metrics_move_under_a_workload_and_never_show_the_password(
 
 
 class _Dom(HTMLParser):
-    """The attributes of the elements the dashboard's test contract names (see cdc/dashboard.html)."""
+    """The attributes of the elements the dashboard's test contract names (see pgcdc/dashboard.html)."""
 
     def __init__(self) -> None:
         super().__init__()

@@ -287,7 +287,7 @@ def test_wrong_security_settings_give_clear_errors(
             cfg = breaks(_secure_config(plain, ep, tmp_path), env, tmp_path)
             config = cfg.write(tmp_path / "cdc.toml")
             proc = subprocess.run(
-                [sys.executable, "-m", "cdc.cli", "run", "--config", str(config)],
+                [sys.executable, "-m", "pgcdc", "run", "--config", str(config)],
                 capture_output=True,
                 text=True,
                 timeout=180,
@@ -314,7 +314,7 @@ def test_sinks_with_wrong_kafka_credentials_stop_at_once_saying_so(
     (tmp_path / "kafka-password").write_text("not-the-password\n")
     path = config.write(tmp_path / "cdc.toml")
     proc = subprocess.run(
-        [sys.executable, "-m", "cdc.cli", "sinks", "run", "cache", "--config", str(path)],
+        [sys.executable, "-m", "pgcdc", "sinks", "run", "cache", "--config", str(path)],
         capture_output=True,
         text=True,
         timeout=180,

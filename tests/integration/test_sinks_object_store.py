@@ -32,7 +32,7 @@ pytestmark = [pytest.mark.timeout(900)]
 _STATUS_WITHOUT_PYSPARK = """
 import sys
 sys.modules["pyspark"] = None  # any import of it raises ImportError
-from cdc.cli import main
+from pgcdc.cli import main
 sys.exit(main(["status", "--json", "--config", sys.argv[1]]))
 """
 

@@ -18,7 +18,7 @@ from tests.integration._sinks_helpers import SinksProcess
 
 def _list(env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "cdc.cli", "sinks", "list"], capture_output=True, text=True, check=False, env=env
+        [sys.executable, "-m", "pgcdc", "sinks", "list"], capture_output=True, text=True, check=False, env=env
     )
 
 
@@ -47,7 +47,7 @@ def test_a_broken_plugin_is_reported_and_the_others_still_load(tmp_path: Path) -
     assert "no_such_module_here" in lines["broken"], out.stdout
     assert all("ok" in lines[n] for n in ("search", "cache", "warehouse", "jsonl"))
     run = subprocess.run(
-        [sys.executable, "-m", "cdc.cli", "sinks", "run", "broken"],
+        [sys.executable, "-m", "pgcdc", "sinks", "run", "broken"],
         capture_output=True,
         text=True,
         env=env,

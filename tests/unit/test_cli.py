@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 
 from cdc import __version__
-from cdc.cli import main
+from pgcdc.cli import main
 
 
 def test_version(capsys: pytest.CaptureFixture[str]) -> None:

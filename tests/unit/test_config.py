@@ -8,7 +8,7 @@ import pytest
 
 from cdc._config import load_settings
 from cdc.errors import ConfigError
-from schemas import split_table_name
+from common.topics import split_table_name
 
 BASE = """
 [source]

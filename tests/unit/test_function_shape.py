@@ -8,7 +8,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("cdc", "decoders", "schemas", "sinks")
+PACKAGES = ("common", "cdc", "decoders", "schemas", "sinks", "pgcdc")
 MOST_LINES = 60
 MOST_PARAMETERS = 6  # self and cls not counted
 

@@ -1,101 +1,182 @@
-"""The packages' import rules: data flows one way, and the capture service never loads Spark."""
+"""The packages' import rules: data flows one way, the capture and the sinks are peers, and the capture service
+never loads Spark.
+
+    pgcdc                    the application layer: command line, status, dashboard, demo, spark-submit's file
+      ├── cdc                the capture service            ─┐ peers: neither imports the other
+      └── sinks              the derived views              ─┘
+    decoders, schemas        the wire format in, the event format out
+    common                   errors, the configuration file, security settings, topic naming
+
+There is no allow-list: an import is seen wherever it is written (at the top, inside a function, under
+``if TYPE_CHECKING``, or by name through ``importlib.import_module``/``__import__``), and every crossing fails.
+"""
 
 from __future__ import annotations
 
 import ast
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+PRODUCT = ("common", "decoders", "schemas", "cdc", "sinks", "pgcdc")
 
 # package -> top-level modules it must never import
 FORBIDDEN = {
-    "decoders": {"cdc", "schemas", "sinks", "confluent_kafka", "pyspark", "fastavro"},
-    "schemas": {"cdc", "sinks", "confluent_kafka", "pyspark", "psycopg"},
-    "cdc": {"sinks", "pyspark", "delta"},
-    "sinks": {"cdc", "decoders"},
+    "common": {"cdc", "decoders", "schemas", "sinks", "pgcdc", "confluent_kafka", "pyspark", "psycopg", "fastavro"},
+    "decoders": {"cdc", "schemas", "sinks", "pgcdc", "confluent_kafka", "pyspark", "fastavro"},
+    "schemas": {"cdc", "decoders", "sinks", "pgcdc", "confluent_kafka", "pyspark", "psycopg"},
+    "cdc": {"sinks", "pgcdc", "pyspark", "delta"},
+    "sinks": {"cdc", "decoders", "pgcdc"},
+    "pgcdc": {"pyspark", "delta"},
 }
-# The deliberate crossings, all lazy (inside a function): the `cdc` front door hands `cdc sinks …` to
-# sinks.cli; sinks.cli asks the capture's public face (cdc.source_tables) what the source holds; and the
-# capture's dashboard and `cdc status` read the sinks' progress (sinks/_progress.py, which never loads Spark).
-ALLOWED = {("cdc/cli.py", "sinks"), ("sinks/cli.py", "cdc"), ("cdc/_observe.py", "sinks")}
 
 
-def _imported_modules(path: Path) -> set[str]:
+def _by_name(call: ast.Call) -> str | None:
+    """The module an ``importlib.import_module("…")`` or ``__import__("…")`` call names, if written literally."""
+    func = call.func
+    name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else None
+    if name not in ("import_module", "__import__") or not call.args:
+        return None
+    first = call.args[0]
+    return first.value if isinstance(first, ast.Constant) and isinstance(first.value, str) else None
+
+
+def _imports(path: Path) -> Iterator[str]:
+    """Every module ``path`` imports, by its full name (relative imports resolved), wherever it is written."""
     tree = ast.parse(path.read_text(), filename=str(path))
-    names: set[str] = set()
+    package = path.relative_to(ROOT).parent.parts if path.is_relative_to(ROOT) else ()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            names.update(alias.name.split(".")[0] for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.add(node.module.split(".")[0])
-    return names
+            yield from (alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package[: len(package) - node.level + 1]
+                base = ".".join([*parts, *([base] if base else [])])
+            yield base
+            yield from (f"{base}.{alias.name}" for alias in node.names)
+        elif isinstance(node, ast.Call) and (named := _by_name(node)):
+            yield named
+
+
+def _files(package: str) -> list[Path]:
+    return sorted((ROOT / package).rglob("*.py"))
 
 
 @pytest.mark.parametrize("package", sorted(FORBIDDEN))
-def test_package_imports_only_upstream(package: str) -> None:
-    offences = {
+def test_package_imports_only_downward(package: str) -> None:
+    offences = sorted(
         f"{path.relative_to(ROOT)} imports {name}"
-        for path in (ROOT / package).rglob("*.py")
-        for name in _imported_modules(path) & FORBIDDEN[package]
-        if (str(path.relative_to(ROOT)), name) not in ALLOWED
-    }
-    assert not offences, sorted(offences)
+        for path in _files(package)
+        for name in set(_imports(path))
+        if name.split(".")[0] in FORBIDDEN[package]
+    )
+    assert not offences, offences
+
+
+def test_every_product_package_has_rules() -> None:
+    assert set(FORBIDDEN) == set(PRODUCT)
+    assert {p.name for p in ROOT.iterdir() if (p / "__init__.py").exists()} - {"tests", "bench", "deploy"} == set(
+        PRODUCT
+    )
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _graph() -> dict[str, set[str]]:
+    """Module -> the product modules it imports (a ``from pkg import name`` counts as pkg, or pkg.name when
+    that is a module)."""
+    modules = {_module_name(path): path for package in PRODUCT for path in _files(package)}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        targets = {imported for imported in _imports(path) if imported in modules and imported != name}
+        # `from pkg import name` names pkg too; the package's __init__ is a real edge only when no submodule
+        # of it was meant.
+        graph[name] = {t for t in targets if not any(o.startswith(t + ".") for o in targets)} | {
+            t for t in targets if "." in t
+        }
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                top = stack.pop()
+                component.append(top)
+                if top == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_the_product_imports_have_no_cycle() -> None:
+    assert _cycles(_graph()) == []
+
+
+def test_the_cycle_finder_can_fail() -> None:
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
 
 
 def test_importing_the_capture_service_does_not_load_pyspark() -> None:
     code = (
-        "import sys, cdc, cdc.cli, decoders, schemas, sinks\n"
+        "import sys, common, cdc, pgcdc.cli, decoders, schemas, sinks\n"
         "print(sorted(m for m in sys.modules if m.startswith(('pyspark', 'py4j'))))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.strip() == "[]"
 
 
-def test_forbidden_import_is_detected(tmp_path: Path) -> None:
-    """The checker above must be able to fail."""
-    bad = tmp_path / "bad.py"
-    bad.write_text("import pyspark.sql\nfrom cdc.errors import CDCError\nfrom . import sibling\n")
-    assert _imported_modules(bad) == {"pyspark", "cdc"}
-
-
-def _full_imports(path: Path) -> set[str]:
-    """Every module ``path`` imports, by its full name (relative imports resolved within ``cdc``), wherever
-    the import sits: at the top, inside a function or under ``if TYPE_CHECKING``."""
-    tree = ast.parse(path.read_text(), filename=str(path))
-    names: set[str] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            names.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                base = ".".join([*path.relative_to(ROOT).parent.parts, *([base] if base else [])])
-            names.add(base)
-            names.update(f"{base}.{alias.name}" for alias in node.names)
-    return names
+def test_an_import_is_seen_wherever_it_hides(tmp_path: Path) -> None:
+    """The checker above must be able to fail, on each way of writing an import."""
+    for text, module in (
+        ("import pyspark.sql\n", "pyspark.sql"),
+        ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from cdc._capture import Capture\n", "cdc._capture"),
+        ("def f():\n    import sinks._runner\n", "sinks._runner"),
+        ("from cdc import _capture\n", "cdc._capture"),
+        ("import importlib\nimportlib.import_module('sinks._progress')\n", "sinks._progress"),
+        ("from importlib import import_module\nimport_module('cdc')\n", "cdc"),
+        ("__import__('pgcdc.cli')\n", "pgcdc.cli"),
+    ):
+        (tmp_path / "bad.py").write_text(text)
+        assert module in set(_imports(tmp_path / "bad.py")), text
 
 
 def test_only_the_cli_imports_the_capture_coordinator() -> None:
     """The phases (snapshot, re-snapshot, stream, batch writer) are given what they need; none reaches back into
-    the coordinator that runs them, so the capture's imports have no cycle."""
+    the coordinator that runs them."""
     offences = sorted(
         str(path.relative_to(ROOT))
-        for path in (ROOT / "cdc").rglob("*.py")
-        if path.name != "cli.py" and "cdc._capture" in _full_imports(path)
+        for package in PRODUCT
+        for path in _files(package)
+        if path != ROOT / "pgcdc" / "cli.py" and path.name != "_capture.py" and "cdc._capture" in set(_imports(path))
     )
     assert not offences, offences
-
-
-def test_the_coordinator_import_is_seen_wherever_it_hides(tmp_path: Path) -> None:
-    """The checker above must be able to fail, on each way of writing the import."""
-    for text in (
-        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from cdc._capture import Capture\n",
-        "def f():\n    import cdc._capture\n",
-        "from cdc import _capture\n",
-    ):
-        (tmp_path / "bad.py").write_text(text)
-        assert "cdc._capture" in _full_imports(tmp_path / "bad.py"), text

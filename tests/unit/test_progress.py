@@ -7,9 +7,9 @@ import time
 from pathlib import Path
 
 from cdc._metrics import CaptureMetrics
-from sinks._config import SinksConfig, SinkSettings, StorageConfig
+from sinks._config import SinksConfig, SinkSettings
 from sinks._progress import checkpoint_offsets, reached, sink_progress
-from sinks._storage import location
+from sinks._storage import StorageConfig, location
 
 
 def _batch(checkpoint: Path, batch: int, offsets: dict[str, dict[str, int]], *, committed: bool) -> None:

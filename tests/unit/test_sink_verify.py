@@ -9,8 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from sinks._api import TableRef
-from sinks._config import StorageConfig
-from sinks._storage import location
+from sinks._storage import StorageConfig, location
 from sinks._verify import SAMPLE, compare
 
 _SCHEMA = {

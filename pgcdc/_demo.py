@@ -209,7 +209,7 @@ def run_demo(
 def _start(args: list[str], log: Path) -> subprocess.Popen[bytes]:
     """`cdc ARGS` in a process of its own, its output to ``log``."""
     with open(log, "wb") as out:
-        return subprocess.Popen([sys.executable, "-m", "cdc.cli", *args], stdout=out, stderr=subprocess.STDOUT)
+        return subprocess.Popen([sys.executable, "-m", "pgcdc", *args], stdout=out, stderr=subprocess.STDOUT)
 
 
 class _Demo:
@@ -281,7 +281,7 @@ port = {_DEMO_METRICS_PORT}
         verified = True
         for name in ("search", "cache", "warehouse"):
             result = subprocess.run(
-                [sys.executable, "-m", "cdc.cli", "verify", name, "--config", str(config), "--wait", "180"],
+                [sys.executable, "-m", "pgcdc", "verify", name, "--config", str(config), "--wait", "180"],
                 capture_output=True,
                 text=True,
                 check=False,

@@ -28,7 +28,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from cdc._config import Settings
 from cdc._metrics import CaptureMetrics
 from cdc._version import __version__
-from cdc.errors import ConfigError
+from common.errors import ConfigError
 from decoders import format_lsn
 
 log = logging.getLogger(__name__)
@@ -74,8 +74,8 @@ _OBJECT_STORE_EVERY_S = 5.0
 class SinksProbe:
     """Every sink's progress (see sinks/_progress.py), read from its state directory and the topics' ends.
 
-    sinks/_progress.py is imported lazily: the capture service never loads the sinks' modules unless this
-    is used, and that module does not load Spark.
+    sinks/_progress.py is imported lazily: `cdc run` loads the sinks' modules only when the dashboard shows
+    sinks, and that module does not load Spark.
     """
 
     def __init__(self, config_path: Path | None) -> None:
@@ -399,7 +399,7 @@ _CSP = "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline
 
 
 def _handler(observer: Observer) -> type[BaseHTTPRequestHandler]:
-    page = resources.files("cdc").joinpath("dashboard.html").read_bytes()
+    page = resources.files("pgcdc").joinpath("dashboard.html").read_bytes()
 
     class Handler(BaseHTTPRequestHandler):
         server_version = "pgcdc"

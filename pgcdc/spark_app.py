@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import sys
 
-from cdc.cli import main as cdc_main
+from pgcdc.cli import main as cdc_main
 
 
 def main() -> int:

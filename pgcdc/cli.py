@@ -32,11 +32,11 @@ from tenacity import (
 from cdc import __version__
 from cdc._capture import Capture, install_signal_handlers
 from cdc._config import Settings, load_settings
-from cdc._demo import DemoSinks, run_demo
 from cdc._metrics import CaptureMetrics
-from cdc._observe import Observer, collect_status
 from cdc._source import check_and_prepare, connect, detach
-from cdc.errors import CDCError, ConfigError, TransientError
+from common.errors import CDCError, ConfigError, TransientError
+from pgcdc._demo import DemoSinks, run_demo
+from pgcdc._observe import Observer, collect_status
 
 log = logging.getLogger("cdc")
 
@@ -106,8 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--opensearch", help="with --redis and --spark-jars: run the whole pipeline into the stores")
     p.add_argument("--redis", help="Redis URL for the cache sink")
     p.add_argument("--spark-jars", help="comma-separated Spark jars (Kafka source, spark-avro, Delta)")
-    # The derived views' commands live in sinks.cli (the only place the capture's front door reaches into
-    # sinks, lazily: `cdc run` never loads them, nor Spark).
+    # The derived views' commands live in pgcdc/sinks_cli.py, loaded lazily: `cdc run` never loads the sinks'
+    # modules, nor Spark.
     for name, text in (
         ("sinks", "list, run or rebuild the derived views (search, cache, warehouse, plugins)"),
         ("verify", "compare a derived store with PostgreSQL key by key"),
@@ -320,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     _setup_logging(args.log_level, args.log_json)
     if args.command in ("sinks", "verify"):
-        from sinks.cli import main as sinks_main  # noqa: PLC0415 - lazily: `cdc run` never loads sinks
+        from pgcdc.sinks_cli import main as sinks_main  # noqa: PLC0415 - lazily: `cdc run` never loads sinks
 
         return sinks_main([args.command, *args.rest])
     try:
