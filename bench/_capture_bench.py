@@ -15,7 +15,7 @@ Every capture scenario (bench/insert_heavy.py, update_heavy.py, pgbench_tpcb.py,
 Each reader yields a ``Usage``: seconds, CPU seconds (utime + stime) and peak RSS (VmHWM) of the process, and of
 the walsender backend serving its slot (sampled from /proc while it runs; a backend's RSS counts the shared
 buffers it touched, so read its CPU rather than its memory). The /proc readers are bench/_debezium.py's.
-A ``Usage`` also holds the CPU each part of the machine spent meanwhile (bench/_cpu.py: PostgreSQL, the broker,
+A ``Usage`` also holds the CPU each part of the machine spent meanwhile (pgcdc_dev/bench/cpu.py: PostgreSQL, the broker,
 the reader by thread, idle): :func:`cpu_notes` puts both readers' in a result's notes, per row.
 """
 
@@ -39,21 +39,16 @@ from typing import Any
 
 import psycopg
 from confluent_kafka.admin import AdminClient
+from pgcdc_dev import CHECKOUT as ROOT
+from pgcdc_dev import discovery
+from pgcdc_dev.bench import cpu as _cpu
+from pgcdc_dev.bench.report import Measure
+from pgcdc_dev.bench.warm_broker import delete_topics
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-BENCH = Path(__file__).resolve().parent
-ROOT = BENCH.parent
-for _p in (str(ROOT), str(BENCH)):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
-
-import _cpu  # noqa: E402 - a sibling module: bench/ is not a package
-import _debezium as dbz  # noqa: E402
-from _report import Measure  # noqa: E402
-
-from cdc._stream import HEARTBEAT_PREFIX  # noqa: E402 - what the end LSN's fence imitates
-from tests import _services  # noqa: E402 - finds (or starts) the local services like the tests do
+from bench import _debezium as dbz
+from cdc._stream import HEARTBEAT_PREFIX
 
 cpu_seconds = dbz.cpu_seconds
 peak_rss_mb = dbz.peak_rss_mb
@@ -99,7 +94,7 @@ class Usage:
     # `cdc run` only: seconds from its launch until it streamed (its slot active): imports, connections, Kafka
     # init_transactions — what a long-running capture pays once.
     startup_s: float | None = None
-    # CPU seconds per part of the machine while it streamed (bench/_cpu.py); for `cdc run`, also up to its
+    # CPU seconds per part of the machine while it streamed (pgcdc_dev/bench/cpu.py); for `cdc run`, also up to its
     # first "replaying streamed transaction" line, when it has one: the rest is the replay.
     cpu_split: dict[str, float] | None = None
     cpu_split_before_replay: dict[str, float] | None = None
@@ -174,9 +169,9 @@ class Endpoints:
 
 def endpoints() -> Endpoints:
     return Endpoints(
-        admin=_services.find("postgres").value,
-        kafka=_services.find("kafka").value,
-        registry=_services.find("registry").value,
+        admin=discovery.find("postgres").value,
+        kafka=discovery.find("kafka").value,
+        registry=discovery.find("registry").value,
     )
 
 
@@ -245,7 +240,7 @@ class Scratch:
             return self.current_lsn(conn)
 
     def processes(self) -> dict[str, int | None]:
-        """PostgreSQL's postmaster and the Kafka broker, when they run on this machine: for bench/_cpu.py."""
+        """PostgreSQL's postmaster and the Kafka broker, when they run on this machine: for pgcdc_dev/bench/cpu.py."""
         with self.connect() as conn:
             row = conn.execute("SHOW data_directory").fetchone()
         return {
@@ -355,7 +350,7 @@ class Scratch:
 
 
 def cpu_notes(count: int, unit: str, ours: Usage, ref: Usage, *, label: str = "") -> list[str]:
-    """Each reader's CPU per part of the machine, in CPU-µs per ``unit`` (bench/_cpu.py), and for `cdc run`
+    """Each reader's CPU per part of the machine, in CPU-µs per ``unit`` (pgcdc_dev/bench/cpu.py), and for `cdc run`
     with a replayed streamed transaction, the phases before and after the replay began. ``label`` follows
     the readers' names (a variant of the run)."""
     notes = []
@@ -570,7 +565,7 @@ def _drop_kafka(ep: Endpoints, prefix: str) -> None:
     admin = AdminClient({"bootstrap.servers": ep.kafka})
     topics = [t for t in admin.list_topics(timeout=10).topics if t.startswith(prefix + ".")]
     if topics:
-        dbz.delete_topics(ep.kafka, topics)
+        delete_topics(ep.kafka, topics)
     with contextlib.suppress(OSError, ValueError):
         with urllib.request.urlopen(f"{ep.registry}/subjects", timeout=10) as resp:  # noqa: S310 - local registry
             subjects = [s for s in json.loads(resp.read()) if isinstance(s, str) and s.startswith(prefix + ".")]

@@ -1,12 +1,12 @@
 """Debezium Server as the benchmark's reference: install, run against one database, measure.
 
-    ~/.cache/pgcdc/venv/bin/python bench/_debezium.py install   # download (SHA-1 checked) and extract once
-    ~/.cache/pgcdc/venv/bin/python bench/_debezium.py newest    # newest 3.x Final Maven Central serves with a SHA-1
+    ./dev python -m bench._debezium install   # download (SHA-1 checked) and extract once
+    ./dev python -m bench._debezium newest    # newest 3.x Final Maven Central serves with a SHA-1
 
 What runs: ``io.debezium:debezium-server-dist`` (PostgreSQL connector in Debezium's embedded engine, Kafka sink)
 on Java 21+, started directly as ``java -cp … io.debezium.server.Main`` in a scratch directory holding its
 ``config/application.properties``, so parallel runs never share a config or an offsets file and nothing is
-written into the install. The download goes to deploy/services.py's cache (~/.cache/pgcdc/downloads), the
+written into the install. The download goes to pgcdc_dev.services's cache (~/.cache/pgcdc/downloads), the
 install beside the other services (its ``OPT``), never into the repository.
 
 Values and keys are Avro in the Confluent framing (magic 0 + 4-byte schema id), schemas registered in our
@@ -28,7 +28,6 @@ offsets go to a local file every ``offset_flush_ms``) — say so next to any fig
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import re
 import signal
 import socket
@@ -41,30 +40,15 @@ import urllib.request
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import ModuleType
 
-import _cpu  # a sibling module: bench/ is not a package
 import psycopg
-from confluent_kafka import Consumer, KafkaException, TopicPartition
+from confluent_kafka import Consumer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
+from pgcdc_dev import services  # download (SHA-1 checked), extract, java_home, the local services' endpoints
+from pgcdc_dev.bench import cpu as _cpu
+from pgcdc_dev.bench.warm_broker import delete_topics
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def _load_deploy() -> ModuleType:
-    # deploy/ is not a package (services.py is a standard-library-only script), so load it by path.
-    spec = importlib.util.spec_from_file_location("pgcdc_deploy_services", ROOT / "deploy" / "services.py")
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses and the like look themselves up there
-    spec.loader.exec_module(module)
-    return module
-
-
-services = _load_deploy()  # download (SHA-1 checked), extract, java_home, the local services' endpoints
 
 # Newest 3.x Final on Maven Central as reached from here (2026-11-22) WITH a published .sha1: 3.6.1 to 3.6.3 have
 # the tar.gz but no checksum files, and download() refuses what it cannot verify. `newest` re-checks.
@@ -126,7 +110,7 @@ def _exists(url: str) -> bool:
 
 
 def endpoints() -> dict[str, str]:
-    """Kafka bootstrap and the registry (ccompat URL, as `deploy/services.py endpoints` prints them)."""
+    """Kafka bootstrap and the registry (ccompat URL, as `pgcdc_dev.services endpoints` prints them)."""
     return {
         "kafka": str(services.SERVICES["kafka"].endpoint()["bootstrap"]),
         "registry": str(services.SERVICES["registry"].endpoint()["url"]),
@@ -192,13 +176,6 @@ def create_topics(bootstrap: str, topics: Sequence[str], partitions: int = 1) ->
     new = [NewTopic(t, num_partitions=partitions, replication_factor=1, config=conf) for t in topics]
     for fut in admin.create_topics(new).values():
         fut.result(30)
-
-
-def delete_topics(bootstrap: str, topics: Sequence[str]) -> None:
-    admin = AdminClient({"bootstrap.servers": bootstrap})
-    for fut in admin.delete_topics(list(topics)).values():
-        with contextlib.suppress(KafkaException):
-            fut.result(30)
 
 
 def delete_subjects(registry: str, topics: Sequence[str]) -> None:

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """big-transaction: one transaction of ~1 GB of WAL, against pg_recvlogical; peak RSS under 300 MB.
 
-    ~/.cache/pgcdc/venv/bin/python bench/big_transaction.py [--megabytes 1024] [--pad 1000]
+    ./dev python -m bench.big_transaction [--megabytes 1024] [--pad 1000]
                                                             [--reference-streaming on|off]
 
 A scratch database with the insert-heavy table plus a ``pad`` text column; two pgoutput slots at the same point;
@@ -18,16 +18,12 @@ environment variables are removed), so the figures are what a user gets.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
+from pgcdc_dev.bench.report import Measure, Result, write_result
 from psycopg import sql
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import _capture_bench as cb  # a sibling module: bench/ is not a package
-from _report import Measure, Result, write_result
+from bench import _capture_bench as cb
 
 SCENARIO = "big-transaction"
 TABLE = "events"

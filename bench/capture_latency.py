@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Capture latency: commit in PostgreSQL to readable in Kafka (read_committed), under a fixed offered load.
 
-    ~/.cache/pgcdc/venv/bin/python bench/capture_latency.py [--rate 2000] [--seconds 30] [--writers 4]
+    ./dev python -m bench.capture_latency [--rate 2000] [--seconds 30] [--writers 4]
 
 Creates a scratch database with a small table (``--table-rows`` rows), starts `cdc run` on it (the table's
 snapshot is tiny) and waits until it streams. Then pgbench, ``--writers`` clients, commits single-row UPDATE
@@ -37,19 +37,13 @@ import fastavro
 import psycopg
 from confluent_kafka import Consumer, TopicPartition
 from confluent_kafka.schema_registry import SchemaRegistryClient
+from pgcdc_dev import discovery
+from pgcdc_dev.bench.report import Measure, Result, percentile, write_result
+from pgcdc_dev.bench.warm_broker import delete_topics
 from psycopg import sql
 
-BENCH = Path(__file__).resolve().parent
-ROOT = BENCH.parent
-for _p in (str(ROOT), str(BENCH)):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
-
-import _debezium as dbz  # noqa: E402 - a sibling module: bench/ is not a package
-from _capture_bench import dsn_for  # noqa: E402
-from _report import Measure, Result, percentile, write_result  # noqa: E402
-
-from tests import _services  # noqa: E402 - finds (or starts) the local services like the tests do
+from bench import _debezium as dbz
+from bench._capture_bench import dsn_for
 
 SCENARIO = "latency"
 TABLE = "lat"
@@ -121,9 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
 def run(argv: list[str] | None = None) -> Result:
     args = build_parser().parse_args(argv)
 
-    admin = _services.find("postgres").value
-    kafka = _services.find("kafka").value
-    registry = _services.find("registry").value
+    admin = discovery.find("postgres").value
+    kafka = discovery.find("kafka").value
+    registry = discovery.find("registry").value
     prefix = f"bench_lat_{int(time.time())}"
     db = prefix
     topic = f"{prefix}.public.{TABLE}"
@@ -289,7 +283,7 @@ def run(argv: list[str] | None = None) -> Result:
                     time.sleep(0.2)
             conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(db)))
         with contextlib.suppress(Exception):
-            dbz.delete_topics(kafka, [topic, f"{prefix}.offsets"])
+            delete_topics(kafka, [topic, f"{prefix}.offsets"])
             dbz.delete_subjects(registry, [topic])
 
     latencies = sorted(s[1] for s in samples)

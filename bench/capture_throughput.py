@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Capture throughput against pg_recvlogical on the same WAL, in one run.
 
-    ./dev python bench/capture_throughput.py [--rows 1000000] [--txn-rows 5000] [--pad 0]
-    ./dev python bench/capture_throughput.py --rows 1000000 --txn-rows 1000000 --pad 1000   # one ~1 GB transaction
+    ./dev python -m bench.capture_throughput [--rows 1000000] [--txn-rows 5000] [--pad 0]
+    ./dev python -m bench.capture_throughput --rows 1000000 --txn-rows 1000000 --pad 1000   # one ~1 GB transaction
 
 Creates a scratch database with one 5-column table (incl. jsonb and numeric), creates two pgoutput slots at
 the same point, writes ``--rows`` rows in transactions of ``--txn-rows``, then
@@ -12,7 +12,7 @@ the same point, writes ``--rows`` rows in transactions of ``--txn-rows``, then
    the Kafka transaction holding the events committed — reaches the same end LSN.
 Prints rows/s for both, the ratio, and the capture process's peak RSS; writes JSON to bench/results/.
 The scenarios of the benchmark harness (bench/insert_heavy.py, big_transaction.py, …) share its machinery,
-bench/_capture_bench.py, and write the common result format of bench/_report.py instead.
+bench/_capture_bench.py, and write the common result format of pgcdc_dev/bench/report.py instead.
 """
 
 from __future__ import annotations
@@ -23,13 +23,11 @@ import os
 import platform
 import sys
 import time
-from pathlib import Path
 
+from pgcdc_dev.bench.report import RESULTS
 from psycopg import sql
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import _capture_bench as cb  # a sibling module: bench/ is not a package; the machinery the scenarios share
+from bench import _capture_bench as cb
 
 
 def main() -> int:
@@ -83,7 +81,7 @@ def main() -> int:
             ratio_vs_pg_recvlogical=round(ref.seconds / ours.seconds, 3),
             cdc_peak_rss_mb=round(ours.peak_rss_mb, 1),
         )
-    out = cb.ROOT / "bench" / "results"
+    out = RESULTS
     out.mkdir(parents=True, exist_ok=True)
     name = "capture_throughput" if args.txn_rows < args.rows else "capture_one_transaction"
     (out / f"{name}.json").write_text(json.dumps(result, indent=2))

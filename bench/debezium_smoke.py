@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Debezium Server's rows/s into Kafka on this machine: proves bench/_debezium.py with a small measured run.
 
-    ~/.cache/pgcdc/venv/bin/python bench/debezium_smoke.py [--rows 100000] [--txn-rows 5000] [--mode both]
+    ./dev python -m bench.debezium_smoke [--rows 100000] [--txn-rows 5000] [--mode both]
 
 Creates a scratch database with capture_throughput's table minus the padding (5 small columns incl. numeric
 and jsonb), then
@@ -32,14 +32,12 @@ from typing import Any
 
 import psycopg
 from confluent_kafka import Consumer, TopicPartition
+from pgcdc_dev import CHECKOUT as ROOT
+from pgcdc_dev import services
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import _debezium as dbz  # a sibling module: bench/ is not a package
-
-ROOT = Path(__file__).resolve().parent.parent
+from bench import _debezium as dbz
 
 _TABLE = (
     "CREATE TABLE {} (id bigint PRIMARY KEY, kind text NOT NULL, amount numeric(12,2), payload jsonb, "
@@ -100,7 +98,7 @@ def main() -> int:
     ap.add_argument("--avro", choices=["confluent", "apicurio"], default="confluent", help="Debezium's converter")
     args = ap.parse_args()
 
-    admin = str(dbz.services.SERVICES["postgres"].endpoint()["dsn"])
+    admin = str(services.SERVICES["postgres"].endpoint()["dsn"])
     ep = dbz.endpoints()
     dbz.install()
     stamp = int(time.time())
@@ -113,7 +111,7 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="pgcdc-debezium-"))
     result: dict[str, Any] = {
         "debezium": dbz.DEBEZIUM_VERSION,
-        "java": str(dbz.services.java_home(dbz.JAVA_MIN)),
+        "java": str(services.java_home(dbz.JAVA_MIN)),
         "format": f"avro ({args.avro} converter; magic 0 + 4-byte schema id)",
         "tuning": vars(dbz.Tuning()),
         "rows": args.rows,

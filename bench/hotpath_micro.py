@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The capture's per-row CPU cost without I/O: pgoutput frames → decode → Avro key and envelope, stage by stage.
 
-    ./dev python bench/hotpath_micro.py [--rows 200000] [--repeat 5]
+    ./dev python -m bench.hotpath_micro [--rows 200000] [--repeat 5]
 
 Synthesises binary-mode XLogData frames for the benchmark table of bench/insert_heavy.py (bigint key, text,
 numeric(12,2), jsonb, timestamptz) and runs them through the same functions the capture's loop calls, with a
@@ -15,20 +15,16 @@ import argparse
 import gc
 import json
 import struct
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from pgcdc_dev.codecs import change_writer, make_codec
 
-from cdc._changes import ChangeWriter  # noqa: E402
-from cdc._events import Position, SourceInfo, TableCodec  # noqa: E402
-from decoders import XLOG_HEADER, XLOG_PAYLOAD_AT, Insert, PgOutputDecoder, parse_copy_data  # noqa: E402
-from schemas import PgType  # noqa: E402
-from tests._codecs import change_writer, make_codec  # noqa: E402
+from cdc._changes import ChangeWriter
+from cdc._events import Position, SourceInfo, TableCodec
+from decoders import XLOG_HEADER, XLOG_PAYLOAD_AT, Insert, PgOutputDecoder, parse_copy_data
+from schemas import PgType
 
 _PG_EPOCH_US = 946_684_800_000_000
 COLUMNS = [

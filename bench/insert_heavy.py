@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """insert-heavy: small rows in transactions of random size, captured against pg_recvlogical and Debezium.
 
-    ~/.cache/pgcdc/venv/bin/python bench/insert_heavy.py [--rows 1000000] [--max-txn-rows 5000] [--seed 1]
+    ./dev python -m bench.insert_heavy [--rows 1000000] [--max-txn-rows 5000] [--seed 1]
                                                          [--no-debezium]
 
 A scratch database with one 5-column table (incl. numeric and jsonb); its publication (and Debezium's); three
@@ -19,17 +19,13 @@ from __future__ import annotations
 
 import argparse
 import random
-import sys
 import time
-from pathlib import Path
 
+from pgcdc_dev.bench.report import Measure, Result, write_result
 from psycopg import sql
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import _capture_bench as cb  # a sibling module: bench/ is not a package
-import _debezium as dbz
-from _report import Measure, Result, write_result
+from bench import _capture_bench as cb
+from bench import _debezium as dbz
 
 SCENARIO = "insert-heavy"
 TABLE = "events"

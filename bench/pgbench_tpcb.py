@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """pgbench: the TPC-B-like workload captured while it runs; catch-up after it ends; pg_recvlogical afterwards.
 
-    ~/.cache/pgcdc/venv/bin/python bench/pgbench_tpcb.py [--scale 10] [--seconds 60] [--clients 4] [--jobs 2]
+    ./dev python -m bench.pgbench_tpcb [--scale 10] [--seconds 60] [--clients 4] [--jobs 2]
                                                          [--baseline-seconds 30]
 
 ``pgbench -i -s <scale>`` into a scratch database (pgbench from pg_config's BINDIR); pgbench_history has no
@@ -24,16 +24,12 @@ from __future__ import annotations
 import argparse
 import re
 import subprocess
-import sys
 import time
-from pathlib import Path
 
+from pgcdc_dev.bench.report import Measure, Result, write_result
 from psycopg import sql
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import _capture_bench as cb  # a sibling module: bench/ is not a package
-from _report import Measure, Result, write_result
+from bench import _capture_bench as cb
 
 SCENARIO = "pgbench"
 TABLES = ("pgbench_accounts", "pgbench_branches", "pgbench_tellers", "pgbench_history")

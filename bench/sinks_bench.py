@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Sinks against the limits of the parts underneath them, measured on the same topic in the same run.
 
-    ~/.cache/pgcdc/venv/bin/python bench/sinks_bench.py [--rows 1000000] [--heavy-seconds 120] [--no-live] [--cluster]
+    ./dev python -m bench.sinks_bench [--rows 1000000] [--heavy-seconds 120] [--no-live] [--cluster]
 
 1. Workload: a table of ``--rows`` rows (numeric, timestamptz, jsonb, and a 2.2 kB text stored out of line
    in one row of 20) is snapshotted into Kafka by `cdc run`, which then streams ~22 % of the rows updated
@@ -52,35 +52,29 @@ from pathlib import Path
 from typing import IO, Any
 
 import psycopg
-from psycopg import sql
-
-BENCH = Path(__file__).resolve().parent
-ROOT = BENCH.parent
-for _p in (str(ROOT), str(BENCH)):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
-
-import _debezium as dbz  # noqa: E402 - a sibling module: bench/ is not a package
-import _sink_refs as refs  # noqa: E402
-import redis  # noqa: E402
-from _capture_bench import dsn_for  # noqa: E402
-from _cpu import own_cpu, stat, tree_cpu  # noqa: E402
-from _report import Measure, Result, percentile, write_result  # noqa: E402
-from confluent_kafka import Consumer, TopicPartition  # noqa: E402
-from opensearchpy import OpenSearch  # noqa: E402
-
-from sinks import BaseSink, Batch  # noqa: E402
-from sinks._config import load_sink_settings  # noqa: E402
-from sinks._progress import TopicEnds, checkpoint_offsets, reached, sink_progress  # noqa: E402
-from sinks._runner import SinkQuery, spark_session  # noqa: E402
-from tests import _services  # noqa: E402 - finds (or starts) the local services like the tests do
-from tests.integration._sinks_helpers import (  # noqa: E402 - spark-submit as the cluster tests run it
+import redis
+from confluent_kafka import Consumer, TopicPartition
+from opensearchpy import OpenSearch
+from pgcdc_dev import discovery
+from pgcdc_dev.bench.cpu import own_cpu, stat, tree_cpu
+from pgcdc_dev.bench.report import Measure, Result, percentile, write_result
+from pgcdc_dev.bench.warm_broker import delete_topics
+from pgcdc_dev.cluster import (  # spark-submit as the cluster tests run it
     ObjectStore,
     ObjectStoreBucket,
     pgcdc_pex,
     submit_command,
     submit_env,
 )
+from psycopg import sql
+
+from bench import _debezium as dbz
+from bench import _sink_refs as refs
+from bench._capture_bench import dsn_for
+from sinks import BaseSink, Batch
+from sinks._config import load_sink_settings
+from sinks._progress import TopicEnds, checkpoint_offsets, reached, sink_progress
+from sinks._runner import SinkQuery, spark_session
 
 SCENARIO = "sinks"
 CLUSTER_SCENARIO = "sinks-cluster"
@@ -524,12 +518,12 @@ def _rebuilds(env: Env, replay_s: dict[str, float], records: int, result: Result
 
 
 def _object_store() -> ObjectStore:
-    url = _services.find("s3").value
-    record = _services.deploy_record("s3")
+    url = discovery.find("s3").value
+    record = discovery.deploy_record("s3")
     # s3proxy predates the integrity checksums AWS's SDKs send by default (pyarrow's among them).
     os.environ.setdefault("AWS_REQUEST_CHECKSUM_CALCULATION", "when_required")
     os.environ.setdefault("AWS_RESPONSE_CHECKSUM_VALIDATION", "when_required")
-    return ObjectStore(url, record["access_key"], record["secret_key"], _services.find("spark-cloud-jars").value)
+    return ObjectStore(url, record["access_key"], record["secret_key"], discovery.find("spark-cloud-jars").value)
 
 
 def _cluster(env: Env, records: int, result: Result) -> None:
@@ -542,7 +536,7 @@ def _cluster(env: Env, records: int, result: Result) -> None:
         s.bind(("127.0.0.1", 0))
         port = int(s.getsockname()[1])
     launcher = submit_command(
-        master=_services.find("spark-cluster").value,
+        master=discovery.find("spark-cluster").value,
         pex=pgcdc_pex(Path(os.environ.get("CDC_LOCAL_CACHE", Path.home() / ".cache" / "pgcdc"))),
         jars=env.jars,
         ui_port=port,
@@ -813,12 +807,12 @@ def build_parser() -> argparse.ArgumentParser:
 def _env() -> Env:
     run_id = str(int(time.time()))
     return Env(
-        admin=_services.find("postgres").value,
-        kafka=_services.find("kafka").value,
-        registry=_services.find("registry").value,
-        opensearch=_services.find("opensearch").value,
-        redis_url=_services.find("redis").value,
-        jars=[j for j in _services.find("spark-jars").value.split(",") if j],
+        admin=discovery.find("postgres").value,
+        kafka=discovery.find("kafka").value,
+        registry=discovery.find("registry").value,
+        opensearch=discovery.find("opensearch").value,
+        redis_url=discovery.find("redis").value,
+        jars=[j for j in discovery.find("spark-jars").value.split(",") if j],
         prefix=f"sbench_{run_id}",
         work=Path(tempfile.mkdtemp(prefix="pgcdc-sinks-bench-")),
     )
@@ -906,7 +900,7 @@ def _cleanup(env: Env) -> None:
         for keys in refs.chunks(r.scan_iter(match=f"{env.prefix}:*", count=5000), 5000):
             r.unlink(*keys)  # millions of keys: one round trip per 5,000, freed in the background
     with contextlib.suppress(Exception):
-        dbz.delete_topics(env.kafka, [env.topic, f"{env.prefix}.offsets", f"{env.prefix}.dead-letter"])
+        delete_topics(env.kafka, [env.topic, f"{env.prefix}.offsets", f"{env.prefix}.dead-letter"])
         dbz.delete_subjects(env.registry, [env.topic])
     with contextlib.suppress(Exception):
         store = _object_store().filesystem()

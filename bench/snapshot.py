@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Initial snapshot of one table: `cdc run` against PostgreSQL's own COPY of the same table, in one run.
 
-    ~/.cache/pgcdc/venv/bin/python bench/snapshot.py [--rows 5000000] [--debezium]
+    ./dev python -m bench.snapshot [--rows 5000000] [--debezium]
 
 Creates a scratch database with one table of ``--rows`` rows (bigint key, text, int, numeric, boolean,
 timestamptz, jsonb), VACUUM ANALYZEs and CHECKPOINTs it and reads it once (warm cache, hint bits set, nothing
@@ -28,20 +28,15 @@ import time
 from pathlib import Path
 
 import psycopg
+from pgcdc_dev import discovery
+from pgcdc_dev.bench import cpu as _cpu
+from pgcdc_dev.bench.cpu import cpu_bound_note
+from pgcdc_dev.bench.report import Measure, Result, write_result
+from pgcdc_dev.bench.warm_broker import delete_topics
 from psycopg import sql
 
-BENCH = Path(__file__).resolve().parent
-ROOT = BENCH.parent
-for _p in (str(ROOT), str(BENCH)):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
-
-import _cpu  # noqa: E402 - a sibling module: bench/ is not a package
-import _debezium as dbz  # noqa: E402
-from _capture_bench import drop_slots, dsn_for  # noqa: E402
-from _report import Measure, Result, write_result  # noqa: E402
-
-from tests import _services  # noqa: E402 - finds (or starts) the local services like the tests do
+from bench import _debezium as dbz
+from bench._capture_bench import drop_slots, dsn_for
 
 SCENARIO = "snapshot"
 TABLE = "snap"
@@ -148,25 +143,6 @@ def _debezium(dsn: str, work: Path, rows: int, prefix: str) -> dict[str, float]:
         }
 
 
-def _bound(parts: dict[str, float], rows: int, seconds: float, ref_rate: float, target: float) -> str:
-    """What the CPU split says about the target: the rate the machine would allow if the capture's own threads
-    (its main and reader threads; librdkafka's are the Kafka client's) cost nothing, and what they may cost for
-    ``target``x of the reference on these CPUs with nothing idle."""
-    ncpu = os.cpu_count() or 1
-    ours = parts.get("capture main", 0.0) + parts.get("capture other", 0.0)
-    others = parts["busy"] - ours  # PostgreSQL, the broker, librdkafka, the rest of the machine
-    if others <= 0:
-        return "bound: no CPU split measured"
-    best_rate = ncpu * rows / others
-    allowed_us = (ncpu / (target * ref_rate) - others / rows) * 1e6
-    return (
-        f"bound: without the capture's own threads the rest took {others * 1e6 / rows:.2f} CPU-µs per row; on "
-        f"{ncpu} CPUs that alone allows {best_rate:,.0f} rows/s ({best_rate / ref_rate:.2f}x the reference) if "
-        f"the capture's threads cost nothing; {target}x needs them at {max(allowed_us, 0.0):.2f} CPU-µs per row "
-        f"with no CPU idle (they took {ours * 1e6 / rows:.2f}; {seconds:.2f} s measured)"
-    )
-
-
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, default=5_000_000)
@@ -179,9 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
 def run(argv: list[str] | None = None) -> Result:
     args = build_parser().parse_args(argv)
 
-    admin = _services.find("postgres").value
-    kafka = _services.find("kafka").value
-    registry = _services.find("registry").value
+    admin = discovery.find("postgres").value
+    kafka = discovery.find("kafka").value
+    registry = discovery.find("registry").value
     prefix = f"bench_snap_{int(time.time())}"
     db = prefix
     work = Path(tempfile.mkdtemp(prefix="pgcdc-bench-snapshot-"))
@@ -235,7 +211,7 @@ def run(argv: list[str] | None = None) -> Result:
         split = [line.split("INFO cdc._snapshot: ", 1)[-1] for line in (work / "cdc.log").read_text().splitlines()]
         result.notes += [line for line in split if "key ranges read at once" in line]
         result.notes.append("cdc run: " + _cpu.CpuSplit.per_unit_note(parts, args.rows, "row"))
-        result.notes.append(_bound(parts, args.rows, ours["snapshot_s"], ref_rate, 0.7))
+        result.notes.append(cpu_bound_note(parts, args.rows, ours["snapshot_s"], ref_rate, 0.7))
         result.series["cpu_s"] = {
             f"COPY {best}": {k: round(v, 3) for k, v in copies[best][2].items()},
             "cdc run": {k: round(v, 3) for k, v in parts.items()},
@@ -312,7 +288,7 @@ def run(argv: list[str] | None = None) -> Result:
             with psycopg.connect(admin, autocommit=True) as conn:
                 conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(db)))
             with contextlib.suppress(Exception):
-                dbz.delete_topics(kafka, [*topics, f"{prefix}.offsets"])
+                delete_topics(kafka, [*topics, f"{prefix}.offsets"])
                 dbz.delete_subjects(registry, topics)
     result.notes.append(f"logs: {work}")
     return result

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """update-heavy: updates with and without large TOASTed values, and deletes, against pg_recvlogical.
 
-    ~/.cache/pgcdc/venv/bin/python bench/update_heavy.py [--rows 20000] [--changes 100000] [--max-txn 500]
+    ./dev python -m bench.update_heavy [--rows 20000] [--changes 100000] [--max-txn 500]
         [--toast-share 0.3] [--delete-share 0.1] [--min-kb 4] [--max-kb 16] [--seed 1]
 
 A scratch database with one table whose ``body`` is 4-16 kB of text stored out of line (STORAGE EXTERNAL:
@@ -19,16 +19,12 @@ from __future__ import annotations
 
 import argparse
 import random
-import sys
 import time
-from pathlib import Path
 
+from pgcdc_dev.bench.report import Measure, Result, write_result
 from psycopg import sql
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import _capture_bench as cb  # a sibling module: bench/ is not a package
-from _report import Measure, Result, write_result
+from bench import _capture_bench as cb
 
 SCENARIO = "update-heavy"
 TABLE = "docs"

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """`cdc verify`'s peak memory against table size: the driver's RSS at 5M rows within 20 % of 1M rows.
 
-    ~/.cache/pgcdc/venv/bin/python bench/verify_memory.py [--rows 1000000,5000000]
+    ./dev python -m bench.verify_memory [--rows 1000000,5000000]
 
 For each size: the sinks benchmark's table (numeric, timestamptz, jsonb, a 2.2 kB out-of-line text in one row
 of 20) is snapshotted into Kafka with its updates and deletes by `cdc run`, the warehouse sink applies the topic
@@ -20,19 +20,13 @@ import threading
 import time
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parent
-ROOT = BENCH.parent
-for _p in (str(ROOT), str(BENCH)):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
+from pgcdc_dev.bench import cpu as _cpu
+from pgcdc_dev.bench.report import Measure, Result, write_result
 
-import _cpu  # noqa: E402 - sibling modules: bench/ is not a package
-import _debezium as dbz  # noqa: E402
-import sinks_bench as sb  # noqa: E402
-from _report import Measure, Result, write_result  # noqa: E402
-
-from sinks._config import load_sink_settings  # noqa: E402
-from sinks._progress import TopicEnds, checkpoint_location, checkpoint_offsets, reached  # noqa: E402
+from bench import _debezium as dbz
+from bench import sinks_bench as sb
+from sinks._config import load_sink_settings
+from sinks._progress import TopicEnds, checkpoint_location, checkpoint_offsets, reached
 
 SCENARIO = "verify-memory"
 DRIVER_MEMORY = "1g"

@@ -87,7 +87,7 @@ class SinksConfig(_Section):
     dead_letter_topic: str | None = Field(default=None, description="default: <topic_prefix>.dead-letter")
     spark_master: str | None = Field(default="local[2]", description="null: leave it to spark-submit")
     spark_jars: Annotated[tuple[str, ...], NoDecode] = Field(
-        default=(), description="local jars: Spark's Kafka source, spark-avro, Delta (deploy/services.py fetches them)"
+        default=(), description="local jars: Spark's Kafka source, spark-avro, Delta (`./dev services` fetches them)"
     )
     spark_conf: dict[str, str] = Field(default_factory=dict)
     swap_grace_s: float = Field(

@@ -55,7 +55,7 @@ def build_session(
 ) -> SparkSession:
     """A SparkSession with the Kafka source, spark-avro and Delta Lake on its classpath.
 
-    ``jars`` are local paths (deploy/services.py fetches them); ``master=None`` leaves the master to
+    ``jars`` are local paths (`./dev services` fetches them); ``master=None`` leaves the master to
     spark-submit, so the same code runs on a cluster. Under spark-submit, its ``--master`` and ``--jars``
     win over both: its JVM is running already, with the classpath it was given.
     """

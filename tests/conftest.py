@@ -1,4 +1,4 @@
-"""Fixtures shared by every test: the real services, found by tests/_services.py."""
+"""Fixtures shared by every test: the real services, found by tests/discovery.py."""
 
 from __future__ import annotations
 
@@ -13,9 +13,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
+from pgcdc_dev import discovery
+from pgcdc_dev.cluster import ObjectStore
 
-from tests import _services
-from tests.integration._sinks_helpers import ObjectStore, Stack
+from tests.integration._sinks_helpers import Stack
 
 if TYPE_CHECKING:
     from confluent_kafka.admin import AdminClient
@@ -43,12 +44,12 @@ def unique() -> str:
 
 @pytest.fixture(scope="session")
 def pg_dsn() -> str:
-    return _services.find_or_skip("postgres")
+    return discovery.find_or_skip("postgres")
 
 
 @pytest.fixture(scope="session")
 def kafka_bootstrap() -> Iterator[str]:
-    """The broker. On the local one (deploy/services.py: neither CDC_TEST_KAFKA nor testcontainers), the topics
+    """The broker. On the local one (pgcdc_dev.services: neither CDC_TEST_KAFKA nor testcontainers), the topics
     the run created are deleted at its end.
 
     A run creates ~2,000 topics: kept, runs piled up thousands of partitions on the local broker, whose metadata
@@ -59,8 +60,8 @@ def kafka_bootstrap() -> Iterator[str]:
     """
     from confluent_kafka.admin import AdminClient
 
-    bootstrap = _services.find_or_skip("kafka")
-    local = _services.find("kafka").source == "deploy"
+    bootstrap = discovery.find_or_skip("kafka")
+    local = discovery.find("kafka").source == "deploy"
     # A client per end, not one held for the session: a held one keeps librdkafka's threads running in the
     # test process all run long, where tests measure this process's CPU by thread (test_bench_cpu).
     before = _topics(AdminClient({"bootstrap.servers": bootstrap})) if local else set()
@@ -102,35 +103,35 @@ def _delete_test_topics(admin: AdminClient, before: set[str], budget_s: float = 
 
 @pytest.fixture(scope="session")
 def registry_url() -> str:
-    return _services.find_or_skip("registry")
+    return discovery.find_or_skip("registry")
 
 
 @pytest.fixture(scope="session")
 def opensearch_url() -> str:
-    return _services.find_or_skip("opensearch")
+    return discovery.find_or_skip("opensearch")
 
 
 @pytest.fixture(scope="session")
 def redis_url() -> str:
-    return _services.find_or_skip("redis")
+    return discovery.find_or_skip("redis")
 
 
 @pytest.fixture(scope="session")
 def spark_jars() -> list[str]:
-    return [jar for jar in _services.find_or_skip("spark-jars").split(",") if jar]
+    return [jar for jar in discovery.find_or_skip("spark-jars").split(",") if jar]
 
 
 @pytest.fixture(scope="session")
 def object_store() -> ObjectStore:
-    """deploy/services.py's S3 server, with the jars Spark reaches it with."""
-    url = _services.find_or_skip("s3")
-    classpath = _services.find_or_skip("spark-cloud-jars")
+    """pgcdc_dev.services's S3 server, with the jars Spark reaches it with."""
+    url = discovery.find_or_skip("s3")
+    classpath = discovery.find_or_skip("spark-cloud-jars")
     # s3proxy predates the integrity checksums AWS's SDKs send by default since 2025 (pyarrow's among them):
     # the SDKs' documented switch for such stores, inherited by every `cdc` this run starts.
     os.environ.setdefault("AWS_REQUEST_CHECKSUM_CALCULATION", "when_required")
     os.environ.setdefault("AWS_RESPONSE_CHECKSUM_VALIDATION", "when_required")
-    access = os.environ.get("CDC_TEST_S3_ACCESS_KEY") or _services.deploy_record("s3")["access_key"]
-    secret = os.environ.get("CDC_TEST_S3_SECRET_KEY") or _services.deploy_record("s3")["secret_key"]
+    access = os.environ.get("CDC_TEST_S3_ACCESS_KEY") or discovery.deploy_record("s3")["access_key"]
+    secret = os.environ.get("CDC_TEST_S3_SECRET_KEY") or discovery.deploy_record("s3")["secret_key"]
     return ObjectStore(url, access, secret, classpath)
 
 

@@ -19,12 +19,12 @@ from pathlib import Path
 import psycopg
 import pytest
 from confluent_kafka.admin import AdminClient, NewTopic
+from pgcdc_dev.cluster import ObjectStore
+from pgcdc_dev.discovery import tool_or_skip
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from tests._services import tool_or_skip
 from tests.integration._capture_helpers import scratch_database
-from tests.integration._sinks_helpers import ObjectStore
 
 pytestmark = pytest.mark.integration
 
@@ -51,7 +51,7 @@ class Env:
         return make_conninfo("", **params)
 
 
-# State in a bucket of deploy/services.py's S3 server; the cases change its endpoint, bucket or secret key.
+# State in a bucket of pgcdc_dev.services's S3 server; the cases change its endpoint, bucket or secret key.
 _S3_STATE = """[sinks]
 metrics_enabled = false
 state_dir = "s3a://pgcdc/state"

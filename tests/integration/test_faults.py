@@ -32,7 +32,6 @@ import psycopg
 import pytest
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from tests._services import ROOT
 from tests.integration._capture_helpers import CdcProcess, Event, read_topic, scratch_database, wait_for
 from tests.integration._sinks_helpers import SinksProcess, Stack, cdc
 
@@ -119,14 +118,14 @@ class Proxy:
 
 def _deploy(*args: str) -> None:
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "deploy" / "services.py"), *args], capture_output=True, text=True, check=False
+        [sys.executable, "-m", "pgcdc_dev.services", *args], capture_output=True, text=True, check=False
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
 def _deploy_pid(name: str) -> int:
     out = subprocess.run(
-        [sys.executable, str(ROOT / "deploy" / "services.py"), "--json", "status", name],
+        [sys.executable, "-m", "pgcdc_dev.services", "--json", "status", name],
         capture_output=True,
         text=True,
         check=False,
@@ -134,7 +133,7 @@ def _deploy_pid(name: str) -> int:
     rows = json.loads(out.stdout)
     pid = rows[0]["pid"] if rows else None
     if not pid:
-        pytest.skip(f"fault injection restarts {name}: it needs the local services of deploy/services.py")
+        pytest.skip(f"fault injection restarts {name}: it needs the local services of pgcdc_dev.services")
     return int(pid)
 
 
@@ -153,9 +152,9 @@ def _restart_postgres(sig: int) -> None:
 
 
 def _kafka_proxied() -> tuple[int, int]:
-    """Kafka's PROXIED listener (deploy/services.py): (the port it listens on, the port it advertises)."""
+    """Kafka's PROXIED listener (pgcdc_dev.services): (the port it listens on, the port it advertises)."""
     out = subprocess.run(
-        [sys.executable, str(ROOT / "deploy" / "services.py"), "endpoints"], capture_output=True, text=True, check=True
+        [sys.executable, "-m", "pgcdc_dev.services", "endpoints"], capture_output=True, text=True, check=True
     )
     proxied = json.loads(out.stdout)["kafka"]["proxied"]
     return int(proxied["listener"]), int(proxied["advertised"])

@@ -17,6 +17,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from pgcdc_dev.codecs import change_writer, make_codec
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
@@ -37,7 +38,6 @@ from cdc._snapshot import (
 )
 from decoders import StreamCommit
 from schemas import PgType
-from tests._codecs import change_writer, make_codec
 from tests.integration._capture_helpers import committed_records, scratch_database
 
 pytestmark = pytest.mark.integration

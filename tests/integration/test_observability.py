@@ -20,8 +20,8 @@ from typing import Any
 import psycopg
 import pytest
 import yaml
+from pgcdc_dev.discovery import tool_or_skip
 
-from tests._services import tool_or_skip
 from tests.integration._capture_helpers import CdcConfig, capture_role, drop_role, scratch_database, wait_for
 from tests.integration._observe_helpers import api_status, free_port, http_get, metric, metric_sum, scrape
 from tests.integration._sinks_helpers import SinksProcess, Stack, cdc

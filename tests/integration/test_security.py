@@ -2,7 +2,7 @@
 basic authentication — the capture, the sinks, `cdc status` and `cdc verify` all through them — and wrong or
 missing security settings each ending in a clear error with its own exit code.
 
-The endpoints are deploy/services.py's: PostgreSQL refuses plaintext to members of a TLS-only role, Kafka has a
+The endpoints are pgcdc_dev.services's: PostgreSQL refuses plaintext to members of a TLS-only role, Kafka has a
 SASL_SSL listener next to the plaintext one, the registry sits behind nginx with HTTPS and a password. Their
 certificates come from a local CA that the clients are given (verify-full, hostname checks on).
 """
@@ -22,10 +22,10 @@ from typing import Any
 
 import psycopg
 import pytest
+from pgcdc_dev.discovery import tls_endpoints_or_skip
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from tests._services import tls_endpoints_or_skip
 from tests.integration._capture_helpers import (
     CdcConfig,
     capture_role,
@@ -45,7 +45,7 @@ pytestmark = pytest.mark.slow
 def _tls_only_role(dsn: str, unique: str) -> Iterator[tuple[str, str]]:
     """A capture role that pg_hba lets in over TLS only: (its name, its password)."""
     role, password = f"tls_{unique}", f"Db-{unique}-tls-secret"
-    tls_only = "pgcdc_tls_only"  # deploy/services.py's pg_hba: hostnossl … +pgcdc_tls_only reject
+    tls_only = "pgcdc_tls_only"  # pgcdc_dev.services's pg_hba: hostnossl … +pgcdc_tls_only reject
     with psycopg.connect(dsn, autocommit=True) as conn, suppress(psycopg.errors.DuplicateObject):
         conn.execute(sql.SQL("CREATE ROLE {} NOLOGIN").format(sql.Identifier(tls_only)))  # shared by every run
     with capture_role(dsn, role, password, member_of=tls_only):

@@ -24,12 +24,12 @@ from typing import Any
 import psycopg
 import pytest
 from confluent_kafka import Producer
+from pgcdc_dev import discovery
+from pgcdc_dev.cluster import ObjectStore, pgcdc_pex
 
-from tests import _services
 from tests.integration._capture_helpers import scratch_database, wait_for
 from tests.integration._sinks_helpers import (
     PIPELINE_TABLES,
-    ObjectStore,
     PipelineWorkload,
     Stack,
     SubmittedSinks,
@@ -37,7 +37,6 @@ from tests.integration._sinks_helpers import (
     cdc,
     create_pipeline_tables,
     dead_letters,
-    pgcdc_pex,
 )
 
 pytestmark = [pytest.mark.timeout(1500)]
@@ -45,7 +44,7 @@ pytestmark = [pytest.mark.timeout(1500)]
 
 @pytest.fixture(scope="module")
 def spark_master() -> str:
-    return _services.find_or_skip("spark-cluster")
+    return discovery.find_or_skip("spark-cluster")
 
 
 @pytest.fixture(scope="module")

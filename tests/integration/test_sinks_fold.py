@@ -21,6 +21,7 @@ import pytest
 from confluent_kafka.schema_registry.error import SchemaRegistryError
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from pgcdc_dev.codecs import make_codec
 
 from cdc._events import Position, SourceInfo, TableCodec
 from decoders import TupleData
@@ -30,7 +31,6 @@ from sinks._config import SinkSettings
 from sinks._fold import KEY_UNFRAMED, VALUE_UNFRAMED
 from sinks._reader import Decoder
 from sinks._values import Names, doc_converter, envelope_row
-from tests._codecs import make_codec
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession

@@ -1,4 +1,4 @@
-"""The sinks with their state and the warehouse on an S3-compatible server (deploy/services.py's s3proxy).
+"""The sinks with their state and the warehouse on an S3-compatible server (pgcdc_dev.services's s3proxy).
 
 ``cdc sinks run`` (local Spark) keeps checkpoints, status files and the Delta tables in a bucket, survives a
 SIGKILL from there, and converges; then readers that are not Spark read what it wrote: ``cdc status`` with
@@ -15,11 +15,11 @@ from pathlib import Path
 
 import psycopg
 import pytest
+from pgcdc_dev.cluster import ObjectStore
 
 from tests.integration._capture_helpers import scratch_database, wait_for
 from tests.integration._sinks_helpers import (
     PIPELINE_TABLES,
-    ObjectStore,
     SinksProcess,
     Stack,
     cdc,

@@ -5,10 +5,10 @@ from __future__ import annotations
 import struct
 
 import pytest
+from pgcdc_dev.codecs import change_writer, make_codec
 
 from cdc._changes import ChangeWriter
 from schemas import PgType
-from tests._codecs import change_writer, make_codec
 
 TXN = (0x2_0000_0000, 1_700_000_000_000_000, 7, False)
 

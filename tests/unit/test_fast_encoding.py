@@ -9,11 +9,11 @@ import fastavro
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from pgcdc_dev.codecs import make_codec
 
 from cdc._events import Position, SourceInfo, TableCodec
 from decoders import TupleData
 from schemas import PgType, compile_writer
-from tests._codecs import make_codec
 
 INT4 = PgType(23, "int4")
 COLUMNS: list[tuple[str, PgType, int, list[str]]] = [

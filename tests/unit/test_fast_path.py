@@ -15,12 +15,12 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from pgcdc_dev.codecs import make_codec
 
 from cdc._events import KeyMissingError, Position, TableCodec
 from cdc._snapshot import _packed_keys, _rows_and_last, encode_copy_rows, parse_binary_copy
 from decoders import Insert, PgOutputDecoder, TupleData
 from schemas import PgType
-from tests._codecs import make_codec
 from tests.unit.test_types_numeric import numeric_send
 
 PG_EPOCH_US = 946_684_800_000_000

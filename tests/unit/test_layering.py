@@ -180,3 +180,54 @@ def test_only_the_cli_imports_the_capture_coordinator() -> None:
         if path != ROOT / "pgcdc" / "cli.py" and path.name != "_capture.py" and "cdc._capture" in set(_imports(path))
     )
     assert not offences, offences
+
+
+# --- the development tooling ----------------------------------------------------------------------------------
+
+DEV = ROOT / "tools" / "pgcdc-dev"
+
+
+def _top_level_imports(paths: list[Path]) -> dict[str, set[str]]:
+    return {str(path.relative_to(ROOT)): {name.split(".")[0] for name in _imports(path)} for path in paths}
+
+
+def test_tests_and_bench_share_the_dev_package_and_never_import_each_other() -> None:
+    """Local services, service discovery and the bench harness live in pgcdc_dev, which both use."""
+    tests = _top_level_imports(sorted((ROOT / "tests").rglob("*.py")) + sorted((DEV / "tests").rglob("*.py")))
+    bench = _top_level_imports(sorted((ROOT / "bench").rglob("*.py")))
+    dev = _top_level_imports(sorted((DEV / "pgcdc_dev").rglob("*.py")))
+    offences = [f"{f} imports bench" for f, names in tests.items() if "bench" in names]
+    offences += [f"{f} imports tests" for f, names in {**bench, **dev}.items() if "tests" in names]
+    offences += [f"{f} imports bench (the harness finds scenarios by name)" for f, n in dev.items() if "bench" in n]
+    assert not offences, offences
+
+
+def _path_edits(path: Path) -> list[int]:
+    """Lines where ``sys.path`` is changed: ``sys.path.insert/append/extend/remove`` or an assignment to it."""
+    lines = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        target = None
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            if node.func.attr in ("insert", "append", "extend", "remove"):
+                target = node.func.value
+        elif isinstance(node, ast.Assign | ast.AugAssign):
+            target = node.targets[0] if isinstance(node, ast.Assign) else node.target
+            if isinstance(target, ast.Subscript):
+                target = target.value
+        if ast.unparse(target) == "sys.path" if target is not None else False:
+            lines.append(node.lineno)
+    return lines
+
+
+def test_nothing_edits_sys_path() -> None:
+    roots = [ROOT / p for p in (*PRODUCT, "tests", "bench")] + [DEV]
+    offences = [f"{path.relative_to(ROOT)}:{n}" for r in roots for path in r.rglob("*.py") for n in _path_edits(path)]
+    assert not offences, offences
+
+
+def test_a_sys_path_edit_is_seen(tmp_path: Path) -> None:
+    for text in ("import sys\nsys.path.insert(0, 'x')\n", "import sys\nsys.path += ['x']\n", "sys.path[:0] = ['x']\n"):
+        (tmp_path / "bad.py").write_text(text)
+        assert _path_edits(tmp_path / "bad.py"), text
+    (tmp_path / "ok.py").write_text("import sys\nsys.path_importer_cache.pop('x', None)\nitems.append(1)\n")
+    assert not _path_edits(tmp_path / "ok.py")

@@ -13,10 +13,10 @@ from typing import Any
 
 import pytest
 import yaml
+from pgcdc_dev.discovery import tool_or_skip
 
 from cdc._metrics import CaptureMetrics
 from sinks._metrics import SinkMetrics
-from tests._services import tool_or_skip
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMETHEUS = ROOT / "deploy" / "prometheus"

@@ -12,12 +12,12 @@ from typing import Any
 
 import fastavro
 import pytest
+from pgcdc_dev.codecs import make_codec
 
 from cdc._events import Position, SourceInfo, TableCodec
 from cdc._resnapshot import GapDeletes, KeyCanon, LiveKeys, Record, live_keys, parse_plain
 from decoders import TupleData
 from schemas import PgType
-from tests._codecs import make_codec
 
 INT4, INT8, TEXT = PgType(23, "int4"), PgType(20, "int8"), PgType(25, "text")
 TIMESTAMPTZ, NUMERIC = PgType(1184, "timestamptz"), PgType(1700, "numeric")

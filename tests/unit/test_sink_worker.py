@@ -14,12 +14,14 @@ from sinks._write import forget_zip_finders
 
 
 @pytest.mark.skipif(sys.version_info >= (3, 12), reason="Python 3.12 invalidates zip finders lazily (gh-103200)")
-def test_zip_finders_leave_the_cache_and_their_modules_stay_importable(tmp_path: Path) -> None:
+def test_zip_finders_leave_the_cache_and_their_modules_stay_importable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     archive = tmp_path / "lib.zip"
     with zipfile.ZipFile(archive, "w") as z:
         z.writestr("pgcdc_zip_probe/__init__.py", "VALUE = 1\n")
         z.writestr("pgcdc_zip_probe/inner.py", "VALUE = 2\n")
-    sys.path.insert(0, str(archive))
+    monkeypatch.syspath_prepend(str(archive))  # as Spark's worker has its archives: undone after the test
     try:
         importlib.import_module("pgcdc_zip_probe")
         assert isinstance(sys.path_importer_cache[str(archive)], zipimport.zipimporter)
@@ -34,7 +36,6 @@ def test_zip_finders_leave_the_cache_and_their_modules_stay_importable(tmp_path:
         importlib.invalidate_caches()  # what Spark's worker does before each task: no zip finder to re-read
         assert importlib.import_module("pgcdc_zip_probe.inner").VALUE == 2  # a new finder, from zipimport's cache
     finally:
-        sys.path.remove(str(archive))
         for name in ("pgcdc_zip_probe.inner", "pgcdc_zip_probe"):
             sys.modules.pop(name, None)
         sys.path_importer_cache.pop(str(archive), None)

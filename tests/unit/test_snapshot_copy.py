@@ -5,11 +5,11 @@ from __future__ import annotations
 import struct
 
 import pytest
+from pgcdc_dev.codecs import make_codec
 
 from cdc._snapshot import _encode_chunk, parse_binary_copy
 from cdc.errors import StreamError
 from schemas import PgType
-from tests._codecs import make_codec
 
 HEADER = b"PGCOPY\n\xff\r\n\x00" + struct.pack(">ii", 0, 0)
 

@@ -1,11 +1,11 @@
-"""Finding the real services the integration tests talk to.
+"""Finding the real services the integration tests and the benchmarks talk to.
 
 For each service, in order:
 1. an environment variable names it (``CDC_TEST_PG_DSN``, ``CDC_TEST_KAFKA``, ``CDC_TEST_REGISTRY``,
    ``CDC_TEST_OPENSEARCH``, ``CDC_TEST_REDIS``; ``CDC_TEST_SPARK_JARS`` is a comma-separated jar list;
    ``CDC_TEST_SPARK_MASTER`` a standalone master with two workers, ``spark://host:port``);
 2. else, where a Docker engine answers, testcontainers starts it (once per test run);
-3. else the local services of ``deploy/services.py`` are used, started on demand.
+3. else the local services of ``pgcdc_dev.services`` are used, started on demand.
 
 When none of these yields the service, its tests skip, saying why — unless ``CDC_TEST_REQUIRE_SERVICES=1``
 (set by the README's test command and CI), where a missing service fails the run instead.
@@ -22,13 +22,9 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
-from pathlib import Path
 from typing import Any
 
 import pytest
-
-ROOT = Path(__file__).resolve().parent.parent
-DEPLOY = ROOT / "deploy" / "services.py"
 
 ENV_VARS = {
     "postgres": "CDC_TEST_PG_DSN",
@@ -149,12 +145,12 @@ _TESTCONTAINERS: dict[str, Callable[[], str]] = {
 }
 
 
-# --- deploy/services.py ----------------------------------------------------------------------
+# --- pgcdc_dev.services ----------------------------------------------------------------------
 
 
 def _deploy(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, str(DEPLOY), *args], capture_output=True, text=True, check=False, timeout=900
+        [sys.executable, "-m", "pgcdc_dev.services", *args], capture_output=True, text=True, check=False, timeout=900
     )
 
 
@@ -164,11 +160,11 @@ def _deploy_endpoints(name: str) -> dict[str, Any]:
     proc = _deploy("up", name)
     if proc.returncode != 0:
         raise ServiceUnavailableError(
-            f"deploy/services.py up {name} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}"
+            f"pgcdc_dev.services up {name} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}"
         )
     record: dict[str, Any] = json.loads(_deploy("endpoints").stdout)[name]
     if not record.get("running"):
-        raise ServiceUnavailableError(f"deploy/services.py started {name} but it does not answer; see its log")
+        raise ServiceUnavailableError(f"pgcdc_dev.services started {name} but it does not answer; see its log")
     return record
 
 
@@ -185,7 +181,7 @@ _DEPLOY_KEYS = {
 
 
 def deploy_record(name: str) -> dict[str, Any]:
-    """deploy/services.py's endpoint record of ``name`` (credentials of its local services included)."""
+    """pgcdc_dev.services's endpoint record of ``name`` (credentials of its local services included)."""
     return _deploy_endpoints(name)
 
 
@@ -214,10 +210,10 @@ def find(name: str) -> Found:
     try:
         return Found(_from_deploy(name), "deploy")
     except (ServiceUnavailableError, OSError, subprocess.SubprocessError, ValueError, KeyError) as exc:
-        failures.append(f"deploy/services.py: {exc}")
+        failures.append(f"pgcdc_dev.services: {exc}")
     raise ServiceUnavailableError(
         f"{name} not available: set {ENV_VARS[name]}, run a Docker engine, or run "
-        f"`python deploy/services.py up {name}`. Tried: " + "; ".join(failures)
+        f"`python -m pgcdc_dev.services up {name}`. Tried: " + "; ".join(failures)
     )
 
 
@@ -235,12 +231,12 @@ def tool_or_skip(*names: str, install: str) -> str:
 
 def tls_endpoints_or_skip() -> dict[str, Any]:
     """The local services' TLS endpoints: PostgreSQL's CA and TLS-only role, Kafka's SASL_SSL listener, the
-    registry behind HTTPS with a password (deploy/services.py). Services given by environment variables or
+    registry behind HTTPS with a password (pgcdc_dev.services). Services given by environment variables or
     testcontainers have no such endpoints: the security tests then skip, saying so."""
     given = [ENV_VARS[n] for n in ("postgres", "kafka", "registry") if from_env(n)]
     if given or docker_engine_answers():
         pytest.skip(
-            "the TLS tests need deploy/services.py's TLS endpoints (a SASL_SSL Kafka listener, an HTTPS registry); "
+            "the TLS tests need pgcdc_dev.services's TLS endpoints (a SASL_SSL Kafka listener, an HTTPS registry); "
             f"services come from {', '.join(given) or 'testcontainers'} here"
         )
     try:

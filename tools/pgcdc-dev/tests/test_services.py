@@ -1,26 +1,19 @@
-"""Pure logic of deploy/services.py (the services themselves are exercised by the integration tests)."""
+"""Pure logic of pgcdc_dev.services (the services themselves are exercised by the integration tests)."""
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
-
-DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "services.py"
+from pgcdc_dev import services
 
 
 @pytest.fixture(scope="module")
 def deploy() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("pgcdc_deploy_services", DEPLOY)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return services
 
 
 @pytest.mark.parametrize(
@@ -58,7 +51,7 @@ def test_maven_url(deploy: ModuleType) -> None:
 
 def test_bad_port_variable_says_what_to_do(tmp_path: Path) -> None:
     proc = subprocess.run(
-        [sys.executable, str(DEPLOY), "status"],
+        [sys.executable, "-m", "pgcdc_dev.services", "status"],
         env={"CDC_LOCAL_REDIS_PORT": "six", "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)},
         capture_output=True,
         text=True,

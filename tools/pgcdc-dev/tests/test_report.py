@@ -3,20 +3,15 @@
 from __future__ import annotations
 
 import json
-import sys
 import textwrap
 import types
 from pathlib import Path
 from typing import Any
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-
-import _charts
-import render
-import run_all
-from _report import Measure, Result, combine, markdown_rows, write_result
+from pgcdc_dev.bench import charts as _charts
+from pgcdc_dev.bench import render, run_all
+from pgcdc_dev.bench.report import Measure, Result, combine, markdown_rows, write_result
 
 
 @pytest.fixture(autouse=True)
@@ -364,14 +359,13 @@ def test_a_failing_scenario_is_recorded_and_the_others_still_run(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     suffix = tmp_path.name.replace("-", "_")
-    modules = tmp_path / "modules"
-    modules.mkdir()
+    modules = _scenario_package(tmp_path, monkeypatch)
     (modules / f"fails_{suffix}.py").write_text("def run(argv=None):\n    raise RuntimeError('broken on purpose')\n")
     (modules / f"works_{suffix}.py").write_text(
         textwrap.dedent(
             """
             import argparse
-            from _report import Measure, Result
+            from pgcdc_dev.bench.report import Measure, Result
 
             def run(argv=None):
                 p = argparse.ArgumentParser()
@@ -386,8 +380,6 @@ def test_a_failing_scenario_is_recorded_and_the_others_still_run(
             """
         )
     )
-    monkeypatch.syspath_prepend(str(modules))
-    monkeypatch.setattr(run_all, "SCENARIO_DIR", modules)
     scenarios = {"fails": f"fails_{suffix}", "missing": f"missing_{suffix}", "works": f"works_{suffix}"}
     monkeypatch.setattr(run_all, "SCENARIOS", scenarios)
     monkeypatch.setattr(run_all, "QUICK_ARGV", {"works": ["--rows", "7", "--seconds", "1"]})
@@ -422,15 +414,26 @@ def test_a_failing_scenario_is_recorded_and_the_others_still_run(
     assert (results / render.SUMMARY_MD).read_text() == md
 
 
+def _scenario_package(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A package of scenario modules in ``tmp_path`` that run_all imports instead of the checkout's bench/."""
+    name = f"scenarios_{tmp_path.name.replace('-', '_')}"
+    package = tmp_path / name
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))  # pytest's, undone after the test: where the package is found
+    monkeypatch.setattr(run_all, "SCENARIO_PACKAGE", name)
+    monkeypatch.setattr(run_all, "SCENARIO_DIR", package)
+    return package
+
+
 def _only_scenario(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str, measure: str) -> None:
-    """Makes run_all's one scenario ``name``: a module in ``tmp_path`` whose run() reports ``measure`` (source)."""
-    module = f"only_{tmp_path.name.replace('-', '_')}"
-    (tmp_path / f"{module}.py").write_text(
-        f"from _report import Measure, Result\ndef run(argv=None):\n    return Result({name!r}, {{}}, [{measure}])\n"
+    """Makes run_all's one scenario ``name``: a module whose run() reports ``measure`` (source)."""
+    package = _scenario_package(tmp_path, monkeypatch)
+    (package / "only.py").write_text(
+        "from pgcdc_dev.bench.report import Measure, Result\n"
+        f"def run(argv=None):\n    return Result({name!r}, {{}}, [{measure}])\n"
     )
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setattr(run_all, "SCENARIO_DIR", tmp_path)
-    monkeypatch.setattr(run_all, "SCENARIOS", {name: module})
+    monkeypatch.setattr(run_all, "SCENARIOS", {name: "only"})
 
 
 def test_a_run_where_every_scenario_works_exits_zero(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -439,10 +442,16 @@ def test_a_run_where_every_scenario_works_exits_zero(tmp_path: Path, monkeypatch
     assert "**no**" in (tmp_path / "results" / render.SUMMARY_MD).read_text()
 
 
-def test_a_scenario_module_from_elsewhere_is_refused() -> None:
-    """`sinks` is the project's package: a scenario module of that name would silently be something else."""
+def test_a_scenario_module_from_elsewhere_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another package called like the scenarios' (an installed `bench`, say) would silently run something else."""
+    monkeypatch.setattr(run_all, "SCENARIO_PACKAGE", "json")  # json.decoder: a module, but not from bench/
     with pytest.raises(ImportError, match="not in"):
-        run_all.import_scenario("json")
+        run_all.import_scenario("decoder")
+
+
+def test_a_missing_scenario_module_says_where_to_run_from() -> None:
+    with pytest.raises(ImportError, match="run the benchmarks from the checkout"):
+        run_all.import_scenario("no_such_scenario")
 
 
 def _run_doc(ours: float, reference: float | None, *, p99: float = 40.0, extra: bool = False) -> dict[str, Any]:
@@ -504,14 +513,13 @@ def test_repeat_runs_each_scenario_n_times_and_writes_the_medians(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     suffix = tmp_path.name.replace("-", "_")
-    modules = tmp_path / "modules"
-    modules.mkdir()
+    modules = _scenario_package(tmp_path, monkeypatch)
     # Each run reports the next ratio from a file-backed counter: 0.6, 0.9, 0.7 -> median 0.7.
     (modules / f"rep_{suffix}.py").write_text(
         textwrap.dedent(
             f"""
             from pathlib import Path
-            from _report import Measure, Result
+            from pgcdc_dev.bench.report import Measure, Result
 
             COUNT = Path({str(tmp_path / "count")!r})
 
@@ -522,8 +530,6 @@ def test_repeat_runs_each_scenario_n_times_and_writes_the_medians(
             """
         )
     )
-    monkeypatch.syspath_prepend(str(modules))
-    monkeypatch.setattr(run_all, "SCENARIO_DIR", modules)
     monkeypatch.setattr(run_all, "SCENARIOS", {"rep": f"rep_{suffix}"})
     results = tmp_path / "results"
     assert run_all.main(["--repeat", "3", "--no-readme", "--results", str(results)]) == 0
@@ -541,7 +547,7 @@ def test_repeat_runs_each_scenario_n_times_and_writes_the_medians(
         textwrap.dedent(
             f"""
             from pathlib import Path
-            from _report import Measure, Result
+            from pgcdc_dev.bench.report import Measure, Result
 
             RUNS = Path({str(tmp_path / "flaky")!r})
 

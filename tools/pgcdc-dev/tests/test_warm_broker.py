@@ -2,15 +2,10 @@
 
 from __future__ import annotations
 
-import sys
 import time
-from pathlib import Path
 
 from confluent_kafka.admin import AdminClient
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-
-import _warm_broker
+from pgcdc_dev.bench import warm_broker as _warm_broker
 
 
 def test_the_warm_up_produces_in_windows_and_deletes_its_topic(kafka_bootstrap: str) -> None:

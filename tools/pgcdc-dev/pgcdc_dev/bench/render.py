@@ -1,19 +1,17 @@
-#!/usr/bin/env python3
 """Rebuild bench/results/summary.md, the charts and the README's results from the JSON files, running nothing.
 
-    ./dev python bench/render.py [--results DIR] [--readme PATH | --no-readme]
+    ./dev bench --render-only [--results DIR] [--no-readme]
 
 Reads every result document in ``bench/results/`` (``<scenario>.json`` in ``_report``'s format; older files in
 other formats are skipped) and ``summary.json``, the record of the last ``./dev bench`` run. A scenario that
 failed in that run is shown as failed, unless its JSON was written after that run (it was re-run on its own).
 The README's text between ``<!-- bench:results:start -->`` and ``<!-- bench:results:end -->`` is replaced by
-a "Measured … on …" line, the results table and links to the charts. ``bench/run_all.py`` calls this at the
+a "Measured … on …" line, the results table and links to the charts. ``pgcdc_dev/bench/run_all.py`` calls this at the
 end of a run.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -22,13 +20,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from pgcdc_dev import CHECKOUT
+from pgcdc_dev.bench import charts as _charts
+from pgcdc_dev.bench.report import RESULTS, markdown_rows
 
-import _charts  # sibling modules: bench/ is not a package
-from _report import RESULTS, markdown_rows
-
-ROOT = Path(__file__).resolve().parent.parent
-README = ROOT / "README.md"
+README = CHECKOUT / "README.md"
 SUMMARY_JSON = "summary.json"
 SUMMARY_MD = "summary.md"
 START = "<!-- bench:results:start -->"
@@ -260,30 +256,3 @@ def render(
         for path in [summary_md, *charts, *([readme] if readme is not None else [])]:
             print(f"render: wrote {path}")
     return Rendered(summary_md, charts, readme)
-
-
-def _scenario_order() -> list[str]:
-    try:
-        from run_all import SCENARIOS  # noqa: PLC0415 - run_all imports this module
-    except ImportError:
-        return []
-    return list(SCENARIOS)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
-    parser.add_argument("--results", type=Path, default=RESULTS, help="results directory (default: %(default)s)")
-    group = parser.add_mutually_exclusive_group()
-    group.add_argument("--readme", type=Path, default=README, help="README to update (default: %(default)s)")
-    group.add_argument("--no-readme", action="store_true", help="leave the README alone")
-    args = parser.parse_args(argv)
-    try:
-        render(args.results, None if args.no_readme else args.readme, _scenario_order())
-    except MarkersError as exc:
-        print(f"render: {exc}", file=sys.stderr)
-        return 2
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,34 +1,33 @@
-"""How tests/_services.py chooses where a service comes from."""
+"""How tests/discovery.py chooses where a service comes from."""
 
 from __future__ import annotations
 
 import pytest
-
-from tests import _services
+from pgcdc_dev import discovery
 
 
 def test_environment_variable_wins(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CDC_TEST_REDIS", "redis://example.invalid:1/0")
-    _services.find.cache_clear()
+    discovery.find.cache_clear()
     try:
-        assert _services.find("redis") == _services.Found("redis://example.invalid:1/0", "env")
+        assert discovery.find("redis") == discovery.Found("redis://example.invalid:1/0", "env")
     finally:
-        _services.find.cache_clear()
+        discovery.find.cache_clear()
 
 
 def test_blank_variable_is_ignored() -> None:
-    assert _services.from_env("kafka", {"CDC_TEST_KAFKA": "  "}) is None
-    assert _services.from_env("kafka", {"CDC_TEST_KAFKA": "h:9092"}) == "h:9092"
+    assert discovery.from_env("kafka", {"CDC_TEST_KAFKA": "  "}) is None
+    assert discovery.from_env("kafka", {"CDC_TEST_KAFKA": "h:9092"}) == "h:9092"
 
 
 @pytest.mark.parametrize(("raw", "required"), [("", False), ("0", False), ("no", False), ("1", True)])
 def test_require_services_flag(monkeypatch: pytest.MonkeyPatch, raw: str, required: bool) -> None:
     monkeypatch.setenv("CDC_TEST_REQUIRE_SERVICES", raw)
-    assert _services.require_services() is required
+    assert discovery.require_services() is required
 
 
 def test_every_service_has_a_variable() -> None:
-    assert set(_services.ENV_VARS) == {
+    assert set(discovery.ENV_VARS) == {
         *("postgres", "kafka", "registry", "opensearch", "redis", "spark-jars", "spark-cluster"),
         *("s3", "spark-cloud-jars"),
     }

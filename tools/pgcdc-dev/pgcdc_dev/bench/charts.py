@@ -18,9 +18,10 @@ import matplotlib
 matplotlib.use("Agg")  # no display: files only (before pyplot is imported)
 
 import matplotlib.pyplot as plt
-from _report import percentile
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
+
+from pgcdc_dev.bench.report import percentile
 
 RATIOS = "ratios.png"
 LIMITS = "limits.png"

@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
 """Run the project's real services on this machine, without Docker.
 
-    python deploy/services.py up [SERVICE ...]      install once, start, wait until ready
-    python deploy/services.py down [SERVICE ...]    stop (no process is left behind)
-    python deploy/services.py status [--json]       where each service listens and whether it answers
-    python deploy/services.py install [SERVICE ...] download/extract only (for warming a cache)
-    python deploy/services.py env                   shell exports of the CDC_TEST_* variables
-    python deploy/services.py endpoints             every service's address as JSON (holds the password)
+    python -m pgcdc_dev.services up [SERVICE ...]      install once, start, wait until ready
+    python -m pgcdc_dev.services down [SERVICE ...]    stop (no process is left behind)
+    python -m pgcdc_dev.services status [--json]       where each service listens and whether it answers
+    python -m pgcdc_dev.services install [SERVICE ...] download/extract only (for warming a cache)
+    python -m pgcdc_dev.services env                   shell exports of the CDC_TEST_* variables
+    python -m pgcdc_dev.services endpoints             every service's address as JSON (holds the password)
 
 Services: postgres (Debian packages, wal_level=logical, TLS offered), kafka (KRaft, jars from Maven Central;
 a plaintext and a SASL_SSL listener), registry (Apicurio Registry, Confluent-compatible API), registry-tls
@@ -542,7 +542,7 @@ class Service:
             if port and port_open(port):
                 raise DeployError(
                     f"port {port} for {self.name} is taken by another process; "
-                    f"stop it or choose another port (see `deploy/services.py --help`)"
+                    f"stop it or choose another port (see `./dev services --help`)"
                 )
             self.start()
 
@@ -640,7 +640,7 @@ class Postgres(Service):
         hba = DATA / "postgres-hba.conf"
         hba.write_text(
             textwrap.dedent(f"""
-            # pgcdc local service (written by deploy/services.py at each start)
+            # pgcdc local service (written by pgcdc_dev.services at each start)
             local   all          all                         trust
             local   replication  all                         trust
             # members of {PG_TLS_ONLY_ROLE} may connect over TLS only: a plaintext attempt is refused
@@ -904,7 +904,7 @@ class RegistryTLS(Service):
         (home / "htpasswd").write_text(f"{REGISTRY_USER}:{salted}\n")
         self.conf().write_text(
             textwrap.dedent(f"""
-            # written by deploy/services.py
+            # written by pgcdc_dev.services
             daemon off;
             worker_processes 1;
             pid {RUN / "registry-tls.nginx.pid"};
@@ -1464,7 +1464,7 @@ def cmd_env() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="deploy/services.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="./dev services", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("command", choices=["up", "down", "status", "install", "env", "endpoints"])
     parser.add_argument("services", nargs="*", help=f"any of: {', '.join(SERVICES)} (default: all)")

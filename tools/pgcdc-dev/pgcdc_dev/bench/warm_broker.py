@@ -13,7 +13,7 @@ the Debezium runs warm their own JVM first (``debezium_smoke.py --warmup-rows``)
 settings, transactions and queue handling) to a scratch compacted topic, 20,000 records per transaction, ~100-byte
 values that vary like table rows, and reports the broker's CPU per record in windows of a few seconds (when the
 broker runs here). The topic is deleted afterwards. Run alone:
-``~/.cache/pgcdc/venv/bin/python bench/_warm_broker.py [SECONDS]``.
+``./dev python -m bench._warm_broker [SECONDS]``.
 """
 
 from __future__ import annotations
@@ -25,18 +25,24 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import _cpu  # a sibling module: bench/ is not a package
-import _debezium as dbz  # its delete_topics: the benchmarks' one topic clean-up
+from confluent_kafka import KafkaException
+from confluent_kafka.admin import AdminClient
 
 from cdc._kafka import Topics, TransactionalProducer
+from pgcdc_dev.bench import cpu as _cpu
 
 WINDOW_S = 5.0
 TXN_RECORDS = 20_000
+
+
+def delete_topics(bootstrap: str, topics: list[str]) -> None:
+    """Delete topics, waiting for each; one already gone is fine (the benchmarks' one topic clean-up)."""
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    for fut in admin.delete_topics(list(topics)).values():
+        with contextlib.suppress(KafkaException):
+            fut.result(30)
 
 
 @dataclass
@@ -94,12 +100,12 @@ def warm(kafka: str, seconds: float, *, log: Callable[[str], None] = print) -> W
     finally:
         producer.close()
         with contextlib.suppress(Exception):  # a topic left behind must not hide why the warm-up failed
-            dbz.delete_topics(kafka, [topic])
+            delete_topics(kafka, [topic])
     return result
 
 
 if __name__ == "__main__":
-    from tests import _services
+    from pgcdc_dev import discovery
 
-    done = warm(_services.find("kafka").value, float(sys.argv[1]) if len(sys.argv) > 1 else 60.0)
+    done = warm(discovery.find("kafka").value, float(sys.argv[1]) if len(sys.argv) > 1 else 60.0)
     print(json.dumps(asdict(done)))

@@ -152,3 +152,22 @@ class CpuSplit:
         parts = [f"{k} {v * 1e6 / units:.2f}" for k, v in named]
         parts.append(f"idle {split['idle'] * 1e6 / units:.2f}")
         return f"CPU-µs per {unit}: " + ", ".join(parts)
+
+
+def cpu_bound_note(parts: dict[str, float], rows: int, seconds: float, ref_rate: float, target: float) -> str:
+    """What the CPU split says about the target: the rate the machine would allow if the capture's own threads
+    (its main and reader threads; librdkafka's are the Kafka client's) cost nothing, and what they may cost for
+    ``target``x of the reference on these CPUs with nothing idle."""
+    ncpu = os.cpu_count() or 1
+    ours = parts.get("capture main", 0.0) + parts.get("capture other", 0.0)
+    others = parts["busy"] - ours  # PostgreSQL, the broker, librdkafka, the rest of the machine
+    if others <= 0:
+        return "bound: no CPU split measured"
+    best_rate = ncpu * rows / others
+    allowed_us = (ncpu / (target * ref_rate) - others / rows) * 1e6
+    return (
+        f"bound: without the capture's own threads the rest took {others * 1e6 / rows:.2f} CPU-µs per row; on "
+        f"{ncpu} CPUs that alone allows {best_rate:,.0f} rows/s ({best_rate / ref_rate:.2f}x the reference) if "
+        f"the capture's threads cost nothing; {target}x needs them at {max(allowed_us, 0.0):.2f} CPU-µs per row "
+        f"with no CPU idle (they took {ours * 1e6 / rows:.2f}; {seconds:.2f} s measured)"
+    )

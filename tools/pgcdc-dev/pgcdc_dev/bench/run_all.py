@@ -39,11 +39,11 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import _cpu  # sibling modules: bench/ is not a package
-import _report
-import render
+from pgcdc_dev import CHECKOUT, discovery
+from pgcdc_dev.bench import cpu as _cpu
+from pgcdc_dev.bench import render
+from pgcdc_dev.bench import report as _report
+from pgcdc_dev.bench import warm_broker as _warm_broker
 
 # scenario name (its JSON file and table rows) -> module in bench/, in the order they run
 SCENARIOS: dict[str, str] = {
@@ -55,7 +55,8 @@ SCENARIOS: dict[str, str] = {
     "latency": "capture_latency",
     "sinks": "sinks_bench",  # not `sinks`: that is the project's package (installed, found first)
 }
-SCENARIO_DIR = Path(__file__).resolve().parent  # where the scenario modules must come from
+SCENARIO_PACKAGE = "bench"  # the checkout's bench/: run from the checkout (./dev bench does)
+SCENARIO_DIR = CHECKOUT / "bench"  # where the scenario modules must come from
 
 # --quick: the arguments each scenario gets instead of its defaults. Flags a scenario's argparse does not accept
 # are dropped with a warning when it is imported, so this table may run ahead of (or behind) the scenarios.
@@ -169,7 +170,15 @@ def quick_argv(name: str, module: ModuleType | None) -> list[str]:
 
 def import_scenario(module_name: str) -> ModuleType:
     """Import ``bench/<module_name>.py``; refuses a same-named module from elsewhere (an installed package)."""
-    module = importlib.import_module(module_name)
+    try:
+        module = importlib.import_module(f"{SCENARIO_PACKAGE}.{module_name}")
+    except ModuleNotFoundError as exc:
+        if exc.name not in (SCENARIO_PACKAGE, f"{SCENARIO_PACKAGE}.{module_name}"):
+            raise
+        raise ImportError(
+            f"scenario {module_name!r} is not importable as {SCENARIO_PACKAGE}.{module_name}: run the benchmarks "
+            f"from the checkout ({CHECKOUT}) with ./dev bench"
+        ) from exc
     file = getattr(module, "__file__", None)
     if file is None or Path(file).resolve().parent != SCENARIO_DIR:
         raise ImportError(
@@ -232,12 +241,9 @@ DEFAULT_WARM_BROKER_S = 60.0
 def warm_broker(seconds: float) -> dict[str, Any] | None:
     """The broker's warm-up (``_warm_broker.warm``), as the summary records it; None when it failed (the
     scenarios then report the missing broker themselves)."""
-    import _capture_bench as cb  # noqa: PLC0415 - on use: --list and --render-only need no services
-    import _warm_broker  # noqa: PLC0415
-
-    print(f"\n=== warming the Kafka broker for {seconds:g} s (bench/_warm_broker.py)", flush=True)
+    print(f"\n=== warming the Kafka broker for {seconds:g} s (pgcdc_dev/bench/warm_broker.py)", flush=True)
     try:
-        done = _warm_broker.warm(cb.endpoints().kafka, seconds, log=lambda line: print(line, flush=True))
+        done = _warm_broker.warm(discovery.find("kafka").value, seconds, log=lambda line: print(line, flush=True))
     except Exception as exc:  # the services are missing, say: every scenario will say so too
         warn(f"the broker's warm-up failed ({type(exc).__name__}: {exc}); the runs start on a cold broker")
         return None
@@ -248,10 +254,9 @@ def warm_broker(seconds: float) -> dict[str, Any] | None:
 
 def _checkpoint() -> None:
     """A CHECKPOINT on the services' PostgreSQL."""
-    import _capture_bench as cb  # noqa: PLC0415 - on use: --list and --render-only need no services
-    import psycopg  # noqa: PLC0415
+    import psycopg
 
-    with psycopg.connect(cb.endpoints().admin, autocommit=True, connect_timeout=10) as conn:
+    with psycopg.connect(discovery.find("postgres").value, autocommit=True, connect_timeout=10) as conn:
         conn.execute("CHECKPOINT")
 
 
@@ -394,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--only", metavar="A,B", help="run only these scenarios")
     parser.add_argument("--skip", metavar="A,B", help="do not run these scenarios")
-    parser.add_argument("--quick", action="store_true", help="smaller sizes (QUICK_ARGV in bench/run_all.py)")
+    parser.add_argument("--quick", action="store_true", help="smaller sizes (QUICK_ARGV in pgcdc_dev/bench/run_all.py)")
     parser.add_argument("--args", action="append", default=[], metavar="NAME=ARGS", help="extra arguments")
     parser.add_argument(
         "--repeat", type=int, default=1, metavar="N", help="run each scenario N times; report medians and ranges"

@@ -1,4 +1,4 @@
-"""bench/_cpu.py: CPU per part of the machine from /proc, which the benchmarks' notes read missed targets with."""
+"""pgcdc_dev.bench.cpu: CPU per part of the machine from /proc, which the benchmarks' notes explain misses with."""
 
 from __future__ import annotations
 
@@ -11,11 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-
-import _cpu
-import snapshot
+from pgcdc_dev.bench import cpu as _cpu
 
 pytestmark = pytest.mark.skipif(not Path("/proc/stat").exists(), reason="reads Linux's /proc")
 
@@ -92,7 +88,7 @@ def test_the_snapshot_bound_says_what_the_rest_allows_and_what_ours_may_cost() -
     # 1M rows in 1 s on this machine's CPUs: the capture's threads 0.5 CPU-s, everything else 1.0 CPU-s.
     ncpu = os.cpu_count() or 1
     parts = {"busy": 1.5, "idle": 0.5, "capture main": 0.3, "capture other": 0.2, "PostgreSQL": 1.0}
-    note = snapshot._bound(parts, 1_000_000, 1.0, ref_rate=2_000_000, target=0.7)
+    note = _cpu.cpu_bound_note(parts, 1_000_000, 1.0, ref_rate=2_000_000, target=0.7)
     best = ncpu * 1_000_000 / 1.0
     assert f"took 1.00 CPU-µs per row; on {ncpu} CPUs that alone allows {best:,.0f} rows/s" in note
     allowed = (ncpu / (0.7 * 2_000_000) - 1.0 / 1_000_000) * 1e6
@@ -102,7 +98,7 @@ def test_the_snapshot_bound_says_what_the_rest_allows_and_what_ours_may_cost() -
 
 def test_settle_waits_for_a_quiet_machine_and_says_what_it_did(monkeypatch: pytest.MonkeyPatch) -> None:
     """run_all.settle: a busy machine is waited out, a failed CHECKPOINT is said, not raised."""
-    import run_all
+    from pgcdc_dev.bench import run_all
 
     cpus = os.cpu_count() or 1
     window = run_all.QUIET_WINDOW_S

@@ -26,7 +26,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-RESULTS = Path(__file__).resolve().parent / "results"
+from pgcdc_dev import CHECKOUT
+
+RESULTS = CHECKOUT / "bench" / "results"
 
 
 @dataclass(frozen=True)
