@@ -202,21 +202,26 @@ def test_tests_and_bench_share_the_dev_package_and_never_import_each_other() -> 
     assert not offences, offences
 
 
+def _changed(node: ast.AST) -> ast.expr | None:
+    """What ``node`` changes in place, if it is a list method call or an assignment."""
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+        return node.func.value if node.func.attr in ("insert", "append", "extend", "remove") else None
+    if isinstance(node, ast.Assign | ast.AugAssign):
+        target = node.targets[0] if isinstance(node, ast.Assign) else node.target
+        return target.value if isinstance(target, ast.Subscript) else target
+    return None
+
+
 def _path_edits(path: Path) -> list[int]:
     """Lines where ``sys.path`` is changed: ``sys.path.insert/append/extend/remove`` or an assignment to it."""
-    lines = []
-    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
-        target = None
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
-            if node.func.attr in ("insert", "append", "extend", "remove"):
-                target = node.func.value
-        elif isinstance(node, ast.Assign | ast.AugAssign):
-            target = node.targets[0] if isinstance(node, ast.Assign) else node.target
-            if isinstance(target, ast.Subscript):
-                target = target.value
-        if ast.unparse(target) == "sys.path" if target is not None else False:
-            lines.append(node.lineno)
-    return lines
+    tree = ast.parse(path.read_text(), filename=str(path))
+    return [
+        node.lineno
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call | ast.Assign | ast.AugAssign)
+        and (changed := _changed(node)) is not None
+        and ast.unparse(changed) == "sys.path"
+    ]
 
 
 def test_nothing_edits_sys_path() -> None:
