@@ -2,7 +2,7 @@
 declared in pyproject.toml.
 
 ``optional=True``: without a C compiler or Python's headers the install still succeeds and the capture runs
-its pure-Python path (``cdc --version`` and the metric ``cdc_native`` say which one runs).
+its pure-Python path (at start the capture logs `fast paths: …`: which paths run in C, and why not where not).
 """
 
 from Cython.Build import cythonize

@@ -21,6 +21,7 @@ from cdc._attach import CaptureContext, TextModeNeededError, attach
 from cdc._batch import CommitPolicy, KafkaBatchWriter
 from cdc._changes import ChangeWriter
 from cdc._config import Settings
+from cdc._fastpaths import log_fast_paths
 from cdc._kafka import OffsetStore, TransactionalProducer
 from cdc._metrics import CaptureMetrics
 from cdc._offsets import CaptureState, SnapshotState
@@ -64,6 +65,7 @@ class Capture:
             raise translate_pg_error(exc, self.settings.source.display_dsn()) from exc
 
     def _run(self) -> None:
+        log_fast_paths()
         with attach(self.ctx) as attached:
             self.attached = attached
             producer = self._new_producer()

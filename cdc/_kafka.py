@@ -21,14 +21,14 @@ from confluent_kafka import (
     Producer,
     TopicPartition,
 )
-from confluent_kafka import libversion as confluent_kafka_libversion
 from confluent_kafka import version as confluent_kafka_version
 from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic
 from confluent_kafka.schema_registry import Schema, SchemaRegistryClient
 from confluent_kafka.schema_registry.error import SchemaRegistryError as _RegistryHTTPError
 
 from cdc._events import native_module
-from cdc._libs import addresses, loaded_library
+from cdc._fastpaths import LIBRDKAFKA_FUNCTIONS
+from cdc._libs import librdkafka_addresses
 from cdc._offsets import CaptureState, NewerStateError, OffsetsStateError
 from cdc.errors import AuthenticationError, CDCError, KafkaSetupError, SchemaRegistryError, TransientError
 
@@ -203,12 +203,8 @@ def _direct_producer(producer: Producer) -> Any | None:
         or confluent_kafka_version()[0].split(".")[0] not in ("1", "2")
     ):
         return None
-    lib = loaded_library("librdkafka", confluent_kafka_libversion()[1], "rd_kafka_version")
     try:
-        if lib is None:
-            raise OSError("the librdkafka confluent_kafka runs is not found")
-        names = ("rd_kafka_produce", "rd_kafka_topic_new", "rd_kafka_topic_destroy", "rd_kafka_last_error")
-        return _native.DirectProducer(producer, addresses(lib, (*names, "rd_kafka_opaque")))
+        return _native.DirectProducer(producer, librdkafka_addresses(LIBRDKAFKA_FUNCTIONS))
     except (OSError, AttributeError, RuntimeError) as exc:
         log.info("snapshot events go through confluent_kafka's produce(): %s", exc)
         return None

@@ -45,6 +45,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextC
 
 from cdc._catalog import TableInfo
 from cdc._events import ColumnSpec, Position, TableCodec, native_module
+from cdc._fastpaths import LIBPQ_FUNCTIONS
 from cdc._libs import libpq_addresses
 from cdc._offsets import CaptureState, RangeProgress, SnapshotState, TableProgress
 from cdc._resnapshot import GapDeletes, Reconciler
@@ -107,20 +108,6 @@ _MAX_TUPLES_PER_PAGE = 291
 # int8, int2, int4, text, varchar, uuid: their converters give int, str, UUID, whose str() is PostgreSQL's text form.
 _KEYS_PRINTED_AS_POSTGRESQL = frozenset({20, 21, 23, 25, 1043, 2950})
 
-_LIBPQ_FUNCTIONS = (
-    "PQisnonblocking",
-    "PQsetnonblocking",
-    "PQsendQuery",
-    "PQgetResult",
-    "PQresultStatus",
-    "PQclear",
-    "PQgetCopyData",
-    "PQfreemem",
-    "PQerrorMessage",
-    "PQresultErrorMessage",
-    "PQresultErrorField",
-)
-
 
 def _copy_reader() -> Any | None:
     """cdc._native.CopyReader on the libpq psycopg runs, or None (psycopg's Copy reads the chunks)."""
@@ -128,7 +115,7 @@ def _copy_reader() -> Any | None:
     if _native is None:
         return None
     try:
-        return _native.CopyReader(libpq_addresses(_LIBPQ_FUNCTIONS))
+        return _native.CopyReader(libpq_addresses(LIBPQ_FUNCTIONS))
     except (OSError, AttributeError) as exc:
         log.info("the snapshot reads through psycopg's Copy: %s", exc)
         return None
