@@ -355,7 +355,7 @@ def _jvm_pid() -> int | None:
 def _replay(name: str, settings: Any, spark: Any, records: int) -> tuple[float, dict[str, float]]:
     """Seconds for one sink (or the reference) to replay the topic from zero, and the CPU it took."""
     sink = _Reference() if name in ("warm-up", "reference") else None
-    query = SinkQuery(name, settings, spark, 1000, follow_swaps=False, sink=sink)
+    query = SinkQuery(name, settings, spark, 1000, role="fixed", sink=sink)
     ends = TopicEnds(settings)
     try:
         marks = ends.read()  # the topic does not move during the replays

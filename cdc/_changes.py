@@ -13,11 +13,11 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from cdc._assembler import SPILL_HEAD, SPILL_READ, Spill
 from cdc._attach import Attached, CaptureContext
 from cdc._batch import KafkaBatchWriter
 from cdc._events import Position, TableCodec
 from cdc._replication import ReplicationConnection
+from cdc._spill import SPILL_HEAD, SPILL_READ, Spill
 from cdc.errors import StreamError
 from decoders import (
     XLOG_PAYLOAD_AT,

@@ -25,13 +25,13 @@ from typing import Any, Protocol
 
 import psycopg
 
-from cdc._assembler import SPILL_READ, STREAM_PACE_BELOW, STREAM_PACE_S, Spill
 from cdc._attach import Attached, CaptureContext
 from cdc._batch import BatchWriter, KafkaBatchWriter
 from cdc._changes import FAST_KINDS, ChangeWriter
 from cdc._config import CaptureConfig
 from cdc._offsets import CaptureState
 from cdc._replication import ReplicationConnection
+from cdc._spill import SPILL_READ, STREAM_PACE_BELOW, STREAM_PACE_S, Spill
 from cdc.errors import StreamError
 from decoders import (
     XLOG_HEADER,
@@ -334,7 +334,7 @@ class Streamer:
                 into.add_framed(framed)
                 source.received = max(source.received, end_lsn)
             if self.held is None and len(framed) < STREAM_PACE_BELOW:
-                time.sleep(STREAM_PACE_S)  # let the walsender's backlog build (cdc/_assembler.py)
+                time.sleep(STREAM_PACE_S)  # let the walsender's backlog build (cdc/_spill.py)
 
     def _on_message(self, frame: XLogData) -> None:
         """Any message the fast paths did not take: decoded, then handled by its type."""

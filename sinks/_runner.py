@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from sinks._api import PartitionSink, Rebuildable, SinkContext
 from sinks._metrics import SinkMetrics
@@ -121,6 +121,13 @@ class _Status:
                 log.warning("cannot write %s: %s", self.path, exc)
 
 
+QueryRole = Literal["serve", "rebuild", "fixed"]
+"""What a query is for. ``serve``: the app's query of the served generation, which follows a rebuild's swap;
+``rebuild``: a rebuild's query of a generation nobody serves yet, beside a running app it must not disturb (its
+own status file, a rebuild's larger batches, never a swap); ``fixed``: one generation as it is (the benchmarks'
+replays)."""
+
+
 class SinkQuery:
     """One sink's streaming query for one generation."""
 
@@ -131,10 +138,8 @@ class SinkQuery:
         spark: SparkSession,
         generation: int,
         *,
-        follow_swaps: bool = True,
+        role: QueryRole = "serve",
         sink: Any | None = None,
-        rebuild: bool = False,
-        metrics: SinkMetrics | None = None,
     ) -> None:
         self.name, self.settings, self.generation = name, settings, generation
         self.spark = spark.newSession()  # own SQL conf per sink, one SparkContext
@@ -148,19 +153,19 @@ class SinkQuery:
             sink.open(SinkContext(name, settings, {}, generation, self.spark))
         self.decoder = Decoder(settings)
         self.shuffle_partitions = int(self.spark.conf.get("spark.sql.shuffle.partitions") or 200)
-        # A rebuild's query writes a generation nobody serves yet, beside a running app it must not disturb:
-        # it never follows swaps, keeps its own status file, and reads in a rebuild's larger batches.
-        self.rebuild = rebuild
-        self.follow_swaps = follow_swaps and not rebuild and isinstance(self.sink, Rebuildable)
+        self.rebuild = role == "rebuild"
+        self.follow_swaps = role == "serve" and isinstance(self.sink, Rebuildable)
         base = settings.state() / name
         self.checkpoint = checkpoint_location(settings.state(), name, generation)
         self.checkpoint.make_dirs()
-        self.status = _Status.load(base / (REBUILD_FILE if rebuild else STATUS_FILE))
+        self.status = _Status.load(base / (REBUILD_FILE if self.rebuild else STATUS_FILE))
         self.status.update(generation=generation)
-        self.metrics = metrics
+        self.metrics: SinkMetrics | None = None
         self.query: StreamingQuery | None = None
 
-    def start(self) -> StreamingQuery:
+    def start(self, metrics: SinkMetrics | None = None) -> StreamingQuery:
+        """Starts the query; ``metrics``: the app's, which each batch reports to."""
+        self.metrics = metrics
         interval = self.settings.sinks.trigger_interval_s
         writer = (
             open_stream(self.spark, self.settings, rebuild=self.rebuild)
@@ -408,8 +413,8 @@ class _Supervisor:
             probe = _opened(name, self.settings, 0, self.spark)
             generation = served_generation(probe)
             probe.close()
-            q = self.queries[name] = SinkQuery(name, self.settings, self.spark, generation, metrics=self.metrics)
-            q.start()
+            q = self.queries[name] = SinkQuery(name, self.settings, self.spark, generation)
+            q.start(self.metrics)
             q.status.update(state="running")
             self.metrics.running.labels(name).set(1)
         except SinkTerminalError as exc:
@@ -575,7 +580,7 @@ def rebuild(
     report(f"rebuilding {name}: generation {new} from offset zero, while generation {current} keeps serving")
     # The rebuild's own status file: the served generation's status.json stays the running app's.
     (settings.state() / name / REBUILD_FILE).remove()
-    q = SinkQuery(name, settings, spark, new, rebuild=True)
+    q = SinkQuery(name, settings, spark, new, role="rebuild")
     status = q.status
     status.update(state="running", serving=current, started_at=time.time())
     q.start()

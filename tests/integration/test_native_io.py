@@ -21,7 +21,6 @@ from pgcdc_dev.codecs import change_writer, make_codec
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from cdc._assembler import Spill
 from cdc._catalog import load_table
 from cdc._changes import ChangeWriter
 from cdc._events import SourceInfo
@@ -36,6 +35,7 @@ from cdc._snapshot import (
     _RangeJob,
     parse_binary_copy,
 )
+from cdc._spill import Spill
 from decoders import StreamCommit
 from schemas import PgType
 from tests.integration._capture_helpers import committed_records, scratch_database

@@ -21,7 +21,6 @@ KNOWN = {
     ("cdc/_events.py", "TableCodec.envelope_bytes"): "the encoder contract replaces it",
     ("cdc/_events.py", "TableCodec.envelope_record"): "the encoder contract replaces it",
     ("cdc/_events.py", "build_codec"): "the encoder contract replaces it",
-    ("sinks/_runner.py", "SinkQuery.__init__"): "its serve / rebuild / replay roles become one setting",
 }
 
 
