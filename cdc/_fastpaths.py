@@ -21,8 +21,8 @@ from cdc._libs import libpq_addresses, librdkafka_addresses
 
 log = logging.getLogger(__name__)
 
-# What the C readers call in libpq (cdc/_native.pyx's CopyReader and ChangeReader) and the C producer paths in
-# librdkafka; a library lacking one of them is not used.
+# What the C readers call in libpq (cdc/_native.pyx's CopyReader and ChangeReader); a libpq lacking one of them
+# is not used. The producer's librdkafka functions are cdc._native.LIBRDKAFKA_FUNCTIONS.
 LIBPQ_FUNCTIONS = (
     "PQisnonblocking",
     "PQsetnonblocking",
@@ -36,13 +36,6 @@ LIBPQ_FUNCTIONS = (
     "PQerrorMessage",
     "PQresultErrorMessage",
     "PQresultErrorField",
-)
-LIBRDKAFKA_FUNCTIONS = (
-    "rd_kafka_produce",
-    "rd_kafka_topic_new",
-    "rd_kafka_topic_destroy",
-    "rd_kafka_last_error",
-    "rd_kafka_opaque",
 )
 
 
@@ -89,8 +82,8 @@ def probe() -> list[FastPath]:
         _library(
             "librdkafka producer",
             librdkafka_addresses,
-            LIBRDKAFKA_FUNCTIONS,
-            f"confluent_kafka's librdkafka {libversion()[0]}",
+            getattr(native_module(), "LIBRDKAFKA_FUNCTIONS", ()),
+            f"its own producer on confluent_kafka's librdkafka {libversion()[0]}",
         ),
     ]
 

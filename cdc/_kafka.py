@@ -21,13 +21,11 @@ from confluent_kafka import (
     Producer,
     TopicPartition,
 )
-from confluent_kafka import version as confluent_kafka_version
 from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic
 from confluent_kafka.schema_registry import Schema, SchemaRegistryClient
 from confluent_kafka.schema_registry.error import SchemaRegistryError as _RegistryHTTPError
 
 from cdc._events import native_module
-from cdc._fastpaths import LIBRDKAFKA_FUNCTIONS
 from cdc._libs import librdkafka_addresses
 from cdc._offsets import CaptureState, NewerStateError, OffsetsStateError
 from cdc.errors import AuthenticationError, CDCError, KafkaSetupError, SchemaRegistryError, TransientError
@@ -192,22 +190,34 @@ class Topics:
             )
 
 
-def _direct_producer(producer: Producer) -> Any | None:
-    """cdc._native.DirectProducer on ``producer``'s librdkafka handle, or None (and the events go through
-    ``Producer.produce``) without the C build, with CDC_PURE_PYTHON, or when the library is not found."""
+def _librdkafka_conf(settings: Mapping[str, Any]) -> dict[str, str]:
+    """The producer's settings as librdkafka's strings (what confluent_kafka does with Python values)."""
+    return {
+        key: ("true" if value else "false") if isinstance(value, bool) else str(value)
+        for key, value in settings.items()
+    }
+
+
+def _native_producer(settings: Mapping[str, Any], on_failure: Any) -> tuple[Any, Any] | None:
+    """cdc._native's KafkaProducer on ``settings`` and a DirectProducer on it, or None (confluent_kafka's Producer
+    runs, and the events go through its produce()) without the C build, with CDC_PURE_PYTHON, when librdkafka is
+    not found, or when the settings hold Python callbacks (a ``logger``, say), which only confluent_kafka serves."""
     _native = native_module()
-    # The layout read (the handle first in the Producer object) is that of confluent-kafka 1.x and 2.x.
-    if (
-        _native is None
-        or type(producer) is not Producer
-        or confluent_kafka_version()[0].split(".")[0] not in ("1", "2")
-    ):
+    if _native is None:
+        return None
+    python_values = sorted(
+        key for key, value in settings.items() if callable(value) or isinstance(value, logging.Logger)
+    )
+    if python_values:
+        log.info("the Kafka producer is confluent_kafka's: the settings hold Python callbacks (%s)", python_values)
         return None
     try:
-        return _native.DirectProducer(producer, librdkafka_addresses(LIBRDKAFKA_FUNCTIONS))
-    except (OSError, AttributeError, RuntimeError) as exc:
-        log.info("snapshot events go through confluent_kafka's produce(): %s", exc)
+        symbols = librdkafka_addresses(_native.LIBRDKAFKA_FUNCTIONS)
+    except (OSError, AttributeError) as exc:
+        log.info("the Kafka producer is confluent_kafka's: %s", exc)
         return None
+    producer = _native.KafkaProducer(_librdkafka_conf(settings), symbols, on_failure)
+    return producer, _native.DirectProducer(producer)
 
 
 class TransactionalProducer:
@@ -238,10 +248,15 @@ class TransactionalProducer:
             "delivery.report.only.error": True,
             **conf,
             "transactional.id": transactional_id,
-            # The default delivery callback: produce() then takes positional arguments only (the hot path).
-            "on_delivery": self._on_delivery,
         }
-        self._producer = Producer(settings)
+        # The capture's one transactional producer: cdc._native's own librdkafka producer (whose events C
+        # also produces), else confluent_kafka's. Never both: two with one transactional.id fence each other.
+        native = _native_producer(settings, self._failed)
+        if native is None:
+            # The default delivery callback: produce() then takes positional arguments only (the hot path).
+            self._producer, self._direct = Producer({**settings, "on_delivery": self._on_delivery}), None
+        else:
+            self._producer, self._direct = native
         self._conf = settings
         self._admin_conf = dict(conf)  # what Topics uses: the settings for an AdminClient on the same cluster
         self._errors: list[KafkaError] = []
@@ -254,18 +269,18 @@ class TransactionalProducer:
             self._producer.init_transactions(_TIMEOUT_S)
         except KafkaException as exc:
             raise _kafka_error(exc, "initialising Kafka transactions") from exc
-        # The snapshot's chunks go straight to librdkafka when the C build can (produce_framed).
-        self._direct = _direct_producer(self._producer)
-        # Per topic, the largest event produced by it in the open transaction: its events have no delivery
-        # callback, so this is what says which event a broker refused as too large (_refused_as_too_large).
-        self._direct_largest: dict[str, int] = {}
         self._not_from_c: set[str] = set()  # topics DirectProducer has no handle for: asked and logged once
 
     def _on_delivery(self, err: KafkaError | None, msg: Any) -> None:
+        """confluent_kafka's delivery callback (only failures arrive: delivery.report.only.error)."""
         if err is not None:
-            self._errors.append(err)
-            if err.code() == KafkaError.MSG_SIZE_TOO_LARGE:
-                self._too_large.append((msg.topic(), len(msg.key() or b"") + len(msg.value() or b"")))
+            self._failed(err.code(), msg.topic() or "", len(msg.key() or b"") + len(msg.value() or b""))
+
+    def _failed(self, code: int, topic: str, size: int) -> None:
+        """A failed delivery of an event of ``size`` bytes to ``topic``, whichever producer and path sent it."""
+        self._errors.append(KafkaError(code))
+        if code == KafkaError.MSG_SIZE_TOO_LARGE:
+            self._too_large.append((topic, size))
 
     def _message_too_large(self, topic: str, size: int) -> KafkaSetupError:
         """The operator's error for an event over a size limit: which topic, how large, which limits, the fix.
@@ -304,7 +319,6 @@ class TransactionalProducer:
     def begin(self) -> None:
         self._errors.clear()
         self._too_large.clear()
-        self._direct_largest.clear()
         wait = self._ended_at + self._gap_s - time.monotonic()
         if wait > 0:
             time.sleep(wait)
@@ -333,8 +347,7 @@ class TransactionalProducer:
             except KafkaException as exc:
                 if exc.args[0].code() == KafkaError.MSG_SIZE_TOO_LARGE:  # over the producer's own limit
                     raise self._message_too_large(topic, len(key) + len(value or b"")) from exc
-                code = exc.args[0].code()
-                raise self._refused_as_too_large(code) or _kafka_error(exc, f"producing to {topic!r}") from exc
+                raise self._refused_as_too_large() or _kafka_error(exc, f"producing to {topic!r}") from exc
 
     @property
     def produces_from_c(self) -> bool:
@@ -361,9 +374,7 @@ class TransactionalProducer:
         name = topic.encode()
         at = 0
         while True:
-            at, err, largest = self._direct.produce_packed(name, packed, prefix, suffix, at)
-            if largest > self._direct_largest.get(topic, 0):
-                self._direct_largest[topic] = largest
+            at, err, _ = self._direct.produce_packed(name, packed, prefix, suffix, at)
             if err == 0:
                 self._produced += rows
                 return
@@ -384,7 +395,7 @@ class TransactionalProducer:
         exc = KafkaException(KafkaError(err))
         if err == KafkaError.MSG_SIZE_TOO_LARGE:  # over the producer's own limit
             raise self._message_too_large(topic, size) from exc
-        raise self._refused_as_too_large(err) or _kafka_error(exc, doing) from exc
+        raise self._refused_as_too_large() or _kafka_error(exc, doing) from exc
 
     def replay_target(self, topic: str, plan: Any, parts: tuple[bytes, ...]) -> Any | None:
         """A cdc._native.ReplayTarget for :meth:`replay_changes` (``plan``: the table's TuplePlan, ``parts``:
@@ -424,17 +435,12 @@ class TransactionalProducer:
         return self._direct
 
     def produced_from_c(self, targets: dict[int, Any], count: int = 0) -> None:
-        """``count`` events were produced from C to ``targets`` (ReplayTargets): note the largest per topic, which
-        is what tells which event a broker refused as too large (_refused_as_too_large), and serve the delivery
-        reports now and then, as :meth:`produce` does."""
+        """``count`` events were produced from C to ``targets`` (ReplayTargets): pay the tombstones owed, and
+        serve the delivery reports now and then, as :meth:`produce` does."""
         self._pay_owed(targets)
         before, self._produced = self._produced, self._produced + count
         if before // 16384 != self._produced // 16384:
             self._producer.poll(0)
-        for target in targets.values():
-            name = target.topic.decode()
-            if target.largest > self._direct_largest.get(name, 0):
-                self._direct_largest[name] = target.largest
 
     def _pay_owed(self, targets: dict[int, Any]) -> None:
         """The tombstone of a delete produced from C whose own tombstone librdkafka refused (ReplayTarget.owed):
@@ -444,33 +450,24 @@ class TransactionalProducer:
                 key, target.owed = target.owed, None
                 self.produce(target.topic.decode(), key, None)
 
-    def _refused_as_too_large(self, code: int) -> KafkaSetupError | None:
-        """The size error behind a failed transaction (``code``: the failure's), if the broker refused an event as
-        too large.
+    def _refused_as_too_large(self) -> KafkaSetupError | None:
+        """The size error behind a failed transaction, if the broker refused an event as too large.
 
         Such a refusal makes the open transaction abortable, so the next produce() or the commit fails with a
         generic state error; without this, that error would read as transient and the capture would retry
         the same too-large event for ever (found by the bad-input test). The delivery reports say why.
         """
         self._producer.poll(0)  # serve the delivery reports that arrived with the broker's refusal
-        if self._too_large:
+        if self._too_large:  # every event's failure names its topic and size, from C or not
             topic, size = max(self._too_large, key=lambda found: found[1])
             return self._message_too_large(topic, size)
-        if code != KafkaError.MSG_SIZE_TOO_LARGE or not self._direct_largest:
-            return None
-        # Events produced from C have no delivery callback: the failure's code says a size was refused, and
-        # the topic is the one whose largest event is nearest its limit (over it, or a record batch of
-        # several was: _message_too_large says which).
-        limits = {topic: self._topic_limit(topic) for topic in self._direct_largest}
-        topic = max(self._direct_largest, key=lambda t: self._direct_largest[t] / (limits[t] or 1_048_588))
-        return self._message_too_large(topic, self._direct_largest[topic])
+        return None
 
     def commit(self) -> None:
         try:
             self._producer.commit_transaction(_TIMEOUT_S * 4)
         except KafkaException as exc:
-            code = exc.args[0].code()
-            raise self._refused_as_too_large(code) or _kafka_error(exc, "committing a Kafka transaction") from exc
+            raise self._refused_as_too_large() or _kafka_error(exc, "committing a Kafka transaction") from exc
         self._ended_at = time.monotonic()
         if self._errors:  # commit raises on failed deliveries; this is belt and braces
             raise _kafka_error(KafkaException(self._errors[0]), "delivering a message")

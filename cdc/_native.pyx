@@ -19,7 +19,7 @@ from cpython.ref cimport PyObject, Py_INCREF, Py_XDECREF
 cimport cython
 from cpython.pyport cimport PY_SSIZE_T_MAX
 from libc.stdlib cimport free, malloc, realloc
-from libc.string cimport memcmp, memcpy
+from libc.string cimport memcmp, memcpy, strlen
 
 from schemas._datetime import UNIX_EPOCH_DAYS as _EPOCH_DAYS_PY, UNIX_EPOCH_MICROS as _EPOCH_MICROS_PY
 
@@ -713,27 +713,16 @@ def envelope(
 # --- Producing rows straight through librdkafka ---------------------------------------------------------------
 #
 # confluent_kafka's Producer.produce() costs ~1.4 µs per event in the calling thread, with the GIL held: for a
-# snapshot that was most of what the main thread did. DirectProducer hands a whole chunk of events to the same
-# librdkafka handle (the same transaction and partitioner) from C, without the GIL, so the reader thread reads
-# and encodes the next chunk meanwhile. It relies on one layout of confluent_kafka's C module, unchanged since
-# its first releases and checked at construction (the handle's opaque must be the Producer object itself): the
-# Producer object starts with its rd_kafka_t pointer. Its events carry no per-message state, so their delivery
-# reports cost no GIL round trip (confluent_kafka's callback returns at once for them); a failed delivery fails
-# the transaction's commit, as for any event.
-
-cdef extern from *:
-    """
-    typedef struct { PyObject_HEAD void *rk; } cdc_rk_handle;
-    """
-    ctypedef struct cdc_rk_handle:
-        void *rk
+# snapshot that was most of what the main thread did. DirectProducer hands a whole chunk of events to the
+# capture's librdkafka handle (KafkaProducer's, below: the same transaction and partitioner) from C, without the
+# GIL, so the reader thread reads and encodes the next chunk meanwhile. A failed delivery fails the
+# transaction's commit, as for any event, and is reported with its topic and size (KafkaProducer.on_failure).
 
 ctypedef int (*rk_produce_t)(void *rkt, int32_t partition, int msgflags, void *payload, size_t length,
                              const void *key, size_t keylen, void *msg_opaque) noexcept nogil
 ctypedef void *(*rk_topic_new_t)(void *rk, const char *topic, void *conf) noexcept nogil
 ctypedef void (*rk_topic_destroy_t)(void *rkt) noexcept nogil
 ctypedef int (*rk_last_error_t)() noexcept nogil
-ctypedef void *(*rk_opaque_t)(const void *rk) noexcept nogil
 
 cdef int32_t RD_KAFKA_PARTITION_UA = -1
 cdef int RD_KAFKA_RESP_ERR__FAIL = -196
@@ -770,8 +759,274 @@ cdef class ReplayTarget:
             self.topic_destroy(self.rkt)
 
 
+# --- the capture's own librdkafka producer --------------------------------------------------------------------
+# The C paths above produce on an rd_kafka_t; KafkaProducer makes and owns that handle through librdkafka's
+# public API (rdkafka.h), found in the copy confluent_kafka loaded (cdc/_libs.py), so no other library's objects
+# are read. It is the capture's only transactional producer: two with one transactional.id would fence each
+# other. Its methods are the subset of confluent_kafka.Producer the capture calls, with the same errors
+# (KafkaException around a KafkaError, BufferError for a full queue), so cdc/_kafka.py runs on either.
+
+cdef extern from *:
+    """
+    typedef struct {
+        int err;
+        void *rkt;
+        int32_t partition;
+        void *payload;
+        size_t len;
+        void *key;
+        size_t key_len;
+        int64_t offset;
+        void *_private;
+    } cdc_rk_message;  /* rd_kafka_message_t, as rdkafka.h declares it */
+    typedef struct { int err; size_t size; char *topic; } cdc_failure;
+    typedef struct { cdc_failure *items; size_t n, cap; } cdc_failures;
+    """
+    ctypedef struct cdc_rk_message:
+        int err
+        void *rkt
+        size_t len
+        size_t key_len
+    ctypedef struct cdc_failure:
+        int err
+        size_t size
+        char *topic
+    ctypedef struct cdc_failures:
+        cdc_failure *items
+        size_t n
+        size_t cap
+
+ctypedef void (*rk_dr_msg_cb_t)(void *rk, const cdc_rk_message *msg, void *opaque) noexcept nogil
+ctypedef void *(*rk_conf_new_t)() noexcept nogil
+ctypedef int (*rk_conf_set_t)(void *conf, const char *name, const char *value, char *errstr,
+                              size_t errstr_size) noexcept nogil
+ctypedef void (*rk_conf_destroy_t)(void *conf) noexcept nogil
+ctypedef void (*rk_conf_set_dr_msg_cb_t)(void *conf, rk_dr_msg_cb_t cb) noexcept nogil
+ctypedef void (*rk_conf_set_opaque_t)(void *conf, void *opaque) noexcept nogil
+ctypedef void *(*rk_new_t)(int kind, void *conf, char *errstr, size_t errstr_size) noexcept nogil
+ctypedef void (*rk_destroy_t)(void *rk) noexcept nogil
+ctypedef void *(*rk_txn_t)(void *rk) noexcept nogil
+ctypedef void *(*rk_txn_timed_t)(void *rk, int timeout_ms) noexcept nogil
+ctypedef int (*rk_error_int_t)(const void *error) noexcept nogil
+ctypedef const char *(*rk_error_string_t)(const void *error) noexcept nogil
+ctypedef void (*rk_error_destroy_t)(void *error) noexcept nogil
+ctypedef int (*rk_poll_t)(void *rk, int timeout_ms) noexcept nogil
+ctypedef const char *(*rk_topic_name_t)(const void *rkt) noexcept nogil
+
+cdef int RD_KAFKA_PRODUCER = 0
+cdef int RD_KAFKA_CONF_OK = 0
+cdef int RD_KAFKA_RESP_ERR__QUEUE_FULL = -184
+
+# Every librdkafka function KafkaProducer and DirectProducer call.
+LIBRDKAFKA_FUNCTIONS = (
+    "rd_kafka_conf_new", "rd_kafka_conf_set", "rd_kafka_conf_destroy", "rd_kafka_conf_set_dr_msg_cb",
+    "rd_kafka_conf_set_opaque", "rd_kafka_new", "rd_kafka_destroy", "rd_kafka_init_transactions",
+    "rd_kafka_begin_transaction", "rd_kafka_commit_transaction", "rd_kafka_abort_transaction",
+    "rd_kafka_error_code", "rd_kafka_error_string", "rd_kafka_error_is_fatal", "rd_kafka_error_is_retriable",
+    "rd_kafka_error_txn_requires_abort", "rd_kafka_error_destroy", "rd_kafka_poll", "rd_kafka_flush",
+    "rd_kafka_topic_name", "rd_kafka_produce", "rd_kafka_topic_new", "rd_kafka_topic_destroy",
+    "rd_kafka_last_error",
+)
+
+cdef rk_topic_name_t _topic_name = NULL  # set by the first KafkaProducer: one librdkafka per process
+
+
+cdef void _on_delivery(void *rk, const cdc_rk_message *msg, void *opaque) noexcept nogil:
+    """A failed delivery (delivery.report.only.error: only those arrive), noted for the Python side to read after
+    poll, flush or commit, in the thread that called them. No GIL: it copies the topic's name and the size."""
+    cdef cdc_failures *f = <cdc_failures*>opaque
+    cdef cdc_failure *grown
+    cdef const char *name
+    cdef size_t length
+    if msg.err == 0:
+        return
+    if f.n == f.cap:
+        grown = <cdc_failure*>realloc(f.items, (f.cap * 2 + 16) * sizeof(cdc_failure))
+        if grown == NULL:
+            return  # the transaction's commit fails all the same; only the detail is lost
+        f.items, f.cap = grown, f.cap * 2 + 16
+    name = _topic_name(msg.rkt) if msg.rkt != NULL and _topic_name != NULL else NULL
+    f.items[f.n].err = msg.err
+    f.items[f.n].size = msg.len + msg.key_len
+    f.items[f.n].topic = NULL
+    if name != NULL:
+        length = strlen(name)
+        f.items[f.n].topic = <char*>malloc(length + 1)
+        if f.items[f.n].topic != NULL:
+            memcpy(f.items[f.n].topic, name, length + 1)
+    f.n += 1
+
+
+@cython.no_gc_clear  # __dealloc__ destroys the topic handles it lists before the producer's own handle
+cdef class KafkaProducer:
+    """A librdkafka producer this module owns (see above); ``on_failure(code, topic, size)`` is called for each
+    failed delivery, after the call that served it."""
+
+    cdef void *rk
+    cdef cdc_failures failures
+    cdef object on_failure
+    cdef object kafka_error, kafka_exception
+    cdef dict topics  # name -> rd_kafka_topic_t address, for produce()
+    cdef rk_produce_t produce_
+    cdef rk_topic_new_t topic_new
+    cdef rk_topic_destroy_t topic_destroy
+    cdef rk_last_error_t last_error
+    cdef rk_destroy_t destroy
+    cdef rk_txn_timed_t init_txn, commit_txn, abort_txn
+    cdef rk_txn_t begin_txn
+    cdef rk_error_int_t error_code, error_fatal, error_retriable, error_abortable
+    cdef rk_error_string_t error_string
+    cdef rk_error_destroy_t error_destroy
+    cdef rk_poll_t poll_, flush_
+
+    def __cinit__(self) -> None:
+        self.rk = NULL
+        self.failures.items = NULL
+        self.failures.n = self.failures.cap = 0
+
+    def __init__(self, dict conf not None, dict symbols not None, on_failure: object) -> None:
+        """``conf``: librdkafka's settings as strings; ``symbols``: LIBRDKAFKA_FUNCTIONS' addresses."""
+        global _topic_name
+        from confluent_kafka import KafkaError, KafkaException
+        self.kafka_error, self.kafka_exception, self.on_failure, self.topics = KafkaError, KafkaException, on_failure, {}
+        self._bind(symbols)
+        _topic_name = <rk_topic_name_t><size_t>symbols["rd_kafka_topic_name"]
+        cdef char[512] errstr
+        cdef void *c = (<rk_conf_new_t><size_t>symbols["rd_kafka_conf_new"])()
+        cdef rk_conf_set_t conf_set = <rk_conf_set_t><size_t>symbols["rd_kafka_conf_set"]
+        cdef bytes name, value
+        for key, text in conf.items():
+            name, value = str(key).encode(), str(text).encode()
+            if conf_set(c, name, value, errstr, sizeof(errstr)) != RD_KAFKA_CONF_OK:
+                (<rk_conf_destroy_t><size_t>symbols["rd_kafka_conf_destroy"])(c)
+                raise KafkaException(KafkaError(KafkaError._INVALID_ARG, errstr.decode(errors="replace")))
+        (<rk_conf_set_dr_msg_cb_t><size_t>symbols["rd_kafka_conf_set_dr_msg_cb"])(c, _on_delivery)
+        (<rk_conf_set_opaque_t><size_t>symbols["rd_kafka_conf_set_opaque"])(c, &self.failures)
+        self.rk = (<rk_new_t><size_t>symbols["rd_kafka_new"])(RD_KAFKA_PRODUCER, c, errstr, sizeof(errstr))
+        if self.rk == NULL:  # the configuration stays ours on failure
+            (<rk_conf_destroy_t><size_t>symbols["rd_kafka_conf_destroy"])(c)
+            raise KafkaException(KafkaError(KafkaError._INVALID_ARG, errstr.decode(errors="replace")))
+
+    cdef void _bind(self, dict symbols):
+        self.produce_ = <rk_produce_t><size_t>symbols["rd_kafka_produce"]
+        self.topic_new = <rk_topic_new_t><size_t>symbols["rd_kafka_topic_new"]
+        self.topic_destroy = <rk_topic_destroy_t><size_t>symbols["rd_kafka_topic_destroy"]
+        self.last_error = <rk_last_error_t><size_t>symbols["rd_kafka_last_error"]
+        self.destroy = <rk_destroy_t><size_t>symbols["rd_kafka_destroy"]
+        self.init_txn = <rk_txn_timed_t><size_t>symbols["rd_kafka_init_transactions"]
+        self.begin_txn = <rk_txn_t><size_t>symbols["rd_kafka_begin_transaction"]
+        self.commit_txn = <rk_txn_timed_t><size_t>symbols["rd_kafka_commit_transaction"]
+        self.abort_txn = <rk_txn_timed_t><size_t>symbols["rd_kafka_abort_transaction"]
+        self.error_code = <rk_error_int_t><size_t>symbols["rd_kafka_error_code"]
+        self.error_fatal = <rk_error_int_t><size_t>symbols["rd_kafka_error_is_fatal"]
+        self.error_retriable = <rk_error_int_t><size_t>symbols["rd_kafka_error_is_retriable"]
+        self.error_abortable = <rk_error_int_t><size_t>symbols["rd_kafka_error_txn_requires_abort"]
+        self.error_string = <rk_error_string_t><size_t>symbols["rd_kafka_error_string"]
+        self.error_destroy = <rk_error_destroy_t><size_t>symbols["rd_kafka_error_destroy"]
+        self.poll_ = <rk_poll_t><size_t>symbols["rd_kafka_poll"]
+        self.flush_ = <rk_poll_t><size_t>symbols["rd_kafka_flush"]
+
+    def __dealloc__(self) -> None:
+        cdef size_t i
+        if self.rk != NULL:
+            for address in (self.topics or {}).values():
+                self.topic_destroy(<void*><size_t>address)
+            with nogil:
+                self.destroy(self.rk)  # waits for what is in flight, as confluent_kafka's does
+        for i in range(self.failures.n):
+            free(self.failures.items[i].topic)
+        free(self.failures.items)
+
+    cdef int _check(self, void *error) except -1:
+        """Raises the KafkaException of an rd_kafka_error_t (and frees it); nothing when it is NULL."""
+        if error == NULL:
+            return 0
+        err = self.kafka_error(
+            self.error_code(error),
+            (<bytes>self.error_string(error)).decode(errors="replace"),
+            fatal=bool(self.error_fatal(error)),
+            retriable=bool(self.error_retriable(error)),
+            txn_requires_abort=bool(self.error_abortable(error)),
+        )
+        self.error_destroy(error)
+        raise self.kafka_exception(err)
+
+    cdef void _served(self):
+        """Hands the failed deliveries noted since the last call to ``on_failure``."""
+        cdef size_t i, n = self.failures.n
+        cdef list found = []
+        for i in range(n):
+            topic = (<bytes>self.failures.items[i].topic).decode() if self.failures.items[i].topic != NULL else ""
+            found.append((self.failures.items[i].err, topic, self.failures.items[i].size))
+            free(self.failures.items[i].topic)
+        self.failures.n = 0
+        for code, topic, size in found:
+            self.on_failure(code, topic, size)
+
+    def init_transactions(self, double timeout) -> None:
+        cdef void *error
+        with nogil:
+            error = self.init_txn(self.rk, <int>(timeout * 1000))
+        self._check(error)
+
+    def begin_transaction(self) -> None:
+        self._check(self.begin_txn(self.rk))
+
+    def commit_transaction(self, double timeout) -> None:
+        cdef void *error
+        with nogil:
+            error = self.commit_txn(self.rk, <int>(timeout * 1000))
+        self._served()
+        self._check(error)
+
+    def abort_transaction(self, double timeout) -> None:
+        cdef void *error
+        with nogil:
+            error = self.abort_txn(self.rk, <int>(timeout * 1000))
+        self._served()
+        self._check(error)
+
+    def poll(self, double timeout=0) -> int:
+        cdef int served
+        with nogil:
+            served = self.poll_(self.rk, <int>(timeout * 1000))
+        self._served()
+        return served
+
+    def flush(self, double timeout) -> int:
+        """Waits up to ``timeout`` for the queue to drain; returns how many messages are still in it (0: all
+        delivered or failed, the failures reported)."""
+        cdef int err
+        with nogil:
+            err = self.flush_(self.rk, <int>(timeout * 1000))
+        self._served()
+        return 0 if err == 0 else 1
+
+    def produce(self, str topic not None, value: bytes | None, bytes key not None, int partition=-1) -> None:
+        """One event; BufferError when the local queue is full, KafkaException when librdkafka refuses it."""
+        cdef size_t address = self.topics.get(topic, 0)
+        cdef void *rkt
+        cdef const char *payload = NULL
+        cdef Py_ssize_t length = 0
+        cdef int err
+        if address == 0:
+            rkt = self.topic_new(self.rk, topic.encode(), NULL)
+            if rkt == NULL:
+                raise self.kafka_exception(self.kafka_error(self.last_error()))
+            address = <size_t>rkt
+            self.topics[topic] = address
+        if value is not None:
+            payload, length = PyBytes_AS_STRING(value), PyBytes_GET_SIZE(value)
+        if self.produce_(<void*>address, partition, RD_KAFKA_MSG_F_COPY, <void*>payload, length,
+                         PyBytes_AS_STRING(key), PyBytes_GET_SIZE(key), NULL) == -1:
+            err = self.last_error()
+            if err == RD_KAFKA_RESP_ERR__QUEUE_FULL:
+                raise BufferError("Local: Queue full")
+            raise self.kafka_exception(self.kafka_error(err))
+
+
 cdef class DirectProducer:
-    """Produces (key, prefix + record + suffix) events on a confluent_kafka Producer's librdkafka handle."""
+    """Produces (key, prefix + record + suffix) events from C on a KafkaProducer's librdkafka handle."""
 
     cdef void *rk
     cdef object producer
@@ -781,17 +1036,12 @@ cdef class DirectProducer:
     cdef rk_last_error_t last_error
     cdef Py_ssize_t refused_size
 
-    def __init__(self, producer: object, symbols: dict) -> None:
-        """``symbols``: the addresses of rd_kafka_produce, rd_kafka_topic_new, rd_kafka_topic_destroy,
-        rd_kafka_last_error and rd_kafka_opaque in the librdkafka that ``producer`` runs on."""
-        cdef rk_opaque_t opaque = <rk_opaque_t><size_t>symbols["rd_kafka_opaque"]
-        self.produce = <rk_produce_t><size_t>symbols["rd_kafka_produce"]
-        self.topic_new = <rk_topic_new_t><size_t>symbols["rd_kafka_topic_new"]
-        self.topic_destroy = <rk_topic_destroy_t><size_t>symbols["rd_kafka_topic_destroy"]
-        self.last_error = <rk_last_error_t><size_t>symbols["rd_kafka_last_error"]
-        self.rk = (<cdc_rk_handle*><PyObject*>producer).rk
-        if self.rk == NULL or opaque(self.rk) != <void*>producer:
-            raise RuntimeError("this confluent_kafka Producer's layout is not the one DirectProducer reads")
+    def __init__(self, KafkaProducer producer not None) -> None:
+        self.rk = producer.rk
+        self.produce = producer.produce_
+        self.topic_new = producer.topic_new
+        self.topic_destroy = producer.topic_destroy
+        self.last_error = producer.last_error
         self.producer = producer  # keeps the handle alive as long as this
 
     def produce_packed(self, bytes topic not None, bytes packed not None, bytes prefix not None,
