@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from common.errors import CDCError
 from sinks._api import PartitionSink, Rebuildable, SinkContext
 from sinks._metrics import SinkMetrics
 from sinks._plugins import load
@@ -396,7 +397,7 @@ class _Supervisor:
             self._start(name)
             return
         full = _state_disk_full(self.settings, name, error)
-        if full is not None:  # terminal for the whole app: see sinks.errors.StateDiskFullError
+        if full is not None:  # terminal for the whole app: see common.errors.StateDiskFullError
             self.metrics.running.labels(name).set(0)
             raise full
         missing = _missing_module(error)
@@ -477,15 +478,18 @@ def _state_disk_full(settings: SinkSettings, name: str, error: Any) -> StateDisk
     )
 
 
-# The last line of a Python traceback: "sinks.errors.SinkTransientError: Redis refused …".
+# The last line of a Python traceback: "common.errors.SinkTransientError: Redis refused …".
 _RAISED = re.compile(r"^(?P<type>[A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt)): (?P<message>.*)$")
+
+
+_OURS = CDCError.__module__ + "."  # where our error classes live, as a traceback names them
 
 
 def _raised_by(error: Any) -> str | None:
     """What one of our errors (sinks.errors) said, when it ended a batch: Spark wraps it in a Python traceback."""
     lines = str(error).splitlines() if error is not None else []
     raised = [m for m in map(_RAISED.match, lines) if m is not None]
-    if raised and raised[-1]["type"].startswith("sinks.errors."):
+    if raised and raised[-1]["type"].startswith(_OURS):
         return raised[-1]["message"]
     return None
 

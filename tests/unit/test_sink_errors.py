@@ -10,7 +10,7 @@ import pytest
 
 from sinks._config import SinkSettings
 from sinks._runner import _short, _state_disk_full
-from sinks.errors import SinkTerminalError, StateDiskFullError
+from sinks.errors import SinkTerminalError, SinkTransientError, StateDiskFullError
 
 # What str() of Spark's StreamingQueryException holds when a batch raised one of our errors.
 _WRAPPED = """An exception was raised by the Python Proxy. Return Message: Traceback (most recent call last):
@@ -23,8 +23,8 @@ The above exception was the direct cause of the following exception:
 Traceback (most recent call last):
   File "/work/main/sinks/_cache.py", line 190, in _call
     raise SinkTransientError(
-sinks.errors.SinkTransientError: Redis refused the credentials of sinks.cache.url (invalid …); check them
-"""
+{TYPE}: Redis refused the credentials of sinks.cache.url (invalid …); check them
+""".replace("{TYPE}", f"{SinkTransientError.__module__}.{SinkTransientError.__qualname__}")  # as Python prints it
 
 
 def test_a_batch_that_raised_our_error_is_summed_up_by_its_message() -> None:
@@ -35,7 +35,7 @@ def test_other_errors_keep_their_first_line() -> None:
     assert _short("[STREAM_FAILED] Query q terminated with exception: boom\nat x") == (
         "[STREAM_FAILED] Query q terminated with exception: boom"
     )
-    assert _short(_WRAPPED.replace("sinks.errors.", "mypackage.")).startswith("An exception was raised")
+    assert _short(_WRAPPED.replace(SinkTransientError.__module__, "mypackage")).startswith("An exception was raised")
     assert _short(None) == "stopped"
 
 
