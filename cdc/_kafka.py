@@ -374,7 +374,7 @@ class TransactionalProducer:
         name = topic.encode()
         at = 0
         while True:
-            at, err, _ = self._direct.produce_packed(name, packed, prefix, suffix, at)
+            at, err = self._direct.produce_packed(name, packed, prefix, suffix, at)
             if err == 0:
                 self._produced += rows
                 return

@@ -734,7 +734,7 @@ cdef class ReplayTarget:
     """One table's Insert, Update and Delete events produced from C in one transaction
     (DirectProducer.replay_changes, ChangeReader.live_changes): the table version's TuplePlan, its topic, and the
     constant parts of its events in that transaction, as TableCodec.event_parts gives them. ``inserts``,
-    ``updates``, ``deletes`` and ``largest`` accumulate what was produced for it. ``owed``: the key of a delete
+    ``updates`` and ``deletes`` count what was produced for it. ``owed``: the key of a delete
     whose event was produced but whose tombstone librdkafka refused (its queue full), else None — the caller
     produces that tombstone before anything else (DirectProducer._change)."""
 
@@ -747,7 +747,6 @@ cdef class ReplayTarget:
     cdef public Py_ssize_t inserts
     cdef public Py_ssize_t updates
     cdef public Py_ssize_t deletes
-    cdef public Py_ssize_t largest
     cdef public object owed
 
     def __cinit__(self) -> None:
@@ -972,19 +971,19 @@ cdef class KafkaProducer:
     def begin_transaction(self) -> None:
         self._check(self.begin_txn(self.rk))
 
-    def commit_transaction(self, double timeout) -> None:
+    cdef int _end(self, rk_txn_timed_t end, double timeout) except -1:
+        """Commits or aborts (``end``), then hands on the failed deliveries it served, then its own error."""
         cdef void *error
         with nogil:
-            error = self.commit_txn(self.rk, <int>(timeout * 1000))
+            error = end(self.rk, <int>(timeout * 1000))
         self._served()
-        self._check(error)
+        return self._check(error)
+
+    def commit_transaction(self, double timeout) -> None:
+        self._end(self.commit_txn, timeout)
 
     def abort_transaction(self, double timeout) -> None:
-        cdef void *error
-        with nogil:
-            error = self.abort_txn(self.rk, <int>(timeout * 1000))
-        self._served()
-        self._check(error)
+        self._end(self.abort_txn, timeout)
 
     def poll(self, double timeout=0) -> int:
         cdef int served
@@ -994,8 +993,8 @@ cdef class KafkaProducer:
         return served
 
     def flush(self, double timeout) -> int:
-        """Waits up to ``timeout`` for the queue to drain; returns how many messages are still in it (0: all
-        delivered or failed, the failures reported)."""
+        """Waits up to ``timeout`` for the queue to drain: 0 when it did (each event delivered or its failure
+        reported), else 1 (confluent_kafka's returns the count left; callers only compare it with 0)."""
         cdef int err
         with nogil:
             err = self.flush_(self.rk, <int>(timeout * 1000))
@@ -1049,9 +1048,9 @@ cdef class DirectProducer:
         """Produces the events (key, prefix + record + suffix) of ``packed`` (TuplePlan.encode_copy_packed) from
         byte offset ``start`` on, each to the partition the producer's partitioner picks for its key, until one
         is refused. Returns (the offset of the first row not produced, len(packed) when all were; librdkafka's
-        error code for it, 0 when none; the size of the largest event produced, key included)."""
+        error code for it, 0 when none)."""
         cdef const unsigned char *p = <const unsigned char*>PyBytes_AS_STRING(packed)
-        cdef Py_ssize_t size = PyBytes_GET_SIZE(packed), at, reclen, keylen, longest = 0, largest = 0, plen, slen
+        cdef Py_ssize_t size = PyBytes_GET_SIZE(packed), at, reclen, keylen, longest = 0, plen, slen
         cdef char *buf = NULL
         cdef void *rkt
         cdef int err = 0
@@ -1065,7 +1064,7 @@ cdef class DirectProducer:
             if reclen > longest:
                 longest = reclen
         if start == size:
-            return start, 0, 0
+            return start, 0
         plen, slen = PyBytes_GET_SIZE(prefix), PyBytes_GET_SIZE(suffix)
         buf = <char*>malloc(plen + longest + slen)
         if buf == NULL:
@@ -1075,7 +1074,7 @@ cdef class DirectProducer:
             rkt = self.topic_new(self.rk, ctopic, NULL)
             if rkt == NULL:
                 err = self.last_error()
-                return start, (err if err != 0 else RD_KAFKA_RESP_ERR__FAIL), 0
+                return start, (err if err != 0 else RD_KAFKA_RESP_ERR__FAIL)
             at = start
             with nogil:
                 while at < size:
@@ -1086,11 +1085,9 @@ cdef class DirectProducer:
                                     p + at + 8 + reclen, keylen, NULL) == -1:
                         err = self.last_error()
                         break
-                    if keylen + reclen > largest:
-                        largest = keylen + reclen
                     at += 8 + reclen + keylen
                 self.topic_destroy(rkt)
-            return at, err, (largest + plen + slen if at > start else 0)
+            return at, err
         finally:
             free(buf)
 
@@ -1177,8 +1174,6 @@ cdef class DirectProducer:
                         PyBytes_AS_STRING(key), keylen, NULL) == -1:
             self.refused_size = keylen + b.n
             return -1
-        if keylen + b.n > t.largest:
-            t.largest = keylen + b.n
         if kind == 73:
             t.inserts += 1
         elif kind == 85:

@@ -4,6 +4,8 @@ package implements it (the error tree lives in common/errors.py; cdc.errors and 
 from __future__ import annotations
 
 import importlib
+from importlib.metadata import entry_points
+from pathlib import Path
 
 import pytest
 
@@ -76,7 +78,12 @@ def test_one_root_with_one_transient_and_one_terminal_branch() -> None:
         assert not (issubclass(cls, e.TransientError) and issubclass(cls, e.TerminalError)), name
 
 
-def test_the_command_and_spark_app_are_where_the_packaging_says() -> None:
-    """``cdc`` (pyproject's script) and ``spark-submit``'s file resolve to the application layer."""
-    assert callable(importlib.import_module("pgcdc.cli").main)
-    assert callable(importlib.import_module("pgcdc.spark_app").main)
+def test_the_command_and_spark_app_are_where_the_packaging_says(capsys: pytest.CaptureFixture[str]) -> None:
+    """The installed ``cdc`` script runs the application layer's main, and ``cdc sinks spark-app`` names a file
+    that exists and runs it too."""
+    (script,) = entry_points(group="console_scripts", name="cdc")
+    assert script.load() is importlib.import_module("pgcdc.cli").main
+    assert importlib.import_module("pgcdc.cli").main(["sinks", "spark-app"]) == 0
+    app = Path(capsys.readouterr().out.strip())
+    assert app.is_file()
+    assert app.resolve() == Path(importlib.import_module("pgcdc.spark_app").__file__ or "").resolve()

@@ -19,8 +19,7 @@ from typing import Any
 
 from pgcdc_dev import CHECKOUT
 
-ROOT = CHECKOUT
-_PACKAGED = tuple(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+_PACKAGED = tuple(tomllib.loads((CHECKOUT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
 
 
 @dataclass(frozen=True)
@@ -95,17 +94,17 @@ def pgcdc_pex(cache: Path) -> Path:
     ``--inherit-path=fallback`` keeps).
     """
     digest = hashlib.sha256()
-    for path in sorted(p for d in _PACKAGED for p in (ROOT / d).rglob("*") if p.is_file() and _shipped(p)):
-        digest.update(str(path.relative_to(ROOT)).encode() + b"\0" + path.read_bytes())
+    for path in sorted(p for d in _PACKAGED for p in (CHECKOUT / d).rglob("*") if p.is_file() and _shipped(p)):
+        digest.update(str(path.relative_to(CHECKOUT)).encode() + b"\0" + path.read_bytes())
     for name in ("pyproject.toml", "setup.py"):
-        digest.update((ROOT / name).read_bytes())
+        digest.update((CHECKOUT / name).read_bytes())
     out = cache / "pex" / f"pgcdc-{digest.hexdigest()[:16]}.pex"
     if out.exists():
         return out
     pex = Path(sys.executable).parent / "pex"
     with tempfile.TemporaryDirectory(dir=cache) as tmp:
         wheels = Path(tmp) / "wheels"
-        _run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", str(ROOT), "-w", str(wheels)])
+        _run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", str(CHECKOUT), "-w", str(wheels)])
         built = Path(tmp) / "pgcdc.pex"
         _run([str(pex), "-f", str(wheels), "pgcdc[sinks]", "--exclude", "pyspark", "--exclude", "delta-spark",
               "--inherit-path=fallback", "--python", sys.executable, "-o", str(built)])  # fmt: skip
