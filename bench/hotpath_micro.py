@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         for r in raw:
             frame = parse_copy_data(r)
             data = bytes(frame.payload)  # type: ignore[union-attr]
-            after, key, unchanged, _ = c.encode_tuple(data, 6)
+            after, key, unchanged, _ = c.encoder.encode(data, 6)
             pos = Position(pos0.commit_lsn, frame.start_lsn, pos0.commit_time_us, pos0.xid)  # type: ignore[union-attr]
             produce((c.topic, key, envelope("c", pos, before=None, after=after, unchanged=unchanged, now_us=now_us)))
 

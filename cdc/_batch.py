@@ -54,10 +54,6 @@ class BatchWriter(Protocol):
 
     def produce(self, topic: str, key: bytes, value: bytes | None, partition: int | None = None) -> None: ...
 
-    def produce_framed(
-        self, topic: str, keys: list[bytes], records: list[bytes], prefix: bytes, suffix: bytes
-    ) -> None: ...
-
     def produce_packed(self, topic: str, packed: bytes, rows: int, prefix: bytes, suffix: bytes) -> None: ...
 
     def commit(self, state: CaptureState) -> None:
@@ -136,15 +132,8 @@ class KafkaBatchWriter:
         self.producer.produce(topic, key, value, partition)
         self.events += 1
 
-    def produce_framed(self, topic: str, keys: list[bytes], records: list[bytes], prefix: bytes, suffix: bytes) -> None:
-        """The events (keys[i], prefix + records[i] + suffix)."""
-        if not self.in_batch:
-            self.begin()
-        self.producer.produce_framed(topic, keys, records, prefix, suffix)
-        self.events += len(keys)
-
     def produce_packed(self, topic: str, packed: bytes, rows: int, prefix: bytes, suffix: bytes) -> None:
-        """The ``rows`` events of ``packed`` (TuplePlan.encode_copy_packed)."""
+        """The ``rows`` events of ``packed`` (RowEncoder.encode_copy_packed)."""
         if not self.in_batch:
             self.begin()
         self.producer.produce_packed(topic, packed, rows, prefix, suffix)

@@ -1,34 +1,33 @@
 """A transaction's changes as Kafka events: live from the stream, or replayed from a streamed transaction's
 spill; rows encoded by the table's codec, written through the batch writer.
 
-The fast path (fast_change, and the runs of changes produced from C by more_changes and replay) takes Insert,
-Update and Delete frames as they arrive, without decoding them into messages; anything it does not take goes
-the general way (apply), which also diagnoses what is wrong with a change. docs/design/capture-hot-path.md
-says what each costs and why it is built this way."""
+Insert, Update and Delete frames are encoded as they arrive, without decoding them into messages, by the
+table's row encoder (cdc._encoder): one at a time (fast_change), or in runs produced from C (more_changes,
+replay). A frame the C encoder refuses goes to the Python encoder (change), which takes it or says what is wrong
+with it. docs/design/capture-hot-path.md says what each costs and why it is built this way."""
 
 from __future__ import annotations
 
 import struct
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from cdc._attach import Attached, CaptureContext
 from cdc._batch import KafkaBatchWriter
+from cdc._encoder import Encoded
 from cdc._events import Position, TableCodec
 from cdc._replication import ReplicationConnection
 from cdc._spill import SPILL_HEAD, SPILL_READ, Spill
 from cdc.errors import StreamError
 from decoders import (
     XLOG_PAYLOAD_AT,
-    Delete,
-    Insert,
     LogicalMessage,
     PgOutputDecoder,
     Relation,
     StreamCommit,
     Truncate,
-    Update,
     format_lsn,
 )
 from schemas import (
@@ -44,6 +43,9 @@ FAST_KINDS = frozenset(b"IUD")  # Insert, Update, Delete: the frames fast_change
 _PAYLOAD_AT = XLOG_PAYLOAD_AT
 _OLD_TUPLE = frozenset(b"KO")
 _NEW_TUPLE = ord("N")
+_INSERT, _DELETE = ord("I"), ord("D")
+# _read_change's result: before, the old key, after, the key, the unchanged TOAST fields
+_Read = tuple[bytes | None, bytes | None, bytes | None, bytes | None, list[str] | None]
 _U32 = struct.Struct(">I").unpack_from
 _STREAM_START = struct.Struct(">BIB")  # 'S', xid, first segment
 
@@ -186,7 +188,8 @@ class ChangeWriter:
                 at += SPILL_HEAD.size + length
                 if aborted and _U32(data, 1)[0] in aborted:
                     continue
-                if data[0] in FAST_KINDS and self.fast_change(data, change_lsn, streamed=True):
+                if data[0] in FAST_KINDS:
+                    self.change(data, change_lsn, streamed=True)
                     if from_c:  # the table's next ones from C
                         relid = _U32(data, 5)[0]
                         if relid not in targets:
@@ -306,46 +309,50 @@ class ChangeWriter:
     def fast_change(self, data: bytes, lsn: int, start: int = 0, streamed: bool = False) -> bool:
         """An Insert, Update or Delete message at ``start`` of ``data`` (live, or replayed from a streamed
         transaction's spill: ``streamed``, an xid after the type byte) straight to Kafka, as a change of the
-        transaction :meth:`begin` began.
+        transaction :meth:`begin` began, by the table's row encoder.
 
-        The same events as decode + :meth:`apply`, without building messages and row dicts
-        (TableCodec.encode_tuple). Returns False, having done nothing, for anything it does not take (a relation
-        whose codec is not built yet, a missing key, a malformed or unconvertible frame): the general path then
-        handles that frame and reports errors with the full diagnosis.
+        Returns False, having done nothing, for anything it does not take (a relation whose codec is not built
+        yet, a missing key, a malformed or unconvertible frame): :meth:`change` then handles that frame.
         """
-        kind = data[start]
         at = start + 5 if streamed else start + 1
-        if len(data) < at + 4:  # cut before its relation id: the general path says what is wrong
+        if len(data) < at + 4:  # cut before its relation id: change() says what is wrong
             return False
         relid = _U32(data, at)[0]
         # A streamed transaction's own schema first (set while its spill is replayed), as in _codec.
         codec = self._stream_codecs.get(relid) if relid in self._stream_relations else self._codecs.get(relid)
         if codec is None:
             return False
-        at += 4
         try:
-            before = old_key = None
-            if kind != 73 and data[at] in _OLD_TUPLE:  # Update/Delete: the old key ('K') or row ('O')
-                before, old_key, _, at = codec.encode_tuple(data, at + 1)
-                if old_key is None:
-                    return False
-            if kind == 68:  # Delete
-                if before is None or at != len(data):
-                    return False
-                self._delete(codec, lsn, old_key, before)  # type: ignore[arg-type]
-                return True
-            if data[at] != _NEW_TUPLE:
-                return False
-            after, key, unchanged, at = codec.encode_tuple(data, at + 1)
-            if key is None or at != len(data):
-                return False
-        except Exception:  # malformed or unconvertible: the general path diagnoses it
+            read = _read_change(codec.encoder.encode, data, start, at + 4)
+        except Exception:  # malformed, unconvertible, no key: change() takes it or says why
             return False
-        if kind == 73:
-            self._insert(codec, lsn, key, after, unchanged)
-        else:
-            self._update(codec, lsn, (old_key, key), before, after, unchanged=unchanged)
+        self._write(codec, lsn, data[start], read)
         return True
+
+    def change(self, data: bytes, lsn: int, start: int = 0, streamed: bool = False) -> None:
+        """:meth:`fast_change`, for any Insert, Update or Delete: the table's codec is built if it is not yet,
+        and a change the row encoder refuses goes through the Python encoder, which takes it (the C encoder
+        refuses a few rare forms) or says what is wrong with it (StreamError: the column, a missing key)."""
+        if self.fast_change(data, lsn, start, streamed):
+            return
+        at = start + 5 if streamed else start + 1
+        try:
+            codec = self._codec(_U32(data, at)[0])
+            if self.fast_change(data, lsn, start, streamed):  # its codec is built now
+                return
+            read = _read_change(codec.python_encoder.encode_keyed, data, start, at + 4)
+        except (ValueError, IndexError, struct.error) as exc:  # an unconvertible value, a missing key: stop
+            raise StreamError(f"cannot capture the change at LSN {format_lsn(lsn)}: {exc}") from exc
+        self._write(codec, lsn, data[start], read)
+
+    def _write(self, codec: TableCodec, lsn: int, kind: int, read: _Read) -> None:
+        before, old_key, after, key, unchanged = read
+        if kind == _DELETE:
+            self._delete(codec, lsn, old_key, before)  # type: ignore[arg-type]
+        elif kind == _INSERT:
+            self._insert(codec, lsn, key, after, unchanged)  # type: ignore[arg-type]
+        else:
+            self._update(codec, lsn, (old_key, key), before, after, unchanged=unchanged)  # type: ignore[arg-type]
 
     def _insert(self, codec: TableCodec, lsn: int, key: bytes, after: bytes, unchanged: list[str] | None) -> None:
         self._metrics.count(codec.topic, "c")
@@ -406,16 +413,14 @@ class ChangeWriter:
         self._produce(codec.topic, key, value)
         self._produce(codec.topic, key, None)
 
-    def apply(self, msg: Insert | Update | Delete | Truncate | LogicalMessage, lsn: int) -> None:
-        """A change (or a transactional logical message) at ``lsn`` of the transaction :meth:`begin` began, the
-        general way: decoded, then converted column by column."""
+    def apply(self, msg: Truncate | LogicalMessage, lsn: int) -> None:
+        """A truncate or a transactional logical message at ``lsn`` of the transaction :meth:`begin` began (row
+        changes go through :meth:`change`)."""
         try:
             if isinstance(msg, LogicalMessage):
                 self._message(msg, replace(self._pos, lsn=lsn), self._now_us)
-            elif isinstance(msg, Truncate):
-                self._truncate(msg, lsn)
             else:
-                self._apply_row(msg, lsn)
+                self._truncate(msg, lsn)
         except (ValueError, IndexError) as exc:  # an unconvertible value, a missing key: stop, ack nothing
             raise StreamError(f"cannot capture the change at LSN {format_lsn(lsn)}: {exc}") from exc
 
@@ -441,21 +446,30 @@ class ChangeWriter:
             for partition in range(self._attached.topics.ensure(truncated.topic)):
                 self._produce(truncated.topic, truncated.truncate_key, value, partition)
 
-    def _apply_row(self, msg: Insert | Update | Delete, lsn: int) -> None:
-        codec = self._codec(msg.relid)
-        if isinstance(msg, Insert):
-            after, unchanged = codec.row(msg.new)
-            self._insert(codec, lsn, codec.key_of(after), codec.encode_row(after), unchanged)
-        elif isinstance(msg, Update):
-            after, unchanged = codec.row(msg.new)
-            before = codec.row(msg.old)[0] if msg.old is not None else None
-            old_key = None if before is None else codec.key_of(before)
-            encoded = None if before is None else codec.encode_row(before)
-            keys = (old_key, codec.key_of(after))
-            self._update(codec, lsn, keys, encoded, codec.encode_row(after), unchanged=unchanged)
-        else:
-            before = codec.row(msg.old)[0]
-            self._delete(codec, lsn, codec.key_of(before), codec.encode_row(before))
+
+def _read_change(encode: Callable[..., Encoded], data: bytes, start: int, at: int) -> _Read:
+    """The rows of the Insert, Update or Delete message at ``start`` of ``data`` whose tuples begin at ``at``,
+    encoded by ``encode``: (before, the old key, after, the key, the unchanged TOAST fields), the old ones None
+    when the message has no old tuple, the new ones None for a Delete. Raises ValueError on anything else."""
+    kind = data[start]
+    before = old_key = None
+    if kind != _INSERT and data[at] in _OLD_TUPLE:  # Update/Delete: the old key ('K') or row ('O')
+        before, old_key, _, at = encode(data, at + 1)
+        if old_key is None:
+            raise ValueError("the old row has no key")
+    if kind == _DELETE:
+        if before is None:
+            raise ValueError("a Delete without its old key or row")
+        after = key = unchanged = None
+    else:
+        if data[at] != _NEW_TUPLE:
+            raise ValueError(f"the new row's marker is {data[at]:#04x}, not 'N'")
+        after, key, unchanged, at = encode(data, at + 1)
+        if key is None:
+            raise ValueError("the new row has no key")
+    if at != len(data):
+        raise ValueError(f"{len(data) - at} bytes after the change's rows")
+    return before, old_key, after, key, unchanged
 
 
 __all__ = ["FAST_KINDS", "ChangeWriter"]

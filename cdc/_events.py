@@ -7,12 +7,12 @@ per-row path does no lookups.
 
 from __future__ import annotations
 
-import os
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from cdc._encoder import EncoderSpec, KeyMissingError, PythonRowEncoder, RowEncoder, make_encoder, native_module
 from decoders import TupleData
 from schemas import (
     AvroMapping,
@@ -32,26 +32,10 @@ if TYPE_CHECKING:
     from cdc._catalog import TypeResolver
     from cdc._config import Settings
 
-try:  # the C build of encode_tuple (cdc/_native.pyx); optional: without it the Python one runs
-    from cdc import _native  # type: ignore[attr-defined]
-except ImportError:  # pragma: no cover - depends on how the package was built
-    _native = None
-
 _FRAME = struct.Struct(">bI")
-_TEXT, _BINARY, _NULL, _UNCHANGED = ord("t"), ord("b"), ord("n"), ord("u")
-_U16 = struct.Struct(">H").unpack_from
-_U32 = struct.Struct(">I").unpack_from
-_I16 = struct.Struct(">h").unpack_from
-_I32 = struct.Struct(">i").unpack_from
-# How encode_tuple writes a binary column: through its converter and field writer, or straight from the frame.
-_GENERIC, _ZIGZAG, _UTF8 = 0, 1, 2
-_INT_READERS = {code: struct.Struct(">" + code).unpack for code in ("h", "i", "q", "I")}
+_TEXT, _BINARY, _UNCHANGED = ord("t"), ord("b"), ord("u")
 
 Converter = Callable[[bytes], Any]
-
-
-class KeyMissingError(ValueError):
-    """A change did not carry its key columns (the capture turns this into a StreamError)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,26 +102,13 @@ class TableCodec:
         self.value_id = register(f"{topic}-value", self.value_schema)
         self._key_frame = _FRAME.pack(0, self.key_id)
         self._value_frame = _FRAME.pack(0, self.value_id)
-        # The hot path writes Avro itself (schemas.compile_writer); fastavro would resolve the whole envelope
-        # schema for every event, which costs more than everything else per row together.
+        # Rows from the wire are encoded by the table's RowEncoder (cdc._encoder); these dict writers serve the
+        # events made of decoded values (truncates, the re-snapshot's deletes, the tests' oracle).
         self._write_key = compile_writer(self.key_schema)
         value_record = self.value_schema["fields"][0]["type"][1]
-        self._write_row = compile_writer(value_record)  # the Value record
-        # encode_tuple's plan: per column how to write a binary value, its reader, its field writer.
-        self._field_writers = tuple(compile_field_writers(value_record))
-        self._fast_kinds = tuple(_fast_kind(m) for m in mappings)
-        self._int_readers = tuple(_INT_READERS.get(m.fixed or "") for m in mappings)
-        self._plan: Any = None
-        if native_enabled():
-            self._plan = _native.TuplePlan(
-                [_native_wire(m) for m in mappings],
-                self._text,
-                self._binary,
-                self._field_writers,
-                self.field_names,
-                self.key_indexes,
-                self._key_frame,
-            )
+        self._write_row = compile_writer(value_record)
+        self.encoder, self.python_encoder = self._encoders(mappings, compile_field_writers(value_record))
+        self._native = native_module()  # the C envelope, when there is a C build
         self._source_head = _strings(source.version, "postgresql", source.name)
         self._source_db = _strings(source.db)
         self._source_table = _strings(schema, table)
@@ -188,121 +159,22 @@ class TableCodec:
         self._write_key(record, out)
         return bytes(out)
 
-    def encode_tuple(
-        self, data: bytes, pos: int, *, copy_modes: bytes | None = None
-    ) -> tuple[bytes, bytes | None, list[str], int]:
-        """A pgoutput TupleData at ``pos`` of ``data`` straight to Avro (see :meth:`encode_tuple_python`): by
-        the C build of this codec when there is one, else by the Python one."""
-        if self._plan is not None:
-            return self._plan.encode(data, pos, copy_modes)  # type: ignore[no-any-return]
-        return self.encode_tuple_python(data, pos, copy_modes=copy_modes)
-
-    def encode_copy(self, data: bytes, copy_modes: bytes) -> tuple[list[bytes], list[bytes]] | None:
-        """cdc._snapshot.encode_copy_rows of a chunk by the C build (one call per chunk); None without it."""
-        if self._plan is None:
-            return None
-        packed, _ = self._plan.encode_copy_packed(data, copy_modes)
-        return _native.packed_rows(packed)  # type: ignore[no-any-return]
-
-    def encode_copy_packed(self, data: bytes, copy_modes: bytes) -> tuple[bytes, int] | None:
-        """:meth:`encode_copy` packed into one bytes object (TuplePlan.encode_copy_packed: per row its record's and
-        key's lengths, the record, the key) and the number of rows; None without the C build. What the snapshot
-        hands to a producer that produces from C."""
-        if self._plan is None:
-            return None
-        return self._plan.encode_copy_packed(data, copy_modes)  # type: ignore[no-any-return]
-
-    def encode_tuple_python(
-        self, data: bytes, pos: int, *, copy_modes: bytes | None = None
-    ) -> tuple[bytes, bytes | None, list[str], int]:
-        """A pgoutput TupleData at ``pos`` of ``data`` straight to Avro: the capture's fast path.
-
-        Returns the Value record's bytes (what ``write_row(row(tup)[0])`` writes), the framed key (what
-        ``key_of`` returns; None when a key column is null or unchanged), the unchanged TOAST fields, and
-        the position after the tuple. The key is cut from the record: Key's fields are Value's key fields with
-        the same types, so their encodings are the same bytes. Raises on anything malformed or unconvertible
-        (struct.error, IndexError, ValueError…) before any side effect: the caller then decodes the frame the
-        slow way, which fails with the full diagnosis or succeeds.
-
-        ``copy_modes``: read a row of binary COPY instead (the snapshot): Int16 field count, then per field
-        an Int32 length (-1: NULL) and the value, in the format ``copy_modes[i]`` says (ord "b" or "t"). The
-        row may have more fields than the table has columns; the position returned is after the columns'.
-        """
-        if copy_modes is None:
-            (ncols,) = _U16(data, pos)
-            if ncols != len(self.columns):
-                raise ValueError("column count differs from the relation's")
-        else:
-            ncols = len(self.columns)
-            if _I16(data, pos)[0] < ncols:
-                raise ValueError("the COPY row has fewer fields than the table columns")
-        pos += 2
-        out = bytearray()
-        marks: list[int] = []
-        unchanged: list[str] = []
-        fast, ints, writers = self._fast_kinds, self._int_readers, self._field_writers
-        for i in range(ncols):
-            marks.append(len(out))
-            if copy_modes is None:
-                kind = data[pos]
-                if kind in (_BINARY, _TEXT):
-                    (length,) = _U32(data, pos + 1)
-                    start = pos + 5
-                else:
-                    start = length = 0
-                    pos += 1
-            else:
-                (length,) = _I32(data, pos)
-                start = pos + 4
-                if length < 0:
-                    kind, length = _NULL, 0
-                    pos = start
-                else:
-                    kind = copy_modes[i]
-            if kind == _BINARY:
-                pos = start + length
-                raw = data[start:pos]
-                if len(raw) != length:
-                    raise ValueError("truncated column")
-                how = fast[i]
-                if how == _ZIGZAG:
-                    n = ints[i](raw)[0]  # type: ignore[misc]
-                    out.append(2)
-                    if 0 <= n < 64:
-                        out.append(n << 1)
-                    else:
-                        write_long(n, out)
-                elif how == _UTF8:
-                    if not raw.isascii():
-                        raw.decode()  # PostgreSQL sends the database's encoding: Avro strings must be UTF-8
-                    out.append(2)
-                    write_long(length, out)
-                    out += raw
-                else:
-                    conv = self._binary[i]
-                    if conv is None:
-                        raise ValueError("binary value without a binary reader")
-                    writers[i](conv(raw), out)
-            elif kind == _NULL:
-                out.append(0)
-            elif kind == _UNCHANGED:
-                out.append(0)
-                unchanged.append(self.field_names[i])
-            elif kind == _TEXT:
-                pos = start + length
-                raw = data[start:pos]
-                if len(raw) != length:
-                    raise ValueError("truncated column")
-                writers[i](self._text[i](raw), out)
-            else:
-                raise ValueError(f"unknown value kind {kind:#04x}")
-        marks.append(len(out))
-        key = bytearray(self._key_frame)
-        for k in self.key_indexes:
-            if out[marks[k]] == 0:  # null branch: the key column is missing
-                return bytes(out), None, unchanged, pos
-            key += out[marks[k] : marks[k + 1]]
-        return bytes(out), bytes(key), unchanged, pos
+    def _encoders(
+        self, mappings: Sequence[AvroMapping], writers: Sequence[Callable[[Any, bytearray], None]]
+    ) -> tuple[RowEncoder, PythonRowEncoder]:
+        """The table's row encoder (the C one when built) and the Python one, which takes what the C one
+        refuses and names what is wrong with a row neither takes."""
+        spec = EncoderSpec(
+            table=f"{self.schema}.{self.table}",
+            columns=tuple(c.name for c in self.columns),
+            field_names=self.field_names,
+            mappings=tuple(mappings),
+            field_writers=tuple(writers),
+            key_indexes=self.key_indexes,
+            key_frame=self._key_frame,
+        )
+        encoder = make_encoder(spec)
+        return encoder, encoder if isinstance(encoder, PythonRowEncoder) else PythonRowEncoder(spec)
 
     def missing_key(self, row: dict[str, Any]) -> KeyMissingError:
         names = self.field_names
@@ -357,7 +229,7 @@ class TableCodec:
         transaction: tuple[str, int, int] | None = None,
         lsn: int | None = None,
     ) -> bytes:
-        """:meth:`envelope` with the rows already encoded (Value records, as :meth:`encode_tuple` gives them).
+        """:meth:`envelope` with the rows already encoded (Value records, as the row encoder gives them).
 
         ``lsn``: the change's own LSN, when ``pos`` is its transaction's (the fast path makes one per transaction).
         """
@@ -369,8 +241,8 @@ class TableCodec:
             self._txn_key = key
             self._txn_parts = self._transaction_parts(op, pos, now_us)
         head, middle, tail, ops = self._txn_parts
-        if self._plan is not None:
-            return _native.envelope(  # type: ignore[no-any-return]
+        if self._native is not None:
+            return self._native.envelope(  # type: ignore[no-any-return]
                 self._value_frame, before, after, head, pos.commit_lsn, lsn, middle, tail, transaction, ops, unchanged
             )
         out = bytearray(self._value_frame)
@@ -400,10 +272,15 @@ class TableCodec:
         out.append(0)
         return bytes(out)
 
+    def use_python(self) -> None:
+        """Encode with the Python implementations only, the C build aside: what the tests compare the C ones
+        with (CDC_PURE_PYTHON does the same for a whole process)."""
+        self.encoder, self._native = self.python_encoder, None
+
     @property
     def native_plan(self) -> Any:
-        """The C build of this codec's tuple encoder (cdc._native.TuplePlan), None without it."""
-        return self._plan
+        """The C build of this codec's row encoder (cdc._native.TuplePlan), None without it."""
+        return None if isinstance(self.encoder, PythonRowEncoder) else self.encoder
 
     def event_parts(self, pos: Position, now_us: int) -> tuple[bytes, bytes, bytes, bytes, bytes, bytes]:
         """The constant parts of this table's "c", "u" and "d" events at ``pos`` (its transaction's) without a
@@ -490,32 +367,6 @@ class TableCodec:
             "ts_us": now_us,
             "unchanged_toast": unchanged or [],
         }
-
-
-def _fast_kind(mapping: AvroMapping) -> int:
-    """How encode_tuple_python writes a binary value of this mapping (see _GENERIC, _ZIGZAG, _UTF8)."""
-    if mapping.fixed in _INT_READERS and mapping.schema in ("int", "long"):
-        return _ZIGZAG  # an Avro int/long that is the send format's integer as is
-    if mapping.wire == "text":
-        return _UTF8  # text, varchar, …: the send format is the string's bytes
-    return _GENERIC
-
-
-def _native_wire(mapping: AvroMapping) -> tuple[int, int]:
-    """(how, scale) for the C encoder: which of its fast cases this mapping's send format takes, if any."""
-    name, _, scale = (mapping.wire or mapping.fixed or "").partition(":")
-    return _native.WIRES.get(name, 0), int(scale or 0)
-
-
-def native_module() -> Any | None:
-    """The C build (cdc._native) when it is there and CDC_PURE_PYTHON does not turn it off, else None."""
-    return _native if native_enabled() else None
-
-
-def native_enabled() -> bool:
-    """Whether codecs use the C encoder: it is built, and CDC_PURE_PYTHON is not set (a switch to rule it out
-    when chasing a suspected encoding difference; the bytes must be the same either way)."""
-    return _native is not None and os.environ.get("CDC_PURE_PYTHON", "") in ("", "0")
 
 
 def _strings(*values: str) -> bytes:

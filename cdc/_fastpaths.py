@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import psycopg
 from confluent_kafka import libversion
 
-from cdc._events import native_module
+from cdc._encoder import native_module
 from cdc._libs import libpq_addresses, librdkafka_addresses
 
 log = logging.getLogger(__name__)

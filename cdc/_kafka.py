@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import logging
 import ssl
-import struct
 import time
 from collections.abc import Mapping
 from typing import Any, NoReturn
@@ -25,12 +24,11 @@ from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic
 from confluent_kafka.schema_registry import Schema, SchemaRegistryClient
 from confluent_kafka.schema_registry.error import SchemaRegistryError as _RegistryHTTPError
 
-from cdc._events import native_module
+from cdc._encoder import PACKED_HEAD, native_module, packed_rows
 from cdc._libs import librdkafka_addresses
 from cdc._offsets import CaptureState, NewerStateError, OffsetsStateError
 from cdc.errors import AuthenticationError, CDCError, KafkaSetupError, SchemaRegistryError, TransientError
 
-_PACKED_HEAD = struct.Struct(">II")  # a packed row's record and key lengths (TuplePlan.encode_copy_packed)
 log = logging.getLogger(__name__)
 
 _TIMEOUT_S = 30.0
@@ -351,25 +349,20 @@ class TransactionalProducer:
 
     @property
     def produces_from_c(self) -> bool:
-        """Whether :meth:`produce_framed` hands its events to librdkafka from C (cdc._native.DirectProducer)."""
+        """Whether :meth:`produce_packed` hands its events to librdkafka from C (cdc._native.DirectProducer)."""
         return self._direct is not None
-
-    def produce_framed(self, topic: str, keys: list[bytes], records: list[bytes], prefix: bytes, suffix: bytes) -> None:
-        """The events (keys[i], prefix + records[i] + suffix), each to the topic's partition for its key: a
-        snapshot chunk encoded without the C build's packing (or by the general path). One produce() per event;
-        with the C build, packed and produced from C as :meth:`produce_packed` does."""
-        if self._direct is None:
-            for key, record in zip(keys, records, strict=True):
-                self.produce(topic, key, prefix + record + suffix)
-            return
-        packed = b"".join(_PACKED_HEAD.pack(len(r), len(k)) + r + k for k, r in zip(keys, records, strict=True))
-        self.produce_packed(topic, packed, len(keys), prefix, suffix)
 
     def produce_packed(self, topic: str, packed: bytes, rows: int, prefix: bytes, suffix: bytes) -> None:
         """The ``rows`` events (key, prefix + record + suffix) of ``packed`` (cdc._native's
         TuplePlan.encode_copy_packed: a snapshot chunk), each to the topic's partition for its key, from C without
-        the GIL (cdc._native.DirectProducer): the reader thread reads and encodes the next chunk meanwhile."""
-        assert self._direct is not None  # packed rows are made only for it
+        the GIL (cdc._native.DirectProducer): the reader thread reads and encodes the next chunk meanwhile.
+        Without the C build, one produce() per event."""
+        if self._direct is None:
+            keys, records = packed_rows(packed)
+            assert records is not None
+            for key, record in zip(keys, records, strict=True):
+                self.produce(topic, key, prefix + record + suffix)
+            return
         self._producer.poll(0)  # serve the delivery reports: once per chunk
         name = topic.encode()
         at = 0
@@ -381,7 +374,7 @@ class TransactionalProducer:
             if err == KafkaError._QUEUE_FULL:  # go on from the event refused
                 self._queue_full()
                 continue
-            reclen, keylen = _PACKED_HEAD.unpack_from(packed, at)
+            reclen, keylen = PACKED_HEAD.unpack_from(packed, at)
             self._refused(err, topic, keylen + len(prefix) + reclen + len(suffix), f"producing to {topic!r}")
 
     def _queue_full(self) -> None:

@@ -1,14 +1,14 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, initializedcheck=False
 """The capture's per-row hot spot in C: a pgoutput TupleData (or a binary COPY row) straight to Avro bytes.
 
-:class:`TuplePlan` is :meth:`cdc._events.TableCodec.encode_tuple_python` compiled for one table: the same
-contract, the same bytes (tests/unit/test_fast_path.py runs both against the general path). It writes the
+:class:`TuplePlan` is cdc._encoder.PythonRowEncoder compiled for one table: the same contract (RowEncoder), the
+same bytes (tests/unit/test_fast_path.py runs both against the decoded-row oracle). It writes the
 common case of the usual column types itself — integers, floats, bool, text, jsonb, timestamps, dates, uuid,
 bytea, numeric(p,s) that fits in 63 bits — and hands every other value (another type, text format,
 ±infinity, NaN, a wide numeric, a malformed value) to the column's Python converter and field writer, so
 whatever the Python path accepts, raises or writes, this does too.
 
-Optional: without a C compiler the package installs without it and the capture runs the Python path.
+Optional: without a C compiler the package installs without it and the capture runs the Python encoder.
 """
 
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
@@ -363,7 +363,7 @@ cdef Py_ssize_t skip_fields(const unsigned char* d, Py_ssize_t size, Py_ssize_t 
 
 
 cdef class TuplePlan:
-    """How one table version's tuples become its Value record (see TableCodec.encode_tuple)."""
+    """How one table version's tuples become its Value record (cdc._encoder.RowEncoder)."""
 
     cdef Py_ssize_t ncols
     cdef int* wires
@@ -1108,11 +1108,11 @@ cdef class DirectProducer:
         """The events of the Insert ('I'), Update ('U') or Delete ('D') whose tuples start at ``at`` of ``data``
         (after the relation id; the message ends at ``end``), produced to ``t``'s topic as ChangeWriter.fast_change
         would: 1; 0 when they are not what this writes (an update that changes the key) or do not encode cleanly
-        (nothing produced: the general path handles and diagnoses it); -1 when librdkafka refused the (first)
+        (nothing produced: ChangeWriter.change handles and diagnoses it); -1 when librdkafka refused the (first)
         event (nothing produced; its error in last_error(), its size in refused_size); 2 for a delete whose
         event was produced and whose tombstone was refused (its key is left in ``t.owed``, its error in
         last_error(): the caller must produce that tombstone before any other event, and must not hand the
-        message to the general path, which would write the delete's event twice)."""
+        message to ChangeWriter.change, which would write the delete's event twice)."""
         cdef const unsigned char *d = <const unsigned char*>PyBytes_AS_STRING(data)
         cdef Py_ssize_t keylen, seq_start, digits_at
         cdef tuple encoded
@@ -1138,7 +1138,7 @@ cdef class DirectProducer:
                     return 0
                 encoded = t.plan._encode(data, at + 1, None)
                 record, key, unchanged, pos = encoded
-        except Exception:  # malformed or unconvertible: the general path diagnoses it
+        except Exception:  # malformed or unconvertible: ChangeWriter.change diagnoses it
             return 0
         if key is None or pos != end or (kind == 85 and old_key is not None and old_key != key):
             return 0
@@ -1192,7 +1192,7 @@ cdef class DirectProducer:
         whole messages, each its LSN and length (>QI) then the pgoutput message with its xid after the type byte)
         from offset ``at`` on, each to its table's topic (``targets``: relation id -> ReplayTarget) as
         ChangeWriter.fast_change would, until the first message it does not take: another kind, of a subtransaction
-        in ``aborted``, of a relation without a target, or one _change does not take (the general path then
+        in ``aborted``, of a relation without a target, or one _change does not take (ChangeWriter.change then
         handles and diagnoses that one). Returns (the offset of the first message not produced; librdkafka's error
         code when that one was refused, else 0; then the refused event's size, key included, and topic). After
         a delete whose tombstone was refused it returns at once: the offset after that delete, the error, size
@@ -1538,7 +1538,7 @@ cdef class ChangeReader:
         without waiting, each produced to its table's topic (``targets``: relation id -> ReplayTarget, made for
         this transaction) as ChangeWriter.fast_change would, up to about ``limit`` bytes, until the first message it
         does not take: not an XLogData holding an Insert, Update or Delete, of a relation without a target, one
-        DirectProducer._change does not take, or an event librdkafka refused (the general path produces that
+        DirectProducer._change does not take, or an event librdkafka refused (ChangeWriter.change produces that
         one again and reports what is wrong). It also stops after a delete whose tombstone was refused: that
         delete is counted, its tombstone owed in its target (see DirectProducer._change).
         Returns (how many were produced; the largest end LSN among them, 0 without any; the message not taken,

@@ -12,7 +12,7 @@ import psycopg
 from psycopg import pq
 from psycopg.pq.abc import PGconn
 
-from cdc._events import native_module
+from cdc._encoder import native_module
 from cdc._libs import libpq_addresses
 from cdc._source import translate_pg_error
 from cdc.errors import SourceCheckError, TransientError

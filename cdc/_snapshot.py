@@ -44,13 +44,13 @@ from psycopg import sql
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeRemainingColumn
 
 from cdc._catalog import TableInfo
-from cdc._events import ColumnSpec, Position, TableCodec, native_module
+from cdc._encoder import COPY_SIGNATURE, native_module, packed_rows
+from cdc._events import ColumnSpec, Position, TableCodec
 from cdc._fastpaths import LIBPQ_FUNCTIONS
 from cdc._libs import libpq_addresses
 from cdc._offsets import CaptureState, RangeProgress, SnapshotState, TableProgress
 from cdc._resnapshot import GapDeletes, Reconciler
 from cdc.errors import StreamError, TransientError
-from decoders import TupleData
 
 if TYPE_CHECKING:
     from cdc._attach import Attached, CaptureContext
@@ -58,10 +58,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_COPY_SIGNATURE = b"PGCOPY\n\xff\r\n\x00"
 _I16 = struct.Struct(">h")
 _I32 = struct.Struct(">i")
-_B, _T, _N = ord("b"), ord("t"), ord("n")
+_B, _T = ord("b"), ord("t")
 
 
 @dataclass
@@ -69,9 +68,7 @@ class _Chunk:
     table: str
     part: int  # which of the table's key ranges
     rows: int  # how many rows the chunk holds
-    packed: bytes | None  # the rows as TuplePlan.encode_copy_packed packs them (produced from C), or:
-    keys: list[bytes]  # framed keys
-    records: list[bytes]  # the Value records of the same rows
+    packed: bytes  # the rows as RowEncoder.encode_copy_packed packs them
     last_key: list[str] | None
     done: bool  # the range is read to its end
 
@@ -143,10 +140,8 @@ def _rows_and_last(data: bytes) -> tuple[int, list[bytes | None] | None]:
 
 
 def _packed_keys(packed: bytes) -> list[bytes]:
-    """The keys of a chunk's packed rows (TuplePlan.encode_copy_packed)."""
-    native = native_module()
-    assert native is not None  # rows are packed only by it
-    return native.packed_rows(packed, records=False)[0]  # type: ignore[no-any-return]
+    """The keys of a chunk's packed rows (RowEncoder.encode_copy_packed)."""
+    return packed_rows(packed, records=False)[0]
 
 
 class _PsycopgCopies:
@@ -221,7 +216,7 @@ class _LibpqCopies:
         prefix = self._header or b""
         data, done, sqlstate, message = self._reader.receive_part(self._pgconn, prefix, _CHUNK_BYTES, rows, first)
         if first and data is not None:
-            self._header = data[: len(_COPY_SIGNATURE) + 8]  # signature, flags, header extension length (0)
+            self._header = data[: len(COPY_SIGNATURE) + 8]  # signature, flags, header extension length (0)
         return data, done, sqlstate, message
 
 
@@ -238,23 +233,18 @@ def block_cuts(blocks: int, parts: int) -> list[list[int | None]]:
     return [[low, high] for low, high in zip(cuts, [*cuts[1:], None], strict=True)]
 
 
-def _encode_chunk(
-    codec: TableCodec, table: str, data: bytes, kinds: bytes, *, from_c: bool
-) -> tuple[int, bytes | None, list[bytes], list[bytes]]:
-    """A COPY chunk's rows as events, and how many: packed in one bytes object (not two per row) when they are
-    produced from C, else as framed keys and records. When the fast paths fail, the general one fails with the
-    diagnosis (StreamError: a value, a key, or output cut short)."""
+def _encode_chunk(codec: TableCodec, table: str, data: bytes, kinds: bytes) -> tuple[int, bytes]:
+    """A COPY chunk's rows as events packed in one bytes object (RowEncoder.encode_copy_packed), and how many.
+    What the table's encoder refuses goes to the Python encoder, which takes it (the C encoder refuses a few
+    rare forms) or says what is wrong (StreamError: a value, a key, or output cut short)."""
     try:
-        found = codec.encode_copy_packed(data, kinds) if from_c else None
-        if found is not None:
-            return found[1], found[0], [], []
-        keys, records = encode_copy_rows(codec, data, kinds)
-    except Exception:
+        packed, rows = codec.encoder.encode_copy_packed(data, kinds)
+    except Exception:  # the Python encoder decides, and names the error
         try:
-            keys, records = _encode_copy_rows_slowly(codec, table, data, kinds)
-        except struct.error as exc:
-            raise StreamError(f"cannot snapshot {table}: malformed COPY output: {exc}") from exc
-    return len(keys), None, keys, records
+            packed, rows = codec.python_encoder.encode_copy_packed(data, kinds)
+        except (ValueError, IndexError, struct.error) as exc:
+            raise StreamError(f"cannot snapshot a row of {table}: {exc}") from exc
+    return rows, packed
 
 
 def _where(conditions: list[sql.Composable]) -> sql.Composable:
@@ -269,7 +259,6 @@ class _RangeJob:
     work: _Range
     codec: TableCodec
     most_rows: int  # rows per chunk at most (capture.snapshot_chunk_rows)
-    from_c: bool  # events are produced from C: a chunk is encoded into one packed buffer
     select_cols: list[sql.Composable] = field(init=False)  # binary where the column has a binary reader
     kinds: bytes = field(init=False)  # per column, how COPY sends it (_B or _T)
 
@@ -286,8 +275,8 @@ class _RangeJob:
     def chunk(self, data: bytes, last_key: list[str] | None, done: bool) -> _Chunk:
         """``data`` (COPY output, whole rows) encoded as the range's next chunk."""
         table = self.work.table.qualified
-        rows, packed, keys, records = _encode_chunk(self.codec, table, data, self.kinds, from_c=self.from_c)
-        return _Chunk(table, self.work.part, rows, packed, keys, records, last_key, done)
+        rows, packed = _encode_chunk(self.codec, table, data, self.kinds)
+        return _Chunk(table, self.work.part, rows, packed, last_key, done)
 
 
 class _Keyset:
@@ -406,7 +395,7 @@ def next_chunk_rows(most: int, size: int, rows: int) -> int:
 def parse_binary_copy(data: bytes | bytearray | memoryview) -> list[list[bytes | None]]:
     """Rows of a ``COPY … (FORMAT binary)`` stream, each a list of raw field values (None for NULL)."""
     buf = memoryview(data)
-    if bytes(buf[:11]) != _COPY_SIGNATURE:
+    if bytes(buf[:11]) != COPY_SIGNATURE:
         raise StreamError("COPY output does not start with the binary COPY signature")
     (ext_len,) = _I32.unpack_from(buf, 15)
     pos = 19 + ext_len
@@ -426,60 +415,6 @@ def parse_binary_copy(data: bytes | bytearray | memoryview) -> list[list[bytes |
                 row.append(bytes(buf[pos : pos + length]))
                 pos += length
         rows.append(row)
-
-
-def encode_copy_rows(codec: TableCodec, data: bytes, modes: bytes) -> tuple[list[bytes], list[bytes]]:
-    """A ``COPY … (FORMAT binary)`` chunk straight to its rows' framed keys and Value records
-    (TableCodec.encode_tuple); fields after the table's columns (the resume key as text) are skipped.
-
-    Raises on anything it does not take (malformed, unconvertible, a missing key): the caller then decodes the
-    chunk the general way, which reports the error with the full diagnosis.
-    """
-    native = codec.encode_copy(data, modes)  # the C build: the whole chunk in one call
-    if native is not None:
-        return native
-    if data[:11] != _COPY_SIGNATURE:
-        raise ValueError("COPY output does not start with the binary COPY signature")
-    (ext_len,) = _I32.unpack_from(data, 15)
-    pos = 19 + ext_len
-    ncols = len(modes)
-    keys: list[bytes] = []
-    records: list[bytes] = []
-    encode = codec.encode_tuple
-    i16, i32 = _I16.unpack_from, _I32.unpack_from
-    while True:
-        (nfields,) = i16(data, pos)
-        if nfields == -1:
-            return keys, records
-        record, key, _, pos = encode(data, pos, copy_modes=modes)
-        if key is None:
-            raise ValueError("a key column is NULL")
-        keys.append(key)
-        records.append(record)
-        for _ in range(nfields - ncols):
-            (length,) = i32(data, pos)
-            pos += 4 + max(length, 0)
-
-
-def _encode_copy_rows_slowly(
-    codec: TableCodec, table: str, data: bytes, modes: bytes
-) -> tuple[list[bytes], list[bytes]]:
-    """What :func:`encode_copy_rows` gives, the general way (decoded rows, row dicts): slower, but its errors
-    say what is wrong (StreamError: an unconvertible value, a missing key)."""
-    ncols = len(modes)
-    keys, records = [], []
-    raw_rows = parse_binary_copy(data)
-    for r in raw_rows:
-        values = r[:ncols]
-        try:
-            after, _ = codec.row(
-                TupleData(bytes(_N if v is None else m for v, m in zip(values, modes, strict=True)), tuple(values))
-            )
-            keys.append(codec.key_of(after))
-            records.append(codec.encode_row(after))
-        except (ValueError, IndexError) as exc:
-            raise StreamError(f"cannot snapshot a row of {table}: {exc}") from exc
-    return keys, records
 
 
 class Snapshotter:
@@ -759,7 +694,6 @@ class Snapshotter:
                 work,
                 codec,
                 most_rows=self.settings.capture.snapshot_chunk_rows,
-                from_c=self.writer.produces_from_c,
             )
             if work.blocks is not None:
                 copies = _copies(conn)
@@ -819,12 +753,9 @@ class Snapshotter:
         pos = Position(consistent, consistent, time.time_ns() // 1000, None, "true")
         now_us = time.time_ns() // 1000
         prefix, suffix = codec.read_event_frame(pos, now_us)
-        if chunk.packed is not None:
-            self.writer.produce_packed(codec.topic, chunk.packed, chunk.rows, prefix, suffix)
-        else:
-            self.writer.produce_framed(codec.topic, chunk.keys, chunk.records, prefix, suffix)
+        self.writer.produce_packed(codec.topic, chunk.packed, chunk.rows, prefix, suffix)
         if gaps is not None:
-            gaps.seen(chunk.keys if chunk.packed is None else _packed_keys(chunk.packed))
+            gaps.seen(_packed_keys(chunk.packed))
         self.ctx.metrics.count(codec.topic, "r", chunk.rows)
         # The range's entry is updated in place: the table's entry also holds the re-snapshot's start offsets
         # ("since"), kept until the table is done.

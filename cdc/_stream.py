@@ -352,8 +352,12 @@ class Streamer:
             self.spills[self.stream_xid].add(lsn, bytes(payload))
         elif self.current is None:
             raise StreamError(f"change outside a transaction at {lsn:X}")
-        elif self.capturing:
+        elif not self.capturing:
+            return
+        elif isinstance(msg, Truncate):
             self.changes.apply(msg, lsn)
+        else:  # the fast path did not take it
+            self.changes.change(bytes(payload), lsn)
 
     def _on_begin(self, msg: Begin, _lsn: int, _payload: object) -> None:
         skip = msg.final_lsn < self.resume

@@ -23,6 +23,7 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from cdc._catalog import load_table
 from cdc._changes import ChangeWriter
+from cdc._encoder import PACKED_HEAD
 from cdc._events import SourceInfo
 from cdc._kafka import Topics, TransactionalProducer
 from cdc._replication import ReplicationConnection
@@ -138,7 +139,7 @@ def test_a_table_rewritten_between_its_block_ranges_is_not_read_on(reader: Any, 
                 codec = make_codec(
                     [("id", PgType(23, "int4"), -1), ("body", PgType(25, "text"), -1)], topic="p.public.t"
                 )
-                job = _RangeJob(work, codec, most_rows=400, from_c=False)
+                job = _RangeJob(work, codec, most_rows=400)
                 assert job.kinds == b"bb"
                 stream = functools.partial(
                     Snapshotter._stream_blocks, conn, job, _LibpqCopies(reader, conn), chunks, threading.Event()
@@ -193,18 +194,19 @@ def test_direct_producer_writes_what_produce_writes(kafka_bootstrap: str, unique
     _ensure_topics(kafka_bootstrap, direct, plain)
     keys = [f"key-{i}".encode() for i in range(30000)]
     records = [bytes([i % 256]) * (i % 700) for i in range(30000)]
+    packed = b"".join(PACKED_HEAD.pack(len(r), len(k)) + r + k for k, r in zip(keys, records, strict=True))
     producer = TransactionalProducer(conf, f"native-io-{unique}")
     try:
         assert producer._direct is not None, "cdc._native is built but DirectProducer was not set up"
         producer.begin()
-        producer.produce_framed(direct, keys, records, b"<prefix>", b"<suffix>")
-        fallback, producer._direct = producer._direct, None
-        producer.produce_framed(plain, keys, records, b"<prefix>", b"<suffix>")
+        producer.produce_packed(direct, packed, len(keys), b"<prefix>", b"<suffix>")
+        fallback, producer._direct = producer._direct, None  # one produce() per event
+        producer.produce_packed(plain, packed, len(keys), b"<prefix>", b"<suffix>")
         producer._direct = fallback
         producer.commit()
         # An aborted transaction's events from C are not seen either.
         producer.begin()
-        producer.produce_framed(direct, [b"aborted"], [b"x"], b"", b"")
+        producer.produce_packed(direct, PACKED_HEAD.pack(1, 7) + b"x" + b"aborted", 1, b"", b"")
         producer.abort()
     finally:
         producer.close()

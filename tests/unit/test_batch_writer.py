@@ -28,8 +28,8 @@ class _Recording:
     def produce(self, topic: str, key: bytes, value: bytes | None, partition: int | None = None) -> None:
         self.calls.append(("produce", topic, key, value, partition))
 
-    def produce_framed(self, topic: str, keys: list[bytes], records: list[bytes], prefix: bytes, suffix: bytes) -> None:
-        self.calls.append(("framed", topic, len(keys)))
+    def produce_packed(self, topic: str, packed: bytes, rows: int, prefix: bytes, suffix: bytes) -> None:
+        self.calls.append(("packed", topic, rows))
 
     def commit(self) -> None:
         self.calls.append(("commit",))
@@ -63,14 +63,14 @@ def test_events_and_their_state_are_one_transaction_with_the_state_last() -> Non
     writer, metrics = _writer(producer)
     writer.produce("p.public.t", b"k1", b"v1")
     writer.produce("p.public.t", b"k1", None)
-    writer.produce_framed("p.public.t", [b"a", b"b"], [b"1", b"2"], b"<", b">")
+    writer.produce_packed("p.public.t", b"\0\0\0\1\0\0\0\11a\0\0\0\1\0\0\0\12b", 2, b"<", b">")
     writer.note_commit(100)
     writer.note_commit(250)
     assert writer.in_batch
     assert writer.events == 4
     state = CaptureState(lsn=0x16B3748, snapshot=SnapshotState("done", 7))
     writer.commit(state)
-    assert [c[0] for c in producer.calls] == ["begin", "produce", "produce", "framed", "produce", "commit"]
+    assert [c[0] for c in producer.calls] == ["begin", "produce", "produce", "packed", "produce", "commit"]
     record = producer.calls[-2]
     assert record[1:3] == ("p.offsets", b"slot_a")
     assert record[4] == 0  # the offsets topic has one partition

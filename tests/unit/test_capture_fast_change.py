@@ -1,4 +1,5 @@
-"""ChangeWriter.fast_change takes only what it can encode; anything else is left, untouched, to the general path."""
+"""ChangeWriter.fast_change takes only what the table's encoder takes, leaving anything else untouched;
+ChangeWriter.change then hands it to the Python encoder, which takes it or says what is wrong."""
 
 from __future__ import annotations
 
@@ -8,6 +9,9 @@ import pytest
 from pgcdc_dev.codecs import change_writer, make_codec
 
 from cdc._changes import ChangeWriter
+from cdc._encoder import Encoded
+from cdc.errors import StreamError
+from decoders import Column, Relation
 from schemas import PgType
 
 TXN = (0x2_0000_0000, 1_700_000_000_000_000, 7, False)
@@ -25,6 +29,8 @@ class _KeepingProducer:
 def capture() -> tuple[ChangeWriter, _KeepingProducer]:
     producer = _KeepingProducer()
     changes = change_writer(producer, in_batch=True)
+    # The codec is made, as on a table's first change, for the relation the stream described.
+    changes._relations[16384] = Relation(None, 16384, "public", "t", "d", (Column(1, "id", 20, -1),))
     changes._codecs[16384] = make_codec([("id", PgType(20, "int8"), -1)], topic="p.public.t", key=["id"])
     return changes, producer
 
@@ -56,4 +62,46 @@ def test_what_it_cannot_take_is_left_to_the_general_path(
     cap, producer = capture
     cap.begin(*TXN[:3], 0)
     assert not cap.fast_change(message, 100)
+    assert producer.out == []
+
+
+class _Refusing:
+    """A row encoder that refuses every row, as the C one refuses a rare form the Python one takes."""
+
+    def encode(self, data: bytes, pos: int, copy_modes: bytes | None = None) -> Encoded:
+        raise ValueError("not this one")
+
+    def encode_copy_packed(self, data: bytes, copy_modes: bytes) -> tuple[bytes, int]:
+        raise ValueError("not this one")
+
+
+def test_what_the_encoder_refuses_the_python_encoder_takes(capture: tuple[ChangeWriter, _KeepingProducer]) -> None:
+    cap, producer = capture
+    cap.begin(*TXN[:3], 0)
+    cap.change(_insert(16384, 5), 100)
+    expected = list(producer.out)
+    producer.out.clear()
+    cap._codecs[16384].encoder = _Refusing()
+    assert not cap.fast_change(_insert(16384, 5), 100)
+    cap.change(_insert(16384, 5), 100)
+    assert producer.out == expected
+    assert [key[5:] for _, key, _ in expected] == [b"\x02\x0a"]
+
+
+@pytest.mark.parametrize(
+    ("message", "says"),
+    [
+        (b"I" + struct.pack(">I", 16384) + b"N" + struct.pack(">H", 1) + b"n", r"without key column\(s\) \['id'\]"),
+        (_insert(16384, 5)[:-3], "column 'id': truncated"),
+        (_insert(16384, 5) + b"x", "1 bytes after the change's rows"),
+        (_insert(99, 5), "relation 99 before its Relation message"),
+    ],
+)
+def test_what_no_encoder_takes_stops_with_what_is_wrong(
+    capture: tuple[ChangeWriter, _KeepingProducer], message: bytes, says: str
+) -> None:
+    cap, producer = capture
+    cap.begin(*TXN[:3], 0)
+    with pytest.raises(StreamError, match=says):
+        cap.change(message, 0x16B3748)
     assert producer.out == []

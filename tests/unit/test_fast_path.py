@@ -1,4 +1,4 @@
-"""The capture's fast path (TableCodec.encode_tuple + envelope_bytes) writes exactly the general path's bytes.
+"""The row encoders (C and Python, TableCodec.encoder) + envelope_bytes write exactly the general path's bytes.
 
 The general path — decode into TupleData, ``row()`` into a dict, ``key_of``, ``envelope`` — is the oracle: it is
 itself checked against fastavro (test_fast_encoding.py, test_types_properties.py). Here random tuples in
@@ -17,8 +17,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pgcdc_dev.codecs import make_codec
 
-from cdc._events import KeyMissingError, Position, TableCodec
-from cdc._snapshot import _packed_keys, _rows_and_last, encode_copy_rows, parse_binary_copy
+from cdc._encoder import KeyMissingError, packed_rows
+from cdc._events import Position, TableCodec
+from cdc._snapshot import _packed_keys, _rows_and_last, parse_binary_copy
 from decoders import Insert, PgOutputDecoder, TupleData
 from schemas import PgType
 from tests.unit.test_types_numeric import numeric_send
@@ -142,9 +143,9 @@ def _codec() -> TableCodec:
 
 
 CODEC = _codec()
-# The same codec without its C encoder: TableCodec.encode_tuple then runs encode_tuple_python.
+# The same codec with the Python encoder (cdc._encoder.PythonRowEncoder) instead of the C one.
 PY_CODEC = _codec()
-PY_CODEC._plan = None
+PY_CODEC.use_python()
 KEY_INDEXES = [i for i, c in enumerate(COLUMNS) if c[0] in KEY]
 
 
@@ -196,7 +197,7 @@ def test_the_c_encoder_is_built() -> None:
     Python encoder (which is what runs without a compiler)."""
     if os.environ.get("CDC_PURE_PYTHON", "") not in ("", "0"):
         pytest.skip("CDC_PURE_PYTHON is set: the capture runs the Python encoder")
-    assert CODEC._plan is not None, "cdc._native is not built: reinstall with a C compiler (./dev rebuilds it)"
+    assert CODEC.native_plan is not None, "cdc._native is not built: reinstall with a C compiler (./dev rebuilds it)"
 
 
 ENCODERS = pytest.mark.parametrize("codec", [CODEC, PY_CODEC], ids=["c", "python"])
@@ -211,9 +212,9 @@ def test_encode_tuple_equals_the_general_path(codec: TableCodec, example: tuple[
         expected = _general(frame)
     except Exception:  # a value the converters refuse (an out-of-range timestamp…): the fast path must refuse it
         with pytest.raises(Exception):  # noqa: B017, PT011 - which one does not matter, see test_malformed…
-            codec.encode_tuple(b"xx" + frame, 2)
+            codec.encoder.encode(b"xx" + frame, 2)
         return
-    record, key, unchanged, end = codec.encode_tuple(b"xx" + frame, 2)
+    record, key, unchanged, end = codec.encoder.encode(b"xx" + frame, 2)
     assert end == len(frame) + 2
     assert (record, key, unchanged) == expected
 
@@ -234,12 +235,12 @@ def test_text_is_checked_as_utf8_at_every_position(length: int) -> None:
         ascii_value = bytearray(b"x" * length)
         ascii_value[at] = 0xFF  # never valid in UTF-8
         with pytest.raises(UnicodeDecodeError):
-            CODEC.encode_tuple(frame(bytes(ascii_value)), 0)
+            CODEC.encoder.encode(frame(bytes(ascii_value)), 0)
         valid = bytes(ascii_value[:at]) + "é".encode() + bytes(ascii_value[at + 1 :])
-        record, key, unchanged, _ = CODEC.encode_tuple(frame(valid), 0)
+        record, key, unchanged, _ = CODEC.encoder.encode(frame(valid), 0)
         assert (record, key, unchanged) == _general(frame(valid))
     plain = frame(b"x" * length)
-    assert CODEC.encode_tuple(plain, 0)[:3] == _general(plain)
+    assert CODEC.encoder.encode(plain, 0)[:3] == _general(plain)
 
 
 @ENCODERS
@@ -251,7 +252,7 @@ def test_a_missing_key_column_gives_no_key(codec: TableCodec, example: tuple[byt
         expected = _general(frame)[1]
     except Exception:
         return
-    _, key, _, _ = codec.encode_tuple(frame, 0)
+    _, key, _, _ = codec.encoder.encode(frame, 0)
     assert (key is None) == any(kinds[i] in "nu" for i in KEY_INDEXES)
     assert key == expected
 
@@ -267,7 +268,7 @@ def test_envelope_bytes_equals_envelope(
         row, _ = codec.row(_insert(frame).new)
     except Exception:
         return
-    record, _, unchanged, _ = codec.encode_tuple(frame, 0)
+    record, _, unchanged, _ = codec.encoder.encode(frame, 0)
     op = data.draw(st.sampled_from("cud"))
     pos = Position(data.draw(st.integers(0, 2**63 - 1)), data.draw(st.integers(0, 2**63 - 1)), 1_700_000_000_000_000, 7)
     tx = data.draw(st.none() | st.just(("7:100", 3, 2)))
@@ -290,17 +291,41 @@ def test_malformed_tuples_raise(codec: TableCodec, example: tuple[bytes, list[st
     foreign = frame[:2] + b"x" + frame[3:]
     for bad in (cut, foreign):
         try:
-            codec.encode_tuple(bad, 0)
+            codec.encoder.encode(bad, 0)
         except Exception:  # noqa: S112 - any exception will do: the general path says which
             continue
         pytest.fail(f"encode_tuple accepted the malformed tuple {bad!r}")
+
+
+def test_the_python_encoder_says_what_is_wrong() -> None:
+    """What the C encoder refuses goes to the Python one, whose error is the capture's message: it names the
+    column of a value no converter takes, and the key columns a row lacks."""
+    known = {"id": struct.pack(">q", 1), "name": b"ok"}
+
+    def frame(**values: bytes | None) -> bytes:
+        given = {**known, **values}
+        cols: list[tuple[bytes | None, bytes]] = [(None, given.get(c[0]) or b"") for c in COLUMNS]
+        return _tuple(cols, ["b" if given.get(c[0]) is not None else "n" for c in COLUMNS])
+
+    encoder = PY_CODEC.python_encoder
+    with pytest.raises(ValueError, match=r"column 'name': .*utf-8"):
+        encoder.encode(frame(name=b"\xff"), 0)
+    with pytest.raises(KeyMissingError, match=r"public.t arrived without key column\(s\) \['id'\]"):
+        encoder.encode_keyed(frame(id=None), 0)
+    assert encoder.encode(frame(id=None), 0)[1] is None
+    row = struct.pack(">h", len(COLUMNS)) + b"".join(
+        struct.pack(">i", len(known[c[0]])) + known[c[0]] if c[0] == "name" else struct.pack(">i", -1) for c in COLUMNS
+    )
+    copy = b"PGCOPY\n\xff\r\n\x00" + struct.pack(">ii", 0, 0) + row + struct.pack(">h", -1)
+    with pytest.raises(KeyMissingError, match=r"NULL in key column\(s\) \['id'\]"):
+        encoder.encode_copy_packed(copy, b"b" * len(COLUMNS))
 
 
 @ENCODERS
 def test_a_tuple_of_another_width_is_refused(codec: TableCodec) -> None:
     frame = _tuple([(b"1", struct.pack(">q", 1))], ["b"])
     with pytest.raises(ValueError, match="column count"):
-        codec.encode_tuple(frame, 0)
+        codec.encoder.encode(frame, 0)
 
 
 # Columns whose strategies give no text form.
@@ -344,19 +369,13 @@ def test_copy_rows_encode_as_the_general_path(codec: TableCodec, chunk: tuple[by
             expected.append((CODEC.key_of(row), CODEC.encode_row(row)))
     except Exception:  # a value the converters refuse: so must the snapshot's encoder
         with pytest.raises(Exception):  # noqa: B017, PT011
-            encode_copy_rows(codec, data, modes)
-        if codec.native_plan is not None:
-            with pytest.raises(Exception):  # noqa: B017, PT011
-                codec.encode_copy_packed(data, modes)
+            codec.encoder.encode_copy_packed(data, modes)
         return
-    keys, records = encode_copy_rows(codec, data, modes)
-    assert list(zip(keys, records, strict=True)) == expected
-    if codec.native_plan is not None:  # the same rows packed into one bytes object
-        found = codec.encode_copy_packed(data, modes)
-        assert found is not None
-        packed, rows = found
-        assert (rows, _unpacked(packed)) == (len(expected), expected)
-        assert _packed_keys(packed) == keys
+    packed, rows = codec.encoder.encode_copy_packed(data, modes)
+    assert (rows, _unpacked(packed)) == (len(expected), expected)
+    keys, records = packed_rows(packed)
+    assert list(zip(keys, records or [], strict=True)) == expected
+    assert _packed_keys(packed) == keys
     rows, last = _rows_and_last(data)  # what the next chunk's query is made from
     assert (rows, None if last is None else last[len(COLUMNS) :]) == (len(expected), extras[-1:] or None)
 
@@ -377,7 +396,7 @@ def _unpacked(packed: bytes) -> list[tuple[bytes, bytes]]:
 def _numeric_codec(typmod: int) -> tuple[TableCodec, TableCodec]:
     columns = [("id", PgType(20, "int8"), -1), ("n", PgType(1700, "numeric"), typmod)]
     made = [make_codec(columns, topic="p.public.n", key=["id"], register=lambda _s, _d: 9) for _ in range(2)]
-    made[1]._plan = None
+    made[1].use_python()
     return made[0], made[1]
 
 
@@ -387,7 +406,7 @@ def test_numeric_digits_above_9999_encode_as_the_python_path() -> None:
     c_codec, py_codec = _numeric_codec((18 << 16) + 4)
     value = bytes.fromhex("000500030000000007341a5802e103b9ffff")
     frame = _tuple([(b"1", struct.pack(">q", 1)), (b"", value)], ["b", "b"])
-    assert c_codec.encode_tuple(frame, 0) == py_codec.encode_tuple(frame, 0)
+    assert c_codec.encoder.encode(frame, 0) == py_codec.encoder.encode(frame, 0)
 
 
 def test_the_c_encoder_refuses_impossible_calls() -> None:
@@ -395,10 +414,10 @@ def test_the_c_encoder_refuses_impossible_calls() -> None:
     block, a plan whose parts disagree."""
     from cdc import _native  # type: ignore[attr-defined]
 
-    if CODEC._plan is None:
+    if CODEC.native_plan is None:
         pytest.skip("cdc._native is not built (test_the_c_encoder_is_built says why)")
     with pytest.raises(ValueError, match="truncated"):
-        CODEC._plan.encode(b"\x00\x01n", 2**63 - 1)
+        CODEC.native_plan.encode(b"\x00\x01n", 2**63 - 1)
     with pytest.raises(ValueError, match="transaction"):
         _native.envelope(b"F", None, None, b"", 1, 2, b"", b"", ("x",), b"", None)
     with pytest.raises(ValueError, match="key column index"):
@@ -436,7 +455,7 @@ def test_snapshot_resume_keys_print_as_postgresql_does(i8: int, i2: int, i4: int
 @given(copy_chunks())
 def test_copy_rows_and_last_reads_what_the_python_parser_reads(chunk: tuple[bytes, bytes, list[bytes]]) -> None:
     """The snapshot's read-ahead counts a chunk's rows and takes its last row's fields in C: as parse_binary_copy."""
-    if CODEC._plan is None:
+    if CODEC.native_plan is None:
         pytest.skip("cdc._native is not built (test_the_c_encoder_is_built says why)")
     from cdc import _native  # type: ignore[attr-defined]
 
@@ -448,7 +467,7 @@ def test_copy_rows_and_last_reads_what_the_python_parser_reads(chunk: tuple[byte
 def test_cut_copy_output_is_refused_not_read_past() -> None:
     """Every prefix of a COPY output is refused with ValueError by the C readers (no read past the end), and so
     is every prefix of packed rows cut inside a row."""
-    if CODEC._plan is None:
+    if CODEC.native_plan is None:
         pytest.skip("cdc._native is not built (test_the_c_encoder_is_built says why)")
     from cdc import _native  # type: ignore[attr-defined]
 
@@ -464,8 +483,8 @@ def test_cut_copy_output_is_refused_not_read_past() -> None:
         with pytest.raises(ValueError):  # noqa: PT011 - any of the readers' messages
             _native.copy_rows_and_last(data[:cut])
         with pytest.raises(ValueError):  # noqa: PT011
-            CODEC._plan.encode_copy_packed(data[:cut], modes)
-    packed, _ = CODEC._plan.encode_copy_packed(data, modes)
+            CODEC.native_plan.encode_copy_packed(data[:cut], modes)
+    packed, _ = CODEC.native_plan.encode_copy_packed(data, modes)
     first_row_ends = len(packed) // 2  # two identical rows
     for cut in range(1, len(packed)):
         if cut == first_row_ends:

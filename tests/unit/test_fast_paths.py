@@ -10,7 +10,7 @@ import pytest
 from confluent_kafka import libversion
 
 from cdc import _libs
-from cdc._events import native_module
+from cdc._encoder import native_module
 from cdc._fastpaths import LIBPQ_FUNCTIONS, probe
 
 needs_c = pytest.mark.skipif(native_module() is None, reason="the C build (cdc._native) is not installed")

@@ -16,7 +16,6 @@ MOST_PARAMETERS = 6  # self and cls not counted
 # C and a Python implementation.
 KNOWN = {
     ("cdc/_events.py", "TableCodec.__init__"): "the encoder contract replaces it",
-    ("cdc/_events.py", "TableCodec.encode_tuple_python"): "the encoder contract's Python implementation replaces it",
     ("cdc/_events.py", "TableCodec.envelope"): "the encoder contract replaces it",
     ("cdc/_events.py", "TableCodec.envelope_bytes"): "the encoder contract replaces it",
     ("cdc/_events.py", "TableCodec.envelope_record"): "the encoder contract replaces it",

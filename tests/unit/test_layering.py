@@ -93,11 +93,19 @@ def _graph() -> dict[str, set[str]]:
     modules = {_module_name(path): path for package in PRODUCT for path in _files(package)}
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
-        targets = {imported for imported in _imports(path) if imported in modules and imported != name}
+        imported = set(_imports(path))
+        submodules = {i for i in imported if _is_module(i)}  # compiled ones (cdc._native) included
+        targets = {i for i in imported if i in modules and i != name}
         # Importing pkg.mod runs pkg's __init__ first, as Python does for every submodule: that edge to the
         # package is implied (sinks/_api importing sinks.errors is no cycle through sinks/__init__), not counted.
-        graph[name] = {t for t in targets if not any(other.startswith(t + ".") for other in targets)}
+        graph[name] = {t for t in targets if not any(other.startswith(t + ".") for other in submodules)}
     return graph
+
+
+def _is_module(name: str) -> bool:
+    """Whether ``name`` is a module or package of the checkout (a Python file, a Cython one, a package)."""
+    path = ROOT.joinpath(*name.split("."))
+    return path.with_suffix(".py").is_file() or path.with_suffix(".pyx").is_file() or path.is_dir()
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from confluent_kafka import KafkaError, KafkaException
 
-from cdc._events import native_module
+from cdc._encoder import native_module
 from cdc._libs import librdkafka_addresses
 
 _native: Any = native_module()

@@ -7,7 +7,7 @@ import struct
 import pytest
 from pgcdc_dev.codecs import make_codec
 
-from cdc._snapshot import _encode_chunk, parse_binary_copy
+from cdc._snapshot import _encode_chunk, _packed_keys, parse_binary_copy
 from cdc.errors import StreamError
 from schemas import PgType
 
@@ -40,16 +40,19 @@ def test_not_binary_copy() -> None:
         parse_binary_copy(b"1\tabc\n")
 
 
-@pytest.mark.parametrize("from_c", [True, False], ids=["packed", "framed"])
-def test_a_chunk_is_counted_by_its_encoder_and_a_cut_one_is_malformed(from_c: bool) -> None:
+@pytest.mark.parametrize("python", [False, True], ids=["table's encoder", "python"])
+def test_a_chunk_is_counted_by_its_encoder_and_a_cut_one_is_refused(python: bool) -> None:
     """Block ranges take a chunk's row count from the encoder (no second walk over the chunk); a chunk cut
-    short still fails as malformed COPY output, whichever path encodes it."""
-    codec = make_codec([("id", PgType(23, "int4"), -1), ("name", PgType(25, "text"), -1)], topic="p.public.t")
+    short fails with the row's table and what is wrong, whichever encoder runs."""
+    codec = make_codec(
+        [("id", PgType(23, "int4"), -1), ("name", PgType(25, "text"), -1)], topic="p.public.t", python=python
+    )
     rows = [_row(struct.pack(">i", i), f"n{i}".encode()) for i in range(5)]
     data = HEADER + b"".join(rows) + struct.pack(">h", -1)
-    count, packed, keys, _ = _encode_chunk(codec, "public.t", data, b"bb", from_c=from_c)
+    count, packed = _encode_chunk(codec, "public.t", data, b"bb")
     assert count == 5
-    if packed is None:  # without the C build, or asked for framed events
-        assert len(keys) == 5
-    with pytest.raises(StreamError, match="malformed COPY output"):
-        _encode_chunk(codec, "public.t", data[:-9], b"bb", from_c=from_c)
+    assert len(_packed_keys(packed)) == 5
+    with pytest.raises(StreamError, match=r"cannot snapshot a row of public\.t: column 'id': truncated"):
+        _encode_chunk(codec, "public.t", data[:-9], b"bb")
+    with pytest.raises(StreamError, match=r"cannot snapshot a row of public.t: .*cut short"):
+        _encode_chunk(codec, "public.t", data[:-2], b"bb")

@@ -42,15 +42,17 @@ def make_codec(
     key: Sequence[str] = ("id",),
     source: SourceInfo | None = None,
     register: Callable[[str, dict[str, Any]], int] = lambda _subject, _schema: 1,
+    python: bool = False,
 ) -> TableCodec:
-    """``columns``: (name, type, typmod); ``topic``: "<prefix>.<schema>.<table>" (also the Avro namespace)."""
+    """``columns``: (name, type, typmod); ``topic``: "<prefix>.<schema>.<table>" (also the Avro namespace);
+    ``python``: encode with the Python implementations only (TableCodec.use_python)."""
     shapes, mappings = [], []
     for name, pgtype, typmod in columns:
         mapping = avro_mapping(pgtype, typmod)
         mappings.append(mapping)
         shapes.append(ColumnShape(name, pgtype, typmod, mapping.schema))
     prefix, schema, table = topic.split(".")
-    return TableCodec(
+    codec = TableCodec(
         schema=schema,
         table=table,
         topic=topic,
@@ -61,3 +63,6 @@ def make_codec(
         source=source or SourceInfo("1.0", prefix, "db"),
         register=register,
     )
+    if python:
+        codec.use_python()
+    return codec
