@@ -22,7 +22,7 @@ from typing import Any
 from pgcdc_dev.codecs import change_writer, make_codec
 
 from cdc._changes import ChangeWriter
-from cdc._events import Position, SourceInfo, TableCodec
+from cdc._events import Position, SourceInfo, Stamp, TableCodec
 from decoders import XLOG_HEADER, XLOG_PAYLOAD_AT, Insert, PgOutputDecoder, parse_copy_data
 from schemas import PgType
 
@@ -148,14 +148,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
     def stage_envelope() -> None:
         for i, r in enumerate(rows):
-            c.envelope(
-                "c",
-                Position(pos0.commit_lsn, i, pos0.commit_time_us, pos0.xid),
-                before=None,
-                after=r,
-                unchanged=[],
-                now_us=now_us,
-            )
+            c.envelope("c", Stamp(Position(pos0.commit_lsn, i, pos0.commit_time_us, pos0.xid), now_us), None, r, [])
 
     def all_stages() -> None:
         out.clear()
@@ -169,11 +162,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                     c.key_of(after),
                     c.envelope(
                         "c",
-                        Position(pos0.commit_lsn, frame.start_lsn, pos0.commit_time_us, pos0.xid),  # type: ignore[union-attr]
-                        before=None,
-                        after=after,
-                        unchanged=unchanged,
-                        now_us=now_us,
+                        Stamp(Position(pos0.commit_lsn, frame.start_lsn, pos0.commit_time_us, pos0.xid), now_us),  # type: ignore[union-attr]
+                        None,
+                        after,
+                        unchanged,
                     ),
                 )
             )
@@ -181,12 +173,12 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     def fast_path() -> None:
         out.clear()
         envelope = c.envelope_bytes
+        stamp = Stamp(pos0, now_us)  # one per transaction, as ChangeWriter makes it; each change passes its LSN
         for r in raw:
             frame = parse_copy_data(r)
             data = bytes(frame.payload)  # type: ignore[union-attr]
             after, key, unchanged, _ = c.encoder.encode(data, 6)
-            pos = Position(pos0.commit_lsn, frame.start_lsn, pos0.commit_time_us, pos0.xid)  # type: ignore[union-attr]
-            produce((c.topic, key, envelope("c", pos, before=None, after=after, unchanged=unchanged, now_us=now_us)))
+            produce((c.topic, key, envelope("c", stamp, None, after, unchanged, frame.start_lsn)))  # type: ignore[union-attr]
 
     capture = _capture_stub(c, out)
     frames_only = [bytes(r) for r in raw]

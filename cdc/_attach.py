@@ -17,7 +17,7 @@ import psycopg
 from cdc import __version__
 from cdc._catalog import TypeResolver, qualified_name
 from cdc._config import Settings
-from cdc._events import ColumnSpec, SourceInfo, TableCodec, build_codec
+from cdc._events import ColumnSpec, SourceInfo, TableCodec, table_shape
 from cdc._kafka import OffsetStore, Registry, Topics
 from cdc._metrics import CaptureMetrics
 from cdc._source import AttachReport, check_and_prepare, connect
@@ -75,13 +75,8 @@ class TableCodecs:
         topic = settings.topic_for(schema, table)
         self._topics.ensure(topic)
         self._ctx.metrics.tables[topic] = f"{schema}.{table}"
-        return build_codec(
-            settings,
-            self._types,
-            schema,
-            table,
-            columns,
-            key_columns=key,
+        return TableCodec(
+            table_shape(settings, self._types, schema, table, columns=columns, key=key),
             source=self.source_info,
             register=lambda subject, sch: self._registry.register(subject, sch, table=qualified),
         )

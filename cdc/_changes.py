@@ -17,7 +17,7 @@ from typing import Any
 from cdc._attach import Attached, CaptureContext
 from cdc._batch import KafkaBatchWriter
 from cdc._encoder import Encoded
-from cdc._events import Position, TableCodec
+from cdc._events import Position, Stamp, TableCodec
 from cdc._replication import ReplicationConnection
 from cdc._spill import SPILL_HEAD, SPILL_READ, Spill
 from cdc.errors import StreamError
@@ -83,6 +83,7 @@ class ChangeWriter:
         # The transaction being captured: its position (each change passes its own LSN) and its processing time.
         self._pos = Position(0, 0, 0, None)
         self._now_us = 0
+        self._stamp = Stamp(self._pos, 0)  # the two together: what every change event of the transaction says
         self.tx: _TxMeta | None = None
         # The open live transaction's tables whose Inserts and Updates go from C (more_changes), and those seen
         # once.
@@ -94,6 +95,7 @@ class ChangeWriter:
         processed at ``now_us``; a live one's tables are looked at again for changes from C."""
         self._pos = Position(commit_lsn, 0, commit_time_us, xid)
         self._now_us = now_us
+        self._stamp = Stamp(self._pos, now_us)
         self._live_targets, self._live_seen = {}, set()
 
     def relation(self, msg: Relation) -> None:
@@ -288,6 +290,10 @@ class ChangeWriter:
             },
         )
 
+    def _tx_stamp(self, codec: TableCodec) -> Stamp:
+        """The transaction's stamp with the next change event's place in it (transaction metadata is on)."""
+        return Stamp(self._pos, self._now_us, self._tx_block(codec))
+
     def _tx_block(self, codec: TableCodec) -> tuple[str, int, int] | None:
         """The next change event's place in its transaction (and the BEGIN event before the first)."""
         tx = self.tx
@@ -356,16 +362,8 @@ class ChangeWriter:
 
     def _insert(self, codec: TableCodec, lsn: int, key: bytes, after: bytes, unchanged: list[str] | None) -> None:
         self._metrics.count(codec.topic, "c")
-        value = codec.envelope_bytes(
-            "c",
-            self._pos,
-            lsn=lsn,
-            before=None,
-            after=after,
-            unchanged=unchanged,
-            now_us=self._now_us,
-            transaction=self._tx_block(codec),
-        )
+        stamp = self._stamp if self.tx is None else self._tx_stamp(codec)
+        value = codec.envelope_bytes("c", stamp, None, after, unchanged, lsn)
         self._produce(codec.topic, key, value)
 
     def _update(
@@ -386,30 +384,15 @@ class ChangeWriter:
             self._insert(codec, lsn, key, after, unchanged)
             return
         self._metrics.count(codec.topic, "u")
-        value = codec.envelope_bytes(
-            "u",
-            self._pos,
-            lsn=lsn,
-            before=before,
-            after=after,
-            unchanged=unchanged,
-            now_us=self._now_us,
-            transaction=self._tx_block(codec),
-        )
+        stamp = self._stamp if self.tx is None else self._tx_stamp(codec)
+        value = codec.envelope_bytes("u", stamp, before, after, unchanged, lsn)
         self._produce(codec.topic, key, value)
 
     def _delete(self, codec: TableCodec, lsn: int, key: bytes, before: bytes | None) -> None:
         """The delete event, then its tombstone, which lets compaction drop the key."""
         self._metrics.count(codec.topic, "d")
-        value = codec.envelope_bytes(
-            "d",
-            self._pos,
-            lsn=lsn,
-            before=before,
-            after=None,
-            now_us=self._now_us,
-            transaction=self._tx_block(codec),
-        )
+        stamp = self._stamp if self.tx is None else self._tx_stamp(codec)
+        value = codec.envelope_bytes("d", stamp, before, None, None, lsn)
         self._produce(codec.topic, key, value)
         self._produce(codec.topic, key, None)
 
@@ -439,9 +422,7 @@ class ChangeWriter:
         for relid in msg.relids:
             truncated = self._codec(relid)
             self._metrics.count(truncated.topic, "t")
-            value = truncated.envelope(
-                "t", pos, before=None, after=None, now_us=self._now_us, transaction=self._tx_block(truncated)
-            )
+            value = truncated.envelope("t", Stamp(pos, self._now_us, self._tx_block(truncated)), None, None)
             # A truncate concerns every key: one marker per partition keeps it in order with each.
             for partition in range(self._attached.topics.ensure(truncated.topic)):
                 self._produce(truncated.topic, truncated.truncate_key, value, partition)

@@ -67,30 +67,46 @@ class Position:
     snapshot: str = "false"  # "true" for snapshot reads, "last" for the last one of a snapshot
 
 
+@dataclass(frozen=True, slots=True)
+class Stamp:
+    """What an event says around its rows: where its change sits (``pos``), when the capture wrote it
+    (``now_us``: the event's ts_ms/ts_us, one per source transaction) and, with transaction metadata on, its place
+    in its transaction (id, total_order, data_collection_order)."""
+
+    pos: Position
+    now_us: int
+    transaction: tuple[str, int, int] | None = None
+
+
+@dataclass(frozen=True)
+class TableShape:
+    """One version of a table as its events describe it: its names, topic, columns, their Avro mappings, key."""
+
+    schema: str
+    table: str
+    topic: str
+    namespace: str  # the Avro namespace of its schemas
+    columns: Sequence[ColumnShape]
+    mappings: Sequence[AvroMapping]
+    key_columns: Sequence[str]
+
+
 class TableCodec:
     """Encodes one table's changes under one version of its schema."""
 
     def __init__(
-        self,
-        *,
-        schema: str,
-        table: str,
-        topic: str,
-        namespace: str,
-        columns: Sequence[ColumnShape],
-        mappings: Sequence[AvroMapping],
-        key_columns: Sequence[str],
-        source: SourceInfo,
-        register: Callable[[str, dict[str, Any]], int],
+        self, shape: TableShape, *, source: SourceInfo, register: Callable[[str, dict[str, Any]], int]
     ) -> None:
+        schema, table, topic, namespace = shape.schema, shape.table, shape.topic, shape.namespace
+        columns, mappings = shape.columns, shape.mappings
         names = [c.name for c in columns]
-        missing = [k for k in key_columns if k not in names]
+        missing = [k for k in shape.key_columns if k not in names]
         if missing:
             raise ValueError(f"key column(s) {missing} are not columns of {schema}.{table}")
         self.schema, self.table, self.topic = schema, table, topic
         self.columns = tuple(columns)
         self.field_names = field_names(columns)
-        self.key_indexes = tuple(names.index(k) for k in key_columns)
+        self.key_indexes = tuple(names.index(k) for k in shape.key_columns)
         # A key column keeps its Value field name in Key (sanitised names are made unique over all columns).
         self.key_field_names = tuple(self.field_names[i] for i in self.key_indexes)
         self._text: tuple[Converter, ...] = tuple(m.from_text for m in mappings)
@@ -113,7 +129,7 @@ class TableCodec:
         self._source_db = _strings(source.db)
         self._source_table = _strings(schema, table)
         self._source_info = source
-        self._txn_key: tuple[Any, ...] | None = None
+        self._txn_key: tuple[Any, ...] | None = None  # what _txn_parts were made for
         self._txn_parts = (b"", b"", b"", b"")
         self.truncate_key = self._encode_key(dict.fromkeys(self.key_field_names))
 
@@ -189,26 +205,16 @@ class TableCodec:
     def envelope(
         self,
         op: str,
-        pos: Position,
-        *,
+        stamp: Stamp,
         before: dict[str, Any] | None,
         after: dict[str, Any] | None,
         unchanged: list[str] | None = None,
-        now_us: int,
-        transaction: tuple[str, int, int] | None = None,
     ) -> bytes:
-        """The Confluent-framed envelope; the same bytes fastavro writes for :meth:`envelope_record`.
-
-        ``transaction``: (id, total_order, data_collection_order) when transaction metadata is on.
-        """
+        """The Confluent-framed envelope of decoded rows; the same bytes fastavro writes for
+        :meth:`envelope_record`."""
+        encode = self.encode_row
         return self.envelope_bytes(
-            op,
-            pos,
-            before=None if before is None else self.encode_row(before),
-            after=None if after is None else self.encode_row(after),
-            unchanged=unchanged,
-            now_us=now_us,
-            transaction=transaction,
+            op, stamp, None if before is None else encode(before), None if after is None else encode(after), unchanged
         )
 
     def encode_row(self, row: dict[str, Any]) -> bytes:
@@ -217,29 +223,27 @@ class TableCodec:
         self._write_row(row, out)
         return bytes(out)
 
-    def envelope_bytes(
+    def envelope_bytes(  # noqa: PLR0917 - the hot path: positional, no per-change object
         self,
         op: str,
-        pos: Position,
-        *,
+        stamp: Stamp,
         before: bytes | None,
         after: bytes | None,
         unchanged: list[str] | None = None,
-        now_us: int,
-        transaction: tuple[str, int, int] | None = None,
         lsn: int | None = None,
     ) -> bytes:
         """:meth:`envelope` with the rows already encoded (Value records, as the row encoder gives them).
 
-        ``lsn``: the change's own LSN, when ``pos`` is its transaction's (the fast path makes one per transaction).
+        ``lsn``: the change's own LSN, when ``stamp.pos`` is its transaction's (one per transaction).
         """
+        pos, transaction = stamp.pos, stamp.transaction
         if lsn is None:
             lsn = pos.lsn
         # Everything after the rows but the change's own LSN is the same for a whole transaction.
-        key = (pos.commit_lsn, pos.commit_time_us, pos.xid, pos.snapshot, op, now_us)
+        key = (pos.commit_lsn, pos.commit_time_us, pos.xid, pos.snapshot, op, stamp.now_us)
         if key != self._txn_key:
             self._txn_key = key
-            self._txn_parts = self._transaction_parts(op, pos, now_us)
+            self._txn_parts = self._transaction_parts(op, pos, stamp.now_us)
         head, middle, tail, ops = self._txn_parts
         if self._native is not None:
             return self._native.envelope(  # type: ignore[no-any-return]
@@ -297,7 +301,7 @@ class TableCodec:
     def read_event_frame(self, pos: Position, now_us: int) -> tuple[bytes, bytes]:
         """The bytes around the Value record of a snapshot read ("r": no before, the row as after): the event
         is ``prefix + record + suffix``, as :meth:`envelope_bytes` writes it, for every row read at ``pos``."""
-        empty = self.envelope_bytes("r", pos, before=None, after=b"", now_us=now_us)
+        empty = self.envelope_bytes("r", Stamp(pos, now_us), None, b"")
         cut = len(self._value_frame) + 2  # the frame, before's null branch, after's Value branch (2: index 1)
         return empty[:cut], empty[cut:]
 
@@ -330,16 +334,13 @@ class TableCodec:
     def envelope_record(
         self,
         op: str,
-        pos: Position,
-        *,
+        stamp: Stamp,
         before: dict[str, Any] | None,
         after: dict[str, Any] | None,
         unchanged: list[str] | None = None,
-        now_us: int,
-        transaction: tuple[str, int, int] | None = None,
     ) -> dict[str, Any]:
         """The envelope as a plain record (what a consumer decodes; tests encode it with fastavro)."""
-        src = self._source_info
+        src, pos, transaction, now_us = self._source_info, stamp.pos, stamp.transaction, stamp.now_us
         return {
             "before": before,
             "after": after,
@@ -376,33 +377,29 @@ def _strings(*values: str) -> bytes:
     return bytes(out)
 
 
-def build_codec(
+def table_shape(
     settings: Settings,
     types: TypeResolver,
     schema: str,
     table: str,
-    columns: Sequence[ColumnSpec],
     *,
-    key_columns: Sequence[str],
-    source: SourceInfo,
-    register: Callable[[str, dict[str, Any]], int],
-) -> TableCodec:
-    """The codec of one version of a table: the one place column types become Avro mappings and schemas
-    (the capture's stream and snapshot, and `cdc verify`'s reading of the source, all go through it)."""
+    columns: Sequence[ColumnSpec],
+    key: Sequence[str],
+) -> TableShape:
+    """One version of a table as its events describe it: the one place column types become Avro mappings (the
+    capture's stream and snapshot, and `cdc verify`'s reading of the source, all go through it)."""
     shapes, mappings = [], []
     for col in columns:
         pgtype = types.resolve(col.type_oid)
         mapping = avro_mapping(pgtype, col.typmod)
         mappings.append(mapping)
         shapes.append(ColumnShape(col.name, pgtype, col.typmod, mapping.schema))
-    return TableCodec(
+    return TableShape(
         schema=schema,
         table=table,
         topic=settings.topic_for(schema, table),
         namespace=avro_namespace(settings.kafka.topic_prefix, schema, table),
         columns=shapes,
         mappings=mappings,
-        key_columns=key_columns,
-        source=source,
-        register=register,
+        key_columns=key,
     )

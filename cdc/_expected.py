@@ -18,7 +18,7 @@ from psycopg import sql
 
 from cdc._catalog import TypeResolver
 from cdc._config import Settings, load_settings
-from cdc._events import ColumnSpec, SourceInfo, TableCodec, build_codec
+from cdc._events import ColumnSpec, SourceInfo, TableCodec, table_shape
 from cdc._snapshot import parse_binary_copy
 from cdc._source import check_and_prepare, connect
 from cdc._version import __version__
@@ -98,9 +98,8 @@ def source_tables(config: Path | Settings | None) -> list[SourceTable]:
             columns = [ColumnSpec(c.name, c.type_oid, c.typmod) for c in info.columns]
             keys = report.key_columns[info.qualified]
             # Nothing is registered: verify only needs the schemas and the converters.
-            codec = build_codec(
-                settings, types, info.schema, info.name, columns, key_columns=keys, source=source, register=lambda *_: 0
-            )
+            shape = table_shape(settings, types, info.schema, info.name, columns=columns, key=keys)
+            codec = TableCodec(shape, source=source, register=lambda *_: 0)
             select: list[sql.Composable] = [
                 sql.SQL("src.{}").format(sql.Identifier(c.name))
                 if binary

@@ -57,7 +57,7 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 from confluent_kafka.schema_registry import SchemaRegistryClient
 from confluent_kafka.schema_registry.error import SchemaRegistryError as _RegistryHTTPError
 
-from cdc._events import Position, TableCodec
+from cdc._events import Position, Stamp, TableCodec
 from cdc._offsets import TableProgress
 from cdc.errors import KafkaSetupError, TransientError
 
@@ -261,7 +261,7 @@ class GapDeletes:
     def delete_event(self, before: dict[str, Any], pos: Position, now_us: int) -> bytes:
         # fastavro, not the codec's compiled writer: the before image comes from decoding and may hold
         # (name, value) union choices, which only fastavro writes back. Same bytes otherwise (_events.py).
-        record = self.codec.envelope_record("d", pos, before=before, after=None, now_us=now_us)
+        record = self.codec.envelope_record("d", Stamp(pos, now_us), before, None)
         return self._value_frame + _encode(self._envelope, record)
 
     def emit(

@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pgcdc_dev.codecs import make_codec
 
-from cdc._events import Position, SourceInfo, TableCodec
+from cdc._events import Position, SourceInfo, Stamp, TableCodec
 from decoders import TupleData
 from schemas import PgType
 from sinks._api import Change, ChangeMaker
@@ -239,13 +239,13 @@ def _event(
     """The framed key and envelope the capture produces for a change of ``row``."""
     pos = Position(commit_lsn=commit_lsn, lsn=lsn, commit_time_us=commit_lsn * 1000 + 7, xid=42)
     before, after = (row, None) if op == "d" else (None, row)
-    value = codec.envelope(op, pos, before=before, after=after, unchanged=unchanged, now_us=NOW_US)
+    value = codec.envelope(op, Stamp(pos, NOW_US), before, after, unchanged)
     return codec.key_of(row), value
 
 
 def _truncate(codec: TableCodec, commit_lsn: int, lsn: int) -> tuple[bytes, bytes]:
     pos = Position(commit_lsn=commit_lsn, lsn=lsn, commit_time_us=commit_lsn * 1000 + 7, xid=43)
-    return codec.truncate_key, codec.envelope("t", pos, before=None, after=None, now_us=NOW_US)
+    return codec.truncate_key, codec.envelope("t", Stamp(pos, NOW_US), None, None)
 
 
 def _raw(

@@ -102,18 +102,13 @@ def test_truncate_key_is_all_null_and_not_empty() -> None:
 def test_a_key_column_has_the_same_field_name_in_key_and_value() -> None:
     # Columns a_b, "a b" keyed by "a b" (then a_b): sanitised on its own, the key would call "a b" a_b,
     # which is the other column's name in Value; the warehouse's MERGE and `cdc verify` join them by name.
-    from cdc._events import SourceInfo, TableCodec
+    from cdc._events import SourceInfo, TableCodec, TableShape
     from schemas import avro_mapping
 
     columns = [ColumnShape("a_b", TEXT, -1, "string"), ColumnShape("a b", INT4, -1, "int")]
+    mappings = [avro_mapping(TEXT, -1), avro_mapping(INT4, -1)]
     codec = TableCodec(
-        schema="s",
-        table="t",
-        topic="p.s.t",
-        namespace="p.s.t",
-        columns=columns,
-        mappings=[avro_mapping(TEXT, -1), avro_mapping(INT4, -1)],
-        key_columns=["a b", "a_b"],
+        TableShape("s", "t", "p.s.t", "p.s.t", columns, mappings, ["a b", "a_b"]),
         source=SourceInfo("9.9.9", "p", "db"),
         register=lambda _subject, _schema: 1,
     )

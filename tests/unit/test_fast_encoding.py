@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pgcdc_dev.codecs import make_codec
 
-from cdc._events import Position, SourceInfo, TableCodec
+from cdc._events import Position, SourceInfo, Stamp, TableCodec
 from decoders import TupleData
 from schemas import PgType, compile_writer
 
@@ -78,12 +78,8 @@ def test_envelope_bytes_equal_fastavro(codec: TableCodec, variant: int) -> None:
     before, _ = _row(variant + 1, frozenset({3, 5, 9}))
     pos = Position(commit_lsn=1 << 40, lsn=(1 << 40) - 5, commit_time_us=1_700_000_000_123_456, xid=733)
     for op, b, a, tx in (("c", None, after, None), ("u", before, after, ("733:42", 2, 1)), ("d", before, None, None)):
-        fast = codec.envelope(
-            op, pos, before=b, after=a, unchanged=unchanged, now_us=1_800_000_000_000_001, transaction=tx
-        )
-        record = CODEC.envelope_record(
-            op, pos, before=b, after=a, unchanged=unchanged, now_us=1_800_000_000_000_001, transaction=tx
-        )
+        fast = codec.envelope(op, Stamp(pos, 1_800_000_000_000_001, tx), b, a, unchanged)
+        record = CODEC.envelope_record(op, Stamp(pos, 1_800_000_000_000_001, tx), b, a, unchanged)
         assert fast[:5] == b"\x00\x00\x00\x00\x07"
         assert fast[5:] == _fastavro(CODEC.value_schema, record)
     key = CODEC.key_of(after)
@@ -112,8 +108,8 @@ def test_envelope_bytes_equal_fastavro_property(
 ) -> None:
     after, _ = _row(variant, nulls)
     pos = Position(commit_lsn=lsn, lsn=max(0, lsn - 3), commit_time_us=lsn // 7, xid=xid, snapshot=snapshot)
-    fast = codec.envelope("u", pos, before=after, after=after, unchanged=unchanged, now_us=lsn // 3)
-    record = CODEC.envelope_record("u", pos, before=after, after=after, unchanged=unchanged, now_us=lsn // 3)
+    fast = codec.envelope("u", Stamp(pos, lsn // 3), after, after, unchanged)
+    record = CODEC.envelope_record("u", Stamp(pos, lsn // 3), after, after, unchanged)
     assert fast[5:] == _fastavro(CODEC.value_schema, record)
 
 

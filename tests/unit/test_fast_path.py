@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from pgcdc_dev.codecs import make_codec
 
 from cdc._encoder import KeyMissingError, packed_rows
-from cdc._events import Position, TableCodec
+from cdc._events import Position, Stamp, TableCodec
 from cdc._snapshot import _packed_keys, _rows_and_last, parse_binary_copy
 from decoders import Insert, PgOutputDecoder, TupleData
 from schemas import PgType
@@ -274,10 +274,8 @@ def test_envelope_bytes_equals_envelope(
     tx = data.draw(st.none() | st.just(("7:100", 3, 2)))
     before, after = (row, None) if op == "d" else (row if op == "u" else None, row)
     rec_before, rec_after = (record, None) if op == "d" else (record if op == "u" else None, record)
-    expected = codec.envelope(op, pos, before=before, after=after, unchanged=unchanged, now_us=5, transaction=tx)
-    got = codec.envelope_bytes(
-        op, pos, before=rec_before, after=rec_after, unchanged=unchanged, now_us=5, transaction=tx
-    )
+    expected = codec.envelope(op, Stamp(pos, 5, tx), before, after, unchanged)
+    got = codec.envelope_bytes(op, Stamp(pos, 5, tx), rec_before, rec_after, unchanged)
     assert got == expected
 
 

@@ -14,7 +14,7 @@ import fastavro
 import pytest
 from pgcdc_dev.codecs import make_codec
 
-from cdc._events import Position, SourceInfo, TableCodec
+from cdc._events import Position, SourceInfo, Stamp, TableCodec
 from cdc._resnapshot import GapDeletes, KeyCanon, LiveKeys, Record, live_keys, parse_plain
 from decoders import TupleData
 from schemas import PgType
@@ -170,7 +170,7 @@ def _gap(record: Record) -> GapDeletes:
 
 def test_the_before_image_is_the_latest_events_row_and_the_delete_is_what_the_stream_writes() -> None:
     row = _row(CODEC, "1", "widget", "2024-01-01 00:00:00.000001+00", "12.34")
-    last = CODEC.envelope("u", POS, before=None, after=row, now_us=1)
+    last = CODEC.envelope("u", Stamp(POS, 1), None, row)
     gaps = _gap((0, 0, _key(CODEC, 1), last))
     before = gaps.before_image(last, _key(CODEC, 1)[5:])
     assert before == row
@@ -178,7 +178,7 @@ def test_the_before_image_is_the_latest_events_row_and_the_delete_is_what_the_st
     pos = Position(500, 500, 1_800_000_000_000_000, None)
     # Byte for byte the delete the stream writes for the same row (the codec's own writer).
     assert gaps.delete_event(before, pos, 1_800_000_000_000_001) == CODEC.envelope(
-        "d", pos, before=row, after=None, now_us=1_800_000_000_000_001
+        "d", Stamp(pos, 1_800_000_000_000_001), row, None
     )
     event = _decode(gaps.delete_event(before, pos, 1_800_000_000_000_001))
     assert (event["op"], event["after"], event["source"]["lsn"], event["source"]["commit_lsn"]) == ("d", None, 500, 500)
@@ -187,7 +187,7 @@ def test_the_before_image_is_the_latest_events_row_and_the_delete_is_what_the_st
 
 def test_an_older_events_row_is_read_with_todays_schema() -> None:
     old_row = _row(OLD, "2", "gadget", None)
-    last = OLD.envelope("c", POS, before=None, after=old_row, now_us=1)
+    last = OLD.envelope("c", Stamp(POS, 1), None, old_row)
     before = _gap((0, 0, _key(OLD, 2), last)).before_image(last, _key(CODEC, 2)[5:])
     assert before == {"id": 2, "name": "gadget", "at": None, "price": None}  # a column added since: null
 
@@ -205,8 +205,8 @@ def test_an_unreadable_latest_event_still_gets_a_delete_with_the_key_columns(val
 def test_a_latest_event_that_is_no_row_is_not_deleted_again() -> None:
     gaps = _gap((0, 0, _key(CODEC, 4), b"x"))
     row = _row(CODEC, "4", "x", None, None)
-    deleted = CODEC.envelope("d", POS, before=row, after=None, now_us=1)
-    truncated = CODEC.envelope("t", POS, before=None, after=None, now_us=1)
+    deleted = CODEC.envelope("d", Stamp(POS, 1), row, None)
+    truncated = CODEC.envelope("t", Stamp(POS, 1), None, None)
     assert gaps.before_image(deleted, _key(CODEC, 4)[5:]) is None
     assert gaps.before_image(truncated, _key(CODEC, 4)[5:]) is None
 
@@ -224,7 +224,7 @@ class _Topic:
 def test_emit_writes_a_delete_and_a_tombstone_per_key_left_in_batches() -> None:
     rows = {i: _row(CODEC, str(i), f"n{i}", None, None) for i in range(1, 6)}
     records: list[Record] = [
-        (i % 2, i, _key(CODEC, i), CODEC.envelope("c", POS, before=None, after=rows[i], now_us=1)) for i in rows
+        (i % 2, i, _key(CODEC, i), CODEC.envelope("c", Stamp(POS, 1), None, rows[i])) for i in rows
     ]
     topic = _Topic(records[:-1])  # key 5's record is gone by the time the deletes are written (retention)
     live = live_keys(_canon(), records, [])

@@ -13,7 +13,7 @@ from cdc._attach import CaptureContext
 from cdc._batch import CommitPolicy, KafkaBatchWriter
 from cdc._changes import ChangeWriter
 from cdc._config import load_settings
-from cdc._events import SourceInfo, TableCodec
+from cdc._events import SourceInfo, TableCodec, TableShape
 from cdc._kafka import OffsetStore
 from cdc._metrics import CaptureMetrics
 from schemas import ColumnShape, PgType, avro_mapping
@@ -52,17 +52,8 @@ def make_codec(
         mappings.append(mapping)
         shapes.append(ColumnShape(name, pgtype, typmod, mapping.schema))
     prefix, schema, table = topic.split(".")
-    codec = TableCodec(
-        schema=schema,
-        table=table,
-        topic=topic,
-        namespace=topic,
-        columns=shapes,
-        mappings=mappings,
-        key_columns=list(key),
-        source=source or SourceInfo("1.0", prefix, "db"),
-        register=register,
-    )
+    shape = TableShape(schema, table, topic, topic, shapes, mappings, list(key))
+    codec = TableCodec(shape, source=source or SourceInfo("1.0", prefix, "db"), register=register)
     if python:
         codec.use_python()
     return codec
