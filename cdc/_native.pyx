@@ -980,7 +980,22 @@ cdef class KafkaProducer:
         return self._check(error)
 
     def commit_transaction(self, double timeout) -> None:
+        self._drain(timeout)
         self._end(self.commit_txn, timeout)
+
+    cdef void _drain(self, double timeout):
+        """Waits, in 1 ms steps, until every event produced is acknowledged (or ``timeout`` worth of steps passed).
+
+        commit_transaction flushes first too, but that flush waits for delivery reports in steps of 10 ms, and
+        with delivery.report.only.error no report comes to end a step early for an event that was delivered:
+        each commit of a light load would wait ~10 ms (measured: 10.9 ms per one-event transaction against
+        2.2 with confluent_kafka's Producer, whose handle gets other wake-ups). After this its flush finds
+        nothing left and returns at once. Each step is itself a flush, so the broker threads send at once
+        rather than after linger.ms."""
+        cdef int steps = <int>(timeout * 1000)
+        with nogil:
+            while steps > 0 and self.flush_(self.rk, 1) != 0:
+                steps -= 1
 
     def abort_transaction(self, double timeout) -> None:
         self._end(self.abort_txn, timeout)
