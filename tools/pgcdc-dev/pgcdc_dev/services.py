@@ -244,19 +244,21 @@ def maven_copy_dependencies(coords: list[str], dest: Path, exclusions: dict[str,
     tmp = dest.with_name(dest.name + ".part")
     shutil.rmtree(tmp, ignore_errors=True)
     say(f"resolving {len(coords)} artifact(s) with Maven into {dest}")
-    run(
-        [
-            "mvn",
-            "-q",
-            "-B",
-            "-s",
-            "settings.xml",
-            "dependency:copy-dependencies",
-            f"-DoutputDirectory={tmp}",
-            "-DincludeScope=runtime",
-        ],
-        cwd=work,
-    )
+    command = ["mvn", "-q", "-B", "-s", "settings.xml", "dependency:copy-dependencies"]
+    try:
+        run([*command, f"-DoutputDirectory={tmp}", "-DincludeScope=runtime"], cwd=work)
+    except DeployError as exc:
+        if "No plugin found for prefix 'dependency'" not in str(exc):
+            raise
+        # -q hides the cause: Maven could not download its own plugin, most often because Java does not
+        # trust the certificate the repository's connection presents (a TLS-inspecting proxy whose CA is in
+        # the system's store but not in Java's).
+        raise DeployError(
+            f"{exc}\nMaven could not download its dependency plugin from {MAVEN}. If curl reaches that URL, Java "
+            "probably does not trust the certificate it is served with: update-ca-certificates -f rebuilds Java's "
+            "store (/etc/ssl/certs/java/cacerts) from the system's; "
+            f"mvn -X -s settings.xml dependency:copy-dependencies in {work} shows the cause."
+        ) from exc
     tmp.rename(dest)
     shutil.rmtree(work, ignore_errors=True)
     return dest

@@ -72,3 +72,19 @@ def test_a_service_log_over_the_limit_is_rotated_at_start(deploy: ModuleType, tm
     assert deploy.rotate_log(log, limit=10) is True
     assert not log.exists()
     assert (tmp_path / "kafka.log.1").read_bytes() == b"0123456789ab"  # the one before is replaced
+
+
+def test_maven_that_cannot_fetch_its_plugin_says_what_to_check(
+    deploy: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With -q Maven only says it found no plugin for 'dependency'; the error names the likely cause (Java not
+    trusting the repository's certificate) and the way to see it."""
+    monkeypatch.setattr(deploy.shutil, "which", lambda _name: "/usr/bin/mvn")
+
+    def refuse(cmd: list[str], **_kw: object) -> None:
+        raise deploy.DeployError("command failed (1): mvn …\n[ERROR] No plugin found for prefix 'dependency' in …")
+
+    monkeypatch.setattr(deploy, "run", refuse)
+    with pytest.raises(deploy.DeployError, match="update-ca-certificates -f") as raised:
+        deploy.maven_copy_dependencies(["g:a:1"], tmp_path / "libs", {})
+    assert "mvn -X -s settings.xml dependency:copy-dependencies in " in str(raised.value)
