@@ -164,13 +164,8 @@ class PythonRowEncoder:
         """:meth:`encode`, raising :class:`KeyMissingError` (naming the columns) when a key column is null or
         unchanged instead of giving no key."""
         out, marks, unchanged, pos = self._record(data, pos, copy_modes)
-        key = self._key(out, marks)
-        if key is None:
-            raise KeyMissingError(
-                f"a change of {self.spec.table} arrived without key column(s) {self._missing(out, marks)}; the "
-                "table's REPLICA IDENTITY must include the key (REPLICA IDENTITY DEFAULT or FULL)"
-            )
-        return bytes(out), key, unchanged, pos
+        why = "the table's REPLICA IDENTITY must include the key (REPLICA IDENTITY DEFAULT or FULL)"
+        return bytes(out), self._required_key(out, marks, why), unchanged, pos
 
     def encode_copy_packed(self, data: bytes, copy_modes: bytes) -> tuple[bytes, int]:
         pos = copy_body_start(data)
@@ -183,12 +178,9 @@ class PythonRowEncoder:
             if nfields == -1:
                 return bytes(out), rows
             record, marks, _, pos = self._record(data, pos, copy_modes)
-            key = self._key(record, marks)
-            if key is None:
-                raise KeyMissingError(
-                    f"a row of {self.spec.table} has NULL in key column(s) {self._missing(record, marks)}: key "
-                    "columns must be NOT NULL (choose others with source.key_columns)"
-                )
+            key = self._required_key(
+                record, marks, "key columns must be NOT NULL (choose others with source.key_columns)"
+            )
             out += PACKED_HEAD.pack(len(record), len(key))
             out += record
             out += key
@@ -205,9 +197,13 @@ class PythonRowEncoder:
             key += out[marks[k] : marks[k + 1]]
         return bytes(key)
 
-    def _missing(self, out: bytearray, marks: list[int]) -> list[str]:
-        """The key columns the record holds no value of."""
-        return [self.spec.columns[k] for k in self.spec.key_indexes if out[marks[k]] == 0]
+    def _required_key(self, out: bytearray, marks: list[int], why: str) -> bytes:
+        """The record's key; KeyMissingError naming the key columns it holds no value of, and ``why`` they must."""
+        key = self._key(out, marks)
+        if key is None:
+            missing = [self.spec.columns[k] for k in self.spec.key_indexes if out[marks[k]] == 0]
+            raise KeyMissingError(f"a row of {self.spec.table} arrived without key column(s) {missing}: {why}")
+        return key
 
     def _record(self, data: bytes, pos: int, copy_modes: bytes | None) -> tuple[bytearray, list[int], list[str], int]:
         """The Value record, where each column's bytes start in it (and where they end), the unchanged TOAST

@@ -315,7 +315,9 @@ def test_the_python_encoder_says_what_is_wrong() -> None:
         struct.pack(">i", len(known[c[0]])) + known[c[0]] if c[0] == "name" else struct.pack(">i", -1) for c in COLUMNS
     )
     copy = b"PGCOPY\n\xff\r\n\x00" + struct.pack(">ii", 0, 0) + row + struct.pack(">h", -1)
-    with pytest.raises(KeyMissingError, match=r"NULL in key column\(s\) \['id'\]"):
+    with pytest.raises(
+        KeyMissingError, match=r"public.t arrived without key column\(s\) \['id'\]: key columns must be NOT NULL"
+    ):
         encoder.encode_copy_packed(copy, b"b" * len(COLUMNS))
 
 
