@@ -339,10 +339,12 @@ class ChangeWriter:
         """:meth:`fast_change`, for any Insert, Update or Delete: the table's codec is built if it is not yet,
         and a change the row encoder refuses goes through the Python encoder, which takes it (the C encoder
         refuses a few rare forms) or says what is wrong with it (StreamError: the column, a missing key)."""
+        if self.fast_change(data, lsn, start, streamed):  # a replayed change comes here first
+            return
         at = start + 5 if streamed else start + 1
         try:
-            codec = self._codec(_U32(data, at)[0])  # built on the table's first change
-            if self.fast_change(data, lsn, start, streamed):
+            codec = self._codec(_U32(data, at)[0])
+            if self.fast_change(data, lsn, start, streamed):  # its codec is built now
                 return
             read = _read_change(codec.python_encoder.encode_keyed, data, start, at + 4)
         except (ValueError, IndexError, struct.error) as exc:  # an unconvertible value, a missing key: stop
