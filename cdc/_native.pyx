@@ -19,7 +19,7 @@ from cpython.ref cimport PyObject, Py_INCREF, Py_XDECREF
 cimport cython
 from cpython.pyport cimport PY_SSIZE_T_MAX
 from libc.stdlib cimport free, malloc, realloc
-from libc.string cimport memcmp, memcpy, strlen
+from libc.string cimport memcmp, memcpy, memset, strlen
 
 from schemas._datetime import UNIX_EPOCH_DAYS as _EPOCH_DAYS_PY, UNIX_EPOCH_MICROS as _EPOCH_MICROS_PY
 
@@ -237,13 +237,22 @@ cdef int put_decimal(Buf* b, const unsigned char* p, Py_ssize_t n, int scale) ex
     return 1
 
 
-cdef int put_fast(Buf* b, int wire, int scale, const unsigned char* p, Py_ssize_t n) except -1:
-    """One binary value of a nullable field (union index 1, byte 2, then the value). 1: written; 0: nothing
-    written, the value is not this wire's common case."""
+cdef inline int put_reversed(Buf* b, const unsigned char* p, int n) except -1:
+    """``n`` bytes from ``p`` in the reverse order: a big-endian float as Avro's little-endian one."""
+    cdef int i
+    reserve(b, n)
+    for i in range(n):
+        b.p[b.n + i] = p[n - 1 - i]
+    b.n += n
+    return 0
+
+
+cdef inline int put_fast_number(Buf* b, int wire, const unsigned char* p, Py_ssize_t n) except -1:
+    """put_fast for the integers, timestamps, dates and floats: fixed widths, and the values Python would
+    turn into something else (infinities, NaN payloads) left to it."""
     cdef int64_t v
     cdef uint32_t u32
     cdef uint64_t u64
-    cdef int i
     if wire == W_INT64 or wire == W_INT32 or wire == W_INT16 or wire == W_UINT32:
         if n != (8 if wire == W_INT64 else 2 if wire == W_INT16 else 4):
             return 0
@@ -255,10 +264,66 @@ cdef int put_fast(Buf* b, int wire, int scale, const unsigned char* p, Py_ssize_
             v = <int16_t>be16(p)
         else:
             v = be32(p)
+    elif wire == W_TIMESTAMP:
+        if n != 8:
+            return 0
+        v = <int64_t>be64(p)
+        if not (INT64_MIN < v < FINITE_HIGH):
+            return 0
+        v += EPOCH_MICROS
+    elif wire == W_DATE:
+        if n != 4:
+            return 0
+        v = <int32_t>be32(p)
+        if v == INT32_MAX or v == INT32_MIN:
+            return 0
+        v += EPOCH_DAYS
+    elif wire == W_FLOAT8:
+        if n != 8:
+            return 0
+        u64 = be64(p)
+        if (u64 & 0x7FF0000000000000) == 0x7FF0000000000000 and (u64 & 0x000FFFFFFFFFFFFF):
+            return 0  # NaN: whatever Python makes of its payload
         put_byte(b, 2)
-        put_long(b, v)
-    elif wire == W_TEXT:
-        check_utf8(p, n)
+        put_reversed(b, p, 8)  # Avro doubles are little-endian
+        return 1
+    elif wire == W_FLOAT4:
+        if n != 4:
+            return 0
+        u32 = be32(p)
+        if (u32 & 0x7F800000) == 0x7F800000 and (u32 & 0x007FFFFF):
+            return 0
+        put_byte(b, 2)
+        put_reversed(b, p, 4)
+        return 1
+    else:
+        return 0
+    put_byte(b, 2)
+    put_long(b, v)
+    return 1
+
+
+cdef inline int put_uuid_text(Buf* b, const unsigned char* p) except -1:
+    """A uuid's 16 bytes as Avro's string of its 36-character text form."""
+    cdef int i
+    put_long(b, 36)
+    reserve(b, 36)
+    for i in range(16):
+        if i == 4 or i == 6 or i == 8 or i == 10:
+            b.p[b.n] = 45  # '-'
+            b.n += 1
+        b.p[b.n] = HEX[p[i] >> 4]
+        b.p[b.n + 1] = HEX[p[i] & 15]
+        b.n += 2
+    return 0
+
+
+cdef int put_fast(Buf* b, int wire, int scale, const unsigned char* p, Py_ssize_t n) except -1:
+    """One binary value of a nullable field (union index 1, byte 2, then the value). 1: written; 0: nothing
+    written, the value is not this wire's common case."""
+    if wire == W_TEXT or wire == W_BYTES:
+        if wire == W_TEXT:
+            check_utf8(p, n)
         put_byte(b, 2)
         put_long(b, n)
         put_raw(b, p, n)
@@ -269,68 +334,18 @@ cdef int put_fast(Buf* b, int wire, int scale, const unsigned char* p, Py_ssize_
         put_byte(b, 2)
         put_long(b, n - 1)
         put_raw(b, p + 1, n - 1)
-    elif wire == W_TIMESTAMP:
-        if n != 8:
-            return 0
-        v = <int64_t>be64(p)
-        if not (INT64_MIN < v < FINITE_HIGH):
-            return 0
-        put_byte(b, 2)
-        put_long(b, v + EPOCH_MICROS)
-    elif wire == W_DATE:
-        if n != 4:
-            return 0
-        v = <int32_t>be32(p)
-        if v == INT32_MAX or v == INT32_MIN:
-            return 0
-        put_byte(b, 2)
-        put_long(b, v + EPOCH_DAYS)
     elif wire == W_BOOL:
         put_byte(b, 2)
         put_byte(b, 1 if n == 1 and p[0] == 1 else 0)
-    elif wire == W_FLOAT8:
-        if n != 8:
-            return 0
-        u64 = be64(p)
-        if (u64 & 0x7FF0000000000000) == 0x7FF0000000000000 and (u64 & 0x000FFFFFFFFFFFFF):
-            return 0  # NaN: whatever Python makes of its payload
-        put_byte(b, 2)
-        reserve(b, 8)
-        for i in range(8):
-            b.p[b.n + i] = p[7 - i]  # Avro doubles are little-endian
-        b.n += 8
-    elif wire == W_FLOAT4:
-        if n != 4:
-            return 0
-        u32 = be32(p)
-        if (u32 & 0x7F800000) == 0x7F800000 and (u32 & 0x007FFFFF):
-            return 0
-        put_byte(b, 2)
-        reserve(b, 4)
-        for i in range(4):
-            b.p[b.n + i] = p[3 - i]
-        b.n += 4
     elif wire == W_UUID:
         if n != 16:
             return 0
         put_byte(b, 2)
-        put_byte(b, 72)  # 36, zig-zagged
-        reserve(b, 36)
-        for i in range(16):
-            if i == 4 or i == 6 or i == 8 or i == 10:
-                b.p[b.n] = 45  # '-'
-                b.n += 1
-            b.p[b.n] = HEX[p[i] >> 4]
-            b.p[b.n + 1] = HEX[p[i] & 15]
-            b.n += 2
-    elif wire == W_BYTES:
-        put_byte(b, 2)
-        put_long(b, n)
-        put_raw(b, p, n)
+        put_uuid_text(b, p)
     elif wire == W_DECIMAL:
         return put_decimal(b, p, n, scale)
     else:
-        return 0
+        return put_fast_number(b, wire, p, n)
     return 1
 
 
@@ -758,6 +773,70 @@ cdef class ReplayTarget:
             self.topic_destroy(self.rkt)
 
 
+cdef tuple change_tuples(ReplayTarget t, bytes data, Py_ssize_t at, Py_ssize_t end, int kind):
+    """(before, record, key, unchanged) of an Insert ('I'), Update ('U') or Delete ('D') whose tuples start at
+    ``at`` of ``data`` and end at ``end``, encoded by ``t``'s plan; None when DirectProducer._change does not
+    write it: an update that changes the key, or tuples that do not encode cleanly (ChangeWriter.change
+    handles and diagnoses those)."""
+    cdef const unsigned char *d = <const unsigned char*>PyBytes_AS_STRING(data)
+    cdef object before = None, old_key = None, record = None, key, unchanged = None
+    cdef Py_ssize_t pos
+    if at >= end:
+        return None
+    try:
+        if kind != 73 and (d[at] == 75 or d[at] == 79):  # Update/Delete: the old key ('K') or row ('O')
+            before, old_key, _, at = t.plan._encode(data, at + 1, None)
+            if old_key is None:
+                return None
+        if kind == 68:  # a delete: its old key or row, and nothing after it
+            if before is None or at != end:
+                return None
+            key, pos = old_key, end
+        else:
+            if at >= end or d[at] != 78:  # 'N'
+                return None
+            record, key, unchanged, pos = t.plan._encode(data, at + 1, None)
+    except Exception:  # malformed or unconvertible: ChangeWriter.change diagnoses it
+        return None
+    if key is None or pos != end or (kind == 85 and old_key is not None and old_key != key):
+        return None
+    return before, record, key, unchanged
+
+
+cdef int put_change_event(Buf* b, ReplayTarget t, tuple parts, int kind, uint64_t lsn, int64_t commit_lsn) except -1:
+    """Into ``b`` (emptied first), the event of a change's ``parts`` (change_tuples) as
+    TableCodec.envelope_bytes writes it without a transaction block: the frame, before, after, then the source
+    block around the change's LSN, the op, and the unchanged TOASTed columns."""
+    cdef Py_ssize_t seq_start, digits_at
+    cdef bytes tail = t.tail_c if kind == 73 else (t.tail_u if kind == 85 else t.tail_d)
+    cdef list names
+    b.n = 0
+    put_raw(b, <const unsigned char*>PyBytes_AS_STRING(t.frame), PyBytes_GET_SIZE(t.frame))
+    put_row(b, <bytes>parts[0])
+    put_row(b, <bytes>parts[1])
+    put_raw(b, <const unsigned char*>PyBytes_AS_STRING(t.head), PyBytes_GET_SIZE(t.head))
+    seq_start = b.n
+    put_byte(b, 0)
+    digits_at = b.n
+    put_raw(b, <const unsigned char*>b'["', 2)
+    put_decimal_text(b, <uint64_t>commit_lsn)
+    put_raw(b, <const unsigned char*>b'","', 3)
+    put_decimal_text(b, lsn)
+    put_raw(b, <const unsigned char*>b'"]', 2)
+    b.p[seq_start] = <unsigned char>((b.n - digits_at) << 1)
+    put_raw(b, <const unsigned char*>PyBytes_AS_STRING(t.middle), PyBytes_GET_SIZE(t.middle))
+    put_long(b, <int64_t>lsn)
+    put_raw(b, <const unsigned char*>PyBytes_AS_STRING(tail), PyBytes_GET_SIZE(tail))
+    if parts[3] is not None:
+        names = <list>parts[3]
+        if names:
+            put_long(b, len(names))
+            for name in names:
+                put_str(b, name)
+    put_byte(b, 0)
+    return 0
+
+
 # --- the capture's own librdkafka producer --------------------------------------------------------------------
 # The C paths above produce on an rd_kafka_t; KafkaProducer makes and owns that handle through librdkafka's
 # public API (rdkafka.h), found in the copy confluent_kafka loaded (cdc/_libs.py), so no other library's objects
@@ -1128,63 +1207,14 @@ cdef class DirectProducer:
         event was produced and whose tombstone was refused (its key is left in ``t.owed``, its error in
         last_error(): the caller must produce that tombstone before any other event, and must not hand the
         message to ChangeWriter.change, which would write the delete's event twice)."""
-        cdef const unsigned char *d = <const unsigned char*>PyBytes_AS_STRING(data)
-        cdef Py_ssize_t keylen, seq_start, digits_at
-        cdef tuple encoded
-        cdef object before = None, old_key = None, record = None, key
-        cdef object unchanged = None
-        cdef list names
-        cdef Py_ssize_t pos
-        cdef bytes tail
-        if at >= end:
+        cdef tuple parts = change_tuples(t, data, at, end, kind)
+        cdef object key
+        cdef Py_ssize_t keylen
+        if parts is None:
             return 0
-        try:
-            if kind != 73 and (d[at] == 75 or d[at] == 79):  # Update/Delete: the old key ('K') or row ('O')
-                encoded = t.plan._encode(data, at + 1, None)
-                before, old_key, _, at = encoded
-                if old_key is None:
-                    return 0
-            if kind == 68:  # a delete: its old key or row, and nothing after it
-                if before is None or at != end:
-                    return 0
-                key, pos = old_key, end
-            else:
-                if at >= end or d[at] != 78:  # 'N'
-                    return 0
-                encoded = t.plan._encode(data, at + 1, None)
-                record, key, unchanged, pos = encoded
-        except Exception:  # malformed or unconvertible: ChangeWriter.change diagnoses it
-            return 0
-        if key is None or pos != end or (kind == 85 and old_key is not None and old_key != key):
-            return 0
+        key = parts[2]
         keylen = PyBytes_GET_SIZE(key)
-        # TableCodec.envelope_bytes without a transaction block: the frame, before, after, then the source block
-        # around the change's LSN, the op, and the unchanged TOASTed columns.
-        b.n = 0
-        put_raw(b, <const unsigned char*>PyBytes_AS_STRING(t.frame), PyBytes_GET_SIZE(t.frame))
-        put_row(b, <bytes>before)
-        put_row(b, <bytes>record)
-        put_raw(b, <const unsigned char*>PyBytes_AS_STRING(t.head), PyBytes_GET_SIZE(t.head))
-        seq_start = b.n
-        put_byte(b, 0)
-        digits_at = b.n
-        put_raw(b, <const unsigned char*>b'["', 2)
-        put_decimal_text(b, <uint64_t>commit_lsn)
-        put_raw(b, <const unsigned char*>b'","', 3)
-        put_decimal_text(b, lsn)
-        put_raw(b, <const unsigned char*>b'"]', 2)
-        b.p[seq_start] = <unsigned char>((b.n - digits_at) << 1)
-        put_raw(b, <const unsigned char*>PyBytes_AS_STRING(t.middle), PyBytes_GET_SIZE(t.middle))
-        put_long(b, <int64_t>lsn)
-        tail = t.tail_c if kind == 73 else (t.tail_u if kind == 85 else t.tail_d)
-        put_raw(b, <const unsigned char*>PyBytes_AS_STRING(tail), PyBytes_GET_SIZE(tail))
-        if unchanged is not None:
-            names = <list>unchanged
-            if names:
-                put_long(b, len(names))
-                for name in names:
-                    put_str(b, name)
-        put_byte(b, 0)
+        put_change_event(b, t, parts, kind, lsn, commit_lsn)
         if self.produce(t.rkt, RD_KAFKA_PARTITION_UA, RD_KAFKA_MSG_F_COPY, b.p, b.n,
                         PyBytes_AS_STRING(key), keylen, NULL) == -1:
             self.refused_size = keylen + b.n
@@ -1283,6 +1313,14 @@ cdef int PG_DIAG_SQLSTATE = 67  # 'C'
 cdef int PG_DIAG_MESSAGE_PRIMARY = 77  # 'M': the message without "ERROR:  " and the query's LINE lines
 
 
+cdef struct CopyPart:
+    # what CopyReader.receive_part has read: out[:n] of cap bytes (grown up to ceiling), its rows and messages;
+    # failed: 1 the COPY failed, 2 out of memory; ended: the COPY is over
+    char *out
+    Py_ssize_t n, cap, ceiling, rows, messages
+    int failed, ended
+
+
 cdef class CopyReader:
     """Runs ``COPY … TO STDOUT`` statements on psycopg connections through libpq, without the GIL."""
 
@@ -1349,104 +1387,124 @@ cdef class CopyReader:
         binary COPY trailer (-1 fields) appended, so every part parses as a whole COPY output once the caller
         gives the later ones the first part's header as ``prefix``."""
         cdef void *conn = <void*>pgconn
-        cdef char *out = NULL
-        cdef char *grown
-        cdef char *row = NULL
-        cdef Py_ssize_t n = 0, cap = 0, start = len(prefix), rows = 0, messages = 0, ceiling
-        cdef int got, status, was_nonblocking, failed = 0, ended = 0
-        cdef bint trailer
+        cdef CopyPart c
+        cdef int was_nonblocking
         cdef void *res = NULL
-        cdef bytes sqlstate = None, message = None
-        cdef const char *field
+        cdef tuple error = None
+        cdef Py_ssize_t start = len(prefix)
         cdef const char *pre = PyBytes_AS_STRING(prefix)
         if conn == NULL:
             raise ValueError("no connection")
         if most < 1 or most_rows < 1:
             raise ValueError("a part holds at least one byte and one row")
+        memset(&c, 0, sizeof(c))
         # Doubling stops near the part's size (a part of ~8 MB not in 16 MB); no overflow for "no limit".
-        ceiling = most + start + 2 if most < PY_SSIZE_T_MAX - start - 2 else PY_SSIZE_T_MAX
+        c.ceiling = most + start + 2 if most < PY_SSIZE_T_MAX - start - 2 else PY_SSIZE_T_MAX
         with nogil:
             was_nonblocking = self.is_nonblocking(conn)
             self.set_nonblocking(conn, 0)
             if first:
-                res = self.get_result(conn)
-                status = self.result_status(res) if res != NULL else -1
-                if status != PGRES_COPY_OUT:
-                    failed = 1
-                    ended = 1
+                res = self._started(conn, &c)
+            if not c.failed:
+                c.cap = min(most, 1 << 20) + start + 2  # grown as the rows come
+                c.out = <char*>malloc(c.cap)
+                if c.out == NULL:
+                    c.failed = 2
                 else:
-                    self.clear(res)
-                    res = NULL
-            if not failed:
-                cap = min(most, 1 << 20) + start + 2  # grown as the rows come
-                out = <char*>malloc(cap)
-                if out == NULL:
-                    failed = 2
-                else:
-                    memcpy(out, pre, start)
-                    n = start
-                while True:
-                    got = self.get_copy_data(conn, &row, 0)
-                    if got < 0:  # -1: the COPY is done; -2: an error, told by the result below
-                        ended = 1
-                        break
-                    if failed == 0 and n + got + 2 > cap:  # 2: room for a trailer
-                        cap = max(min(cap * 2, ceiling), n + got + 2)
-                        grown = <char*>realloc(out, cap)
-                        if grown == NULL:
-                            failed = 2  # the rest is read and dropped: libpq must leave the COPY state
-                        else:
-                            out = grown
-                    if failed == 0:
-                        memcpy(out + n, row, got)
-                        n += got
-                    # A CopyData message is a row (the first also holds the header), or the trailer: a message of
-                    # its own, -1 as the field count (with the header before it when there are no rows). A part
-                    # never ends at the trailer, so the COPY's end comes in the same part: ended there, the next
-                    # part would be a bare header.
-                    trailer = (
-                        (got == 2 or (first and messages == 0 and got == 21))
-                        and <unsigned char>row[got - 2] == 0xff
-                        and <unsigned char>row[got - 1] == 0xff
-                    )
-                    messages += 1
-                    self.freemem(row)
-                    if trailer:
-                        continue
-                    rows += 1
-                    if failed == 0 and (n >= most or rows >= most_rows):
-                        break
-                if ended:
+                    memcpy(c.out, pre, start)
+                    c.n = start
+                self._read_rows(conn, &c, most, most_rows, first)
+                if c.ended:
                     res = self.get_result(conn)  # the COPY's own result: success or the error
                     if res == NULL or self.result_status(res) != PGRES_COMMAND_OK:
-                        failed = failed or 1
-                elif failed == 0:
-                    out[n] = <char>0xff  # the trailer: this part ends here
-                    out[n + 1] = <char>0xff
-                    n += 2
-            if failed:
+                        c.failed = c.failed or 1
+            if c.failed:
                 with gil:
-                    if res != NULL:
-                        field = self.result_error_field(res, PG_DIAG_SQLSTATE)
-                        if field != NULL:
-                            sqlstate = field
-                        field = self.result_error_field(res, PG_DIAG_MESSAGE_PRIMARY)
-                        message = field if field != NULL else self.result_error_message(res)
-                    if not message:
-                        message = self.error_message(conn)
-            if ended:
+                    error = self._error(conn, res)
+            if c.ended:
                 while res != NULL:  # the results left, until libpq says the statement is over
                     self.clear(res)
                     res = self.get_result(conn)
             self.set_nonblocking(conn, was_nonblocking)
         try:
-            if failed == 2:
+            if c.failed == 2:
                 raise MemoryError()
-            if failed:
-                return None, True, (sqlstate.decode() if sqlstate else None), message.decode(errors="replace").strip()
-            return PyBytes_FromStringAndSize(out, n), bool(ended), None, None
+            if c.failed:
+                return (None, True) + error
+            return PyBytes_FromStringAndSize(c.out, c.n), bool(c.ended), None, None
         finally:
-            free(out)
+            free(c.out)
+
+    cdef void *_started(self, void *conn, CopyPart *c) noexcept nogil:
+        """Takes the result that starts the COPY :meth:`send` sent: NULL when it did; else the COPY failed (kept
+        in ``c``) and this is its result, or NULL when there is none."""
+        cdef void *res = self.get_result(conn)
+        if res != NULL and self.result_status(res) == PGRES_COPY_OUT:
+            self.clear(res)
+            return NULL
+        c.failed = 1
+        c.ended = 1
+        return res
+
+    cdef void _read_rows(
+        self, void *conn, CopyPart *c, Py_ssize_t most, Py_ssize_t most_rows, bint first
+    ) noexcept nogil:
+        """receive_part's reading: the COPY's messages into ``c.out`` until the part is full (then the binary
+        trailer closes it) or the COPY ends (``c.ended``). Out of memory (``c.failed`` 2), the rest is read and
+        dropped: libpq must leave the COPY state."""
+        cdef char *row = NULL
+        cdef char *grown
+        cdef int got
+        cdef bint trailer
+        while True:
+            got = self.get_copy_data(conn, &row, 0)
+            if got < 0:  # -1: the COPY is done; -2: an error, told by the result after it
+                c.ended = 1
+                return
+            if c.failed == 0 and c.n + got + 2 > c.cap:  # 2: room for a trailer
+                c.cap = max(min(c.cap * 2, c.ceiling), c.n + got + 2)
+                grown = <char*>realloc(c.out, c.cap)
+                if grown == NULL:
+                    c.failed = 2
+                else:
+                    c.out = grown
+            if c.failed == 0:
+                memcpy(c.out + c.n, row, got)
+                c.n += got
+            # A CopyData message is a row (the first also holds the header), or the trailer: a message of its
+            # own, -1 as the field count (with the header before it when there are no rows). A part never ends
+            # at the trailer, so the COPY's end comes in the same part: ended there, the next part would be a
+            # bare header.
+            trailer = (
+                (got == 2 or (first and c.messages == 0 and got == 21))
+                and <unsigned char>row[got - 2] == 0xff
+                and <unsigned char>row[got - 1] == 0xff
+            )
+            c.messages += 1
+            self.freemem(row)
+            if trailer:
+                continue
+            c.rows += 1
+            if c.failed == 0 and (c.n >= most or c.rows >= most_rows):
+                c.out[c.n] = <char>0xff  # the trailer: this part ends here
+                c.out[c.n + 1] = <char>0xff
+                c.n += 2
+                return
+
+    cdef tuple _error(self, void *conn, void *res):
+        """(SQLSTATE or None, message) of a failed COPY: from its result when there is one, else the
+        connection's."""
+        cdef const char *field
+        cdef bytes sqlstate = None, message = None
+        if res != NULL:
+            field = self.result_error_field(res, PG_DIAG_SQLSTATE)
+            if field != NULL:
+                sqlstate = field
+            field = self.result_error_field(res, PG_DIAG_MESSAGE_PRIMARY)
+            message = field if field != NULL else self.result_error_message(res)
+        if not message:
+            message = self.error_message(conn)
+        return (sqlstate.decode() if sqlstate else None), message.decode(errors="replace").strip()
 
 
 
@@ -1461,6 +1519,32 @@ ctypedef int (*pq_consume_input_t)(void *conn) noexcept nogil
 
 cdef enum:
     XLOG_PAYLOAD_AT = 25  # 'w', start LSN, end LSN, send time: then the pgoutput message
+
+
+cdef ReplayTarget live_change_target(const unsigned char *d, Py_ssize_t got, dict targets, ReplayTarget last,
+                                     uint32_t *last_relid):
+    """The target of a replication message (ChangeReader.live_changes) that is an XLogData holding an Insert,
+    Update or Delete of a relation in ``targets``, else None. ``last`` (the previous message's target) and
+    ``*last_relid`` (its relation, updated here) spare the dict look-up in a run of one table's changes."""
+    cdef uint32_t relid
+    cdef object found
+    cdef ReplayTarget t
+    # the XLogData header, then 'I', 'U' or 'D', the relation id and the tuples
+    if got < XLOG_PAYLOAD_AT + 8 or d[0] != 119 or (
+        d[XLOG_PAYLOAD_AT] != 73 and d[XLOG_PAYLOAD_AT] != 85 and d[XLOG_PAYLOAD_AT] != 68
+    ):
+        return None
+    relid = be32(d + XLOG_PAYLOAD_AT + 1)
+    if last is not None and relid == last_relid[0]:
+        return last
+    found = targets.get(relid)
+    if found is None:
+        return None
+    t = <ReplayTarget?>found
+    if t.rkt == NULL:  # not made by DirectProducer.target
+        raise ValueError("a ReplayTarget without a topic handle")
+    last_relid[0] = relid
+    return t
 
 
 cdef class ChangeReader:
@@ -1564,10 +1648,9 @@ cdef class ChangeReader:
         cdef Py_ssize_t count = 0, n = 0
         cdef int got = 0
         cdef uint64_t end, largest = 0
-        cdef uint32_t relid, last_relid = 0
+        cdef uint32_t last_relid = 0
         cdef ReplayTarget t = None
         cdef bytes data, held = None
-        cdef object found
         cdef int done
         cdef unsigned char[STACK_BYTES] stack
         cdef Buf b
@@ -1586,21 +1669,10 @@ cdef class ChangeReader:
                 finally:
                     self.freemem(msg)
                 d = <const unsigned char*>PyBytes_AS_STRING(data)
-                # the XLogData header, then 'I', 'U' or 'D', the relation id and the tuples
-                if got < XLOG_PAYLOAD_AT + 8 or d[0] != 119 or (
-                    d[XLOG_PAYLOAD_AT] != 73 and d[XLOG_PAYLOAD_AT] != 85 and d[XLOG_PAYLOAD_AT] != 68
-                ):
+                t = live_change_target(d, got, targets, t, &last_relid)
+                if t is None:
                     held, got = data, 0
                     break
-                relid = be32(d + XLOG_PAYLOAD_AT + 1)
-                if t is None or relid != last_relid:
-                    found = targets.get(relid)
-                    if found is None:
-                        held, got = data, 0
-                        break
-                    t, last_relid = <ReplayTarget?>found, relid
-                    if t.rkt == NULL:  # not made by DirectProducer.target
-                        raise ValueError("a ReplayTarget without a topic handle")
                 done = producer._change(t, data, XLOG_PAYLOAD_AT + 5, got, d[XLOG_PAYLOAD_AT], be64(d + 1),
                                         commit_lsn, &b)
                 if done <= 0:
