@@ -46,8 +46,15 @@ _INT_READERS = {code: struct.Struct(">" + code).unpack for code in ("h", "i", "q
 Encoded = tuple[bytes, bytes | None, list[str], int]
 
 
+# why a change's key columns must all have a value (a snapshot row's: see encode_copy_packed)
+REPLICA_IDENTITY_HINT = "the table's REPLICA IDENTITY must include the key (REPLICA IDENTITY DEFAULT or FULL)"
+
+
 class KeyMissingError(ValueError):
-    """A change did not carry its key columns (the capture turns this into a StreamError)."""
+    """A row did not carry its key columns (the capture turns this into a StreamError)."""
+
+    def __init__(self, table: str, missing: list[str], why: str) -> None:
+        super().__init__(f"a row of {table} arrived without key column(s) {missing}: {why}")
 
 
 class RowEncoder(Protocol):
@@ -164,8 +171,7 @@ class PythonRowEncoder:
         """:meth:`encode`, raising :class:`KeyMissingError` (naming the columns) when a key column is null or
         unchanged instead of giving no key."""
         out, marks, unchanged, pos = self._record(data, pos, copy_modes)
-        why = "the table's REPLICA IDENTITY must include the key (REPLICA IDENTITY DEFAULT or FULL)"
-        return bytes(out), self._required_key(out, marks, why), unchanged, pos
+        return bytes(out), self._required_key(out, marks, REPLICA_IDENTITY_HINT), unchanged, pos
 
     def encode_copy_packed(self, data: bytes, copy_modes: bytes) -> tuple[bytes, int]:
         pos = copy_body_start(data)
@@ -202,7 +208,7 @@ class PythonRowEncoder:
         key = self._key(out, marks)
         if key is None:
             missing = [self.spec.columns[k] for k in self.spec.key_indexes if out[marks[k]] == 0]
-            raise KeyMissingError(f"a row of {self.spec.table} arrived without key column(s) {missing}: {why}")
+            raise KeyMissingError(self.spec.table, missing, why)
         return key
 
     def _record(self, data: bytes, pos: int, copy_modes: bytes | None) -> tuple[bytearray, list[int], list[str], int]:
@@ -304,6 +310,7 @@ def _fast_kind(mapping: AvroMapping) -> int:
 __all__ = [
     "COPY_SIGNATURE",
     "PACKED_HEAD",
+    "REPLICA_IDENTITY_HINT",
     "EncoderSpec",
     "KeyMissingError",
     "PythonRowEncoder",

@@ -12,7 +12,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from cdc._encoder import EncoderSpec, KeyMissingError, PythonRowEncoder, RowEncoder, make_encoder, native_module
+from cdc._encoder import (
+    REPLICA_IDENTITY_HINT,
+    EncoderSpec,
+    KeyMissingError,
+    PythonRowEncoder,
+    RowEncoder,
+    make_encoder,
+    native_module,
+)
 from decoders import TupleData
 from schemas import (
     AvroMapping,
@@ -195,10 +203,7 @@ class TableCodec:
     def missing_key(self, row: dict[str, Any]) -> KeyMissingError:
         names = self.field_names
         missing = [self.columns[i].name for i in self.key_indexes if row[names[i]] is None]
-        return KeyMissingError(
-            f"a change of {self.schema}.{self.table} arrived without key column(s) {missing}; the table's "
-            "REPLICA IDENTITY must include the key (REPLICA IDENTITY DEFAULT or FULL)"
-        )
+        return KeyMissingError(f"{self.schema}.{self.table}", missing, REPLICA_IDENTITY_HINT)
 
     # --- envelopes ----------------------------------------------------------------------------
 

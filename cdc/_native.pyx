@@ -663,6 +663,41 @@ cdef inline int put_row(Buf* b, bytes row) except -1:
     return 0
 
 
+cdef inline int put_bytes(Buf* b, bytes part) except -1:
+    put_raw(b, <const unsigned char*>PyBytes_AS_STRING(part), PyBytes_GET_SIZE(part))
+    return 0
+
+
+cdef int put_position(Buf* b, bytes head, int64_t commit_lsn, int64_t lsn, bytes middle) except -1:
+    """The source block's part that changes with every event, between the transaction's constant ``head`` and
+    ``middle``: the sequence string '["<commit_lsn>","<lsn>"]' (its length first, one byte: at most 47 < 64),
+    then, after ``middle``, the LSN."""
+    cdef Py_ssize_t seq_start, digits_at
+    put_bytes(b, head)
+    seq_start = b.n
+    put_byte(b, 0)
+    digits_at = b.n
+    put_raw(b, <const unsigned char*>b'["', 2)
+    put_decimal_text(b, <uint64_t>commit_lsn)
+    put_raw(b, <const unsigned char*>b'","', 3)
+    put_decimal_text(b, <uint64_t>lsn)
+    put_raw(b, <const unsigned char*>b'"]', 2)
+    b.p[seq_start] = <unsigned char>((b.n - digits_at) << 1)
+    put_bytes(b, middle)
+    put_long(b, lsn)
+    return 0
+
+
+cdef int put_unchanged(Buf* b, list unchanged) except -1:
+    """The envelope's last field: the unchanged TOASTed columns' names (an empty array when there are none)."""
+    if unchanged:
+        put_long(b, len(unchanged))
+        for name in unchanged:
+            put_str(b, name)
+    put_byte(b, 0)
+    return 0
+
+
 def envelope(
     bytes frame not None,
     bytes before,
@@ -680,30 +715,16 @@ def envelope(
     as TableCodec._transaction_parts makes them) around the rows, the change's LSN and its unchanged fields."""
     cdef unsigned char[STACK_BYTES] stack
     cdef Buf b
-    cdef Py_ssize_t seq_start, digits_at, seq_len
     b.p = stack
     b.n = 0
     b.cap = STACK_BYTES
     b.heap = NULL
     try:
-        put_raw(&b, <const unsigned char*>PyBytes_AS_STRING(frame), PyBytes_GET_SIZE(frame))
+        put_bytes(&b, frame)
         put_row(&b, before)
         put_row(&b, after)
-        put_raw(&b, <const unsigned char*>PyBytes_AS_STRING(head), PyBytes_GET_SIZE(head))
-        # sequence: the string '["<commit_lsn>","<lsn>"]', its length first (one byte: at most 47 < 64).
-        seq_start = b.n
-        put_byte(&b, 0)
-        digits_at = b.n
-        put_raw(&b, <const unsigned char*>b'["', 2)
-        put_decimal_text(&b, <uint64_t>commit_lsn)
-        put_raw(&b, <const unsigned char*>b'","', 3)
-        put_decimal_text(&b, <uint64_t>lsn)
-        put_raw(&b, <const unsigned char*>b'"]', 2)
-        seq_len = b.n - digits_at
-        b.p[seq_start] = <unsigned char>(seq_len << 1)
-        put_raw(&b, <const unsigned char*>PyBytes_AS_STRING(middle), PyBytes_GET_SIZE(middle))
-        put_long(&b, lsn)
-        put_raw(&b, <const unsigned char*>PyBytes_AS_STRING(tail), PyBytes_GET_SIZE(tail))
+        put_position(&b, head, commit_lsn, lsn, middle)
+        put_bytes(&b, tail)
         if transaction is None:
             put_byte(&b, 0)
         else:
@@ -713,12 +734,8 @@ def envelope(
             put_str(&b, transaction[0])
             put_long(&b, transaction[1])
             put_long(&b, transaction[2])
-        put_raw(&b, <const unsigned char*>PyBytes_AS_STRING(ops), PyBytes_GET_SIZE(ops))
-        if unchanged:
-            put_long(&b, len(unchanged))
-            for name in unchanged:
-                put_str(&b, name)
-        put_byte(&b, 0)
+        put_bytes(&b, ops)
+        put_unchanged(&b, unchanged)
         return PyBytes_FromStringAndSize(<const char*>b.p, b.n)
     finally:
         if b.heap != NULL:
@@ -807,33 +824,14 @@ cdef int put_change_event(Buf* b, ReplayTarget t, tuple parts, int kind, uint64_
     """Into ``b`` (emptied first), the event of a change's ``parts`` (change_tuples) as
     TableCodec.envelope_bytes writes it without a transaction block: the frame, before, after, then the source
     block around the change's LSN, the op, and the unchanged TOASTed columns."""
-    cdef Py_ssize_t seq_start, digits_at
     cdef bytes tail = t.tail_c if kind == 73 else (t.tail_u if kind == 85 else t.tail_d)
-    cdef list names
     b.n = 0
-    put_raw(b, <const unsigned char*>PyBytes_AS_STRING(t.frame), PyBytes_GET_SIZE(t.frame))
+    put_bytes(b, t.frame)
     put_row(b, <bytes>parts[0])
     put_row(b, <bytes>parts[1])
-    put_raw(b, <const unsigned char*>PyBytes_AS_STRING(t.head), PyBytes_GET_SIZE(t.head))
-    seq_start = b.n
-    put_byte(b, 0)
-    digits_at = b.n
-    put_raw(b, <const unsigned char*>b'["', 2)
-    put_decimal_text(b, <uint64_t>commit_lsn)
-    put_raw(b, <const unsigned char*>b'","', 3)
-    put_decimal_text(b, lsn)
-    put_raw(b, <const unsigned char*>b'"]', 2)
-    b.p[seq_start] = <unsigned char>((b.n - digits_at) << 1)
-    put_raw(b, <const unsigned char*>PyBytes_AS_STRING(t.middle), PyBytes_GET_SIZE(t.middle))
-    put_long(b, <int64_t>lsn)
-    put_raw(b, <const unsigned char*>PyBytes_AS_STRING(tail), PyBytes_GET_SIZE(tail))
-    if parts[3] is not None:
-        names = <list>parts[3]
-        if names:
-            put_long(b, len(names))
-            for name in names:
-                put_str(b, name)
-    put_byte(b, 0)
+    put_position(b, t.head, commit_lsn, <int64_t>lsn, t.middle)
+    put_bytes(b, tail)  # the op and an empty transaction block
+    put_unchanged(b, <list>parts[3])
     return 0
 
 
