@@ -17,6 +17,7 @@ import psycopg
 from cdc import __version__
 from cdc._catalog import TypeResolver, qualified_name
 from cdc._config import Settings
+from cdc._deadletter import CaptureDeadLetters, server_printer
 from cdc._events import ColumnSpec, SourceInfo, TableCodec, table_shape
 from cdc._kafka import OffsetStore, Registry, Topics
 from cdc._metrics import CaptureMetrics
@@ -102,6 +103,7 @@ class Attached:
     registry: Registry
     codecs: TableCodecs
     offsets: OffsetStore
+    dead_letters: CaptureDeadLetters  # what becomes of a row no encoder takes (capture.on_unencodable)
 
 
 @contextlib.contextmanager
@@ -120,7 +122,8 @@ def attach(ctx: CaptureContext) -> Iterator[Attached]:
         offsets = OffsetStore(kafka, s.offsets_topic, s.source.slot)
         source_info = SourceInfo(__version__, s.kafka.topic_prefix, sql.info.dbname)
         codecs = TableCodecs(ctx, report, types=types, topics=topics, registry=registry, source_info=source_info)
-        yield Attached(sql, report, types, topics, registry, codecs, offsets)
+        dead = CaptureDeadLetters(s.capture.on_unencodable, s.kafka.topic_prefix, server_printer(sql), topics.ensure)
+        yield Attached(sql, report, types, topics, registry, codecs, offsets, dead)
     finally:
         sql.close()
 

@@ -12,22 +12,28 @@ import struct
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any
 
 from cdc._attach import Attached, CaptureContext
 from cdc._batch import KafkaBatchWriter
+from cdc._deadletter import Refused
 from cdc._encoder import Encoded
 from cdc._events import Position, Stamp, TableCodec
+from cdc._metrics import DEAD_LETTER_OP
 from cdc._replication import ReplicationConnection
 from cdc._spill import SPILL_HEAD, SPILL_READ, Spill
 from cdc.errors import StreamError
 from decoders import (
     XLOG_PAYLOAD_AT,
+    Delete,
+    Insert,
     LogicalMessage,
     PgOutputDecoder,
     Relation,
     StreamCommit,
     Truncate,
+    Update,
     format_lsn,
 )
 from schemas import (
@@ -344,12 +350,36 @@ class ChangeWriter:
         at = start + 5 if streamed else start + 1
         try:
             codec = self._codec(_U32(data, at)[0])
-            if self.fast_change(data, lsn, start, streamed):  # its codec is built now
-                return
-            read = _read_change(codec.python_encoder.encode_keyed, data, start, at + 4)
-        except (ValueError, IndexError, struct.error) as exc:  # an unconvertible value, a missing key: stop
+        except (ValueError, IndexError, struct.error) as exc:  # no relation id, or a table we cannot encode
             raise StreamError(f"cannot capture the change at LSN {format_lsn(lsn)}: {exc}") from exc
+        if self.fast_change(data, lsn, start, streamed):  # its codec is built now
+            return
+        try:
+            read = _read_change(codec.python_encoder.encode_keyed, data, start, at + 4)
+        except (ValueError, IndexError, struct.error) as exc:  # an unconvertible value, a missing key
+            self._refuse(codec, data[start : start + 1] + data[at:] if streamed else data[start:], lsn, exc)
+            return
         self._write(codec, lsn, data[start], read)
+
+    def _refuse(self, codec: TableCodec, payload: bytes, lsn: int, exc: Exception) -> None:
+        """A change no encoder takes (``payload``: its message without an xid), to capture.on_unencodable:
+        a stop that names it, or its dead letter in the open batch."""
+        try:
+            msg = PgOutputDecoder(1).decode(payload)
+        except (ValueError, IndexError, struct.error):  # malformed: the dead letter says why, without the row
+            msg = None
+        row = before = None
+        if isinstance(msg, Insert | Update):
+            row = list(zip(msg.new.kinds, msg.new.values, strict=True))
+        if isinstance(msg, Update | Delete) and msg.old is not None:
+            before = list(zip(msg.old.kinds, msg.old.values, strict=True))
+        if isinstance(msg, Delete):
+            row, before = before, None
+        op = {_INSERT: "c", _DELETE: "d"}.get(payload[0], "u")
+        refused = Refused(codec.described, op, lsn, self._pos.commit_lsn, exc, row, before)
+        self._attached.dead_letters.refuse(
+            refused, self._produce, partial(self._metrics.count, codec.topic, DEAD_LETTER_OP)
+        )
 
     def _write(self, codec: TableCodec, lsn: int, kind: int, read: _Read) -> None:
         before, old_key, after, key, unchanged = read

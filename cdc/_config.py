@@ -168,6 +168,11 @@ class CaptureConfig(_Section):
     )
     max_batch_events: int = Field(default=50_000, ge=1)
     binary: bool = Field(default=True, description="ask pgoutput for binary values where supported")
+    on_unencodable: Literal["stop", "dead-letter"] = Field(
+        default="stop",
+        description="a change or snapshot row with a value Avro cannot hold (docs/types.md) or without its key: "
+        "stop naming it, or write it to <topic_prefix>.capture-dead-letter and go on",
+    )
 
 
 class MetricsConfig(_Section):

@@ -55,6 +55,15 @@ class KeyMissingError(ValueError):
 
     def __init__(self, table: str, missing: list[str], why: str) -> None:
         super().__init__(f"a row of {table} arrived without key column(s) {missing}: {why}")
+        self.missing = missing
+
+
+class ColumnError(ValueError):
+    """A column's value could not be read or encoded (the message names the column; ``column`` holds it)."""
+
+    def __init__(self, column: str, why: str) -> None:
+        super().__init__(f"column {column!r}: {why}")
+        self.column = column
 
 
 class RowEncoder(Protocol):
@@ -150,6 +159,35 @@ def copy_body_start(data: bytes) -> int:
     return 19 + int(ext_len)
 
 
+@dataclass(frozen=True)
+class CopyRowRefused:
+    """A binary COPY row the Python encoder set aside: its fields (None for NULL) and why."""
+
+    fields: list[bytes | None]
+    error: ValueError
+
+
+def copy_row_fields(data: bytes, pos: int) -> tuple[list[bytes | None], int | None]:
+    """The fields of the binary COPY row at ``pos`` (None for NULL) and the position after it; None for the
+    position when the row is cut short."""
+    (nfields,) = _I16(data, pos)
+    pos += 2
+    fields: list[bytes | None] = []
+    for _ in range(nfields):
+        if pos + 4 > len(data):
+            return fields, None
+        (length,) = _I32(data, pos)
+        pos += 4
+        if length < 0:
+            fields.append(None)
+            continue
+        if pos + length > len(data):
+            return fields, None
+        fields.append(data[pos : pos + length])
+        pos += length
+    return fields, pos
+
+
 class PythonRowEncoder:
     """:class:`RowEncoder` in Python: the reference encoder, and the one that says what is wrong with a row."""
 
@@ -174,26 +212,48 @@ class PythonRowEncoder:
         return bytes(out), self._required_key(out, marks, REPLICA_IDENTITY_HINT), unchanged, pos
 
     def encode_copy_packed(self, data: bytes, copy_modes: bytes) -> tuple[bytes, int]:
+        packed, rows, _ = self.encode_copy_rows(data, copy_modes, set_aside=False)
+        return packed, rows
+
+    def encode_copy_rows(
+        self, data: bytes, copy_modes: bytes, *, set_aside: bool = True
+    ) -> tuple[bytes, int, list[CopyRowRefused]]:
+        """:meth:`encode_copy_packed`, a row whose values cannot be encoded set aside (its fields as COPY sent
+        them, and why) instead of failing the chunk. Output that is malformed or cut short still raises."""
         pos = copy_body_start(data)
         out = bytearray()
         rows = 0
+        refused: list[CopyRowRefused] = []
         while True:
             if pos + 2 > len(data):
                 raise ValueError("the COPY output ends before its end marker (malformed or cut short)")
-            (nfields,) = _I16(data, pos)
-            if nfields == -1:
-                return bytes(out), rows
-            record, marks, _, pos = self._record(data, pos, copy_modes)
-            key = self._required_key(
-                record, marks, "key columns must be NOT NULL (choose others with source.key_columns)"
-            )
+            if _I16(data, pos)[0] == -1:
+                return bytes(out), rows, refused
+            start = pos
+            try:
+                record, key, pos = self._copy_row(data, pos, copy_modes)
+            except ValueError as exc:
+                fields, end = copy_row_fields(data, start)  # raises if the row is cut short: not a value's fault
+                if not set_aside or end is None:
+                    raise
+                refused.append(CopyRowRefused(fields, exc))
+                pos = end
+                continue
             out += PACKED_HEAD.pack(len(record), len(key))
             out += record
             out += key
             rows += 1
-            for _ in range(nfields - self._ncols):  # the fields after the columns (the resume key)
-                (length,) = _I32(data, pos)
-                pos += 4 + max(length, 0)
+
+    def _copy_row(self, data: bytes, pos: int, copy_modes: bytes) -> tuple[bytes, bytes, int]:
+        """One binary COPY row's record and key, and the position after it (its fields after the table's
+        columns, the resume key, skipped)."""
+        (nfields,) = _I16(data, pos)
+        record, marks, _, pos = self._record(data, pos, copy_modes)
+        key = self._required_key(record, marks, "key columns must be NOT NULL (choose others with source.key_columns)")
+        for _ in range(nfields - self._ncols):
+            (length,) = _I32(data, pos)
+            pos += 4 + max(length, 0)
+        return bytes(record), key, pos
 
     def _key(self, out: bytearray, marks: list[int]) -> bytes | None:
         key = bytearray(self.spec.key_frame)
@@ -233,7 +293,7 @@ class PythonRowEncoder:
                 else:
                     pos = self._copy_column(i, data, pos, copy_modes[i], out)
         except Exception as exc:  # whatever a converter raises: say which column
-            raise ValueError(f"column {self.spec.columns[i]!r}: {str(exc) or type(exc).__name__}") from exc
+            raise ColumnError(self.spec.columns[i], str(exc) or type(exc).__name__) from exc
         marks.append(len(out))
         return out, marks, unchanged, pos
 
@@ -311,11 +371,14 @@ __all__ = [
     "COPY_SIGNATURE",
     "PACKED_HEAD",
     "REPLICA_IDENTITY_HINT",
+    "ColumnError",
+    "CopyRowRefused",
     "EncoderSpec",
     "KeyMissingError",
     "PythonRowEncoder",
     "RowEncoder",
     "copy_body_start",
+    "copy_row_fields",
     "make_encoder",
     "native_enabled",
     "native_module",

@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from cdc._deadletter import TableColumns
 from cdc._encoder import (
     REPLICA_IDENTITY_HINT,
     EncoderSpec,
@@ -140,6 +141,9 @@ class TableCodec:
         self._txn_key: tuple[Any, ...] | None = None  # what _txn_parts were made for
         self._txn_parts = (b"", b"", b"", b"")
         self.truncate_key = self._encode_key(dict.fromkeys(self.key_field_names))
+        self.described = TableColumns(
+            f"{schema}.{table}", tuple(names), tuple(c.pgtype.oid for c in columns), self.key_indexes
+        )
 
     # --- values -----------------------------------------------------------------------------
 

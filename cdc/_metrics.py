@@ -17,6 +17,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
 _COMMIT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 _BEHIND_WINDOW_S = 10.0
+# The op under which CaptureMetrics.count counts a table's dead letters (cdc/_deadletter.py), next to c u d t r m.
+DEAD_LETTER_OP = "dead_letter"
 _SIZE_BUCKETS = (1, 2, 5, 10, 50, 100, 500, 1000, 5000, 10_000, 50_000, 100_000)
 
 
@@ -105,6 +107,12 @@ class CaptureMetrics:
             "pgcdc_kafka_commit_seconds", "Kafka transaction commit duration", buckets=_COMMIT_BUCKETS, registry=r
         )
         self.errors = Counter("pgcdc_errors", "Errors by class", ["error", "kind"], registry=r)
+        self.dead_letters = Counter(
+            "pgcdc_capture_dead_letters",
+            "Changes and snapshot rows written to <topic_prefix>.capture-dead-letter (capture.on_unencodable)",
+            ["table"],
+            registry=r,
+        )
 
     def _declare_snapshot(self, r: CollectorRegistry) -> None:
         self.snapshot_running = Gauge("pgcdc_snapshot_running", "1 while a snapshot runs", registry=r)
@@ -161,7 +169,7 @@ class CaptureMetrics:
         with self._lock:
             for (topic, op), n in pending.items():
                 table = self.tables.get(topic, topic)
-                self.events.labels(table, op).inc(n)
+                (self.dead_letters.labels(table) if op == DEAD_LETTER_OP else self.events.labels(table, op)).inc(n)
                 self.totals[(table, op)] = self.totals.get((table, op), 0) + n
         self.txn_events.observe(records)
         self.commit_seconds.observe(seconds)
@@ -257,4 +265,4 @@ class CaptureMetrics:
             return dict(self.totals)
 
 
-__all__ = ["CaptureMetrics"]
+__all__ = ["DEAD_LETTER_OP", "CaptureMetrics"]

@@ -37,6 +37,7 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import psycopg
@@ -44,10 +45,12 @@ from psycopg import sql
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeRemainingColumn
 
 from cdc._catalog import TableInfo
-from cdc._encoder import COPY_SIGNATURE, native_module, packed_rows
+from cdc._deadletter import Refused
+from cdc._encoder import COPY_SIGNATURE, CopyRowRefused, native_module, packed_rows
 from cdc._events import ColumnSpec, Position, TableCodec
 from cdc._fastpaths import LIBPQ_FUNCTIONS
 from cdc._libs import libpq_addresses
+from cdc._metrics import DEAD_LETTER_OP
 from cdc._offsets import CaptureState, RangeProgress, SnapshotState, TableProgress
 from cdc._resnapshot import GapDeletes, Reconciler
 from cdc.errors import StreamError, TransientError
@@ -60,7 +63,7 @@ log = logging.getLogger(__name__)
 
 _I16 = struct.Struct(">h")
 _I32 = struct.Struct(">i")
-_B, _T = ord("b"), ord("t")
+_B, _T, _NULL = ord("b"), ord("t"), ord("n")
 
 
 @dataclass
@@ -71,6 +74,7 @@ class _Chunk:
     packed: bytes  # the rows as RowEncoder.encode_copy_packed packs them
     last_key: list[str] | None
     done: bool  # the range is read to its end
+    refused: list[CopyRowRefused] = field(default_factory=list)  # rows no encoder takes
 
 
 @dataclass(frozen=True)
@@ -233,18 +237,20 @@ def block_cuts(blocks: int, parts: int) -> list[list[int | None]]:
     return [[low, high] for low, high in zip(cuts, [*cuts[1:], None], strict=True)]
 
 
-def _encode_chunk(codec: TableCodec, table: str, data: bytes, kinds: bytes) -> tuple[int, bytes]:
-    """A COPY chunk's rows as events packed in one bytes object (RowEncoder.encode_copy_packed), and how many.
-    What the table's encoder refuses goes to the Python encoder, which takes it (the C encoder refuses a few
-    rare forms) or says what is wrong (StreamError: a value, a key, or output cut short)."""
+def _encode_chunk(codec: TableCodec, table: str, data: bytes, kinds: bytes) -> tuple[int, bytes, list[CopyRowRefused]]:
+    """A COPY chunk's rows as events packed in one bytes object (RowEncoder.encode_copy_packed), how many, and
+    the rows no encoder takes (capture.on_unencodable decides about those when the chunk is written). What the
+    table's encoder refuses goes to the Python encoder, which takes it (the C encoder refuses a few rare forms)
+    or sets the row aside with what is wrong; output that is malformed or cut short raises StreamError."""
     try:
         packed, rows = codec.encoder.encode_copy_packed(data, kinds)
+        return rows, packed, []
     except Exception:  # the Python encoder decides, and names the error
         try:
-            packed, rows = codec.python_encoder.encode_copy_packed(data, kinds)
+            packed, rows, refused = codec.python_encoder.encode_copy_rows(data, kinds)
         except (ValueError, IndexError, struct.error) as exc:
             raise StreamError(f"cannot snapshot a row of {table}: {exc}") from exc
-    return rows, packed
+    return rows, packed, refused
 
 
 def _where(conditions: list[sql.Composable]) -> sql.Composable:
@@ -275,8 +281,8 @@ class _RangeJob:
     def chunk(self, data: bytes, last_key: list[str] | None, done: bool) -> _Chunk:
         """``data`` (COPY output, whole rows) encoded as the range's next chunk."""
         table = self.work.table.qualified
-        rows, packed = _encode_chunk(self.codec, table, data, self.kinds)
-        return _Chunk(table, self.work.part, rows, packed, last_key, done)
+        rows, packed, refused = _encode_chunk(self.codec, table, data, self.kinds)
+        return _Chunk(table, self.work.part, rows, packed, last_key, done, refused)
 
 
 class _Keyset:
@@ -753,6 +759,8 @@ class Snapshotter:
         pos = Position(consistent, consistent, time.time_ns() // 1000, None, "true")
         now_us = time.time_ns() // 1000
         prefix, suffix = codec.read_event_frame(pos, now_us)
+        for row in chunk.refused:  # first: under the "stop" policy nothing of the chunk is written
+            self._refuse(codec, row, consistent)
         self.writer.produce_packed(codec.topic, chunk.packed, chunk.rows, prefix, suffix)
         if gaps is not None:
             gaps.seen(_packed_keys(chunk.packed))
@@ -771,6 +779,15 @@ class Snapshotter:
             self.writer.commit(self.state)
         if table_done and gaps is not None:
             self._end_table(chunk.table, consistent)
+
+    def _refuse(self, codec: TableCodec, row: CopyRowRefused, consistent: int) -> None:
+        """A snapshot row no encoder takes, to capture.on_unencodable (a stop naming it, or its dead letter)."""
+        kinds = [_B if b else _T for b in codec.binary_capable]
+        values = [(_NULL if raw is None else kind, raw) for kind, raw in zip(kinds, row.fields, strict=False)]
+        refused = Refused(codec.described, "r", consistent, consistent, row.error, values)
+        self.attached.dead_letters.refuse(
+            refused, self.writer.produce, partial(self.ctx.metrics.count, codec.topic, DEAD_LETTER_OP)
+        )
 
     def _end_table(self, table: str, consistent: int) -> None:
         """Every range of ``table`` is read and committed: the keys the snapshot did not find are deleted, if its

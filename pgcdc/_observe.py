@@ -26,7 +26,7 @@ import psycopg
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from cdc._config import Settings
-from cdc._metrics import CaptureMetrics
+from cdc._metrics import DEAD_LETTER_OP, CaptureMetrics
 from cdc._version import __version__
 from common.errors import ConfigError
 from decoders import format_lsn
@@ -227,8 +227,9 @@ class Observer:
         point["slot_lag_bytes"] = source.get("lag_bytes")
         point["behind_s"] = self.metrics.behind_s
         totals: dict[str, int] = {}
-        for (table, _op), n in self.metrics.event_totals().items():
-            totals[table] = totals.get(table, 0) + n
+        for (table, op), n in self.metrics.event_totals().items():
+            if op != DEAD_LETTER_OP:  # a rate of events written to the table's topic
+                totals[table] = totals.get(table, 0) + n
         rates: dict[str, float] = {}
         if self._prev_totals is not None:
             then, before = self._prev_totals

@@ -3,6 +3,7 @@ ChangeWriter.change then hands it to the Python encoder, which takes it or says 
 
 from __future__ import annotations
 
+import json
 import struct
 
 import pytest
@@ -105,3 +106,54 @@ def test_what_no_encoder_takes_stops_with_what_is_wrong(
     with pytest.raises(StreamError, match=says):
         cap.change(message, 0x16B3748)
     assert producer.out == []
+
+
+# An insert whose int8 key arrives as 3 bytes: no encoder takes it (its dead letter prints it as hex here; the
+# capture asks PostgreSQL to print it).
+_SHORT_KEY = b"I" + struct.pack(">I", 16384) + b"N" + struct.pack(">HcI", 1, b"b", 3) + b"abc"
+
+
+def test_the_stop_names_the_table_the_key_and_the_way_out(capture: tuple[ChangeWriter, _KeepingProducer]) -> None:
+    cap, _ = capture
+    cap.begin(*TXN[:3], 0)
+    with pytest.raises(StreamError) as stopped:
+        cap.change(_SHORT_KEY, 0x16B3748)
+    said = str(stopped.value)
+    assert "cannot capture the change at LSN 0/16B3748" in said
+    assert "column 'id'" in said
+    assert "table public.t" in said
+    assert 'capture.on_unencodable = "dead-letter"' in said
+    assert "p.capture-dead-letter" in said
+
+
+@pytest.mark.parametrize(
+    ("message", "column", "key"),
+    [
+        (b"I" + struct.pack(">I", 16384) + b"N" + struct.pack(">H", 1) + b"n", "id", {"id": None}),
+        (_SHORT_KEY, "id", {"id": "\\x616263"}),
+    ],
+    ids=["no key", "unreadable key value"],
+)
+def test_with_dead_letters_the_change_goes_to_the_dead_letter_topic_and_the_stream_goes_on(
+    message: bytes, column: str, key: dict[str, str | None]
+) -> None:
+    producer = _KeepingProducer()
+    cap = change_writer(producer, in_batch=True, on_unencodable="dead-letter")
+    cap._relations[16384] = Relation(None, 16384, "public", "t", "d", (Column(1, "id", 20, -1),))
+    cap._codecs[16384] = make_codec([("id", PgType(20, "int8"), -1)], topic="p.public.t", key=["id"])
+    cap.begin(*TXN[:3], 0)
+    cap.change(message, 0x16B3748)
+    cap.change(_insert(16384, 6), 0x16B3750)  # the next change is captured as usual
+    assert [topic for topic, _, _ in producer.out] == ["p.capture-dead-letter", "p.public.t"]
+    _, dead_key, dead_value = producer.out[0]
+    assert dead_value is not None
+    letter = json.loads(dead_value)
+    assert json.loads(dead_key) == {"table": "public.t", "key": key}
+    assert letter["table"] == "public.t"
+    assert letter["op"] == "c"
+    assert letter["lsn"] == "0/16B3748"
+    assert letter["commit_lsn"] == "2/0"
+    assert letter["column"] == column
+    assert letter["key"] == key
+    assert letter["row"] == key  # the table's one column is its key
+    assert letter["error"]

@@ -7,6 +7,7 @@ import struct
 import pytest
 from pgcdc_dev.codecs import make_codec
 
+from cdc._encoder import ColumnError
 from cdc._snapshot import _encode_chunk, _packed_keys, parse_binary_copy
 from cdc.errors import StreamError
 from schemas import PgType
@@ -49,10 +50,30 @@ def test_a_chunk_is_counted_by_its_encoder_and_a_cut_one_is_refused(python: bool
     )
     rows = [_row(struct.pack(">i", i), f"n{i}".encode()) for i in range(5)]
     data = HEADER + b"".join(rows) + struct.pack(">h", -1)
-    count, packed = _encode_chunk(codec, "public.t", data, b"bb")
+    count, packed, refused = _encode_chunk(codec, "public.t", data, b"bb")
     assert count == 5
+    assert refused == []
     assert len(_packed_keys(packed)) == 5
     with pytest.raises(StreamError, match=r"cannot snapshot a row of public\.t: column 'id': truncated"):
         _encode_chunk(codec, "public.t", data[:-9], b"bb")
     with pytest.raises(StreamError, match=r"cannot snapshot a row of public.t: .*cut short"):
         _encode_chunk(codec, "public.t", data[:-2], b"bb")
+
+
+@pytest.mark.parametrize("python", [False, True], ids=["table's encoder", "python"])
+def test_a_row_no_encoder_takes_is_set_aside_with_its_fields_and_why(python: bool) -> None:
+    """A row whose value cannot be encoded (here a text value that is not UTF-8) does not fail its chunk: it is
+    set aside with its fields as COPY sent them and the column at fault (capture.on_unencodable decides), and the
+    rows around it are encoded as usual."""
+    codec = make_codec(
+        [("id", PgType(23, "int4"), -1), ("name", PgType(25, "text"), -1)], topic="p.public.t", python=python
+    )
+    rows = [_row(struct.pack(">i", i), b"\xff\xfe" if i == 2 else f"n{i}".encode()) for i in range(5)]
+    data = HEADER + b"".join(rows) + struct.pack(">h", -1)
+    count, packed, refused = _encode_chunk(codec, "public.t", data, b"bb")
+    assert count == 4
+    assert [packed_key[-1] for packed_key in _packed_keys(packed)] == [0, 2, 6, 8]  # zigzag ids 0, 1, 3, 4
+    assert len(refused) == 1
+    assert refused[0].fields == [struct.pack(">i", 2), b"\xff\xfe"]
+    assert isinstance(refused[0].error, ColumnError)
+    assert refused[0].error.column == "name"

@@ -7,19 +7,21 @@ import tempfile
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from cdc._attach import CaptureContext
 from cdc._batch import CommitPolicy, KafkaBatchWriter
 from cdc._changes import ChangeWriter
 from cdc._config import load_settings
+from cdc._deadletter import CaptureDeadLetters, Policy, hex_values
 from cdc._events import SourceInfo, TableCodec, TableShape
 from cdc._kafka import OffsetStore
 from cdc._metrics import CaptureMetrics
 from schemas import ColumnShape, PgType, avro_mapping
 
 
-def change_writer(producer: Any, *, in_batch: bool = False) -> ChangeWriter:
+def change_writer(producer: Any, *, in_batch: bool = False, on_unencodable: Policy = "stop") -> ChangeWriter:
     """The capture's ChangeWriter writing through a batch writer on ``producer`` (a TransactionalProducer, or
     anything with its produce methods), with no source behind it: the caller gives it the codecs of its
     relations (``changes._codecs[relid] = make_codec(...)``). ``in_batch``: a Kafka transaction is taken as open,
@@ -32,7 +34,9 @@ def change_writer(producer: Any, *, in_batch: bool = False) -> ChangeWriter:
     offsets = OffsetStore({}, "unused.offsets", "unused")
     writer = KafkaBatchWriter(producer, offsets, ctx.metrics, CommitPolicy(max_events=1 << 62))
     writer.in_batch = in_batch
-    return ChangeWriter(ctx, None, writer)  # type: ignore[arg-type]  # no source: codecs are given
+    # No source: codecs are given; a dead letter's binary values print as hex.
+    dead = CaptureDeadLetters(on_unencodable, "p", hex_values, lambda _topic: 1)
+    return ChangeWriter(ctx, SimpleNamespace(dead_letters=dead), writer)  # type: ignore[arg-type]
 
 
 def make_codec(
