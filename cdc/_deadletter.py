@@ -133,8 +133,8 @@ class CaptureDeadLetters:
         )
         return (
             f"{where}: {_error_text(change.error)} (table {change.columns.table}, key {_key_text(key)}); "
-            f'to write such changes to {self.topic} and go on, set capture.on_unencodable = "dead-letter" '
-            "(docs/types.md lists the values that cannot be encoded)"
+            f'to write such changes to {self.topic} and go on, set capture.on_unencodable = "dead-letter" and '
+            "start again (docs/types.md lists the values that cannot be encoded)"
         )
 
     def _text(self, columns: TableColumns, row: Sequence[Value] | None) -> dict[str, str | None] | None:
