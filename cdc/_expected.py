@@ -9,7 +9,7 @@ Avro values by field name).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,6 +25,15 @@ from cdc._version import __version__
 from decoders import TupleData
 
 _B, _T, _N = ord("b"), ord("t"), ord("n")
+
+
+@dataclass(frozen=True)
+class UnencodableRow:
+    """A source row with a value Avro cannot hold, so no event (docs/types.md, capture.on_unencodable)."""
+
+    key_text: dict[str, str | None]  # its key columns as PostgreSQL prints them
+    key: dict[str, Any] | None  # its key's Avro values by field name; None when the key itself cannot be encoded
+    error: str
 
 
 @dataclass(frozen=True)
@@ -47,8 +56,13 @@ class SourceTable:
     def qualified(self) -> str:
         return f"{self.schema}.{self.table}"
 
-    def rows(self, chunk_rows: int = 20_000) -> Iterator[dict[str, Any]]:
-        """Every row now in the table, in key order: raw Avro values by field name (what the Avro writer takes)."""
+    def rows(
+        self, chunk_rows: int = 20_000, unencodable: Callable[[UnencodableRow], None] | None = None
+    ) -> Iterator[dict[str, Any]]:
+        """Every row now in the table, in key order: raw Avro values by field name (what the Avro writer takes).
+
+        A row with a value Avro cannot hold (docs/types.md) has no event: it goes to ``unencodable`` instead (the
+        capture dead-letters or stops on it, capture.on_unencodable); without ``unencodable`` it raises."""
         kinds = bytes(_B if b else _T for b in self._codec.binary_capable)
         width = len(kinds)
         with connect(self._settings, autocommit=False) as conn:
@@ -61,17 +75,36 @@ class SourceTable:
                         data += block
                 chunk = parse_binary_copy(data)
                 for raw in chunk:
-                    values = raw[:width]
                     # Exactly as the snapshot converts a row (binary COPY, text for types without a binary reader).
-                    row, _ = self._codec.row(
-                        TupleData(
-                            bytes(_N if v is None else k for v, k in zip(values, kinds, strict=True)), tuple(values)
-                        )
-                    )
+                    try:
+                        row = self._row(raw[:width], kinds)
+                    except ValueError as exc:
+                        if unencodable is None:
+                            raise
+                        unencodable(self._unencodable(raw, kinds, exc))
+                        continue
                     yield row
                 if len(chunk) < chunk_rows:
                     return
                 after = [(v or b"").decode() for v in chunk[-1][width:]]
+
+    def _row(self, values: list[bytes | None], kinds: bytes) -> dict[str, Any]:
+        tup = TupleData(bytes(_N if v is None else k for v, k in zip(values, kinds, strict=True)), tuple(values))
+        return self._codec.row(tup)[0]
+
+    def _unencodable(self, raw: list[bytes | None], kinds: bytes, exc: ValueError) -> UnencodableRow:
+        """What verify says of a row that has no event: its key as PostgreSQL prints it (selected as text after
+        the columns), and its key's Avro values when they can be encoded (the store may hold an older version)."""
+        width = len(kinds)
+        names = [self._codec.columns[i].name for i in self._codec.key_indexes]
+        text = {n: None if v is None else v.decode() for n, v in zip(names, raw[width:], strict=True)}
+        keys_only = [v if i in self._codec.key_indexes else None for i, v in enumerate(raw[:width])]
+        try:
+            row = self._row(keys_only, kinds)
+            key: dict[str, Any] | None = {f: row[f] for f in self.key_fields}
+        except ValueError:
+            key = None
+        return UnencodableRow(text, key, str(exc) or type(exc).__name__)
 
     def _chunk(self, after: list[str] | None, limit: int) -> sql.Composed:
         where: sql.Composable = sql.SQL("")

@@ -78,7 +78,12 @@ def _print_drift(name: str, drifts: list[Any]) -> bool:
             continue
         clean = False
         n = d.counts
-        print(f"{name} {d.table}: DRIFT missing {n['missing']}, extra {n['extra']}, different {n['different']}")
+        print(
+            f"{name} {d.table}: DRIFT missing {n['missing']}, extra {n['extra']}, different {n['different']}"
+            + (f", cannot be encoded {n['unencodable']}" if n["unencodable"] else "")
+        )
+        for key, error in d.unencodable[:10]:
+            print(f"  cannot be encoded  {key}: {error} (capture.on_unencodable; docs/types.md)")
         for key in d.missing[:10]:
             print(f"  missing  {key}")
         for key in d.extra[:10]:

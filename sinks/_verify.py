@@ -9,7 +9,10 @@ keys of each kind, whatever the table's size; the disk holds the ledger.
 
 Every key found is written to ``<state_dir>/<sink>/verify/<schema>.<table>.jsonl`` (docs/sinks.md), one JSON
 object per line: ``{"kind": "missing" | "extra" | "different", "key": <key>}`` where ``<key>`` is the store's key
-of the row (the key fields' JSON). The file is replaced at each verify and removed when there is no drift.
+of the row (the key fields' JSON); a source row with a value Avro cannot hold, which has no event (the capture
+dead-letters or stops on it: capture.on_unencodable), is ``{"kind": "unencodable", "key": <its key columns as
+PostgreSQL prints them, a JSON object>, "error": …}``. The file is replaced at each verify and removed when
+there is no drift.
 """
 
 from __future__ import annotations
@@ -41,7 +44,10 @@ class Drift:
     missing: list[str] = field(default_factory=list)  # the first SAMPLE
     extra: list[str] = field(default_factory=list)
     different: list[tuple[str, dict[str, Any], dict[str, Any]]] = field(default_factory=list)
-    counts: dict[str, int] = field(default_factory=lambda: {"missing": 0, "extra": 0, "different": 0})
+    # Source rows with a value Avro cannot hold: (the key as PostgreSQL prints it, why); the capture dead-letters
+    # or stops on them (capture.on_unencodable), so no store has them.
+    unencodable: list[tuple[str, str]] = field(default_factory=list)
+    counts: dict[str, int] = field(default_factory=lambda: {"missing": 0, "extra": 0, "different": 0, "unencodable": 0})
     report: str | None = None  # the file listing every key found
 
     @property
@@ -60,7 +66,7 @@ def compare(
     for src in source_tables:
         ref = TableRef(src.topic, table_name(src.topic), src.key_fields, src.row_schema)
         with tempfile.TemporaryDirectory(prefix="pgcdc-verify-") as tmp, closing(_ledger(Path(tmp))) as db:
-            columns = _fill(db, "src", _source_docs(src))
+            columns = _fill(db, "src", _source_docs(src, db))
             _fill(db, "dst", ((k, {c: row.get(c) for c in columns}) for k, row in sink.read_table(ref, generation)))
             drift = Drift(src.qualified)
             report = reports / f"{ref.name}.jsonl" if reports is not None else None
@@ -69,14 +75,25 @@ def compare(
     return drifts
 
 
-def _source_docs(src: Any) -> Iterator[tuple[str, dict[str, Any]]]:
+def _source_docs(src: Any, db: sqlite3.Connection) -> Iterator[tuple[str, dict[str, Any]]]:
+    """The source's rows in document form by key id; a row with no event (a value Avro cannot hold) goes to the
+    ledger's ``bad`` table instead, with its key as PostgreSQL prints it and its key id when it has one."""
     names = Names()
     fields = src.row_schema["fields"]
-    convs = [(f["name"], column_name(f), doc_converter(f["type"], names, spark=False)) for f in fields]
-    cols = {f["name"]: column_name(f) for f in fields}
-    for raw in src.rows():
-        row = {col: conv(raw[name]) for name, col, conv in convs}
-        yield key_id({cols[k]: row[cols[k]] for k in src.key_fields}), row
+    convs = {f["name"]: (column_name(f), doc_converter(f["type"], names, spark=False)) for f in fields}
+
+    def doc_key(raw: dict[str, Any]) -> str:
+        return key_id({convs[k][0]: convs[k][1](raw[k]) for k in src.key_fields})
+
+    def unencodable(row: Any) -> None:
+        key = doc_key(row.key) if row.key is not None else None
+        text = json.dumps(row.key_text, ensure_ascii=False)
+        db.execute("INSERT OR REPLACE INTO bad VALUES (?, ?, ?)", (text, key, row.error))
+
+    key_cols = [convs[k][0] for k in src.key_fields]
+    for raw in src.rows(unencodable=unencodable):
+        row = {col: conv(raw[name]) for name, (col, conv) in convs.items()}
+        yield key_id({c: row[c] for c in key_cols}), row
 
 
 def _ledger(directory: Path) -> sqlite3.Connection:
@@ -86,6 +103,9 @@ def _ledger(directory: Path) -> sqlite3.Connection:
     db.execute("PRAGMA cache_size = -65536")  # 64 MiB of pages at most
     for side in ("src", "dst"):
         db.execute(f"CREATE TABLE {side} (key TEXT PRIMARY KEY, digest BLOB NOT NULL, row BLOB NOT NULL)")
+    # Source rows with no event: the key as PostgreSQL prints it (JSON), its key id (None: the key itself cannot
+    # be encoded), why.
+    db.execute("CREATE TABLE bad (text TEXT PRIMARY KEY, key TEXT, error TEXT NOT NULL)")
     return db
 
 
@@ -107,7 +127,12 @@ def _fill(db: sqlite3.Connection, side: str, rows: Iterable[tuple[str, dict[str,
 
 
 _MISSING = "SELECT s.key FROM src s LEFT JOIN dst d ON d.key = s.key WHERE d.key IS NULL ORDER BY s.key"
-_EXTRA = "SELECT d.key FROM dst d LEFT JOIN src s ON s.key = d.key WHERE s.key IS NULL ORDER BY d.key"
+# A key the store holds whose source row cannot be encoded any more is reported as that, not as extra.
+_EXTRA = (
+    "SELECT d.key FROM dst d LEFT JOIN src s ON s.key = d.key WHERE s.key IS NULL"
+    " AND d.key NOT IN (SELECT key FROM bad WHERE key IS NOT NULL) ORDER BY d.key"
+)
+_UNENCODABLE = "SELECT text, error FROM bad ORDER BY text"
 _DIGESTS_DIFFER = (
     "SELECT s.key, s.row, d.row FROM src s JOIN dst d ON d.key = s.key WHERE s.digest <> d.digest ORDER BY s.key"
 )
@@ -117,9 +142,10 @@ def _collect(db: sqlite3.Connection, drift: Drift, report: Location | None, scra
     """Count and sample each kind of difference; list every one in ``report`` (removed when there is none)."""
     with scratch.open("w") as lines:
 
-        def found(kind: str, key: str) -> None:
+        def found(kind: str, key: str, error: str | None = None) -> None:
             drift.counts[kind] += 1
-            lines.write(json.dumps({"kind": kind, "key": key}) + "\n")
+            line = {"kind": kind, "key": key} if error is None else {"kind": kind, "key": key, "error": error}
+            lines.write(json.dumps(line) + "\n")
 
         _differences(db, drift, found)
     if report is None:
@@ -140,6 +166,10 @@ def _differences(db: sqlite3.Connection, drift: Drift, found: Any) -> None:
         found("extra", key)
         if len(drift.extra) < SAMPLE:
             drift.extra.append(key)
+    for text, error in db.execute(_UNENCODABLE):
+        found("unencodable", text, error)
+        if len(drift.unencodable) < SAMPLE:
+            drift.unencodable.append((text, error))
     for key, want_blob, got_blob in db.execute(_DIGESTS_DIFFER):
         want, got = pickle.loads(want_blob), pickle.loads(got_blob)  # noqa: S301 - written above, by this process
         if all(got.get(c) == v for c, v in want.items()):

@@ -7,9 +7,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import psycopg
+import pytest
 
 from cdc import source_tables
 from cdc._config import load_settings
+from cdc._expected import UnencodableRow
 from tests.integration._capture_helpers import CdcConfig, scratch_database
 
 
@@ -37,3 +39,34 @@ def test_rows_come_once_in_key_order_in_chunks_of_one_snapshot(
         got = first + list(rows)
         assert len({(r["t"], r["n"], r["at"]) for r in got}) == len(got), "every row once"
         assert [r["t"] for r in got] == order, "in PostgreSQL's key order, as of the snapshot"
+
+
+def test_a_row_avro_cannot_hold_is_handed_on_with_its_key_not_raised(
+    pg_dsn: str, kafka_bootstrap: str, registry_url: str, unique: str, tmp_path: Path
+) -> None:
+    """A timestamp in year 294276 has no event (capture.on_unencodable): the source side hands such a row to
+    verify with its key as PostgreSQL prints it, and its key's values when the key itself can be encoded."""
+    late = "294276-12-31 23:59:59"
+    with scratch_database(pg_dsn, f"vlate_{unique}") as dsn:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute("CREATE TABLE t (id int PRIMARY KEY, ts timestamp)")
+            conn.execute("CREATE TABLE k (ts timestamp PRIMARY KEY)")
+            conn.execute(f"INSERT INTO t VALUES (1, '2024-01-01'), (2, '{late}'), (3, NULL)")
+            conn.execute(f"INSERT INTO k VALUES ('2024-01-01'), ('{late}')")
+        config = CdcConfig(
+            dsn, kafka_bootstrap, registry_url, f"v{unique}", ["public.t", "public.k"], f"s_{unique}", f"p_{unique}"
+        ).write(tmp_path / "cdc.toml")
+        tables = {t.qualified: t for t in source_tables(load_settings(config))}
+        for name, keys, bad_key, key_values in [
+            ("public.t", [1, 3], {"id": "2"}, {"id": 2}),
+            ("public.k", [1_704_067_200_000_000], {"ts": late}, None),
+        ]:
+            found: list[UnencodableRow] = []
+            rows = list(tables[name].rows(chunk_rows=1, unencodable=found.append))
+            assert [next(iter(r.values())) for r in rows] == keys
+            (bad,) = found
+            assert bad.key_text == bad_key
+            assert bad.key == key_values
+            assert "timestamp-micros" in bad.error
+            with pytest.raises(ValueError, match="timestamp-micros"):
+                list(tables[name].rows())

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,9 +29,21 @@ class _Source:
     key_fields: tuple[str, ...] = ("id",)
     row_schema: dict[str, Any] = field(default_factory=lambda: _SCHEMA)
 
-    def rows(self) -> Iterator[dict[str, Any]]:
+    unencodable: list[Any] = field(default_factory=list)  # rows with no event, as cdc.UnencodableRow
+
+    def rows(self, unencodable: Callable[[Any], None] | None = None) -> Iterator[dict[str, Any]]:
+        for bad in self.unencodable:
+            assert unencodable is not None
+            unencodable(bad)
         for k, v in sorted(self.values.items()):
             yield {"id": k, "v": v}
+
+
+@dataclass(frozen=True)
+class _Unencodable:
+    key_text: dict[str, str | None]
+    key: dict[str, Any] | None
+    error: str
 
 
 @dataclass
@@ -60,7 +72,7 @@ def test_every_difference_is_counted_sampled_and_listed(tmp_path: Path) -> None:
     store[70]["v"] = 0.0
     reports = location(tmp_path / "state" / "cache" / "verify", StorageConfig())
     (drift,) = compare(_Store(store), [source], 3, _table_name, reports)
-    assert drift.counts == {"missing": 40, "extra": 1, "different": 1}
+    assert drift.counts == {"missing": 40, "extra": 1, "different": 1, "unencodable": 0}
     assert not drift.clean
     assert drift.missing == [json.dumps([i]) for i in sorted(range(40), key=lambda i: json.dumps([i]))][:SAMPLE]
     assert drift.extra == ["[100]"]
@@ -75,9 +87,32 @@ def test_a_clean_comparison_removes_the_last_list(tmp_path: Path) -> None:
     reports = location(tmp_path / "verify", StorageConfig())
     source = _Source({1: 1.0, 2: None})
     (drift,) = compare(_Store({1: {"id": 1, "v": 2.0}}), [source], 3, _table_name, reports)
-    assert drift.counts == {"missing": 1, "extra": 0, "different": 1}
+    assert drift.counts == {"missing": 1, "extra": 0, "different": 1, "unencodable": 0}
     assert (tmp_path / "verify" / "public.t.jsonl").exists()
     (drift,) = compare(_Store({1: {"id": 1, "v": 1.0}, 2: {"id": 2, "v": None}}), [source], 3, _table_name, reports)
     assert drift.clean
     assert drift.report is None
     assert not (tmp_path / "verify" / "public.t.jsonl").exists()
+
+
+def test_a_source_row_with_no_event_is_reported_as_such_not_as_extra(tmp_path: Path) -> None:
+    """A row whose value Avro cannot hold has no event (capture.on_unencodable): verify names its key and why,
+    and the older version of it the store may still hold is not called extra."""
+    source = _Source({1: 1.0})
+    late = "timestamp … is beyond what Avro's timestamp-micros can hold"
+    source.unencodable = [
+        _Unencodable({"id": "2"}, {"id": 2}, f"column 'ts': {late}"),  # the store holds its older version
+        _Unencodable({"id": "294276-12-31 23:59:59"}, None, f"column 'id': {late}"),  # the key itself
+    ]
+    store = {1: {"id": 1, "v": 1.0}, 2: {"id": 2, "v": 2.0}, 3: {"id": 3, "v": 3.0}}
+    reports = location(tmp_path / "verify", StorageConfig())
+    (drift,) = compare(_Store(store), [source], 3, _table_name, reports)
+    assert drift.counts == {"missing": 0, "extra": 1, "different": 0, "unencodable": 2}
+    assert drift.extra == ["[3]"]
+    assert drift.unencodable == [
+        ('{"id": "2"}', f"column 'ts': {late}"),
+        ('{"id": "294276-12-31 23:59:59"}', f"column 'id': {late}"),
+    ]
+    assert not drift.clean
+    listed = [json.loads(line) for line in (tmp_path / "verify/public.t.jsonl").read_text().splitlines()]
+    assert {"kind": "unencodable", "key": '{"id": "2"}', "error": f"column 'ts': {late}"} in listed
