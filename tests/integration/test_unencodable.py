@@ -49,7 +49,13 @@ def test_a_value_avro_cannot_hold_stops_or_goes_to_the_dead_letter_topic(
         with scratch_database(pg_dsn, f"late_{unique}") as admin, capture_role(admin, role, SECRET) as dsn:
             # t: the value column holds the late timestamp; k: the key column does.
             _rows(dsn, "CREATE TABLE t (id int PRIMARY KEY, ts timestamp); CREATE TABLE k (ts timestamp PRIMARY KEY)")
-            bad = f"INSERT INTO t VALUES (2, '{LATE}'); INSERT INTO k VALUES ('{LATE}')"
+            # In one transaction, between rows that are captured as usual (in the stream, the C path takes a
+            # transaction's run of changes and hands back the one it refuses).
+            bad = (
+                "INSERT INTO t SELECT g, '2024-01-05' FROM generate_series(10, 20) g;"
+                f"INSERT INTO t VALUES (2, '{LATE}'); INSERT INTO k VALUES ('{LATE}');"
+                "INSERT INTO t SELECT g, '2024-01-06' FROM generate_series(30, 40) g"
+            )
             good = "INSERT INTO t VALUES (1, '2024-01-01'), (3, '2024-01-03'); INSERT INTO k VALUES ('2024-01-01')"
             _rows(dsn, good + ";" + (bad if where == "snapshot" else ""))
             cfg = CdcConfig(dsn, kafka_bootstrap, registry_url, prefix, ["public.t", "public.k"], slot, f"p_{unique}")
@@ -93,7 +99,13 @@ def test_a_value_avro_cannot_hold_stops_or_goes_to_the_dead_letter_topic(
                 letters = _dead_letters(kafka_bootstrap, prefix)
             finally:
                 again.stop()
-            assert _keys(kafka_bootstrap, registry_url, f"{prefix}.public.t") == {1, 3, 4}
+            assert _keys(kafka_bootstrap, registry_url, f"{prefix}.public.t") == {
+                1,
+                3,
+                4,
+                *range(10, 21),
+                *range(30, 41),
+            }
             assert len(_keys(kafka_bootstrap, registry_url, f"{prefix}.public.k")) == 2
             by_table = {str(letter["table"]): letter for letter in letters}
             assert sorted(by_table) == ["public.k", "public.t"], letters
