@@ -62,6 +62,7 @@ ALERTS = {
     "PgcdcSinkLagHigh",
     "PgcdcSinkStale",
     "PgcdcDeadLetters",
+    "PgcdcCaptureDeadLetters",
     "PgcdcSinkNotRunning",
 }
 
