@@ -11,10 +11,17 @@ the snapshot's progress per table and key (or block) range:
                                                           {"after": ["2000"], "upto": null, "done": true}]},
                              "public.items": {"done": true}}}}
 
+Format 3 adds the tables the capture knows (``tables``: a configured table not among them is new, and is
+backfilled), the backfills (``backfills``: each one's table, filter, status and the last key it wrote) and the
+last backfill request taken from the signal table (``signal``):
+
+    {"version": 3, "lsn": 23861472, "tables": ["public.items", "public.orders"], "signal": 12,
+     "backfills": [{"id": "12", "table": "public.orders", "where": "region = 'eu'", "status": "running",
+                    "after": ["1000"], "rows": 1000, "chunks": 1, "reason": "requested"}]}
+
 Format 1 is the same record without ``version``; a table begun when each table was read in one range keeps its
-last key in the table's own ``after``. Both are read and resumed as they are. Format 2 keeps format 1's keys
-and meanings, so a release that reads format 1 also reads what this one writes; a newer format than this
-release knows is refused rather than half-understood.
+last key in the table's own ``after``. Both are read and resumed as they are. Formats 2 and 3 keep format 1's
+keys and meanings; a newer format than this release knows is refused rather than half-understood.
 """
 
 from __future__ import annotations
@@ -25,9 +32,12 @@ from typing import Any, Literal
 
 from cdc.errors import StreamError
 
-STATE_VERSION = 2
+STATE_VERSION = 3
 
 SnapshotStatus = Literal["running", "done"]
+BackfillStatus = Literal["queued", "running", "paused", "done", "cancelled", "failed"]
+BACKFILL_STATUSES = ("queued", "running", "paused", "done", "cancelled", "failed")
+BACKFILLS_KEPT = 20  # finished backfills kept in the state (for `cdc snapshot --list`), newest last
 
 
 class OffsetsStateError(StreamError):
@@ -158,15 +168,77 @@ class SnapshotState:
 
 
 @dataclass
+class BackfillProgress:
+    """One backfill: a table (or the rows of it ``where`` selects) read again in chunks while streaming.
+
+    ``after``: the key of the last row written (None: from the first); ``rows``/``chunks``: written so far;
+    ``reason``: "requested" (cdc snapshot, the signal table), "added" (a table new to the configuration);
+    ``error``: why it failed."""
+
+    id: str
+    table: str
+    status: BackfillStatus = "queued"
+    where: str | None = None
+    after: list[str] | None = None
+    rows: int = 0
+    chunks: int = 0
+    reason: str = "requested"
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.status in ("done", "cancelled", "failed")
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"id": self.id, "table": self.table, "status": self.status, "rows": self.rows}
+        out.update(chunks=self.chunks, reason=self.reason)
+        for name in ("where", "after", "error"):
+            if getattr(self, name) is not None:
+                out[name] = getattr(self, name)
+        return out
+
+    @classmethod
+    def from_json(cls, raw: Any) -> BackfillProgress:
+        raw = _mapping(raw, "a backfill")
+        status = raw.get("status")
+        if status not in BACKFILL_STATUSES:
+            raise OffsetsStateError(f"a backfill's status is not one of {', '.join(BACKFILL_STATUSES)}: {status!r}")
+        return cls(
+            id=_text(raw.get("id"), "a backfill's id"),
+            table=_text(raw.get("table"), "a backfill's table"),
+            status=status,
+            where=_optional_text(raw.get("where"), "a backfill's where"),
+            after=_key(raw.get("after"), "after"),
+            rows=_optional_int(raw.get("rows", 0), "a backfill's rows") or 0,
+            chunks=_optional_int(raw.get("chunks", 0), "a backfill's chunks") or 0,
+            reason=_text(raw.get("reason", "requested"), "a backfill's reason"),
+            error=_optional_text(raw.get("error"), "a backfill's error"),
+        )
+
+
+@dataclass
 class CaptureState:
-    """The committed position: streaming resumes after ``lsn`` (None until the capture first knows one)."""
+    """The committed position: streaming resumes after ``lsn`` (None until the capture first knows one).
+
+    ``tables``: the tables the capture knows (None: not recorded, a state of format 1 or 2); ``backfills``: in
+    the order they were requested; ``signal``: the id of the last signal-table request taken."""
 
     lsn: int | None = None
     snapshot: SnapshotState | None = None
+    tables: list[str] | None = None
+    backfills: list[BackfillProgress] = field(default_factory=list)
+    signal: int = 0
 
     @property
     def snapshot_running(self) -> bool:
         return self.snapshot is not None and self.snapshot.running
+
+    def forget_finished(self) -> None:
+        """Keeps only the last :data:`BACKFILLS_KEPT` finished backfills (the state is written with every
+        commit)."""
+        finished = [b for b in self.backfills if b.finished]
+        for old in finished[: max(0, len(finished) - BACKFILLS_KEPT)]:
+            self.backfills.remove(old)
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"version": STATE_VERSION}
@@ -174,11 +246,17 @@ class CaptureState:
             out["lsn"] = self.lsn
         if self.snapshot is not None:
             out["snapshot"] = self.snapshot.to_json()
+        if self.tables is not None:
+            out["tables"] = list(self.tables)
+        if self.backfills:
+            out["backfills"] = [b.to_json() for b in self.backfills]
+        if self.signal:
+            out["signal"] = self.signal
         return out
 
     @classmethod
     def from_json(cls, raw: Any) -> CaptureState:
-        """A state of format 1 (no ``version``) or 2; anything else raises OffsetsStateError."""
+        """A state of format 1 (no ``version``), 2 or 3; anything else raises OffsetsStateError."""
         raw = _mapping(raw, "the offsets record")
         version = raw.get("version", 1)
         if not _is_int(version) or not 1 <= version <= STATE_VERSION:
@@ -186,11 +264,19 @@ class CaptureState:
                 f"the offsets record has format {version!r}; this release of pgcdc reads formats 1 to "
                 f"{STATE_VERSION}. It was written by a newer release: run that release, or upgrade this one"
             )
-        lsn = raw.get("lsn")
         snapshot = raw.get("snapshot")
+        tables = raw.get("tables")
+        if tables is not None and not (isinstance(tables, list) and all(isinstance(t, str) for t in tables)):
+            raise OffsetsStateError(f"the known tables are not a list of names: {tables!r}")
+        backfills = raw.get("backfills", [])
+        if not isinstance(backfills, list):
+            raise OffsetsStateError(f"the backfills are not a list: {backfills!r}")
         return cls(
-            lsn=_optional_int(lsn, "lsn"),
+            lsn=_optional_int(raw.get("lsn"), "lsn"),
             snapshot=None if snapshot is None else SnapshotState.from_json(snapshot),
+            tables=tables,
+            backfills=[BackfillProgress.from_json(b) for b in backfills],
+            signal=_optional_int(raw.get("signal", 0), "signal") or 0,
         )
 
 
@@ -218,6 +304,16 @@ def _flag(value: Any, name: str) -> bool:
     return value
 
 
+def _text(value: Any, name: str) -> str:
+    if not isinstance(value, str):
+        raise OffsetsStateError(f"{name} is not a string: {value!r}")
+    return value
+
+
+def _optional_text(value: Any, name: str) -> str | None:
+    return None if value is None else _text(value, name)
+
+
 def _key(value: Any, name: str) -> list[str] | None:
     if value is not None and not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
         raise OffsetsStateError(f"{name} is not a key (a list of column values as text): {value!r}")
@@ -225,7 +321,11 @@ def _key(value: Any, name: str) -> list[str] | None:
 
 
 __all__ = [
+    "BACKFILLS_KEPT",
+    "BACKFILL_STATUSES",
     "STATE_VERSION",
+    "BackfillProgress",
+    "BackfillStatus",
     "CaptureState",
     "NewerStateError",
     "OffsetsStateError",

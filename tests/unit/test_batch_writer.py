@@ -75,7 +75,7 @@ def test_events_and_their_state_are_one_transaction_with_the_state_last() -> Non
     assert record[1:3] == ("p.offsets", b"slot_a")
     assert record[4] == 0  # the offsets topic has one partition
     assert json.loads(record[3]) == {
-        "version": 2,
+        "version": 3,
         "lsn": 0x16B3748,
         "snapshot": {"status": "done", "consistent_lsn": 7, "tables": {}},
     }

@@ -13,7 +13,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from cdc._kafka import OffsetStore
-from cdc._offsets import STATE_VERSION, CaptureState, OffsetsStateError, RangeProgress, SnapshotState, TableProgress
+from cdc._offsets import (
+    STATE_VERSION,
+    BackfillProgress,
+    CaptureState,
+    OffsetsStateError,
+    RangeProgress,
+    SnapshotState,
+    TableProgress,
+)
 from cdc.errors import StreamError
 
 _DONE = {"done": True}
@@ -156,8 +164,8 @@ def test_the_first_state_of_a_snapshot() -> None:
 
 
 def test_a_newer_format_is_refused_with_the_way_out() -> None:
-    with pytest.raises(OffsetsStateError, match=r"format 3; this release of pgcdc reads formats 1 to 2") as info:
-        CaptureState.from_json({"version": 3, "lsn": 1})
+    with pytest.raises(OffsetsStateError, match=r"format 4; this release of pgcdc reads formats 1 to 3") as info:
+        CaptureState.from_json({"version": 4, "lsn": 1})
     assert isinstance(info.value, StreamError)
     assert info.value.exit_code == 7
     assert "upgrade" in str(info.value)
@@ -243,7 +251,7 @@ def test_every_state_survives_its_record(state: CaptureState) -> None:
 @pytest.mark.parametrize(
     ("value", "says"),
     [
-        (b'{"version": 3, "lsn": 1}', "slot 'slot_a' in topic 'p.offsets': the offsets record has format 3"),
+        (b'{"version": 4, "lsn": 1}', "slot 'slot_a' in topic 'p.offsets': the offsets record has format 4"),
         (b"{not json", "cannot be resumed: .*produce a corrected record under the same key, or run `cdc detach`"),
         (b'{"lsn": "x"}', "lsn is not a non-negative integer: 'x'. Nothing was read from the slot"),
     ],
@@ -259,3 +267,60 @@ def test_the_store_writes_what_it_reads() -> None:
     store = OffsetStore({}, "p.offsets", "slot_a")
     state = CaptureState.from_json(V1["mid-snapshot in key ranges"])
     assert store._decode(store.encode(state)) == state
+
+
+def test_format_3_keeps_the_known_tables_the_backfills_and_the_last_signal() -> None:
+    raw = {
+        "version": 3,
+        "lsn": 9,
+        "tables": ["public.a", "public.b"],
+        "signal": 12,
+        "backfills": [
+            {
+                "id": "12",
+                "table": "public.a",
+                "status": "running",
+                "rows": 10,
+                "chunks": 1,
+                "reason": "requested",
+                "where": "x > 1",
+                "after": ["10"],
+            },
+            {"id": "added-1", "table": "public.b", "status": "queued", "rows": 0, "chunks": 0, "reason": "added"},
+        ],
+    }
+    state = CaptureState.from_json(raw)
+    assert state.tables == ["public.a", "public.b"]
+    assert state.signal == 12
+    assert [(b.id, b.status, b.where, b.after, b.rows) for b in state.backfills] == [
+        ("12", "running", "x > 1", ["10"], 10),
+        ("added-1", "queued", None, None, 0),
+    ]
+    assert state.to_json() == raw
+
+
+def test_a_format_2_state_has_no_known_tables_and_no_backfills() -> None:
+    state = CaptureState.from_json({"version": 2, "lsn": 9, "snapshot": {"status": "done", "consistent_lsn": 7}})
+    assert state.tables is None
+    assert state.backfills == []
+    assert state.signal == 0
+
+
+def test_only_the_last_finished_backfills_are_kept() -> None:
+    state = CaptureState(lsn=1, backfills=[BackfillProgress(str(i), "public.a", "done") for i in range(30)])
+    state.backfills.append(BackfillProgress("running", "public.a", "running"))
+    state.forget_finished()
+    assert [b.id for b in state.backfills] == [*(str(i) for i in range(10, 30)), "running"]
+
+
+@pytest.mark.parametrize(
+    ("backfill", "says"),
+    [
+        ({"id": "1", "table": "public.a", "status": "sleeping"}, "a backfill's status is not one of"),
+        ({"id": 1, "table": "public.a", "status": "done"}, "a backfill's id is not a string"),
+        ({"id": "1", "table": "public.a", "status": "done", "rows": -1}, "rows is not a non-negative integer"),
+    ],
+)
+def test_a_damaged_backfill_is_named(backfill: dict[str, object], says: str) -> None:
+    with pytest.raises(OffsetsStateError, match=says):
+        CaptureState.from_json({"version": 3, "lsn": 1, "backfills": [backfill]})

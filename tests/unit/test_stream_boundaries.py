@@ -120,11 +120,11 @@ def test_a_piece_of_work_is_committed_between_two_stream_transactions(tmp_path: 
     streamer._caught_up()
     a_and_b, work, c = producer.transactions()
     assert a_and_b[:2] == [("p.public.t", b"a", b"change"), ("p.public.t", b"b", b"change")]
-    assert _state(a_and_b[2]) == {"version": 2, "lsn": 308}  # the stream's batch, at B's end
+    assert _state(a_and_b[2]) == {"version": 3, "lsn": 308}  # the stream's batch, at B's end
     assert work[0] == ("p.public.added", b"k1", b"read")
     # The work's own state record carries the stream's committed position and what the work advanced.
     assert _state(work[1]) == {
-        "version": 2,
+        "version": 3,
         "lsn": 308,
         "snapshot": {"status": "running", "consistent_lsn": 42, "tables": {}},
     }
