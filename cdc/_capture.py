@@ -18,6 +18,7 @@ from types import FrameType
 import psycopg
 
 from cdc._attach import CaptureContext, TextModeNeededError, attach
+from cdc._backfill import Backfills, plan_new_tables
 from cdc._batch import CommitPolicy, KafkaBatchWriter
 from cdc._changes import ChangeWriter
 from cdc._config import Settings
@@ -81,6 +82,7 @@ class Capture:
         repl = ReplicationConnection(s.source.conninfo(replication="database"), where=s.source.display_dsn())
         try:
             state = self._start_position(repl)
+            plan_new_tables(state, [t.qualified for t in self.attached.report.tables], s)
             self.changes.binary = s.capture.binary and self._all_binary_capable()
             while not self.stop.is_set():
                 try:
@@ -153,7 +155,18 @@ class Capture:
     def _stream(self, repl: ReplicationConnection, state: CaptureState) -> None:
         s = self.settings
         source = ReplicationSource(repl, self.attached.sql, s.capture, s.source.slot)
-        Streamer(self.ctx, self.attached, source, self.changes, writer=self.writer, state=state).run()
+        streamer = Streamer(self.ctx, self.attached, source, self.changes, writer=self.writer, state=state)
+        if self.attached.sql.info.server_version < 140000:  # logical messages reach pgoutput from 14 on
+            if any(not b.finished for b in state.backfills):
+                log.warning("backfills need PostgreSQL 14 or later (watermarks are logical messages): they wait")
+            streamer.run()
+            return
+        backfills = streamer.backfills = Backfills(self.ctx, self.attached, self.changes, state)
+        streamer.between.append(backfills)
+        try:
+            streamer.run()
+        finally:
+            backfills.close()
 
 
 def install_signal_handlers(stop: threading.Event) -> None:

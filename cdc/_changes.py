@@ -23,6 +23,7 @@ from cdc._events import Position, Stamp, TableCodec
 from cdc._metrics import DEAD_LETTER_OP
 from cdc._replication import ReplicationConnection
 from cdc._spill import SPILL_HEAD, SPILL_READ, Spill
+from cdc._window import ChunkWindow
 from cdc.errors import StreamError
 from decoders import (
     XLOG_PAYLOAD_AT,
@@ -95,6 +96,9 @@ class ChangeWriter:
         # once.
         self._live_targets: dict[int, Any] = {}
         self._live_seen: set[int] = set()
+        # The tables (by topic) a backfill chunk is open on (cdc/_backfill.py): each change of theirs is
+        # reported to the chunk's window with its transaction's xid, so none of theirs goes from C.
+        self._watching: dict[str, ChunkWindow] = {}
 
     def begin(self, commit_lsn: int, commit_time_us: int, xid: int | None, now_us: int) -> None:
         """A transaction begins (live, or a streamed one replayed): its changes are events of this position,
@@ -107,9 +111,24 @@ class ChangeWriter:
     def relation(self, msg: Relation) -> None:
         """A Relation outside a streamed transaction: a changed one makes its table's codec again."""
         if self._relations.get(msg.relid) != msg:
+            if msg.relid in self._relations:
+                self._disturb(msg, "its table's schema changed")
             self._relations[msg.relid] = msg
             self._codecs.pop(msg.relid, None)
             self._live_targets.pop(msg.relid, None)
+
+    def watch(self, topic: str, window: ChunkWindow) -> None:
+        """Every change of the table whose topic is ``topic`` goes to ``window`` from now on (with its xid)."""
+        self._watching[topic] = window
+
+    def unwatch(self, topic: str) -> None:
+        self._watching.pop(topic, None)
+
+    def _disturb(self, rel: Relation, why: str) -> None:
+        if self._watching:
+            window = self._watching.get(self._settings.topic_for(rel.namespace, rel.name))
+            if window is not None:
+                window.disturbed(why)
 
     def reset(self) -> None:
         """The stream ended: a later stream must not see this one's transaction state (fast_change and
@@ -150,6 +169,8 @@ class ChangeWriter:
                 self._live_seen.add(relid)
                 return None, 0
             codec = self._codec_in_use(relid)
+            if codec.topic in self._watching:
+                return None, 0
             parts = codec.event_parts(self._pos, self._now_us)
             target = self._writer.replay_target(codec.topic, codec.native_plan, parts)
             if target is None:
@@ -202,6 +223,8 @@ class ChangeWriter:
                         relid = _U32(data, 5)[0]
                         if relid not in targets:
                             codec = self._codec_in_use(relid)
+                            if codec.topic in self._watching:
+                                continue
                             parts = codec.event_parts(self._pos, self._now_us)
                             target = writer.replay_target(codec.topic, codec.native_plan, parts)
                             if target is not None:
@@ -209,6 +232,8 @@ class ChangeWriter:
                     continue
                 change = decoder.decode(data)
                 if isinstance(change, Relation):
+                    if change != self._relations.get(change.relid):
+                        self._disturb(change, "its table's schema changed")
                     self._stream_relations[change.relid] = change
                     self._stream_codecs.pop(change.relid, None)
                     targets.pop(change.relid, None)
@@ -383,6 +408,13 @@ class ChangeWriter:
 
     def _write(self, codec: TableCodec, lsn: int, kind: int, read: _Read) -> None:
         before, old_key, after, key, unchanged = read
+        if self._watching:
+            window = self._watching.get(codec.topic)
+            if window is not None:
+                xid = self._pos.xid or 0
+                for changed in (old_key, key):
+                    if changed is not None:
+                        window.changed(xid, changed)
         if kind == _DELETE:
             self._delete(codec, lsn, old_key, before)  # type: ignore[arg-type]
         elif kind == _INSERT:
@@ -446,6 +478,11 @@ class ChangeWriter:
             raise StreamError(f"cannot capture the message at LSN {format_lsn(msg.lsn)}: {exc}") from exc
 
     def _truncate(self, msg: Truncate, lsn: int) -> None:
+        if self._watching:
+            for relid in msg.relids:
+                rel = self._stream_relations.get(relid) or self._relations.get(relid)
+                if rel is not None:
+                    self._disturb(rel, "its table was truncated")
         if not self._settings.capture.emit_truncates:
             return
         pos = replace(self._pos, lsn=lsn)

@@ -42,6 +42,11 @@ class SourceConfig(_Section):
     )
     publication: str = "pgcdc"
     slot: str = "pgcdc"
+    signal_table: str = Field(
+        default="public.pgcdc_signal",
+        description="'schema.table' where `cdc snapshot` (or anyone with INSERT on it) asks the running capture "
+        "for backfills; created by `cdc attach`/`cdc run` when absent (needs CREATE on the schema)",
+    )
 
     @field_validator("publication", "slot")
     @classmethod
@@ -168,6 +173,21 @@ class CaptureConfig(_Section):
     )
     max_batch_events: int = Field(default=50_000, ge=1)
     binary: bool = Field(default=True, description="ask pgoutput for binary values where supported")
+    backfill_new_tables: bool = Field(
+        default=True,
+        description="a table new to the capture (added to source.tables or the publication) is backfilled while "
+        "streaming; false: only its changes from now on are captured",
+    )
+    backfill_chunk_rows: int = Field(default=5_000, ge=1, description="rows per backfill chunk")
+    backfills_at_once: int = Field(default=1, ge=1, description="backfills running at once; the others wait")
+    backfill_rows_per_s: float = Field(default=0, ge=0, description="backfill rows per second at most; 0: no limit")
+    backfill_pause_behind_s: float = Field(
+        default=10.0, gt=0, description="backfills wait while the stream is further behind the source than this"
+    )
+    backfill_statement_timeout_s: float = Field(
+        default=60.0, gt=0, description="each backfill chunk's read (its --where included) is cancelled after this"
+    )
+    signal_poll_s: float = Field(default=1.0, gt=0, description="how often the signal table is read")
     on_unencodable: Literal["stop", "dead-letter"] = Field(
         default="stop",
         description="a change or snapshot row with a value Avro cannot hold (docs/types.md) or without its key: "
@@ -202,6 +222,7 @@ class Settings(FileSettings):
     def _key_columns_name_listed_tables(self) -> Settings:
         for name in self.source.key_columns:
             split_table_name(name)
+        split_table_name(self.source.signal_table)
         return self
 
     @property

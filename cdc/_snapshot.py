@@ -308,6 +308,7 @@ class _Keyset:
         self.columns = len(table.columns)
         names = [c.name for c in table.columns]
         self.positions = [names.index(k) for k in key_names]
+        self.where: str | None = None  # a backfill's filter (SQL): it runs in a READ ONLY transaction
 
     @classmethod
     def of(cls, conn: psycopg.Connection[Any], job: _RangeJob, key_names: Sequence[str]) -> _Keyset:
@@ -337,6 +338,8 @@ class _Keyset:
         upto = self.job.work.upto
         if upto is not None:
             conditions.append(sql.SQL("({}) <= ({})").format(self.order, self.literal(upto)))
+        if self.where is not None:
+            conditions.append(sql.SQL("({})").format(sql.SQL(self.where)))
         return sql.SQL("COPY (SELECT {} FROM {} AS src {} ORDER BY {} LIMIT {}) TO STDOUT (FORMAT binary)").format(
             sql.SQL(", ").join(self.select_cols),
             self.job.work.table.ident(),

@@ -26,6 +26,7 @@ from typing import Any, Protocol
 import psycopg
 
 from cdc._attach import Attached, CaptureContext
+from cdc._backfill import WATERMARK_PREFIX, Backfills
 from cdc._batch import BatchWriter, KafkaBatchWriter
 from cdc._changes import FAST_KINDS, ChangeWriter
 from cdc._config import CaptureConfig
@@ -186,6 +187,7 @@ class Streamer:
         self.held: bytes | None = None  # the message after a run of changes read from C
         self.stopping = False
         self.between: list[BetweenTransactions] = []  # run at transaction boundaries, each in its own commit
+        self.backfills: Backfills | None = None  # told of watermarks and written transactions (cdc/_backfill.py)
         self.proto = 1
         self.decoder = PgOutputDecoder(1)
         self._handlers: dict[type, Callable[[Any, int, Any], None]] = {
@@ -374,6 +376,8 @@ class Streamer:
             self.batch_lsn = max(self.batch_lsn, msg.end_lsn)
             self.writer.note_commit(self.current[1])
             self.changes.tx_end()
+            if self.backfills is not None:
+                self.backfills.note_commit(self.current[2])
         self.current, self.capturing = None, False
         if self.writer.full:
             self._commit()
@@ -404,12 +408,16 @@ class Streamer:
         # Not part of any transaction: PostgreSQL skips such a message only when it lies before the start
         # position, so the resume position must move past it.
         heartbeat = msg.prefix == HEARTBEAT_PREFIX
-        if not heartbeat and s.capture.emit_messages:
+        watermark = msg.prefix == WATERMARK_PREFIX
+        if not (heartbeat or watermark) and s.capture.emit_messages:
             self.changes.apply_outside(msg)
+        chunk_due = watermark and self.backfills is not None and self.backfills.on_watermark(bytes(msg.content), lsn)
         if self.current is None and self.stream_xid is None:
             self.batch_lsn = max(self.batch_lsn, msg.lsn + 1)
             if heartbeat and bytes(msg.content) == s.source.slot.encode():
                 self._commit()  # our own heartbeat (other instances' pass by)
+            if chunk_due:  # its rows go before anything after the watermark
+                self._between_transactions()
 
     def _on_stream_start(self, msg: StreamStart, _lsn: int, _payload: object) -> None:
         self.stream_xid = msg.xid
@@ -456,6 +464,8 @@ class Streamer:
         self.batch_lsn = max(self.batch_lsn, msg.end_lsn)
         self.writer.note_commit(msg.commit_time_us)
         self.changes.tx_end()
+        if self.backfills is not None:
+            self.backfills.note_commit(msg.xid)
 
     def _on_origin(self, _msg: Origin, _lsn: int, _payload: object) -> None:
         pass  # replicated-in changes are captured like any other

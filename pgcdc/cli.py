@@ -4,6 +4,7 @@
     cdc run --config cdc.toml                  attach, snapshot if needed, stream until SIGTERM/SIGINT
     cdc detach --config cdc.toml --yes         drop the replication slot and the publication
     cdc status --config cdc.toml [--json]      source, slot, topics and sinks with their lags, from outside
+    cdc snapshot TABLE… [--where SQL] --config cdc.toml   backfill while streaming (--list, --cancel ID, …)
 
 Exit codes: 0 success; 1 unexpected; 2 configuration; 3 source not ready; 4 authentication; 5 schema
 registry refused a schema; 6 Kafka set-up; 7 stream error; 10 a service stayed unreachable (transient faults:
@@ -35,6 +36,7 @@ from cdc._config import Settings, load_settings
 from cdc._metrics import CaptureMetrics
 from cdc._source import check_and_prepare, connect, detach
 from common.errors import CDCError, ConfigError, TransientError
+from pgcdc import snapshot_cli
 from pgcdc._demo import DemoSinks, run_demo
 from pgcdc._observe import Observer, collect_status
 
@@ -98,6 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("status", help="source, slot, topics and sinks with their lags and health")
     with_config(p)
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    snapshot_cli.add_parser(sub)
     p = sub.add_parser("demo", help="a demo database with a live workload, captured and read back from Kafka")
     p.add_argument("--pg", required=True, help="DSN of a PostgreSQL server (wal_level=logical) to create the demo in")
     p.add_argument("--kafka", required=True, help="Kafka bootstrap servers")
@@ -338,6 +341,8 @@ def main(argv: list[str] | None = None) -> int:
             return _detach(settings, args.yes, args.dry_run)
         if args.command == "status":
             return _status(settings, args.config, as_json=args.json)
+        if args.command == "snapshot":
+            return snapshot_cli.run(settings, args)
         return _run(settings, args.config)
     except CDCError as exc:
         if args.log_json:

@@ -1,0 +1,442 @@
+"""Backfills while streaming: a table, or the rows of it a filter selects, read again into its topic without
+stopping the stream or locking writers out.
+
+A backfill is read in keyset chunks (key order, ``capture.backfill_chunk_rows`` rows each) on a thread of its
+own, each chunk in one REPEATABLE READ READ ONLY transaction with a statement timeout (a filter is untrusted
+input), whose MVCC snapshot is recorded; then a high watermark is written through the WAL
+(``pg_logical_emit_message(false, 'pgcdc.watermark', …)``). Meanwhile the stream goes on, and reports every
+change of the table with its transaction id (ChangeWriter.watch). When the stream reaches the watermark, the
+chunk's rows are written as snapshot reads (``op = r``, ``source.snapshot = "incremental"``) positioned at the
+watermark, except the keys a transaction the chunk's snapshot did not see changed meanwhile: cdc/_window.py
+says why that keeps every key's events in order. The rows and the backfill's progress (the last key read) are
+committed in one Kafka transaction of their own, after the stream's batch (Streamer._between_transactions),
+so a crash anywhere replays nothing twice and loses nothing: the chunk is read again.
+
+No lock but ACCESS SHARE (a plain SELECT) is taken; the stream waits for nothing but the writing of a chunk.
+
+Requests come from the signal table (cdc/_signals.py: `cdc snapshot`) and from the tables new to the capture
+(:func:`plan_new_tables`). At most ``capture.backfills_at_once`` run, their chunks in turn; the others wait,
+queued. Chunks are started no faster than ``capture.backfill_rows_per_s`` and not while the stream is more than
+``capture.backfill_pause_behind_s`` behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+import uuid
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+import psycopg
+from psycopg import sql
+
+from cdc._deadletter import Refused
+from cdc._encoder import PACKED_HEAD, CopyRowRefused, packed_rows
+from cdc._events import ColumnSpec, Position, TableCodec
+from cdc._metrics import DEAD_LETTER_OP
+from cdc._offsets import BackfillProgress, CaptureState
+from cdc._signals import Signal, SignalTable
+from cdc._snapshot import _copies, _encode_chunk, _Keyset, _Range, _RangeJob, _rows_and_last
+from cdc._source import connect
+from cdc._window import ChunkWindow, XidSnapshot
+from common.topics import split_table_name
+from decoders import parse_lsn
+
+if TYPE_CHECKING:
+    from cdc._attach import Attached, CaptureContext
+    from cdc._batch import BatchWriter
+    from cdc._catalog import TableInfo
+    from cdc._changes import ChangeWriter
+    from cdc._config import Settings
+
+log = logging.getLogger(__name__)
+
+WATERMARK_PREFIX = "pgcdc.watermark"
+_RECENT_XIDS = 10_000  # the transactions last written, which a chunk's snapshot must see (cdc/_window.py)
+_B, _T, _NULL = ord("b"), ord("t"), ord("n")
+
+
+@dataclass(frozen=True)
+class ChunkJob:
+    """What one chunk read needs: the backfill's keyset query, where it starts, how many rows, its marker."""
+
+    keyset: _Keyset
+    after: list[str] | None
+    rows: int
+    marker: str  # the high watermark's content: slot, backfill, chunk, and a nonce
+
+
+@dataclass(frozen=True)
+class ChunkRead:
+    """A chunk as read: its rows encoded (packed), those no encoder takes, where the next chunk starts, and the
+    snapshot it was read in and the high watermark's LSN."""
+
+    packed: bytes
+    rows: int
+    refused: list[CopyRowRefused]
+    last_key: list[str] | None
+    done: bool  # fewer rows than asked for: the backfill is read to its end
+    snapshot: XidSnapshot
+    high: int
+
+
+class ChunkReader:
+    """Reads chunks on a thread of its own through a connection of its own (opened on the first chunk)."""
+
+    def __init__(self, settings: Settings) -> None:
+        self._settings = settings
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="pgcdc-backfill")
+        self._conn: psycopg.Connection[Any] | None = None
+
+    def submit(self, job: ChunkJob) -> Future[ChunkRead]:
+        return self._pool.submit(self._read, job)
+
+    def _connection(self) -> psycopg.Connection[Any]:
+        if self._conn is None or self._conn.closed:
+            self._conn = connect(self._settings, autocommit=True)
+        return self._conn
+
+    def _read(self, job: ChunkJob) -> ChunkRead:
+        conn = self._connection()
+        timeout_ms = int(self._settings.capture.backfill_statement_timeout_s * 1000)
+        try:
+            conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
+            conn.execute(sql.SQL("SET LOCAL statement_timeout = {}").format(sql.Literal(timeout_ms)))
+            row = conn.execute("SELECT pg_current_snapshot()::text").fetchone()
+            assert row is not None
+            snapshot = XidSnapshot.parse(str(row[0]))
+            copies = _copies(conn)
+            copies.send(job.keyset.query_for(job.after, job.rows))
+            data = copies.receive()
+            conn.execute("COMMIT")
+        except BaseException:
+            with contextlib.suppress(psycopg.Error):
+                conn.execute("ROLLBACK")
+            raise
+        keyset = job.keyset
+        count, last = _rows_and_last(data)
+        rows, packed, refused = _encode_chunk(keyset.job.codec, keyset.job.work.table.qualified, data, keyset.job.kinds)
+        last_key = keyset.resume_key(last) if last is not None else job.after
+        # Last, and after the snapshot: every transaction the chunk does not see commits after it or is reported
+        # to the window before the stream reaches this watermark.
+        row = conn.execute(
+            "SELECT pg_logical_emit_message(false, %s, %s)::text", (WATERMARK_PREFIX, job.marker)
+        ).fetchone()
+        assert row is not None
+        return ChunkRead(packed, rows, refused, last_key, count < job.rows, snapshot, parse_lsn(str(row[0])))
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        if self._conn is not None:
+            self._conn.close()
+
+
+@dataclass
+class _InFlight:
+    """The chunk being read or waiting for its high watermark in the stream."""
+
+    backfill: BackfillProgress
+    codec: TableCodec
+    window: ChunkWindow
+    marker: str
+    future: Future[ChunkRead]
+    high_seen: bool = False
+
+    def ready(self) -> bool:
+        """Its rows can be written (the stream reached its watermark), or its read failed."""
+        return self.future.done() and (self.high_seen or self.future.exception() is not None)
+
+
+def plan_new_tables(state: CaptureState, tables: list[str], settings: Settings) -> list[str]:
+    """Compares the captured ``tables`` with those the state knows: a new one gets a backfill (unless
+    capture.backfill_new_tables is off or the capture never snapshots), a removed one is only logged (its topic
+    is left as it is). The state then knows ``tables``. Returns the new tables."""
+    known = state.tables
+    if known is None:  # a state of format 1 or 2: the tables its snapshot read, if it ran one
+        known = list(state.snapshot.tables) if state.snapshot is not None else list(tables)
+    new = [t for t in tables if t not in known]
+    for gone in (t for t in known if t not in tables):
+        log.info("%s is no longer captured (not in source.tables or the publication); its topic is left as it is", gone)
+    capture = settings.capture
+    for i, table in enumerate(new):
+        if capture.backfill_new_tables and capture.snapshot == "initial":
+            log.info("%s is new to the capture: its rows are backfilled while streaming", table)
+            state.backfills.append(BackfillProgress(f"added.{state.lsn or 0:X}.{i}", table, reason="added"))
+        else:
+            log.info("%s is new to the capture: only its changes from now on are captured", table)
+    state.tables = list(tables)
+    return new
+
+
+class Backfills:
+    """The backfills of one streaming attempt: a task the Streamer runs between transactions
+    (cdc/_stream.py's BetweenTransactions), fed by the stream's watermarks and committed transactions."""
+
+    def __init__(self, ctx: CaptureContext, attached: Attached, changes: ChangeWriter, state: CaptureState) -> None:
+        self._ctx, self._attached, self._changes, self._state = ctx, attached, changes, state
+        s = ctx.settings
+        self._signals = SignalTable(s.source.signal_table, s.source.slot)
+        self._reader = ChunkReader(s)
+        self._tables: dict[str, TableInfo] = {t.qualified: t for t in attached.report.tables}
+        self._keysets: dict[str, _Keyset] = {}
+        self._recent: deque[int] = deque(maxlen=_RECENT_XIDS)
+        self._taken: list[Signal] = []  # read from the signal table, not yet in the state
+        self._inflight: _InFlight | None = None
+        self._polled = self._next_start = 0.0
+        self._turn = 0  # which running backfill's chunk is next
+        self._signal_error: str | None = None
+        note = self._signals.ensure(attached.sql)
+        if note is not None:
+            log.warning("%s", note)
+
+    def note_commit(self, xid: int | None) -> None:
+        """A transaction the stream has written (its xid): a chunk read later must see it."""
+        if xid is not None:
+            self._recent.append(xid)
+
+    # --- BetweenTransactions ----------------------------------------------------------------------------
+
+    def ready(self, now: float) -> bool:
+        inflight = self._inflight
+        if inflight is not None and inflight.ready():
+            return True
+        if now - self._polled >= self._ctx.settings.capture.signal_poll_s:
+            self._polled = now
+            self._poll()
+        if self._taken:
+            return True
+        if inflight is None:
+            self._start(now)
+        return False
+
+    def run(self, writer: BatchWriter, state: CaptureState) -> None:
+        for signal in self._taken:
+            self._take(signal, state)
+            state.signal = max(state.signal, signal.id)
+        self._taken = []
+        inflight = self._inflight
+        if inflight is not None and inflight.ready():
+            self._inflight = None
+            self._finish(inflight, writer)
+        state.forget_finished()
+
+    def on_watermark(self, content: bytes, lsn: int) -> bool:
+        """A watermark arrived in the stream; True when it is the in-flight chunk's (its rows can be written)."""
+        inflight = self._inflight
+        if inflight is None or content != inflight.marker.encode():
+            return False  # another instance's, or one written before a restart
+        inflight.high_seen = True
+        self._changes.unwatch(inflight.codec.topic)
+        wait([inflight.future])  # the reader returns just after writing the watermark: its rows go before what follows
+        log.debug("backfill %s: chunk %d's watermark at %X", inflight.backfill.id, inflight.backfill.chunks, lsn)
+        return True
+
+    def close(self) -> None:
+        if self._inflight is not None:
+            self._changes.unwatch(self._inflight.codec.topic)
+            self._inflight = None
+        self._reader.close()
+
+    # --- requests ---------------------------------------------------------------------------------------
+
+    def _poll(self) -> None:
+        after = max([self._state.signal, *(s.id for s in self._taken)])
+        try:
+            self._taken += self._signals.read(self._attached.sql, after)
+            self._signal_error = None
+        except psycopg.Error as exc:
+            error = str(exc).strip()
+            if error != self._signal_error:  # said once, not every poll
+                log.warning("cannot read the signal table %s: %s", self._signals.name, error)
+            self._signal_error = error
+
+    def _take(self, signal: Signal, state: CaptureState) -> None:
+        data = signal.data
+        if signal.kind == "backfill":
+            tables = data.get("tables")
+            where = data.get("where")
+            if not isinstance(tables, list) or not tables or not all(isinstance(t, str) for t in tables):
+                self._refuse(state, str(signal.id), "?", f"signal {signal.id}: 'tables' is not a list of names")
+                return
+            for i, name in enumerate(tables):
+                id_ = str(signal.id) if len(tables) == 1 else f"{signal.id}.{i + 1}"
+                self._request(state, id_, name, where)
+        elif signal.kind in ("cancel", "pause", "resume"):
+            self._control(state, signal.kind, str(data.get("id")))
+        else:
+            self._refuse(state, str(signal.id), "?", str(data.get("error")))
+
+    def _request(self, state: CaptureState, id_: str, name: str, where: Any) -> None:
+        try:
+            table = self._table(name)
+            if where is not None and not isinstance(where, str):
+                raise ValueError("'where' is not SQL text")
+            if where is not None:
+                check_where(self._attached.sql, table, where, self._ctx.settings.capture.backfill_statement_timeout_s)
+        except ValueError as exc:
+            self._refuse(state, id_, name, str(exc))
+            return
+        state.backfills.append(BackfillProgress(id_, table.qualified, where=where))
+        log.info("backfill %s of %s%s queued", id_, table.qualified, f" where {where}" if where else "")
+
+    def _table(self, name: str) -> TableInfo:
+        """The captured table ``name`` ('schema.table') names; ValueError saying why not."""
+        schema, table = split_table_name(name)
+        for info in self._tables.values():
+            if (info.schema, info.name) == (schema, table):
+                return info
+        raise ValueError(f"table {name} is not captured (it must be in source.tables and the publication)")
+
+    def _refuse(self, state: CaptureState, id_: str, table: str, error: str) -> None:
+        log.warning("backfill request %s refused: %s", id_, error)
+        state.backfills.append(BackfillProgress(id_, table, "failed", error=error))
+
+    def _control(self, state: CaptureState, kind: str, id_: str) -> None:
+        found = next((b for b in state.backfills if b.id == id_), None)
+        if found is None or found.finished:
+            log.warning("%s of backfill %s: %s", kind, id_, "no such backfill" if found is None else found.status)
+            return
+        found.status = {"cancel": "cancelled", "pause": "paused", "resume": "queued"}[kind]  # type: ignore[assignment]
+        if self._inflight is not None and self._inflight.backfill is found and kind != "resume":
+            self._changes.unwatch(self._inflight.codec.topic)
+            self._inflight = None  # its rows are not written; its watermark passes by
+        log.info("backfill %s of %s: %s", id_, found.table, found.status)
+
+    # --- chunks -----------------------------------------------------------------------------------------
+
+    def _start(self, now: float) -> None:
+        capture = self._ctx.settings.capture
+        behind = self._ctx.metrics.behind_s
+        if now < self._next_start or (behind is not None and behind > capture.backfill_pause_behind_s):
+            return
+        backfill = self._next()
+        if backfill is None:
+            return
+        info = self._tables.get(backfill.table)
+        if info is None:  # removed from the configuration since it was asked for
+            backfill.status, backfill.error = "failed", "the table is no longer captured"
+            return
+        keyset = self._keyset(backfill, info)
+        codec = keyset.job.codec
+        window = ChunkWindow(before=tuple(self._recent))
+        self._changes.watch(codec.topic, window)
+        marker = f"{self._ctx.settings.source.slot}:{backfill.id}:{backfill.chunks}:{uuid.uuid4().hex[:12]}"
+        job = ChunkJob(keyset, backfill.after, capture.backfill_chunk_rows, marker)
+        self._inflight = _InFlight(backfill, codec, window, marker, self._reader.submit(job))
+        if capture.backfill_rows_per_s:
+            self._next_start = now + capture.backfill_chunk_rows / capture.backfill_rows_per_s
+
+    def _next(self) -> BackfillProgress | None:
+        """The backfill whose chunk is read next: the running ones in turn, queued ones started up to
+        capture.backfills_at_once."""
+        running = [b for b in self._state.backfills if b.status == "running"]
+        for queued in (b for b in self._state.backfills if b.status == "queued"):
+            if len(running) >= self._ctx.settings.capture.backfills_at_once:
+                break
+            queued.status = "running"
+            running.append(queued)
+            log.info("backfill %s of %s started", queued.id, queued.table)
+        if not running:
+            return None
+        self._turn += 1
+        return running[self._turn % len(running)]
+
+    def _keyset(self, backfill: BackfillProgress, info: TableInfo) -> _Keyset:
+        keyset = self._keysets.get(backfill.id)
+        if keyset is None:
+            key = self._attached.report.key_columns[info.qualified]
+            cols = [ColumnSpec(c.name, c.type_oid, c.typmod) for c in info.columns]
+            codec = self._attached.codecs.for_table(info.schema, info.name, cols, [c.name in key for c in cols])
+            job = _RangeJob(_Range(info, 0, None, None), codec, self._ctx.settings.capture.backfill_chunk_rows)
+            keyset = self._keysets[backfill.id] = _Keyset.of(self._attached.sql, job, key)
+            keyset.where = backfill.where
+        return keyset
+
+    def _finish(self, inflight: _InFlight, writer: BatchWriter) -> None:
+        """The chunk's rows (those the window keeps) and its progress into the open Kafka transaction."""
+        backfill, codec = inflight.backfill, inflight.codec
+        self._changes.unwatch(codec.topic)
+        error = inflight.future.exception()
+        if error is not None:
+            self._failed(backfill, error)
+            return
+        chunk = inflight.future.result()
+        stale = inflight.window.stale(chunk.snapshot)
+        if stale is not None:
+            log.info("backfill %s: chunk %d is read again: %s", backfill.id, backfill.chunks, stale)
+            return
+        packed, rows = _without(chunk.packed, chunk.rows, inflight.window.dropped(chunk.snapshot))
+        now_us = time.time_ns() // 1000
+        pos = Position(chunk.high, chunk.high, now_us, None, "incremental")
+        for refused in chunk.refused:
+            self._dead_letter(codec, refused, chunk.high, writer)
+        if rows:
+            prefix, suffix = codec.read_event_frame(pos, now_us)
+            writer.produce_packed(codec.topic, packed, rows, prefix, suffix)
+            self._ctx.metrics.count(codec.topic, "r", rows)
+        backfill.after, backfill.rows, backfill.chunks = chunk.last_key, backfill.rows + rows, backfill.chunks + 1
+        if chunk.done:
+            backfill.status = "done"
+            self._keysets.pop(backfill.id, None)
+            log.info(
+                "backfill %s of %s done: %d row(s) in %d chunk(s)",
+                backfill.id,
+                backfill.table,
+                backfill.rows,
+                backfill.chunks,
+            )
+
+    def _failed(self, backfill: BackfillProgress, error: BaseException) -> None:
+        if isinstance(error, psycopg.OperationalError) and not isinstance(error, psycopg.errors.QueryCanceled):
+            log.warning("backfill %s: reading a chunk failed (%s); it is read again", backfill.id, error)
+            self._reader.close()
+            self._reader = ChunkReader(self._ctx.settings)
+            return
+        backfill.status, backfill.error = "failed", str(error).strip() or type(error).__name__
+        self._keysets.pop(backfill.id, None)
+        log.error("backfill %s of %s failed: %s", backfill.id, backfill.table, backfill.error)
+
+    def _dead_letter(self, codec: TableCodec, row: CopyRowRefused, high: int, writer: BatchWriter) -> None:
+        kinds = [_B if b else _T for b in codec.binary_capable]
+        values = [(_NULL if raw is None else kind, raw) for kind, raw in zip(kinds, row.fields, strict=False)]
+        refused = Refused(codec.described, "r", high, high, row.error, values)
+        self._attached.dead_letters.refuse(
+            refused, writer.produce, partial(self._ctx.metrics.count, codec.topic, DEAD_LETTER_OP)
+        )
+
+
+def _without(packed: bytes, rows: int, dropped: set[bytes]) -> tuple[bytes, int]:
+    """``packed`` rows (RowEncoder.encode_copy_packed) without those whose key is in ``dropped``."""
+    if not dropped:
+        return packed, rows
+    keys, records = packed_rows(packed)
+    assert records is not None
+    out = bytearray()
+    kept = 0
+    for key, record in zip(keys, records, strict=True):
+        if key not in dropped:
+            out += PACKED_HEAD.pack(len(record), len(key))
+            out += record
+            out += key
+            kept += 1
+    return bytes(out), kept
+
+
+def check_where(conn: psycopg.Connection[Any], table: TableInfo, where: str, timeout_s: float) -> None:
+    """ValueError saying what PostgreSQL says when ``where`` is not a read-only filter of ``table`` (planned in a
+    READ ONLY transaction with a statement timeout, rolled back)."""
+    try:
+        with conn.transaction(force_rollback=True):
+            conn.execute("SET TRANSACTION READ ONLY")
+            conn.execute(sql.SQL("SET LOCAL statement_timeout = {}").format(sql.Literal(int(timeout_s * 1000))))
+            conn.execute(sql.SQL("EXPLAIN SELECT 1 FROM {} WHERE ({})").format(table.ident(), sql.SQL(where)))
+    except psycopg.Error as exc:
+        raise ValueError(f"--where {where!r} is not a filter of {table.qualified}: {str(exc).strip()}") from exc
+
+
+__all__ = ["WATERMARK_PREFIX", "Backfills", "ChunkReader", "check_where", "plan_new_tables"]

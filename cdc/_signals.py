@@ -1,0 +1,98 @@
+"""Requests to the running capture through a table in the source database (``source.signal_table``).
+
+`cdc snapshot` writes a row there; so can anyone with INSERT on the table (an application, a migration, psql),
+which is why it works with database access only. The running capture reads the rows of its slot after the
+last one it took, in id order, every ``capture.signal_poll_s``, and records the last id it took in its
+committed state, so a request is taken once across restarts.
+
+A row is untrusted input: its kind must be one of :data:`SIGNAL_KINDS` and its data a JSON object; a backfill's
+``where`` only ever runs inside a READ ONLY transaction with a statement timeout (cdc/_backfill.py).
+
+One limit: ids come from an identity column, in the order rows are inserted, not committed. A row inserted by a
+transaction that commits after a later row was taken is not seen (its id is below the last taken). `cdc
+snapshot` inserts each request in a transaction of its own; insert by hand in short transactions too.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+from common.topics import split_table_name
+
+log = logging.getLogger(__name__)
+
+SIGNAL_KINDS = ("backfill", "cancel", "pause", "resume")
+_BATCH = 100  # requests taken per poll at most
+
+
+@dataclass(frozen=True)
+class Signal:
+    id: int
+    kind: str
+    data: dict[str, Any]
+
+
+class SignalTable:
+    """The signal table of one capture (its rows are those of ``slot``)."""
+
+    def __init__(self, name: str, slot: str) -> None:
+        self.name = name
+        schema, table = split_table_name(name)
+        self.ident = sql.Identifier(schema, table)
+        self.slot = slot
+
+    def ensure(self, conn: psycopg.Connection[Any]) -> str | None:
+        """Creates the table when absent; a note saying why requests cannot be made when it cannot."""
+        try:
+            conn.execute(
+                sql.SQL(
+                    "CREATE TABLE IF NOT EXISTS {} (id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY, "
+                    "slot text NOT NULL, kind text NOT NULL, data jsonb NOT NULL DEFAULT '{{}}', "
+                    "created_at timestamptz NOT NULL DEFAULT now())"
+                ).format(self.ident)
+            )
+        except psycopg.Error as exc:
+            return (
+                f"signal table {self.name} is absent and cannot be created ({str(exc).strip()}): backfills can only "
+                f"be asked for once it exists (create it as docs/operations.md shows, or set source.signal_table)"
+            )
+        return None
+
+    def read(self, conn: psycopg.Connection[Any], after: int) -> list[Signal]:
+        """The requests of this capture after id ``after``, oldest first. A row that is not a request is taken
+        as one of kind "invalid" (the capture records it as failed, and says why)."""
+        rows = conn.execute(
+            sql.SQL("SELECT id, kind, data::text FROM {} WHERE slot = %s AND id > %s ORDER BY id LIMIT %s").format(
+                self.ident
+            ),
+            (self.slot, after, _BATCH),
+        ).fetchall()
+        return [_signal(int(id_), str(kind), str(data)) for id_, kind, data in rows]
+
+    def send(self, conn: psycopg.Connection[Any], kind: str, data: dict[str, Any]) -> int:
+        """Inserts a request (in a transaction of its own when ``conn`` is in autocommit); its id."""
+        row = conn.execute(
+            sql.SQL("INSERT INTO {} (slot, kind, data) VALUES (%s, %s, %s::jsonb) RETURNING id").format(self.ident),
+            (self.slot, kind, json.dumps(data)),
+        ).fetchone()
+        assert row is not None
+        return int(row[0])
+
+
+def _signal(id_: int, kind: str, data: str) -> Signal:
+    try:
+        parsed = json.loads(data)
+    except ValueError:
+        parsed = None
+    if kind not in SIGNAL_KINDS or not isinstance(parsed, dict):
+        return Signal(id_, "invalid", {"error": f"signal {id_}: kind {kind!r} with data {data!r} is not a request"})
+    return Signal(id_, kind, parsed)
+
+
+__all__ = ["SIGNAL_KINDS", "Signal", "SignalTable"]

@@ -1,0 +1,92 @@
+"""``cdc snapshot``: ask the running capture for backfills, and follow them.
+
+    cdc snapshot TABLE [TABLE…] [--where SQL]   backfill these tables (only the rows SQL selects) while streaming
+    cdc snapshot --list                         the backfills, their progress, and the requests not yet taken
+    cdc snapshot --cancel ID | --pause ID | --resume ID
+
+Requests go through the signal table (cdc/_signals.py), so this needs database access only; the running `cdc
+run` takes them within ``capture.signal_poll_s``. A table and a filter are checked here first (the table
+captured, the filter planned READ ONLY), so a mistake is said at once, not in the capture's log.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from cdc._backfill import check_where
+from cdc._config import Settings
+from cdc._kafka import OffsetStore
+from cdc._signals import SignalTable
+from cdc._source import check_and_prepare, connect
+from common.errors import ConfigError, SourceCheckError
+from common.topics import split_table_name
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("snapshot", help="backfill tables while `cdc run` streams; list, cancel, pause, resume")
+    p.add_argument("--config", "-c", type=Path, help="TOML configuration file")
+    p.add_argument("tables", nargs="*", metavar="TABLE", help="'schema.table' names to backfill")
+    p.add_argument("--where", help="only the rows this SQL condition selects (it runs in a READ ONLY transaction)")
+    what = p.add_mutually_exclusive_group()
+    what.add_argument("--list", action="store_true", help="the backfills and the requests not yet taken")
+    what.add_argument("--cancel", metavar="ID", help="stop a backfill for good")
+    what.add_argument("--pause", metavar="ID", help="stop a backfill until --resume")
+    what.add_argument("--resume", metavar="ID", help="go on with a paused backfill")
+
+
+def run(settings: Settings, args: argparse.Namespace) -> int:
+    signals = SignalTable(settings.source.signal_table, settings.source.slot)
+    with connect(settings) as conn:
+        note = signals.ensure(conn)
+        if note is not None:
+            raise SourceCheckError(note, check="signal-table")
+        if args.list:
+            return _list(settings, signals, conn)
+        for kind in ("cancel", "pause", "resume"):
+            if getattr(args, kind) is not None:
+                request = signals.send(conn, kind, {"id": getattr(args, kind)})
+                print(f"request {request}: {kind} backfill {getattr(args, kind)}")
+                return 0
+        if not args.tables:
+            raise ConfigError("name the tables to backfill (cdc snapshot public.orders …), or --list")
+        report = check_and_prepare(conn, settings, dry_run=True, allow_active_slot=True)
+        captured = {(t.schema, t.name): t for t in report.tables}
+        names = []
+        for name in args.tables:
+            try:
+                table = captured[split_table_name(name)]
+            except (KeyError, ValueError):
+                known = ", ".join(sorted(t.qualified for t in report.tables))
+                raise ConfigError(f"table {name} is not captured: backfill one of {known}") from None
+            if args.where is not None:
+                try:
+                    check_where(conn, table, args.where, settings.capture.backfill_statement_timeout_s)
+                except ValueError as exc:
+                    raise ConfigError(str(exc)) from None
+            names.append(table.qualified)
+        request = signals.send(conn, "backfill", {"tables": names, "where": args.where})
+    print(
+        f"request {request}: backfill of {', '.join(names)}{f' where {args.where}' if args.where else ''} asked for; "
+        f"the running capture takes it within {settings.capture.signal_poll_s:g} s (cdc snapshot --list)"
+    )
+    return 0
+
+
+def _list(settings: Settings, signals: SignalTable, conn: Any) -> int:
+    state = OffsetStore(settings.kafka.client_conf(), settings.offsets_topic, settings.source.slot).load()
+    taken = state.signal if state is not None else 0
+    backfills = state.backfills if state is not None else []
+    for b in backfills:
+        where = f" where {b.where}" if b.where else ""
+        error = f": {b.error}" if b.error else ""
+        print(f"{b.id}\t{b.table}{where}\t{b.status}{error}\t{b.rows} row(s) in {b.chunks} chunk(s)\t({b.reason})")
+    for signal in signals.read(conn, taken):
+        print(f"{signal.id}\t{signal.kind} {signal.data}\tasked for, not taken yet")
+    if not backfills and taken == 0:
+        print("no backfills")
+    return 0
+
+
+__all__ = ["add_parser", "run"]

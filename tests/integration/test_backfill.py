@@ -1,0 +1,224 @@
+"""Backfills while streaming (cdc/_backfill.py), on the real services: a table added to a running capture is
+backfilled while writes go on to it and to the others; `cdc snapshot` asks for one (with --where), and
+--list, --pause, --resume and --cancel operate them.
+
+What must hold for every key of a backfilled table: the topic ends equal to the source; no two events of the key
+share a (commit_lsn, lsn); in the topic's order a key's positions never go backwards (a backfill row carries its
+chunk's high watermark, and what the stream wrote after the chunk's snapshot is either dropped from the chunk or
+after it).
+"""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+import threading
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import psycopg
+
+from tests.integration._capture_helpers import (
+    CdcConfig,
+    CdcProcess,
+    Event,
+    latest_by_key,
+    read_topic,
+    scratch_database,
+    wait_for,
+)
+
+
+def _write(dsn: str, table: str, ids: int, done: threading.Event, counts: list[float]) -> None:
+    """Updates, deletes and re-inserts on ``table`` (ids 1..ids) until ``done``; counts the transactions."""
+    rng = random.Random(table)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        while not done.is_set():
+            key = rng.randint(1, ids)
+            roll = rng.random()
+            if roll < 0.6:
+                conn.execute(f"UPDATE {table} SET v = v + 1 WHERE id = %s", (key,))
+            elif roll < 0.8:
+                conn.execute(f"DELETE FROM {table} WHERE id = %s", (key,))
+            else:
+                conn.execute(f"INSERT INTO {table} VALUES (%s, 0) ON CONFLICT (id) DO UPDATE SET v = 0", (key,))
+            counts.append(time.monotonic())
+            time.sleep(0.002)
+
+
+def _source(dsn: str, table: str) -> dict[int, int]:
+    with psycopg.connect(dsn) as conn:
+        return dict(conn.execute(f"SELECT id, v FROM {table}").fetchall())
+
+
+def _topic(kafka: str, registry: str, topic: str) -> dict[int, int]:
+    return {k: v["v"] for k, v in latest_by_key(read_topic(kafka, registry, topic), "id").items()}
+
+
+def _converge(dsn: str, kafka: str, registry: str, topic: str, *, table: str, proc: CdcProcess) -> None:
+    expected = _source(dsn, table)
+    wait_for(lambda: _topic(kafka, registry, topic) == expected, 120, f"{table} to converge", proc)
+
+
+def _assert_in_order(events: list[Event]) -> None:
+    positions: dict[Any, list[tuple[int, int]]] = defaultdict(list)
+    for e in sorted(events, key=lambda e: (e.partition, e.offset)):
+        if e.key is not None and e.value is not None:
+            src = e.value["source"]
+            positions[e.key["id"]].append((src["commit_lsn"], src["lsn"]))
+    for key, seq in positions.items():
+        assert len(set(seq)) == len(seq), f"key {key}: two events at one position {seq}"
+        assert seq == sorted(seq), f"key {key}: positions go backwards {seq}"
+
+
+def test_a_table_added_to_a_running_capture_is_backfilled_while_it_is_written(
+    pg_dsn: str, kafka_bootstrap: str, registry_url: str, unique: str, tmp_path: Path
+) -> None:
+    rows = 20_000
+    with scratch_database(pg_dsn, f"bf_{unique}") as dsn:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute("CREATE TABLE a (id int PRIMARY KEY, v int NOT NULL)")
+            conn.execute("INSERT INTO a SELECT g, 0 FROM generate_series(1, 1000) g")
+            conn.execute(f"CREATE PUBLICATION p_{unique} FOR TABLE a")
+        cfg = CdcConfig(
+            dsn,
+            kafka_bootstrap,
+            registry_url,
+            f"bf{unique}",
+            ["public.a"],
+            f"s_{unique}",
+            f"p_{unique}",
+            extra="backfill_chunk_rows = 500",
+        )
+        first = cfg.start(tmp_path)
+        try:
+            first.wait_streaming(180)
+        finally:
+            first.stop()
+        # The user's steps: a new table with rows, added to the publication and the configuration, then the same
+        # command again, while the applications write on.
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute("CREATE TABLE b (id int PRIMARY KEY, v int NOT NULL)")
+            conn.execute(f"INSERT INTO b SELECT g, 0 FROM generate_series(1, {rows}) g")
+            conn.execute(f"ALTER PUBLICATION p_{unique} ADD TABLE b")
+        cfg.tables = ["public.a", "public.b"]
+        done = threading.Event()
+        counts: list[float] = []
+        writers = [
+            threading.Thread(target=_write, args=(dsn, t, n, done, counts)) for t, n in (("a", 1000), ("b", rows))
+        ]
+        for w in writers:
+            w.start()
+        again = CdcProcess(cfg.write(tmp_path / "cdc.toml"), tmp_path / "cdc-again.log")
+        try:
+            again.start()
+            wait_for(
+                lambda: "backfill added." in again.tail(400) and " done: " in again.tail(400),
+                300,
+                "the backfill",
+                again,
+            )
+            time.sleep(2)
+            done.set()
+            for w in writers:
+                w.join(30)
+            for table in ("a", "b"):
+                _converge(dsn, kafka_bootstrap, registry_url, f"bf{unique}.public.{table}", table=table, proc=again)
+        finally:
+            done.set()
+            again.stop()
+        log = again.log.read_text()
+        assert "public.b is new to the capture: its rows are backfilled while streaming" in log, log
+        events = read_topic(kafka_bootstrap, registry_url, f"bf{unique}.public.b")
+        reads = [e for e in events if e.value is not None and e.value["op"] == "r"]
+        assert reads, "the backfill wrote nothing"
+        assert {e.value["source"]["snapshot"] for e in reads if e.value} == {"incremental"}
+        assert len(reads) <= rows
+        _assert_in_order(events)
+        _assert_in_order(read_topic(kafka_bootstrap, registry_url, f"bf{unique}.public.a"))
+
+
+def _cdc(config: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "pgcdc", "snapshot", "--config", str(config), *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def _listed(config: Path, id_: str) -> str:
+    out = _cdc(config, "--list").stdout
+    return next((line for line in out.splitlines() if line.startswith(f"{id_}\t")), "")
+
+
+def test_cdc_snapshot_where_pause_resume_and_cancel(
+    pg_dsn: str, kafka_bootstrap: str, registry_url: str, unique: str, tmp_path: Path
+) -> None:
+    rows = 3000
+    with scratch_database(pg_dsn, f"bs_{unique}") as dsn:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute("CREATE TABLE t (id int PRIMARY KEY, v int NOT NULL)")
+            conn.execute(f"INSERT INTO t SELECT g, 0 FROM generate_series(1, {rows}) g")
+        cfg = CdcConfig(
+            dsn,
+            kafka_bootstrap,
+            registry_url,
+            f"bs{unique}",
+            ["public.t"],
+            f"s_{unique}",
+            f"p_{unique}",
+            extra="backfill_chunk_rows = 100\nbackfill_rows_per_s = 400\nsignal_poll_s = 0.2",
+        )
+        topic = f"bs{unique}.public.t"
+        proc = cfg.start(tmp_path)
+        config = tmp_path / "cdc.toml"
+        try:
+            proc.wait_streaming(180)
+            # Mistakes are said at once, before anything is asked.
+            wrong = _cdc(config, "public.nosuch")
+            assert wrong.returncode == 2, wrong.stderr
+            assert "table public.nosuch is not captured" in wrong.stderr
+            bad = _cdc(config, "public.t", "--where", "id >> 'x'")
+            assert bad.returncode == 2, bad.stderr
+            assert "is not a filter of public.t" in bad.stderr
+            writes = _cdc(config, "public.t", "--where", "(DELETE FROM t) IS NULL")
+            assert writes.returncode == 2, writes.stdout
+
+            asked = _cdc(config, "public.t", "--where", "id % 10 = 0")
+            assert asked.returncode == 0, asked.stderr
+            first = asked.stdout.split()[1].rstrip(":")
+            wait_for(lambda: "\tdone\t" in _listed(config, first), 120, "the --where backfill", proc)
+            assert "300 row(s)" in _listed(config, first)
+
+            second = _cdc(config, "public.t").stdout.split()[1].rstrip(":")
+            wait_for(lambda: "\trunning\t" in _listed(config, second), 60, "the second backfill to start", proc)
+            assert _cdc(config, "--pause", second).returncode == 0
+            wait_for(lambda: "\tpaused\t" in _listed(config, second), 60, "the pause", proc)
+            paused_at = _listed(config, second)
+            time.sleep(3)
+            assert _listed(config, second) == paused_at, "a paused backfill went on"
+            assert _cdc(config, "--resume", second).returncode == 0
+            wait_for(lambda: "\tdone\t" in _listed(config, second), 120, "the resumed backfill", proc)
+            assert f"{rows} row(s)" in _listed(config, second)
+
+            third = _cdc(config, "public.t").stdout.split()[1].rstrip(":")
+            wait_for(lambda: "\trunning\t" in _listed(config, third), 60, "the third backfill to start", proc)
+            assert _cdc(config, "--cancel", third).returncode == 0
+            wait_for(lambda: "\tcancelled\t" in _listed(config, third), 60, "the cancel", proc)
+        finally:
+            proc.stop()
+        events = read_topic(kafka_bootstrap, registry_url, topic)
+        reads = [e for e in events if e.value is not None and e.value["source"]["snapshot"] == "incremental"]
+        by_key: dict[int, int] = defaultdict(int)
+        for e in reads:
+            assert e.key is not None
+            by_key[e.key["id"]] += 1
+        # The --where one read the multiples of 10, the second every row: twice each multiple of 10, once the rest.
+        assert all(by_key[k] >= (2 if k % 10 == 0 else 1) for k in range(1, rows + 1))
+        assert _topic(kafka_bootstrap, registry_url, topic) == _source(dsn, "t")
+        _assert_in_order(events)
