@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 import uuid
 from collections import deque
@@ -110,6 +111,7 @@ class ChunkReader:
             row = conn.execute("SELECT pg_current_snapshot()::text").fetchone()
             assert row is not None
             snapshot = XidSnapshot.parse(str(row[0]))
+            self._hold(job)
             copies = _copies(conn)
             copies.send(job.keyset.query_for(job.after, job.rows))
             data = copies.receive()
@@ -129,6 +131,15 @@ class ChunkReader:
         ).fetchone()
         assert row is not None
         return ChunkRead(packed, rows, refused, last_key, count < job.rows, snapshot, parse_lsn(str(row[0])))
+
+    @staticmethod
+    def _hold(job: ChunkJob) -> None:
+        """Fault injection for the tests (CDC_TEST_CHUNK_HOLD_S): the chunk's window is held open this long after
+        its snapshot is taken, while the stream goes on, so a kill can land inside it."""
+        hold = float(os.environ.get("CDC_TEST_CHUNK_HOLD_S") or 0)
+        if hold:
+            log.info("backfill chunk %s: window held open %.1f s (CDC_TEST_CHUNK_HOLD_S)", job.marker, hold)
+            time.sleep(hold)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
@@ -379,6 +390,7 @@ class Backfills:
             prefix, suffix = codec.read_event_frame(pos, now_us)
             writer.produce_packed(codec.topic, packed, rows, prefix, suffix)
             self._ctx.metrics.count(codec.topic, "r", rows)
+        log.debug("backfill %s: chunk %d written (%d of %d rows)", backfill.id, backfill.chunks, rows, chunk.rows)
         backfill.after, backfill.rows, backfill.chunks = chunk.last_key, backfill.rows + rows, backfill.chunks + 1
         if chunk.done:
             backfill.status = "done"

@@ -508,24 +508,39 @@ class OffsetStore:
                 if high <= low:
                     continue
                 consumer.assign([TopicPartition(self.topic, p, OFFSET_BEGINNING)])
-                # read_committed stops at the last stable offset, so "high" may never be reached: the
-                # partition EOF event says we have seen everything committed.
-                while True:
-                    msg = consumer.poll(_TIMEOUT_S)
-                    if msg is None:
-                        raise TransientError(f"timed out reading offsets topic {self.topic!r}")
-                    err = msg.error()
-                    if err is not None:
-                        if err.code() == KafkaError._PARTITION_EOF:
-                            break
-                        raise _kafka_error(KafkaException(err), f"reading offsets topic {self.topic!r}")
-                    if msg.key() == self.key:
-                        value = msg.value()
+                value = self._read_to(consumer, p, high) or value
         except KafkaException as exc:
             raise _kafka_error(exc, f"reading offsets topic {self.topic!r}") from exc
         finally:
             consumer.close()
         return self._decode(value) if value else None
+
+    def _read_to(self, consumer: Consumer, partition: int, high: int) -> bytes | None:
+        """Our slot's last record in ``partition`` up to ``high`` (its end when we looked). read_committed stops
+        at the last stable offset, so ``high`` may never be reached: the partition EOF event says we have seen
+        everything committed. While a capture commits on, EOF may never come either (each fetch brings its new
+        records): what was written after we looked is not waited for."""
+        value: bytes | None = None
+        deadline = time.monotonic() + _TIMEOUT_S
+        while True:
+            msg = consumer.poll(1.0)
+            if msg is None:
+                if consumer.position([TopicPartition(self.topic, partition)])[0].offset >= high:
+                    return value
+                if time.monotonic() > deadline:
+                    raise TransientError(f"timed out reading offsets topic {self.topic!r}")
+                continue
+            err = msg.error()
+            if err is not None:
+                if err.code() == KafkaError._PARTITION_EOF:
+                    return value
+                raise _kafka_error(KafkaException(err), f"reading offsets topic {self.topic!r}")
+            if msg.key() == self.key:
+                value = msg.value()
+            offset = msg.offset()
+            if offset is not None and offset >= high - 1:
+                return value
+            deadline = time.monotonic() + _TIMEOUT_S
 
     def _decode(self, value: bytes) -> CaptureState:
         where = f"the committed state of slot {self.key.decode()!r} in topic {self.topic!r}"

@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 from collections import defaultdict
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -222,3 +223,77 @@ def test_cdc_snapshot_where_pause_resume_and_cancel(
         assert all(by_key[k] >= (2 if k % 10 == 0 else 1) for k in range(1, rows + 1))
         assert _topic(kafka_bootstrap, registry_url, topic) == _source(dsn, "t")
         _assert_in_order(events)
+
+
+def _past(config: Path, id_: str, chunks: int) -> bool:
+    return _committed_chunks(config, id_) > chunks
+
+
+def _committed_chunks(config: Path, id_: str) -> int:
+    line = _listed(config, id_)
+    return int(line.split(" row(s) in ")[1].split()[0]) if line else 0
+
+
+def test_sigkills_during_a_backfill_lose_and_double_nothing(
+    pg_dsn: str, kafka_bootstrap: str, registry_url: str, unique: str, tmp_path: Path
+) -> None:
+    """Five SIGKILLs, each at a later chunk than the one before, while the table is written; each chunk's window
+    is held open ~1 s after its snapshot (CDC_TEST_CHUNK_HOLD_S), so the kills land inside open windows, whose
+    chunks are read again after the restart."""
+    rows = 4000
+    with scratch_database(pg_dsn, f"bk_{unique}") as dsn:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute("CREATE TABLE b (id int PRIMARY KEY, v int NOT NULL)")
+            conn.execute(f"INSERT INTO b SELECT g, 0 FROM generate_series(1, {rows}) g")
+        cfg = CdcConfig(
+            dsn,
+            kafka_bootstrap,
+            registry_url,
+            f"bk{unique}",
+            ["public.b"],
+            f"s_{unique}",
+            f"p_{unique}",
+            extra='snapshot = "never"\nbackfill_chunk_rows = 150\nsignal_poll_s = 0.2',
+        )
+        config = cfg.write(tmp_path / "cdc.toml")
+        proc = CdcProcess(config, tmp_path / "cdc.log")
+        proc.env["CDC_TEST_CHUNK_HOLD_S"] = "1"
+        proc.args[1] = "debug"  # each chunk written is logged
+        done = threading.Event()
+        writer = threading.Thread(target=_write, args=(dsn, "b", rows, done, []))
+        proc.start()
+        try:
+            proc.wait_streaming(180)
+            asked = _cdc(config, "public.b")
+            assert asked.returncode == 0, asked.stderr
+            id_ = asked.stdout.split()[1].rstrip(":")
+            writer.start()
+            in_window, last = 0, -1
+            for _ in range(5):
+                wait_for(partial(_past, config, id_, last + 1), 120, "the backfill to move on", proc)
+                time.sleep(random.uniform(0.2, 0.8))
+                proc.kill()
+                lines = [
+                    line for line in proc.tail(400).splitlines() if "window held open" in line or "written (" in line
+                ]
+                if lines and "window held open" in lines[-1]:
+                    in_window += 1  # killed after a chunk's snapshot, before its rows were written
+                proc.start()
+                proc.wait_streaming(180)
+                last = _committed_chunks(config, id_)
+            wait_for(lambda: "\tdone\t" in _listed(config, id_), 300, "the backfill to finish", proc)
+            done.set()
+            writer.join(30)
+            _converge(dsn, kafka_bootstrap, registry_url, f"bk{unique}.public.b", table="b", proc=proc)
+        finally:
+            done.set()
+            proc.stop()
+        assert in_window >= 2, f"only {in_window} kill(s) landed in an open window"
+        events = read_topic(kafka_bootstrap, registry_url, f"bk{unique}.public.b")
+        _assert_in_order(events)
+        reads: dict[int, int] = defaultdict(int)
+        for e in events:
+            if e.key is not None and e.value is not None and e.value["source"]["snapshot"] == "incremental":
+                reads[e.key["id"]] += 1
+        assert max(reads.values()) == 1, "a chunk's rows were written twice"
+        assert "Traceback" not in proc.log.read_text()
