@@ -204,6 +204,7 @@ class Backfills:
         note = self._signals.ensure(attached.sql)
         if note is not None:
             log.warning("%s", note)
+        ctx.metrics.backfills_changed([b.to_json() for b in state.backfills])
 
     def note_commit(self, xid: int | None) -> None:
         """A transaction the stream has written (its xid): a chunk read later must see it."""
@@ -235,6 +236,7 @@ class Backfills:
             self._inflight = None
             self._finish(inflight, writer)
         state.forget_finished()
+        self._ctx.metrics.backfills_changed([b.to_json() for b in state.backfills])
 
     def on_watermark(self, content: bytes, lsn: int) -> bool:
         """A watermark arrived in the stream; True when it is the in-flight chunk's (its rows can be written)."""

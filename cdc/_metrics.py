@@ -32,6 +32,7 @@ class CaptureMetrics:
         self._declare_slot(r)
         self._declare_progress(r)
         self._declare_snapshot(r)
+        self._declare_backfills(r)
         self._declare_sinks(r)
         self._lock = threading.Lock()
         self._pending: dict[tuple[str, str], int] = {}
@@ -41,6 +42,7 @@ class CaptureMetrics:
         self.committed_lsn_value: int | None = None
         self._wal_lsn_value = 0
         self.snapshot: dict[str, Any] | None = None
+        self.backfills: list[dict[str, Any]] = []
         self._snap_started = 0.0
         self._snap_estimates: dict[str, int | None] = {}
         self._snap_rows: dict[str, int] = {}
@@ -123,6 +125,23 @@ class CaptureMetrics:
         )
         self.snapshot_rows_done = Gauge("pgcdc_snapshot_rows_done", "Rows snapshotted so far", registry=r)
         self.snapshot_eta = Gauge("pgcdc_snapshot_eta_seconds", "Estimated time to finish the snapshot", registry=r)
+
+    def _declare_backfills(self, r: CollectorRegistry) -> None:
+        self.backfills_running = Gauge("pgcdc_backfills_running", "Backfills reading their table now", registry=r)
+        self.backfills_queued = Gauge("pgcdc_backfills_queued", "Backfills waiting for their turn", registry=r)
+        self.backfill_rows = Gauge(
+            "pgcdc_backfill_rows_done", "Rows a backfill has written", ["backfill", "table"], registry=r
+        )
+
+    def backfills_changed(self, backfills: list[dict[str, Any]]) -> None:
+        """The backfills as the state holds them (BackfillProgress.to_json), for the metrics and the dashboard."""
+        self.backfills = backfills
+        self.backfills_running.set(sum(b["status"] == "running" for b in backfills))
+        self.backfills_queued.set(sum(b["status"] in ("queued", "paused") for b in backfills))
+        self.backfill_rows.clear()
+        for b in backfills:
+            if b["status"] not in ("done", "cancelled", "failed"):
+                self.backfill_rows.labels(b["id"], b["table"]).set(b["rows"])
 
     def _declare_sinks(self, r: CollectorRegistry) -> None:
         """The sinks as seen from outside (checkpoints against topic ends): still measured when they are down."""

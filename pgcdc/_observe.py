@@ -377,6 +377,7 @@ class Observer:
             },
             "tables": list(tables.values()),
             "snapshot": m.snapshot,
+            "backfills": m.backfills,
             "sinks": latest.get("sinks", []),
             "errors": sorted(self._errors.items, key=lambda e: -e["ts"]),
             "history": {
@@ -484,6 +485,7 @@ def collect_status(settings: Settings, config_path: Path | None) -> dict[str, An
         lsn = state.lsn if state is not None else None
         out["capture"]["resume_lsn"] = format_lsn(lsn) if lsn is not None else None
         out["capture"]["snapshot"] = state.snapshot.status if state is not None and state.snapshot else None
+        out["capture"]["backfills"] = [b.to_json() for b in state.backfills] if state is not None else []
         consumer = Consumer(
             {
                 **conf,

@@ -229,6 +229,10 @@ def _status(settings: Settings, config_path: Path | None, *, as_json: bool) -> i
         f"resume LSN {cap.get('resume_lsn')}, snapshot {cap.get('snapshot')}"
         + (f"; Kafka: {cap['kafka_error']}" if "kafka_error" in cap else ""),
     )
+    for b in cap.get("backfills", []):
+        where = f" where {b['where']}" if b.get("where") else ""
+        error = f": {b['error']}" if b.get("error") else ""
+        _row(table, f"  backfill {b['id']}", b["status"], "", f"{b['table']}{where}: {b['rows']} row(s){error}")
     for t in status["topics"]:
         _row(table, f"  topic {t['topic']}", "", "", f"{t['records']} records in {t['partitions']} partition(s)")
     for sink in status["sinks"]:
