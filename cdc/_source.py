@@ -104,9 +104,15 @@ def check_and_prepare(
         report.key_columns[info.qualified] = _key_columns(info, configured_keys.get((schema, table)))
     _check_topic_names(settings, report.tables)
     if report.publication_exists:
+        actions, added = _align_publication(conn, src.publication, report.tables, dry_run=dry_run)
+        report.actions += actions
+        if added and report.slot_exists:
+            report.notes.append(
+                f"{', '.join(added)} will be backfilled by `cdc run` while it streams (capture.backfill_new_tables)"
+            )
         _check_publication(conn, src.publication, report.tables)
     else:
-        report.actions.append(_create_publication(conn, src.publication, report.tables, dry_run=dry_run))
+        report.actions += _create_publication(conn, src.publication, report.tables, dry_run=dry_run)
     if not report.slot_exists:
         report.notes.append(
             f"replication slot {src.slot!r} will be created by `cdc run`, together with the initial snapshot, "
@@ -175,27 +181,65 @@ def _check_publication(conn: psycopg.Connection[Any], publication: str, tables: 
         listing = ", ".join(_quoted(t) for t in missing)
         raise SourceCheckError(
             f"publication {publication!r} lacks {', '.join(t.qualified for t in missing)}; run "
-            f"ALTER PUBLICATION {ident} ADD TABLE {listing}",
+            f"ALTER PUBLICATION {ident} ADD TABLE {listing} (pgcdc alters only a publication it created); "
+            "`cdc run` then backfills them while it streams",
             check="publication-tables",
         )
     _check_publication_actions(conn, publication)
 
 
+# What pgcdc writes as the comment of a publication it creates: only such a publication does it ever alter.
+OWNED_COMMENT = "created by pgcdc: it adds and drops the tables of source.tables"
+
+
 def _create_publication(
     conn: psycopg.Connection[Any], publication: str, tables: list[TableInfo], *, dry_run: bool
-) -> str:
-    """The statement that creates the publication of ``tables``, run unless ``dry_run``."""
+) -> list[str]:
+    """The statements that create the publication of ``tables`` and mark it as pgcdc's, run unless ``dry_run``."""
     # Changes of a partitioned table then arrive as the parent's, matching its snapshot and topic.
     partitioned = any(t.relkind == "p" for t in tables)
-    stmt = sql.SQL("CREATE PUBLICATION {} FOR TABLE {}{}").format(
+    create = sql.SQL("CREATE PUBLICATION {} FOR TABLE {}{}").format(
         sql.Identifier(publication),
         sql.SQL(", ").join(t.ident() for t in tables),
         sql.SQL(" WITH (publish_via_partition_root = true)") if partitioned else sql.SQL(""),
     )
+    mark = sql.SQL("COMMENT ON PUBLICATION {} IS {}").format(sql.Identifier(publication), sql.Literal(OWNED_COMMENT))
     if not dry_run:
-        conn.execute(stmt)
+        with conn.transaction():
+            conn.execute(create)
+            conn.execute(mark)
         log.info("created publication %s", publication)
-    return stmt.as_string(conn)
+    return [create.as_string(conn), mark.as_string(conn)]
+
+
+def _align_publication(
+    conn: psycopg.Connection[Any], publication: str, tables: list[TableInfo], *, dry_run: bool
+) -> tuple[list[str], list[str]]:
+    """A publication pgcdc created (its comment says so; never one FOR ALL TABLES) gets the captured tables it
+    lacks, and loses those no longer captured. The statements, run unless ``dry_run``, and the tables added."""
+    row = conn.execute(
+        "SELECT puballtables, obj_description(oid, 'pg_publication') FROM pg_publication WHERE pubname = %s",
+        (publication,),
+    ).fetchone()
+    if row is None or row[0] or row[1] != OWNED_COMMENT:
+        return [], []
+    present = set(_publication_tables(conn, publication))
+    wanted = {(t.schema, t.name) for t in tables}
+    ident = sql.Identifier(publication)
+    stmts = []
+    added = [t for t in tables if (t.schema, t.name) not in present]
+    if added:
+        stmts.append(
+            sql.SQL("ALTER PUBLICATION {} ADD TABLE {}").format(ident, sql.SQL(", ").join(t.ident() for t in added))
+        )
+    dropped = sorted(present - wanted)
+    if dropped:
+        names = sql.SQL(", ").join(sql.Identifier(schema, table) for schema, table in dropped)
+        stmts.append(sql.SQL("ALTER PUBLICATION {} DROP TABLE {}").format(ident, names))
+    for stmt in stmts if not dry_run else []:
+        conn.execute(stmt)
+        log.info("%s", stmt.as_string(conn))
+    return [stmt.as_string(conn) for stmt in stmts], [t.qualified for t in added]
 
 
 def _quoted(t: TableInfo) -> str:

@@ -53,6 +53,7 @@ SCENARIOS: dict[str, str] = {
     "big-transaction": "big_transaction",
     "snapshot": "snapshot",
     "latency": "capture_latency",
+    "backfill": "backfill",
     "sinks": "sinks_bench",  # not `sinks`: that is the project's package (installed, found first)
 }
 SCENARIO_PACKAGE = "bench"  # the checkout's bench/: run from the checkout (./dev bench does)
@@ -67,6 +68,7 @@ QUICK_ARGV: dict[str, list[str]] = {
     "big-transaction": ["--megabytes", "64"],
     "snapshot": ["--rows", "100000"],
     "latency": ["--seconds", "10", "--warmup-seconds", "2"],
+    "backfill": ["--rows", "200000", "--seconds", "10"],
     "sinks": ["--rows", "10000", "--freshness-seconds", "15", "--heavy-seconds", "15"],
 }
 
