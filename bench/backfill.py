@@ -54,6 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--rate", type=float, default=2000.0, help="stream load, transactions/s on the small table")
     ap.add_argument("--seconds", type=float, default=20.0, help="seconds of load measured before the backfill")
     ap.add_argument("--writers", type=int, default=4, help="pgbench clients")
+    ap.add_argument("--chunk-rows", type=int, default=None, help="capture.backfill_chunk_rows (default: its default)")
     ap.add_argument("--timeout", type=float, default=3600.0)
     return ap
 
@@ -118,7 +119,14 @@ class _Latency:
                 "fetch.min.bytes": 1,
             }
         )
-        md = self._consumer.list_topics(topic, timeout=30)
+        deadline = time.monotonic() + 60
+        while True:  # the topic is made by the capture at the table's first change
+            md = self._consumer.list_topics(topic, timeout=30)
+            if topic in md.topics and md.topics[topic].error is None and md.topics[topic].partitions:
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"topic {topic} was not created")
+            time.sleep(0.2)
         self._consumer.assign([TopicPartition(topic, p, 0) for p in md.topics[topic].partitions])
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
@@ -244,12 +252,12 @@ def run(argv: list[str] | None = None) -> Result:
             registry=registry,
             prefix=prefix,
             slot=prefix,
-            extra='snapshot = "never"',
+            extra='snapshot = "never"' + (f"\nbackfill_chunk_rows = {args.chunk_rows}" if args.chunk_rows else ""),
         )
         proc = _start(config, work / "cdc.log")
         _log_time(work / "cdc.log", "streaming from slot", proc, 300)
-        latency = _Latency(kafka, registry, f"{prefix}.public.{SMALL}")
         load = _pgbench(dsn, work, args.rate, args.writers, args.timeout)
+        latency = _Latency(kafka, registry, f"{prefix}.public.{SMALL}")
         time.sleep(3)  # warm-up
         quiet = (time.time(), time.time() + args.seconds)
         time.sleep(args.seconds)

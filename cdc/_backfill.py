@@ -59,17 +59,22 @@ log = logging.getLogger(__name__)
 
 WATERMARK_PREFIX = "pgcdc.watermark"
 _RECENT_XIDS = 10_000  # the transactions last written, which a chunk's snapshot must see (cdc/_window.py)
+_READ_AHEAD = 2  # chunks of a backfill in flight: the next is read while one waits for its watermark
 _B, _T, _NULL = ord("b"), ord("t"), ord("n")
 
 
 @dataclass(frozen=True)
 class ChunkJob:
-    """What one chunk read needs: the backfill's keyset query, where it starts, how many rows, its marker."""
+    """What one chunk read needs: the backfill's keyset query, where it starts, how many rows, its marker.
+
+    ``first``: the chunk starts after ``after``; otherwise after the last key of the reader's previous chunk
+    (read ahead: it is not known when the job is given)."""
 
     keyset: _Keyset
     after: list[str] | None
     rows: int
     marker: str  # the high watermark's content: slot, backfill, chunk, and a nonce
+    first: bool = True
 
 
 @dataclass(frozen=True)
@@ -82,7 +87,7 @@ class ChunkRead:
     refused: list[CopyRowRefused]
     last_key: list[str] | None
     done: bool  # fewer rows than asked for: the backfill is read to its end
-    snapshot: XidSnapshot
+    snapshot: XidSnapshot | None  # None: not read (the chunk before it was the table's last)
     high: int
 
 
@@ -93,16 +98,25 @@ class ChunkReader:
         self._settings = settings
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="pgcdc-backfill")
         self._conn: psycopg.Connection[Any] | None = None
+        self._cursor: tuple[list[str] | None, bool] = (None, False)  # the last chunk's last key, and if it was the end
 
     def submit(self, job: ChunkJob) -> Future[ChunkRead]:
-        return self._pool.submit(self._read, job)
+        return self._pool.submit(self._read_next, job)
+
+    def _read_next(self, job: ChunkJob) -> ChunkRead:
+        after, done = (job.after, False) if job.first else self._cursor
+        if done:
+            return ChunkRead(b"", 0, [], after, True, None, 0)
+        read = self._read(job, after)
+        self._cursor = (read.last_key, read.done)
+        return read
 
     def _connection(self) -> psycopg.Connection[Any]:
         if self._conn is None or self._conn.closed:
             self._conn = connect(self._settings, autocommit=True)
         return self._conn
 
-    def _read(self, job: ChunkJob) -> ChunkRead:
+    def _read(self, job: ChunkJob, after: list[str] | None) -> ChunkRead:
         conn = self._connection()
         timeout_ms = int(self._settings.capture.backfill_statement_timeout_s * 1000)
         try:
@@ -113,7 +127,7 @@ class ChunkReader:
             snapshot = XidSnapshot.parse(str(row[0]))
             self._hold(job)
             copies = _copies(conn)
-            copies.send(job.keyset.query_for(job.after, job.rows))
+            copies.send(job.keyset.query_for(after, job.rows))
             data = copies.receive()
             conn.execute("COMMIT")
         except BaseException:
@@ -123,7 +137,7 @@ class ChunkReader:
         keyset = job.keyset
         count, last = _rows_and_last(data)
         rows, packed, refused = _encode_chunk(keyset.job.codec, keyset.job.work.table.qualified, data, keyset.job.kinds)
-        last_key = keyset.resume_key(last) if last is not None else job.after
+        last_key = keyset.resume_key(last) if last is not None else after
         # Last, and after the snapshot: every transaction the chunk does not see commits after it or is reported
         # to the window before the stream reaches this watermark.
         row = conn.execute(
@@ -149,7 +163,8 @@ class ChunkReader:
 
 @dataclass
 class _InFlight:
-    """The chunk being read or waiting for its high watermark in the stream."""
+    """A chunk being read, or read and waiting for its high watermark in the stream, or for the chunks before
+    it to be written. Its window stays open until its rows are written (cdc/_window.py)."""
 
     backfill: BackfillProgress
     codec: TableCodec
@@ -158,9 +173,13 @@ class _InFlight:
     future: Future[ChunkRead]
     high_seen: bool = False
 
-    def ready(self) -> bool:
-        """Its rows can be written (the stream reached its watermark), or its read failed."""
-        return self.future.done() and (self.high_seen or self.future.exception() is not None)
+    def writable(self) -> bool:
+        """Its rows can be written (the stream reached its watermark, or it read nothing), or its read failed."""
+        if not self.future.done():
+            return False
+        if self.future.exception() is not None:
+            return True
+        return self.high_seen or self.future.result().snapshot is None
 
 
 def plan_new_tables(state: CaptureState, tables: list[str], settings: Settings) -> list[str]:
@@ -185,8 +204,12 @@ def plan_new_tables(state: CaptureState, tables: list[str], settings: Settings) 
 
 
 class Backfills:
-    """The backfills of one streaming attempt: a task the Streamer runs between transactions
-    (cdc/_stream.py's BetweenTransactions), fed by the stream's watermarks and committed transactions."""
+    """The backfills of one streaming attempt, driven by the Streamer: :meth:`ready` at transaction boundaries
+    (cdc/_stream.py's BetweenTransactions) starts chunk reads and takes requests, :meth:`on_watermark` writes a
+    chunk's rows into the stream's open batch when the stream reaches its watermark (they commit with it, and
+    with the progress they advance), :meth:`note_commit` hears of every transaction written.
+
+    Chunks are read ahead (up to :data:`_READ_AHEAD` of one backfill in flight), and written in order."""
 
     def __init__(self, ctx: CaptureContext, attached: Attached, changes: ChangeWriter, state: CaptureState) -> None:
         self._ctx, self._attached, self._changes, self._state = ctx, attached, changes, state
@@ -197,7 +220,7 @@ class Backfills:
         self._keysets: dict[str, _Keyset] = {}
         self._recent: deque[int] = deque(maxlen=_RECENT_XIDS)
         self._taken: list[Signal] = []  # read from the signal table, not yet in the state
-        self._inflight: _InFlight | None = None
+        self._inflight: deque[_InFlight] = deque()  # one backfill's chunks, in order
         self._polled = self._next_start = 0.0
         self._turn = 0  # which running backfill's chunk is next
         self._signal_error: str | None = None
@@ -211,19 +234,17 @@ class Backfills:
         if xid is not None:
             self._recent.append(xid)
 
-    # --- BetweenTransactions ----------------------------------------------------------------------------
+    # --- driven by the stream ---------------------------------------------------------------------------
 
     def ready(self, now: float) -> bool:
-        inflight = self._inflight
-        if inflight is not None and inflight.ready():
-            return True
+        """Whether requests were taken or a chunk's read failed (:meth:`run` records it, in a Kafka transaction
+        of its own); starts the next chunk reads meanwhile."""
         if now - self._polled >= self._ctx.settings.capture.signal_poll_s:
             self._polled = now
             self._poll()
-        if self._taken:
+        if self._taken or (self._inflight and self._inflight[0].writable()):
             return True
-        if inflight is None:
-            self._start(now)
+        self._start(now)
         return False
 
     def run(self, writer: BatchWriter, state: CaptureState) -> None:
@@ -231,28 +252,36 @@ class Backfills:
             self._take(signal, state)
             state.signal = max(state.signal, signal.id)
         self._taken = []
-        inflight = self._inflight
-        if inflight is not None and inflight.ready():
-            self._inflight = None
-            self._finish(inflight, writer)
-        state.forget_finished()
-        self._ctx.metrics.backfills_changed([b.to_json() for b in state.backfills])
+        self.write(writer)
 
     def on_watermark(self, content: bytes, lsn: int) -> bool:
-        """A watermark arrived in the stream; True when it is the in-flight chunk's (its rows can be written)."""
-        inflight = self._inflight
-        if inflight is None or content != inflight.marker.encode():
-            return False  # another instance's, or one written before a restart
-        inflight.high_seen = True
-        self._changes.unwatch(inflight.codec.topic)
-        wait([inflight.future])  # the reader returns just after writing the watermark: its rows go before what follows
-        log.debug("backfill %s: chunk %d's watermark at %X", inflight.backfill.id, inflight.backfill.chunks, lsn)
-        return True
+        """A watermark arrived in the stream; True when a chunk's rows can be written now (:meth:`write`)."""
+        for inflight in self._inflight:
+            if content == inflight.marker.encode():
+                inflight.high_seen = True
+                # The reader returns just after writing the watermark: its rows go before what follows.
+                wait([inflight.future])
+                log.debug("backfill %s: a chunk's watermark at %X", inflight.backfill.id, lsn)
+                return self._inflight[0].writable()
+        return False  # another instance's, or one written before a restart
+
+    def write(self, writer: BatchWriter) -> None:
+        """The chunks that can be written, in order, into ``writer``'s open Kafka transaction; their progress
+        into the state it commits."""
+        while self._inflight and self._inflight[0].writable():
+            inflight = self._inflight.popleft()
+            self._changes.unwatch(inflight.codec.topic, inflight.window)
+            if not self._finish(inflight, writer):
+                self._drop(inflight.backfill)  # the chunks after it were read from where it ended
+        state = self._state
+        state.forget_finished()
+        self._ctx.metrics.backfills_changed([b.to_json() for b in state.backfills])
+        self._start(time.monotonic())  # the next read, without waiting for the stream's next boundary
 
     def close(self) -> None:
-        if self._inflight is not None:
-            self._changes.unwatch(self._inflight.codec.topic)
-            self._inflight = None
+        for inflight in self._inflight:
+            self._changes.unwatch(inflight.codec.topic, inflight.window)
+        self._inflight.clear()
         self._reader.close()
 
     # --- requests ---------------------------------------------------------------------------------------
@@ -315,20 +344,28 @@ class Backfills:
             log.warning("%s of backfill %s: %s", kind, id_, "no such backfill" if found is None else found.status)
             return
         found.status = {"cancel": "cancelled", "pause": "paused", "resume": "queued"}[kind]  # type: ignore[assignment]
-        if self._inflight is not None and self._inflight.backfill is found and kind != "resume":
-            self._changes.unwatch(self._inflight.codec.topic)
-            self._inflight = None  # its rows are not written; its watermark passes by
+        if kind != "resume":
+            self._drop(found)  # the chunks in flight are not written; their watermarks pass by
         log.info("backfill %s of %s: %s", id_, found.table, found.status)
+
+    def _drop(self, backfill: BackfillProgress) -> None:
+        """Forgets ``backfill``'s chunks in flight: it goes on (if it does) from its last chunk written."""
+        for inflight in [i for i in self._inflight if i.backfill is backfill]:
+            self._changes.unwatch(inflight.codec.topic, inflight.window)
+            self._inflight.remove(inflight)
 
     # --- chunks -----------------------------------------------------------------------------------------
 
     def _start(self, now: float) -> None:
+        """The next chunk read, when one may start: read ahead of the chunks waiting, within the rate."""
         capture = self._ctx.settings.capture
         behind = self._ctx.metrics.behind_s
-        if now < self._next_start or (behind is not None and behind > capture.backfill_pause_behind_s):
+        if len(self._inflight) >= _READ_AHEAD or now < self._next_start:
             return
-        backfill = self._next()
-        if backfill is None:
+        if behind is not None and behind > capture.backfill_pause_behind_s:
+            return
+        backfill = self._inflight[-1].backfill if self._inflight else self._next()
+        if backfill is None or (self._inflight and self._inflight[-1].future.done() and self._ended()):
             return
         info = self._tables.get(backfill.table)
         if info is None:  # removed from the configuration since it was asked for
@@ -338,14 +375,20 @@ class Backfills:
         codec = keyset.job.codec
         window = ChunkWindow(before=tuple(self._recent))
         self._changes.watch(codec.topic, window)
-        marker = f"{self._ctx.settings.source.slot}:{backfill.id}:{backfill.chunks}:{uuid.uuid4().hex[:12]}"
-        job = ChunkJob(keyset, backfill.after, capture.backfill_chunk_rows, marker)
-        self._inflight = _InFlight(backfill, codec, window, marker, self._reader.submit(job))
+        number = backfill.chunks + len(self._inflight)
+        marker = f"{self._ctx.settings.source.slot}:{backfill.id}:{number}:{uuid.uuid4().hex[:12]}"
+        job = ChunkJob(keyset, backfill.after, capture.backfill_chunk_rows, marker, first=not self._inflight)
+        self._inflight.append(_InFlight(backfill, codec, window, marker, self._reader.submit(job)))
         if capture.backfill_rows_per_s:
             self._next_start = now + capture.backfill_chunk_rows / capture.backfill_rows_per_s
 
+    def _ended(self) -> bool:
+        """The last chunk in flight read the table to its end (no chunk after it)."""
+        last = self._inflight[-1].future
+        return last.exception() is None and last.result().done
+
     def _next(self) -> BackfillProgress | None:
-        """The backfill whose chunk is read next: the running ones in turn, queued ones started up to
+        """The backfill whose chunks are read next: the running ones in turn, queued ones started up to
         capture.backfills_at_once."""
         running = [b for b in self._state.backfills if b.status == "running"]
         for queued in (b for b in self._state.backfills if b.status == "queued"):
@@ -370,26 +413,29 @@ class Backfills:
             keyset.where = backfill.where
         return keyset
 
-    def _finish(self, inflight: _InFlight, writer: BatchWriter) -> None:
-        """The chunk's rows (those the window keeps) and its progress into the open Kafka transaction."""
+    def _finish(self, inflight: _InFlight, writer: BatchWriter) -> bool:
+        """The chunk's rows (those its window keeps) into the open Kafka transaction, and its progress; False
+        when it was not written (read again: its read failed, or its window says so)."""
         backfill, codec = inflight.backfill, inflight.codec
-        self._changes.unwatch(codec.topic)
         error = inflight.future.exception()
         if error is not None:
             self._failed(backfill, error)
-            return
+            return False
         chunk = inflight.future.result()
+        if chunk.snapshot is None:  # nothing read: the chunk before it ended the table
+            return True
         stale = inflight.window.stale(chunk.snapshot)
         if stale is not None:
             log.info("backfill %s: chunk %d is read again: %s", backfill.id, backfill.chunks, stale)
-            return
+            return False
         packed, rows = _without(chunk.packed, chunk.rows, inflight.window.dropped(chunk.snapshot))
         now_us = time.time_ns() // 1000
-        pos = Position(chunk.high, chunk.high, now_us, None, "incremental")
         for refused in chunk.refused:
             self._dead_letter(codec, refused, chunk.high, writer)
         if rows:
-            prefix, suffix = codec.read_event_frame(pos, now_us)
+            prefix, suffix = codec.read_event_frame(
+                Position(chunk.high, chunk.high, now_us, None, "incremental"), now_us
+            )
             writer.produce_packed(codec.topic, packed, rows, prefix, suffix)
             self._ctx.metrics.count(codec.topic, "r", rows)
         log.debug("backfill %s: chunk %d written (%d of %d rows)", backfill.id, backfill.chunks, rows, chunk.rows)
@@ -404,6 +450,7 @@ class Backfills:
                 backfill.rows,
                 backfill.chunks,
             )
+        return True
 
     def _failed(self, backfill: BackfillProgress, error: BaseException) -> None:
         if isinstance(error, psycopg.OperationalError) and not isinstance(error, psycopg.errors.QueryCanceled):

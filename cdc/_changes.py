@@ -98,7 +98,7 @@ class ChangeWriter:
         self._live_seen: set[int] = set()
         # The tables (by topic) a backfill chunk is open on (cdc/_backfill.py): each change of theirs is
         # reported to the chunk's window with its transaction's xid, so none of theirs goes from C.
-        self._watching: dict[str, ChunkWindow] = {}
+        self._watching: dict[str, list[ChunkWindow]] = {}
 
     def begin(self, commit_lsn: int, commit_time_us: int, xid: int | None, now_us: int) -> None:
         """A transaction begins (live, or a streamed one replayed): its changes are events of this position,
@@ -119,15 +119,18 @@ class ChangeWriter:
 
     def watch(self, topic: str, window: ChunkWindow) -> None:
         """Every change of the table whose topic is ``topic`` goes to ``window`` from now on (with its xid)."""
-        self._watching[topic] = window
+        self._watching.setdefault(topic, []).append(window)
 
-    def unwatch(self, topic: str) -> None:
-        self._watching.pop(topic, None)
+    def unwatch(self, topic: str, window: ChunkWindow) -> None:
+        windows = self._watching.get(topic, [])
+        if window in windows:
+            windows.remove(window)
+        if not windows:
+            self._watching.pop(topic, None)
 
     def _disturb(self, rel: Relation, why: str) -> None:
         if self._watching:
-            window = self._watching.get(self._settings.topic_for(rel.namespace, rel.name))
-            if window is not None:
+            for window in self._watching.get(self._settings.topic_for(rel.namespace, rel.name), ()):
                 window.disturbed(why)
 
     def reset(self) -> None:
@@ -409,9 +412,8 @@ class ChangeWriter:
     def _write(self, codec: TableCodec, lsn: int, kind: int, read: _Read) -> None:
         before, old_key, after, key, unchanged = read
         if self._watching:
-            window = self._watching.get(codec.topic)
-            if window is not None:
-                xid = self._pos.xid or 0
+            xid = self._pos.xid or 0
+            for window in self._watching.get(codec.topic, ()):
                 for changed in (old_key, key):
                     if changed is not None:
                         window.changed(xid, changed)

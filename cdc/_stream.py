@@ -416,8 +416,9 @@ class Streamer:
             self.batch_lsn = max(self.batch_lsn, msg.lsn + 1)
             if heartbeat and bytes(msg.content) == s.source.slot.encode():
                 self._commit()  # our own heartbeat (other instances' pass by)
-            if chunk_due:  # its rows go before anything after the watermark
-                self._between_transactions()
+            if chunk_due:  # its rows go before anything after the watermark, in the open batch
+                assert self.backfills is not None
+                self.backfills.write(self.writer)
 
     def _on_stream_start(self, msg: StreamStart, _lsn: int, _payload: object) -> None:
         self.stream_xid = msg.xid

@@ -11,6 +11,7 @@ after it).
 from __future__ import annotations
 
 import random
+import re
 import statistics
 import subprocess
 import sys
@@ -235,6 +236,13 @@ def test_cdc_snapshot_where_pause_resume_and_cancel(
         _assert_in_order(events)
 
 
+def _window_open(log: str, id_: str) -> bool:
+    """Whether the log ends with a chunk whose window was held open and whose rows were not written yet."""
+    held = [int(n) for n in re.findall(rf":{re.escape(id_)}:(\d+):\w+: window held open", log)]
+    written = [int(n) for n in re.findall(rf"backfill {re.escape(id_)}: chunk (\d+) written", log)]
+    return bool(held) and max(held) > max(written, default=-1)
+
+
 def _past(config: Path, id_: str, chunks: int) -> bool:
     return _committed_chunks(config, id_) > chunks
 
@@ -283,10 +291,7 @@ def test_sigkills_during_a_backfill_lose_and_double_nothing(
                 wait_for(partial(_past, config, id_, last + 1), 120, "the backfill to move on", proc)
                 time.sleep(random.uniform(0.2, 0.8))
                 proc.kill()
-                lines = [
-                    line for line in proc.tail(400).splitlines() if "window held open" in line or "written (" in line
-                ]
-                if lines and "window held open" in lines[-1]:
+                if _window_open(proc.tail(400), id_):
                     in_window += 1  # killed after a chunk's snapshot, before its rows were written
                 proc.start()
                 proc.wait_streaming(180)
