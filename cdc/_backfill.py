@@ -58,7 +58,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 WATERMARK_PREFIX = "pgcdc.watermark"
-_RECENT_XIDS = 10_000  # the transactions last written, which a chunk's snapshot must see (cdc/_window.py)
+# The transactions last written, which a chunk's snapshot must see (cdc/_window.py). One that is not yet visible
+# was committed microseconds before (PostgreSQL makes a transaction visible right after its commit is flushed);
+# a thousand reach half a second back at 2,000 transactions/s.
+_RECENT_XIDS = 1_000
 _READ_AHEAD = 2  # chunks of a backfill in flight: the next is read while one waits for its watermark
 _B, _T, _NULL = ord("b"), ord("t"), ord("n")
 
@@ -120,31 +123,35 @@ class ChunkReader:
         conn = self._connection()
         timeout_ms = int(self._settings.capture.backfill_statement_timeout_s * 1000)
         try:
-            conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
-            conn.execute(sql.SQL("SET LOCAL statement_timeout = {}").format(sql.Literal(timeout_ms)))
-            row = conn.execute("SELECT pg_current_snapshot()::text").fetchone()
-            assert row is not None
-            snapshot = XidSnapshot.parse(str(row[0]))
+            # One round trip for the three (a chunk costs a few milliseconds: round trips count).
+            begin = sql.SQL(
+                "BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY; SET LOCAL statement_timeout = {}; "
+                "SELECT pg_current_snapshot()::text"
+            ).format(sql.Literal(timeout_ms))
+            snapshot = XidSnapshot.parse(_last_value(conn, begin))
             self._hold(job)
             copies = _copies(conn)
             copies.send(job.keyset.query_for(after, job.rows))
             data = copies.receive()
-            conn.execute("COMMIT")
+            keyset = job.keyset
+            count, last = _rows_and_last(data)
+            rows, packed, refused = _encode_chunk(
+                keyset.job.codec, keyset.job.work.table.qualified, data, keyset.job.kinds
+            )
+            last_key = keyset.resume_key(last) if last is not None else after
+            # Last, and after the snapshot: every transaction the chunk does not see commits after it or is
+            # reported to the window before the stream reaches this watermark.
+            high = _last_value(
+                conn,
+                sql.SQL("COMMIT; SELECT pg_logical_emit_message(false, {}, {})::text").format(
+                    sql.Literal(WATERMARK_PREFIX), sql.Literal(job.marker)
+                ),
+            )
         except BaseException:
             with contextlib.suppress(psycopg.Error):
                 conn.execute("ROLLBACK")
             raise
-        keyset = job.keyset
-        count, last = _rows_and_last(data)
-        rows, packed, refused = _encode_chunk(keyset.job.codec, keyset.job.work.table.qualified, data, keyset.job.kinds)
-        last_key = keyset.resume_key(last) if last is not None else after
-        # Last, and after the snapshot: every transaction the chunk does not see commits after it or is reported
-        # to the window before the stream reaches this watermark.
-        row = conn.execute(
-            "SELECT pg_logical_emit_message(false, %s, %s)::text", (WATERMARK_PREFIX, job.marker)
-        ).fetchone()
-        assert row is not None
-        return ChunkRead(packed, rows, refused, last_key, count < job.rows, snapshot, parse_lsn(str(row[0])))
+        return ChunkRead(packed, rows, refused, last_key, count < job.rows, snapshot, parse_lsn(high))
 
     @staticmethod
     def _hold(job: ChunkJob) -> None:
@@ -359,9 +366,9 @@ class Backfills:
     def _start(self, now: float) -> None:
         """The next chunk read, when one may start: read ahead of the chunks waiting, within the rate."""
         capture = self._ctx.settings.capture
-        behind = self._ctx.metrics.behind_s
         if len(self._inflight) >= _READ_AHEAD or now < self._next_start:
-            return
+            return  # the cheap checks first: this runs at every transaction boundary
+        behind = self._ctx.metrics.behind_s
         if behind is not None and behind > capture.backfill_pause_behind_s:
             return
         backfill = self._inflight[-1].backfill if self._inflight else self._next()
@@ -469,6 +476,16 @@ class Backfills:
         self._attached.dead_letters.refuse(
             refused, writer.produce, partial(self._ctx.metrics.count, codec.topic, DEAD_LETTER_OP)
         )
+
+
+def _last_value(conn: psycopg.Connection[Any], statements: sql.Composed) -> str:
+    """The value the last of several statements (sent in one round trip) returns."""
+    cur = conn.execute(statements)
+    while cur.nextset():
+        pass
+    row = cur.fetchone()
+    assert row is not None
+    return str(row[0])
 
 
 def _without(packed: bytes, rows: int, dropped: set[bytes]) -> tuple[bytes, int]:

@@ -10,6 +10,7 @@ after it).
 
 from __future__ import annotations
 
+import json
 import random
 import re
 import statistics
@@ -222,6 +223,11 @@ def test_cdc_snapshot_where_pause_resume_and_cancel(
             wait_for(lambda: "\trunning\t" in _listed(config, third), 60, "the third backfill to start", proc)
             assert _cdc(config, "--cancel", third).returncode == 0
             wait_for(lambda: "\tcancelled\t" in _listed(config, third), 60, "the cancel", proc)
+            status = _cli(config, "status", "--json")
+            listed = {b["id"]: b for b in json.loads(status.stdout)["capture"]["backfills"]}
+            assert listed[first]["status"] == "done", listed
+            assert listed[first]["where"] == "id % 10 = 0"
+            assert listed[third]["status"] == "cancelled"
         finally:
             proc.stop()
         events = read_topic(kafka_bootstrap, registry_url, topic)

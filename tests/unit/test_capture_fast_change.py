@@ -11,6 +11,7 @@ from pgcdc_dev.codecs import change_writer, make_codec
 
 from cdc._changes import ChangeWriter
 from cdc._encoder import Encoded
+from cdc._window import ChunkWindow
 from cdc.errors import StreamError
 from decoders import Column, Relation
 from schemas import PgType
@@ -157,3 +158,25 @@ def test_with_dead_letters_the_change_goes_to_the_dead_letter_topic_and_the_stre
     assert letter["key"] == key
     assert letter["row"] == key  # the table's one column is its key
     assert letter["error"]
+
+
+def test_a_watched_table_reports_each_change_with_its_xid_to_every_open_window(
+    capture: tuple[ChangeWriter, _KeepingProducer],
+) -> None:
+    """A backfill chunk's window hears of every change of its table (the new and the old key, with the
+    transaction's xid), from the fast path and the general one alike, until it is unwatched."""
+    cap, producer = capture
+    first, second = ChunkWindow(), ChunkWindow()
+    cap.watch("p.public.t", first)
+    cap.watch("p.public.t", second)
+    cap.begin(TXN[0], TXN[1], 4242, 0)
+    assert cap.fast_change(_insert(16384, 5), 100)
+    cap.change(_insert(16384, 6), 101)
+    cap.unwatch("p.public.t", first)
+    cap.change(_insert(16384, 7), 102)
+    keys = [key for _, key, _ in producer.out]
+    assert first.changes == [(4242, keys[0]), (4242, keys[1])]
+    assert second.changes == [(4242, k) for k in keys]
+    cap.unwatch("p.public.t", second)
+    cap.change(_insert(16384, 8), 103)
+    assert len(second.changes) == 3
