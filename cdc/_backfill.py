@@ -30,19 +30,16 @@ import uuid
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import psycopg
 from psycopg import sql
 
-from cdc._deadletter import Refused
 from cdc._encoder import PACKED_HEAD, CopyRowRefused, packed_rows
 from cdc._events import ColumnSpec, Position, TableCodec
-from cdc._metrics import DEAD_LETTER_OP
 from cdc._offsets import BackfillProgress, CaptureState
 from cdc._signals import Signal, SignalTable
-from cdc._snapshot import _copies, _encode_chunk, _Keyset, _Range, _RangeJob, _rows_and_last
+from cdc._snapshot import _copies, _encode_chunk, _Keyset, _Range, _RangeJob, _rows_and_last, refuse_read
 from cdc._source import connect
 from cdc._window import ChunkWindow, XidSnapshot
 from common.topics import split_table_name
@@ -438,7 +435,9 @@ class Backfills:
         packed, rows = _without(chunk.packed, chunk.rows, inflight.window.dropped(chunk.snapshot))
         now_us = time.time_ns() // 1000
         for refused in chunk.refused:
-            self._dead_letter(codec, refused, chunk.high, writer)
+            refuse_read(
+                self._attached.dead_letters, codec, refused, chunk.high, writer=writer, metrics=self._ctx.metrics
+            )
         if rows:
             prefix, suffix = codec.read_event_frame(
                 Position(chunk.high, chunk.high, now_us, None, "incremental"), now_us
@@ -468,14 +467,6 @@ class Backfills:
         backfill.status, backfill.error = "failed", str(error).strip() or type(error).__name__
         self._keysets.pop(backfill.id, None)
         log.error("backfill %s of %s failed: %s", backfill.id, backfill.table, backfill.error)
-
-    def _dead_letter(self, codec: TableCodec, row: CopyRowRefused, high: int, writer: BatchWriter) -> None:
-        kinds = [_B if b else _T for b in codec.binary_capable]
-        values = [(_NULL if raw is None else kind, raw) for kind, raw in zip(kinds, row.fields, strict=False)]
-        refused = Refused(codec.described, "r", high, high, row.error, values)
-        self._attached.dead_letters.refuse(
-            refused, writer.produce, partial(self._ctx.metrics.count, codec.topic, DEAD_LETTER_OP)
-        )
 
 
 def _last_value(conn: psycopg.Connection[Any], statements: sql.Composed) -> str:

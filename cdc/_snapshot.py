@@ -45,7 +45,7 @@ from psycopg import sql
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeRemainingColumn
 
 from cdc._catalog import TableInfo
-from cdc._deadletter import Refused
+from cdc._deadletter import CaptureDeadLetters, Refused
 from cdc._encoder import COPY_SIGNATURE, CopyRowRefused, native_module, packed_rows
 from cdc._events import ColumnSpec, Position, TableCodec
 from cdc._fastpaths import LIBPQ_FUNCTIONS
@@ -251,6 +251,17 @@ def _encode_chunk(codec: TableCodec, table: str, data: bytes, kinds: bytes) -> t
         except (ValueError, IndexError, struct.error) as exc:
             raise StreamError(f"cannot snapshot a row of {table}: {exc}") from exc
     return rows, packed, refused
+
+
+def refuse_read(
+    dead: CaptureDeadLetters, codec: TableCodec, row: CopyRowRefused, lsn: int, *, writer: BatchWriter, metrics: Any
+) -> None:
+    """A row read by a snapshot or a backfill (at ``lsn``) that no encoder takes, to capture.on_unencodable: a
+    stop naming it, or its dead letter through ``writer``, counted for its table."""
+    kinds = [_B if b else _T for b in codec.binary_capable]
+    values = [(_NULL if raw is None else kind, raw) for kind, raw in zip(kinds, row.fields, strict=False)]
+    refused = Refused(codec.described, "r", lsn, lsn, row.error, values)
+    dead.refuse(refused, writer.produce, partial(metrics.count, codec.topic, DEAD_LETTER_OP))
 
 
 def _where(conditions: list[sql.Composable]) -> sql.Composable:
@@ -785,12 +796,7 @@ class Snapshotter:
 
     def _refuse(self, codec: TableCodec, row: CopyRowRefused, consistent: int) -> None:
         """A snapshot row no encoder takes, to capture.on_unencodable (a stop naming it, or its dead letter)."""
-        kinds = [_B if b else _T for b in codec.binary_capable]
-        values = [(_NULL if raw is None else kind, raw) for kind, raw in zip(kinds, row.fields, strict=False)]
-        refused = Refused(codec.described, "r", consistent, consistent, row.error, values)
-        self.attached.dead_letters.refuse(
-            refused, self.writer.produce, partial(self.ctx.metrics.count, codec.topic, DEAD_LETTER_OP)
-        )
+        refuse_read(self.attached.dead_letters, codec, row, consistent, writer=self.writer, metrics=self.ctx.metrics)
 
     def _end_table(self, table: str, consistent: int) -> None:
         """Every range of ``table`` is read and committed: the keys the snapshot did not find are deleted, if its
