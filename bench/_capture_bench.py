@@ -450,13 +450,7 @@ class CdcRun:
 
     def __exit__(self, *exc: object) -> None:
         self._watch.__exit__()
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        stop_process(self.proc)
 
     def log_tail(self, chars: int = 3000) -> str:
         try:
@@ -537,6 +531,17 @@ class CdcRun:
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"cdc run did not reach {fmt_lsn(end_lsn)} in {timeout:.0f} s")
                 time.sleep(0.05)
+
+
+def stop_process(proc: subprocess.Popen[bytes] | None) -> None:
+    """SIGTERM a child still running, SIGKILL it if it has not exited a minute later."""
+    if proc is not None and proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
 
 
 # --- set-up and tear-down ---------------------------------------------------------------------

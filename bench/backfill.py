@@ -39,7 +39,7 @@ from pgcdc_dev.bench.warm_broker import delete_topics
 from psycopg import sql
 
 from bench import _debezium as dbz
-from bench._capture_bench import drop_slots, dsn_for
+from bench._capture_bench import drop_slots, dsn_for, stop_process
 from bench.capture_latency import _SCRIPT, _Decoder
 from bench.snapshot import _CREATE, _FILL
 
@@ -77,16 +77,6 @@ def _start(config: Path, log: Path) -> subprocess.Popen[bytes]:
             stdout=out,
             stderr=subprocess.STDOUT,
         )
-
-
-def _stop(proc: subprocess.Popen[bytes] | None) -> None:
-    if proc is not None and proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
 
 
 def _log_time(log: Path, text: str, proc: subprocess.Popen[bytes], timeout: float) -> float:
@@ -191,7 +181,7 @@ def _reference(dsn: str, work: Path, *, kafka: str, registry: str, prefix: str, 
         began = _log_time(work / "ref.log", "snapshot of 1 table(s)", proc, 300)
         done = _log_time(work / "ref.log", "snapshot done", proc, timeout)
     finally:
-        _stop(proc)
+        stop_process(proc)
     return rows / (done - began)
 
 
@@ -281,7 +271,7 @@ def run(argv: list[str] | None = None) -> Result:
             load.kill()
         if latency is not None:
             latency.close()
-        _stop(proc)
+        stop_process(proc)
         drop_slots(admin, prefix)
         with psycopg.connect(admin, autocommit=True) as conn:
             conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(prefix)))

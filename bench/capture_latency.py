@@ -43,7 +43,7 @@ from pgcdc_dev.bench.warm_broker import delete_topics
 from psycopg import sql
 
 from bench import _debezium as dbz
-from bench._capture_bench import dsn_for
+from bench._capture_bench import dsn_for, stop_process
 
 SCENARIO = "latency"
 TABLE = "lat"
@@ -264,13 +264,7 @@ def run(argv: list[str] | None = None) -> Result:
     finally:
         if consumer is not None:
             consumer.close()
-        if proc is not None and proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
+        stop_process(proc)
         with psycopg.connect(admin, autocommit=True) as conn:
             for _ in range(50):
                 try:

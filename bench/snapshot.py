@@ -36,7 +36,7 @@ from pgcdc_dev.bench.warm_broker import delete_topics
 from psycopg import sql
 
 from bench import _debezium as dbz
-from bench._capture_bench import drop_slots, dsn_for
+from bench._capture_bench import drop_slots, dsn_for, stop_process
 
 SCENARIO = "snapshot"
 TABLE = "snap"
@@ -111,13 +111,7 @@ def _ours(
         cpu = dbz.cpu_seconds(proc.pid)
         peak[0] = max(peak[0], dbz.peak_rss_mb(proc.pid))
     finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
+        stop_process(proc)
     timings = {"snapshot_s": done - started, "from_launch_s": done - launched, "cpu_s": cpu, "peak_rss_mb": peak[0]}
     return timings, parts
 

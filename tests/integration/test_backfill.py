@@ -53,6 +53,14 @@ def _write(dsn: str, table: str, ids: int, done: threading.Event, counts: list[f
             time.sleep(0.002)
 
 
+def _tables(dsn: str, **rows: int) -> None:
+    """Tables (id int key, v int) with ids 1..rows, by name."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        for name, n in rows.items():
+            conn.execute(f"CREATE TABLE {name} (id int PRIMARY KEY, v int NOT NULL)")
+            conn.execute(f"INSERT INTO {name} SELECT g, 0 FROM generate_series(1, {n}) g")
+
+
 def _source(dsn: str, table: str) -> dict[int, int]:
     with psycopg.connect(dsn) as conn:
         return dict(conn.execute(f"SELECT id, v FROM {table}").fetchall())
@@ -92,11 +100,8 @@ def test_a_table_added_to_a_running_capture_is_backfilled_while_it_is_written(
 ) -> None:
     rows = 200_000
     with scratch_database(pg_dsn, f"bf_{unique}") as dsn:
+        _tables(dsn, a=1000, b=rows)
         with psycopg.connect(dsn, autocommit=True) as conn:
-            conn.execute("CREATE TABLE a (id int PRIMARY KEY, v int NOT NULL)")
-            conn.execute("INSERT INTO a SELECT g, 0 FROM generate_series(1, 1000) g")
-            conn.execute("CREATE TABLE b (id int PRIMARY KEY, v int NOT NULL)")
-            conn.execute(f"INSERT INTO b SELECT g, 0 FROM generate_series(1, {rows}) g")
             conn.execute(f"CREATE PUBLICATION p_{unique} FOR TABLE a")
         cfg = CdcConfig(dsn, kafka_bootstrap, registry_url, f"bf{unique}", ["public.a"], f"s_{unique}", f"p_{unique}")
         done = threading.Event()
@@ -174,9 +179,7 @@ def test_cdc_snapshot_where_pause_resume_and_cancel(
 ) -> None:
     rows = 3000
     with scratch_database(pg_dsn, f"bs_{unique}") as dsn:
-        with psycopg.connect(dsn, autocommit=True) as conn:
-            conn.execute("CREATE TABLE t (id int PRIMARY KEY, v int NOT NULL)")
-            conn.execute(f"INSERT INTO t SELECT g, 0 FROM generate_series(1, {rows}) g")
+        _tables(dsn, t=rows)
         cfg = CdcConfig(
             dsn,
             kafka_bootstrap,
@@ -266,9 +269,7 @@ def test_sigkills_during_a_backfill_lose_and_double_nothing(
     chunks are read again after the restart."""
     rows = 4000
     with scratch_database(pg_dsn, f"bk_{unique}") as dsn:
-        with psycopg.connect(dsn, autocommit=True) as conn:
-            conn.execute("CREATE TABLE b (id int PRIMARY KEY, v int NOT NULL)")
-            conn.execute(f"INSERT INTO b SELECT g, 0 FROM generate_series(1, {rows}) g")
+        _tables(dsn, b=rows)
         cfg = CdcConfig(
             dsn,
             kafka_bootstrap,
@@ -337,10 +338,7 @@ def test_a_publication_pgcdc_created_follows_source_tables(
     backfilled), and drops one no longer there; `cdc run` backfills the new one and says the old one's topic
     stays as it is."""
     with scratch_database(pg_dsn, f"bp_{unique}") as dsn:
-        with psycopg.connect(dsn, autocommit=True) as conn:
-            conn.execute("CREATE TABLE a (id int PRIMARY KEY, v int NOT NULL)")
-            conn.execute("CREATE TABLE c (id int PRIMARY KEY, v int NOT NULL)")
-            conn.execute("INSERT INTO c SELECT g, g FROM generate_series(1, 500) g")
+        _tables(dsn, a=0, c=500)
         cfg = CdcConfig(dsn, kafka_bootstrap, registry_url, f"bp{unique}", ["public.a"], f"s_{unique}", f"p_{unique}")
         proc = cfg.start(tmp_path)
         try:
