@@ -46,7 +46,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextC
 
 from cdc._catalog import TableInfo
 from cdc._deadletter import CaptureDeadLetters, Refused
-from cdc._encoder import COPY_SIGNATURE, CopyRowRefused, native_module, packed_rows
+from cdc._encoder import COPY_SIGNATURE, CopyRowRefused, copy_body_start, copy_row_fields, native_module, packed_rows
 from cdc._events import ColumnSpec, Position, TableCodec
 from cdc._fastpaths import LIBPQ_FUNCTIONS
 from cdc._libs import libpq_addresses
@@ -413,28 +413,24 @@ def next_chunk_rows(most: int, size: int, rows: int) -> int:
 
 
 def parse_binary_copy(data: bytes | bytearray | memoryview) -> list[list[bytes | None]]:
-    """Rows of a ``COPY … (FORMAT binary)`` stream, each a list of raw field values (None for NULL)."""
-    buf = memoryview(data)
-    if bytes(buf[:11]) != COPY_SIGNATURE:
-        raise StreamError("COPY output does not start with the binary COPY signature")
-    (ext_len,) = _I32.unpack_from(buf, 15)
-    pos = 19 + ext_len
+    """Rows of a ``COPY … (FORMAT binary)`` stream, each a list of raw field values (None for NULL); output that
+    is not binary COPY or is cut short raises StreamError."""
+    data = bytes(data)
+    try:
+        pos = copy_body_start(data)
+    except ValueError as exc:
+        raise StreamError(str(exc)) from exc
     rows: list[list[bytes | None]] = []
     while True:
-        (nfields,) = _I16.unpack_from(buf, pos)
-        pos += 2
-        if nfields == -1:
+        if pos + 2 > len(data):
+            raise StreamError("the COPY output ends before its end marker (malformed or cut short)")
+        if _I16.unpack_from(data, pos)[0] == -1:
             return rows
-        row: list[bytes | None] = []
-        for _ in range(nfields):
-            (length,) = _I32.unpack_from(buf, pos)
-            pos += 4
-            if length < 0:
-                row.append(None)
-            else:
-                row.append(bytes(buf[pos : pos + length]))
-                pos += length
+        row, end = copy_row_fields(data, pos)
+        if end is None:
+            raise StreamError("the COPY output ends inside a row (malformed or cut short)")
         rows.append(row)
+        pos = end
 
 
 class Snapshotter:

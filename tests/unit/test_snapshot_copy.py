@@ -36,6 +36,18 @@ def test_no_rows() -> None:
     assert parse_binary_copy(HEADER + struct.pack(">h", -1)) == []
 
 
+@pytest.mark.parametrize(
+    ("data", "says"),
+    [
+        (HEADER + _row(b"abc")[:-1], "ends inside a row"),
+        (HEADER + _row(b"abc"), "ends before its end marker"),
+    ],
+)
+def test_cut_short_is_refused(data: bytes, says: str) -> None:
+    with pytest.raises(StreamError, match=says):
+        parse_binary_copy(data)
+
+
 def test_not_binary_copy() -> None:
     with pytest.raises(StreamError, match="signature"):
         parse_binary_copy(b"1\tabc\n")
