@@ -23,11 +23,13 @@ queued. Chunks are started no faster than ``capture.backfill_rows_per_s`` and no
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import time
 import uuid
 from collections import deque
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -36,14 +38,23 @@ import psycopg
 from psycopg import sql
 
 from cdc._encoder import PACKED_HEAD, CopyRowRefused, packed_rows
-from cdc._events import ColumnSpec, Position, TableCodec
+from cdc._events import ColumnSpec, Position, Stamp, TableCodec
 from cdc._offsets import BackfillProgress, CaptureState
 from cdc._signals import Signal, SignalTable
-from cdc._snapshot import _copies, _encode_chunk, _Keyset, _Range, _RangeJob, _rows_and_last, refuse_read
+from cdc._snapshot import (
+    _copies,
+    _encode_chunk,
+    _Keyset,
+    _Range,
+    _RangeJob,
+    _rows_and_last,
+    parse_binary_copy,
+    refuse_read,
+)
 from cdc._source import connect
 from cdc._window import ChunkWindow, XidSnapshot
 from common.topics import split_table_name
-from decoders import parse_lsn
+from decoders import TupleData, parse_lsn
 
 if TYPE_CHECKING:
     from cdc._attach import Attached, CaptureContext
@@ -63,6 +74,83 @@ _READ_AHEAD = 2  # chunks of a backfill in flight: the next is read while one wa
 _B, _T, _NULL = ord("b"), ord("t"), ord("n")
 
 
+class KeyList:
+    """The chunks of a backfill of listed keys (``cdc verify --repair``, ``cdc snapshot --keys``): the keys in
+    the order listed, ``rows`` per chunk. Those the table has are read as rows; those it no longer has are read
+    too, as rows of the table's type with only their key (``jsonb_populate_recordset`` makes PostgreSQL parse
+    each key's text with its column's type), and written as deletes.
+
+    A key is a JSON object of the key columns' values as PostgreSQL prints them (what `cdc verify` lists)."""
+
+    def __init__(self, job: _RangeJob, key_names: Sequence[str], keys: list[dict[str, str]]) -> None:
+        self.job = job
+        self.keys = keys
+        self._names = list(key_names)
+
+    def _listed(self, after: list[str] | None, limit: int) -> sql.Composed:
+        start = _count(after)
+        listed = json.dumps(self.keys[start : start + limit])
+        return sql.SQL("jsonb_populate_recordset(NULL::{}, {}::jsonb)").format(
+            self.job.work.table.ident(), sql.Literal(listed)
+        )
+
+    def _columns(self, alias: str) -> sql.Composed:
+        return sql.SQL(", ").join(
+            sql.SQL("{}.{}").format(sql.Identifier(alias), sql.Identifier(k)) for k in self._names
+        )
+
+    def query_for(self, after: list[str] | None, limit: int) -> sql.Composed:
+        """The rows the table has of the chunk's keys."""
+        return sql.SQL(
+            "COPY (SELECT {} FROM {} AS src WHERE ({}) IN (SELECT {} FROM {} AS k)) TO STDOUT (FORMAT binary)"
+        ).format(
+            sql.SQL(", ").join(self.job.select_cols),
+            self.job.work.table.ident(),
+            self._columns("src"),
+            self._columns("k"),
+            self._listed(after, limit),
+        )
+
+    def absent_for(self, after: list[str] | None, limit: int) -> sql.Composed:
+        """The chunk's keys the table does not have, as rows with only their key columns."""
+        return sql.SQL(
+            "COPY (SELECT {} FROM {} AS src WHERE NOT EXISTS (SELECT 1 FROM {} AS x WHERE ({}) = ({}))) "
+            "TO STDOUT (FORMAT binary)"
+        ).format(
+            sql.SQL(", ").join(self.job.select_cols),
+            self._listed(after, limit),
+            self.job.work.table.ident(),
+            self._columns("x"),
+            self._columns("src"),
+        )
+
+    def end(self, after: list[str] | None, limit: int) -> tuple[list[str], bool]:
+        """Where the next chunk starts (the keys done so far), and whether this chunk was the last."""
+        done = min(_count(after) + limit, len(self.keys))
+        return [str(done)], done >= len(self.keys)
+
+
+def _count(after: list[str] | None) -> int:
+    return int(after[0]) if after else 0
+
+
+def parse_keys(raw: Any, key_names: Sequence[str], table: str) -> list[dict[str, str]]:
+    """A request's ``keys``: a list of objects with a text value for each key column of ``table``, every one
+    once (duplicates dropped, the first kept); ValueError saying what is wrong with it."""
+    if not isinstance(raw, list) or not raw:
+        raise ValueError(f"'keys' is not a list of {table}'s keys")
+    want = set(key_names)
+    out: dict[str, dict[str, str]] = {}
+    for i, key in enumerate(raw):
+        if not isinstance(key, dict) or set(key) != want or not all(isinstance(v, str) for v in key.values()):
+            raise ValueError(
+                f"key {i + 1} of the request, {json.dumps(key)[:200]}, is not an object with a text value for each "
+                f"of {table}'s key columns ({', '.join(key_names)})"
+            )
+        out.setdefault(json.dumps([key[k] for k in key_names]), {k: key[k] for k in key_names})
+    return list(out.values())
+
+
 @dataclass(frozen=True)
 class ChunkJob:
     """What one chunk read needs: the backfill's keyset query, where it starts, how many rows, its marker.
@@ -70,7 +158,7 @@ class ChunkJob:
     ``first``: the chunk starts after ``after``; otherwise after the last key of the reader's previous chunk
     (read ahead: it is not known when the job is given)."""
 
-    keyset: _Keyset
+    keyset: _Keyset | KeyList
     after: list[str] | None
     rows: int
     marker: str  # the high watermark's content: slot, backfill, chunk, and a nonce
@@ -79,12 +167,14 @@ class ChunkJob:
 
 @dataclass(frozen=True)
 class ChunkRead:
-    """A chunk as read: its rows encoded (packed), those no encoder takes, where the next chunk starts, and the
-    snapshot it was read in and the high watermark's LSN."""
+    """A chunk as read: its rows encoded (packed), those no encoder takes, the listed keys the table does not
+    have (a KeyList's: raw COPY fields, only the key's set), where the next chunk starts, and the snapshot it was
+    read in and the high watermark's LSN."""
 
     packed: bytes
     rows: int
     refused: list[CopyRowRefused]
+    absent: list[list[bytes | None]]
     last_key: list[str] | None
     done: bool  # fewer rows than asked for: the backfill is read to its end
     snapshot: XidSnapshot | None  # None: not read (the chunk before it was the table's last)
@@ -106,7 +196,7 @@ class ChunkReader:
     def _read_next(self, job: ChunkJob) -> ChunkRead:
         after, done = (job.after, False) if job.first else self._cursor
         if done:
-            return ChunkRead(b"", 0, [], after, True, None, 0)
+            return ChunkRead(b"", 0, [], [], after, True, None, 0)
         read = self._read(job, after)
         self._cursor = (read.last_key, read.done)
         return read
@@ -128,14 +218,22 @@ class ChunkReader:
             snapshot = XidSnapshot.parse(_last_value(conn, begin))
             self._hold(job)
             copies = _copies(conn)
-            copies.send(job.keyset.query_for(after, job.rows))
-            data = copies.receive()
             keyset = job.keyset
+            copies.send(keyset.query_for(after, job.rows))
+            data = copies.receive()
+            absent: list[list[bytes | None]] = []
+            if isinstance(keyset, KeyList):
+                copies.send(keyset.absent_for(after, job.rows))
+                absent = parse_binary_copy(copies.receive())
             count, last = _rows_and_last(data)
             rows, packed, refused = _encode_chunk(
                 keyset.job.codec, keyset.job.work.table.qualified, data, keyset.job.kinds
             )
-            last_key = keyset.resume_key(last) if last is not None else after
+            last_key: list[str] | None
+            if isinstance(keyset, KeyList):
+                last_key, done = keyset.end(after, job.rows)
+            else:
+                last_key, done = (keyset.resume_key(last) if last is not None else after), count < job.rows
             # Last, and after the snapshot: every transaction the chunk does not see commits after it or is
             # reported to the window before the stream reaches this watermark.
             high = _last_value(
@@ -148,7 +246,7 @@ class ChunkReader:
             with contextlib.suppress(psycopg.Error):
                 conn.execute("ROLLBACK")
             raise
-        return ChunkRead(packed, rows, refused, last_key, count < job.rows, snapshot, parse_lsn(high))
+        return ChunkRead(packed, rows, refused, absent, last_key, done, snapshot, parse_lsn(high))
 
     @staticmethod
     def _hold(job: ChunkJob) -> None:
@@ -221,7 +319,8 @@ class Backfills:
         self._signals = SignalTable(s.source.signal_table, s.source.slot)
         self._reader = ChunkReader(s)
         self._tables: dict[str, TableInfo] = {t.qualified: t for t in attached.report.tables}
-        self._keysets: dict[str, _Keyset] = {}
+        self._keysets: dict[str, _Keyset | KeyList] = {}
+        self._listed: dict[str, list[dict[str, str]]] = {}  # the keys of the backfills of listed keys, by id
         self._recent: deque[int] = deque(maxlen=_RECENT_XIDS)
         self._taken: list[Signal] = []  # read from the signal table, not yet in the state
         self._inflight: deque[_InFlight] = deque()  # one backfill's chunks, in order
@@ -309,6 +408,9 @@ class Backfills:
             if not isinstance(tables, list) or not tables or not all(isinstance(t, str) for t in tables):
                 self._refuse(state, str(signal.id), "?", f"signal {signal.id}: 'tables' is not a list of names")
                 return
+            if data.get("keys") is not None:
+                self._request_keys(state, signal, tables, where)
+                return
             for i, name in enumerate(tables):
                 id_ = str(signal.id) if len(tables) == 1 else f"{signal.id}.{i + 1}"
                 self._request(state, id_, name, where)
@@ -329,6 +431,34 @@ class Backfills:
             return
         state.backfills.append(BackfillProgress(id_, table.qualified, where=where))
         log.info("backfill %s of %s%s queued", id_, table.qualified, f" where {where}" if where else "")
+
+    def _request_keys(self, state: CaptureState, signal: Signal, tables: list[str], where: Any) -> None:
+        """A backfill of the keys the signal lists (they stay in the signal's row; the state names it)."""
+        id_ = str(signal.id)
+        try:
+            if len(tables) != 1 or where is not None:
+                raise ValueError("a request for listed keys names one table and no 'where'")
+            table = self._table(tables[0])
+            keys = parse_keys(signal.data["keys"], self._attached.report.key_columns[table.qualified], table.qualified)
+        except ValueError as exc:
+            self._refuse(state, id_, str(tables[0]) if tables else "?", str(exc))
+            return
+        self._listed[id_] = keys
+        state.backfills.append(BackfillProgress(id_, table.qualified, reason="keys", keys=signal.id))
+        log.info("backfill %s of %d listed key(s) of %s queued", id_, len(keys), table.qualified)
+
+    def _listed_keys(self, backfill: BackfillProgress, key_names: Sequence[str]) -> list[dict[str, str]]:
+        """A backfill's listed keys: as taken, or (after a restart) read again from its signal's row."""
+        keys = self._listed.get(backfill.id)
+        if keys is None:
+            assert backfill.keys is not None
+            data = self._signals.data(self._attached.sql, backfill.keys)
+            if data is None:
+                raise ValueError(
+                    f"its request (signal {backfill.keys}), which lists the keys, is no longer in {self._signals.name}"
+                )
+            keys = self._listed[backfill.id] = parse_keys(data.get("keys"), key_names, backfill.table)
+        return keys
 
     def _table(self, name: str) -> TableInfo:
         """The captured table ``name`` ('schema.table') names; ValueError saying why not."""
@@ -375,7 +505,11 @@ class Backfills:
         if info is None:  # removed from the configuration since it was asked for
             backfill.status, backfill.error = "failed", "the table is no longer captured"
             return
-        keyset = self._keyset(backfill, info)
+        try:
+            keyset = self._keyset(backfill, info)
+        except ValueError as exc:
+            self._failed(backfill, exc)
+            return
         codec = keyset.job.codec
         window = ChunkWindow(before=tuple(self._recent))
         self._changes.watch(codec.topic, window)
@@ -406,15 +540,20 @@ class Backfills:
         self._turn += 1
         return running[self._turn % len(running)]
 
-    def _keyset(self, backfill: BackfillProgress, info: TableInfo) -> _Keyset:
+    def _keyset(self, backfill: BackfillProgress, info: TableInfo) -> _Keyset | KeyList:
+        """How the backfill's chunks are read; ValueError when its listed keys cannot be had."""
         keyset = self._keysets.get(backfill.id)
         if keyset is None:
             key = self._attached.report.key_columns[info.qualified]
             cols = [ColumnSpec(c.name, c.type_oid, c.typmod) for c in info.columns]
             codec = self._attached.codecs.for_table(info.schema, info.name, cols, [c.name in key for c in cols])
             job = _RangeJob(_Range(info, 0, None, None), codec, self._ctx.settings.capture.backfill_chunk_rows)
-            keyset = self._keysets[backfill.id] = _Keyset.of(self._attached.sql, job, key)
-            keyset.where = backfill.where
+            if backfill.keys is not None:
+                keyset = KeyList(job, key, self._listed_keys(backfill, key))
+            else:
+                keyset = _Keyset.of(self._attached.sql, job, key)
+                keyset.where = backfill.where
+            self._keysets[backfill.id] = keyset
         return keyset
 
     def _finish(self, inflight: _InFlight, writer: BatchWriter) -> bool:
@@ -432,7 +571,8 @@ class Backfills:
         if stale is not None:
             log.info("backfill %s: chunk %d is read again: %s", backfill.id, backfill.chunks, stale)
             return False
-        packed, rows = _without(chunk.packed, chunk.rows, inflight.window.dropped(chunk.snapshot))
+        dropped = inflight.window.dropped(chunk.snapshot)
+        packed, rows = _without(chunk.packed, chunk.rows, dropped)
         now_us = time.time_ns() // 1000
         for refused in chunk.refused:
             refuse_read(
@@ -444,21 +584,28 @@ class Backfills:
             )
             writer.produce_packed(codec.topic, packed, rows, prefix, suffix)
             self._ctx.metrics.count(codec.topic, "r", rows)
+        if chunk.absent:
+            backfill.deleted += _write_deletes(
+                codec, chunk.absent, dropped, chunk.high, writer=writer, metrics=self._ctx.metrics
+            )
         log.debug("backfill %s: chunk %d written (%d of %d rows)", backfill.id, backfill.chunks, rows, chunk.rows)
         backfill.after, backfill.rows, backfill.chunks = chunk.last_key, backfill.rows + rows, backfill.chunks + 1
         if chunk.done:
             backfill.status = "done"
             self._keysets.pop(backfill.id, None)
+            deleted = f", {backfill.deleted} key(s) it no longer has deleted" if backfill.keys is not None else ""
             log.info(
-                "backfill %s of %s done: %d row(s) in %d chunk(s)",
+                "backfill %s of %s done: %d row(s) in %d chunk(s)%s",
                 backfill.id,
                 backfill.table,
                 backfill.rows,
                 backfill.chunks,
+                deleted,
             )
         return True
 
     def _failed(self, backfill: BackfillProgress, error: BaseException) -> None:
+        self._listed.pop(backfill.id, None)
         if isinstance(error, psycopg.OperationalError) and not isinstance(error, psycopg.errors.QueryCanceled):
             log.warning("backfill %s: reading a chunk failed (%s); it is read again", backfill.id, error)
             self._reader.close()
@@ -467,6 +614,37 @@ class Backfills:
         backfill.status, backfill.error = "failed", str(error).strip() or type(error).__name__
         self._keysets.pop(backfill.id, None)
         log.error("backfill %s of %s failed: %s", backfill.id, backfill.table, backfill.error)
+
+
+def _write_deletes(
+    codec: TableCodec,
+    absent: list[list[bytes | None]],
+    dropped: set[bytes],
+    high: int,
+    *,
+    writer: BatchWriter,
+    metrics: Any,
+) -> int:
+    """A delete and a tombstone, at the chunk's watermark, for each listed key the table does not have (rows
+    with only their key: what a DELETE under REPLICA IDENTITY DEFAULT carries), but those a transaction the
+    chunk did not see wrote meanwhile (``dropped``: the stream wrote them, in order). How many were written."""
+    kinds = bytes(_B if b else _T for b in codec.binary_capable)
+    now_us = time.time_ns() // 1000
+    stamp = Stamp(Position(high, high, now_us, None, "incremental"), now_us)
+    written = 0
+    for fields in absent:
+        row, _ = codec.row(
+            TupleData(bytes(_NULL if v is None else k for v, k in zip(fields, kinds, strict=True)), tuple(fields))
+        )
+        key = codec.key_of(row)
+        if key in dropped:
+            continue
+        writer.produce(codec.topic, key, codec.envelope("d", stamp, row, None))
+        writer.produce(codec.topic, key, None)
+        written += 1
+    if written:
+        metrics.count(codec.topic, "d", written)
+    return written
 
 
 def _last_value(conn: psycopg.Connection[Any], statements: sql.Composed) -> str:
@@ -508,4 +686,4 @@ def check_where(conn: psycopg.Connection[Any], table: TableInfo, where: str, tim
         raise ValueError(f"--where {where!r} is not a filter of {table.qualified}: {str(exc).strip()}") from exc
 
 
-__all__ = ["WATERMARK_PREFIX", "Backfills", "ChunkReader", "check_where", "plan_new_tables"]
+__all__ = ["WATERMARK_PREFIX", "Backfills", "ChunkReader", "KeyList", "check_where", "parse_keys", "plan_new_tables"]

@@ -172,8 +172,11 @@ class BackfillProgress:
     """One backfill: a table (or the rows of it ``where`` selects) read again in chunks while streaming.
 
     ``after``: the key of the last row written (None: from the first); ``rows``/``chunks``: written so far;
-    ``reason``: "requested" (cdc snapshot, the signal table), "added" (a table new to the configuration);
-    ``error``: why it failed."""
+    ``reason``: "requested" (cdc snapshot, the signal table), "added" (a table new to the configuration),
+    "keys" (only the keys a request lists: ``cdc verify --repair``, ``cdc snapshot --keys``); ``keys``: the
+    signal whose data holds those keys (kept there, not here: the state stays small whatever their number), and
+    ``after`` then counts the keys done; ``deleted``: keys it asked for that the table no longer has, written as
+    deletes; ``error``: why it failed."""
 
     id: str
     table: str
@@ -184,6 +187,8 @@ class BackfillProgress:
     chunks: int = 0
     reason: str = "requested"
     error: str | None = None
+    keys: int | None = None
+    deleted: int = 0
 
     @property
     def finished(self) -> bool:
@@ -192,6 +197,8 @@ class BackfillProgress:
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"id": self.id, "table": self.table, "status": self.status, "rows": self.rows}
         out.update(chunks=self.chunks, reason=self.reason)
+        if self.keys is not None:
+            out.update(keys=self.keys, deleted=self.deleted)
         for name in ("where", "after", "error"):
             if getattr(self, name) is not None:
                 out[name] = getattr(self, name)
@@ -213,6 +220,8 @@ class BackfillProgress:
             chunks=_optional_int(raw.get("chunks", 0), "a backfill's chunks") or 0,
             reason=_text(raw.get("reason", "requested"), "a backfill's reason"),
             error=_optional_text(raw.get("error"), "a backfill's error"),
+            keys=_optional_int(raw.get("keys"), "a backfill's keys"),
+            deleted=_optional_int(raw.get("deleted", 0), "a backfill's deleted") or 0,
         )
 
 

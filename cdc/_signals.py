@@ -75,6 +75,16 @@ class SignalTable:
         ).fetchall()
         return [_signal(int(id_), str(kind), str(data)) for id_, kind, data in rows]
 
+    def data(self, conn: psycopg.Connection[Any], id_: int) -> dict[str, Any] | None:
+        """The data of this capture's request ``id_`` (None when its row is gone, or is not a request)."""
+        row = conn.execute(
+            sql.SQL("SELECT kind, data::text FROM {} WHERE slot = %s AND id = %s").format(self.ident), (self.slot, id_)
+        ).fetchone()
+        if row is None:
+            return None
+        signal = _signal(id_, str(row[0]), str(row[1]))
+        return None if signal.kind == "invalid" else signal.data
+
     def send(self, conn: psycopg.Connection[Any], kind: str, data: dict[str, Any]) -> int:
         """Inserts a request (in a transaction of its own when ``conn`` is in autocommit); its id."""
         row = conn.execute(

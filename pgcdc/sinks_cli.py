@@ -5,6 +5,7 @@
     cdc sinks rebuild NAME --config cdc.toml     rebuild from offset zero beside the served copy, verify, swap
     cdc sinks spark-app                          the file spark-submit runs: spark-submit … FILE sinks run …
     cdc verify NAME --config cdc.toml            compare the store with PostgreSQL key by key
+    cdc verify NAME --repair --config cdc.toml   … and have the running capture re-emit the keys that differ
 
 Exit codes: 0 fine; 1 unexpected; 2 configuration; 8 plugin failed to load; 9 drift found; 11 the disk under
 sinks.state_dir is full (free space or move it, then run again: nothing is lost).
@@ -44,6 +45,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("name", metavar="NAME")
     p.add_argument("--config", "-c", type=Path)
     p.add_argument("--wait", type=float, default=0.0, help="keep comparing this long while there is drift")
+    p.add_argument(
+        "--repair",
+        action="store_true",
+        help="have the running capture re-emit exactly the keys that differ, then compare again",
+    )
+    p.add_argument(
+        "--repair-wait", type=float, default=600.0, help="seconds to wait for the repair's backfills to finish"
+    )
     return parser
 
 
@@ -96,6 +105,30 @@ def _print_drift(name: str, drifts: list[Any]) -> bool:
     return clean
 
 
+def _repair(args: argparse.Namespace, drifts: list[Any]) -> None:
+    """Asks the running capture to re-emit every key each drifted table's report lists, and waits until it has."""
+    import cdc  # noqa: PLC0415 - lazily, as _source_tables
+
+    ids: list[str] = []
+    for d in drifts:
+        if d.clean or d.location is None:
+            continue
+        keys = cdc.report_keys((d.location.read_text() or "").splitlines(), d.report)
+        if not keys:
+            print(f"{args.name} {d.table}: no key a repair can re-emit")
+            continue
+        asked = cdc.request_keys(args.config, d.table, keys)
+        print(
+            f"{args.name} {d.table}: repair: {sum(n for _, n in asked)} key(s) to re-emit, "
+            f"backfill {', '.join(i for i, _ in asked)}"
+        )
+        ids += [i for i, _ in asked]
+    for b in cdc.wait_for_backfills(args.config, ids, args.repair_wait):
+        print(f"backfill {b.id} of {b.table}: {b.status}: {b.rows} row(s) re-read, {b.deleted} key(s) deleted")
+        if b.status != "done":
+            raise DriftError(f"the repair's backfill {b.id} of {b.table} is {b.status}: {b.error or 'see cdc run'}")
+
+
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -110,8 +143,15 @@ def main(argv: list[str]) -> int:
 
         if args.command == "verify":
             drifts = _runner.verify(settings, args.name, _source_tables(args.config), wait_s=args.wait)
+            if _print_drift(args.name, drifts):
+                return 0
+            if not args.repair:
+                raise DriftError(f"{args.name} differs from the source (details above; --repair re-emits those keys)")
+            _repair(args, drifts)
+            # The stores converge as their queries apply the re-emitted events.
+            drifts = _runner.verify(settings, args.name, _source_tables(args.config), wait_s=max(args.wait, 120.0))
             if not _print_drift(args.name, drifts):
-                raise DriftError(f"{args.name} differs from the source (details above)")
+                raise DriftError(f"{args.name} still differs from the source after the repair (details above)")
             return 0
         if args.action == "rebuild":
             generation, drifts = _runner.rebuild(

@@ -1,6 +1,7 @@
 """``cdc snapshot``: ask the running capture for backfills, and follow them.
 
     cdc snapshot TABLE [TABLE…] [--where SQL]   backfill these tables (only the rows SQL selects) while streaming
+    cdc snapshot TABLE --keys FILE              only the keys a `cdc verify` report lists (a repair, cdc/_repair.py)
     cdc snapshot --list                         the backfills, their progress, and the requests not yet taken
     cdc snapshot --cancel ID | --pause ID | --resume ID
 
@@ -18,6 +19,7 @@ from typing import Any
 from cdc._backfill import check_where
 from cdc._config import Settings
 from cdc._kafka import OffsetStore
+from cdc._repair import report_keys, request_keys
 from cdc._signals import SignalTable
 from cdc._source import check_and_prepare, connect
 from common.errors import ConfigError, SourceCheckError
@@ -29,6 +31,12 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--config", "-c", type=Path, help="TOML configuration file")
     p.add_argument("tables", nargs="*", metavar="TABLE", help="'schema.table' names to backfill")
     p.add_argument("--where", help="only the rows this SQL condition selects (it runs in a READ ONLY transaction)")
+    p.add_argument(
+        "--keys",
+        type=Path,
+        metavar="FILE",
+        help="only the keys this `cdc verify` report lists (missing, extra, different): re-read, or deleted if gone",
+    )
     what = p.add_mutually_exclusive_group()
     what.add_argument("--list", action="store_true", help="the backfills and the requests not yet taken")
     what.add_argument("--cancel", metavar="ID", help="stop a backfill for good")
@@ -51,6 +59,8 @@ def run(settings: Settings, args: argparse.Namespace) -> int:
                 return 0
         if not args.tables:
             raise ConfigError("name the tables to backfill (cdc snapshot public.orders …), or --list")
+        if args.keys is not None:
+            return _keys(settings, args)
         report = check_and_prepare(conn, settings, dry_run=True, allow_active_slot=True)
         captured = {(t.schema, t.name): t for t in report.tables}
         names = []
@@ -74,6 +84,26 @@ def run(settings: Settings, args: argparse.Namespace) -> int:
     return 0
 
 
+def _keys(settings: Settings, args: argparse.Namespace) -> int:
+    if len(args.tables) != 1 or args.where is not None:
+        raise ConfigError("--keys backfills the keys of one table: name that table alone, without --where")
+    try:
+        text = args.keys.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"cannot read the key list {args.keys}: {exc.strerror}") from None
+    keys = report_keys(text.splitlines(), str(args.keys))
+    if not keys:
+        print(f"{args.keys} lists no key to backfill")
+        return 0
+    asked = request_keys(settings, args.tables[0], keys)
+    ids, count = ", ".join(i for i, _ in asked), sum(n for _, n in asked)
+    print(
+        f"request(s) {ids}: backfill of {count} key(s) of {args.tables[0]} asked for; the running "
+        f"capture takes them within {settings.capture.signal_poll_s:g} s (cdc snapshot --list)"
+    )
+    return 0
+
+
 def _list(settings: Settings, signals: SignalTable, conn: Any) -> int:
     state = OffsetStore(settings.kafka.client_conf(), settings.offsets_topic, settings.source.slot).load()
     taken = state.signal if state is not None else 0
@@ -81,7 +111,11 @@ def _list(settings: Settings, signals: SignalTable, conn: Any) -> int:
     for b in backfills:
         where = f" where {b.where}" if b.where else ""
         error = f": {b.error}" if b.error else ""
-        print(f"{b.id}\t{b.table}{where}\t{b.status}{error}\t{b.rows} row(s) in {b.chunks} chunk(s)\t({b.reason})")
+        deleted = f", {b.deleted} key(s) deleted" if b.keys is not None else ""
+        print(
+            f"{b.id}\t{b.table}{where}\t{b.status}{error}\t{b.rows} row(s) in {b.chunks} chunk(s){deleted}"
+            f"\t({b.reason})"
+        )
     for signal in signals.read(conn, taken):
         print(f"{signal.id}\t{signal.kind} {signal.data}\tasked for, not taken yet")
     if not backfills and taken == 0:

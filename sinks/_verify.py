@@ -8,21 +8,25 @@ encodings of one value, such as 0.0 and -0.0, are not a drift). Memory holds a c
 keys of each kind, whatever the table's size; the disk holds the ledger.
 
 Every key found is written to ``<state_dir>/<sink>/verify/<schema>.<table>.jsonl`` (docs/sinks.md), one JSON
-object per line: ``{"kind": "missing" | "extra" | "different", "key": <key>}`` where ``<key>`` is the store's key
-of the row (the key fields' JSON); a source row with a value Avro cannot hold, which has no event (the capture
-dead-letters or stops on it: capture.on_unencodable), is ``{"kind": "unencodable", "key": <its key columns as
+object per line: ``{"kind": "missing" | "extra" | "different", "key": <key>, "columns": {<column>: <text>}}``
+where ``<key>`` is the store's key of the row (the key fields' JSON) and ``columns`` the same key as PostgreSQL
+reads it, each key column's value as text (what ``cdc verify --repair`` and ``cdc snapshot --keys`` hand the
+capture; absent for a key type whose store form PostgreSQL cannot read back, such as a composite); a source row
+with a value Avro cannot hold, which has no event (the capture dead-letters or stops on it:
+capture.on_unencodable), is ``{"kind": "unencodable", "key": <its key columns as
 PostgreSQL prints them, a JSON object>, "error": …}``. The file is replaced at each verify and removed when
 there is no drift.
 """
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import pickle
 import sqlite3
 import tempfile
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,6 +53,7 @@ class Drift:
     unencodable: list[tuple[str, str]] = field(default_factory=list)
     counts: dict[str, int] = field(default_factory=lambda: {"missing": 0, "extra": 0, "different": 0, "unencodable": 0})
     report: str | None = None  # the file listing every key found
+    location: Location | None = None  # the same, to read it back (a repair does)
 
     @property
     def clean(self) -> bool:
@@ -70,7 +75,7 @@ def compare(
             _fill(db, "dst", ((k, {c: row.get(c) for c in columns}) for k, row in sink.read_table(ref, generation)))
             drift = Drift(src.qualified)
             report = reports / f"{ref.name}.jsonl" if reports is not None else None
-            _collect(db, drift, report, Path(tmp) / "report.jsonl")
+            _collect(db, drift, report, Path(tmp) / "report.jsonl", key_texts(src))
         drifts.append(drift)
     return drifts
 
@@ -138,13 +143,67 @@ _DIGESTS_DIFFER = (
 )
 
 
-def _collect(db: sqlite3.Connection, drift: Drift, report: Location | None, scratch: Path) -> None:
+def key_texts(src: Any) -> Callable[[str], dict[str, str] | None]:
+    """A function from a key id (the key's document-form values, JSON) to the key's columns as text PostgreSQL
+    reads as their types (None when one cannot be written so)."""
+    names = Names()
+    fields = {f["name"]: f for f in src.row_schema["fields"]}
+    for f in src.row_schema["fields"]:
+        names.resolve(f["type"], None)  # named types defined before the key fields refer to them
+    texts = [(column_name(fields[k]), _text_of(fields[k]["type"], names)) for k in src.key_fields]
+
+    def columns(key: str) -> dict[str, str] | None:
+        values = json.loads(key)
+        out = {}
+        for (column, text), value in zip(texts, values, strict=True):
+            written = text(value)
+            if written is None:
+                return None
+            out[column] = written
+        return out
+
+    return columns
+
+
+def _text_of(avro: Any, names: Names) -> Callable[[Any], str | None]:
+    """Document form -> PostgreSQL's text for one key field's type: numbers, text, UUIDs, dates and times (ISO
+    8601) as they are, booleans as true/false, bytes (base64 in documents) as bytea's hex."""
+    avro = names.resolve(avro, None)
+    if isinstance(avro, list):
+        real = [b for b in avro if b != "null"]
+        return _text_of(real[0], names) if len(real) == 1 else lambda _: None
+    kind = avro if isinstance(avro, str) else avro["type"]
+    if isinstance(kind, (dict, list)):
+        return _text_of(kind, names)
+    logical = None if isinstance(avro, str) else avro.get("logicalType")
+    if kind in ("record", "array", "map"):
+        return lambda _: None
+    if kind in ("bytes", "fixed") and logical != "decimal":
+        return lambda v: None if not isinstance(v, str) else "\\x" + base64.b64decode(v).hex()
+    if logical in ("timestamp-micros", "local-timestamp-micros", "date"):
+        return lambda v: v if isinstance(v, str) else None  # an int: out of what a document writes as a date
+    if kind == "boolean":
+        return lambda v: "true" if v else "false"
+    return lambda v: None if v is None else str(v)
+
+
+def _collect(
+    db: sqlite3.Connection,
+    drift: Drift,
+    report: Location | None,
+    scratch: Path,
+    columns: Callable[[str], dict[str, str] | None],
+) -> None:
     """Count and sample each kind of difference; list every one in ``report`` (removed when there is none)."""
     with scratch.open("w") as lines:
 
         def found(kind: str, key: str, error: str | None = None) -> None:
             drift.counts[kind] += 1
-            line = {"kind": kind, "key": key} if error is None else {"kind": kind, "key": key, "error": error}
+            line: dict[str, Any] = {"kind": kind, "key": key}
+            if error is not None:
+                line["error"] = error
+            elif (text := columns(key)) is not None:
+                line["columns"] = text
             lines.write(json.dumps(line) + "\n")
 
         _differences(db, drift, found)
@@ -154,7 +213,7 @@ def _collect(db: sqlite3.Connection, drift: Drift, report: Location | None, scra
         report.remove()
     else:
         report.write_from(scratch)
-        drift.report = report.uri
+        drift.report, drift.location = report.uri, report
 
 
 def _differences(db: sqlite3.Connection, drift: Drift, found: Any) -> None:
@@ -179,4 +238,4 @@ def _differences(db: sqlite3.Connection, drift: Drift, found: Any) -> None:
             drift.different.append((key, want, {c: got.get(c) for c in want}))
 
 
-__all__ = ["SAMPLE", "Drift", "compare"]
+__all__ = ["SAMPLE", "Drift", "compare", "key_texts"]

@@ -365,3 +365,90 @@ def test_a_publication_pgcdc_created_follows_source_tables(
         log = again.log.read_text()
         assert "public.a is no longer captured (not in source.tables or the publication); its topic is left" in log
         assert read_topic(kafka_bootstrap, registry_url, f"bp{unique}.public.a") == []
+
+
+def _key_line(kind: str, id_: int, at: str) -> str:
+    """A line of a `cdc verify` report for table k's key (id, at)."""
+    return json.dumps({"kind": kind, "key": json.dumps([id_, at]), "columns": {"id": str(id_), "at": at}})
+
+
+def test_a_backfill_of_listed_keys_reads_them_and_deletes_those_gone(
+    pg_dsn: str, kafka_bootstrap: str, registry_url: str, unique: str, tmp_path: Path
+) -> None:
+    """`cdc snapshot TABLE --keys FILE` (what `cdc verify --repair` sends): exactly the listed keys are read
+    again, a listed key the table does not have gets a delete and a tombstone, a restart in the middle goes on
+    from the keys done (read back from the request's row), and a list with a wrong key is refused at once."""
+    with scratch_database(pg_dsn, f"bk_{unique}") as dsn:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute("CREATE TABLE k (id int, at timestamptz, v int NOT NULL, PRIMARY KEY (id, at))")
+            conn.execute(
+                "INSERT INTO k SELECT g, '2024-01-01T00:00:00Z'::timestamptz + g * interval '1.5 s', 0 "
+                "FROM generate_series(1, 1000) g"
+            )
+        cfg = CdcConfig(
+            dsn,
+            kafka_bootstrap,
+            registry_url,
+            f"bk{unique}",
+            ["public.k"],
+            f"s_{unique}",
+            f"p_{unique}",
+            extra="backfill_chunk_rows = 50\nbackfill_rows_per_s = 60\nsignal_poll_s = 0.2",
+        )
+        topic = f"bk{unique}.public.k"
+        config = cfg.write(tmp_path / "cdc.toml")
+
+        def at(i: int) -> str:
+            seconds = i * 1.5
+            return f"2024-01-01T{int(seconds) // 3600:02d}:{int(seconds) // 60 % 60:02d}:{seconds % 60:09.6f}Z"
+
+        listed = [i for i in range(1, 1001) if i % 4 == 0]  # 250 keys, in 5 chunks
+        lines = [_key_line(random.choice(["missing", "different"]), i, at(i)) for i in listed]
+        lines += [_key_line("extra", 5000, at(5000)), _key_line("extra", 7000, at(8)), _key_line("missing", 4, at(4))]
+        lines.append(json.dumps({"kind": "unencodable", "key": {"id": "9"}, "error": "left out"}))
+        keys = tmp_path / "public.k.jsonl"
+        keys.write_text("\n".join(lines) + "\n")
+        bad = tmp_path / "bad.jsonl"
+        bad.write_text(_key_line("missing", 3, "not a time") + "\n")
+
+        proc = cfg.start(tmp_path)
+        try:
+            proc.wait_streaming(180)
+            refused = _cdc(config, "public.k", "--keys", str(bad))
+            assert refused.returncode == 2, refused.stdout
+            assert "a key to repair is not a value of its column's type" in refused.stderr, refused.stderr
+            wrong = tmp_path / "wrong.jsonl"
+            wrong.write_text(json.dumps({"kind": "missing", "key": "[1]", "columns": {"id": "1"}}) + "\n")
+            refused = _cdc(config, "public.k", "--keys", str(wrong))
+            assert refused.returncode == 2, refused.stdout
+            assert "key columns (id, at)" in refused.stderr, refused.stderr
+
+            asked = _cdc(config, "public.k", "--keys", str(keys))
+            assert asked.returncode == 0, asked.stderr
+            assert "backfill of 252 key(s) of public.k" in asked.stdout, asked.stdout
+            id_ = asked.stdout.split()[1].rstrip(":")
+            wait_for(lambda: _committed_chunks(config, id_) >= 1, 60, "the first chunk", proc)
+            with psycopg.connect(dsn, autocommit=True) as conn:
+                conn.execute("UPDATE k SET v = v + 1 WHERE id % 8 = 0")
+        finally:
+            proc.stop()
+        assert "\trunning\t" in _listed(config, id_), "the restart is not in the middle of the backfill"
+        again = CdcProcess(config, tmp_path / "cdc-again.log")
+        again.start()
+        try:
+            wait_for(lambda: "\tdone\t" in _listed(config, id_), 120, "the listed keys' backfill", again)
+            assert "250 row(s) in 6 chunk(s), 2 key(s) deleted" in _listed(config, id_), _listed(config, id_)
+        finally:
+            again.stop()
+        events = read_topic(kafka_bootstrap, registry_url, topic)
+        incremental = [e for e in events if e.value is not None and e.value["source"]["snapshot"] == "incremental"]
+        reads = [e.key["id"] for e in incremental if e.value["op"] == "r"]  # type: ignore[index]
+        assert sorted(reads) == listed, "not exactly the listed keys were read again"
+        deletes = [e for e in incremental if e.value["op"] == "d"]  # type: ignore[index]
+        assert sorted(e.key["id"] for e in deletes) == [5000, 7000]  # type: ignore[index]
+        for d in deletes:  # each followed by its tombstone
+            after = [e for e in events if e.key == d.key and e.partition == d.partition and e.offset > d.offset]
+            assert after, d
+            assert after[0].value is None, after
+        assert {k: v["v"] for k, v in latest_by_key(events, "id").items()} == _source(dsn, "k")
+        _assert_in_order(events)
