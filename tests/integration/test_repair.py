@@ -1,0 +1,228 @@
+"""Repair of drift on the whole pipeline: `cdc verify NAME --repair` re-emits exactly the keys that differ.
+
+The capture and the three built-in sinks run on the pipeline tables until every store is clean. Then drift is
+made by hand, with each store's own client and a producer of our own, never through pgcdc: a Redis entry
+deleted and another changed, an OpenSearch document removed and one added that the source never had, a Delta
+row updated (Spark SQL's UPDATE), and an event with wrong values produced into the topic carrying the key's latest
+position (the stores take it: a replayed position is applied). `cdc verify` reports each; `--repair` re-emits
+only those keys (the backfill's count is the report's), and every store ends clean, the topic with it.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import fastavro
+import psycopg
+import pytest
+import redis
+from confluent_kafka import Consumer, Producer, TopicPartition
+from confluent_kafka.schema_registry import SchemaRegistryClient
+from opensearchpy import OpenSearch
+from pyspark.sql import SparkSession
+
+from tests.integration._capture_helpers import scratch_database, wait_for
+from tests.integration._sinks_helpers import (
+    PIPELINE_TABLES,
+    SinksProcess,
+    Stack,
+    assert_no_drift,
+    cdc,
+    create_pipeline_tables,
+)
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
+
+
+@pytest.fixture
+def source(pg_dsn: str, unique: str):  # type: ignore[no-untyped-def]
+    with scratch_database(pg_dsn, f"repair_{unique}") as dsn:
+        yield dsn
+
+
+def _raw_events(kafka: str, topic: str) -> list[tuple[int, bytes, bytes | None]]:
+    """Every record of ``topic`` as it is stored: (partition, key bytes, value bytes)."""
+    consumer = Consumer(
+        {
+            "bootstrap.servers": kafka,
+            "group.id": f"repair-{time.time_ns()}",
+            "enable.partition.eof": True,
+            "isolation.level": "read_committed",
+        }
+    )
+    try:
+        partitions = list(consumer.list_topics(topic, timeout=30).topics[topic].partitions)
+        consumer.assign([TopicPartition(topic, p, 0) for p in partitions])
+        out: list[tuple[int, bytes, bytes | None]] = []
+        ended: set[int] = set()
+        deadline = time.monotonic() + 60
+        while len(ended) < len(partitions) and time.monotonic() < deadline:
+            msg = consumer.poll(1.0)
+            if msg is None:
+                continue
+            if msg.error():
+                ended.add(int(msg.partition() or 0))
+                continue
+            key = msg.key()
+            assert isinstance(key, bytes), msg
+            value = msg.value()
+            out.append((int(msg.partition() or 0), key, value if isinstance(value, bytes) else None))
+        return out
+    finally:
+        consumer.close()
+
+
+def _plain(schema: Any) -> Any:
+    """``schema`` without its logical types: values read and written back as their Avro primitives, byte for
+    byte (fastavro cannot make a date of PostgreSQL's 'infinity', which the table has)."""
+    if isinstance(schema, dict):
+        return {k: _plain(v) for k, v in schema.items() if k != "logicalType"}
+    if isinstance(schema, list):
+        return [_plain(v) for v in schema]
+    return schema
+
+
+class _Plain:
+    """Decodes a topic's records with the registry's schemas less their logical types (``read_topic`` cannot:
+    fastavro makes no date of 'infinity')."""
+
+    def __init__(self, registry: str) -> None:
+        self._client = SchemaRegistryClient({"url": registry})
+        self._schemas: dict[int, Any] = {}
+
+    def schema(self, raw: bytes) -> Any:
+        sid = int.from_bytes(raw[1:5], "big")
+        if sid not in self._schemas:
+            text = self._client.get_schema(sid).schema_str or "null"
+            self._schemas[sid] = fastavro.parse_schema(_plain(json.loads(text)))
+        return self._schemas[sid]
+
+    def read(self, raw: bytes) -> Any:
+        return fastavro.schemaless_reader(io.BytesIO(raw[5:]), self.schema(raw), None)
+
+    def events(self, kafka: str, topic: str) -> list[tuple[int, Any]]:
+        """(key id, event or None for a tombstone) in each partition's order."""
+        return [(self.read(k)["id"], None if v is None else self.read(v)) for _, k, v in _raw_events(kafka, topic)]
+
+
+def _forge(kafka: str, plain: _Plain, topic: str, id_: int) -> None:
+    """Produces, with a plain producer, a copy of key ``id_``'s latest event whose row says name = 'forged':
+    same key bytes, same partition, same position."""
+    latest = None
+    for partition, key, value in _raw_events(kafka, topic):
+        if plain.read(key)["id"] == id_:
+            latest = (partition, key, value)
+    assert latest is not None, f"no event of key {id_}"
+    partition, key, value = latest
+    assert value is not None, f"key {id_} is deleted"
+    event = plain.read(value)
+    event["after"]["name"] = "forged"
+    out = io.BytesIO()
+    fastavro.schemaless_writer(out, plain.schema(value), event)
+    producer = Producer({"bootstrap.servers": kafka})
+    producer.produce(topic, value=value[:5] + out.getvalue(), key=key, partition=partition)
+    assert producer.flush(30) == 0
+
+
+def _verify(config: Path, name: str, *extra: str) -> tuple[int, str]:
+    result = cdc("verify", name, "--config", str(config), *extra, timeout=900)
+    return result.returncode, result.stdout + result.stderr
+
+
+def _drift_counts(out: str) -> int:
+    """Keys the first verify found drifted in the output (missing + extra + different, over every table)."""
+    total = 0
+    for m in re.finditer(r"DRIFT missing (\d+), extra (\d+), different (\d+)", out.split("repair:", maxsplit=1)[0]):
+        total += sum(int(n) for n in m.groups())
+    return total
+
+
+def _reemitted(out: str) -> int:
+    """Keys the repair's backfills re-read or deleted."""
+    return sum(
+        int(read) + int(deleted)
+        for read, deleted in re.findall(r"done: (\d+) row\(s\) re-read, (\d+) key\(s\) deleted", out)
+    )
+
+
+def test_verify_repair_re_emits_only_the_keys_that_differ(
+    *, source: str, stack: Stack, spark: SparkSession, unique: str, tmp_path: Path
+) -> None:
+    create_pipeline_tables(source)
+    prefix = f"r{unique}"
+    cfg = stack.config(source, PIPELINE_TABLES, prefix=prefix, unique=unique, workdir=tmp_path)
+    cfg.extra = "signal_poll_s = 0.2\n" + cfg.extra
+    capture = cfg.start(tmp_path)
+    config = tmp_path / "cdc.toml"
+    sinks = SinksProcess(config, tmp_path / "sinks.log")
+    topic = f"{prefix}.public.items"
+    try:
+        capture.wait_streaming(180)
+        sinks.start()
+        assert_no_drift(config, sinks)
+
+        # Drift, made by hand with each store's own client.
+        cache = redis.Redis.from_url(stack.redis)
+        generation = int(cache.get(f"{prefix}:current") or 0)
+        entry = f"{prefix}:g{generation}:public.items:"
+        assert cache.delete(f"{entry}[10]") == 1
+        row = json.loads(cache.hget(f"{entry}[11]", "row") or b"{}")
+        cache.hset(f"{entry}[11]", "row", json.dumps({**row, "name": "changed in redis"}))
+        search = OpenSearch(stack.opensearch)
+        alias = f"{prefix}-public.items".lower()
+        search.delete(index=alias, id="[12]", refresh=True)
+        doc = search.get(index=alias, id="[20]")["_source"]
+        index = next(iter(search.indices.get_alias(name=alias)))
+        search.index(index=index, id="[5000]", body={**doc, "id": 5000}, refresh=True)  # never in the source
+        # Spark SQL, not delta-rs: delta-rs cannot rewrite a file holding the date 'infinity' (its statistics
+        # overflow), which the table has.
+        delta = tmp_path / "warehouse" / "current" / "public.items"
+        spark.sql(f"UPDATE delta.`{delta.resolve()}` SET name = 'changed in delta' WHERE id = 13")
+        plain = _Plain(stack.registry)
+        _forge(stack.kafka, plain, topic, 14)
+
+        code, out = _verify(config, "cache", "--wait", "30")
+        assert code == 9, out
+        assert "missing  [10]" in out, out
+        assert re.search(r"differs  \[11\]: name: source 'item 11' store 'changed in redis'", out), out
+        wait_for(lambda: "[14]" in _verify(config, "cache")[1], 120, "the forged event in the cache", sinks)
+
+        before = len(plain.events(stack.kafka, topic))
+        expected = {"cache": {10, 11, 14}, "search": {12, 5000}, "warehouse": {13}}
+        reemitted = 0
+        for name, keys in expected.items():
+            code, out = _verify(config, name, "--repair")
+            print(f"--- cdc verify {name} --repair\n{out}")  # the evidence, with pytest -s
+            assert code == 0, out
+            assert re.search(r"public\.items: repair: \d+ key\(s\) to re-emit", out), out
+            # Exactly the keys the report listed were re-emitted, and it listed the drift made in this store.
+            assert _reemitted(out) == _drift_counts(out), out
+            assert _drift_counts(out) >= len(keys), out
+            again = out.split("re-read")[-1]  # the verify after the repair
+            assert "DRIFT" not in again, out
+            assert "public.items: no drift" in again, out
+            reemitted += _reemitted(out)
+
+        assert_no_drift(config, sinks)
+        events = plain.events(stack.kafka, topic)
+        incremental = [(k, e) for k, e in events if e is not None and e["source"]["snapshot"] == "incremental"]
+        assert len(incremental) == reemitted, "more than the drifted keys were re-emitted"
+        assert {k for k, _ in incremental} <= {10, 11, 12, 13, 14, 5000}
+        assert len(events) >= before + reemitted
+        latest: dict[int, str] = {}
+        for key, event in events:
+            if event is None or event["op"] == "d":
+                latest.pop(key, None)
+            else:
+                latest[key] = event["after"]["name"]
+        with psycopg.connect(source) as conn:
+            names: dict[int, str] = dict(conn.execute("SELECT id, name FROM items").fetchall())
+        assert latest == names
+    finally:
+        sinks.stop()
+        capture.stop()
