@@ -16,14 +16,18 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
 def test_public_surface_is_explicit() -> None:
     import cdc
 
-    # source_tables/SourceTable: the source's rows as events carry them, for `cdc verify` (docs/sinks.md).
+    # source_tables/SourceTable: the source's rows as events carry them, for `cdc verify` (docs/sinks.md);
+    # report_keys/request_keys/wait_for_backfills: `cdc verify --repair` asking the capture for keys.
     assert sorted(cdc.__all__) == [
         "CDCError",
         "SourceTable",
         "TerminalError",
         "TransientError",
         "__version__",
+        "report_keys",
+        "request_keys",
         "source_tables",
+        "wait_for_backfills",
     ]
     assert issubclass(cdc.TransientError, cdc.CDCError)
     assert issubclass(cdc.TerminalError, cdc.CDCError)

@@ -287,6 +287,17 @@ def test_format_3_keeps_the_known_tables_the_backfills_and_the_last_signal() -> 
                 "after": ["10"],
             },
             {"id": "added-1", "table": "public.b", "status": "queued", "rows": 0, "chunks": 0, "reason": "added"},
+            {
+                "id": "13",
+                "table": "public.a",
+                "status": "done",
+                "rows": 3,
+                "chunks": 1,
+                "reason": "keys",
+                "keys": 13,  # the signal whose row lists them
+                "deleted": 1,
+                "after": ["4"],
+            },
         ],
     }
     state = CaptureState.from_json(raw)
@@ -295,7 +306,9 @@ def test_format_3_keeps_the_known_tables_the_backfills_and_the_last_signal() -> 
     assert [(b.id, b.status, b.where, b.after, b.rows) for b in state.backfills] == [
         ("12", "running", "x > 1", ["10"], 10),
         ("added-1", "queued", None, None, 0),
+        ("13", "done", None, ["4"], 3),
     ]
+    assert (state.backfills[2].keys, state.backfills[2].deleted) == (13, 1)
     assert state.to_json() == raw
 
 

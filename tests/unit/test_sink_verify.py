@@ -10,7 +10,7 @@ from typing import Any
 
 from sinks._api import TableRef
 from sinks._storage import StorageConfig, location
-from sinks._verify import SAMPLE, compare
+from sinks._verify import SAMPLE, compare, key_texts
 
 _SCHEMA = {
     "type": "record",
@@ -79,7 +79,9 @@ def test_every_difference_is_counted_sampled_and_listed(tmp_path: Path) -> None:
     assert drift.different == [("[50]", {"id": 50, "v": 50.0}, {"id": 50, "v": 0.5})]
     listed = [json.loads(line) for line in (tmp_path / "state/cache/verify/public.t.jsonl").read_text().splitlines()]
     assert len(listed) == 42
-    assert {"kind": "different", "key": "[50]"} in listed
+    # Each key also as PostgreSQL reads it: what a repair hands the capture.
+    assert {"kind": "different", "key": "[50]", "columns": {"id": "50"}} in listed
+    assert {"kind": "extra", "key": "[100]", "columns": {"id": "100"}} in listed
     assert drift.report == str(tmp_path / "state/cache/verify/public.t.jsonl")
 
 
@@ -116,3 +118,31 @@ def test_a_source_row_with_no_event_is_reported_as_such_not_as_extra(tmp_path: P
     assert not drift.clean
     listed = [json.loads(line) for line in (tmp_path / "verify/public.t.jsonl").read_text().splitlines()]
     assert {"kind": "unencodable", "key": '{"id": "2"}', "error": f"column 'ts': {late}"} in listed
+
+
+def test_keys_are_listed_as_text_postgresql_reads_as_their_types() -> None:
+    fields = [
+        {"name": "at", "type": ["null", {"type": "long", "logicalType": "timestamp-micros"}]},
+        {"name": "raw", "type": "bytes"},
+        {"name": "ok", "type": "boolean"},
+        {"name": "day", "type": {"type": "int", "logicalType": "date"}},
+        {"name": "amount", "type": {"type": "bytes", "logicalType": "decimal", "precision": 10, "scale": 2}},
+        {"name": "n_1", "type": "long", "pgcdc.column": "n-1"},
+        {"name": "pair", "type": {"type": "record", "name": "Pair", "fields": [{"name": "a", "type": "int"}]}},
+    ]
+    schema = {"type": "record", "name": "Value", "fields": fields}
+    source = _Source({}, key_fields=("at", "raw", "ok", "day", "amount", "n_1"), row_schema=schema)
+    columns = key_texts(source)
+    key = json.dumps(["2026-01-02T03:04:05.123456Z", "AAH/", True, "infinity", "12.50", 7])
+    assert columns(key) == {
+        "at": "2026-01-02T03:04:05.123456Z",
+        "raw": "\\x0001ff",  # bytea's hex form: base64 in documents
+        "ok": "true",
+        "day": "infinity",
+        "amount": "12.50",
+        "n-1": "7",  # the column's name, not the Avro field's
+    }
+    # A timestamp a document holds as a number (beyond ISO 8601's years) and a composite are not written.
+    assert key_texts(source)(json.dumps([1 << 62, "", False, "2026-01-01", "1", 1])) is None
+    composite = _Source({}, key_fields=("pair",), row_schema=schema)
+    assert key_texts(composite)(json.dumps([{"a": 1}])) is None
