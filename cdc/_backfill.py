@@ -35,12 +35,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import psycopg
+from confluent_kafka import KafkaException
 from psycopg import sql
 
 from cdc._encoder import PACKED_HEAD, CopyRowRefused, packed_rows
 from cdc._events import ColumnSpec, Position, Stamp, TableCodec
 from cdc._offsets import BackfillProgress, CaptureState
-from cdc._signals import Signal, SignalTable
+from cdc._signals import Signal, SignalTable, SignalTopic
 from cdc._snapshot import (
     _copies,
     _encode_chunk,
@@ -53,6 +54,7 @@ from cdc._snapshot import (
 )
 from cdc._source import connect
 from cdc._window import ChunkWindow, XidSnapshot
+from common.errors import CDCError
 from common.topics import split_table_name
 from decoders import TupleData, parse_lsn
 
@@ -330,7 +332,19 @@ class Backfills:
         note = self._signals.ensure(attached.sql)
         if note is not None:
             log.warning("%s", note)
+        self._topic = self._signal_topic(attached)
         ctx.metrics.backfills_changed([b.to_json() for b in state.backfills])
+
+    def _signal_topic(self, attached: Attached) -> SignalTopic | None:
+        topic = self._ctx.settings.signal_topic
+        if topic is None:
+            return None
+        try:
+            attached.topics.ensure(topic, partitions=1, policy="delete")
+        except CDCError as exc:
+            log.warning("the signal topic %s cannot be read (%s); the signal table still works", topic, exc)
+            return None
+        return SignalTopic(self._ctx.settings.kafka.client_conf(), topic, self._ctx.settings.source.slot)
 
     def note_commit(self, xid: int | None) -> None:
         """A transaction the stream has written (its xid): a chunk read later must see it."""
@@ -353,7 +367,11 @@ class Backfills:
     def run(self, writer: BatchWriter, state: CaptureState) -> None:
         for signal in self._taken:
             self._take(signal, state)
-            state.signal = max(state.signal, signal.id)
+            if signal.partition is None:
+                state.signal = max(state.signal, signal.id)
+            else:
+                offsets = state.signal_offsets
+                offsets[signal.partition] = max(offsets.get(signal.partition, 0), signal.id + 1)
         self._taken = []
         self.write(writer)
 
@@ -386,38 +404,41 @@ class Backfills:
             self._changes.unwatch(inflight.codec.topic, inflight.window)
         self._inflight.clear()
         self._reader.close()
+        if self._topic is not None:
+            self._topic.close()
 
     # --- requests ---------------------------------------------------------------------------------------
 
     def _poll(self) -> None:
-        after = max([self._state.signal, *(s.id for s in self._taken)])
+        after = max([self._state.signal, *(s.id for s in self._taken if s.partition is None)])
         try:
             self._taken += self._signals.read(self._attached.sql, after)
+            if self._topic is not None:
+                self._taken += self._topic.read(self._state.signal_offsets)
             self._signal_error = None
-        except psycopg.Error as exc:
+        except (psycopg.Error, KafkaException) as exc:
             error = str(exc).strip()
             if error != self._signal_error:  # said once, not every poll
-                log.warning("cannot read the signal table %s: %s", self._signals.name, error)
+                log.warning("cannot read the requests (signal table %s, topic): %s", self._signals.name, error)
             self._signal_error = error
 
     def _take(self, signal: Signal, state: CaptureState) -> None:
-        data = signal.data
+        data, name = signal.data, signal.name
         if signal.kind == "backfill":
             tables = data.get("tables")
             where = data.get("where")
             if not isinstance(tables, list) or not tables or not all(isinstance(t, str) for t in tables):
-                self._refuse(state, str(signal.id), "?", f"signal {signal.id}: 'tables' is not a list of names")
+                self._refuse(state, name, "?", f"signal {name}: 'tables' is not a list of names")
                 return
             if data.get("keys") is not None:
                 self._request_keys(state, signal, tables, where)
                 return
-            for i, name in enumerate(tables):
-                id_ = str(signal.id) if len(tables) == 1 else f"{signal.id}.{i + 1}"
-                self._request(state, id_, name, where)
+            for i, table in enumerate(tables):
+                self._request(state, name if len(tables) == 1 else f"{name}.{i + 1}", table, where)
         elif signal.kind in ("cancel", "pause", "resume"):
             self._control(state, signal.kind, str(data.get("id")))
-        else:
-            self._refuse(state, str(signal.id), "?", str(data.get("error")))
+        elif signal.kind != "other":  # "other": another capture's request on a shared topic
+            self._refuse(state, name, "?", str(data.get("error")))
 
     def _request(self, state: CaptureState, id_: str, name: str, where: Any) -> None:
         try:
@@ -434,10 +455,12 @@ class Backfills:
 
     def _request_keys(self, state: CaptureState, signal: Signal, tables: list[str], where: Any) -> None:
         """A backfill of the keys the signal lists (they stay in the signal's row; the state names it)."""
-        id_ = str(signal.id)
+        id_ = signal.name
         try:
             if len(tables) != 1 or where is not None:
                 raise ValueError("a request for listed keys names one table and no 'where'")
+            if signal.partition is not None:  # its keys are read again from its row after a restart
+                raise ValueError("listed keys are asked for through the signal table (cdc snapshot --keys)")
             table = self._table(tables[0])
             keys = parse_keys(signal.data["keys"], self._attached.report.key_columns[table.qualified], table.qualified)
         except ValueError as exc:

@@ -117,6 +117,11 @@ class KafkaConfig(_Section, KafkaConnection):
         default=None, description="default: pgcdc-<slot>; a second instance with the same id fences the first"
     )
     offsets_topic: str | None = Field(default=None, description="default: <topic_prefix>.offsets")
+    signal_topic: str | None = Field(
+        default=None,
+        description="where requests to the running capture can also be produced (default: <topic_prefix>.signals; "
+        '"" turns it off)',
+    )
     transaction_gap_ms: float = Field(
         default=2.0,
         ge=0,
@@ -232,6 +237,12 @@ class Settings(FileSettings):
     @property
     def offsets_topic(self) -> str:
         return self.kafka.offsets_topic or f"{self.kafka.topic_prefix}.offsets"
+
+    @property
+    def signal_topic(self) -> str | None:
+        """The Kafka topic of requests (None: off)."""
+        topic = self.kafka.signal_topic
+        return f"{self.kafka.topic_prefix}.signals" if topic is None else topic or None
 
     def topic_for(self, schema: str, table: str) -> str:
         """``<prefix>.<schema>.<table>``; characters Kafka refuses (and dots inside a part) become '_'."""

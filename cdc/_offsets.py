@@ -12,8 +12,9 @@ the snapshot's progress per table and key (or block) range:
                              "public.items": {"done": true}}}}
 
 Format 3 adds the tables the capture knows (``tables``: a configured table not among them is new, and is
-backfilled), the backfills (``backfills``: each one's table, filter, status and the last key it wrote) and the
-last backfill request taken from the signal table (``signal``):
+backfilled), the backfills (``backfills``: each one's table, filter, status and the last key it wrote), the
+last backfill request taken from the signal table (``signal``) and, per partition of the signal topic, the
+offset of the next request to take (``signal_offsets``, e.g. ``{"0": 4}``):
 
     {"version": 3, "lsn": 23861472, "tables": ["public.items", "public.orders"], "signal": 12,
      "backfills": [{"id": "12", "table": "public.orders", "where": "region = 'eu'", "status": "running",
@@ -230,13 +231,15 @@ class CaptureState:
     """The committed position: streaming resumes after ``lsn`` (None until the capture first knows one).
 
     ``tables``: the tables the capture knows (None: not recorded, a state of format 1 or 2); ``backfills``: in
-    the order they were requested; ``signal``: the id of the last signal-table request taken."""
+    the order they were requested; ``signal``: the id of the last signal-table request taken;
+    ``signal_offsets``: per partition of the signal topic, the offset of the next request to take."""
 
     lsn: int | None = None
     snapshot: SnapshotState | None = None
     tables: list[str] | None = None
     backfills: list[BackfillProgress] = field(default_factory=list)
     signal: int = 0
+    signal_offsets: dict[int, int] = field(default_factory=dict)
 
     @property
     def snapshot_running(self) -> bool:
@@ -261,6 +264,8 @@ class CaptureState:
             out["backfills"] = [b.to_json() for b in self.backfills]
         if self.signal:
             out["signal"] = self.signal
+        if self.signal_offsets:
+            out["signal_offsets"] = {str(p): o for p, o in sorted(self.signal_offsets.items())}
         return out
 
     @classmethod
@@ -286,7 +291,18 @@ class CaptureState:
             tables=tables,
             backfills=[BackfillProgress.from_json(b) for b in backfills],
             signal=_optional_int(raw.get("signal", 0), "signal") or 0,
+            signal_offsets=_offsets(raw.get("signal_offsets", {})),
         )
+
+
+def _offsets(raw: Any) -> dict[int, int]:
+    offsets = _mapping(raw, "the signal topic's offsets")
+    out = {}
+    for partition, offset in offsets.items():
+        if not (isinstance(partition, str) and partition.isdigit()) or not _is_int(offset):
+            raise OffsetsStateError(f"the signal topic's offsets are not partition: offset pairs: {raw!r}")
+        out[int(partition)] = int(offset)
+    return out
 
 
 def _mapping(raw: Any, what: str) -> Mapping[str, Any]:

@@ -1,4 +1,5 @@
-"""Requests to the running capture through a table in the source database (``source.signal_table``).
+"""Requests to the running capture through a table in the source database (``source.signal_table``), or
+through a Kafka topic (:class:`SignalTopic`).
 
 `cdc snapshot` writes a row there; so can anyone with INSERT on the table (an application, a migration, psql),
 which is why it works with database access only. The running capture reads the rows of its slot after the
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import psycopg
+from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 from psycopg import sql
 
 from common.topics import split_table_name
@@ -33,9 +35,17 @@ _BATCH = 100  # requests taken per poll at most
 
 @dataclass(frozen=True)
 class Signal:
+    """A request: its id (the signal table's, or the record's offset in the signal topic), kind and data."""
+
     id: int
     kind: str
     data: dict[str, Any]
+    partition: int | None = None  # from the signal topic: the record's partition
+
+    @property
+    def name(self) -> str:
+        """What the backfills it asks for are called: the row's id, or ``kafka-<partition>-<offset>``."""
+        return str(self.id) if self.partition is None else f"kafka-{self.partition}-{self.id}"
 
 
 class SignalTable:
@@ -95,6 +105,78 @@ class SignalTable:
         return int(row[0])
 
 
+class SignalTopic:
+    """Requests through a Kafka topic (``kafka.signal_topic``, ``<topic_prefix>.signals`` by default), for
+    whoever speaks Kafka rather than SQL (and for captures whose database role cannot create the signal table).
+
+    A record's value is a JSON object ``{"kind": …, "data": {…}}``, the signal table's columns; its key, when set,
+    must be the capture's slot (several captures can share one topic; a record keyed to another slot is passed
+    over). The topic is read read_committed from the offsets of the committed state, which records a request as
+    taken in the same Kafka transaction as the backfill it queues: taken once across restarts. A capture that
+    has never read it starts at the topic's end as it is when the capture first opens it (older requests were not
+    meant for it), and records that position with its next commit."""
+
+    def __init__(self, conf: dict[str, Any], topic: str, slot: str) -> None:
+        self.topic, self.slot = topic, slot
+        self._conf = conf
+        self._consumer: Consumer | None = None
+
+    def read(self, offsets: dict[int, int]) -> list[Signal]:
+        """The requests after ``offsets`` (updated with where the topic starts for partitions it lacks) that
+        have arrived, without waiting; a record that is not a request is one of kind "invalid"."""
+        consumer = self._consumer or self._open(offsets)
+        out = []
+        for msg in consumer.consume(_BATCH, timeout=0):
+            error = msg.error()
+            if error is not None:
+                if error.code() == KafkaError._PARTITION_EOF:
+                    continue
+                raise KafkaException(error)
+            partition, offset = int(msg.partition() or 0), int(msg.offset() or 0)
+            key, value = msg.key(), msg.value()
+            if key is not None and key != self.slot.encode():
+                out.append(Signal(offset, "other", {}, partition))  # another capture's: only its offset is taken
+                continue
+            out.append(_record(offset, partition, value if isinstance(value, bytes) else b""))
+        return out
+
+    def _open(self, offsets: dict[int, int]) -> Consumer:
+        consumer = Consumer(
+            {
+                **self._conf,
+                "group.id": f"pgcdc-signals-{self.slot}",
+                "enable.auto.commit": False,
+                "isolation.level": "read_committed",
+            }
+        )
+        partitions = list(consumer.list_topics(self.topic, timeout=30).topics[self.topic].partitions)
+        for p in partitions:
+            if p not in offsets:
+                offsets[p] = consumer.get_watermark_offsets(TopicPartition(self.topic, p), timeout=30)[1]
+        consumer.assign([TopicPartition(self.topic, p, offsets[p]) for p in partitions])
+        self._consumer = consumer
+        return consumer
+
+    def close(self) -> None:
+        if self._consumer is not None:
+            self._consumer.close()
+            self._consumer = None
+
+
+def _record(offset: int, partition: int, value: bytes) -> Signal:
+    try:
+        parsed = json.loads(value)
+    except ValueError:
+        parsed = None
+    if isinstance(parsed, dict) and isinstance(parsed.get("kind"), str) and isinstance(parsed.get("data", {}), dict):
+        signal = _signal(offset, parsed["kind"], json.dumps(parsed.get("data", {})))
+        if signal.kind != "invalid":
+            return Signal(offset, signal.kind, signal.data, partition)
+    shown = value[:200].decode(errors="replace")
+    error = f'signal topic record {partition}/{offset}: {shown!r} is not a request ({{"kind": …, "data": {{…}}}})'
+    return Signal(offset, "invalid", {"error": error}, partition)
+
+
 def _signal(id_: int, kind: str, data: str) -> Signal:
     try:
         parsed = json.loads(data)
@@ -105,4 +187,4 @@ def _signal(id_: int, kind: str, data: str) -> Signal:
     return Signal(id_, kind, parsed)
 
 
-__all__ = ["SIGNAL_KINDS", "Signal", "SignalTable"]
+__all__ = ["SIGNAL_KINDS", "Signal", "SignalTable", "SignalTopic"]

@@ -24,6 +24,8 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
+from confluent_kafka import Producer
+from confluent_kafka.admin import AdminClient
 
 from tests.integration._capture_helpers import (
     CdcConfig,
@@ -452,3 +454,69 @@ def test_a_backfill_of_listed_keys_reads_them_and_deletes_those_gone(
             assert after[0].value is None, after
         assert {k: v["v"] for k, v in latest_by_key(events, "id").items()} == _source(dsn, "k")
         _assert_in_order(events)
+
+
+def test_requests_produced_to_the_signal_topic_are_taken_once(
+    pg_dsn: str, kafka_bootstrap: str, registry_url: str, unique: str, tmp_path: Path
+) -> None:
+    """A backfill asked for through `<prefix>.signals` (a plain Kafka producer): taken once across restarts,
+    one produced while the capture is down is taken when it is back, another capture's record (keyed to its
+    slot) is passed over, and a record that is not a request is listed as a failed backfill."""
+    with scratch_database(pg_dsn, f"bt_{unique}") as dsn:
+        _tables(dsn, t=2000)
+        slot = f"s_{unique}"
+        cfg = CdcConfig(
+            dsn,
+            kafka_bootstrap,
+            registry_url,
+            f"bt{unique}",
+            ["public.t"],
+            slot,
+            f"p_{unique}",
+            extra="signal_poll_s = 0.2",
+        )
+        signals, topic = f"bt{unique}.signals", f"bt{unique}.public.t"
+        config = cfg.write(tmp_path / "cdc.toml")
+        producer = Producer({"bootstrap.servers": kafka_bootstrap})
+
+        def ask(key: str, value: bytes) -> int:
+            offsets: list[int] = []
+            producer.produce(signals, key=key, value=value, on_delivery=lambda _, m: offsets.append(m.offset() or 0))
+            assert producer.flush(30) == 0
+            return offsets[0]
+
+        backfill = json.dumps({"kind": "backfill", "data": {"tables": ["public.t"]}}).encode()
+        proc = cfg.start(tmp_path)
+        try:
+            proc.wait_streaming(180)
+            wait_for(lambda: _has_topic(kafka_bootstrap, signals), 60, "the signal topic", proc)
+            time.sleep(1)  # the capture has opened it (it starts at its end)
+            ask("another-slot", backfill)
+            bad = ask(slot, b"not json")
+            first = ask(slot, backfill)
+            wait_for(lambda: "\tdone\t" in _listed(config, f"kafka-0-{first}"), 120, "the first backfill", proc)
+            assert "failed: signal topic record 0/" in _listed(config, f"kafka-0-{bad}"), _listed(
+                config, f"kafka-0-{bad}"
+            )
+        finally:
+            proc.stop()
+        second = ask(slot, backfill)  # while the capture is down
+        again = CdcProcess(config, tmp_path / "cdc-again.log")
+        again.start()
+        try:
+            wait_for(lambda: "\tdone\t" in _listed(config, f"kafka-0-{second}"), 120, "the second backfill", again)
+            time.sleep(2)  # time enough to take anything twice
+        finally:
+            again.stop()
+        listed = _cdc(config, "--list").stdout
+        assert listed.count("\tdone\t") == 2, listed  # the other slot's was passed over, nothing taken twice
+        reads = [
+            e
+            for e in read_topic(kafka_bootstrap, registry_url, topic)
+            if e.value is not None and e.value["source"]["snapshot"] == "incremental"
+        ]
+        assert len(reads) == 2 * 2000
+
+
+def _has_topic(kafka: str, topic: str) -> bool:
+    return topic in AdminClient({"bootstrap.servers": kafka}).list_topics(timeout=10).topics

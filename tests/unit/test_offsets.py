@@ -275,6 +275,7 @@ def test_format_3_keeps_the_known_tables_the_backfills_and_the_last_signal() -> 
         "lsn": 9,
         "tables": ["public.a", "public.b"],
         "signal": 12,
+        "signal_offsets": {"0": 4},
         "backfills": [
             {
                 "id": "12",
@@ -303,6 +304,7 @@ def test_format_3_keeps_the_known_tables_the_backfills_and_the_last_signal() -> 
     state = CaptureState.from_json(raw)
     assert state.tables == ["public.a", "public.b"]
     assert state.signal == 12
+    assert state.signal_offsets == {0: 4}
     assert [(b.id, b.status, b.where, b.after, b.rows) for b in state.backfills] == [
         ("12", "running", "x > 1", ["10"], 10),
         ("added-1", "queued", None, None, 0),

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from cdc._signals import _signal
+from cdc._signals import _record, _signal
 
 
 @pytest.mark.parametrize(
@@ -26,3 +26,25 @@ def test_a_row_that_is_not_a_request_says_what_is_wrong(kind: str, data: str, sa
 def test_a_request_keeps_its_data() -> None:
     signal = _signal(8, "backfill", '{"tables": ["public.t"], "where": "id > 1"}')
     assert (signal.kind, signal.data) == ("backfill", {"tables": ["public.t"], "where": "id > 1"})
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        b"not json",
+        b'{"kind": "drop", "data": {}}',
+        b'{"kind": "backfill", "data": [1]}',
+        b'{"data": {"tables": ["public.t"]}}',
+        b"\xff\xfe",
+    ],
+)
+def test_a_signal_topic_record_that_is_not_a_request_says_where_it_is(value: bytes) -> None:
+    signal = _record(12, 0, value)
+    assert (signal.kind, signal.id, signal.partition, signal.name) == ("invalid", 12, 0, "kafka-0-12")
+    assert signal.data["error"].startswith("signal topic record 0/12: ")
+
+
+def test_a_signal_topic_request_is_named_by_its_partition_and_offset() -> None:
+    signal = _record(5, 2, b'{"kind": "backfill", "data": {"tables": ["public.t"]}}')
+    assert (signal.kind, signal.data, signal.name) == ("backfill", {"tables": ["public.t"]}, "kafka-2-5")
+    assert _record(6, 0, b'{"kind": "cancel", "data": {"id": "kafka-2-5"}}').data == {"id": "kafka-2-5"}
