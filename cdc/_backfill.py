@@ -38,6 +38,7 @@ import psycopg
 from confluent_kafka import KafkaException
 from psycopg import sql
 
+from cdc._catalog import qualified_name
 from cdc._encoder import PACKED_HEAD, CopyRowRefused, packed_rows
 from cdc._events import ColumnSpec, Position, Stamp, TableCodec
 from cdc._offsets import BackfillProgress, CaptureState
@@ -52,7 +53,7 @@ from cdc._snapshot import (
     parse_binary_copy,
     refuse_read,
 )
-from cdc._source import connect
+from cdc._source import check_and_prepare, connect, publication_tables
 from cdc._window import ChunkWindow, XidSnapshot
 from common.errors import CDCError
 from common.topics import split_table_name
@@ -72,6 +73,7 @@ WATERMARK_PREFIX = "pgcdc.watermark"
 # was committed microseconds before (PostgreSQL makes a transaction visible right after its commit is flushed);
 # a thousand reach half a second back at 2,000 transactions/s.
 _RECENT_XIDS = 1_000
+_PUBLICATION_POLL_S = 10.0  # how often the publication's tables are looked at (when it decides what is captured)
 _READ_AHEAD = 2  # chunks of a backfill in flight: the next is read while one waits for its watermark
 _B, _T, _NULL = ord("b"), ord("t"), ord("n")
 
@@ -333,6 +335,9 @@ class Backfills:
         if note is not None:
             log.warning("%s", note)
         self._topic = self._signal_topic(attached)
+        self._published_at = time.monotonic()  # when the publication's tables were last looked at
+        self._gate: tuple[list[str], int] | None = None  # tables new to the publication, and the xid gate
+        self._added: list[str] = []  # tables the publication gained, not yet in the state
         ctx.metrics.backfills_changed([b.to_json() for b in state.backfills])
 
     def _signal_topic(self, attached: Attached) -> SignalTopic | None:
@@ -359,7 +364,10 @@ class Backfills:
         if now - self._polled >= self._ctx.settings.capture.signal_poll_s:
             self._polled = now
             self._poll()
-        if self._taken or (self._inflight and self._inflight[0].writable()):
+        if now - self._published_at >= _PUBLICATION_POLL_S and not self._ctx.settings.source.tables:
+            self._published_at = now
+            self._watch_publication()
+        if self._taken or self._added or (self._inflight and self._inflight[0].writable()):
             return True
         self._start(now)
         return False
@@ -373,6 +381,9 @@ class Backfills:
                 offsets = state.signal_offsets
                 offsets[signal.partition] = max(offsets.get(signal.partition, 0), signal.id + 1)
         self._taken = []
+        if self._added:
+            plan_new_tables(state, [t.qualified for t in self._attached.report.tables], self._ctx.settings)
+            self._added = []
         self.write(writer)
 
     def on_watermark(self, content: bytes, lsn: int) -> bool:
@@ -421,6 +432,41 @@ class Backfills:
             if error != self._signal_error:  # said once, not every poll
                 log.warning("cannot read the requests (signal table %s, topic): %s", self._signals.name, error)
             self._signal_error = error
+
+    def _watch_publication(self) -> None:
+        """Tables the publication gained while streaming (it decides what is captured: source.tables is empty)
+        are backfilled, like tables added to the configuration, once every transaction that was running when
+        they were seen has ended: one of those may have written a table before it was published, and pgoutput
+        does not stream such changes, so a chunk read before they end could miss them."""
+        conn = self._attached.sql
+        try:
+            if self._gate is None:
+                published = [
+                    qualified_name(s, t) for s, t in publication_tables(conn, self._ctx.settings.source.publication)
+                ]
+                new = [t for t in published if t not in self._tables]
+                if not new:
+                    return
+                row = conn.execute("SELECT pg_snapshot_xmax(pg_current_snapshot())::text::bigint").fetchone()
+                assert row is not None
+                self._gate = (new, int(row[0]))
+                log.info("the publication gained %s: backfilled once the transactions running now end", ", ".join(new))
+            row = conn.execute("SELECT pg_snapshot_xmin(pg_current_snapshot())::text::bigint").fetchone()
+            assert row is not None
+            if int(row[0]) < self._gate[1]:
+                return
+            report = check_and_prepare(conn, self._ctx.settings, dry_run=True, allow_active_slot=True)
+        except (psycopg.Error, CDCError) as exc:
+            log.warning("cannot look at the publication's tables: %s", str(exc).strip())
+            return
+        self._gate = None
+        mine = self._attached.report
+        for info in report.tables:
+            if info.qualified not in self._tables:
+                self._tables[info.qualified] = info
+                mine.tables.append(info)
+                mine.key_columns[info.qualified] = report.key_columns[info.qualified]
+                self._added.append(info.qualified)
 
     def _take(self, signal: Signal, state: CaptureState) -> None:
         data, name = signal.data, signal.name

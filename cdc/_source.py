@@ -134,7 +134,7 @@ def _captured_names(
             f"or create the publication {src.publication!r} yourself",
             check="tables",
         )
-    names = _publication_tables(conn, src.publication)
+    names = publication_tables(conn, src.publication)
     if not names:
         raise SourceCheckError(
             f"publication {src.publication!r} contains no tables; add some or list them in source.tables",
@@ -175,7 +175,7 @@ def _check_publication(conn: psycopg.Connection[Any], publication: str, tables: 
             "SET (publish_via_partition_root = true)",
             check="publication-partitions",
         )
-    present = set(_publication_tables(conn, publication))
+    present = set(publication_tables(conn, publication))
     missing = [t for t in tables if (t.schema, t.name) not in present]
     if missing:
         listing = ", ".join(_quoted(t) for t in missing)
@@ -223,7 +223,7 @@ def _align_publication(
     ).fetchone()
     if row is None or row[0] or row[1] != OWNED_COMMENT:
         return [], []
-    present = set(_publication_tables(conn, publication))
+    present = set(publication_tables(conn, publication))
     wanted = {(t.schema, t.name) for t in tables}
     ident = sql.Identifier(publication)
     stmts = []
@@ -318,7 +318,7 @@ def _publication_exists(conn: psycopg.Connection[Any], publication: str) -> bool
     return conn.execute("SELECT 1 FROM pg_publication WHERE pubname = %s", (publication,)).fetchone() is not None
 
 
-def _publication_tables(conn: psycopg.Connection[Any], publication: str) -> list[tuple[str, str]]:
+def publication_tables(conn: psycopg.Connection[Any], publication: str) -> list[tuple[str, str]]:
     rows = conn.execute(
         "SELECT schemaname, tablename FROM pg_publication_tables WHERE pubname = %s ORDER BY 1, 2", (publication,)
     ).fetchall()

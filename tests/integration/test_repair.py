@@ -6,6 +6,8 @@ deleted and another changed, an OpenSearch document removed and one added that t
 row updated (Spark SQL's UPDATE), and an event with wrong values produced into the topic carrying the key's latest
 position (the stores take it: a replayed position is applied). `cdc verify` reports each; `--repair` re-emits
 only those keys (the backfill's count is the report's), and every store ends clean, the topic with it.
+
+And a table the publication gains while everything runs is backfilled into every store, `cdc verify` clean.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import io
 import json
 import re
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -35,6 +38,7 @@ from tests.integration._sinks_helpers import (
     cdc,
     create_pipeline_tables,
 )
+from tests.integration.test_backfill import _write
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
@@ -224,5 +228,45 @@ def test_verify_repair_re_emits_only_the_keys_that_differ(
             names: dict[int, str] = dict(conn.execute("SELECT id, name FROM items").fetchall())
         assert latest == names
     finally:
+        sinks.stop()
+        capture.stop()
+
+
+def test_a_table_the_publication_gains_while_streaming_is_backfilled_into_every_store(
+    *, source: str, stack: Stack, unique: str, tmp_path: Path
+) -> None:
+    """The publication decides what is captured (source.tables empty): a table with 200,000 rows added to it
+    while the capture, the sinks and writes on that table run is backfilled, and `cdc verify` of the three stores
+    is clean afterwards."""
+    create_pipeline_tables(source)
+    with psycopg.connect(source, autocommit=True) as conn:
+        conn.execute(f'CREATE PUBLICATION "p_{unique}" FOR TABLE items, "Notes"')
+    prefix = f"r{unique}"
+    cfg = stack.config(source, [], prefix=prefix, unique=unique, workdir=tmp_path)
+    capture = cfg.start(tmp_path)
+    config = tmp_path / "cdc.toml"
+    sinks = SinksProcess(config, tmp_path / "sinks.log")
+    done = threading.Event()
+    writes: list[float] = []
+    try:
+        capture.wait_streaming(180)
+        sinks.start()
+        wait_for(lambda: sinks.batches() >= 2, 240, "the sinks' first batches", sinks)
+        with psycopg.connect(source, autocommit=True) as conn:
+            conn.execute("CREATE TABLE added (id int PRIMARY KEY, v int NOT NULL)")
+            conn.execute("INSERT INTO added SELECT g, 0 FROM generate_series(1, 200000) g")
+        writer = threading.Thread(target=_write, args=(source, "added", 200000, done, writes))
+        writer.start()
+        with psycopg.connect(source, autocommit=True) as conn:
+            conn.execute(f'ALTER PUBLICATION "p_{unique}" ADD TABLE added')
+        backfilled = re.compile(r"backfill added\.\S+ of public\.added done")
+        wait_for(lambda: backfilled.search(capture.log.read_text()), 180, "the backfill", capture)
+        done.set()
+        writer.join(30)
+        assert len(writes) > 100, "the table was hardly written while it was backfilled"
+        assert "the publication gained public.added" in capture.log.read_text()
+        assert_no_drift(config, sinks)
+    finally:
+        done.set()
         sinks.stop()
         capture.stop()
