@@ -50,8 +50,10 @@ from cdc._snapshot import (
     _Range,
     _RangeJob,
     _rows_and_last,
+    key_types,
     parse_binary_copy,
     refuse_read,
+    typed_columns,
 )
 from cdc._source import check_and_prepare, connect, publication_tables
 from cdc._window import ChunkWindow, XidSnapshot
@@ -81,21 +83,26 @@ _B, _T, _NULL = ord("b"), ord("t"), ord("n")
 class KeyList:
     """The chunks of a backfill of listed keys (``cdc verify --repair``, ``cdc snapshot --keys``): the keys in
     the order listed, ``rows`` per chunk. Those the table has are read as rows; those it no longer has are read
-    too, as rows of the table's type with only their key (``jsonb_populate_recordset`` makes PostgreSQL parse
-    each key's text with its column's type), and written as deletes.
+    too, as their key columns alone (``jsonb_to_recordset`` makes PostgreSQL parse each key's text as its
+    column's type), and written as deletes.
 
     A key is a JSON object of the key columns' values as PostgreSQL prints them (what `cdc verify` lists)."""
 
-    def __init__(self, job: _RangeJob, key_names: Sequence[str], keys: list[dict[str, str]]) -> None:
+    def __init__(
+        self, job: _RangeJob, key_names: Sequence[str], key_types: Sequence[str], keys: list[dict[str, str]]
+    ) -> None:
         self.job = job
         self.keys = keys
         self._names = list(key_names)
+        self._types = list(key_types)  # format_type output
+        names = [c.name for c in job.work.table.columns]
+        self.positions = [names.index(k) for k in key_names]  # the key columns' places in a row
 
-    def _listed(self, after: list[str] | None, limit: int) -> sql.Composed:
+    def _listed(self, after: list[str] | None, limit: int, alias: str) -> sql.Composed:
         start = _count(after)
         listed = json.dumps(self.keys[start : start + limit])
-        return sql.SQL("jsonb_populate_recordset(NULL::{}, {}::jsonb)").format(
-            self.job.work.table.ident(), sql.Literal(listed)
+        return sql.SQL("jsonb_to_recordset({}::jsonb) AS {}({})").format(
+            sql.Literal(listed), sql.Identifier(alias), typed_columns(self._names, self._types)
         )
 
     def _columns(self, alias: str) -> sql.Composed:
@@ -106,27 +113,38 @@ class KeyList:
     def query_for(self, after: list[str] | None, limit: int) -> sql.Composed:
         """The rows the table has of the chunk's keys."""
         return sql.SQL(
-            "COPY (SELECT {} FROM {} AS src WHERE ({}) IN (SELECT {} FROM {} AS k)) TO STDOUT (FORMAT binary)"
+            "COPY (SELECT {} FROM {} AS src WHERE ({}) IN (SELECT {} FROM {})) TO STDOUT (FORMAT binary)"
         ).format(
             sql.SQL(", ").join(self.job.select_cols),
             self.job.work.table.ident(),
             self._columns("src"),
             self._columns("k"),
-            self._listed(after, limit),
+            self._listed(after, limit, "k"),
         )
 
     def absent_for(self, after: list[str] | None, limit: int) -> sql.Composed:
-        """The chunk's keys the table does not have, as rows with only their key columns."""
+        """The chunk's keys the table does not have: their key columns, read as the rows' are."""
         return sql.SQL(
-            "COPY (SELECT {} FROM {} AS src WHERE NOT EXISTS (SELECT 1 FROM {} AS x WHERE ({}) = ({}))) "
+            "COPY (SELECT {} FROM {} WHERE NOT EXISTS (SELECT 1 FROM {} AS x WHERE ({}) = ({}))) "
             "TO STDOUT (FORMAT binary)"
         ).format(
-            sql.SQL(", ").join(self.job.select_cols),
-            self._listed(after, limit),
+            sql.SQL(", ").join(self.job.select_cols[i] for i in self.positions),
+            self._listed(after, limit, "src"),
             self.job.work.table.ident(),
             self._columns("x"),
             self._columns("src"),
         )
+
+    def rows_of(self, keys: list[list[bytes | None]]) -> list[list[bytes | None]]:
+        """Key columns (as :meth:`absent_for` reads them) as whole rows: null but for the key."""
+        width = len(self.job.work.table.columns)
+        rows = []
+        for fields in keys:
+            row: list[bytes | None] = [None] * width
+            for position, value in zip(self.positions, fields, strict=True):
+                row[position] = value
+            rows.append(row)
+        return rows
 
     def end(self, after: list[str] | None, limit: int) -> tuple[list[str], bool]:
         """Where the next chunk starts (the keys done so far), and whether this chunk was the last."""
@@ -228,7 +246,7 @@ class ChunkReader:
             absent: list[list[bytes | None]] = []
             if isinstance(keyset, KeyList):
                 copies.send(keyset.absent_for(after, job.rows))
-                absent = parse_binary_copy(copies.receive())
+                absent = keyset.rows_of(parse_binary_copy(copies.receive()))
             count, last = _rows_and_last(data)
             rows, packed, refused = _encode_chunk(
                 keyset.job.codec, keyset.job.work.table.qualified, data, keyset.job.kinds
@@ -299,10 +317,13 @@ def plan_new_tables(state: CaptureState, tables: list[str], settings: Settings) 
     for gone in (t for t in known if t not in tables):
         log.info("%s is no longer captured (not in source.tables or the publication); its topic is left as it is", gone)
     capture = settings.capture
-    for i, table in enumerate(new):
+    ids = {b.id for b in state.backfills}
+    for table in new:
         if capture.backfill_new_tables and capture.snapshot == "initial":
             log.info("%s is new to the capture: its rows are backfilled while streaming", table)
-            state.backfills.append(BackfillProgress(f"added.{state.lsn or 0:X}.{i}", table, reason="added"))
+            id_ = next(i for n in range(len(ids) + 1) if (i := f"added.{state.lsn or 0:X}.{n}") not in ids)
+            ids.add(id_)
+            state.backfills.append(BackfillProgress(id_, table, reason="added"))
         else:
             log.info("%s is new to the capture: only its changes from now on are captured", table)
     state.tables = list(tables)
@@ -459,10 +480,10 @@ class Backfills:
         except (psycopg.Error, CDCError) as exc:
             log.warning("cannot look at the publication's tables: %s", str(exc).strip())
             return
-        self._gate = None
+        gated, self._gate = self._gate[0], None
         mine = self._attached.report
-        for info in report.tables:
-            if info.qualified not in self._tables:
+        for info in report.tables:  # only those the gate waited for: a later one gets a gate of its own
+            if info.qualified in gated and info.qualified not in self._tables:
                 self._tables[info.qualified] = info
                 mine.tables.append(info)
                 mine.key_columns[info.qualified] = report.key_columns[info.qualified]
@@ -549,6 +570,9 @@ class Backfills:
         found.status = {"cancel": "cancelled", "pause": "paused", "resume": "queued"}[kind]  # type: ignore[assignment]
         if kind != "resume":
             self._drop(found)  # the chunks in flight are not written; their watermarks pass by
+        if kind == "cancel":
+            self._keysets.pop(id_, None)
+            self._listed.pop(id_, None)
         log.info("backfill %s of %s: %s", id_, found.table, found.status)
 
     def _drop(self, backfill: BackfillProgress) -> None:
@@ -576,7 +600,10 @@ class Backfills:
             return
         try:
             keyset = self._keyset(backfill, info)
-        except ValueError as exc:
+        except psycopg.OperationalError as exc:  # the connection: tried again at the next boundary
+            log.warning("backfill %s cannot start now: %s", backfill.id, str(exc).strip())
+            return
+        except (ValueError, psycopg.Error) as exc:
             self._failed(backfill, exc)
             return
         codec = keyset.job.codec
@@ -618,7 +645,8 @@ class Backfills:
             codec = self._attached.codecs.for_table(info.schema, info.name, cols, [c.name in key for c in cols])
             job = _RangeJob(_Range(info, 0, None, None), codec, self._ctx.settings.capture.backfill_chunk_rows)
             if backfill.keys is not None:
-                keyset = KeyList(job, key, self._listed_keys(backfill, key))
+                types = key_types(self._attached.sql, info.oid, key)
+                keyset = KeyList(job, key, types, self._listed_keys(backfill, key))
             else:
                 keyset = _Keyset.of(self._attached.sql, job, key)
                 keyset.where = backfill.where
@@ -662,6 +690,7 @@ class Backfills:
         if chunk.done:
             backfill.status = "done"
             self._keysets.pop(backfill.id, None)
+            self._listed.pop(backfill.id, None)
             deleted = f", {backfill.deleted} key(s) it no longer has deleted" if backfill.keys is not None else ""
             log.info(
                 "backfill %s of %s done: %d row(s) in %d chunk(s)%s",

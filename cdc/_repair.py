@@ -24,6 +24,7 @@ from cdc._config import Settings, load_settings
 from cdc._kafka import OffsetStore
 from cdc._offsets import BackfillProgress
 from cdc._signals import SignalTable
+from cdc._snapshot import key_types, typed_columns
 from cdc._source import check_and_prepare, connect
 from common.errors import ConfigError, SourceCheckError, TransientError
 from common.topics import split_table_name
@@ -33,29 +34,30 @@ KEYS_PER_REQUEST = 50_000
 REPAIRED_KINDS = ("missing", "extra", "different")
 
 
-def report_keys(lines: Iterable[str], where: str) -> list[dict[str, Any]]:
-    """The keys a `cdc verify` report (``where``) lists as missing, extra or different: each line's
-    ``columns``. Rows that cannot be encoded are left out: no event can carry them (capture.on_unencodable)."""
+def report_keys(lines: Iterable[str], where: str) -> tuple[list[dict[str, Any]], int]:
+    """The keys a `cdc verify` report (``where``) lists as missing, extra or different (each line's
+    ``columns``), and how many such lines have none (a key PostgreSQL cannot read back from the store's form, or
+    a report from before keys were listed so): a repair cannot re-emit those. Rows that cannot be encoded are
+    left out: no event can carry them (capture.on_unencodable)."""
     keys: list[dict[str, Any]] = []
+    without = 0
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
             item = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):
             raise ConfigError(f"line {number} of {where} is not JSON: {line[:200]!r}") from None
         if not isinstance(item, dict) or item.get("kind") not in (*REPAIRED_KINDS, "unencodable"):
             raise ConfigError(f"line {number} of {where} is not a line of a `cdc verify` report: {line[:200]!r}")
         if item["kind"] == "unencodable":
             continue
         columns = item.get("columns")
-        if not isinstance(columns, dict):
-            raise ConfigError(
-                f"line {number} of {where} has no 'columns' (the key as PostgreSQL prints it): it was written by an "
-                f"older `cdc verify`; run `cdc verify` again for a list a repair can use"
-            )
-        keys.append(columns)
-    return keys
+        if isinstance(columns, dict):
+            keys.append(columns)
+        else:
+            without += 1
+    return keys, without
 
 
 def request_keys(config: Path | Settings | None, table: str, keys: Sequence[Any]) -> list[tuple[str, int]]:
@@ -79,7 +81,9 @@ def request_keys(config: Path | Settings | None, table: str, keys: Sequence[Any]
             checked = parse_keys(list(keys), report.key_columns[info.qualified], info.qualified)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
-        _check_values(conn, info.ident(), checked, settings.capture.backfill_statement_timeout_s)
+        names = report.key_columns[info.qualified]
+        types = key_types(conn, info.oid, names)
+        _check_values(conn, names, types, checked, settings.capture.backfill_statement_timeout_s)
         batches = [checked[i : i + KEYS_PER_REQUEST] for i in range(0, len(checked), KEYS_PER_REQUEST)]
         return [
             (str(signals.send(conn, "backfill", {"tables": [info.qualified], "keys": batch})), len(batch))
@@ -88,7 +92,11 @@ def request_keys(config: Path | Settings | None, table: str, keys: Sequence[Any]
 
 
 def _check_values(
-    conn: psycopg.Connection[Any], ident: sql.Composable, keys: list[dict[str, str]], timeout_s: float
+    conn: psycopg.Connection[Any],
+    names: Sequence[str],
+    types: Sequence[str],
+    keys: list[dict[str, str]],
+    timeout_s: float,
 ) -> None:
     """ConfigError naming the first key PostgreSQL cannot read as its columns' types (in a READ ONLY
     transaction with a statement timeout, rolled back)."""
@@ -98,8 +106,8 @@ def _check_values(
             conn.execute(sql.SQL("SET LOCAL statement_timeout = {}").format(sql.Literal(int(timeout_s * 1000))))
             conn.execute(
                 # A literal, not %s: a quoted identifier may hold a "%s" (see cdc._snapshot).
-                sql.SQL("SELECT count(*) FROM jsonb_populate_recordset(NULL::{}, {}::jsonb)").format(
-                    ident, sql.Literal(json.dumps(keys))
+                sql.SQL("SELECT count(*) FROM jsonb_to_recordset({}::jsonb) AS k({})").format(
+                    sql.Literal(json.dumps(keys)), typed_columns(names, types)
                 )
             )
     except psycopg.Error as exc:
@@ -112,13 +120,16 @@ def wait_for_backfills(config: Path | Settings | None, ids: Sequence[str], timeo
     settings = config if isinstance(config, Settings) else load_settings(config)
     store = OffsetStore(settings.kafka.client_conf(), settings.offsets_topic, settings.source.slot)
     deadline = time.monotonic() + timeout_s
+    finished: dict[str, BackfillProgress] = {}  # kept: the state keeps only the last finished backfills
     while True:
         state = store.load()
-        found = {b.id: b for b in state.backfills} if state is not None else {}
-        if all(i in found and found[i].finished for i in ids):
-            return [found[i] for i in ids]
+        for b in state.backfills if state is not None else []:
+            if b.id in ids and b.finished:
+                finished[b.id] = b
+        if all(i in finished for i in ids):
+            return [finished[i] for i in ids]
         if time.monotonic() >= deadline:
-            waiting = [i for i in ids if i not in found or not found[i].finished]
+            waiting = [i for i in ids if i not in finished]
             raise TransientError(
                 f"backfill(s) {', '.join(waiting)} not finished after {timeout_s:g} s: is `cdc run` running? "
                 f"(cdc snapshot --list shows them; they go on without this command)"

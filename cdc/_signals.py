@@ -120,19 +120,25 @@ class SignalTopic:
         self.topic, self.slot = topic, slot
         self._conf = conf
         self._consumer: Consumer | None = None
+        self._position: dict[int, int] = {}  # per partition, the offset after the last record returned
 
-    def read(self, offsets: dict[int, int]) -> list[Signal]:
-        """The requests after ``offsets`` (updated with where the topic starts for partitions it lacks) that
-        have arrived, without waiting; a record that is not a request is one of kind "invalid"."""
-        consumer = self._consumer or self._open(offsets)
+    def read(self, committed: dict[int, int]) -> list[Signal]:
+        """The requests that have arrived, without waiting; a record that is not a request is one of kind
+        "invalid". The first read starts at ``committed`` (the state's offsets; a partition it lacks gets the
+        topic's end now, which the state's next commit records)."""
+        consumer = self._consumer or self._open(committed)
         out = []
         for msg in consumer.consume(_BATCH, timeout=0):
             error = msg.error()
             if error is not None:
-                if error.code() == KafkaError._PARTITION_EOF:
-                    continue
-                raise KafkaException(error)
+                if error.fatal():  # the consumer is done for: a new one goes on after the last record returned
+                    self.close()
+                    raise KafkaException(error)
+                if error.code() != KafkaError._PARTITION_EOF:
+                    log.warning("reading the signal topic %s: %s", self.topic, error.str())
+                continue
             partition, offset = int(msg.partition() or 0), int(msg.offset() or 0)
+            self._position[partition] = offset + 1
             key, value = msg.key(), msg.value()
             if key is not None and key != self.slot.encode():
                 out.append(Signal(offset, "other", {}, partition))  # another capture's: only its offset is taken
@@ -140,7 +146,7 @@ class SignalTopic:
             out.append(_record(offset, partition, value if isinstance(value, bytes) else b""))
         return out
 
-    def _open(self, offsets: dict[int, int]) -> Consumer:
+    def _open(self, committed: dict[int, int]) -> Consumer:
         consumer = Consumer(
             {
                 **self._conf,
@@ -149,11 +155,17 @@ class SignalTopic:
                 "isolation.level": "read_committed",
             }
         )
-        partitions = list(consumer.list_topics(self.topic, timeout=30).topics[self.topic].partitions)
-        for p in partitions:
-            if p not in offsets:
-                offsets[p] = consumer.get_watermark_offsets(TopicPartition(self.topic, p), timeout=30)[1]
-        consumer.assign([TopicPartition(self.topic, p, offsets[p]) for p in partitions])
+        try:  # short timeouts: this runs on the stream's thread, between transactions
+            partitions = list(consumer.list_topics(self.topic, timeout=5).topics[self.topic].partitions)
+            for p in partitions:
+                if p not in self._position:
+                    if p not in committed:
+                        committed[p] = consumer.get_watermark_offsets(TopicPartition(self.topic, p), timeout=5)[1]
+                    self._position[p] = committed[p]
+            consumer.assign([TopicPartition(self.topic, p, self._position[p]) for p in partitions])
+        except BaseException:
+            consumer.close()
+            raise
         self._consumer = consumer
         return consumer
 
@@ -166,7 +178,7 @@ class SignalTopic:
 def _record(offset: int, partition: int, value: bytes) -> Signal:
     try:
         parsed = json.loads(value)
-    except ValueError:
+    except (ValueError, RecursionError):  # untrusted: "[[[[…" nested past Python's recursion limit
         parsed = None
     if isinstance(parsed, dict) and isinstance(parsed.get("kind"), str) and isinstance(parsed.get("data", {}), dict):
         signal = _signal(offset, parsed["kind"], json.dumps(parsed.get("data", {})))
@@ -180,7 +192,7 @@ def _record(offset: int, partition: int, value: bytes) -> Signal:
 def _signal(id_: int, kind: str, data: str) -> Signal:
     try:
         parsed = json.loads(data)
-    except ValueError:
+    except (ValueError, RecursionError):
         parsed = None
     if kind not in SIGNAL_KINDS or not isinstance(parsed, dict):
         return Signal(id_, "invalid", {"error": f"signal {id_}: kind {kind!r} with data {data!r} is not a request"})

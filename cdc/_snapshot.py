@@ -296,6 +296,26 @@ class _RangeJob:
         return _Chunk(table, self.work.part, rows, packed, last_key, done, refused)
 
 
+def key_types(conn: psycopg.Connection[Any], oid: int, names: Sequence[str]) -> list[str]:
+    """The types of table ``oid``'s columns ``names`` as SQL writes them (format_type: typmods included)."""
+    types = []
+    for name in names:
+        row = conn.execute(
+            "SELECT format_type(atttypid, atttypmod) FROM pg_attribute WHERE attrelid = %s AND attname = %s",
+            (oid, name),
+        ).fetchone()
+        assert row is not None
+        types.append(str(row[0]))
+    return types
+
+
+def typed_columns(names: Sequence[str], types: Sequence[str]) -> sql.Composed:
+    """``"name" type, …``: a record's column definitions (``AS k(…)`` of jsonb_to_recordset)."""
+    return sql.SQL(", ").join(
+        sql.SQL("{} {}").format(sql.Identifier(n), sql.SQL(t)) for n, t in zip(names, types, strict=True)
+    )
+
+
 class _Keyset:
     """A table read in key order: chunk after chunk, each starting after the last key of the one before."""
 
@@ -323,15 +343,7 @@ class _Keyset:
 
     @classmethod
     def of(cls, conn: psycopg.Connection[Any], job: _RangeJob, key_names: Sequence[str]) -> _Keyset:
-        types = []
-        for name in key_names:
-            row = conn.execute(
-                "SELECT format_type(atttypid, atttypmod) FROM pg_attribute WHERE attrelid = %s AND attname = %s",
-                (job.work.table.oid, name),
-            ).fetchone()
-            assert row is not None
-            types.append(str(row[0]))
-        return cls(job, key_names, types)
+        return cls(job, key_names, key_types(conn, job.work.table.oid, key_names))
 
     def literal(self, key: list[str]) -> sql.Composed:
         # The key as literals, not as %s parameters: with parameters psycopg parses the whole query for

@@ -113,9 +113,13 @@ def _repair(args: argparse.Namespace, drifts: list[Any]) -> None:
     for d in drifts:
         if d.clean or d.location is None:
             continue
-        keys = cdc.report_keys((d.location.read_text() or "").splitlines(), d.report)
+        keys, without = cdc.report_keys((d.location.read_text() or "").splitlines(), d.report)
+        if without:
+            print(
+                f"{args.name} {d.table}: {without} key(s) cannot be re-emitted by key: PostgreSQL cannot read them "
+                f"back from the store's form (`cdc sinks rebuild {args.name}` mends those)"
+            )
         if not keys:
-            print(f"{args.name} {d.table}: no key a repair can re-emit")
             continue
         asked = cdc.request_keys(args.config, d.table, keys)
         print(

@@ -13,6 +13,7 @@ captured, the filter planned READ ONLY), so a mistake is said at once, not in th
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +85,13 @@ def run(settings: Settings, args: argparse.Namespace) -> int:
     return 0
 
 
+# Why a listed key may have no columns (docs/sinks.md, "Rebuild and verify").
+_WITHOUT = (
+    "their lines have no 'columns' (a key PostgreSQL cannot read back from the store's form, or a list from "
+    "an older `cdc verify`: run it again); `cdc sinks rebuild` mends those"
+)
+
+
 def _keys(settings: Settings, args: argparse.Namespace) -> int:
     if len(args.tables) != 1 or args.where is not None:
         raise ConfigError("--keys backfills the keys of one table: name that table alone, without --where")
@@ -91,7 +99,9 @@ def _keys(settings: Settings, args: argparse.Namespace) -> int:
         text = args.keys.read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError(f"cannot read the key list {args.keys}: {exc.strerror}") from None
-    keys = report_keys(text.splitlines(), str(args.keys))
+    keys, without = report_keys(text.splitlines(), str(args.keys))
+    if without:
+        print(f"{without} key(s) of {args.keys} cannot be asked for: {_WITHOUT}", file=sys.stderr)
     if not keys:
         print(f"{args.keys} lists no key to backfill")
         return 0

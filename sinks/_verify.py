@@ -21,6 +21,7 @@ there is no drift.
 from __future__ import annotations
 
 import base64
+import binascii
 import hashlib
 import json
 import pickle
@@ -153,13 +154,18 @@ def key_texts(src: Any) -> Callable[[str], dict[str, str] | None]:
     texts = [(column_name(fields[k]), _text_of(fields[k]["type"], names)) for k in src.key_fields]
 
     def columns(key: str) -> dict[str, str] | None:
-        values = json.loads(key)
-        out = {}
-        for (column, text), value in zip(texts, values, strict=True):
-            written = text(value)
-            if written is None:
+        try:  # an extra key is the store's: whatever was written there by hand
+            values = json.loads(key)
+            if not isinstance(values, list) or len(values) != len(texts):
                 return None
-            out[column] = written
+            out = {}
+            for (column, text), value in zip(texts, values, strict=True):
+                written = text(value)
+                if written is None:
+                    return None
+                out[column] = written
+        except (ValueError, TypeError, RecursionError, binascii.Error):
+            return None
         return out
 
     return columns

@@ -36,6 +36,7 @@ def test_a_request_keeps_its_data() -> None:
         b'{"kind": "backfill", "data": [1]}',
         b'{"data": {"tables": ["public.t"]}}',
         b"\xff\xfe",
+        b"[" * 100_000,  # nested past Python's recursion limit: refused, not raised
     ],
 )
 def test_a_signal_topic_record_that_is_not_a_request_says_where_it_is(value: bytes) -> None:

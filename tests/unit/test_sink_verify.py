@@ -146,3 +146,20 @@ def test_keys_are_listed_as_text_postgresql_reads_as_their_types() -> None:
     assert key_texts(source)(json.dumps([1 << 62, "", False, "2026-01-01", "1", 1])) is None
     composite = _Source({}, key_fields=("pair",), row_schema=schema)
     assert key_texts(composite)(json.dumps([{"a": 1}])) is None
+
+
+def test_a_store_key_that_is_no_key_of_the_table_is_extra_without_columns(tmp_path: Path) -> None:
+    """Keys in a store are whatever was written there (a document indexed by hand with its own id): such a key
+    is reported as extra, with no columns to repair it by, and verify goes on."""
+
+    class _Odd(_Store):
+        def read_table(self, ref: TableRef, generation: int) -> Iterator[tuple[str, dict[str, Any]]]:
+            yield from super().read_table(ref, generation)
+            for odd in ("not json", '["a", "b"]', '{"id": 1}', "[[[[[[[["):
+                yield odd, {"id": 0, "v": None}
+
+    reports = location(tmp_path / "verify", StorageConfig())
+    (drift,) = compare(_Odd({1: {"id": 1, "v": 1.0}}), [_Source({1: 1.0})], 3, _table_name, reports)
+    assert drift.counts["extra"] == 4
+    listed = [json.loads(line) for line in (tmp_path / "verify" / "public.t.jsonl").read_text().splitlines()]
+    assert all("columns" not in line for line in listed), listed
