@@ -76,6 +76,7 @@ WATERMARK_PREFIX = "pgcdc.watermark"
 # a thousand reach half a second back at 2,000 transactions/s.
 _RECENT_XIDS = 1_000
 _PUBLICATION_POLL_S = 10.0  # how often the publication's tables are looked at (when it decides what is captured)
+_GATE_SAID_AFTER_S = 30.0  # a backfill waiting this long for old transactions says so
 _READ_AHEAD = 2  # chunks of a backfill in flight: the next is read while one waits for its watermark
 _B, _T, _NULL = ord("b"), ord("t"), ord("n")
 
@@ -359,6 +360,12 @@ class Backfills:
         self._published_at = time.monotonic()  # when the publication's tables were last looked at
         self._gate: tuple[list[str], int] | None = None  # tables new to the publication, and the xid gate
         self._added: list[str] = []  # tables the publication gained, not yet in the state
+        # Tables new to the capture at its start were just published (cdc run aligns its publication): their
+        # backfills wait, as the publication's gains do, for the transactions running now.
+        new = any(b.reason == "added" and b.chunks == 0 and not b.finished for b in state.backfills)
+        self._start_gate = _xmax(attached.sql) if new else None
+        self._gate_checked = 0.0
+        self._gate_said, self._opened = False, time.monotonic()
         ctx.metrics.backfills_changed([b.to_json() for b in state.backfills])
 
     def _signal_topic(self, attached: Attached) -> SignalTopic | None:
@@ -468,13 +475,9 @@ class Backfills:
                 new = [t for t in published if t not in self._tables]
                 if not new:
                     return
-                row = conn.execute("SELECT pg_snapshot_xmax(pg_current_snapshot())::text::bigint").fetchone()
-                assert row is not None
-                self._gate = (new, int(row[0]))
+                self._gate = (new, _xmax(conn))
                 log.info("the publication gained %s: backfilled once the transactions running now end", ", ".join(new))
-            row = conn.execute("SELECT pg_snapshot_xmin(pg_current_snapshot())::text::bigint").fetchone()
-            assert row is not None
-            if int(row[0]) < self._gate[1]:
+            if _xmin(conn) < self._gate[1]:
                 return
             report = check_and_prepare(conn, self._ctx.settings, dry_run=True, allow_active_slot=True)
         except (psycopg.Error, CDCError) as exc:
@@ -594,6 +597,8 @@ class Backfills:
         backfill = self._inflight[-1].backfill if self._inflight else self._next()
         if backfill is None or (self._inflight and self._inflight[-1].future.done() and self._ended()):
             return
+        if backfill.reason == "added" and backfill.chunks == 0 and not self._gate_passed(now):
+            return
         info = self._tables.get(backfill.table)
         if info is None:  # removed from the configuration since it was asked for
             backfill.status, backfill.error = "failed", "the table is no longer captured"
@@ -615,6 +620,30 @@ class Backfills:
         self._inflight.append(_InFlight(backfill, codec, window, marker, self._reader.submit(job)))
         if capture.backfill_rows_per_s:
             self._next_start = now + capture.backfill_chunk_rows / capture.backfill_rows_per_s
+
+    def _gate_passed(self, now: float) -> bool:
+        """Whether every transaction that was running when the capture started has ended (looked at once per
+        capture.signal_poll_s)."""
+        if self._start_gate is None:
+            return True
+        if now - self._gate_checked < self._ctx.settings.capture.signal_poll_s:
+            return False
+        self._gate_checked = now
+        try:
+            if _xmin(self._attached.sql) < self._start_gate:
+                if not self._gate_said and now - self._opened > _GATE_SAID_AFTER_S:
+                    self._gate_said = True
+                    log.warning(
+                        "backfills of tables new to the capture wait for transactions that were running when it "
+                        "started (pg_stat_activity shows them: xact_start; one may have written such a table "
+                        "before it was published)"
+                    )
+                return False
+        except psycopg.Error as exc:
+            log.warning("cannot look at the running transactions: %s", str(exc).strip())
+            return False
+        self._start_gate = None
+        return True
 
     def _ended(self) -> bool:
         """The last chunk in flight read the table to its end (no chunk after it)."""
@@ -747,6 +776,20 @@ def _write_deletes(
     if written:
         metrics.count(codec.topic, "d", written)
     return written
+
+
+def _xmax(conn: psycopg.Connection[Any]) -> int:
+    """The first transaction id not yet assigned: every transaction running now has a smaller one."""
+    row = conn.execute("SELECT pg_snapshot_xmax(pg_current_snapshot())::text::bigint").fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def _xmin(conn: psycopg.Connection[Any]) -> int:
+    """The oldest transaction id still running (or :func:`_xmax` when none is)."""
+    row = conn.execute("SELECT pg_snapshot_xmin(pg_current_snapshot())::text::bigint").fetchone()
+    assert row is not None
+    return int(row[0])
 
 
 def _last_value(conn: psycopg.Connection[Any], statements: sql.Composed) -> str:
