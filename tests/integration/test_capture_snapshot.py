@@ -291,7 +291,9 @@ def _snapshot_in_chunks(
     finally:
         proc.stop()
     topics = AdminClient({"bootstrap.servers": kafka}).list_topics(timeout=30).topics
-    (topic,) = [t for t in topics if t.startswith(f"t{unique}.") and not t.endswith((".offsets", ".messages"))]
+    (topic,) = [
+        t for t in topics if t.startswith(f"t{unique}.") and not t.endswith((".offsets", ".messages", ".signals"))
+    ]
     return proc.log.read_text(), read_topic(kafka, registry, topic)
 
 
