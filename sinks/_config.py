@@ -26,6 +26,15 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+_TRIGGER = "seconds between the starts of this sink's micro-batches; default: sinks.trigger_interval_s"
+
+
+class _SinkSection(_Section):
+    """What every built-in sink's section has besides its store's settings."""
+
+    trigger_interval_s: float | None = Field(default=None, ge=0, description=_TRIGGER)
+
+
 class _Foreign(BaseModel):
     """A section the capture owns: the sinks read a few keys and leave the rest to the capture's checks."""
 
@@ -49,7 +58,7 @@ class RegistrySection(_Foreign, RegistryConnection):
     model_config = ConfigDict(extra="ignore", frozen=True)
 
 
-class SearchConfig(_Section):
+class SearchConfig(_SinkSection):
     url: str = "http://127.0.0.1:9200"
     username: str | None = None
     password: SecretStr | None = None
@@ -59,13 +68,16 @@ class SearchConfig(_Section):
     shards: int = Field(default=1, ge=1)
 
 
-class CacheConfig(_Section):
+class CacheConfig(_SinkSection):
     url: SecretStr = SecretStr("redis://127.0.0.1:6379/0")
     namespace: str | None = Field(default=None, description="key prefix; default: the Kafka topic prefix")
     ttl_s: int | None = Field(default=None, gt=0, description="expire entries this long after their last change")
 
 
-class WarehouseConfig(_Section):
+class WarehouseConfig(_SinkSection):
+    # Each warehouse batch is a Delta commit (a MERGE and a log entry): a few seconds apart, so the table's log
+    # and small files grow by a bounded number per minute and the MERGEs leave the cores to cache and search.
+    trigger_interval_s: float | None = Field(default=5.0, ge=0, description=_TRIGGER)
     path: str = Field(default="warehouse", description="base directory or URI of the Delta tables")
     history: bool = Field(default=False, description="also keep an append-only change history table per table")
 
@@ -76,7 +88,12 @@ class SinksConfig(_Section):
         default=".cdc-sinks", description="checkpoints and status of the queries: a directory or a URI (s3a://…)"
     )
     tables: tuple[str, ...] = Field(default=(), description="'schema.table' names to keep; empty = every table")
-    trigger_interval_s: float = Field(default=1.0, ge=0)
+    trigger_interval_s: float = Field(
+        default=0.0,
+        ge=0,
+        description="seconds between the starts of micro-batches (0: the next batch starts as soon as the last "
+        "has ended and new records are there); a sink's own section can set its own",
+    )
     max_offsets_per_trigger: int | None = Field(default=200_000, ge=1, description="records a batch reads at most")
     rebuild_max_offsets_per_trigger: int | None = Field(
         default=5_000_000,
@@ -103,6 +120,12 @@ class SinksConfig(_Section):
     plugins: dict[str, dict[str, Any]] = Field(
         default_factory=dict, description="settings handed to plugin sinks, by sink name"
     )
+
+    def trigger_for(self, sink: str) -> float:
+        """The micro-batch interval of ``sink``: its own section's, else ``trigger_interval_s``."""
+        section = getattr(self, sink, None) if sink in _BUILTINS else None
+        own = section.trigger_interval_s if isinstance(section, _SinkSection) else None
+        return own if own is not None else self.trigger_interval_s
 
     @field_validator("state_dir", mode="before")
     @classmethod

@@ -96,6 +96,7 @@ class _Status:
 
     path: Location
     data: dict[str, Any] = field(default_factory=dict)
+    _staged: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def load(cls, path: Location) -> _Status:
@@ -110,16 +111,60 @@ class _Status:
         return {}
 
     def update(self, **values: Any) -> None:
+        """Writes ``values`` (and whatever :meth:`stage` held) now."""
         # Read, merge, replace: the app's loop (heartbeats, backoff) and the query's batches write the same
         # file from different threads and objects; none may undo another's fields.
         # Best effort: a full or read-only state disk must not end the app over a status line (the query's
         # own checkpoint writes fail loudly where it matters).
         with _STATUS_LOCK:
+            values, self._staged = {**self._staged, **values}, {}
             try:
                 self.data = {**self._read(self.path), **values, "updated_at": time.time()}
                 self.path.write_text(json.dumps(self.data, indent=2))
             except OSError as exc:
                 log.warning("cannot write %s: %s", self.path, exc)
+
+    def stage(self, **values: Any) -> None:
+        """Takes ``values`` at once (``data``) and writes them within a second, off the caller's thread.
+
+        A batch's figures are written this way: a status file is a read and a write (two requests on an
+        object store), which a batch of a few rows must not wait for.
+        """
+        with _STATUS_LOCK:
+            self.data.update(values)
+            self._staged.update(values)
+        _FLUSHER.add(self)
+
+    def flush(self) -> None:
+        if self._staged:
+            self.update()
+
+
+class _Flusher:
+    """Writes staged status values every half second, on a thread of its own (started on first use)."""
+
+    def __init__(self) -> None:
+        self._statuses: dict[int, _Status] = {}
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def add(self, status: _Status) -> None:
+        with self._lock:
+            self._statuses[id(status)] = status
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="pgcdc-status", daemon=True)
+                self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(0.5)
+            with self._lock:
+                statuses, self._statuses = list(self._statuses.values()), {}
+            for status in statuses:
+                status.flush()
+
+
+_FLUSHER = _Flusher()
 
 
 QueryRole = Literal["serve", "rebuild", "fixed"]
@@ -163,11 +208,13 @@ class SinkQuery:
         self.status.update(generation=generation)
         self.metrics: SinkMetrics | None = None
         self.query: StreamingQuery | None = None
+        self._ends: dict[int, dict[tuple[str, int], int]] = {}  # the last batch's end offsets, by its id
 
     def start(self, metrics: SinkMetrics | None = None) -> StreamingQuery:
         """Starts the query; ``metrics``: the app's, which each batch reports to."""
         self.metrics = metrics
-        interval = self.settings.sinks.trigger_interval_s
+        # A rebuild's batches follow one another at once: nobody reads its generation until the swap.
+        interval = 0.0 if self.rebuild else self.settings.sinks.trigger_for(self.name)
         writer = (
             open_stream(self.spark, self.settings, rebuild=self.rebuild)
             .writeStream.queryName(f"pgcdc-sink-{self.name}-g{self.generation}")
@@ -192,7 +239,7 @@ class SinkQuery:
         if self.follow_swaps and self.sink.current_generation() != self.generation:
             raise RuntimeError(_GENERATION_CHANGED)
         started = time.monotonic()
-        moved = _batch_moves(self.checkpoint, batch_id)
+        moved = self._moves(batch_id)
         if moved is None:  # the checkpoint does not say (not written by Spark as expected): ask the data
             moved = {r["topic"]: _UNKNOWN for r in raw.select("topic").distinct().collect()}
         topics = set(moved)
@@ -214,11 +261,26 @@ class SinkQuery:
                 raw.unpersist()
         self._report(batch_id, outcome, time.monotonic() - started, planned - started)
 
+    def _moves(self, batch_id: int) -> dict[str, int] | None:
+        """The topics batch ``batch_id`` reads and how many offsets each spans, from its checkpoint (Spark writes
+        ``offsets/N`` before running N; N-1's is remembered from the batch before); None if unknown."""
+        try:
+            end = batch_offsets(self.checkpoint, batch_id)
+            before = self._ends.get(batch_id - 1)
+            if before is None and batch_id > 0:
+                before = batch_offsets(self.checkpoint, batch_id - 1)
+        except (OSError, ValueError, AttributeError):
+            return None
+        if end is None:
+            return None
+        self._ends = {batch_id: end}
+        return offsets_moved(before or {}, end)
+
     def _report(self, batch_id: int, outcome: Outcome, elapsed: float, planning: float) -> None:
         totals = self.status.data
         applied_ms = time.time() * 1000
         newest = outcome.newest_ts_ms
-        self.status.update(
+        self.status.stage(
             batches=totals.get("batches", 0) + 1,
             records=totals.get("records", 0) + outcome.records,
             dead_letters=totals.get("dead_letters", 0) + outcome.dead_letters,
@@ -254,6 +316,7 @@ class SinkQuery:
     def stop(self) -> None:
         if self.query is not None and self.query.isActive:
             self.query.stop()
+        self.status.flush()
         self.sink.close()
 
 
@@ -261,19 +324,12 @@ _UNKNOWN = 1 << 40  # offsets of a topic whose start the checkpoint does not say
 _ROWS_PER_SHUFFLE = 25_000  # records per shuffle partition of a batch's fold
 
 
-def _batch_moves(checkpoint: Location, batch_id: int) -> dict[str, int] | None:
-    """The topics batch ``batch_id`` reads and how many offsets each spans, from its checkpoint (Spark writes
-    ``offsets/N`` before running N); None if unknown."""
-    try:
-        end = batch_offsets(checkpoint, batch_id)
-        start = batch_offsets(checkpoint, batch_id - 1) if batch_id > 0 else {}
-    except (OSError, ValueError, AttributeError):
-        return None
-    if end is None:
-        return None
+def offsets_moved(start: dict[tuple[str, int], int], end: dict[tuple[str, int], int]) -> dict[str, int]:
+    """Per topic, how many offsets lie between two batches' end offsets (a partition absent from ``start``:
+    read from its beginning, so the count is unknown and taken as large)."""
     moved: dict[str, int] = {}
     for (topic, partition), offset in end.items():
-        before = (start or {}).get((topic, partition))
+        before = start.get((topic, partition))
         if before != offset:
             moved[topic] = moved.get(topic, 0) + (_UNKNOWN if before is None else offset - before)
     return moved
