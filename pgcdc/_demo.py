@@ -123,7 +123,6 @@ def _sinks_section(sinks: DemoSinks, workdir: Path, run_id: str) -> str:
 [sinks]
 state_dir = "{workdir / "sinks-state"}"
 spark_jars = {jars}
-trigger_interval_s = 1.0
 
 [sinks.search]
 url = "{sinks.opensearch}"

@@ -71,6 +71,7 @@ url = "{self.redis}"
 [sinks.warehouse]
 path = "{warehouse}"
 history = true
+trigger_interval_s = 1.0
 """,
         )
 
