@@ -39,7 +39,7 @@ from sinks._progress import (
     reached,
 )
 from sinks._reader import Decoder, ensure_dead_letter_topic, open_stream
-from sinks._spark import PARALLELISM_KEYS, build_session, submitted_master, under_spark_submit
+from sinks._spark import PARALLELISM_KEYS, build_session, stop_session, submitted_master, under_spark_submit
 from sinks._storage import S3_SCHEMES, Location, hadoop_conf
 from sinks._verify import Drift, compare
 from sinks._write import Outcome, on_driver_plan, on_executors
@@ -389,12 +389,14 @@ def run(settings: SinkSettings, names: Sequence[str], stop: threading.Event) -> 
     cfg = settings.sinks
     metrics = SinkMetrics()
     server = metrics.serve(cfg.metrics_host, cfg.metrics_port) if cfg.metrics_enabled else None
-    supervisor = _Supervisor(settings, usable, spark_session(settings, "pgcdc-sinks"), metrics)
+    spark = spark_session(settings, "pgcdc-sinks")
+    supervisor = _Supervisor(settings, usable, spark, metrics)
     try:
         supervisor.run(stop)
     finally:
         if server is not None:
             server.shutdown()
+        stop_session(spark)
     return 0
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -93,6 +94,36 @@ def build_session(
         # py4j logs the Python traceback of a batch that raised; the runner reports it (in full unless ours).
         logging.getLogger("py4j.clientserver").setLevel(logging.CRITICAL)
     return session
+
+
+def stop_session(session: SparkSession, timeout_s: float = 60.0) -> None:
+    """Stop Spark and wait until every process it started from this one has ended: its JVM and, under it, the
+    Python workers.
+
+    Without this they outlive the app: PySpark's JVM exits only when it reads the end of the pipe from this
+    process, that is after this process has gone, and a supervisor (systemd, a container runtime, a test)
+    that waits for the whole group then finds them still running and kills them. Under spark-submit the JVM is
+    this process's parent, not its child, and is left to spark-submit.
+    """
+    import psutil
+
+    # Spark's processes only: the JVMs this process started and what runs under them (other children of an
+    # application that embeds the sinks are not ours to end).
+    jvm, started = [], []
+    for child in psutil.Process().children():
+        with contextlib.suppress(psutil.NoSuchProcess):  # one that ended meanwhile
+            if child.name() == "java":
+                jvm.append(child)
+                started += [child, *child.children(recursive=True)]
+    session.stop()  # the SparkContext first: executors, Python workers, checkpoints closed cleanly
+    for p in jvm:  # its context is stopped: a SIGTERM runs the JVM's shutdown hooks, which have nothing left to do
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.terminate()
+    _gone, alive = psutil.wait_procs(started, timeout=timeout_s)
+    for p in alive:
+        logging.getLogger(__name__).warning("process %d (%s) did not end with Spark; killing it", p.pid, p.name())
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
 
 
 def _fit_shuffle_partitions(session: SparkSession, conf: Mapping[str, str]) -> None:

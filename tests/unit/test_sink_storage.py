@@ -88,3 +88,14 @@ def test_a_local_directory_that_cannot_be_made_is_named(tmp_path: Path) -> None:
         check_writable(location(tmp_path / "file" / "state", StorageConfig()), "sinks.state_dir")
     check_writable(location(tmp_path / "ok", StorageConfig()), "sinks.state_dir")
     assert list((tmp_path / "ok").iterdir()) == [], "the probe is removed"
+
+
+def test_each_sink_takes_its_own_trigger_interval_else_the_shared_one() -> None:
+    shipped = SinksConfig()
+    # Cache and search start their next batch as soon as the last ended; the warehouse commits every 5 s.
+    assert (shipped.trigger_for("cache"), shipped.trigger_for("search"), shipped.trigger_for("warehouse")) == (0, 0, 5)
+    assert shipped.trigger_for("jsonl") == 0  # a plugin: the shared interval
+    cfg = SinksConfig.model_validate({"trigger_interval_s": 2, "cache": {"trigger_interval_s": 0.5}})
+    assert (cfg.trigger_for("cache"), cfg.trigger_for("search"), cfg.trigger_for("warehouse")) == (0.5, 2, 5)
+    with pytest.raises(ValueError, match="greater than or equal to 0"):
+        SinksConfig.model_validate({"search": {"trigger_interval_s": -1}})
