@@ -22,9 +22,9 @@
    the sinks' own ``applied_ms``: search and cache p50 < 0.3 s and p99 < 0.8 s, the warehouse p99 < 10 s.
    Keeping up: 2,000 changes/s in 20-row
    transactions for ``--heavy-seconds``; freshness as `cdc status` measures it from outside (the age of each
-   sink's oldest unapplied change, sampled every second): p99 < 2 s for search and cache, < 20 s for the
-   warehouse. Restart: `cdc sinks run` is SIGKILLed under load and started again; each sink's first batch
-   after the restart against its median batch before: target ≤ 2x.
+   sink's oldest unapplied change, sampled every second): p99 < 1.5 s for search and cache, < 15 s for the
+   warehouse. Restart: `cdc sinks run` is SIGKILLed under load and started again; from its launch to each
+   sink's first applied batch: target ≤ 5 s for search and cache, ≤ 15 s for the warehouse.
 Cluster (`--cluster`, scenario ``sinks-cluster``, instead of steps 3-5): each sink is rebuilt by `cdc sinks
 rebuild NAME` on local[*], then under spark-submit on the local standalone cluster (a master and two one-core
 workers) with checkpoints and warehouse in the local S3-compatible server; every phase timed, the local run as
@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime
 import json
 import os
 import random
@@ -85,7 +86,8 @@ SINKS = ("search", "cache", "warehouse")
 TABLE = "events"
 LIGHT_P99_S = {"search": 0.8, "cache": 0.8, "warehouse": 10.0}
 LIGHT_P50_S = {"search": 0.3, "cache": 0.3}
-HEAVY_LIMIT_S = {"search": 2.0, "cache": 2.0, "warehouse": 20.0}
+RESTART_LIMIT_S = {"search": 5.0, "cache": 5.0, "warehouse": 15.0}
+HEAVY_LIMIT_S = {"search": 1.5, "cache": 1.5, "warehouse": 15.0}
 HEAVY_RATE = 2000  # changes/s
 HEAVY_TXN_ROWS = 20
 _BATCH_LINE = re.compile(r"sink (\w+): batch (\d+): (\d+) record\(s\) in ([\d.]+)s")
@@ -802,7 +804,8 @@ def _batches_done(env: Env, name: str) -> int:
 def _restart(
     env: Env, sinks: subprocess.Popen[bytes], *, log: Path, out: IO[bytes], config: Path, rows: int, result: Result
 ) -> subprocess.Popen[bytes]:
-    """SIGKILL `cdc sinks run` (its JVM with it) under load, start it again: first batch against the steady."""
+    """SIGKILL `cdc sinks run` (its JVM with it) under load, start it again: how long after its launch each sink
+    has applied its first batch of changes, and that batch's time against the steady ones before."""
     load = _Load(env.dsn, rows * 40 + 1, 200, HEAVY_TXN_ROWS, 90)
     load.start()
     steady_from = log.stat().st_size
@@ -812,27 +815,45 @@ def _restart(
     sinks.wait(30)
     time.sleep(5)
     restarted_at = log.stat().st_size
+    launched = time.time()
     sinks = _cdc(["sinks", "run", "--config", str(config)], out)
     load.join()
     time.sleep(10)
     steady = _batches(log, steady_from, killed_at)
     after = _batches(log, restarted_at)
+    done = _first_applied(log, restarted_at)
     for name in SINKS:
         times = [s for r, s in steady[name] if r > 0]
         typical = statistics.median(times) if times else float("nan")
-        first = after[name][0] if after[name] else (0, float("nan"))
+        first = next(((r, s) for r, s in after[name] if r > 0), (0, float("nan")))
+        applied = done.get(name)
         result.measures.append(
             Measure(
-                f"{name} first batch after a SIGKILL",
+                f"{name} first change applied after a SIGKILL",
                 "s",
-                first[1],
+                round(applied - launched, 1) if applied else float("nan"),
                 higher_is_better=False,
-                limit=round(2 * typical, 2),
-                note=f"{first[0]} records (the changes written while it was down); limit: twice its median batch "
-                f"before, {typical:.2f} s over {len(times)} batches under 200 changes/s",
+                limit=RESTART_LIMIT_S[name],
+                note=f"from the launch of `cdc sinks run` to the end of its first batch with changes ({first[0]} "
+                f"records, the changes written while it was down: {first[1]:.2f} s against a median of "
+                f"{typical:.2f} s over {len(times)} batches before, under 200 changes/s)",
             )
         )
     return sinks
+
+
+def _first_applied(log: Path, start: int) -> dict[str, float]:
+    """Per sink, when (epoch s, from the log line's time) its first batch with records after ``start`` ended."""
+    with open(log, "rb") as f:
+        f.seek(start)
+        text = f.read().decode(errors="replace")
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        m = _BATCH_LINE.search(line)
+        if m and int(m.group(3)) > 0 and m.group(1) not in out:
+            stamp = datetime.datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f")
+            out[m.group(1)] = stamp.timestamp()  # the log's local time, as time.time() counts it
+    return out
 
 
 # -- the run ------------------------------------------------------------------------------------------------

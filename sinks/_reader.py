@@ -22,6 +22,7 @@ from confluent_kafka.schema_registry import SchemaRegistryClient
 from confluent_kafka.schema_registry.error import SchemaRegistryError
 
 from sinks._fold import TopicPlan, TopicSchemas, apply_steps
+from sinks._progress import TopicEnds
 from sinks._values import envelope_row
 from sinks.errors import SinkConfigError, SinkTransientError
 
@@ -72,6 +73,28 @@ def open_stream(spark: SparkSession, settings: SinkSettings, *, rebuild: bool = 
     if most:
         reader = reader.option("maxOffsetsPerTrigger", str(most))
     return reader.load().select("topic", "partition", "offset", "key", "value")
+
+
+def tail_records(spark: SparkSession, settings: SinkSettings, per_partition: int) -> tuple[DataFrame, set[str]] | None:
+    """The last ``per_partition`` committed offsets of each change topic's partitions (a batch read, the same
+    columns as :func:`open_stream`) and the topics they are in; None when the topics hold nothing."""
+    ends = TopicEnds(settings)
+    try:
+        marks = ends.read()
+    finally:
+        ends.close()
+    start: dict[str, dict[str, int]] = {}
+    end: dict[str, dict[str, int]] = {}
+    for (topic, partition), (low, high) in marks.items():
+        if high > low:
+            start.setdefault(topic, {})[str(partition)] = max(low, high - per_partition)
+            end.setdefault(topic, {})[str(partition)] = high
+    if not start:
+        return None
+    reader = spark.read.format("kafka").options(**kafka_options(settings))
+    reader = reader.option("assign", json.dumps({t: [int(p) for p in parts] for t, parts in start.items()}))
+    reader = reader.option("startingOffsets", json.dumps(start)).option("endingOffsets", json.dumps(end))
+    return reader.option("failOnDataLoss", "false").load().select(*_RAW), set(start)
 
 
 @dataclass

@@ -38,11 +38,11 @@ from sinks._progress import (
     checkpoint_offsets,
     reached,
 )
-from sinks._reader import Decoder, ensure_dead_letter_topic, open_stream
+from sinks._reader import Decoder, ensure_dead_letter_topic, open_stream, tail_records
 from sinks._spark import PARALLELISM_KEYS, build_session, stop_session, submitted_master, under_spark_submit
 from sinks._storage import S3_SCHEMES, Location, hadoop_conf
 from sinks._verify import Drift, compare
-from sinks._write import Outcome, on_driver_plan, on_executors
+from sinks._write import Outcome, on_driver_plan, on_executors, rehearse
 from sinks.errors import PluginError, SinkConfigError, SinkError, SinkTerminalError, StateDiskFullError
 
 if TYPE_CHECKING:
@@ -235,6 +235,25 @@ class SinkQuery:
         log.info("sink %s: generation %d streaming (checkpoint %s)", self.name, self.generation, self.checkpoint)
         return self.query
 
+    def warm(self) -> None:
+        """The batch's path once over the last records of each topic, writing nothing (sinks._write.rehearse),
+        in the sink's scheduler pool; a failure here is only logged: the query's first batch meets it again."""
+        started = time.monotonic()
+        context = self.spark.sparkContext
+        pool = context.getLocalProperty("spark.scheduler.pool")
+        context.setLocalProperty("spark.scheduler.pool", f"pgcdc-{self.name}")
+        try:
+            tail = tail_records(self.spark, self.settings, _WARM_RECORDS)
+            if tail is None:
+                return
+            raw, topics = tail
+            rehearse(self.sink, self.decoder.plan(raw.coalesce(1), topics), self.generation)
+            log.info("sink %s: warmed up in %.1fs", self.name, time.monotonic() - started)
+        except Exception as exc:
+            log.info("sink %s: warm-up skipped (%s)", self.name, _short(exc))
+        finally:
+            context.setLocalProperty("spark.scheduler.pool", pool)  # type: ignore[arg-type]
+
     def _batch(self, raw: Any, batch_id: int) -> None:
         if self.follow_swaps and self.sink.current_generation() != self.generation:
             raise RuntimeError(_GENERATION_CHANGED)
@@ -320,6 +339,7 @@ class SinkQuery:
         self.sink.close()
 
 
+_WARM_RECORDS = 3  # per partition: enough for every stage of a batch to run
 _UNKNOWN = 1 << 40  # offsets of a topic whose start the checkpoint does not say (the first batch reads from 0)
 _ROWS_PER_SHUFFLE = 25_000  # records per shuffle partition of a batch's fold
 
@@ -473,6 +493,7 @@ class _Supervisor:
             generation = served_generation(probe)
             probe.close()
             q = self.queries[name] = SinkQuery(name, self.settings, self.spark, generation)
+            q.warm()
             q.start(self.metrics)
             q.status.update(state="running")
             self.metrics.running.labels(name).set(1)

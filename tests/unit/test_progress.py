@@ -9,6 +9,7 @@ from pathlib import Path
 from cdc._metrics import CaptureMetrics
 from sinks._config import SinksConfig, SinkSettings
 from sinks._progress import checkpoint_offsets, reached, sink_progress
+from sinks._runner import offsets_moved
 from sinks._storage import StorageConfig, location
 
 
@@ -132,3 +133,12 @@ def test_snapshot_progress_and_eta() -> None:
     assert m.snapshot["rows_total"] == m.snapshot["rows_done"] == 160
     m.snapshot_finished()
     assert m.snapshot["running"] is False
+
+
+def test_a_batch_spans_the_offsets_between_its_end_and_the_last_batchs_end() -> None:
+    before = {("p.s.a", 0): 10, ("p.s.a", 1): 5, ("p.s.b", 0): 7}
+    end = {("p.s.a", 0): 12, ("p.s.a", 1): 8, ("p.s.b", 0): 7, ("p.s.c", 0): 3}
+    moved = offsets_moved(before, end)
+    assert moved["p.s.a"] == 5  # both partitions
+    assert "p.s.b" not in moved  # nothing new: not read by the batch
+    assert moved["p.s.c"] >= 1 << 40  # a topic new to the query is read from its start: its size is unknown
