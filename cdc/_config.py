@@ -116,12 +116,6 @@ class KafkaConfig(_Section, KafkaConnection):
     transactional_id: str | None = Field(
         default=None, description="default: pgcdc-<slot>; a second instance with the same id fences the first"
     )
-    offsets_topic: str | None = Field(default=None, description="default: <topic_prefix>.offsets")
-    signal_topic: str | None = Field(
-        default=None,
-        description="where requests to the running capture can also be produced (default: <topic_prefix>.signals; "
-        '"" turns it off)',
-    )
     transaction_gap_ms: float = Field(
         default=2.0,
         ge=0,
@@ -236,13 +230,12 @@ class Settings(FileSettings):
 
     @property
     def offsets_topic(self) -> str:
-        return self.kafka.offsets_topic or f"{self.kafka.topic_prefix}.offsets"
+        return self.kafka.offsets_topic_name()
 
     @property
     def signal_topic(self) -> str | None:
         """The Kafka topic of requests (None: off)."""
-        topic = self.kafka.signal_topic
-        return f"{self.kafka.topic_prefix}.signals" if topic is None else topic or None
+        return self.kafka.signal_topic_name()
 
     def topic_for(self, schema: str, table: str) -> str:
         """``<prefix>.<schema>.<table>``; characters Kafka refuses (and dots inside a part) become '_'."""

@@ -14,7 +14,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import ValidationError
+from pydantic import Field, ValidationError
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from common.errors import ConfigError
@@ -50,6 +50,20 @@ class KafkaConnection(KafkaSecurity):
 
     bootstrap_servers: str = "127.0.0.1:9092"
     topic_prefix: str = "pgcdc"
+    offsets_topic: str | None = Field(default=None, description="default: <topic_prefix>.offsets")
+    signal_topic: str | None = Field(
+        default=None,
+        description="where requests to the running capture can also be produced (default: <topic_prefix>.signals; "
+        '"" turns it off)',
+    )
+
+    def offsets_topic_name(self) -> str:
+        """The capture's offsets topic (never a change topic, whatever its name)."""
+        return self.offsets_topic or f"{self.topic_prefix}.offsets"
+
+    def signal_topic_name(self) -> str | None:
+        """The Kafka topic of requests to the capture (None: off; never a change topic, whatever its name)."""
+        return f"{self.topic_prefix}.signals" if self.signal_topic is None else self.signal_topic or None
 
 
 class RegistryConnection(RegistrySecurity):

@@ -460,6 +460,28 @@ def _health(url: str) -> str:
 # --- cdc status --------------------------------------------------------------------------------------
 
 
+def _capture_state(s: Settings, source: dict[str, Any]) -> str:
+    """The running service's state from its health endpoint; what the slot tells when it has none to ask."""
+    cfg = s.metrics
+    if cfg.enabled and cfg.port:
+        host = "127.0.0.1" if cfg.host in ("0.0.0.0", "::", "") else cfg.host  # noqa: S104 - a wildcard bind
+        return _health(f"http://{host}:{cfg.port}/healthz")
+    return _unreachable_state(source, "metrics.port = 0 (any free port)" if cfg.enabled else "metrics.enabled = false")
+
+
+def _unreachable_state(source: dict[str, Any], why: str) -> str:
+    """The capture's state as far as the slot tells it, when its health endpoint cannot be asked (``why``)."""
+    if "error" in source:
+        held = "unknown (the source cannot be reached either)"
+    elif not source.get("exists"):
+        held = "not running (its slot does not exist yet)"
+    elif source.get("active"):
+        held = f"running (a replication connection, pid {source.get('active_pid')}, holds the slot)"
+    else:
+        held = "not running (nothing holds its slot)"
+    return f"{held}; its own state is not known: {why}, so cdc status cannot ask it (set a fixed metrics.port)"
+
+
 def collect_status(settings: Settings, config_path: Path | None) -> dict[str, Any]:
     """One look at everything, from outside the processes: works whether they run or not."""
     from confluent_kafka import Consumer, TopicPartition  # noqa: PLC0415
@@ -474,11 +496,7 @@ def collect_status(settings: Settings, config_path: Path | None) -> dict[str, An
             out["source"]["server_version"] = conn.info.server_version
     except psycopg.Error as exc:
         out["source"]["error"] = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-    # The running service, if any, answers on its health endpoint.
-    cfg = s.metrics
-    if cfg.enabled and cfg.port:
-        host = "127.0.0.1" if cfg.host in ("0.0.0.0", "::", "") else cfg.host  # noqa: S104 - a wildcard bind
-        out["capture"]["service"] = _health(f"http://{host}:{cfg.port}/healthz")
+    out["capture"]["service"] = _capture_state(s, out["source"])
     conf = s.kafka.client_conf()
     try:
         state = OffsetStore(conf, s.offsets_topic, s.source.slot).load()

@@ -153,10 +153,16 @@ class SinkSettings(FileSettings):
         return self.sinks.dead_letter_topic or f"{self.kafka.topic_prefix}.dead-letter"
 
     def topic_pattern(self) -> str:
-        """The change topics: ``<prefix>.<schema>.<table>`` (parts never contain dots, see docs/events.md)."""
+        """The change topics: ``<prefix>.<schema>.<table>`` (parts never contain dots, see docs/events.md),
+        except the capture's own topics (offsets, signals) and the dead-letter topic, whatever their names.
+
+        Java and Python regular expressions alike (Spark's ``subscribePattern``, the lag probe's ``fullmatch``).
+        """
         if self.sinks.tables:
             return "|".join(re.escape(self.topic_for(name)) for name in self.sinks.tables)
-        return re.escape(self.kafka.topic_prefix) + r"\.[A-Za-z0-9_-]+\.[A-Za-z0-9_-]+"
+        own = [self.kafka.offsets_topic_name(), self.kafka.signal_topic_name(), self.dead_letter_topic]
+        not_ours = "".join(f"(?!{re.escape(t)}$)" for t in sorted({t for t in own if t}))
+        return not_ours + re.escape(self.kafka.topic_prefix) + r"\.[A-Za-z0-9_-]+\.[A-Za-z0-9_-]+"
 
     def table_name(self, topic: str) -> str:
         """``<schema>.<table>`` of a change topic, as stores name their objects (the topic without its prefix)."""

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import psycopg
 import pytest
 import redis
 from confluent_kafka import Producer
+from confluent_kafka.admin import AdminClient
 from opensearchpy import OpenSearch
 
 from tests.integration._capture_helpers import scratch_database, wait_for
@@ -139,4 +141,45 @@ def test_an_unreachable_store_does_not_stop_the_other_sinks(
         finally:
             if sinks.alive():
                 sinks.kill()
+            capture.stop()
+
+
+def test_the_capture_s_own_topics_are_not_read_even_when_named_like_change_topics(
+    *, pg_dsn: str, stack: Stack, unique: str, tmp_path: Path
+) -> None:
+    prefix = f"o{unique}"
+    offsets, signals = f"{prefix}.offsets.run1", f"{prefix}.signals.run1"  # both fit <prefix>.<schema>.<table>
+    with scratch_database(pg_dsn, f"own_{unique}") as dsn:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute("CREATE TABLE t (k int PRIMARY KEY, v text)")
+            conn.execute("INSERT INTO t SELECT g, 'v' FROM generate_series(1, 5) g")
+        cfg = stack.config(dsn, ["public.t"], prefix=prefix, unique=unique, workdir=tmp_path)
+        cfg = replace(cfg, kafka_extra=f'offsets_topic = "{offsets}"\nsignal_topic = "{signals}"')
+        capture = cfg.start(tmp_path)
+        sinks = SinksProcess(tmp_path / "cdc.toml", tmp_path / "sinks.log", ["cache"])
+        try:
+            capture.wait_streaming(180)
+            sinks.start()
+            cache = redis.Redis.from_url(stack.redis)
+            with psycopg.connect(dsn, autocommit=True) as conn:
+                for v in range(3):  # each transaction commits an offsets record too
+                    conn.execute("UPDATE t SET v = %s WHERE k = 1", (str(v),))
+            wait_for(
+                lambda: json.loads(cache.hget(f"{prefix}:g1:public.t:[1]", "row") or "{}").get("v") == "2",
+                300,
+                "the last update to reach the cache",
+                None,
+            )
+            admin = AdminClient({"bootstrap.servers": stack.kafka})
+            topics = admin.list_topics(timeout=30).topics
+            assert offsets in topics, sorted(topics)  # there to be read, had the sinks taken it
+            status_file = tmp_path / "state" / "cache" / "status.json"
+            # Its figures are written just after the batch: the batch that applied the last update counted them.
+            wait_for(lambda: json.loads(status_file.read_text()).get("records", 0) >= 8, 60, "the status", None)
+            status = json.loads(status_file.read_text())
+            assert status["dead_letters"] == 0, status
+            letters = dead_letters(stack.kafka, f"{prefix}.dead-letter")
+            assert not letters, letters
+        finally:
+            sinks.stop()
             capture.stop()

@@ -109,3 +109,21 @@ def test_a_field_named_like_the_sinks_own_column_keeps_its_suffixed_column() -> 
     table = [*first.values(), "__op", "__commit_lsn", "__lsn", "__ts_ms", "__applied_ms"]
     assert delta_columns(["id", "__op"], table) == first
     assert first["__op"] != "__op"
+
+
+def test_the_capture_s_own_topics_are_never_change_topics_whatever_their_names() -> None:
+    settings = SinkSettings.model_validate(
+        {
+            "kafka": {"topic_prefix": "demo", "offsets_topic": "demo.offsets.r1", "signal_topic": "demo.signals.r1"},
+            "sinks": {"dead_letter_topic": "demo.dead.letters"},
+        }
+    )
+    pattern = re.compile(settings.topic_pattern())
+    assert pattern.fullmatch("demo.public.orders")
+    assert pattern.fullmatch("demo.offsets.r2")  # a table named like them is still a table
+    for own in ("demo.offsets.r1", "demo.signals.r1", "demo.dead.letters"):
+        assert not pattern.fullmatch(own), own
+    defaults = re.compile(SinkSettings.model_validate({"kafka": {"topic_prefix": "p"}}).topic_pattern())
+    assert defaults.fullmatch("p.s.t")
+    assert not defaults.fullmatch("p.offsets")
+    assert not defaults.fullmatch("p.signals")
