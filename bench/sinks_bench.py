@@ -698,27 +698,18 @@ def _light(env: Env, sampler: _LagSampler, rows: int, args: argparse.Namespace, 
         )
         if own:
             note += f"; the sink's own applied_ms: p50 {percentile(own, 50):.2f} s, p99 {percentile(own, 99):.2f} s"
-        result.measures.append(
-            Measure(
-                f"{name} freshness p99, light load",
-                "s",
-                round(percentile(seen, 99), 2) if seen else float("nan"),
-                higher_is_better=False,
-                limit=LIGHT_P99_S[name],
-                note=note,
-            )
-        )
-        if name in LIGHT_P50_S:
-            result.measures.append(
-                Measure(
-                    f"{name} freshness p50, light load",
-                    "s",
-                    round(percentile(seen, 50), 2) if seen else float("nan"),
-                    higher_is_better=False,
-                    limit=LIGHT_P50_S[name],
-                    note="the same rows' median",
+        for pct, limits, text in ((99, LIGHT_P99_S, note), (50, LIGHT_P50_S, "the same rows' median")):
+            if name in limits:
+                result.measures.append(
+                    Measure(
+                        f"{name} freshness p{pct}, light load",
+                        "s",
+                        round(percentile(seen, pct), 2) if seen else float("nan"),
+                        higher_is_better=False,
+                        limit=limits[name],
+                        note=text,
+                    )
                 )
-            )
 
 
 def _served(env: Env, name: str) -> int:
