@@ -20,7 +20,7 @@ import base64
 import datetime as dt
 import math
 from collections.abc import Callable, Mapping
-from decimal import Decimal
+from decimal import Context, Decimal
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -137,8 +137,26 @@ def _timestamp(micros: int, suffix: str) -> Any:
     return f"{_date(days)}T{_time(rest)}{suffix}"
 
 
+_WIDE = Context(prec=80)  # more digits than any decimal Spark holds (38): quantize never rounds or raises
+
+
 def _decimal_text(value: Decimal) -> str:
     return format(value, "f")
+
+
+def _decimal_at(scale: int) -> Convert:
+    """A decimal of Avro scale ``scale`` as Spark hands it to Python, as text with exactly that many decimals.
+
+    The number is right but its exponent is not always the type's: collected rows cross from the JVM as
+    Java's engineering notation (a decimal(38,10) holding 1E-10 arrives as ``Decimal('100E-12')``), which
+    would print as 0.000000000100. Arrow batches carry the type's scale already (quantize changes nothing).
+    """
+    exponent = Decimal(1).scaleb(-scale)
+
+    def convert(value: Decimal) -> str:
+        return _decimal_text(value.quantize(exponent, context=_WIDE))
+
+    return convert
 
 
 def _decimal_from_bytes(scale: int) -> Convert:
@@ -176,7 +194,8 @@ def doc_converter(avro: AvroType, names: Names, *, spark: bool, namespace: str |
     if isinstance(kind, (dict, list)) or kind not in (*_PRIMITIVES, "record", "array", "map", "enum", "fixed"):
         return doc_converter(kind, names, spark=spark, namespace=namespace)  # nested or a named reference
     if logical == "decimal" and kind in ("bytes", "fixed"):
-        return _nullsafe(_decimal_text) if spark else _nullsafe(_decimal_from_bytes(int(avro.get("scale", 0))))
+        scale = int(avro.get("scale", 0))
+        return _nullsafe(_decimal_at(scale)) if spark else _nullsafe(_decimal_from_bytes(scale))
     if logical == "date" and kind == "int":
         return _nullsafe(_date)
     if logical == "time-micros" and kind == "long":

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import datetime as dt
 import io
-from decimal import Decimal
+from decimal import Context, Decimal
 from typing import Any
 
 import fastavro
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from schemas import avro_mapping, nullable
 from sinks._config import SinkSettings, load_sink_settings
@@ -64,6 +66,23 @@ def test_decimals_are_exact_strings_from_both_sides() -> None:
         as_bytes = unscaled.to_bytes((unscaled.bit_length() + 8) // 8, "big", signed=True)
         assert raw(DEC, as_bytes) == text
         assert doc_converter(DEC, Names(), spark=True)(Decimal(text)) == text
+
+
+@given(st.integers(min_value=-(10**38) + 1, max_value=10**38 - 1), st.integers(min_value=0, max_value=38))
+def test_a_decimal_collected_from_spark_in_any_notation_reads_as_its_raw_bytes_do(unscaled: int, scale: int) -> None:
+    # Collected rows cross from the JVM in Java's engineering notation: decimal(38,10)'s 1E-10 arrives as
+    # Decimal('100E-12'). The document form is the number at the type's scale, whatever its exponent on arrival.
+    schema = {"type": "bytes", "logicalType": "decimal", "precision": 38, "scale": scale}
+    as_bytes = unscaled.to_bytes((unscaled.bit_length() + 8) // 8, "big", signed=True)
+    value = Decimal(unscaled).scaleb(-scale, context=Context(prec=80))  # the default 28 digits would round
+    engineering = Decimal(value.to_eng_string())
+    spark = doc_converter(schema, Names(), spark=True)
+    assert spark(engineering) == spark(value) == raw(schema, as_bytes)
+
+
+def test_numeric_38_10_holding_1e_minus_10_reads_as_postgresql_prints_it() -> None:
+    schema = {"type": "bytes", "logicalType": "decimal", "precision": 38, "scale": 10}
+    assert doc_converter(schema, Names(), spark=True)(Decimal("100E-12")) == "0.0000000001"
 
 
 def test_numeric_union_from_raw_and_from_spark_members() -> None:
