@@ -82,6 +82,7 @@ from sinks._runner import SinkQuery, spark_session
 
 SCENARIO = "sinks"
 CLUSTER_SCENARIO = "sinks-cluster"
+LIVE_SCENARIO = "sinks-live"  # --only-live: the live steps alone
 SINKS = ("search", "cache", "warehouse")
 TABLE = "events"
 LIGHT_P99_S = {"search": 0.8, "cache": 0.8, "warehouse": 10.0}
@@ -858,7 +859,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--heavy-seconds", type=float, default=120.0, help="seconds at 2,000 changes/s")
     parser.add_argument("--no-rebuild", action="store_true", help="skip step 4")
     parser.add_argument("--no-live", action="store_true", help="skip step 5")
-    parser.add_argument("--only-live", action="store_true", help="steps 1, 2 and 5 (no replays, no rebuilds)")
+    parser.add_argument(
+        "--only-live", action="store_true", help="steps 1, 2 and 5 (no replays, no rebuilds): scenario sinks-live"
+    )
     parser.add_argument(
         "--cluster",
         action="store_true",
@@ -920,6 +923,8 @@ def run(argv: list[str] | None = None) -> Result:
     )
     if args.cluster:
         result.scenario = CLUSTER_SCENARIO
+    if args.only_live:
+        result.scenario = LIVE_SCENARIO
     try:
         changes = _workload(env, args.rows, result)
         if args.cluster:
