@@ -17,6 +17,20 @@ from sinks.errors import SinkConfigError
 log = logging.getLogger(__name__)
 
 _BATCH_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+_PHASE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 120.0)
+QUERY_PREFIX = "pgcdc-sink-"  # a sink's query is named pgcdc-sink-<sink>-g<generation>
+
+
+def query_name(sink: str, generation: int) -> str:
+    return f"{QUERY_PREFIX}{sink}-g{generation}"
+
+
+def sink_of_query(name: str | None) -> str | None:
+    """The sink whose query is named ``name`` (None: not one of ours)."""
+    if not name or not name.startswith(QUERY_PREFIX):
+        return None
+    sink, _, generation = name[len(QUERY_PREFIX) :].rpartition("-g")
+    return sink if sink and generation.isdigit() else None
 
 
 class SinkMetrics:
@@ -37,6 +51,39 @@ class SinkMetrics:
             registry=r,
         )
         self.running = Gauge("pgcdc_sink_running", "1 while the sink's streaming query runs", ["sink"], registry=r)
+        self.phase_seconds = Histogram(
+            "pgcdc_sink_batch_phase_seconds",
+            "Where a micro-batch's time goes: Spark's phases (latestOffset, walCommit, addBatch, commitOffsets, "
+            "queryPlanning, triggerExecution…) and, inside addBatch, pgcdc's plan and write",
+            ["sink", "phase"],
+            buckets=_PHASE_BUCKETS,
+            registry=r,
+        )
+
+    def listener(self) -> Any:
+        """A Spark StreamingQueryListener that records each batch's phases (Spark calls it on its listener
+        thread, after the batch: nothing on the batch's own path)."""
+        from pyspark.sql.streaming.listener import StreamingQueryListener
+
+        phases = self.phase_seconds
+
+        class _Phases(StreamingQueryListener):
+            def onQueryStarted(self, event: Any) -> None:  # noqa: N802 - Spark names the methods
+                pass
+
+            def onQueryProgress(self, event: Any) -> None:  # noqa: N802
+                sink = sink_of_query(event.progress.name)
+                if sink is not None:
+                    for phase, ms in (event.progress.durationMs or {}).items():
+                        phases.labels(sink, phase).observe(ms / 1000)
+
+            def onQueryIdle(self, event: Any) -> None:  # noqa: N802
+                pass
+
+            def onQueryTerminated(self, event: Any) -> None:  # noqa: N802
+                pass
+
+        return _Phases()
 
     def serve(self, host: str, port: int) -> Any:
         """Serve /metrics; a port in use is a configuration error (say which, and how to change it)."""

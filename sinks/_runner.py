@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from common.errors import CDCError
 from sinks._api import PartitionSink, Rebuildable, SinkContext
-from sinks._metrics import SinkMetrics
+from sinks._metrics import SinkMetrics, query_name
 from sinks._plugins import load
 from sinks._preflight import check_master, check_writable
 from sinks._progress import (
@@ -209,15 +209,19 @@ class SinkQuery:
         self.metrics: SinkMetrics | None = None
         self.query: StreamingQuery | None = None
         self._ends: dict[int, dict[tuple[str, int], int]] = {}  # the last batch's end offsets, by its id
+        self._listener: Any = None
 
     def start(self, metrics: SinkMetrics | None = None) -> StreamingQuery:
         """Starts the query; ``metrics``: the app's, which each batch reports to."""
         self.metrics = metrics
+        if metrics is not None:  # each query's session has its own listeners
+            self._listener = metrics.listener()
+            self.spark.streams.addListener(self._listener)
         # A rebuild's batches follow one another at once: nobody reads its generation until the swap.
         interval = 0.0 if self.rebuild else self.settings.sinks.trigger_for(self.name)
         writer = (
             open_stream(self.spark, self.settings, rebuild=self.rebuild)
-            .writeStream.queryName(f"pgcdc-sink-{self.name}-g{self.generation}")
+            .writeStream.queryName(query_name(self.name, self.generation))
             .option("checkpointLocation", self.checkpoint.uri)
             .foreachBatch(self._batch)
         )
@@ -278,7 +282,11 @@ class SinkQuery:
         finally:
             if shared:
                 raw.unpersist()
-        self._report(batch_id, outcome, time.monotonic() - started, planned - started)
+        ended = time.monotonic()
+        self._report(batch_id, outcome, ended - started, planned - started)
+        if self.metrics is not None:
+            self.metrics.phase_seconds.labels(self.name, "pgcdc_plan").observe(planned - started)
+            self.metrics.phase_seconds.labels(self.name, "pgcdc_write").observe(ended - planned)
 
     def _moves(self, batch_id: int) -> dict[str, int] | None:
         """The topics batch ``batch_id`` reads and how many offsets each spans, from its checkpoint (Spark writes
@@ -335,6 +343,9 @@ class SinkQuery:
     def stop(self) -> None:
         if self.query is not None and self.query.isActive:
             self.query.stop()
+        if self._listener is not None:
+            self.spark.streams.removeListener(self._listener)
+            self._listener = None
         self.status.flush()
         self.sink.close()
 

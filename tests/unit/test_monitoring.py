@@ -16,7 +16,7 @@ import yaml
 from pgcdc_dev.discovery import tool_or_skip
 
 from cdc._metrics import CaptureMetrics
-from sinks._metrics import SinkMetrics
+from sinks._metrics import SinkMetrics, query_name, sink_of_query
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMETHEUS = ROOT / "deploy" / "prometheus"
@@ -46,6 +46,7 @@ def test_the_exported_metrics_are_the_documented_ones() -> None:
     assert "pgcdc_slot_lag_bytes" in EXPORTED
     assert EXPORTED["pgcdc_events_total"] == "counter"
     assert EXPORTED["pgcdc_sink_batch_seconds"] == "histogram"
+    assert EXPORTED["pgcdc_sink_batch_phase_seconds"] == "histogram"
     assert EXPORTED["pgcdc_capture_info"] == "info"
 
 
@@ -291,3 +292,10 @@ def test_the_wal_position_is_never_shown_behind_the_committed_lsn() -> None:
     assert shown() == 1_500
     m.source_wal(2_000)
     assert shown() == 2_000
+
+
+def test_a_sink_is_known_by_its_query_name() -> None:
+    assert sink_of_query(query_name("cache", 3)) == "cache"
+    assert sink_of_query(query_name("my-g2-sink", 12)) == "my-g2-sink"  # the last -g<N> is the generation
+    assert sink_of_query("someone else's query") is None
+    assert sink_of_query(None) is None
