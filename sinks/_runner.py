@@ -13,6 +13,7 @@ import errno
 import itertools
 import json
 import logging
+import queue
 import re
 import shutil
 import sys
@@ -442,6 +443,8 @@ class _Supervisor:
         self.started_at: dict[str, float] = {}
         self.retry_at: dict[str, float] = {}
         self.given_up: dict[str, SinkTerminalError] = {}
+        self.starting: dict[str, threading.Thread] = {}  # sinks whose start runs on its own thread
+        self._outcomes: queue.SimpleQueue[tuple[str, SinkQuery | None, Exception | None]] = queue.SimpleQueue()
 
     def run(self, stop: threading.Event) -> None:
         for name in self.names:
@@ -451,11 +454,16 @@ class _Supervisor:
             for name in self.names:
                 self._start(name)
             while not stop.is_set():
+                self._started()
                 for name in self.names:
-                    if name not in self.given_up:
+                    if name not in self.given_up and name not in self.starting:
                         self._check(name)
-                stop.wait(1.0)
+                stop.wait(0.2 if self.starting else 1.0)
         finally:
+            for thread in list(self.starting.values()):  # a query started after this would outlive the app
+                thread.join(120)
+            with contextlib.suppress(CDCError):
+                self._started()
             for q in self.queries.values():
                 q.stop()
             for name in self.names:
@@ -498,24 +506,43 @@ class _Supervisor:
         self._back_off(name, f"stopped: {_short(error)}")
 
     def _start(self, name: str) -> None:
+        """Starts the sink on a thread of its own: its warm-up takes seconds, which no other sink waits for."""
         self.started_at[name] = time.monotonic()
+        thread = threading.Thread(target=self._launch, args=(name,), name=f"pgcdc-start-{name}", daemon=True)
+        self.starting[name] = thread
+        thread.start()
+
+    def _launch(self, name: str) -> None:
         try:
             probe = _opened(name, self.settings, 0, self.spark)
             generation = served_generation(probe)
             probe.close()
-            q = self.queries[name] = SinkQuery(name, self.settings, self.spark, generation)
+            q = SinkQuery(name, self.settings, self.spark, generation)
             q.warm()
             q.start(self.metrics)
             q.status.update(state="running")
             self.metrics.running.labels(name).set(1)
-        except SinkTerminalError as exc:
-            self._give_up(name, exc)
-        except Exception as exc:  # the store or Kafka not reachable yet, a plugin's own failure
-            self.queries.pop(name, None)
-            full = _state_disk_full(self.settings, name, exc)
-            if full is not None:
-                raise full from exc
-            self._back_off(name, f"could not start ({_short(exc)})")
+            self._outcomes.put((name, q, None))
+        except Exception as exc:
+            self._outcomes.put((name, None, exc))
+
+    def _started(self) -> None:
+        """Takes the outcome of each start that has ended (on the supervisor's thread, which owns its state)."""
+        while True:
+            try:
+                name, q, exc = self._outcomes.get_nowait()
+            except queue.Empty:
+                return
+            self.starting.pop(name, None)
+            if q is not None:
+                self.queries[name] = q
+            elif isinstance(exc, SinkTerminalError):
+                self._give_up(name, exc)
+            else:  # the store or Kafka not reachable yet, a plugin's own failure
+                full = _state_disk_full(self.settings, name, exc)
+                if full is not None:
+                    raise full from exc
+                self._back_off(name, f"could not start ({_short(exc)})")
 
     def _back_off(self, name: str, why: str) -> None:
         # A query that ran a while before failing starts the backoff over; a crash loop doubles it up to 60 s.
