@@ -43,6 +43,9 @@ VALUE_UNFRAMED = "value is not Confluent-framed Avro (magic byte 0)"
 # Avro types whose values never live out of line (PostgreSQL TOASTs only variable-length values): no
 # unchanged-TOAST filling is planned for them.
 _FIXED_WIDTH = {"boolean", "int", "long", "float", "double"}
+# Spark reads these as its TIME type, which its aggregations refuse (spark.sql.timeType.enabled is off) and
+# Delta Lake cannot store: the fold reads a time of day as the number it is encoded as (µs since midnight).
+_TIME_OF_DAY = ("time-micros", "time-millis")
 
 
 @dataclass(frozen=True)
@@ -79,13 +82,24 @@ def _decoded(body: Column, ids: Column, writers: Mapping[int, str], reader: str)
     from pyspark.sql import functions as F
     from pyspark.sql.avro.functions import from_avro
 
-    options = {"mode": "PERMISSIVE", "avroSchema": reader}
+    options = {"mode": "PERMISSIVE", "avroSchema": _without_times_of_day(reader)}
     out: Column | None = None
     for schema_id_, writer in sorted(writers.items()):
         branch = from_avro(body, writer, options)
         out = F.when(ids == schema_id_, branch) if out is None else out.when(ids == schema_id_, branch)
     assert out is not None  # a registered subject has at least one version
     return out
+
+
+def _without_times_of_day(schema: str) -> str:
+    """``schema`` with the time-of-day logical types dropped (see _TIME_OF_DAY): their longs and ints stay."""
+
+    def plain(node: Any) -> Any:
+        if isinstance(node, dict):
+            return {k: plain(v) for k, v in node.items() if not (k == "logicalType" and v in _TIME_OF_DAY)}
+        return [plain(v) for v in node] if isinstance(node, list) else node
+
+    return json.dumps(plain(json.loads(schema)))
 
 
 def _unknown(ids: Column, known: Mapping[int, str], what: str, subject: str) -> Column:

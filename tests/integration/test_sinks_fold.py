@@ -49,6 +49,7 @@ BYTEA = PgType(17, "bytea")
 JSONB = PgType(3802, "jsonb")
 FLOAT8 = PgType(701, "float8")
 BOOL = PgType(16, "bool")
+TIME = PgType(1083, "time")
 
 _SESSION: list[SparkSession] = []
 
@@ -318,6 +319,19 @@ def test_decoded_rows_equal_the_source_values() -> None:
         "ok": False,
     }
     assert (second.op, second.position, second.offset) == ("r", (100, 95), 11)
+
+
+def test_a_time_of_day_is_read_as_its_microseconds() -> None:
+    """Spark would read Avro's time-micros as its TIME type, which the fold's aggregation refuses."""
+    registry = FakeRegistry()
+    codec = _codec(registry, [("id", INT4, -1), ("t", TIME, -1)])
+    noon, _ = _row(codec, id="1", t="12:34:56.789")
+    midnight, _ = _row(codec, id="2", t="24:00:00")
+    rows = [_raw(0, *_event(codec, "c", noon, 5, 4)), _raw(1, *_event(codec, "c", midnight, 5, 5))]
+    assert [c.row for c in _changes(_decode(_local(registry), rows))] == [
+        {"id": 1, "t": "12:34:56.789000"},
+        {"id": 2, "t": "24:00:00.000000"},
+    ]
 
 
 _texts = st.text(st.characters(exclude_categories=["Cs"], exclude_characters="\x00"), max_size=20)
