@@ -688,7 +688,10 @@ def _light(env: Env, sampler: _LagSampler, rows: int, args: argparse.Namespace, 
     watch.wait(120)
     outside, missing = watch.stop(), watch.missing()
     applied = {k: sorted(v / 1000 for v in values) for k, values in _applied(env, range(first, first + count)).items()}
-    result.series["light_freshness_s"] = {"outside": outside, "applied": applied}
+    result.series["light_freshness_s_percentiles"] = {  # p1 … p100 of each, not every row's figure
+        kind: {name: _percentiles(values) for name, values in figures.items()}
+        for kind, figures in (("outside", outside), ("applied", applied))
+    }
     for name in SINKS:
         seen = outside.get(name, [])
         own = applied.get(name)
@@ -711,6 +714,10 @@ def _light(env: Env, sampler: _LagSampler, rows: int, args: argparse.Namespace, 
                         note=text,
                     )
                 )
+
+
+def _percentiles(values: list[float]) -> list[float]:
+    return [round(percentile(values, p), 3) for p in range(1, 101)] if values else []
 
 
 def _served(env: Env, name: str) -> int:
