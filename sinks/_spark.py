@@ -121,8 +121,8 @@ def stop_session(session: SparkSession, timeout_s: float = 60.0) -> None:
             p.terminate()
     _gone, alive = psutil.wait_procs(started, timeout=timeout_s)
     for p in alive:
-        logging.getLogger(__name__).warning("process %d (%s) did not end with Spark; killing it", p.pid, p.name())
-        with contextlib.suppress(psutil.NoSuchProcess):
+        logging.getLogger(__name__).warning("process %d did not end with Spark; killing it", p.pid)
+        with contextlib.suppress(psutil.NoSuchProcess):  # it may end between the wait and the kill
             p.kill()
 
 
