@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sinks._api import BaseSink, Batch, SinkContext, TableChanges, TableRef, key_id
+from sinks._delta_stats import BatchDates, StatsColumns
 from sinks._preflight import check_writable
 from sinks._storage import location
 from sinks._values import Names, column_name, doc_converter, spark_projection
@@ -93,6 +94,7 @@ class WarehouseSink(BaseSink):
         super().open(context)
         self.base = location(context.settings.sinks.warehouse.path, context.settings.sinks.storage)
         self.history = context.settings.sinks.warehouse.history
+        self.stats = StatsColumns()
         check_writable(self.base, "sinks.warehouse.path")
 
     def path(self, table: str, generation: int) -> str:
@@ -194,8 +196,9 @@ class WarehouseSink(BaseSink):
         source = self._source(table, table.frame, delta)
         columns = list(delta.items())  # (Avro field, Delta column)
         keys = [delta[f["name"]] for f in table.key_schema["fields"]]
+        dates = BatchDates(self._source(table, table.events if table.events is not None else table.frame, delta))
         if not exists:
-            self._create(batch, table, source, path, delta)
+            self._create(batch, table, source, path, (delta, dates))
             return
         target = DeltaTable.forPath(spark, path)
         existing = {c.lower() for c in target.toDF().columns}  # Delta's names ignore case
@@ -204,6 +207,7 @@ class WarehouseSink(BaseSink):
             ddl = ", ".join(f"{_q(f.name)} {f.dataType.simpleString()}" for f in added)
             spark.sql(f"ALTER TABLE delta.{_q(path)} ADD COLUMNS ({ddl})")
             target = DeltaTable.forPath(spark, path)  # the handle above still has the old schema
+        self.stats.guard(spark, path, target.toDF().schema, dates, new=False)
         if table.truncate is not None:
             c, lsn = table.truncate
             target.delete((F.col("__commit_lsn") < c) | ((F.col("__commit_lsn") == c) & (F.col("__lsn") < lsn)))
@@ -223,21 +227,37 @@ class WarehouseSink(BaseSink):
             .execute()
         )
         if self.history and table.events is not None:
-            self._append_history(batch, table, path, delta)
+            self._append_history(batch, table, path, (delta, dates))
 
-    def _append_history(self, batch: Batch, table: TableChanges, path: str, delta: dict[str, str]) -> None:
+    def _append_history(
+        self, batch: Batch, table: TableChanges, path: str, columns: tuple[dict[str, str], BatchDates]
+    ) -> None:
+        from delta.tables import DeltaTable
+
         assert table.events is not None
+        delta, dates = columns
+        spark, history = batch.spark, history_path(path)
+        events = self._source(table, table.events, delta)
+        new = not DeltaTable.isDeltaTable(spark, history)
+        schema = events.schema if new else DeltaTable.forPath(spark, history).toDF().schema
         (
-            self._source(table, table.events, delta)
-            .write.format("delta")
+            events.write.format("delta")
             .mode("append")
             .option("mergeSchema", "true")
+            .options(**self.stats.guard(spark, history, schema, dates, new=new))
             .option("txnAppId", f"pgcdc-{self.context.name}-{table.name}-g{batch.generation}")
             .option("txnVersion", str(batch.batch_id))
-            .save(history_path(path))
+            .save(history)
         )
 
-    def _create(self, batch: Batch, table: TableChanges, source: DataFrame, path: str, delta: dict[str, str]) -> None:
+    def _create(
+        self,
+        batch: Batch,
+        table: TableChanges,
+        source: DataFrame,
+        path: str,
+        columns: tuple[dict[str, str], BatchDates],
+    ) -> None:
         """The batch that creates a table writes its rows as a plain append: into an empty table a MERGE would
         insert exactly the batch's last non-delete event per key (what the fold left), at a join's cost.
 
@@ -245,17 +265,17 @@ class WarehouseSink(BaseSink):
         transaction ids: a replay of the batch after this commit finds the table and takes the MERGE path
         (a no-op for rows already there); a replay of this commit itself is skipped by txnAppId/txnVersion.
         """
+        rows = source.filter("__op <> 'd'").drop(_UNCHANGED)
         (
-            source.filter("__op <> 'd'")
-            .drop(_UNCHANGED)
-            .write.format("delta")
+            rows.write.format("delta")
             .mode("append")
+            .options(**self.stats.guard(batch.spark, path, rows.schema, columns[1], new=True))
             .option("txnAppId", f"pgcdc-{self.context.name}-{table.name}-g{batch.generation}-create")
             .option("txnVersion", str(batch.batch_id))
             .save(path)
         )
         if self.history and table.events is not None:
-            self._append_history(batch, table, path, delta)
+            self._append_history(batch, table, path, columns)
 
 
 def history_path(path: str) -> str:

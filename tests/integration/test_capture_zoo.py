@@ -3,11 +3,12 @@ and text mode, read back from Kafka exactly as PostgreSQL holds it."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,8 @@ from tests.integration._capture_helpers import CdcConfig, wait_for
 from tests.integration.test_types_zoo import ZOO, Zoo, load_pgtype
 from tests.integration.test_types_zoo import zoo as zoo  # noqa: PLC0414 - the fixture, re-exported for pytest
 from tests.unit.test_types import same, strip_logical
+
+Types = Sequence[tuple[str, list[tuple[str, Any]]]]  # (column type, [(SQL expression, expected value)…]), as ZOO
 
 
 def _raw_afters(kafka: str, registry: str, topic: str) -> dict[int, dict[str, Any]]:
@@ -61,20 +64,27 @@ def _raw_afters(kafka: str, registry: str, topic: str) -> dict[int, dict[str, An
 
 @pytest.fixture
 def zoo_table(zoo: Zoo, unique: str) -> Iterator[tuple[str, int]]:
-    table = f"capture_zoo_{unique}"
-    columns = ", ".join(f"c{i} {zoo.column_type(t)}" for i, (t, _) in enumerate(ZOO))
+    with types_table(zoo, f"capture_zoo_{unique}", ZOO) as table:
+        yield table
+
+
+@contextlib.contextmanager
+def types_table(zoo: Zoo, table: str, types: Types) -> Iterator[tuple[str, int]]:
+    """A table of an id and one column ``c<i>`` per entry of ``types``; yields its name and how many rows hold
+    every case (see insert_rows)."""
+    columns = ", ".join(f"c{i} {zoo.column_type(t)}" for i, (t, _) in enumerate(types))
     ident = sql.Identifier(zoo.schema, table)
     zoo.conn.execute(sql.SQL("CREATE TABLE {} (id int PRIMARY KEY, {})").format(ident, sql.SQL(columns)))
     try:
-        yield table, max(len(cases) for _, cases in ZOO)
+        yield table, max(len(cases) for _, cases in types)
     finally:
         zoo.conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(ident))
 
 
-def insert_rows(zoo: Zoo, table: str, first_id: int, rows: int) -> None:
-    """Rows ``first_id``… of the zoo table: row j holds each type's j-th case (NULL past its last)."""
+def insert_rows(zoo: Zoo, table: str, first_id: int, rows: int, types: Types = ZOO) -> None:
+    """Rows ``first_id``… of a table of ``types``: row j holds each type's j-th case (NULL past its last)."""
     for j in range(rows):
-        values = ", ".join(zoo.column_type(cases[j][0]) if j < len(cases) else "NULL" for _, cases in ZOO)
+        values = ", ".join(zoo.column_type(cases[j][0]) if j < len(cases) else "NULL" for _, cases in types)
         zoo.conn.execute(
             sql.SQL("INSERT INTO {} VALUES ({}, {})").format(
                 sql.Identifier(zoo.schema, table), sql.Literal(first_id + j), sql.SQL(values)
@@ -145,8 +155,8 @@ class SourceColumn:
         return {i: None if t is None else self.mapping.from_text(t) for i, t in self.texts.items()}
 
 
-def source_columns(zoo: Zoo, table: str) -> list[SourceColumn]:
-    """Every zoo column of ``table``, in ZOO's order."""
+def source_columns(zoo: Zoo, table: str, types: Types = ZOO) -> list[SourceColumn]:
+    """Every column of ``table`` (a table of ``types``), in their order."""
     ident = sql.Identifier(zoo.schema, table)
     attributes = zoo.conn.execute(
         "SELECT atttypid, atttypmod FROM pg_attribute WHERE attrelid = %s::regclass AND attnum > 1 ORDER BY attnum",
@@ -154,7 +164,7 @@ def source_columns(zoo: Zoo, table: str) -> list[SourceColumn]:
     ).fetchall()
     ids = [r[0] for r in zoo.conn.execute(sql.SQL("SELECT id FROM {} ORDER BY id").format(ident)).fetchall()]
     columns = []
-    for i, ((column_type, _), (oid, typmod)) in enumerate(zip(ZOO, attributes, strict=True)):
+    for i, ((column_type, _), (oid, typmod)) in enumerate(zip(types, attributes, strict=True)):
         # Raw text-format values (a composite of NULLs "IS NULL" too, yet is a value, not SQL NULL).
         cur = zoo.conn.cursor(binary=False)
         cur.execute(sql.SQL("SELECT {} FROM {} ORDER BY id").format(sql.Identifier(f"c{i}"), ident))

@@ -94,14 +94,20 @@ path = "{out_dir}"
                 return [json.loads(line) for line in target.read_text().splitlines()]
 
             def complete() -> bool:
+                # The capture streams while it snapshots, so a snapshot row can reach Kafka after the update
+                # and land in a later batch: wait for every line the test asserts on.
                 lines = received()
-                return any(x["op"] == "u" and x["key"] == {"id": 3} for x in lines) and any(
-                    x["op"] == "d" and x["key"] == {"id": 4} for x in lines
+                snapshot = {x["key"]["id"] for x in lines if x["op"] == "r"}  # type: ignore[index]
+                return (
+                    any(x["op"] == "u" and x["key"] == {"id": 3} for x in lines)
+                    and any(x["op"] == "d" and x["key"] == {"id": 4} for x in lines)
+                    and snapshot >= {1, 2, 20}
                 )
 
-            wait_for(complete, 300, "the plugin's file to hold the update and the delete", None)
+            wait_for(
+                complete, 300, "the plugin's file to hold snapshot rows 1, 2 and 20, the update and the delete", sinks
+            )
             lines = received()
-            assert {x["key"]["id"] for x in lines if x["op"] == "r"} >= {1, 2, 20}  # type: ignore[index]
             update = next(x for x in lines if x["op"] == "u")
             assert update["row"] == {"id": 3, "v": "changed"}
             assert sinks.stop() == 0, sinks.tail()

@@ -22,6 +22,8 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
+import pandas as pd
+import polars as pl
 import psycopg
 import pyarrow as pa
 import pytest
@@ -29,10 +31,11 @@ from deltalake import DeltaTable, QueryBuilder
 from deltalake.exceptions import TableNotFoundError
 from psycopg import sql
 
+from sinks._delta_stats import parse_columns
 from sinks._values import Names, doc_converter
 from tests.integration._capture_helpers import wait_for
-from tests.integration._sinks_helpers import SinksProcess, Stack
-from tests.integration.test_capture_zoo import SourceColumn, insert_rows, source_columns
+from tests.integration._sinks_helpers import SinksProcess, Stack, cdc
+from tests.integration.test_capture_zoo import SourceColumn, Types, insert_rows, source_columns, types_table
 from tests.integration.test_capture_zoo import zoo_table as zoo_table  # noqa: PLC0414 - the fixture, for pytest
 from tests.integration.test_types_zoo import TEXT, ZOO, Zoo, us
 from tests.integration.test_types_zoo import zoo as zoo  # noqa: PLC0414 - the fixture, re-exported for pytest
@@ -50,7 +53,17 @@ def _datafusion(path: Path) -> pa.Table:
     return pa.table(result)
 
 
-READERS: dict[str, Callable[[Path], pa.Table]] = {"pyarrow": _pyarrow, "datafusion": _datafusion}
+def _polars(path: Path) -> pa.Table:
+    return pl.read_delta(str(path)).to_arrow()
+
+
+READERS: dict[str, Callable[[Path], pa.Table]] = {"pyarrow": _pyarrow, "datafusion": _datafusion, "polars": _polars}
+
+# The zoo's top-level scalar types as the first columns of a narrow table: Delta gathers statistics (min, max)
+# for the first 32 leaf columns only, and the zoo's date column is beyond them. Here every edge value lands in
+# a file's statistics, which delta-rs's pyarrow reader parses (sinks._delta_stats).
+EDGE_TYPES = ("date", "timestamp", "timestamptz", "numeric(38,10)", "numeric(12,2)", "numeric", "real", "bytea")
+EDGES = [entry for t in EDGE_TYPES for entry in ZOO if entry[0] == t]
 
 # The Arrow type delta-rs gives each of these zoo columns, and how PostgreSQL's value maps onto it (checked
 # value by value against ZOO's hand-written expectations in _arrow_value):
@@ -67,6 +80,7 @@ EXACT_TYPES = {
     "double precision": pa.float64(),
     "numeric": pa.string(),
     "numeric(12,2)": pa.struct([("member0", pa.decimal128(12, 2)), ("member1", pa.string())]),
+    "numeric(38,10)": pa.struct([("member0", pa.decimal128(38, 10)), ("member1", pa.string())]),
     "text": pa.string(),
     "bytea": pa.binary(),
     "jsonb": pa.string(),
@@ -76,41 +90,76 @@ EXACT_TYPES = {
 }
 
 
-def test_delta_rs_reads_every_zoo_value_exactly(
+def test_delta_rs_and_polars_read_every_zoo_value_exactly_and_verify_finds_no_drift(
     *, zoo: Zoo, zoo_table: tuple[str, int], pg_dsn: str, stack: Stack, unique: str, tmp_path: Path
 ) -> None:
     table, rows = zoo_table
     insert_rows(zoo, table, 1, rows)
-    name = f"{zoo.schema}.{table}"
-    with _warehouse_sink(name, rows, pg_dsn=pg_dsn, stack=stack, unique=unique, workdir=tmp_path) as current:
-        paths = sorted(p for p in current.iterdir() if (p / "_delta_log").is_dir())
-        assert [p.name for p in paths] == [name, f"{name}.history"]  # history = true in the stack's config
-    columns = source_columns(zoo, table)
-    for path in paths:
-        for reader_name, read in READERS.items():
-            where = f"{reader_name} reading {path.name}"
-            frame = read(path)
-            _check_exact_types(frame, columns, where)
-            got = _rows_by_id(frame)
-            assert sorted(got) == sorted(columns[0].texts), where  # every row, once
-            _check_hand_written(got, columns, where)
-            check_every_column(got, columns, where, spark_values=True)
+    with types_table(zoo, f"edges_{unique}", EDGES) as (edges, edge_rows):
+        insert_rows(zoo, edges, 1, edge_rows, EDGES)
+        tables = {f"{zoo.schema}.{table}": (rows, ZOO), f"{zoo.schema}.{edges}": (edge_rows, EDGES)}
+        with _warehouse_sink(tables, pg_dsn=pg_dsn, stack=stack, unique=unique, workdir=tmp_path) as (current, cfg):
+            # `cdc verify` reads the warehouse with Spark and compares every value with PostgreSQL's.
+            result = cdc("verify", "warehouse", "--config", str(cfg), timeout=900)
+            assert result.returncode == 0, f"{result.stdout}\n{result.stderr}"
+            assert "no drift" in result.stdout, result.stdout
+            paths = sorted(p for p in current.iterdir() if (p / "_delta_log").is_dir())
+        assert [p.name for p in paths] == sorted(n + h for n in tables for h in ("", ".history"))
+        stats = _statistics_columns(current / f"{zoo.schema}.{edges}")
+        assert stats is not None, "the edge table's dates beyond years 1..9999 are still in its statistics"
+        assert ("c0",) not in stats, stats  # the date column, and only it
+        assert {("id",), ("c1",), ("c2",), ("c3", "member0")} <= set(stats), stats
+        _check_ways_around(current / f"{zoo.schema}.{edges}", source_columns(zoo, edges, EDGES)[0])
+        for path in paths:
+            name = path.name.removesuffix(".history")
+            rows, types = tables[name]
+            columns = source_columns(zoo, name.split(".")[1], types)
+            for reader_name, read in READERS.items():
+                where = f"{reader_name} reading {path.name}"
+                frame = read(path)
+                _check_exact_types(frame, columns, where)
+                got = _rows_by_id(frame)
+                assert sorted(got) == sorted(columns[0].texts), where  # every row, once
+                _check_hand_written(got, columns, types, where)
+                check_every_column(got, columns, where, spark_values=True)
+
+
+def _check_ways_around(path: Path, dates: SourceColumn) -> None:
+    """Dates Python's ``date`` cannot hold (docs/types.md, "What each reader sees"): pandas keeps them with
+    Arrow's types, polars as its Date, both exact as day numbers."""
+    assert dates.column_type == "date"
+    want = sorted(v for v in dates.values().values() if v is not None)  # days since 1970, ±infinity as int32 max/min
+    with pytest.raises((ValueError, OverflowError)):
+        DeltaTable(str(path)).to_pandas()  # numpy's default conversion builds Python dates
+    frame = DeltaTable(str(path)).to_pandas(types_mapper=pd.ArrowDtype)
+    assert sorted(v for v in pa.array(frame["c0"]).cast(pa.int32()).to_pylist() if v is not None) == want
+    days = pl.read_delta(str(path)).select(pl.col("c0").cast(pl.Int32))["c0"].to_list()
+    assert sorted(v for v in days if v is not None) == want
+
+
+def _statistics_columns(path: Path) -> list[tuple[str, ...]] | None:
+    value = DeltaTable(str(path)).metadata().configuration.get("delta.dataSkippingStatsColumns")
+    return None if value is None else parse_columns(value)
 
 
 @contextlib.contextmanager
-def _warehouse_sink(table: str, rows: int, *, pg_dsn: str, stack: Stack, unique: str, workdir: Path) -> Iterator[Path]:
-    """`cdc run` and `cdc sinks run warehouse` until the table and its history hold ``rows`` rows (counted by
-    delta-rs on the id column alone, which any timestamp encoding leaves readable); yields the served copy."""
-    cfg = stack.config(pg_dsn, [table], prefix=f"w{unique}", unique=unique, workdir=workdir)
+def _warehouse_sink(
+    tables: dict[str, tuple[int, Any]], *, pg_dsn: str, stack: Stack, unique: str, workdir: Path
+) -> Iterator[tuple[Path, Path]]:
+    """`cdc run` and `cdc sinks run warehouse` until each table and its history hold its number of rows
+    (counted by delta-rs on the id column alone, which any timestamp encoding leaves readable); yields the
+    served copy and the configuration file."""
+    cfg = stack.config(pg_dsn, list(tables), prefix=f"w{unique}", unique=unique, workdir=workdir)
     capture = cfg.start(workdir)
     sinks = SinksProcess(workdir / "cdc.toml", workdir / "sinks.log", ["warehouse"])
     current = workdir / "warehouse" / "current"
     try:
         capture.wait_streaming(180)
         sinks.start()
-        for path in (current / table, current / f"{table}.history"):
-            wait_for(lambda p=path: _row_count(p) == rows, 600, f"{rows} rows in {path.name}", sinks)
-        yield current
+        for table, (rows, _) in tables.items():
+            for path in (current / table, current / f"{table}.history"):
+                wait_for(lambda p=path, n=rows: _row_count(p) == n, 600, f"{rows} rows in {path.name}", sinks)
+        yield current, workdir / "cdc.toml"
     finally:
         if sinks.alive():
             sinks.stop()
@@ -150,11 +199,11 @@ def _integral(arrow: pa.DataType) -> pa.DataType:
 
 
 def _plain(arrow: pa.DataType) -> pa.DataType:
-    """Views as the plain layout: DataFusion hands out string_view and binary_view, pyarrow string and binary;
-    an in-memory layout, the same values."""
-    if pa.types.is_string_view(arrow):
+    """Views and large layouts as the plain one: DataFusion hands out string_view and binary_view, polars
+    large_string and large_binary, pyarrow string and binary; an in-memory layout, the same values."""
+    if pa.types.is_string_view(arrow) or pa.types.is_large_string(arrow):
         return pa.string()
-    return pa.binary() if pa.types.is_binary_view(arrow) else arrow
+    return pa.binary() if pa.types.is_binary_view(arrow) or pa.types.is_large_binary(arrow) else arrow
 
 
 def _rows_by_id(frame: pa.Table) -> dict[int, dict[str, Any]]:
@@ -178,7 +227,7 @@ def _arrow_value(column_type: str, expected: Any, text: bytes | None) -> Any:
         return us(expected)
     if isinstance(expected, date):
         return (expected - date(1970, 1, 1)).days
-    if column_type == "numeric(12,2)":
+    if column_type in ("numeric(12,2)", "numeric(38,10)"):
         return (
             {"member0": expected, "member1": None}
             if isinstance(expected, Decimal)
@@ -187,10 +236,11 @@ def _arrow_value(column_type: str, expected: Any, text: bytes | None) -> Any:
     return expected
 
 
-def _check_hand_written(got: dict[int, dict[str, Any]], columns: list[SourceColumn], where: str) -> None:
-    """The EXACT_TYPES columns against ZOO's expectations: row j (id j + 1) holds each type's j-th case."""
+def _check_hand_written(got: dict[int, dict[str, Any]], columns: list[SourceColumn], types: Types, where: str) -> None:
+    """The EXACT_TYPES columns against the hand-written expectations: row j (id j + 1) holds each type's j-th
+    case."""
     mismatches = []
-    for i, (column, (column_type, cases)) in enumerate(zip(columns, ZOO, strict=True)):
+    for i, (column, (column_type, cases)) in enumerate(zip(columns, types, strict=True)):
         if column_type not in EXACT_TYPES:
             continue
         for j, (expression, expected) in enumerate(cases):
