@@ -19,7 +19,7 @@ tables whose statistics still cover a date column.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -101,8 +101,8 @@ class BatchDates:
     """Which date columns of a batch's changes hold a value before year 1 or after 9999: one aggregate over
     the columns asked about first, remembered for the batch's other writes (table and history)."""
 
-    def __init__(self, frame: DataFrame) -> None:
-        self.frame = frame
+    def __init__(self, frame: Callable[[], DataFrame]) -> None:
+        self._frame = frame  # built on the first question: most tables have no date to ask about
         self._known: dict[str, bool] = {}
 
     def beyond_python(self, columns: Sequence[str]) -> set[str]:
@@ -111,12 +111,16 @@ class BatchDates:
         ask = [c for c in columns if c not in self._known]
         if ask:
             low, high = F.expr(f"DATE'{FIRST_DAY}'"), F.expr(f"DATE'{LAST_DAY}'")
-            row = self.frame.select(
-                *[
-                    F.max(F.when((F.col(_q(c)) < low) | (F.col(_q(c)) > high), 1)).alias(f"c{i}")
-                    for i, c in enumerate(ask)
-                ]
-            ).first()
+            row = (
+                self._frame()
+                .select(
+                    *[
+                        F.max(F.when((F.col(_q(c)) < low) | (F.col(_q(c)) > high), 1)).alias(f"c{i}")
+                        for i, c in enumerate(ask)
+                    ]
+                )
+                .first()
+            )
             self._known.update({c: row is not None and row[f"c{i}"] is not None for i, c in enumerate(ask)})
         return {c for c in columns if self._known[c]}
 

@@ -88,7 +88,8 @@ def build_session(
         _fit_shuffle_partitions(session, conf or {})
     if logging.getLogger().getEffectiveLevel() > logging.DEBUG:  # --log-level debug keeps Spark's account
         session.sparkContext.setLogLevel("WARN")  # spark-submit's default is INFO: a line per task
-        _quiet(session, _QUERY_FAILURE_LOGGER)
+        for logger in _QUERY_FAILURE_LOGGERS:
+            _quiet(session, logger)
         # Pools are made on first use, each time with a warning that no allocation file configured it.
         _quiet(session, _POOL_LOGGER, "ERROR")
         # py4j logs the Python traceback of a batch that raised; the runner reports it (in full unless ours).
@@ -152,7 +153,10 @@ def submitted_master() -> str:
 # batch raised). The runner (sinks._runner) reports every failed query itself: one line for a failure it
 # knows (a full state disk, a store refusing its credentials: what, where, how to fix), the whole error for
 # the others. Spark's own copy is silenced so that a known fault does not read as a crash.
-_QUERY_FAILURE_LOGGER = "org.apache.spark.sql.execution.streaming.MicroBatchExecution"
+_QUERY_FAILURE_LOGGERS = (
+    "org.apache.spark.sql.execution.streaming.MicroBatchExecution",  # Spark 4.0
+    "org.apache.spark.sql.execution.streaming.runtime.MicroBatchExecution",  # Spark 4.1 on
+)
 _POOL_LOGGER = "org.apache.spark.scheduler.FairSchedulableBuilder"
 
 

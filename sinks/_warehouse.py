@@ -190,24 +190,25 @@ class WarehouseSink(BaseSink):
 
         spark = batch.spark
         path = self.path(table.name, batch.generation)
-        exists = DeltaTable.isDeltaTable(spark, path)
-        current = DeltaTable.forPath(spark, path).toDF().columns if exists else []
-        delta = delta_columns([f["name"] for f in table.row_schema["fields"]], current)
+        target = DeltaTable.forPath(spark, path) if DeltaTable.isDeltaTable(spark, path) else None
+        schema = target.toDF().schema if target is not None else None
+        delta = delta_columns([f["name"] for f in table.row_schema["fields"]], schema.names if schema else [])
         source = self._source(table, table.frame, delta)
         columns = list(delta.items())  # (Avro field, Delta column)
         keys = [delta[f["name"]] for f in table.key_schema["fields"]]
-        dates = BatchDates(self._source(table, table.events if table.events is not None else table.frame, delta))
-        if not exists:
+        changes = table.events if table.events is not None else table.frame
+        dates = BatchDates(lambda: self._source(table, changes, delta))  # built only for tables with dates
+        if target is None or schema is None:
             self._create(batch, table, source, path, (delta, dates))
             return
-        target = DeltaTable.forPath(spark, path)
-        existing = {c.lower() for c in target.toDF().columns}  # Delta's names ignore case
+        existing = {c.lower() for c in schema.names}  # Delta's names ignore case
         added = [f for f in source.drop(_UNCHANGED).schema.fields if f.name.lower() not in existing]
         if added:  # ALTER TABLE ADD COLUMN at the source: the Delta table gains the column (older rows: null)
             ddl = ", ".join(f"{_q(f.name)} {f.dataType.simpleString()}" for f in added)
             spark.sql(f"ALTER TABLE delta.{_q(path)} ADD COLUMNS ({ddl})")
             target = DeltaTable.forPath(spark, path)  # the handle above still has the old schema
-        self.stats.guard(spark, path, target.toDF().schema, dates, new=False)
+            schema = target.toDF().schema
+        self.stats.guard(spark, path, schema, dates, new=False)
         if table.truncate is not None:
             c, lsn = table.truncate
             target.delete((F.col("__commit_lsn") < c) | ((F.col("__commit_lsn") == c) & (F.col("__lsn") < lsn)))
