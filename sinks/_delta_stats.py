@@ -63,7 +63,7 @@ def _comparable(data_type: DataType) -> bool:
 
 
 def format_columns(columns: Sequence[Path]) -> str:
-    return ",".join(".".join(_q(part) for part in path) for path in columns)
+    return ",".join(".".join(quoted(part) for part in path) for path in columns)
 
 
 def parse_columns(value: str) -> list[Path]:
@@ -115,7 +115,7 @@ class BatchDates:
                 self._frame()
                 .select(
                     *[
-                        F.max(F.when((F.col(_q(c)) < low) | (F.col(_q(c)) > high), 1)).alias(f"c{i}")
+                        F.max(F.when((F.col(quoted(c)) < low) | (F.col(quoted(c)) > high), 1)).alias(f"c{i}")
                         for i, c in enumerate(ask)
                     ]
                 )
@@ -155,8 +155,8 @@ class StatsColumns:
             return {STATS_COLUMNS: format_columns(kept)} if beyond else {}
         if beyond:
             self._listed[path] = kept
-            value = _literal(format_columns(kept))
-            spark.sql(f"ALTER TABLE delta.{_q(path)} SET TBLPROPERTIES ({_literal(STATS_COLUMNS)} = {value})")
+            value = sql_string(format_columns(kept))
+            spark.sql(f"ALTER TABLE delta.{quoted(path)} SET TBLPROPERTIES ({sql_string(STATS_COLUMNS)} = {value})")
         return {}
 
     def _listed_columns(self, spark: SparkSession, path: str) -> list[Path] | None:
@@ -169,9 +169,18 @@ class StatsColumns:
         return self._listed[path]
 
 
-def _q(name: str) -> str:
+def quoted(name: str) -> str:
+    """A Spark SQL identifier: a column or a ``delta.`<path>``` table."""
     return "`" + name.replace("`", "``") + "`"
 
 
-def _literal(text: str) -> str:
+def sql_string(text: str) -> str:
+    """A Spark SQL string literal."""
     return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def has_dates(schema: StructType) -> bool:
+    """Whether a frame has a top-level date column: a write without one cannot need the guard."""
+    from pyspark.sql.types import DateType
+
+    return any(isinstance(f.dataType, DateType) for f in schema.fields)

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sinks._api import BaseSink, Batch, SinkContext, TableChanges, TableRef, key_id
-from sinks._delta_stats import BatchDates, StatsColumns
+from sinks._delta_stats import BatchDates, StatsColumns, has_dates, quoted, sql_string
 from sinks._preflight import check_writable
 from sinks._storage import location
 from sinks._values import Names, column_name, doc_converter, spark_projection
@@ -83,10 +83,6 @@ def _candidates(name: str) -> Iterator[str]:
         n += 1
 
 
-def _q(name: str) -> str:
-    return "`" + name.replace("`", "``") + "`"
-
-
 class WarehouseSink(BaseSink):
     name = "warehouse"
 
@@ -139,7 +135,7 @@ class WarehouseSink(BaseSink):
         delta = delta_columns([f["name"] for f in fields], frame.columns)
         projected = frame.select(
             *[
-                spark_projection(f["type"], F.col(_q(delta[f["name"]])), names).alias(f["name"])
+                spark_projection(f["type"], F.col(quoted(delta[f["name"]])), names).alias(f["name"])
                 if delta[f["name"]] in present
                 else F.lit(None).alias(f["name"])
                 for f in fields
@@ -169,7 +165,7 @@ class WarehouseSink(BaseSink):
 
         key_names = [f["name"] for f in table.key_schema["fields"]]
         cols = [
-            (F.col(f"key.{_q(f['name'])}") if f["name"] in key_names else F.col(f"row.{_q(f['name'])}")).alias(
+            (F.col(f"key.{quoted(f['name'])}") if f["name"] in key_names else F.col(f"row.{quoted(f['name'])}")).alias(
                 delta[f["name"]]
             )
             for f in table.row_schema["fields"]
@@ -199,13 +195,13 @@ class WarehouseSink(BaseSink):
         changes = table.events if table.events is not None else table.frame
         dates = BatchDates(lambda: self._source(table, changes, delta))  # built only for tables with dates
         if target is None or schema is None:
-            self._create(batch, table, source, path, (delta, dates))
+            self._create(batch, table, source, path, delta=delta, dates=dates)
             return
         existing = {c.lower() for c in schema.names}  # Delta's names ignore case
         added = [f for f in source.drop(_UNCHANGED).schema.fields if f.name.lower() not in existing]
         if added:  # ALTER TABLE ADD COLUMN at the source: the Delta table gains the column (older rows: null)
-            ddl = ", ".join(f"{_q(f.name)} {f.dataType.simpleString()}" for f in added)
-            spark.sql(f"ALTER TABLE delta.{_q(path)} ADD COLUMNS ({ddl})")
+            ddl = ", ".join(f"{quoted(f.name)} {f.dataType.simpleString()}" for f in added)
+            spark.sql(f"ALTER TABLE delta.{quoted(path)} ADD COLUMNS ({ddl})")
             target = DeltaTable.forPath(spark, path)  # the handle above still has the old schema
             schema = target.toDF().schema
         self.stats.guard(spark, path, schema, dates, new=False)
@@ -213,39 +209,43 @@ class WarehouseSink(BaseSink):
             c, lsn = table.truncate
             target.delete((F.col("__commit_lsn") < c) | ((F.col("__commit_lsn") == c) & (F.col("__lsn") < lsn)))
         newer = "(s.__commit_lsn > t.__commit_lsn OR (s.__commit_lsn = t.__commit_lsn AND s.__lsn >= t.__lsn))"
-        on = " AND ".join(f"t.{_q(k)} <=> s.{_q(k)}" for k in keys)
+        on = " AND ".join(f"t.{quoted(k)} <=> s.{quoted(k)}" for k in keys)
         kept = {  # unchanged_toast names Avro fields
-            _q(c): f"CASE WHEN array_contains(s.{_UNCHANGED}, {_sql_string(f)}) THEN t.{_q(c)} ELSE s.{_q(c)} END"
+            quoted(
+                c
+            ): f"CASE WHEN array_contains(s.{_UNCHANGED}, {sql_string(f)}) THEN t.{quoted(c)} ELSE s.{quoted(c)} END"
             for f, c in columns
         }
-        meta = {_q(m): f"s.{m}" for m in _META}
+        meta = {quoted(m): f"s.{m}" for m in _META}
         (
             target.alias("t")
             .merge(source.alias("s"), on)
             .whenMatchedDelete(f"s.__op = 'd' AND (s.__commit_lsn IS NULL OR {newer})")
             .whenMatchedUpdate(f"s.__op <> 'd' AND {newer}", {**kept, **meta})
-            .whenNotMatchedInsert("s.__op <> 'd'", {**{_q(c): f"s.{_q(c)}" for _, c in columns}, **meta})
+            .whenNotMatchedInsert("s.__op <> 'd'", {**{quoted(c): f"s.{quoted(c)}" for _, c in columns}, **meta})
             .execute()
         )
         if self.history and table.events is not None:
-            self._append_history(batch, table, path, (delta, dates))
+            self._append_history(batch, table, path, delta, dates)
 
     def _append_history(
-        self, batch: Batch, table: TableChanges, path: str, columns: tuple[dict[str, str], BatchDates]
+        self, batch: Batch, table: TableChanges, path: str, delta: dict[str, str], dates: BatchDates
     ) -> None:
         from delta.tables import DeltaTable
 
         assert table.events is not None
-        delta, dates = columns
         spark, history = batch.spark, history_path(path)
         events = self._source(table, table.events, delta)
-        new = not DeltaTable.isDeltaTable(spark, history)
-        schema = events.schema if new else DeltaTable.forPath(spark, history).toDF().schema
+        guard: dict[str, str] = {}
+        if has_dates(events.schema):  # the history table's schema is read only when a date could need it
+            new = not DeltaTable.isDeltaTable(spark, history)
+            schema = events.schema if new else DeltaTable.forPath(spark, history).toDF().schema
+            guard = self.stats.guard(spark, history, schema, dates, new=new)
         (
             events.write.format("delta")
             .mode("append")
             .option("mergeSchema", "true")
-            .options(**self.stats.guard(spark, history, schema, dates, new=new))
+            .options(**guard)
             .option("txnAppId", f"pgcdc-{self.context.name}-{table.name}-g{batch.generation}")
             .option("txnVersion", str(batch.batch_id))
             .save(history)
@@ -257,7 +257,9 @@ class WarehouseSink(BaseSink):
         table: TableChanges,
         source: DataFrame,
         path: str,
-        columns: tuple[dict[str, str], BatchDates],
+        *,
+        delta: dict[str, str],
+        dates: BatchDates,
     ) -> None:
         """The batch that creates a table writes its rows as a plain append: into an empty table a MERGE would
         insert exactly the batch's last non-delete event per key (what the fold left), at a join's cost.
@@ -270,13 +272,13 @@ class WarehouseSink(BaseSink):
         (
             rows.write.format("delta")
             .mode("append")
-            .options(**self.stats.guard(batch.spark, path, rows.schema, columns[1], new=True))
+            .options(**self.stats.guard(batch.spark, path, rows.schema, dates, new=True))
             .option("txnAppId", f"pgcdc-{self.context.name}-{table.name}-g{batch.generation}-create")
             .option("txnVersion", str(batch.batch_id))
             .save(path)
         )
         if self.history and table.events is not None:
-            self._append_history(batch, table, path, columns)
+            self._append_history(batch, table, path, delta, dates)
 
 
 def history_path(path: str) -> str:
@@ -287,7 +289,3 @@ def history_path(path: str) -> str:
     and the history of ``x`` shared one Delta table.
     """
     return f"{path}.history"
-
-
-def _sql_string(text: str) -> str:
-    return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
