@@ -100,10 +100,11 @@ def projected(
 class ChangeMaker:
     """Rows of a :func:`projected` frame (as Arrow gives them) to :class:`Change` in document form."""
 
-    def __init__(self, key_schema: dict[str, Any], row_schema: dict[str, Any]) -> None:
+    def __init__(self, key_schema: dict[str, Any], row_schema: dict[str, Any], *, spark: bool = True) -> None:
+        """``spark``: rows as a projected frame gives them; else raw Avro values (sinks._taskfold's fold)."""
         names = Names()
-        self._key = doc_converter(key_schema, names, spark=True)
-        self._row = doc_converter(row_schema, names, spark=True)
+        self._key = doc_converter(key_schema, names, spark=spark)
+        self._row = doc_converter(row_schema, names, spark=spark)
         self._columns = {f["name"]: column_name(f) for f in row_schema["fields"]}
 
     def __call__(self, r: Mapping[str, Any]) -> Change:

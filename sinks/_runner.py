@@ -42,8 +42,9 @@ from sinks._progress import (
 from sinks._reader import Decoder, ensure_dead_letter_topic, open_stream, tail_records
 from sinks._spark import PARALLELISM_KEYS, build_session, stop_session, submitted_master, under_spark_submit
 from sinks._storage import S3_SCHEMES, Location, hadoop_conf
+from sinks._taskfold import ONE_TASK_RECORDS, TopicFold
 from sinks._verify import Drift, compare
-from sinks._write import Outcome, on_driver_plan, on_executors, rehearse
+from sinks._write import Outcome, in_one_task, on_driver_plan, on_executors, rehearse
 from sinks.errors import PluginError, SinkConfigError, SinkError, SinkTerminalError, StateDiskFullError
 
 if TYPE_CHECKING:
@@ -252,7 +253,8 @@ class SinkQuery:
             if tail is None:
                 return
             raw, topics = tail
-            rehearse(self.sink, self.decoder.plan(raw.coalesce(1), topics), self.generation)
+            raw = raw.coalesce(1)
+            rehearse(self.sink, self.decoder.plan(raw, topics), self.generation, raw)
             log.info("sink %s: warmed up in %.1fs", self.name, time.monotonic() - started)
         except Exception as exc:
             log.info("sink %s: warm-up skipped (%s)", self.name, _short(exc))
@@ -267,6 +269,12 @@ class SinkQuery:
         if moved is None:  # the checkpoint does not say (not written by Spark as expected): ask the data
             moved = {r["topic"]: _UNKNOWN for r in raw.select("topic").distinct().collect()}
         topics = set(moved)
+        if isinstance(self.sink, PartitionSink) and sum(moved.values()) <= ONE_TASK_RECORDS:
+            folds = [TopicFold(self.decoder.schemas(topic)) for topic in sorted(topics)]
+            planned = time.monotonic()
+            outcome = in_one_task(self.sink, folds, raw, self.settings, (batch_id, self.generation))
+            self._done(batch_id, outcome, started, planned)
+            return
         raw = _sized(raw, sum(moved.values()), self.shuffle_partitions)
         # Several topics: each table's branch reads the batch, so it is read from Kafka once and cached.
         shared = len(topics) > 1
@@ -283,6 +291,9 @@ class SinkQuery:
         finally:
             if shared:
                 raw.unpersist()
+        self._done(batch_id, outcome, started, planned)
+
+    def _done(self, batch_id: int, outcome: Outcome, started: float, planned: float) -> None:
         ended = time.monotonic()
         self._report(batch_id, outcome, ended - started, planned - started)
         if self.metrics is not None:
@@ -353,7 +364,7 @@ class SinkQuery:
 
 _WARM_RECORDS = 3  # per partition: enough for every stage of a batch to run
 _UNKNOWN = 1 << 40  # offsets of a topic whose start the checkpoint does not say (the first batch reads from 0)
-_ROWS_PER_SHUFFLE = 25_000  # records per shuffle partition of a batch's fold
+_ROWS_PER_SHUFFLE = ONE_TASK_RECORDS  # records per shuffle partition of a batch's fold
 
 
 def offsets_moved(start: dict[tuple[str, int], int], end: dict[tuple[str, int], int]) -> dict[str, int]:

@@ -94,7 +94,32 @@ def build_session(
         _quiet(session, _POOL_LOGGER, "ERROR")
         # py4j logs the Python traceback of a batch that raised; the runner reports it (in full unless ours).
         logging.getLogger("py4j.clientserver").setLevel(logging.CRITICAL)
+        logging.getLogger().addFilter(_PY4J_ON_ROOT)  # once: a filter already there is not added again
     return session
+
+
+class _Py4jOnRoot(logging.Filter):
+    """Keeps py4j's records on the root logger for ``--log-level debug``.
+
+    py4j's client logs a failed call and its retry on the root logger, with a traceback, at INFO (ERROR when
+    the retry fails too) and then raises to its caller. A stop can meet it: Python may free its last references to
+    JVM objects while the JVM exits, and such a release finds the connection closed. The
+    caller reports a failure that matters; this account of it reads as a crash.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        import py4j
+
+        self._package = os.path.dirname(os.path.abspath(py4j.__file__)) + os.sep
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not os.path.abspath(record.pathname).startswith(self._package):
+            return True
+        return logging.getLogger().isEnabledFor(logging.DEBUG)
+
+
+_PY4J_ON_ROOT = _Py4jOnRoot()
 
 
 def stop_session(session: SparkSession, timeout_s: float = 60.0) -> None:

@@ -1,7 +1,12 @@
 """Applying one planned micro-batch to a sink: the executor-side path and the frame-based path.
 
-**Executor-side** (:class:`sinks.PartitionSink`: search, cache, plugins that write row by row): one Spark
-action per batch. Each table's fold feeds ``mapInArrow``, whose tasks run the sink's
+**One task** (a :class:`sinks.PartitionSink`'s batch of up to ``sinks._taskfold.ONE_TASK_RECORDS``
+offsets: every live batch): one task reads the batch from Kafka, folds it in Python (sinks._taskfold) and
+runs the sink's :class:`sinks.PartitionWriter` on it, truncates last; the driver's plan is the Kafka read and
+``mapInArrow``, and only refusals and each table's counts come back.
+
+**Executor-side** (a larger batch of a :class:`sinks.PartitionSink`: search, cache, plugins that write row by
+row): one Spark action per batch. Each table's fold feeds ``mapInArrow``, whose tasks run the sink's
 :class:`sinks.PartitionWriter` on their partition and return only what was refused, plus the fold's poison
 rows; the action collects those (rare, and nothing else reaches the driver). Only when there are some does a
 second action join them (broadcast) with the raw records and write them to the dead-letter topic. Counts
@@ -30,8 +35,9 @@ from sinks._api import (
     TableChanges,
     TableInfo,
 )
-from sinks._fold import APPLY_OPS, POISON, TRUNCATE, fold
+from sinks._fold import APPLY_OPS, POISON, TRUNCATE, TopicSchemas, fold
 from sinks._reader import PlannedTable, dead_letters, union_all, write_dead_letters
+from sinks._taskfold import TopicFold
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -40,7 +46,8 @@ if TYPE_CHECKING:
     from sinks._config import SinkSettings
 
 REJECTED = "topic string, partition int, offset long, error string"
-# What an executor task hands back: a record to dead-letter ("rejected") or the table's truncate ("truncate").
+# What an executor task hands back: a record to dead-letter ("rejected"), the table's truncate ("truncate"), or
+# a table's count of records (in ``offset``) and newest commit time ("seen").
 RETURNED = "kind string, topic string, partition int, offset long, error string, commit_lsn long, lsn long, ts_ms long"
 _RETURNED_ARROW = (
     ("kind", "string"),
@@ -210,6 +217,81 @@ def on_executors(
 _TRUNCATES = "topic string, partition int, offset long, error string, commit_lsn long, lsn long, ts_ms long"
 
 
+def in_one_task(
+    sink: Any, folds: Sequence[TopicFold], raw: DataFrame, settings: SinkSettings, batch: tuple[int, int]
+) -> Outcome:
+    """A small batch (see sinks._taskfold): one task reads it, folds it, writes it and applies its truncates;
+    only what was refused and each table's counts come back. A second action writes dead letters when there
+    are some. ``batch``: (batch id, generation)."""
+    batch_id, generation = batch
+    infos = {
+        f.schemas.topic: TableInfo(
+            f.schemas.topic, settings.table_name(f.schemas.topic), f.key_schema, f.row_schema, generation, batch_id
+        )
+        for f in folds
+        if f.schemas.registered
+    }
+    if infos:
+        sink.prepare(list(infos.values()))
+    task = _one_task(sink.partition_writer(), infos, {f.schemas.topic: f for f in folds})
+    records = raw.select("topic", "partition", "offset", "key", "value").coalesce(1)
+    rows = records.mapInArrow(task, RETURNED).collect()
+    return _finished(sink, raw, settings, rows)
+
+
+def _finished(sink: Any, raw: DataFrame, settings: SinkSettings, rows: list[Any]) -> Outcome:
+    """The outcome of :func:`in_one_task`'s action: the dead letters written, the counts added up."""
+    out = Outcome()
+    for r in rows:
+        if r["kind"] == "seen":
+            out.records += int(r["offset"])
+            if r["ts_ms"] is not None:
+                out.newest_ts_ms = max(out.newest_ts_ms or 0, int(r["ts_ms"]))
+    found = [(r["topic"], r["partition"], r["offset"], r["error"]) for r in rows if r["kind"] == "rejected"]
+    if found:
+        refused = raw.sparkSession.createDataFrame(found, REJECTED)
+        out.dead_letters = write_dead_letters(settings, sink.name, dead_letters(raw, refused), len(found))
+    return out
+
+
+def _one_task(
+    writer: PartitionWriter, infos: dict[str, TableInfo], folds: dict[str, TopicFold]
+) -> Callable[[Iterable[pa.RecordBatch]], Iterable[pa.RecordBatch]]:
+    """The task of :func:`in_one_task` (pickled with ``writer`` and the folds' schemas)."""
+
+    def run(batches: Iterable[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        forget_zip_finders()  # for the next task in this worker: see there
+        by_topic: dict[str, list[dict[str, Any]]] = {}
+        for batch in batches:
+            for r in batch.to_pylist():
+                by_topic.setdefault(r["topic"], []).append(r)
+        back: list[tuple[Any, ...]] = []
+        for topic, records in sorted(by_topic.items()):
+            folded = folds.get(topic, TopicFold(TopicSchemas(topic))).fold(records)
+            back.append(("seen", topic, None, folded.records, None, None, None, folded.newest_ts_ms))
+            back.extend(_written(writer, infos.get(topic), folded.rows))
+        if back:
+            yield _returned(back)
+
+    return run
+
+
+def _written(writer: PartitionWriter, info: TableInfo | None, rows: list[dict[str, Any]]) -> list[tuple[Any, ...]]:
+    """A table's folded rows through the writer, its truncate after them; what was refused, as returned rows."""
+    refused = [(r["topic"], r["partition"], r["offset"], r["error"]) for r in rows if r["op"] == POISON or info is None]
+    if info is None:
+        return [("rejected", *r, None, None, None) for r in refused]
+    make = ChangeMaker(info.key_schema, info.row_schema, spark=False)
+    changes = (make(r) for r in rows if r["op"] not in (POISON, TRUNCATE))
+    refused.extend(writer.write(info, changes))
+    for r in rows:
+        if r["op"] == TRUNCATE:  # one per table; after the batch's other writes, as on_executors applies it
+            at = (r["commit_lsn"], r["lsn"], r["ts_ms"])
+            truncate = Change({}, None, TRUNCATE, *at, (), r["partition"], r["offset"])
+            refused.extend(writer.write(info, iter([truncate])))
+    return [("rejected", *r, None, None, None) for r in refused]
+
+
 def _newest_per_topic(rows: list[Any]) -> list[Any]:
     """One truncate per table: the newest (every partition of a topic carries a copy of each)."""
     newest: dict[str, Any] = {}
@@ -242,18 +324,30 @@ class _Draining:
         return ()
 
 
-def rehearse(sink: Any, tables: Sequence[PlannedTable], generation: int) -> None:
+def rehearse(sink: Any, tables: Sequence[PlannedTable], generation: int, raw: DataFrame | None = None) -> None:
     """Run a batch's path over ``tables`` (a few records read from Kafka) without writing anything anywhere.
 
     What a first batch pays once per application is paid here, before the query starts: the JVM loads and
     compiles the decode and fold (generated code is cached by its text, which the query's batches share),
     the Python workers start and import the writer's modules, and the plans are built. Rows reach the tasks'
-    writers filtered out after the fold, so every stage up to the writer runs on real records.
+    writers filtered out after the fold, so every stage up to the writer runs on real records. With ``raw``
+    (the records ``tables`` were planned from), a partition sink also runs a live batch's one task over them
+    (:func:`in_one_task`), to a writer that drops what it is given.
     """
     from pyspark.sql import functions as F
 
     partition = isinstance(sink, PartitionSink)
     drain = _Draining(sink.partition_writer()) if partition else None
+    if drain is not None and raw is not None:  # a live batch's path (sinks._taskfold), on the same records
+        folds = {t.topic: TopicFold(t.schemas) for t in tables}
+        infos = {
+            t.topic: TableInfo(t.topic, t.name, t.key_schema, t.row_schema, generation, -1)
+            for t in tables
+            if t.schemas.registered
+        }
+        raw.select("topic", "partition", "offset", "key", "value").coalesce(1).mapInArrow(
+            _one_task(drain, infos, folds), RETURNED
+        ).collect()
     for table in tables:
         changes = table.plan.changes(table.decoded)
         if drain is None or not table.schemas.registered:

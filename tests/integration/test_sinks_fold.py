@@ -28,8 +28,9 @@ from decoders import TupleData
 from schemas import PgType
 from sinks._api import Change, ChangeMaker
 from sinks._config import SinkSettings
-from sinks._fold import KEY_UNFRAMED, VALUE_UNFRAMED
+from sinks._fold import KEY_UNFRAMED, VALUE_UNFRAMED, TopicSchemas
 from sinks._reader import Decoder
+from sinks._taskfold import TopicFold
 from sinks._values import Names, doc_converter, envelope_row
 
 if TYPE_CHECKING:
@@ -54,10 +55,12 @@ TIME = PgType(1083, "time")
 _SESSION: list[SparkSession] = []
 
 
-@pytest.fixture(autouse=True)
-def _spark(spark: SparkSession) -> None:
-    """The run's SparkSession, for the harness below (hypothesis' tests take no function fixtures)."""
+@pytest.fixture(autouse=True, params=["spark", "task"])
+def _spark(spark: SparkSession, request: pytest.FixtureRequest) -> None:
+    """The run's SparkSession and the fold under test (Spark's, or a small batch's in its task), for the
+    harness below (hypothesis' tests take no function fixtures)."""
     _SESSION[:] = [spark]
+    _PATH[:] = [request.param]
 
 
 # --- a registry, the batch's planning and fold ----------------------------------------------------------
@@ -134,7 +137,38 @@ def _local(registry: FakeRegistry) -> Decoder:
 
 
 def _decode(decoder: Decoder, rows: list[dict[str, Any]]) -> Decoded:
-    """One batch through the runtime's planning and fold; the folded rows collected for the assertions."""
+    """One batch through the runtime's planning and the fold under test; the folded rows collected."""
+    by_place = {(r["topic"], r["partition"], r["offset"]): r for r in rows}
+    out = _FOLDS[_PATH[0]](decoder, rows)
+    tables, poison, records, newest = [], [], 0, None
+    for topic, name, schemas, folded, (n, ts) in out:
+        records += n
+        if ts is not None:
+            newest = max(newest or 0, ts)
+        for r in folded:
+            if r["op"] == "!":
+                raw_row = by_place[(r["topic"], r["partition"], r["offset"])]
+                poison.append((r["topic"], r["partition"], r["offset"], raw_row["key"], raw_row["value"], r["error"]))
+        if not schemas.registered:
+            continue
+        key_schema = json.loads(schemas.key_reader or "")
+        row_schema = envelope_row(json.loads(schemas.value_reader or ""))
+        make = ChangeMaker(key_schema, row_schema, spark=_PATH[0] == "spark")
+        truncates = [(r["commit_lsn"], r["lsn"]) for r in folded if r["op"] == "t"]
+        changes = sorted((make(r) for r in folded if r["op"] not in ("!", "t")), key=lambda c: (c.partition, c.offset))
+        if truncates:
+            # The writers apply the truncate after the batch's other writes: what it makes of the older ones.
+            changes = [c for c in changes if c.position is None or c.position > truncates[0]]
+        if changes or truncates:
+            tables.append(Table(topic, name, key_schema, row_schema, truncates[0] if truncates else None, changes))
+    return Decoded(tables, sorted(poison, key=lambda p: p[:3]), records, newest)
+
+
+_Folded = list[tuple[str, str, TopicSchemas, list[dict[str, Any]], tuple[int, int | None]]]
+
+
+def _spark_fold(decoder: Decoder, rows: list[dict[str, Any]]) -> _Folded:
+    """sinks._fold as a batch larger than one task runs it."""
     from pyspark.sql import functions as F
 
     spark = _SESSION[0]
@@ -142,38 +176,27 @@ def _decode(decoder: Decoder, rows: list[dict[str, Any]]) -> Decoded:
         [(r["topic"], r["partition"], r["offset"], r["key"], r["value"]) for r in rows],
         "topic string, partition int, offset long, key binary, value binary",
     )
-    by_place = {(r["topic"], r["partition"], r["offset"]): r for r in rows}
-    tables, poison, records, newest = [], [], 0, None
+    out: _Folded = []
     for planned in Decoder.plan(decoder, raw, {r["topic"] for r in rows}):
         stats = planned.decoded.agg(F.count(F.lit(1)).alias("n"), F.max("ts_ms").alias("ts")).collect()[0]
-        records += stats["n"]
-        if stats["ts"] is not None:
-            newest = max(newest or 0, stats["ts"])
-        out = planned.plan.changes(planned.decoded).toArrow().to_pylist()
-        for r in out:
-            if r["op"] == "!":
-                raw_row = by_place[(r["topic"], r["partition"], r["offset"])]
-                poison.append((r["topic"], r["partition"], r["offset"], raw_row["key"], raw_row["value"], r["error"]))
-        if not planned.schemas.registered:
-            continue
-        make = ChangeMaker(planned.key_schema, planned.row_schema)
-        truncates = [(r["commit_lsn"], r["lsn"]) for r in out if r["op"] == "t"]
-        changes = sorted((make(r) for r in out if r["op"] not in ("!", "t")), key=lambda c: (c.partition, c.offset))
-        if truncates:
-            # The writers apply the truncate after the batch's other writes: what it makes of the older ones.
-            changes = [c for c in changes if c.position is None or c.position > truncates[0]]
-        if changes or truncates:
-            tables.append(
-                Table(
-                    planned.topic,
-                    planned.name,
-                    planned.key_schema,
-                    planned.row_schema,
-                    truncates[0] if truncates else None,
-                    changes,
-                )
-            )
-    return Decoded(tables, sorted(poison, key=lambda p: p[:3]), records, newest)
+        folded = planned.plan.changes(planned.decoded).toArrow().to_pylist()
+        out.append((planned.topic, planned.name, planned.schemas, folded, (stats["n"], stats["ts"])))
+    return out
+
+
+def _task_fold(decoder: Decoder, rows: list[dict[str, Any]]) -> _Folded:
+    """sinks._taskfold as the one task of a small batch runs it (the records in the order Kafka gives them)."""
+    out: _Folded = []
+    for topic in sorted({r["topic"] for r in rows}):
+        fold = TopicFold(decoder.schemas(topic))
+        folded = fold.fold(r for r in rows if r["topic"] == topic)
+        name = decoder.settings.table_name(topic)
+        out.append((topic, name, fold.schemas, folded.rows, (folded.records, folded.newest_ts_ms)))
+    return out
+
+
+_FOLDS = {"spark": _spark_fold, "task": _task_fold}
+_PATH = ["spark"]
 
 
 def _poison(decoded: Decoded) -> list[tuple[Any, ...]]:

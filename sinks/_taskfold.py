@@ -1,0 +1,235 @@
+"""The fold of a small batch inside the one executor task that writes it, in Python.
+
+A live batch (up to :data:`ONE_TASK_RECORDS` offsets) is read from Kafka, decoded, folded and written in a
+single task. Doing the fold there with fastavro, instead of as Spark expressions, leaves the driver a
+one-node plan per batch (the Kafka read and ``mapInArrow``): building and planning the decode, fold and
+projection cost the driver's JVM ~0.3-0.4 s per batch and sink, most of a one-row batch's time. Larger
+batches (replays, rebuilds, a backlog) keep the Spark fold (:mod:`sinks._fold`), which shuffles by key.
+
+The rules are :mod:`sinks._fold`'s, applied to one partition that holds every record of the batch:
+decoding with the writer schema by id resolved to the subject's latest, poison (unframed, unknown ids,
+undecodable, a key with a null field outside a truncate), the last event per key by
+``(commit_lsn, lsn, offset, partition)``, the table's newest truncate, unchanged TOAST filled from the key's
+latest earlier event that sent the column, lone tombstones as deletes without a position.
+``tests/integration/test_sinks_fold.py`` runs every case through both folds.
+
+Values stay in raw Avro form (logical types dropped before fastavro reads them) and become documents with
+``doc_converter(spark=False)``, the form `cdc verify` reads the source in.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from sinks._fold import APPLY_OPS, KEY_UNFRAMED, POISON, TRUNCATE, VALUE_UNFRAMED, TopicSchemas, fillable_fields
+from sinks._values import envelope_row
+
+ONE_TASK_RECORDS = 25_000  # offsets up to which a batch is read, folded and written by one task
+
+
+def _plain(avro: Any) -> Any:
+    """The schema without logical types: fastavro then returns the encoded values themselves."""
+    if isinstance(avro, list):
+        return [_plain(a) for a in avro]
+    if isinstance(avro, dict):
+        return {k: _plain(v) for k, v in avro.items() if k != "logicalType"}
+    return avro
+
+
+# Schema text -> fastavro's parse of it, in this process: a Python worker runs a sink's batches one after
+# another (spark.python.worker.reuse), so its schemas are parsed once, not per batch.
+_PARSED: dict[str, Any] = {}
+_PARSED_MOST = 1024
+
+
+def _parsed(schema: str) -> Any:
+    parsed = _PARSED.get(schema)
+    if parsed is None:
+        import fastavro
+
+        if len(_PARSED) >= _PARSED_MOST:  # many tables' versions over a long life: start again
+            _PARSED.clear()
+        parsed = _PARSED[schema] = fastavro.parse_schema(_plain(json.loads(schema)))
+    return parsed
+
+
+def _framed_id(data: bytes | None) -> int | None:
+    """The Confluent schema id of a framed record (magic byte 0, then 4 bytes big-endian); None otherwise."""
+    if data is None or len(data) < 5 or data[0] != 0:
+        return None
+    return int.from_bytes(data[1:5], "big")
+
+
+def _freeze(value: Any) -> Any:
+    """A hashable stand-in for a key's value, equal where Spark's grouping finds struct values equal."""
+    if isinstance(value, dict):
+        return tuple((k, _freeze(v)) for k, v in value.items())
+    if isinstance(value, list):
+        return tuple(_freeze(v) for v in value)
+    if isinstance(value, float):
+        return ("NaN",) if math.isnan(value) else value + 0.0  # one group for NaNs, one for -0.0 and 0.0
+    if isinstance(value, bytearray):
+        return bytes(value)
+    return value
+
+
+def _position(e: Mapping[str, Any]) -> tuple[Any, ...]:
+    """Spark's struct order of (commit_lsn, lsn, offset, partition): nulls first."""
+    c, lsn = e["commit_lsn"], e["lsn"]
+    return (c is not None, c or 0, lsn is not None, lsn or 0, e["offset"], e["partition"])
+
+
+@dataclass
+class TopicFold:
+    """One topic's decode and fold, pickled to the task with the schemas the driver read from the registry."""
+
+    schemas: TopicSchemas
+
+    @property
+    def key_schema(self) -> dict[str, Any]:
+        assert self.schemas.key_reader is not None
+        return dict(json.loads(self.schemas.key_reader))
+
+    @property
+    def row_schema(self) -> dict[str, Any]:
+        assert self.schemas.value_reader is not None
+        return envelope_row(json.loads(self.schemas.value_reader))
+
+    def _read(self, data: bytes, writer: str, reader: str) -> Any:
+        import fastavro
+
+        return fastavro.schemaless_reader(io.BytesIO(data[5:]), _parsed(writer), _parsed(reader))
+
+    def decode(self, r: Mapping[str, Any]) -> dict[str, Any]:
+        """One raw record (topic, partition, offset, key, value) as the Spark decode's columns."""
+        s, topic = self.schemas, self.schemas.topic
+        out: dict[str, Any] = {"partition": r["partition"], "offset": r["offset"], "tombstone": r["value"] is None}
+        if s.key_reader is None or s.value_reader is None:
+            return {**out, "error": f"no schema registered for {topic}"}
+        kid, vid, value = _framed_id(r["key"]), _framed_id(r["value"]), r["value"]
+        cheap = (
+            KEY_UNFRAMED
+            if kid is None
+            else (f"key schema id {kid} is not a version of {topic}-key" if kid not in s.key_writers else None)
+        )
+        if cheap is None and value is not None:
+            if vid is None:
+                cheap = VALUE_UNFRAMED
+            elif vid not in s.value_writers:
+                cheap = f"value schema id {vid} is not a version of {topic}-value"
+        if cheap is not None:
+            return {**out, "error": cheap}
+        try:  # PERMISSIVE, as from_avro: a record that does not decode is poison
+            k = self._read(r["key"], s.key_writers[kid], s.key_reader)  # type: ignore[index]
+            v = None if value is None else self._read(value, s.value_writers[vid], s.value_reader)  # type: ignore[index]
+        except Exception:
+            k = v = None
+        op = None if v is None else v.get("op")
+        holed = isinstance(k, dict) and any(x is None for x in k.values())
+        broken = not isinstance(k, dict) or (value is not None and op is None)
+        if broken or (holed and (value is None or op != TRUNCATE)):
+            return {**out, "error": f"Avro decoding failed with the writer schema ids key {kid} / value {vid}"}
+        source = (v or {}).get("source") or {}
+        return {
+            **out,
+            "key": k,
+            "row": None if v is None else v.get("after"),
+            "op": op,
+            "commit_lsn": source.get("commit_lsn"),
+            "lsn": source.get("lsn"),
+            "ts_ms": source.get("ts_ms"),
+            "unchanged": list((v or {}).get("unchanged_toast") or ()),
+            "error": None,
+        }
+
+    def fold(self, records: Iterable[Mapping[str, Any]]) -> Folded:
+        """The topic's records of the batch (all of them: the fold is exact only over the whole batch)."""
+        out = Folded(self.schemas.topic)
+        groups: dict[Any, list[dict[str, Any]]] = {}
+        for r in records:
+            e = self.decode(r)
+            out.records += 1
+            if e["error"] is not None:
+                out.rows.append(_row(self.schemas.topic, e, POISON, error=e["error"]))
+                continue
+            if e["ts_ms"] is not None:
+                out.newest_ts_ms = max(out.newest_ts_ms or 0, int(e["ts_ms"]))
+            groups.setdefault(_freeze(e["key"]), []).append(e)
+        fill = fillable_fields(self.row_schema) if groups else []
+        for events in groups.values():
+            row = _folded(self.schemas.topic, events, fill)
+            if row is not None:
+                out.rows.append(row)
+        return out
+
+
+@dataclass
+class Folded:
+    """A topic's folded batch: rows as :func:`sinks._fold.fold` gives them (raw Avro values), and its marks."""
+
+    topic: str
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    records: int = 0
+    newest_ts_ms: int | None = None
+
+
+def _row(topic: str, e: Mapping[str, Any], op: str, **values: Any) -> dict[str, Any]:
+    base = dict.fromkeys(("key", "row", "commit_lsn", "lsn", "ts_ms", "error"))
+    return {
+        **base,
+        "topic": topic,
+        "partition": e["partition"],
+        "offset": e["offset"],
+        "op": op,
+        "unchanged": [],
+        **values,
+    }
+
+
+def _folded(topic: str, events: list[dict[str, Any]], fill: list[str]) -> dict[str, Any] | None:
+    """One key's row: its latest change (TOAST filled), else the table's truncate, else a lone tombstone."""
+    changes = [e for e in events if not e["tombstone"] and e["op"] in APPLY_OPS]
+    if changes:
+        last = max(changes, key=_position)
+        row, still = last["row"], last["unchanged"]
+        if still:
+            row, still = _filled(last, changes, fill)
+        return _row(
+            topic,
+            last,
+            last["op"],
+            key=last["key"],
+            row=None if last["op"] == "d" else row,
+            commit_lsn=last["commit_lsn"],
+            lsn=last["lsn"],
+            ts_ms=last["ts_ms"],
+            unchanged=still,
+        )
+    truncates = [e for e in events if not e["tombstone"] and e["op"] == TRUNCATE]
+    if truncates:
+        t = max(truncates, key=_position)
+        return _row(topic, t, TRUNCATE, key=t["key"], commit_lsn=t["commit_lsn"], lsn=t["lsn"], ts_ms=t["ts_ms"])
+    tombstones = [e for e in events if e["tombstone"]]
+    if tombstones:
+        t = max(tombstones, key=lambda e: (e["offset"], e["partition"]))
+        return _row(topic, t, "d", key=t["key"])
+    return None
+
+
+def _filled(last: dict[str, Any], changes: list[dict[str, Any]], fill: list[str]) -> tuple[dict[str, Any], list[str]]:
+    """The latest event's row with its unchanged-TOAST columns taken from the key's newest event that sent
+    them (deletes excluded), and the columns still unknown."""
+    row = dict(last["row"] or {})
+    still = []
+    for name in last["unchanged"]:
+        senders = [e for e in changes if e["op"] != "d" and name not in e["unchanged"] and e["row"] is not None]
+        if name in fill and senders:
+            row[name] = max(senders, key=_position)["row"].get(name)
+        else:
+            still.append(name)
+    return row, still
