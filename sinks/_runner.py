@@ -44,7 +44,7 @@ from sinks._spark import PARALLELISM_KEYS, build_session, stop_session, submitte
 from sinks._storage import S3_SCHEMES, Location, hadoop_conf
 from sinks._taskfold import ONE_TASK_RECORDS, TopicFold
 from sinks._verify import Drift, compare
-from sinks._write import Outcome, in_one_task, on_driver_plan, on_executors, rehearse
+from sinks._write import Outcome, in_one_task, on_driver_plan, on_executors, rehearse, rehearse_in_one_task
 from sinks.errors import PluginError, SinkConfigError, SinkError, SinkTerminalError, StateDiskFullError
 
 if TYPE_CHECKING:
@@ -247,8 +247,9 @@ class SinkQuery:
         return self.query
 
     def warm(self) -> None:
-        """The batch's path once over the last records of each topic, writing nothing (sinks._write.rehearse),
-        in the sink's scheduler pool; a failure here is only logged: the query's first batch meets it again."""
+        """A batch's path once over the last records of each topic, writing nothing, in the sink's scheduler
+        pool: a live batch's one task for a partition sink (sinks._write.rehearse_in_one_task), the Spark fold
+        for a frame sink (sinks._write.rehearse). A failure here is only logged: the first batch meets it again."""
         started = time.monotonic()
         context = self.spark.sparkContext
         pool = context.getLocalProperty("spark.scheduler.pool")
@@ -258,8 +259,11 @@ class SinkQuery:
             if tail is None:
                 return
             raw, topics = tail
-            raw = raw.coalesce(1)
-            rehearse(self.sink, self.decoder.plan(raw, topics), self.generation, raw)
+            if isinstance(self.sink, PartitionSink):  # its live batches run in one task (sinks._taskfold)
+                folds = [TopicFold(self.decoder.schemas(topic)) for topic in sorted(topics)]
+                rehearse_in_one_task(self.sink, folds, raw, self.settings, self.generation)
+            else:
+                rehearse(self.sink, self.decoder.plan(raw.coalesce(1), topics), self.generation)
             log.info("sink %s: warmed up in %.1fs", self.name, time.monotonic() - started)
         except Exception as exc:
             log.info("sink %s: warm-up skipped (%s)", self.name, _short(exc))

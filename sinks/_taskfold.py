@@ -149,23 +149,112 @@ class TopicFold:
 
     def fold(self, records: Iterable[Mapping[str, Any]]) -> Folded:
         """The topic's records of the batch (all of them: the fold is exact only over the whole batch)."""
-        out = Folded(self.schemas.topic)
-        groups: dict[Any, list[dict[str, Any]]] = {}
+        folding = Folding(self)
         for r in records:
-            e = self.decode(r)
-            out.records += 1
-            if e["error"] is not None:
-                out.rows.append(_row(self.schemas.topic, e, POISON, error=e["error"]))
-                continue
-            if e["ts_ms"] is not None:
-                out.newest_ts_ms = max(out.newest_ts_ms or 0, int(e["ts_ms"]))
-            groups.setdefault(_freeze(e["key"]), []).append(e)
-        fill = fillable_fields(self.row_schema) if groups else []
-        for events in groups.values():
-            row = _folded(self.schemas.topic, events, fill)
+            folding.add(r)
+        return folding.finish()
+
+
+class Folding:
+    """One topic's fold under way: records are added one at a time and only each key's state is kept (its
+    latest change, the newest value of each column an unchanged-TOAST event may need, its truncate, its
+    tombstone), so memory grows with the batch's keys, not with its events or their raw bytes."""
+
+    def __init__(self, fold: TopicFold) -> None:
+        self.fold = fold
+        self.out = Folded(fold.schemas.topic)
+        self._keys: dict[Any, _KeyState] = {}
+        self._fill: frozenset[str] | None = None
+
+    def add(self, record: Mapping[str, Any]) -> None:
+        e = self.fold.decode(record)
+        out = self.out
+        out.records += 1
+        if e["error"] is not None:
+            out.rows.append(_row(out.topic, e, POISON, error=e["error"]))
+            return
+        if e["ts_ms"] is not None:
+            out.newest_ts_ms = max(out.newest_ts_ms or 0, int(e["ts_ms"]))
+        if self._fill is None:
+            self._fill = frozenset(fillable_fields(self.fold.row_schema))
+        frozen = _freeze(e["key"])
+        state = self._keys.get(frozen)
+        if state is None:
+            state = self._keys[frozen] = _KeyState()
+        state.add(e, self._fill)
+
+    def finish(self) -> Folded:
+        for state in self._keys.values():
+            row = state.folded(self.out.topic)
             if row is not None:
-                out.rows.append(row)
-        return out
+                self.out.rows.append(row)
+        self._keys.clear()
+        return self.out
+
+
+@dataclass
+class _KeyState:
+    """What the fold keeps of one key's events in a batch."""
+
+    last: dict[str, Any] | None = None  # the newest change (c, u, r, d) by position
+    known: dict[str, tuple[tuple[Any, ...], Any]] = field(default_factory=dict)  # column -> (position, value)
+    truncate: dict[str, Any] | None = None  # the newest truncate (only a truncate's key has null fields)
+    tombstone: dict[str, Any] | None = None  # the newest tombstone by offset
+
+    def add(self, e: dict[str, Any], fill: frozenset[str]) -> None:
+        if e["tombstone"]:
+            if self.tombstone is None or (e["offset"], e["partition"]) > (
+                self.tombstone["offset"],
+                self.tombstone["partition"],
+            ):
+                self.tombstone = e
+            return
+        position = _position(e)
+        if e["op"] == TRUNCATE:
+            if self.truncate is None or position > _position(self.truncate):
+                self.truncate = e
+            return
+        if e["op"] not in APPLY_OPS:
+            return
+        if self.last is None or position > _position(self.last):
+            self.last = e
+        if e["op"] != "d" and e["row"] is not None:  # what a later partial update of the key may take
+            sent = [name for name in fill if name not in e["unchanged"]]
+            for name in sent:
+                had = self.known.get(name)
+                if had is None or position > had[0]:
+                    self.known[name] = (position, e["row"].get(name))
+
+    def folded(self, topic: str) -> dict[str, Any] | None:
+        """The key's row: its latest change (TOAST filled), else the table's truncate, else a lone tombstone."""
+        last = self.last
+        if last is not None:
+            row, still = last["row"], last["unchanged"]
+            if still:
+                row = dict(row or {})
+                still = []
+                for name in last["unchanged"]:
+                    if name in self.known:
+                        row[name] = self.known[name][1]
+                    else:
+                        still.append(name)
+            return _row(
+                topic,
+                last,
+                last["op"],
+                key=last["key"],
+                row=None if last["op"] == "d" else row,
+                commit_lsn=last["commit_lsn"],
+                lsn=last["lsn"],
+                ts_ms=last["ts_ms"],
+                unchanged=still,
+            )
+        if self.truncate is not None:
+            t = self.truncate
+            return _row(topic, t, TRUNCATE, key=t["key"], commit_lsn=t["commit_lsn"], lsn=t["lsn"], ts_ms=t["ts_ms"])
+        if self.tombstone is not None:
+            return _row(topic, self.tombstone, "d", key=self.tombstone["key"])
+        return None
 
 
 @dataclass
@@ -189,47 +278,3 @@ def _row(topic: str, e: Mapping[str, Any], op: str, **values: Any) -> dict[str, 
         "unchanged": [],
         **values,
     }
-
-
-def _folded(topic: str, events: list[dict[str, Any]], fill: list[str]) -> dict[str, Any] | None:
-    """One key's row: its latest change (TOAST filled), else the table's truncate, else a lone tombstone."""
-    changes = [e for e in events if not e["tombstone"] and e["op"] in APPLY_OPS]
-    if changes:
-        last = max(changes, key=_position)
-        row, still = last["row"], last["unchanged"]
-        if still:
-            row, still = _filled(last, changes, fill)
-        return _row(
-            topic,
-            last,
-            last["op"],
-            key=last["key"],
-            row=None if last["op"] == "d" else row,
-            commit_lsn=last["commit_lsn"],
-            lsn=last["lsn"],
-            ts_ms=last["ts_ms"],
-            unchanged=still,
-        )
-    truncates = [e for e in events if not e["tombstone"] and e["op"] == TRUNCATE]
-    if truncates:
-        t = max(truncates, key=_position)
-        return _row(topic, t, TRUNCATE, key=t["key"], commit_lsn=t["commit_lsn"], lsn=t["lsn"], ts_ms=t["ts_ms"])
-    tombstones = [e for e in events if e["tombstone"]]
-    if tombstones:
-        t = max(tombstones, key=lambda e: (e["offset"], e["partition"]))
-        return _row(topic, t, "d", key=t["key"])
-    return None
-
-
-def _filled(last: dict[str, Any], changes: list[dict[str, Any]], fill: list[str]) -> tuple[dict[str, Any], list[str]]:
-    """The latest event's row with its unchanged-TOAST columns taken from the key's newest event that sent
-    them (deletes excluded), and the columns still unknown."""
-    row = dict(last["row"] or {})
-    still = []
-    for name in last["unchanged"]:
-        senders = [e for e in changes if e["op"] != "d" and name not in e["unchanged"] and e["row"] is not None]
-        if name in fill and senders:
-            row[name] = max(senders, key=_position)["row"].get(name)
-        else:
-            still.append(name)
-    return row, still

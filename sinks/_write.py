@@ -37,7 +37,7 @@ from sinks._api import (
 )
 from sinks._fold import APPLY_OPS, POISON, TRUNCATE, TopicSchemas, fold
 from sinks._reader import PlannedTable, dead_letters, union_all, write_dead_letters
-from sinks._taskfold import TopicFold
+from sinks._taskfold import Folding, TopicFold
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -261,13 +261,16 @@ def _one_task(
 
     def run(batches: Iterable[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         forget_zip_finders()  # for the next task in this worker: see there
-        by_topic: dict[str, list[dict[str, Any]]] = {}
-        for batch in batches:
+        folding: dict[str, Folding] = {}
+        for batch in batches:  # Arrow batches of Spark's size (10,000 rows): the raw records are not kept
             for r in batch.to_pylist():
-                by_topic.setdefault(r["topic"], []).append(r)
+                topic = r["topic"]
+                if topic not in folding:
+                    folding[topic] = Folding(folds.get(topic, TopicFold(TopicSchemas(topic))))
+                folding[topic].add(r)
         back: list[tuple[Any, ...]] = []
-        for topic, records in sorted(by_topic.items()):
-            folded = folds.get(topic, TopicFold(TopicSchemas(topic))).fold(records)
+        for topic, state in sorted(folding.items()):
+            folded = state.finish()
             back.append(("seen", topic, None, folded.records, None, None, None, folded.newest_ts_ms))
             back.extend(_written(writer, infos.get(topic), folded.rows))
         if back:
@@ -324,30 +327,17 @@ class _Draining:
         return ()
 
 
-def rehearse(sink: Any, tables: Sequence[PlannedTable], generation: int, raw: DataFrame | None = None) -> None:
-    """Run a batch's path over ``tables`` (a few records read from Kafka) without writing anything anywhere.
+def rehearse(sink: Any, tables: Sequence[PlannedTable], generation: int) -> None:
+    """Run a larger batch's path over ``tables`` (a few records read from Kafka) without writing anything.
 
     What a first batch pays once per application is paid here, before the query starts: the JVM loads and
     compiles the decode and fold (generated code is cached by its text, which the query's batches share),
     the Python workers start and import the writer's modules, and the plans are built. Rows reach the tasks'
-    writers filtered out after the fold, so every stage up to the writer runs on real records. With ``raw``
-    (the records ``tables`` were planned from), a partition sink also runs a live batch's one task over them
-    (:func:`in_one_task`), to a writer that drops what it is given.
+    writers filtered out after the fold, so every stage up to the writer runs on real records.
     """
     from pyspark.sql import functions as F
 
-    partition = isinstance(sink, PartitionSink)
-    drain = _Draining(sink.partition_writer()) if partition else None
-    if drain is not None and raw is not None:  # a live batch's path (sinks._taskfold), on the same records
-        folds = {t.topic: TopicFold(t.schemas) for t in tables}
-        infos = {
-            t.topic: TableInfo(t.topic, t.name, t.key_schema, t.row_schema, generation, -1)
-            for t in tables
-            if t.schemas.registered
-        }
-        raw.select("topic", "partition", "offset", "key", "value").coalesce(1).mapInArrow(
-            _one_task(drain, infos, folds), RETURNED
-        ).collect()
+    drain = _Draining(sink.partition_writer()) if isinstance(sink, PartitionSink) else None
     for table in tables:
         changes = table.plan.changes(table.decoded)
         if drain is None or not table.schemas.registered:
@@ -355,6 +345,23 @@ def rehearse(sink: Any, tables: Sequence[PlannedTable], generation: int, raw: Da
             continue
         info = TableInfo(table.topic, table.name, table.key_schema, table.row_schema, generation, -1)
         changes.filter(F.col("offset") < 0).mapInArrow(_partition_task(drain, info), RETURNED).collect()
+
+
+def rehearse_in_one_task(
+    sink: Any, folds: Sequence[TopicFold], raw: DataFrame, settings: SinkSettings, generation: int
+) -> None:
+    """A live batch's path (:func:`in_one_task`) over ``raw`` (a few records read from Kafka), to the sink's
+    writer wrapped so that it drops what it is given: the Python worker starts and imports the writer's and
+    the fold's modules, the JVM compiles the Kafka read, before the query's first batch."""
+    infos = {
+        f.schemas.topic: TableInfo(
+            f.schemas.topic, settings.table_name(f.schemas.topic), f.key_schema, f.row_schema, generation, -1
+        )
+        for f in folds
+        if f.schemas.registered
+    }
+    task = _one_task(_Draining(sink.partition_writer()), infos, {f.schemas.topic: f for f in folds})
+    raw.select("topic", "partition", "offset", "key", "value").coalesce(1).mapInArrow(task, RETURNED).collect()
 
 
 # --- frame-based sinks -----------------------------------------------------------------------------------

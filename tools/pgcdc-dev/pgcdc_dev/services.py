@@ -35,6 +35,7 @@ import argparse
 import base64
 import contextlib
 import hashlib
+import http.client
 import json
 import os
 import pwd
@@ -323,7 +324,7 @@ def http_get(url: str, timeout: float = 2.0) -> tuple[int, bytes]:
             return resp.status, resp.read()
     except urllib.error.HTTPError as exc:
         return exc.code, exc.read()
-    except (urllib.error.URLError, OSError):
+    except (urllib.error.URLError, http.client.HTTPException, OSError):  # a half-up service answers garbage
         return 0, b""
 
 
@@ -947,7 +948,7 @@ class RegistryTLS(Service):
         try:
             with urllib.request.urlopen(req, timeout=2, context=ctx) as resp:
                 return bool(resp.status == 200)
-        except (urllib.error.URLError, OSError):
+        except (urllib.error.URLError, http.client.HTTPException, OSError):  # a half-up service answers garbage
             return False
 
     def endpoint(self) -> dict[str, Any]:
