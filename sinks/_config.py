@@ -110,6 +110,11 @@ class SinksConfig(_Section):
     swap_grace_s: float = Field(
         default=15.0, ge=0, description="after a rebuild's swap, how long the replaced copy stays for reads in flight"
     )
+    jvm_class_archive: bool = Field(
+        default=True,
+        description="start Spark's driver JVM with a class-data archive kept under ~/.cache/pgcdc/spark-cds "
+        "(~150 MB, written by the first run that ends cleanly): each start ~3-4 s sooner",
+    )
     metrics_enabled: bool = Field(default=True, description="serve Prometheus metrics from `cdc sinks run`")
     metrics_host: str = Field(default="127.0.0.1", description="address the metrics bind to; 0.0.0.0 exposes them")
     metrics_port: int = Field(default=9465, ge=0, le=65535, description="0 = any free port (logged)")

@@ -84,7 +84,9 @@ def spark_session(settings: SinkSettings, app: str) -> SparkSession:
         # checkpoint files here, the FileSystem API ~25 ms, with the same write-then-rename (atomic on a local
         # file system). Two of them per batch and sink were a fifth of a live batch's time.
         conf[_CHECKPOINT_MANAGER] = "org.apache.spark.sql.execution.streaming.FileSystemBasedCheckpointFileManager"
-    return build_session(app, list(cfg.spark_jars), master=cfg.spark_master, conf=conf)
+    return build_session(
+        app, list(cfg.spark_jars), master=cfg.spark_master, conf=conf, class_archive=cfg.jvm_class_archive
+    )
 
 
 def _opened(name: str, settings: SinkSettings, generation: int, spark: SparkSession) -> Any:

@@ -36,6 +36,8 @@ _SESSION_CONF = {
 # How many tasks a shuffle, and Delta's reading of a table's log, are split into. A streaming batch's plan
 # gets no adaptive coalescing, so Spark's 200 (and Delta's 50) would be that many tasks per MERGE, nearly all
 # empty: on a cluster both are fitted to the executors' cores unless set.
+_DRIVER_OPTIONS = "spark.driver.extraJavaOptions"
+
 PARALLELISM_KEYS = ("spark.sql.shuffle.partitions", "spark.databricks.delta.snapshotPartitions")
 
 # Small-machine defaults: 200 shuffle partitions cost far more than they bring on a few cores.
@@ -53,12 +55,14 @@ def build_session(
     *,
     master: str | None = "local[2]",
     conf: Mapping[str, str] | None = None,
+    class_archive: bool = False,
 ) -> SparkSession:
     """A SparkSession with the Kafka source, spark-avro and Delta Lake on its classpath.
 
     ``jars`` are local paths (`./dev services` fetches them); ``master=None`` leaves the master to
     spark-submit, so the same code runs on a cluster. Under spark-submit, its ``--master`` and ``--jars``
-    win over both: its JVM is running already, with the classpath it was given.
+    win over both: its JVM is running already, with the classpath it was given. ``class_archive``: start the
+    driver's JVM with a class-data archive of Spark's classes (sinks._jvmcache).
     """
     from pyspark.sql import SparkSession
 
@@ -81,7 +85,15 @@ def build_session(
             os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     if jars:
         builder = builder.config("spark.jars", ",".join(jars))
-    for key, value in {**_SESSION_CONF, **(conf or {})}.items():
+    conf = dict(conf or {})
+    if class_archive and not under_spark_submit():  # under spark-submit the JVM is running already
+        from sinks._jvmcache import java_options
+
+        options = java_options(jars)
+        if options:
+            given = conf.get(_DRIVER_OPTIONS)
+            conf[_DRIVER_OPTIONS] = f"{given} {options}" if given else options
+    for key, value in {**_SESSION_CONF, **conf}.items():
         builder = builder.config(key, value)
     session = builder.getOrCreate()
     if master is None:
@@ -150,6 +162,9 @@ def stop_session(session: SparkSession, timeout_s: float = 60.0) -> None:
         logging.getLogger(__name__).warning("process %d did not end with Spark; killing it", p.pid)
         with contextlib.suppress(psutil.NoSuchProcess):  # it may end between the wait and the kill
             p.kill()
+    from sinks._jvmcache import keep_written
+
+    keep_written()
 
 
 def _fit_shuffle_partitions(session: SparkSession, conf: Mapping[str, str]) -> None:
