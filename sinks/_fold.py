@@ -62,6 +62,18 @@ class TopicSchemas:
     def registered(self) -> bool:
         return self.key_reader is not None and self.value_reader is not None
 
+    @property
+    def key_schema(self) -> dict[str, Any]:
+        """The key's reader schema, parsed."""
+        assert self.key_reader is not None
+        return dict(json.loads(self.key_reader))
+
+    @property
+    def row_schema(self) -> dict[str, Any]:
+        """The row's record schema inside the envelope's reader schema."""
+        assert self.value_reader is not None
+        return envelope_row(json.loads(self.value_reader))
+
 
 def schema_id(column: Column) -> Column:
     """The Confluent schema id of a framed record (magic byte 0, then 4 bytes big-endian); null otherwise."""

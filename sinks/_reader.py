@@ -23,7 +23,6 @@ from confluent_kafka.schema_registry.error import SchemaRegistryError
 
 from sinks._fold import TopicPlan, TopicSchemas, apply_steps
 from sinks._progress import TopicEnds
-from sinks._values import envelope_row
 from sinks.errors import SinkConfigError, SinkTransientError
 
 if TYPE_CHECKING:
@@ -112,13 +111,11 @@ class PlannedTable:
 
     @property
     def key_schema(self) -> dict[str, Any]:
-        assert self.schemas.key_reader is not None
-        return dict(json.loads(self.schemas.key_reader))
+        return self.schemas.key_schema
 
     @property
     def row_schema(self) -> dict[str, Any]:
-        assert self.schemas.value_reader is not None
-        return envelope_row(json.loads(self.schemas.value_reader))
+        return self.schemas.row_schema
 
 
 class Decoder:

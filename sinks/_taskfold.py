@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sinks._fold import APPLY_OPS, KEY_UNFRAMED, POISON, TRUNCATE, VALUE_UNFRAMED, TopicSchemas, fillable_fields
-from sinks._values import envelope_row
 
 ONE_TASK_RECORDS = 25_000  # offsets up to which a batch is read, folded and written by one task
 
@@ -89,16 +88,6 @@ class TopicFold:
     """One topic's decode and fold, pickled to the task with the schemas the driver read from the registry."""
 
     schemas: TopicSchemas
-
-    @property
-    def key_schema(self) -> dict[str, Any]:
-        assert self.schemas.key_reader is not None
-        return dict(json.loads(self.schemas.key_reader))
-
-    @property
-    def row_schema(self) -> dict[str, Any]:
-        assert self.schemas.value_reader is not None
-        return envelope_row(json.loads(self.schemas.value_reader))
 
     def _read(self, data: bytes, writer: str, reader: str) -> Any:
         import fastavro
@@ -176,7 +165,7 @@ class Folding:
         if e["ts_ms"] is not None:
             out.newest_ts_ms = max(out.newest_ts_ms or 0, int(e["ts_ms"]))
         if self._fill is None:
-            self._fill = frozenset(fillable_fields(self.fold.row_schema))
+            self._fill = frozenset(fillable_fields(self.fold.schemas.row_schema))
         frozen = _freeze(e["key"])
         state = self._keys.get(frozen)
         if state is None:

@@ -223,20 +223,28 @@ def in_one_task(
     """A small batch (see sinks._taskfold): one task reads it, folds it, writes it and applies its truncates;
     only what was refused and each table's counts come back. A second action writes dead letters when there
     are some. ``batch``: (batch id, generation)."""
-    batch_id, generation = batch
-    infos = {
-        f.schemas.topic: TableInfo(
-            f.schemas.topic, settings.table_name(f.schemas.topic), f.key_schema, f.row_schema, generation, batch_id
-        )
-        for f in folds
-        if f.schemas.registered
-    }
+    infos = _infos(folds, settings, batch)
     if infos:
         sink.prepare(list(infos.values()))
-    task = _one_task(sink.partition_writer(), infos, {f.schemas.topic: f for f in folds})
-    records = raw.select("topic", "partition", "offset", "key", "value").coalesce(1)
-    rows = records.mapInArrow(task, RETURNED).collect()
+    rows = _run_one_task(sink.partition_writer(), infos, folds, raw)
     return _finished(sink, raw, settings, rows)
+
+
+def _infos(folds: Sequence[TopicFold], settings: SinkSettings, batch: tuple[int, int]) -> dict[str, TableInfo]:
+    batch_id, generation = batch
+    return {
+        s.topic: TableInfo(s.topic, settings.table_name(s.topic), s.key_schema, s.row_schema, generation, batch_id)
+        for s in (f.schemas for f in folds)
+        if s.registered
+    }
+
+
+def _run_one_task(
+    writer: PartitionWriter, infos: dict[str, TableInfo], folds: Sequence[TopicFold], raw: DataFrame
+) -> list[Any]:
+    task = _one_task(writer, infos, {f.schemas.topic: f for f in folds})
+    records = raw.select("topic", "partition", "offset", "key", "value").coalesce(1)
+    return records.mapInArrow(task, RETURNED).collect()
 
 
 def _finished(sink: Any, raw: DataFrame, settings: SinkSettings, rows: list[Any]) -> Outcome:
@@ -282,16 +290,12 @@ def _one_task(
 def _written(writer: PartitionWriter, info: TableInfo | None, rows: list[dict[str, Any]]) -> list[tuple[Any, ...]]:
     """A table's folded rows through the writer, its truncate after them; what was refused, as returned rows."""
     refused = [(r["topic"], r["partition"], r["offset"], r["error"]) for r in rows if r["op"] == POISON or info is None]
-    if info is None:
-        return [("rejected", *r, None, None, None) for r in refused]
-    make = ChangeMaker(info.key_schema, info.row_schema, spark=False)
-    changes = (make(r) for r in rows if r["op"] not in (POISON, TRUNCATE))
-    refused.extend(writer.write(info, changes))
-    for r in rows:
-        if r["op"] == TRUNCATE:  # one per table; after the batch's other writes, as on_executors applies it
-            at = (r["commit_lsn"], r["lsn"], r["ts_ms"])
-            truncate = Change({}, None, TRUNCATE, *at, (), r["partition"], r["offset"])
-            refused.extend(writer.write(info, iter([truncate])))
+    if info is not None:
+        make = ChangeMaker(info.key_schema, info.row_schema, spark=False)
+        refused.extend(writer.write(info, (make(r) for r in rows if r["op"] not in (POISON, TRUNCATE))))
+        for r in rows:  # one per table; after the batch's other writes, as on_executors applies it
+            if r["op"] == TRUNCATE:
+                refused.extend(writer.write(info, iter([make(r)])))
     return [("rejected", *r, None, None, None) for r in refused]
 
 
@@ -353,15 +357,7 @@ def rehearse_in_one_task(
     """A live batch's path (:func:`in_one_task`) over ``raw`` (a few records read from Kafka), to the sink's
     writer wrapped so that it drops what it is given: the Python worker starts and imports the writer's and
     the fold's modules, the JVM compiles the Kafka read, before the query's first batch."""
-    infos = {
-        f.schemas.topic: TableInfo(
-            f.schemas.topic, settings.table_name(f.schemas.topic), f.key_schema, f.row_schema, generation, -1
-        )
-        for f in folds
-        if f.schemas.registered
-    }
-    task = _one_task(_Draining(sink.partition_writer()), infos, {f.schemas.topic: f for f in folds})
-    raw.select("topic", "partition", "offset", "key", "value").coalesce(1).mapInArrow(task, RETURNED).collect()
+    _run_one_task(_Draining(sink.partition_writer()), _infos(folds, settings, (-1, generation)), folds, raw)
 
 
 # --- frame-based sinks -----------------------------------------------------------------------------------

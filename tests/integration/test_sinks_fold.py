@@ -151,8 +151,7 @@ def _decode(decoder: Decoder, rows: list[dict[str, Any]]) -> Decoded:
                 poison.append((r["topic"], r["partition"], r["offset"], raw_row["key"], raw_row["value"], r["error"]))
         if not schemas.registered:
             continue
-        key_schema = json.loads(schemas.key_reader or "")
-        row_schema = envelope_row(json.loads(schemas.value_reader or ""))
+        key_schema, row_schema = schemas.key_schema, schemas.row_schema
         make = ChangeMaker(key_schema, row_schema, spark=_PATH[0] == "spark")
         truncates = [(r["commit_lsn"], r["lsn"]) for r in folded if r["op"] == "t"]
         changes = sorted((make(r) for r in folded if r["op"] not in ("!", "t")), key=lambda c: (c.partition, c.offset))
