@@ -10,7 +10,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from cdc._deadletter import TableColumns
 from cdc._encoder import (
@@ -38,8 +38,8 @@ from schemas import (
 )
 
 if TYPE_CHECKING:
-    from cdc._catalog import TypeResolver
     from cdc._config import Settings
+    from schemas import PgType
 
 _FRAME = struct.Struct(">bI")
 _TEXT, _BINARY, _UNCHANGED = ord("t"), ord("b"), ord("u")
@@ -386,9 +386,16 @@ def _strings(*values: str) -> bytes:
     return bytes(out)
 
 
+class TypeSource(Protocol):
+    """Where a column's type oid becomes its description: the catalogs (cdc._catalog.TypeResolver), or types
+    resolved earlier and carried along (cdc._expected reads a table's rows in tasks with no catalog access)."""
+
+    def resolve(self, oid: int) -> PgType: ...
+
+
 def table_shape(
     settings: Settings,
-    types: TypeResolver,
+    types: TypeSource,
     schema: str,
     table: str,
     *,

@@ -1,19 +1,26 @@
 """The source as the events describe it: every row of the captured tables, as the capture would encode it.
 
-``cdc verify`` compares a derived store with this. Rows are read in one REPEATABLE READ snapshot with binary
-COPY, in key order and in chunks (``ORDER BY key LIMIT n``, each chunk after the last one's key), so memory
-holds one chunk whatever the table's size; they are converted by the capture's own codec (``build_codec`` →
-``TableCodec.row``, as the snapshot does), so a value is compared in exactly the form its events carry (raw
-Avro values by field name).
+``cdc verify`` compares a derived store with this. Rows are read with binary COPY, in key order and in chunks
+(``ORDER BY key LIMIT n``, each chunk after the last one's key), so memory holds one chunk whatever the table's
+size; they are converted by the capture's own codec (``build_codec`` → ``TableCodec.row``, as the snapshot
+does), so a value is compared in exactly the form its events carry (raw Avro values by field name).
+
+A table can be read in key ranges by parallel tasks (verify's Spark tasks) that all see one snapshot: the driver
+exports it (:func:`exported_snapshot`, held open while the tasks run) and picks the ranges from a sample of the
+keys (:meth:`SourceTable.ranges`); each task imports the snapshot and reads its range. A :class:`SourceTable`
+pickles: it carries its columns' resolved types, so a task needs no catalog look-up to build the codec.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import psycopg
 from psycopg import sql
 
 from cdc._catalog import TypeResolver
@@ -23,8 +30,30 @@ from cdc._snapshot import parse_binary_copy
 from cdc._source import check_and_prepare, connect
 from cdc._version import __version__
 from decoders import TupleData
+from schemas import PgType
 
 _B, _T, _N = ord("b"), ord("t"), ord("n")
+_SAMPLE_KEYS = 100_000  # keys sampled to split a table into ranges: enough for even ranges, small in memory
+
+
+@dataclass(frozen=True)
+class KeyRange:
+    """The rows whose key is after ``after`` and at most ``upto`` (the key columns as PostgreSQL prints them;
+    None: unbounded on that side)."""
+
+    after: tuple[str, ...] | None = None
+    upto: tuple[str, ...] | None = None
+
+
+@contextmanager
+def exported_snapshot(settings: Settings) -> Iterator[tuple[psycopg.Connection[Any], str]]:
+    """A REPEATABLE READ transaction whose snapshot other sessions can import (``rows(snapshot=…)``); it must
+    stay open until they have started, so the caller reads within the ``with``."""
+    with connect(settings) as conn:
+        conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")  # autocommit: BEGIN opens it
+        row = conn.execute("SELECT pg_export_snapshot()").fetchone()
+        assert row is not None
+        yield conn, str(row[0])
 
 
 @dataclass(frozen=True)
@@ -37,8 +66,18 @@ class UnencodableRow:
 
 
 @dataclass(frozen=True)
+class _KnownTypes:
+    """The columns' types as the driver resolved them (cdc._events.TypeSource), for a task with no catalog."""
+
+    types: dict[int, PgType]
+
+    def resolve(self, oid: int) -> PgType:
+        return self.types[oid]
+
+
+@dataclass(frozen=True)
 class SourceTable:
-    """One captured table: where its events go and what its rows look like in Avro."""
+    """One captured table: where its events go, what its rows look like in Avro, how to read them."""
 
     schema: str
     table: str
@@ -46,77 +85,154 @@ class SourceTable:
     key_fields: tuple[str, ...]  # Avro field names of the key columns, in key order
     row_schema: dict[str, Any]  # the Avro ``Value`` record (named types defined once)
     _settings: Settings
-    _codec: TableCodec
-    _select: list[sql.Composable]  # the table's columns, then its key columns as text (where a chunk ends)
-    _ident: sql.Composable
-    _key: sql.Composable  # the key columns, for ORDER BY and the row comparison
+    _source: SourceInfo
+    _columns: tuple[ColumnSpec, ...]
+    _types: tuple[PgType, ...]  # each column's, resolved when the table was described
+    _keys: tuple[str, ...]  # the key columns' names, in key order
     _key_types: tuple[str, ...]  # format_type of each key column
+    _oid: int
 
     @property
     def qualified(self) -> str:
         return f"{self.schema}.{self.table}"
 
     def rows(
-        self, chunk_rows: int = 20_000, unencodable: Callable[[UnencodableRow], None] | None = None
+        self,
+        chunk_rows: int = 20_000,
+        unencodable: Callable[[UnencodableRow], None] | None = None,
+        *,
+        snapshot: str | None = None,
+        within: KeyRange = KeyRange(),
     ) -> Iterator[dict[str, Any]]:
-        """Every row now in the table, in key order: raw Avro values by field name (what the Avro writer takes).
+        """The table's rows in key order, ``within`` a key range: raw Avro values by field name (what the Avro
+        writer takes). Every chunk reads one snapshot: a new one, or ``snapshot`` (from :func:`exported_snapshot`).
 
         A row with a value Avro cannot hold (docs/types.md) has no event: it goes to ``unencodable`` instead (the
         capture dead-letters or stops on it, capture.on_unencodable); without ``unencodable`` it raises."""
-        kinds = bytes(_B if b else _T for b in self._codec.binary_capable)
+        codec = self._codec()
+        kinds = bytes(_B if b else _T for b in codec.binary_capable)
         width = len(kinds)
-        with connect(self._settings, autocommit=False) as conn:
+        select = self._select(codec)
+        with connect(self._settings) as conn:
             conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")  # every chunk sees one snapshot
-            after: list[str] | None = None
+            if snapshot is not None:
+                conn.execute(sql.SQL("SET TRANSACTION SNAPSHOT {}").format(sql.Literal(snapshot)))
+            after = within.after
             while True:
                 data = bytearray()
-                with conn.cursor() as cur, cur.copy(self._chunk(after, chunk_rows)) as copy:
+                with conn.cursor() as cur, cur.copy(self._chunk(select, after, within.upto, chunk_rows)) as copy:
                     for block in copy:
                         data += block
                 chunk = parse_binary_copy(data)
                 for raw in chunk:
                     # Exactly as the snapshot converts a row (binary COPY, text for types without a binary reader).
                     try:
-                        row = self._row(raw[:width], kinds)
+                        row = _row(codec, raw[:width], kinds)
                     except ValueError as exc:
                         if unencodable is None:
                             raise
-                        unencodable(self._unencodable(raw, kinds, exc))
+                        unencodable(_unencodable(codec, raw, kinds, exc))
                         continue
                     yield row
                 if len(chunk) < chunk_rows:
                     return
-                after = [(v or b"").decode() for v in chunk[-1][width:]]
+                after = tuple((v or b"").decode() for v in chunk[-1][width:])
 
-    def _row(self, values: list[bytes | None], kinds: bytes) -> dict[str, Any]:
-        tup = TupleData(bytes(_N if v is None else k for v, k in zip(values, kinds, strict=True)), tuple(values))
-        return self._codec.row(tup)[0]
+    def snapshot(self) -> AbstractContextManager[tuple[psycopg.Connection[Any], str]]:
+        """A snapshot to read the table in parallel (:func:`exported_snapshot`), from the table's database."""
+        return exported_snapshot(self._settings)
 
-    def _unencodable(self, raw: list[bytes | None], kinds: bytes, exc: ValueError) -> UnencodableRow:
-        """What verify says of a row that has no event: its key as PostgreSQL prints it (selected as text after
-        the columns), and its key's Avro values when they can be encoded (the store may hold an older version)."""
-        width = len(kinds)
-        names = [self._codec.columns[i].name for i in self._codec.key_indexes]
-        text = {n: None if v is None else v.decode() for n, v in zip(names, raw[width:], strict=True)}
-        keys_only = [v if i in self._codec.key_indexes else None for i, v in enumerate(raw[:width])]
-        try:
-            row = self._row(keys_only, kinds)
-            key: dict[str, Any] | None = {f: row[f] for f in self.key_fields}
-        except ValueError:
-            key = None
-        return UnencodableRow(text, key, str(exc) or type(exc).__name__)
-
-    def _chunk(self, after: list[str] | None, limit: int) -> sql.Composed:
-        where: sql.Composable = sql.SQL("")
-        if after is not None:  # literals, not %s: quoted identifiers may hold a "%s" (see cdc._snapshot)
-            last = sql.SQL(", ").join(
-                sql.SQL("{}::{}").format(sql.Literal(v), sql.SQL(t))
-                for v, t in zip(after, self._key_types, strict=True)
-            )
-            where = sql.SQL("WHERE ({}) > ({})").format(self._key, last)
-        return sql.SQL("COPY (SELECT {} FROM {} AS src {} ORDER BY {} LIMIT {}) TO STDOUT (FORMAT binary)").format(
-            sql.SQL(", ").join(self._select), self._ident, where, self._key, sql.Literal(limit)
+    def ranges(self, conn: psycopg.Connection[Any], parts: int, *, min_rows: int = 1) -> list[KeyRange]:
+        """Up to ``parts`` key ranges that cover the table with about as many rows each (and about ``min_rows``
+        at least), as ``conn``'s snapshot sees it: split at keys of a sample (every key of a small table)."""
+        found = conn.execute(
+            "SELECT reltuples, pg_total_relation_size(oid) FROM pg_class WHERE oid = %s", (self._oid,)
+        ).fetchone()
+        assert found is not None
+        # reltuples is -1 until the table was first vacuumed or analysed: then guess ~100 bytes per row
+        estimate = float(found[0]) if found[0] >= 0 else float(found[1]) / 100
+        parts = min(parts, max(1, int(estimate // max(1, min_rows))))
+        if parts <= 1:
+            return [KeyRange()]
+        sample: sql.Composable = sql.SQL("")
+        if estimate > _SAMPLE_KEYS:  # SYSTEM picks whole pages: cheap, and even enough for split points
+            sample = sql.SQL("TABLESAMPLE SYSTEM ({})").format(sql.Literal(100.0 * _SAMPLE_KEYS / estimate))
+        query = sql.SQL("SELECT {} FROM {} AS src {} ORDER BY {}").format(
+            sql.SQL(", ").join(sql.SQL("src.{}::text").format(sql.Identifier(k)) for k in self._keys),
+            self._ident(),
+            sample,
+            self._key(),
         )
+        keys = [tuple(str(v) for v in row) for row in conn.execute(query).fetchall()]
+        cuts = sorted({keys[len(keys) * i // parts] for i in range(1, parts)} if len(keys) >= parts else set())
+        bounds: list[tuple[str, ...] | None] = [None, *cuts, None]
+        return [KeyRange(after, upto) for after, upto in itertools.pairwise(bounds)]
+
+    def _codec(self) -> TableCodec:
+        types = _KnownTypes({c.type_oid: t for c, t in zip(self._columns, self._types, strict=True)})
+        shape = table_shape(self._settings, types, self.schema, self.table, columns=self._columns, key=self._keys)
+        return TableCodec(shape, source=self._source, register=lambda *_: 0)  # verify registers nothing
+
+    def _select(self, codec: TableCodec) -> sql.Composable:
+        """The table's columns (as text where the codec has no binary reader), then its key columns as text
+        (where a chunk ends), aliased so that no output name shadows a column."""
+        select: list[sql.Composable] = [
+            sql.SQL("src.{}").format(sql.Identifier(c.name))
+            if binary
+            else sql.SQL("src.{}::text").format(sql.Identifier(c.name))
+            for c, binary in zip(self._columns, codec.binary_capable, strict=True)
+        ]
+        select += [
+            sql.SQL("src.{}::text AS {}").format(sql.Identifier(k), sql.Identifier(f"__pgcdc_key_{i}"))
+            for i, k in enumerate(self._keys)
+        ]
+        return sql.SQL(", ").join(select)
+
+    def _ident(self) -> sql.Composable:
+        return sql.SQL("{}.{}").format(sql.Identifier(self.schema), sql.Identifier(self.table))
+
+    def _key(self) -> sql.Composable:
+        """The key columns, qualified so that ORDER BY sorts by the column, not an output name."""
+        return sql.SQL(", ").join(sql.SQL("src.{}").format(sql.Identifier(k)) for k in self._keys)
+
+    def _key_value(self, texts: tuple[str, ...]) -> sql.Composable:
+        # Literals, not %s: quoted identifiers may hold a "%s" (see cdc._snapshot).
+        return sql.SQL(", ").join(
+            sql.SQL("{}::{}").format(sql.Literal(v), sql.SQL(t)) for v, t in zip(texts, self._key_types, strict=True)
+        )
+
+    def _chunk(
+        self, select: sql.Composable, after: tuple[str, ...] | None, upto: tuple[str, ...] | None, limit: int
+    ) -> sql.Composed:
+        bounds: list[sql.Composable] = []
+        if after is not None:
+            bounds.append(sql.SQL("({}) > ({})").format(self._key(), self._key_value(after)))
+        if upto is not None:
+            bounds.append(sql.SQL("({}) <= ({})").format(self._key(), self._key_value(upto)))
+        where = sql.SQL("WHERE ") + sql.SQL(" AND ").join(bounds) if bounds else sql.SQL("")
+        return sql.SQL("COPY (SELECT {} FROM {} AS src {} ORDER BY {} LIMIT {}) TO STDOUT (FORMAT binary)").format(
+            select, self._ident(), where, self._key(), sql.Literal(limit)
+        )
+
+
+def _row(codec: TableCodec, values: list[bytes | None], kinds: bytes) -> dict[str, Any]:
+    tup = TupleData(bytes(_N if v is None else k for v, k in zip(values, kinds, strict=True)), tuple(values))
+    return codec.row(tup)[0]
+
+
+def _unencodable(codec: TableCodec, raw: list[bytes | None], kinds: bytes, exc: ValueError) -> UnencodableRow:
+    """What verify says of a row that has no event: its key as PostgreSQL prints it (selected as text after the
+    columns), and its key's Avro values when they can be encoded (the store may hold an older version)."""
+    width = len(kinds)
+    names = [codec.columns[i].name for i in codec.key_indexes]
+    text = {n: None if v is None else v.decode() for n, v in zip(names, raw[width:], strict=True)}
+    keys_only = [v if i in codec.key_indexes else None for i, v in enumerate(raw[:width])]
+    try:
+        row = _row(codec, keys_only, kinds)
+        key: dict[str, Any] | None = {f: row[f] for f in codec.key_field_names}
+    except ValueError:
+        key = None
+    return UnencodableRow(text, key, str(exc) or type(exc).__name__)
 
 
 def source_tables(config: Path | Settings | None) -> list[SourceTable]:
@@ -128,22 +244,11 @@ def source_tables(config: Path | Settings | None) -> list[SourceTable]:
         types = TypeResolver(conn)
         source = SourceInfo(__version__, settings.kafka.topic_prefix, conn.info.dbname)
         for info in report.tables:
-            columns = [ColumnSpec(c.name, c.type_oid, c.typmod) for c in info.columns]
+            columns = tuple(ColumnSpec(c.name, c.type_oid, c.typmod) for c in info.columns)
             keys = report.key_columns[info.qualified]
             # Nothing is registered: verify only needs the schemas and the converters.
             shape = table_shape(settings, types, info.schema, info.name, columns=columns, key=keys)
             codec = TableCodec(shape, source=source, register=lambda *_: 0)
-            select: list[sql.Composable] = [
-                sql.SQL("src.{}").format(sql.Identifier(c.name))
-                if binary
-                else sql.SQL("src.{}::text").format(sql.Identifier(c.name))
-                for c, binary in zip(info.columns, codec.binary_capable, strict=True)
-            ]
-            # Aliased, so that no output name shadows a column; ORDER BY qualified, so it sorts by the column.
-            select += [
-                sql.SQL("src.{}::text AS {}").format(sql.Identifier(k), sql.Identifier(f"__pgcdc_key_{i}"))
-                for i, k in enumerate(keys)
-            ]
             key_types = tuple(
                 str(row[0])
                 for k in keys
@@ -160,11 +265,12 @@ def source_tables(config: Path | Settings | None) -> list[SourceTable]:
                     key_fields=codec.key_field_names,
                     row_schema=codec.value_schema["fields"][0]["type"][1],
                     _settings=settings,
-                    _codec=codec,
-                    _select=select,
-                    _ident=info.ident(),
-                    _key=sql.SQL(", ").join(sql.SQL("src.{}").format(sql.Identifier(k)) for k in keys),
+                    _source=source,
+                    _columns=columns,
+                    _types=tuple(types.resolve(c.type_oid) for c in columns),
+                    _keys=tuple(keys),
                     _key_types=key_types,
+                    _oid=info.oid,
                 )
             )
     return out

@@ -3,7 +3,8 @@
 The public face for sink authors (docs/sinks.md, "Write a sink"): :class:`PartitionSink` and
 :class:`PartitionWriter` (rows written inside Spark's executor tasks: :class:`TableInfo`, :class:`Change`,
 :class:`Rejected`), :class:`Sink` for sinks that write Spark frames (:class:`Batch`, :class:`TableChanges`),
-:class:`BaseSink`, :class:`SinkContext`, and :class:`Rebuildable` for stores that can be rebuilt and verified.
+:class:`BaseSink`, :class:`SinkContext`, and :class:`Rebuildable` for stores that can be rebuilt and verified
+(read back in parallel tasks through :class:`ReadsInParts` or :class:`ReadsFrame`).
 pyspark is imported lazily (only inside functions that need it), so listing sinks stays cheap; the capture
 service's internals are never imported.
 """
@@ -14,12 +15,16 @@ from sinks._api import (
     BaseSink,
     Batch,
     Change,
+    FrameRows,
     PartitionSink,
     PartitionWriter,
+    ReadsFrame,
+    ReadsInParts,
     Rebuildable,
     Rejected,
     Sink,
     SinkContext,
+    StorePart,
     TableChanges,
     TableInfo,
     TableRef,
@@ -31,8 +36,11 @@ __all__ = [
     "BaseSink",
     "Batch",
     "Change",
+    "FrameRows",
     "PartitionSink",
     "PartitionWriter",
+    "ReadsFrame",
+    "ReadsInParts",
     "Rebuildable",
     "Rejected",
     "Sink",
@@ -40,6 +48,7 @@ __all__ = [
     "SinkError",
     "SinkTerminalError",
     "SinkTransientError",
+    "StorePart",
     "TableChanges",
     "TableInfo",
     "TableRef",

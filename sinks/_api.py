@@ -267,6 +267,40 @@ class Rebuildable(Protocol):
         ...
 
 
+class StorePart(Protocol):
+    """One part of a stored table, read in an executor task: picklable (a frozen dataclass of settings)."""
+
+    def __call__(self) -> Iterator[tuple[str, dict[str, Any]]]:
+        """This part's rows, as :meth:`Rebuildable.read_table` yields them: (key_id, row in document form)."""
+        ...
+
+
+@runtime_checkable
+class ReadsInParts(Protocol):
+    """A :class:`Rebuildable` sink whose copy ``cdc verify`` reads in parallel executor tasks (search: sliced
+    scrolls; cache: a share of the keys each). Without it, verify reads ``read_table`` on the driver."""
+
+    def read_parts(self, table: TableRef, generation: int, parts: int) -> Sequence[StorePart]:
+        """On the driver: at most ``parts`` readers that together yield every stored row of ``table`` once."""
+        ...
+
+
+class FrameRows(Protocol):
+    """Rows of a :class:`ReadsFrame` sink's frame to document form, in an executor task: picklable."""
+
+    def __call__(self, rows: Iterator[Any]) -> Iterator[tuple[str, dict[str, Any]]]: ...
+
+
+@runtime_checkable
+class ReadsFrame(Protocol):
+    """A :class:`Rebuildable` sink whose copy Spark reads itself (the warehouse: a Delta table)."""
+
+    def read_frame(self, table: TableRef, generation: int) -> tuple[DataFrame, FrameRows] | None:
+        """The stored table as a DataFrame and the function from its rows (pyspark Rows, in an executor task) to
+        (key_id, row in document form); None when ``generation`` has no copy of ``table``."""
+        ...
+
+
 @dataclass(frozen=True)
 class TableRef:
     """A table as verify knows it from the source."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import re
 import time
+import zlib
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -53,6 +54,7 @@ end
 return applied
 """
 _PIPELINE = 1000
+_MAX_PARTS = 4  # verify's readers of one table
 _PER_CALL = 200  # entries per script call
 
 
@@ -117,16 +119,45 @@ class CacheSink(BaseSink):
         return entry_prefix(self.namespace, table, generation)
 
     def read_table(self, table: TableRef, generation: int) -> Iterator[tuple[str, dict[str, Any]]]:
-        prefix = self.entry_prefix(table.name, generation)
-        keys = list(self.client.scan_iter(match=_glob_escape(prefix) + "*", count=1000))
-        for start in range(0, len(keys), _PIPELINE):
-            chunk = keys[start : start + _PIPELINE]
-            pipe = self.client.pipeline(transaction=False)
-            for key in chunk:
-                pipe.hget(key, "row")
-            for key, row in zip(chunk, pipe.execute(), strict=True):
-                if row is not None:
-                    yield key.decode()[len(prefix) :], json.loads(row)
+        return CachePart(self.url, self.entry_prefix(table.name, generation), 0, 1)()
+
+    def read_parts(self, table: TableRef, generation: int, parts: int) -> list[CachePart]:
+        # Each part walks the whole key space (SCAN cannot be split) and reads the rows of its share of the keys:
+        # walking is cheap next to reading rows, but more than a few walkers would only load Redis.
+        n = max(1, min(parts, _MAX_PARTS))
+        return [CachePart(self.url, self.entry_prefix(table.name, generation), i, n) for i in range(n)]
+
+
+@dataclass(frozen=True)
+class CachePart:
+    """The rows of one share of a table's keys (by a hash of the key), read in an executor task (verify)."""
+
+    url: SecretStr
+    prefix: str
+    part: int
+    parts: int
+
+    def __call__(self) -> Iterator[tuple[str, dict[str, Any]]]:
+        client = redis.Redis.from_url(self.url.get_secret_value(), socket_timeout=30)
+        try:
+            mine: list[bytes] = []
+            for key in client.scan_iter(match=_glob_escape(self.prefix) + "*", count=1000):
+                if self.parts == 1 or zlib.crc32(key) % self.parts == self.part:
+                    mine.append(key)
+                if len(mine) >= _PIPELINE:
+                    yield from self._rows(client, mine)
+                    mine = []
+            yield from self._rows(client, mine)
+        finally:
+            client.close()
+
+    def _rows(self, client: redis.Redis, keys: list[bytes]) -> Iterator[tuple[str, dict[str, Any]]]:
+        pipe = client.pipeline(transaction=False)
+        for key in keys:
+            pipe.hget(key, "row")
+        for key, row in zip(keys, pipe.execute(), strict=True):
+            if row is not None:  # deleted since the walk saw it
+                yield key.decode()[len(self.prefix) :], json.loads(row)
 
 
 def entry_prefix(namespace: str, table: str, generation: int) -> str:

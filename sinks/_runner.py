@@ -668,10 +668,8 @@ def verify(
     spark: SparkSession | None = None,
 ) -> list[Drift]:
     """Compare until clean or ``wait_s`` has passed (a live store converges as its query catches up)."""
-    session = spark
-    if session is None and name == "warehouse":
-        session = spark_session(settings, "pgcdc-verify")
-    sink = _opened(name, settings, generation or 0, session)  # type: ignore[arg-type]
+    session = spark if spark is not None else spark_session(settings, "pgcdc-verify")
+    sink = _opened(name, settings, generation or 0, session)
     try:
         if not isinstance(sink, Rebuildable):
             raise SinkConfigError(f"sink {name!r} cannot be read back (it does not implement sinks.Rebuildable)")
@@ -684,12 +682,14 @@ def verify(
                     continue
                 raise SinkConfigError(f"sink {name!r} has never run: nothing to verify")
             reports = settings.state() / name / "verify"
-            drifts = compare(sink, source_tables(), gen, settings.table_name, reports)
+            drifts = compare(session, sink, source_tables(), gen, table_name=settings.table_name, reports=reports)
             if all(d.clean for d in drifts) or time.monotonic() >= deadline:
                 return drifts
             time.sleep(2.0)
     finally:
         sink.close()
+        if spark is None:
+            stop_session(session)
 
 
 # --- rebuild ----------------------------------------------------------------------------------

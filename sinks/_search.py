@@ -164,14 +164,15 @@ class SearchSink(BaseSink):
             _call(self.client.indices.update_aliases, body={"actions": actions})
 
     def read_table(self, table: TableRef, generation: int) -> Iterator[tuple[str, dict[str, Any]]]:
+        parts = self.read_parts(table, generation, 1)
+        return parts[0]() if parts else iter(())
+
+    def read_parts(self, table: TableRef, generation: int, parts: int) -> list[SearchPart]:
         index = self.index(table.name, generation)
         if not self.client.indices.exists(index=index):
-            return
-        self.client.indices.refresh(index=index)
-        for hit in helpers.scan(self.client, index=index, query={"query": {"match_all": {}}}, size=2000):
-            source = dict(hit["_source"])
-            source.pop(_META, None)
-            yield hit["_id"], {column_of(field): value for field, value in source.items()}
+            return []
+        self.client.indices.refresh(index=index)  # the last writes are searchable
+        return [SearchPart(self.cfg, index, i, max(1, parts)) for i in range(max(1, parts))]
 
     # --- writes ----------------------------------------------------------------------------
 
@@ -221,6 +222,29 @@ class SearchSink(BaseSink):
 
     def partition_writer(self) -> SearchWriter:
         return SearchWriter(self.cfg, self.prefix)
+
+
+@dataclass(frozen=True)
+class SearchPart:
+    """One slice of an index (a sliced scroll: each document in exactly one), read in an executor task."""
+
+    cfg: SearchConfig
+    index: str
+    part: int
+    parts: int
+
+    def __call__(self) -> Iterator[tuple[str, dict[str, Any]]]:
+        query: dict[str, Any] = {"query": {"match_all": {}}}
+        if self.parts > 1:
+            query["slice"] = {"id": self.part, "max": self.parts}
+        client = _client(self.cfg)
+        try:
+            for hit in helpers.scan(client, index=self.index, query=query, size=2000):
+                source = dict(hit["_source"])
+                source.pop(_META, None)
+                yield hit["_id"], {column_of(field): value for field, value in source.items()}
+        finally:
+            client.close()
 
 
 @dataclass(frozen=True)

@@ -1,11 +1,13 @@
-"""``cdc verify``'s comparison of a store with the source, in memory that does not grow with the table.
+"""``cdc verify``'s comparison of a store with the source, on Spark's executors, in driver memory that does not
+grow with the table.
 
-Both sides stream through: the source in keyset chunks (cdc's ``SourceTable.rows``), the store as its sink
-reads it back (``read_table``). Each row, in document form, is kept pickled with a digest in an on-disk SQLite
-ledger (a temporary file, removed afterwards), keyed by its key; SQLite's joins then find the keys that are
-missing from the store, extra in it, or whose digests differ (those rows are compared again as values: two
-encodings of one value, such as 0.0 and -0.0, are not a drift). Memory holds a chunk of rows and the first few
-keys of each kind, whatever the table's size; the disk holds the ledger.
+Both sides are read in parallel tasks: the source in key ranges that all see one exported snapshot
+(cdc.SourceTable.ranges and rows), converted by the capture's own codec and then to document form; the store as
+its sink reads it back (:class:`sinks.ReadsFrame`, :class:`sinks.ReadsInParts`, or ``read_table`` on the
+driver, staged as Parquet under the state dir). Each task turns a row into its key id, the row pickled, and a
+digest of that; Spark joins the two sides by key and only the keys that differ come to the driver: missing from
+the store, extra in it, or whose digests differ (those rows are compared again as values: two encodings of one
+value, such as 0.0 and -0.0, are not a drift). Memory on the driver holds the first few keys of each kind.
 
 Every key found is written to ``<state_dir>/<sink>/verify/<schema>.<table>.jsonl`` (docs/sinks.md), one JSON
 object per line: ``{"kind": "missing" | "extra" | "different", "key": <key>, "columns": {<column>: <text>}}``
@@ -25,20 +27,29 @@ import binascii
 import hashlib
 import json
 import pickle
-import sqlite3
 import tempfile
+import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from sinks._api import TableRef, key_id
+from sinks._api import FrameRows, ReadsFrame, ReadsInParts, StorePart, TableRef, key_id
 from sinks._storage import Location
 from sinks._values import Names, column_name, doc_converter
 
+if TYPE_CHECKING:
+    import pyarrow as pa
+    from pyspark.sql import DataFrame, SparkSession
+
 SAMPLE = 10  # keys of each kind kept for the report on the terminal
-_BATCH = 5_000  # rows per SQLite insert
+_BATCH = 5_000  # rows per Arrow batch a task hands back
+_ROWS_PER_RANGE = 50_000  # a source range this small is not split further: a task's start costs more
+_STAGED_ROWS = 100_000  # rows of a read_table-only store per Parquet file staged on the driver
+# What each side's tasks produce: the key id, the row pickled (document form, the source's columns in order)
+# and its digest; a source row with no event has its key as PostgreSQL prints it (JSON) and why instead.
+_LEDGER = "key string, digest binary, row binary, bad string, error string"
+_KINDS = ("missing", "extra", "unencodable", "different")  # the order of the report
 
 
 @dataclass
@@ -62,86 +73,264 @@ class Drift:
 
 
 def compare(
-    sink: Any, source_tables: Sequence[Any], generation: int, table_name: Any, reports: Location | None
+    spark: SparkSession,
+    sink: Any,
+    source_tables: Sequence[Any],
+    generation: int,
+    *,
+    table_name: Callable[[str], str],
+    reports: Location | None,
 ) -> list[Drift]:
     """Each source table against the sink's copy of generation ``generation``, key by key, in document form.
 
-    ``table_name(topic)`` is the store's name of a table; ``reports`` the directory for the key lists.
+    ``table_name(topic)`` is the store's name of a table; ``reports`` the directory for the key lists. A source
+    table is a cdc.SourceTable (or anything with its ``snapshot``, ``ranges`` and ``rows``, picklable).
     """
     drifts = []
+    parallelism = max(1, spark.sparkContext.defaultParallelism)
     for src in source_tables:
         ref = TableRef(src.topic, table_name(src.topic), src.key_fields, src.row_schema)
-        with tempfile.TemporaryDirectory(prefix="pgcdc-verify-") as tmp, closing(_ledger(Path(tmp))) as db:
-            columns = _fill(db, "src", _source_docs(src, db))
-            _fill(db, "dst", ((k, {c: row.get(c) for c in columns}) for k, row in sink.read_table(ref, generation)))
-            drift = Drift(src.qualified)
-            report = reports / f"{ref.name}.jsonl" if reports is not None else None
-            _collect(db, drift, report, Path(tmp) / "report.jsonl", key_texts(src))
+        columns = [column_name(f) for f in src.row_schema["fields"]]
+        drift = Drift(src.qualified)
+        store = _StoreFrame(spark, sink, ref, generation, columns=columns, reports=reports)
+        with src.snapshot() as (conn, exported), store:
+            ranges = src.ranges(conn, parallelism * 2, min_rows=_ROWS_PER_RANGE)
+            source = spark.range(0, len(ranges), 1, len(ranges)).mapInArrow(
+                _SourceRanges(src, exported, tuple(ranges)), _LEDGER
+            )
+            _collect(_differences(source, store.frame()), drift, reports, ref.name, key_texts(src))
         drifts.append(drift)
     return drifts
 
 
-def _source_docs(src: Any, db: sqlite3.Connection) -> Iterator[tuple[str, dict[str, Any]]]:
-    """The source's rows in document form by key id; a row with no event (a value Avro cannot hold) goes to the
-    ledger's ``bad`` table instead, with its key as PostgreSQL prints it and its key id when it has one."""
-    names = Names()
-    fields = src.row_schema["fields"]
-    convs = {f["name"]: (column_name(f), doc_converter(f["type"], names, spark=False)) for f in fields}
+def _ledger_rows(docs: Iterable[tuple[str, dict[str, Any]]]) -> Iterator[pa.RecordBatch]:
+    """(key id, document) -> Arrow batches of the ledger: the row pickled, its digest."""
+    import pyarrow as pa
 
-    def doc_key(raw: dict[str, Any]) -> str:
-        return key_id({convs[k][0]: convs[k][1](raw[k]) for k in src.key_fields})
+    keys: list[str] = []
+    digests: list[bytes] = []
+    blobs: list[bytes] = []
 
-    def unencodable(row: Any) -> None:
-        key = doc_key(row.key) if row.key is not None else None
-        text = json.dumps(row.key_text, ensure_ascii=False)
-        db.execute("INSERT OR REPLACE INTO bad VALUES (?, ?, ?)", (text, key, row.error))
+    def flush() -> pa.RecordBatch:
+        nulls = pa.nulls(len(keys), pa.string())
+        batch = pa.RecordBatch.from_arrays(
+            [pa.array(keys, pa.string()), pa.array(digests, pa.binary()), pa.array(blobs, pa.binary()), nulls, nulls],
+            names=["key", "digest", "row", "bad", "error"],
+        )
+        keys.clear()
+        digests.clear()
+        blobs.clear()
+        return batch
 
-    key_cols = [convs[k][0] for k in src.key_fields]
-    for raw in src.rows(unencodable=unencodable):
-        row = {col: conv(raw[name]) for name, (col, conv) in convs.items()}
-        yield key_id({c: row[c] for c in key_cols}), row
-
-
-def _ledger(directory: Path) -> sqlite3.Connection:
-    db = sqlite3.connect(directory / "ledger.db")
-    db.execute("PRAGMA journal_mode = OFF")  # a scratch file: nothing to recover after a crash
-    db.execute("PRAGMA synchronous = OFF")
-    db.execute("PRAGMA cache_size = -65536")  # 64 MiB of pages at most
-    for side in ("src", "dst"):
-        db.execute(f"CREATE TABLE {side} (key TEXT PRIMARY KEY, digest BLOB NOT NULL, row BLOB NOT NULL)")
-    # Source rows with no event: the key as PostgreSQL prints it (JSON), its key id (None: the key itself cannot
-    # be encoded), why.
-    db.execute("CREATE TABLE bad (text TEXT PRIMARY KEY, key TEXT, error TEXT NOT NULL)")
-    return db
+    for key, doc in docs:
+        _, digest, blob = _ledger_entry(key, doc)
+        keys.append(key)
+        digests.append(digest)
+        blobs.append(blob)
+        if len(keys) >= _BATCH:
+            yield flush()
+    if keys:
+        yield flush()
 
 
-def _fill(db: sqlite3.Connection, side: str, rows: Iterable[tuple[str, dict[str, Any]]]) -> list[str]:
-    """Insert ``rows`` into ``side``; the columns of the first row (every row has the same)."""
-    columns: list[str] = []
-    batch: list[tuple[str, bytes, bytes]] = []
-    for key, row in rows:
-        if not columns:
-            columns = list(row)
-        blob = pickle.dumps(row, protocol=pickle.HIGHEST_PROTOCOL)
-        batch.append((key, hashlib.blake2b(blob, digest_size=16).digest(), blob))
-        if len(batch) >= _BATCH:
-            db.executemany(f"INSERT OR REPLACE INTO {side} VALUES (?, ?, ?)", batch)  # noqa: S608 - side is ours
-            batch.clear()
-    db.executemany(f"INSERT OR REPLACE INTO {side} VALUES (?, ?, ?)", batch)  # noqa: S608
-    db.commit()
-    return columns
+def _ledger_entry(key: str, doc: dict[str, Any]) -> tuple[str, bytes, bytes]:
+    """A row's ledger entry: its key id, a digest of the row pickled, and the row pickled (to compare it again as
+    values when the digests differ)."""
+    blob = pickle.dumps(doc, protocol=pickle.HIGHEST_PROTOCOL)
+    return key, hashlib.blake2b(blob, digest_size=16).digest(), blob
 
 
-_MISSING = "SELECT s.key FROM src s LEFT JOIN dst d ON d.key = s.key WHERE d.key IS NULL ORDER BY s.key"
-# A key the store holds whose source row cannot be encoded any more is reported as that, not as extra.
-_EXTRA = (
-    "SELECT d.key FROM dst d LEFT JOIN src s ON s.key = d.key WHERE s.key IS NULL"
-    " AND d.key NOT IN (SELECT key FROM bad WHERE key IS NOT NULL) ORDER BY d.key"
-)
-_UNENCODABLE = "SELECT text, error FROM bad ORDER BY text"
-_DIGESTS_DIFFER = (
-    "SELECT s.key, s.row, d.row FROM src s JOIN dst d ON d.key = s.key WHERE s.digest <> d.digest ORDER BY s.key"
-)
+def _bad_rows(rows: list[tuple[str | None, str, str]]) -> pa.RecordBatch:
+    import pyarrow as pa
+
+    nulls = pa.nulls(len(rows), pa.binary())
+    return pa.RecordBatch.from_arrays(
+        [
+            pa.array([r[0] for r in rows], pa.string()),
+            nulls,
+            nulls,
+            pa.array([r[1] for r in rows], pa.string()),
+            pa.array([r[2] for r in rows], pa.string()),
+        ],
+        names=["key", "digest", "row", "bad", "error"],
+    )
+
+
+@dataclass(frozen=True)
+class _SourceRanges:
+    """The source side of one table, in an executor task: the key ranges its input ids name, in the snapshot
+    the driver exported, each row in document form; a row with no event goes into the ledger's ``bad``."""
+
+    src: Any  # cdc.SourceTable: pickles with its settings and resolved types
+    snapshot: str
+    ranges: tuple[Any, ...]  # cdc.KeyRange, one per task
+
+    def __call__(self, batches: Iterable[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        for batch in batches:
+            for part in batch.column(0).to_pylist():
+                bad: list[tuple[str | None, str, str]] = []
+                yield from _ledger_rows(self._docs(part, bad))
+                if bad:
+                    yield _bad_rows(bad)
+
+    def _docs(self, part: int, bad: list[tuple[str | None, str, str]]) -> Iterator[tuple[str, dict[str, Any]]]:
+        names = Names()
+        fields = self.src.row_schema["fields"]
+        convs = {f["name"]: (column_name(f), doc_converter(f["type"], names, spark=False)) for f in fields}
+        key_cols = [convs[k][0] for k in self.src.key_fields]
+
+        def unencodable(row: Any) -> None:
+            key = None
+            if row.key is not None:
+                key = key_id({convs[k][0]: convs[k][1](row.key[k]) for k in self.src.key_fields})
+            bad.append((key, json.dumps(row.key_text, ensure_ascii=False), row.error))
+
+        for raw in self.src.rows(unencodable=unencodable, snapshot=self.snapshot, within=self.ranges[part]):
+            row = {col: conv(raw[name]) for name, (col, conv) in convs.items()}
+            yield key_id({c: row[c] for c in key_cols}), row
+
+
+@dataclass(frozen=True)
+class _PartsRead:
+    """The store side from :class:`sinks.ReadsInParts`, in an executor task: the parts its input ids name."""
+
+    parts: tuple[StorePart, ...]
+    columns: tuple[str, ...]
+
+    def __call__(self, batches: Iterable[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        for batch in batches:
+            for part in batch.column(0).to_pylist():
+                yield from _ledger_rows(_projected(self.parts[part](), self.columns))
+
+
+@dataclass(frozen=True)
+class _FrameRead:
+    """The store side from :class:`sinks.ReadsFrame`, in an executor task: its rows to ledger rows."""
+
+    rows_to_docs: FrameRows
+    columns: tuple[str, ...]
+
+    def __call__(self, rows: Iterable[Any]) -> Iterator[tuple[Any, ...]]:
+        for key, doc in _projected(self.rows_to_docs(iter(rows)), self.columns):
+            yield (*_ledger_entry(key, doc), None, None)
+
+
+def _projected(
+    docs: Iterable[tuple[str, dict[str, Any]]], columns: Sequence[str]
+) -> Iterator[tuple[str, dict[str, Any]]]:
+    """The store's rows with the source's columns, in the source's order (a column dropped at the source but
+    still in the store is not compared)."""
+    for key, row in docs:
+        yield key, {c: row.get(c) for c in columns}
+
+
+class _StoreFrame:
+    """The store side of one table as a ledger DataFrame, however the sink reads back; staged files removed on
+    exit."""
+
+    def __init__(
+        self,
+        spark: SparkSession,
+        sink: Any,
+        ref: TableRef,
+        generation: int,
+        *,
+        columns: Sequence[str],
+        reports: Location | None,
+    ) -> None:
+        self.spark, self.sink, self.ref, self.generation = spark, sink, ref, generation
+        self.columns = tuple(columns)
+        self.staged = reports / f"staged-{uuid.uuid4().hex}" if reports is not None else None
+
+    def __enter__(self) -> _StoreFrame:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        if self.staged is not None:
+            self.staged.remove_tree()
+
+    def frame(self) -> DataFrame:
+        parallelism = max(1, self.spark.sparkContext.defaultParallelism)
+        if isinstance(self.sink, ReadsFrame):
+            read = self.sink.read_frame(self.ref, self.generation)
+            if read is None:
+                return self.spark.createDataFrame([], _LEDGER)
+            frame, rows_to_docs = read
+            if frame.rdd.getNumPartitions() < parallelism:  # a few large files: Parquet splits by row group
+                frame = frame.repartition(parallelism * 2)
+            return frame.rdd.mapPartitions(_FrameRead(rows_to_docs, self.columns)).toDF(_LEDGER)
+        if isinstance(self.sink, ReadsInParts):
+            parts = tuple(self.sink.read_parts(self.ref, self.generation, parallelism * 2))
+            if not parts:
+                return self.spark.createDataFrame([], _LEDGER)
+            frame = self.spark.range(0, len(parts), 1, len(parts)).mapInArrow(_PartsRead(parts, self.columns), _LEDGER)
+            return frame.dropDuplicates(["key"])  # a walk of the keys may see one twice (Redis's SCAN)
+        return self._staged().dropDuplicates(["key"])
+
+    def _staged(self) -> DataFrame:
+        """A sink with only ``read_table``: read on the driver, a file of ledger rows at a time, under the state
+        dir (which executors on a cluster share, as they do the checkpoints)."""
+
+        if self.staged is None:
+            raise ValueError("verify needs a state dir to stage a store read by read_table")
+        rows = _projected(self.sink.read_table(self.ref, self.generation), self.columns)
+        batches: list[pa.RecordBatch] = []
+        for batch in _ledger_rows(rows):
+            batches.append(batch)
+            if sum(b.num_rows for b in batches) >= _STAGED_ROWS:
+                self._stage(batches)
+                batches = []
+        self._stage(batches)  # the last rows, or an empty file: a table with no rows is still a table
+        return self.spark.read.parquet(self.staged.uri)
+
+    def _stage(self, batches: list[pa.RecordBatch]) -> None:
+        import pyarrow as pa
+
+        assert self.staged is not None
+        frame = self.spark.createDataFrame(pa.Table.from_batches(batches, schema=_ledger_arrow()))
+        frame.write.mode("append").parquet(self.staged.uri)
+
+
+def _ledger_arrow() -> pa.Schema:
+    import pyarrow as pa
+
+    return pa.schema(
+        [
+            ("key", pa.string()),
+            ("digest", pa.binary()),
+            ("row", pa.binary()),
+            ("bad", pa.string()),
+            ("error", pa.string()),
+        ]
+    )
+
+
+def _differences(source: DataFrame, store: DataFrame) -> Iterator[Any]:
+    """The joined rows that differ, by kind in the report's order, then by key."""
+    from pyspark.sql import functions as F
+
+    s, d = source.alias("s"), store.alias("d")
+    kind = (
+        F.when(F.col("s.bad").isNotNull(), 2)
+        .when(F.col("d.key").isNull(), 0)
+        .when(F.col("s.key").isNull(), 1)
+        .otherwise(3)
+    )
+    differ = F.col("s.bad").isNotNull() | F.col("s.key").isNull() | F.col("d.key").isNull()
+    differ = differ | (F.col("s.digest") != F.col("d.digest"))
+    joined = s.join(d, F.col("s.key") == F.col("d.key"), "full_outer").where(differ)
+    return (
+        joined.select(
+            kind.alias("kind"),
+            F.coalesce(F.col("s.key"), F.col("d.key")).alias("key"),
+            F.col("s.bad"),
+            F.col("s.error"),
+            F.when(kind == 3, F.col("s.row")).alias("want"),
+            F.when(kind == 3, F.col("d.row")).alias("got"),
+        )
+        .orderBy("kind", F.coalesce(F.col("bad"), F.col("key")))
+        .toLocalIterator()
+    )
 
 
 def key_texts(src: Any) -> Callable[[str], dict[str, str] | None]:
@@ -194,54 +383,54 @@ def _text_of(avro: Any, names: Names) -> Callable[[Any], str | None]:
 
 
 def _collect(
-    db: sqlite3.Connection,
+    rows: Iterable[Any],
     drift: Drift,
-    report: Location | None,
-    scratch: Path,
+    reports: Location | None,
+    name: str,
     columns: Callable[[str], dict[str, str] | None],
 ) -> None:
-    """Count and sample each kind of difference; list every one in ``report`` (removed when there is none)."""
-    with scratch.open("w") as lines:
-
-        def found(kind: str, key: str, error: str | None = None) -> None:
-            drift.counts[kind] += 1
-            line: dict[str, Any] = {"kind": kind, "key": key}
-            if error is not None:
-                line["error"] = error
-            elif (text := columns(key)) is not None:
-                line["columns"] = text
-            lines.write(json.dumps(line) + "\n")
-
-        _differences(db, drift, found)
-    if report is None:
-        return
-    if drift.clean:
-        report.remove()
-    else:
-        report.write_from(scratch)
-        drift.report, drift.location = report.uri, report
+    """Count and sample each kind of difference; list every one in the table's report (removed when none)."""
+    with tempfile.TemporaryDirectory(prefix="pgcdc-verify-") as tmp:
+        scratch = Path(tmp) / "report.jsonl"
+        with scratch.open("w") as lines:
+            for r in rows:
+                line = _found(r, drift, columns)
+                if line is not None:
+                    lines.write(json.dumps(line) + "\n")
+        if reports is None:
+            return
+        report = reports / f"{name}.jsonl"
+        if drift.clean:
+            report.remove()
+        else:
+            report.write_from(scratch)
+            drift.report, drift.location = report.uri, report
 
 
-def _differences(db: sqlite3.Connection, drift: Drift, found: Any) -> None:
-    for (key,) in db.execute(_MISSING):
-        found("missing", key)
-        if len(drift.missing) < SAMPLE:
-            drift.missing.append(key)
-    for (key,) in db.execute(_EXTRA):
-        found("extra", key)
-        if len(drift.extra) < SAMPLE:
-            drift.extra.append(key)
-    for text, error in db.execute(_UNENCODABLE):
-        found("unencodable", text, error)
+def _found(r: Any, drift: Drift, columns: Callable[[str], dict[str, str] | None]) -> dict[str, Any] | None:
+    """One differing row counted and sampled; its report line (None: equal values, encoded differently)."""
+    kind = _KINDS[r["kind"]]
+    if kind == "unencodable":
         if len(drift.unencodable) < SAMPLE:
-            drift.unencodable.append((text, error))
-    for key, want_blob, got_blob in db.execute(_DIGESTS_DIFFER):
-        want, got = pickle.loads(want_blob), pickle.loads(got_blob)  # noqa: S301 - written above, by this process
+            drift.unencodable.append((r["bad"], r["error"]))
+        drift.counts[kind] += 1
+        return {"kind": kind, "key": r["bad"], "error": r["error"]}
+    key = r["key"]
+    if kind == "different":
+        want, got = pickle.loads(r["want"]), pickle.loads(r["got"])  # noqa: S301 - pickled by our own tasks
         if all(got.get(c) == v for c, v in want.items()):
-            continue  # equal values, encoded differently
-        found("different", key)
+            return None
         if len(drift.different) < SAMPLE:
-            drift.different.append((key, want, {c: got.get(c) for c in want}))
+            drift.different.append((key, want, got))
+    else:
+        sample = drift.missing if kind == "missing" else drift.extra
+        if len(sample) < SAMPLE:
+            sample.append(key)
+    drift.counts[kind] += 1
+    line: dict[str, Any] = {"kind": kind, "key": key}
+    if (text := columns(key)) is not None:
+        line["columns"] = text
+    return line
 
 
 __all__ = ["SAMPLE", "Drift", "compare", "key_texts"]

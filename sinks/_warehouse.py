@@ -21,6 +21,7 @@ import hashlib
 import os
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -83,6 +84,23 @@ def _candidates(name: str) -> Iterator[str]:
         n += 1
 
 
+@dataclass(frozen=True)
+class WarehouseRows:
+    """Rows of a table read back from Delta (as Spark hands them to Python) to document form, in a task."""
+
+    row_schema: dict[str, Any]
+    key_fields: tuple[str, ...]
+
+    def __call__(self, rows: Iterator[Any]) -> Iterator[tuple[str, dict[str, Any]]]:
+        names = Names()
+        fields = self.row_schema["fields"]
+        convs = [(f["name"], column_name(f), doc_converter(f["type"], names, spark=True)) for f in fields]
+        key_fields = {f["name"]: column_name(f) for f in fields if f["name"] in self.key_fields}
+        for r in rows:
+            row = {col: conv(r[name]) for name, col, conv in convs}
+            yield key_id({key_fields[k]: row[key_fields[k]] for k in self.key_fields}), row
+
+
 class WarehouseSink(BaseSink):
     name = "warehouse"
 
@@ -122,12 +140,26 @@ class WarehouseSink(BaseSink):
             (self.base / f"g{old}").remove_tree()
 
     def read_table(self, table: TableRef, generation: int) -> Iterator[tuple[str, dict[str, Any]]]:
+        read = self.read_frame(table, generation)
+        if read is None:
+            return
         from delta.tables import DeltaTable
+
+        frame, rows_to_docs = read
+        # toLocalIterator brings one partition at a time into the driver, whole. A partition read from the files
+        # is at least a Parquet row group, and Spark writes row groups of a whole file's rows up to ~128 MB and
+        # more (1.25M rows in one). Shuffled into pieces of ~4 MB of Parquet each, the driver's memory stays
+        # flat with the table's size.
+        detail = DeltaTable.forPath(self.context.spark, self.path(table.name, generation)).detail().first()
+        size = int(detail["sizeInBytes"]) if detail is not None else 0
+        yield from rows_to_docs(frame.repartition(max(1, -(-size // _READ_PIECE_BYTES))).toLocalIterator())
+
+    def read_frame(self, table: TableRef, generation: int) -> tuple[DataFrame, WarehouseRows] | None:
         from pyspark.sql import functions as F
 
         path = self.path(table.name, generation)
         if not (self.base / f"g{generation}" / table.name / "_delta_log").exists():
-            return
+            return None
         frame = self.context.spark.read.format("delta").load(path)
         present = set(frame.columns)
         names = Names()
@@ -141,18 +173,7 @@ class WarehouseSink(BaseSink):
                 for f in fields
             ]
         )
-        convs = [(f["name"], column_name(f), doc_converter(f["type"], names, spark=True)) for f in fields]
-        key_fields = {f["name"]: column_name(f) for f in fields if f["name"] in table.key_fields}
-        # toLocalIterator brings one partition at a time into the driver, whole. A partition read from the files
-        # is at least a Parquet row group, and Spark writes row groups of a whole file's rows up to ~128 MB and
-        # more (1.25M rows in one: a 1g driver ran out of heap verifying 5M rows). Shuffled into pieces of
-        # ~4 MB of Parquet each, the driver's memory stays flat with the table's size.
-        detail = DeltaTable.forPath(self.context.spark, path).detail().first()
-        size = int(detail["sizeInBytes"]) if detail is not None else 0
-        projected = projected.repartition(max(1, -(-size // _READ_PIECE_BYTES)))
-        for r in projected.toLocalIterator():
-            row = {col: conv(r[name]) for name, col, conv in convs}
-            yield key_id({key_fields[k]: row[key_fields[k]] for k in table.key_fields}), row
+        return projected, WarehouseRows(table.row_schema, table.key_fields)
 
     # --- writes ----------------------------------------------------------------------------
 

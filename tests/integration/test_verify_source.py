@@ -4,6 +4,7 @@ timestamps), and with writes between chunks that the snapshot must not see."""
 
 from __future__ import annotations
 
+import pickle
 from pathlib import Path
 
 import psycopg
@@ -70,3 +71,36 @@ def test_a_row_avro_cannot_hold_is_handed_on_with_its_key_not_raised(
             assert "timestamp-micros" in bad.error
             with pytest.raises(ValueError, match="timestamp-micros"):
                 list(tables[name].rows())
+
+
+def test_key_ranges_of_one_exported_snapshot_read_every_row_once_in_parallel_tasks(
+    pg_dsn: str, kafka_bootstrap: str, registry_url: str, unique: str, tmp_path: Path
+) -> None:
+    """What verify's tasks do: the driver exports a snapshot and splits the table at sampled keys; each range,
+    read in its own session that imports the snapshot (here, from a pickled copy of the table, as a task gets
+    it), yields its rows once, and together they are the table as of the export, whatever was written since."""
+    with scratch_database(pg_dsn, f"vrng_{unique}") as dsn:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute("CREATE TABLE r (region text, id int, v int, PRIMARY KEY (region, id))")
+            conn.execute(
+                "INSERT INTO r SELECT (ARRAY['eu', 'us', 'a''b', 'z z'])[1 + g % 4], g, g"
+                " FROM generate_series(1, 5000) g"
+            )
+            conn.execute("ANALYZE r")
+            expected = [tuple(row) for row in conn.execute("SELECT region, id FROM r ORDER BY region, id").fetchall()]
+        config = CdcConfig(
+            dsn, kafka_bootstrap, registry_url, f"v{unique}", ["public.r"], f"s_{unique}", f"p_{unique}"
+        ).write(tmp_path / "cdc.toml")
+        (table,) = source_tables(load_settings(config))
+        with table.snapshot() as (conn, exported):
+            ranges = table.ranges(conn, 4, min_rows=1000)
+            with psycopg.connect(dsn, autocommit=True) as writer:  # after the export: no range may see these
+                writer.execute("INSERT INTO r VALUES ('eu', 0, 0), ('zzz', 1, 1)")
+                writer.execute("DELETE FROM r WHERE id = 2500")
+            task = pickle.loads(pickle.dumps(table))  # noqa: S301 - our own bytes
+            parts = [
+                [(r["region"], r["id"]) for r in task.rows(chunk_rows=300, snapshot=exported, within=k)] for k in ranges
+            ]
+        assert len(ranges) == 4, ranges
+        assert all(500 < len(part) < 2000 for part in parts), [len(p) for p in parts]  # split at sampled keys
+        assert [key for part in parts for key in part] == expected, "every row once, in order, as of the export"

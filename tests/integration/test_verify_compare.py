@@ -1,16 +1,29 @@
-"""The comparison behind `cdc verify` (sinks._verify): counts, samples and the list of every key found."""
+"""The comparison behind `cdc verify` (sinks._verify), on Spark: counts, samples and the list of every key found,
+with each way a store is read back (parts in tasks, read_table on the driver), over a source split in ranges."""
 
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import pytest
+from pyspark import cloudpickle
+
+from cdc import KeyRange
 from sinks._api import TableRef
 from sinks._storage import StorageConfig, location
 from sinks._verify import SAMPLE, compare, key_texts
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
+# The fakes below run in Spark's Python workers, which need not import this module: they travel by value.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])  # type: ignore[no-untyped-call]
 
 _SCHEMA = {
     "type": "record",
@@ -31,12 +44,30 @@ class _Source:
 
     unencodable: list[Any] = field(default_factory=list)  # rows with no event, as cdc.UnencodableRow
 
-    def rows(self, unencodable: Callable[[Any], None] | None = None) -> Iterator[dict[str, Any]]:
-        for bad in self.unencodable:
+    @contextmanager
+    def snapshot(self) -> Iterator[tuple[None, str]]:
+        yield None, "the snapshot"
+
+    def ranges(self, conn: None, parts: int, *, min_rows: int = 1) -> list[KeyRange]:
+        return [KeyRange(None, ("50",)), KeyRange(("50",), None)]  # two tasks, as a split table has
+
+    def rows(
+        self,
+        unencodable: Callable[[Any], None] | None = None,
+        *,
+        snapshot: str | None = None,
+        within: KeyRange | None = None,
+    ) -> Iterator[dict[str, Any]]:
+        assert snapshot == "the snapshot"
+        assert within is not None
+        low = int(within.after[0]) if within.after else None
+        high = int(within.upto[0]) if within.upto else None
+        for bad in self.unencodable if low is None else ():
             assert unencodable is not None
             unencodable(bad)
         for k, v in sorted(self.values.items()):
-            yield {"id": k, "v": v}
+            if (low is None or k > low) and (high is None or k <= high):
+                yield {"id": k, "v": v}
 
 
 @dataclass(frozen=True)
@@ -48,6 +79,8 @@ class _Unencodable:
 
 @dataclass
 class _Store:
+    """A store read back on the driver (read_table only): verify stages it under the state dir."""
+
     rows: dict[int, dict[str, Any]]
 
     def read_table(self, ref: TableRef, generation: int) -> Iterator[tuple[str, dict[str, Any]]]:
@@ -56,11 +89,35 @@ class _Store:
             yield json.dumps([k]), row
 
 
+@dataclass(frozen=True)
+class _Part:
+    rows: tuple[tuple[str, dict[str, Any]], ...]
+
+    def __call__(self) -> Iterator[tuple[str, dict[str, Any]]]:
+        return iter(self.rows)
+
+
+@dataclass
+class _StoreInParts(_Store):
+    """A store read back in executor tasks (sinks.ReadsInParts), one part per key parity."""
+
+    def read_parts(self, ref: TableRef, generation: int, parts: int) -> list[_Part]:
+        assert (ref.name, generation) == ("public.t", 3)
+        every = [(json.dumps([k]), row) for k, row in self.rows.items()]
+        return [_Part(tuple(every[0::2])), _Part(tuple(every[1::2]))]
+
+
+_STORES = pytest.mark.parametrize("kind", [_Store, _StoreInParts], ids=["read_table", "read_parts"])
+
+
 def _table_name(topic: str) -> str:
     return topic.removeprefix("p.")
 
 
-def test_every_difference_is_counted_sampled_and_listed(tmp_path: Path) -> None:
+@_STORES
+def test_every_difference_is_counted_sampled_and_listed(
+    spark: SparkSession, kind: type[_Store], tmp_path: Path
+) -> None:
     source = _Source({i: float(i) for i in range(100)})
     store: dict[int, dict[str, Any]] = {i: {"id": i, "v": float(i)} for i in range(100)}
     for i in range(40):  # 40 missing, more than a sample
@@ -71,7 +128,7 @@ def test_every_difference_is_counted_sampled_and_listed(tmp_path: Path) -> None:
     source.values[70] = -0.0  # equal to the store's 0.0 as a value, though not as bytes
     store[70]["v"] = 0.0
     reports = location(tmp_path / "state" / "cache" / "verify", StorageConfig())
-    (drift,) = compare(_Store(store), [source], 3, _table_name, reports)
+    (drift,) = compare(spark, kind(store), [source], 3, table_name=_table_name, reports=reports)
     assert drift.counts == {"missing": 40, "extra": 1, "different": 1, "unencodable": 0}
     assert not drift.clean
     assert drift.missing == [json.dumps([i]) for i in sorted(range(40), key=lambda i: json.dumps([i]))][:SAMPLE]
@@ -85,19 +142,30 @@ def test_every_difference_is_counted_sampled_and_listed(tmp_path: Path) -> None:
     assert drift.report == str(tmp_path / "state/cache/verify/public.t.jsonl")
 
 
-def test_a_clean_comparison_removes_the_last_list(tmp_path: Path) -> None:
+@_STORES
+def test_a_clean_comparison_removes_the_last_list(spark: SparkSession, kind: type[_Store], tmp_path: Path) -> None:
     reports = location(tmp_path / "verify", StorageConfig())
     source = _Source({1: 1.0, 2: None})
-    (drift,) = compare(_Store({1: {"id": 1, "v": 2.0}}), [source], 3, _table_name, reports)
+    (drift,) = compare(spark, kind({1: {"id": 1, "v": 2.0}}), [source], 3, table_name=_table_name, reports=reports)
     assert drift.counts == {"missing": 1, "extra": 0, "different": 1, "unencodable": 0}
     assert (tmp_path / "verify" / "public.t.jsonl").exists()
-    (drift,) = compare(_Store({1: {"id": 1, "v": 1.0}, 2: {"id": 2, "v": None}}), [source], 3, _table_name, reports)
+    (drift,) = compare(
+        spark,
+        kind({1: {"id": 1, "v": 1.0}, 2: {"id": 2, "v": None}}),
+        [source],
+        3,
+        table_name=_table_name,
+        reports=reports,
+    )
     assert drift.clean
     assert drift.report is None
     assert not (tmp_path / "verify" / "public.t.jsonl").exists()
 
 
-def test_a_source_row_with_no_event_is_reported_as_such_not_as_extra(tmp_path: Path) -> None:
+@_STORES
+def test_a_source_row_with_no_event_is_reported_as_such_not_as_extra(
+    spark: SparkSession, kind: type[_Store], tmp_path: Path
+) -> None:
     """A row whose value Avro cannot hold has no event (capture.on_unencodable): verify names its key and why,
     and the older version of it the store may still hold is not called extra."""
     source = _Source({1: 1.0})
@@ -108,7 +176,7 @@ def test_a_source_row_with_no_event_is_reported_as_such_not_as_extra(tmp_path: P
     ]
     store = {1: {"id": 1, "v": 1.0}, 2: {"id": 2, "v": 2.0}, 3: {"id": 3, "v": 3.0}}
     reports = location(tmp_path / "verify", StorageConfig())
-    (drift,) = compare(_Store(store), [source], 3, _table_name, reports)
+    (drift,) = compare(spark, kind(store), [source], 3, table_name=_table_name, reports=reports)
     assert drift.counts == {"missing": 0, "extra": 1, "different": 0, "unencodable": 2}
     assert drift.extra == ["[3]"]
     assert drift.unencodable == [
@@ -148,7 +216,7 @@ def test_keys_are_listed_as_text_postgresql_reads_as_their_types() -> None:
     assert key_texts(composite)(json.dumps([{"a": 1}])) is None
 
 
-def test_a_store_key_that_is_no_key_of_the_table_is_extra_without_columns(tmp_path: Path) -> None:
+def test_a_store_key_that_is_no_key_of_the_table_is_extra_without_columns(spark: SparkSession, tmp_path: Path) -> None:
     """Keys in a store are whatever was written there (a document indexed by hand with its own id): such a key
     is reported as extra, with no columns to repair it by, and verify goes on."""
 
@@ -159,7 +227,9 @@ def test_a_store_key_that_is_no_key_of_the_table_is_extra_without_columns(tmp_pa
                 yield odd, {"id": 0, "v": None}
 
     reports = location(tmp_path / "verify", StorageConfig())
-    (drift,) = compare(_Odd({1: {"id": 1, "v": 1.0}}), [_Source({1: 1.0})], 3, _table_name, reports)
+    (drift,) = compare(
+        spark, _Odd({1: {"id": 1, "v": 1.0}}), [_Source({1: 1.0})], 3, table_name=_table_name, reports=reports
+    )
     assert drift.counts["extra"] == 4
     listed = [json.loads(line) for line in (tmp_path / "verify" / "public.t.jsonl").read_text().splitlines()]
     assert all("columns" not in line for line in listed), listed
