@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import sys
 import zipimport
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -107,14 +107,14 @@ def _returned(rows: list[tuple[Any, ...]]) -> pa.RecordBatch:
 
 def _partition_task(
     writer: PartitionWriter | None, info: TableInfo | None
-) -> Callable[[Iterable[pa.RecordBatch]], Iterable[pa.RecordBatch]]:
+) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
     """The function each executor task runs over its partition of a table's fold (pickled with ``writer``).
 
     Changes go to the writer; poison rows and what the writer refuses come back as "rejected", the table's
     truncate as "truncate" (applied after every task of the batch has written: see :func:`on_executors`).
     """
 
-    def run(batches: Iterable[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+    def run(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         forget_zip_finders()  # for the next task in this worker: see there
         back: list[tuple[Any, ...]] = []
 
@@ -153,10 +153,10 @@ def _partition_task(
 
 def _truncate_task(
     writer: PartitionWriter, infos: dict[str, TableInfo]
-) -> Callable[[Iterable[pa.RecordBatch]], Iterable[pa.RecordBatch]]:
+) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
     """Applies tables' truncates in an executor task (one change with ``op = 't'`` per table)."""
 
-    def run(batches: Iterable[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+    def run(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         forget_zip_finders()
         back: list[tuple[Any, ...]] = []
         for batch in batches:

@@ -63,12 +63,17 @@ SLF4J_VERSION = "2.0.17"
 APICURIO_VERSION = "3.3.3"
 OPENSEARCH_VERSION = "3.6.0"  # needs Java >= 21
 OPENSEARCH_VERSION_JAVA17 = "2.19.6"  # used when no Java 21+ is installed
-# Spark 4.0.0 is the newest release whose Kafka token provider, spark-avro and Delta Lake jars are all
-# on Maven Central as reached from here; it must equal the installed pyspark (pyproject pins it).
-SPARK_VERSION = "4.0.0"
-DELTA_VERSION = "4.0.0"
+# Spark 4.2.0 is the newest release whose Kafka token provider, spark-avro and Delta Lake jars are all
+# on Maven Central as reached from here; it must equal the installed pyspark (pyproject pins it). Delta 4.4.0
+# is built for it (delta-spark_4.2_2.13).
+SPARK_VERSION = "4.2.0"
+DELTA_VERSION = "4.4.0"
 SCALA_BINARY = "2.13"
-HADOOP_VERSION = "3.4.1"  # what pyspark 4.0.0 ships (jars/hadoop-client-api-*.jar); hadoop-aws must match it
+HADOOP_VERSION = "3.5.0"  # what pyspark 4.2.0 ships (jars/hadoop-client-api-*.jar); hadoop-aws must match it
+# spark-hadoop-cloud (the S3 checkpoint manager) has no 4.2.0 on Maven Central as reached from here. Its 4.1.2
+# is the newest built against the checkpoint API of Spark 4.1 on (sql.execution.streaming.checkpointing), which
+# 4.2.0 keeps: every Spark class and member its checkpoint manager refers to is in pyspark 4.2.0's jars.
+SPARK_HADOOP_CLOUD_VERSION = "4.1.2"
 S3PROXY_VERSION = "2.6.0"
 
 MAVEN = os.environ.get("CDC_LOCAL_MAVEN", "https://repo1.maven.org/maven2")
@@ -1138,7 +1143,7 @@ class SparkJars(Service):
 class SparkCloudJars(SparkJars):
     """Hadoop's S3A connector (hadoop-aws and the AWS SDK bundle it names) and Spark's cloud checkpoint manager.
 
-    Apart from spark-jars: the SDK bundle is 560 MB, and every jar in ``spark.jars`` is copied to each
+    Apart from spark-jars: the SDK bundle is 690 MB, and every jar in ``spark.jars`` is copied to each
     executor (in local mode too). These belong on the JVMs' classpath instead (``spark.driver.extraClassPath``
     and ``spark.executor.extraClassPath``), where a cluster's image would have them.
     """
@@ -1146,13 +1151,13 @@ class SparkCloudJars(SparkJars):
     name = "spark-cloud-jars"
 
     def dir(self) -> Path:
-        return OPT / f"spark-cloud-jars-{SPARK_VERSION}-hadoop-{HADOOP_VERSION}"
+        return OPT / f"spark-cloud-jars-{SPARK_HADOOP_CLOUD_VERSION}-hadoop-{HADOOP_VERSION}"
 
     def version(self) -> str:
-        return f"hadoop-aws {HADOOP_VERSION}, spark-hadoop-cloud {SPARK_VERSION}"
+        return f"hadoop-aws {HADOOP_VERSION}, spark-hadoop-cloud {SPARK_HADOOP_CLOUD_VERSION}"
 
     def install(self) -> None:
-        cloud = f"org.apache.spark:spark-hadoop-cloud_{SCALA_BINARY}:{SPARK_VERSION}"
+        cloud = f"org.apache.spark:spark-hadoop-cloud_{SCALA_BINARY}:{SPARK_HADOOP_CLOUD_VERSION}"
         # spark-hadoop-cloud brings every cloud's connector; of them only hadoop-aws is wanted (above).
         maven_copy_dependencies([f"org.apache.hadoop:hadoop-aws:{HADOOP_VERSION}", cloud], self.dir(), {cloud: ["*:*"]})
 

@@ -22,6 +22,7 @@ def deploy() -> ModuleType:
         ("kafka-clients-3.9.0.jar", "kafka-clients"),
         ("spark-sql-kafka-0-10_2.13-4.0.0.jar", "spark-sql-kafka-0-10_2.13"),
         ("delta-spark_2.13-4.0.0.jar", "delta-spark_2.13"),
+        ("delta-spark_4.2_2.13-4.4.0.jar", "delta-spark_4.2_2.13"),
         ("zstd-jni-1.5.6-10.jar", "zstd-jni"),
         ("jsr305-3.0.0.jar", "jsr305"),
     ],
