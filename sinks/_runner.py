@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+import pyspark
+
 from common.errors import CDCError
 from sinks._api import PartitionSink, Rebuildable, SinkContext
 from sinks._metrics import SinkMetrics, query_name
@@ -83,9 +85,20 @@ def spark_session(settings: SinkSettings, app: str) -> SparkSession:
         # A local disk: Spark's default (Hadoop's FileContext) takes ~90 ms to write each of a batch's two
         # checkpoint files here, the FileSystem API ~25 ms, with the same write-then-rename (atomic on a local
         # file system). Two of them per batch and sink were a fifth of a live batch's time.
-        conf[_CHECKPOINT_MANAGER] = "org.apache.spark.sql.execution.streaming.FileSystemBasedCheckpointFileManager"
+        conf[_CHECKPOINT_MANAGER] = _local_checkpoint_manager(pyspark.__version__)
     return build_session(
         app, list(cfg.spark_jars), master=cfg.spark_master, conf=conf, class_archive=cfg.jvm_class_archive
+    )
+
+
+def _local_checkpoint_manager(spark_version: str) -> str:
+    """Spark's FileSystem-API checkpoint manager: Spark 4.1 moved it into a ``checkpointing`` package."""
+    major, minor = (int(part) for part in spark_version.split(".")[:2])
+    package = "org.apache.spark.sql.execution.streaming"
+    return (
+        f"{package}.checkpointing.FileSystemBasedCheckpointFileManager"
+        if (major, minor) >= (4, 1)
+        else (f"{package}.FileSystemBasedCheckpointFileManager")
     )
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import sys
 import zipimport
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -264,10 +264,10 @@ def _finished(sink: Any, raw: DataFrame, settings: SinkSettings, rows: list[Any]
 
 def _one_task(
     writer: PartitionWriter, infos: dict[str, TableInfo], folds: dict[str, TopicFold]
-) -> Callable[[Iterable[pa.RecordBatch]], Iterable[pa.RecordBatch]]:
+) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
     """The task of :func:`in_one_task` (pickled with ``writer`` and the folds' schemas)."""
 
-    def run(batches: Iterable[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+    def run(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         forget_zip_finders()  # for the next task in this worker: see there
         folding: dict[str, Folding] = {}
         for batch in batches:  # Arrow batches of Spark's size (10,000 rows): the raw records are not kept
