@@ -133,6 +133,29 @@ def _repair(args: argparse.Namespace, drifts: list[Any]) -> None:
             raise DriftError(f"the repair's backfill {b.id} of {b.table} is {b.status}: {b.error or 'see cdc run'}")
 
 
+def _verify(args: argparse.Namespace, settings: Any, runner: Any) -> int:
+    """``cdc verify``: one Spark session for the comparison and, with --repair, the one after it (a process can
+    start Spark's JVM only once)."""
+    from sinks._spark import stop_session  # noqa: PLC0415 - Spark's side loads only when a command needs it
+
+    spark = runner.spark_session(settings, "pgcdc-verify")
+    try:
+        drifts = runner.verify(settings, args.name, _source_tables(args.config), wait_s=args.wait, spark=spark)
+        if _print_drift(args.name, drifts):
+            return 0
+        if not args.repair:
+            raise DriftError(f"{args.name} differs from the source (details above; --repair re-emits those keys)")
+        _repair(args, drifts)
+        # The stores converge as their queries apply the re-emitted events.
+        wait = max(args.wait, 120.0)
+        drifts = runner.verify(settings, args.name, _source_tables(args.config), wait_s=wait, spark=spark)
+        if not _print_drift(args.name, drifts):
+            raise DriftError(f"{args.name} still differs from the source after the repair (details above)")
+        return 0
+    finally:
+        stop_session(spark)
+
+
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -146,17 +169,7 @@ def main(argv: list[str]) -> int:
         from sinks import _runner  # noqa: PLC0415 - loads the sinks' Spark side only when a query runs
 
         if args.command == "verify":
-            drifts = _runner.verify(settings, args.name, _source_tables(args.config), wait_s=args.wait)
-            if _print_drift(args.name, drifts):
-                return 0
-            if not args.repair:
-                raise DriftError(f"{args.name} differs from the source (details above; --repair re-emits those keys)")
-            _repair(args, drifts)
-            # The stores converge as their queries apply the re-emitted events.
-            drifts = _runner.verify(settings, args.name, _source_tables(args.config), wait_s=max(args.wait, 120.0))
-            if not _print_drift(args.name, drifts):
-                raise DriftError(f"{args.name} still differs from the source after the repair (details above)")
-            return 0
+            return _verify(args, settings, _runner)
         if args.action == "rebuild":
             generation, drifts = _runner.rebuild(
                 settings, args.name, _source_tables(args.config), verify_wait_s=args.verify_wait
