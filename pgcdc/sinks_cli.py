@@ -138,6 +138,8 @@ def _verify(args: argparse.Namespace, settings: Any, runner: Any) -> int:
     start Spark's JVM only once)."""
     from sinks._spark import stop_session  # noqa: PLC0415 - Spark's side loads only when a command needs it
 
+    if not args.wait and (error := runner.never_ran(settings, args.name)) is not None:
+        raise error  # said before Spark starts: nothing of it is needed to know
     spark = runner.spark_session(settings, "pgcdc-verify")
     try:
         drifts = runner.verify(settings, args.name, _source_tables(args.config), wait_s=args.wait, spark=spark)

@@ -63,6 +63,7 @@ _HEALTHY_S = 300.0  # a query that ran this long before failing was healthy: its
 _NO_SPACE = "No space left on device"  # ENOSPC as the JVM (Spark's checkpoint writes) and the C library say it
 _NEARLY_FULL = 64 * 2**20  # free bytes under which an ENOSPC is taken to be the state disk's
 _CHECKPOINT_MANAGER = "spark.sql.streaming.checkpointFileManagerClass"
+_BUILT_IN = ("search", "cache", "warehouse")
 
 
 def spark_session(settings: SinkSettings, app: str) -> SparkSession:
@@ -104,9 +105,7 @@ def _local_checkpoint_manager(spark_version: str) -> str:
 
 def _opened(name: str, settings: SinkSettings, generation: int, spark: SparkSession) -> Any:
     sink = load(name)
-    options: dict[str, Any] = (
-        getattr(settings.sinks, name).model_dump() if name in ("search", "cache", "warehouse") else {}
-    )
+    options: dict[str, Any] = getattr(settings.sinks, name).model_dump() if name in _BUILT_IN else {}
     options = settings.sinks.plugins.get(name, options)
     sink.open(SinkContext(name, settings, options, generation, spark))
     return sink
@@ -671,6 +670,22 @@ def _short(error: Any) -> str:
 # --- verify -----------------------------------------------------------------------------------
 
 
+def never_ran(settings: SinkSettings, name: str) -> SinkConfigError | None:
+    """The error for a built-in sink whose store has no served generation yet, found before Spark starts (a
+    plugin's ``open`` may need Spark: it is asked inside :func:`verify`)."""
+    if name not in _BUILT_IN:
+        return None
+    sink = _opened(name, settings, 0, None)  # type: ignore[arg-type]  # the built-ins open without Spark
+    try:
+        return None if sink.current_generation() is not None else _never_ran(name)
+    finally:
+        sink.close()
+
+
+def _never_ran(name: str) -> SinkConfigError:
+    return SinkConfigError(f"sink {name!r} has never run: nothing to verify")
+
+
 def verify(
     settings: SinkSettings,
     name: str,
@@ -693,7 +708,7 @@ def verify(
                 if time.monotonic() < deadline:  # a sink started moments ago has not set up its store yet
                     time.sleep(2.0)
                     continue
-                raise SinkConfigError(f"sink {name!r} has never run: nothing to verify")
+                raise _never_ran(name)
             reports = settings.state() / name / "verify"
             drifts = compare(session, sink, source_tables(), gen, table_name=settings.table_name, reports=reports)
             if all(d.clean for d in drifts) or time.monotonic() >= deadline:

@@ -16,10 +16,11 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
 def test_public_surface_is_explicit() -> None:
     import cdc
 
-    # source_tables/SourceTable: the source's rows as events carry them, for `cdc verify` (docs/sinks.md);
-    # report_keys/request_keys/wait_for_backfills: `cdc verify --repair` asking the capture for keys.
+    # source_tables/SourceTable/KeyRange: the source's rows as events carry them, in key ranges, for `cdc verify`
+    # (docs/sinks.md); report_keys/request_keys/wait_for_backfills: `cdc verify --repair` asking for keys.
     assert sorted(cdc.__all__) == [
         "CDCError",
+        "KeyRange",
         "SourceTable",
         "TerminalError",
         "TransientError",
