@@ -104,55 +104,32 @@ def compare(
 
 
 def _ledger_rows(docs: Iterable[tuple[str, dict[str, Any]]]) -> Iterator[pa.RecordBatch]:
-    """(key id, document) -> Arrow batches of the ledger: the row pickled, its digest."""
-    import pyarrow as pa
-
-    keys: list[str] = []
-    digests: list[bytes] = []
-    blobs: list[bytes] = []
-
-    def flush() -> pa.RecordBatch:
-        nulls = pa.nulls(len(keys), pa.string())
-        batch = pa.RecordBatch.from_arrays(
-            [pa.array(keys, pa.string()), pa.array(digests, pa.binary()), pa.array(blobs, pa.binary()), nulls, nulls],
-            names=["key", "digest", "row", "bad", "error"],
-        )
-        keys.clear()
-        digests.clear()
-        blobs.clear()
-        return batch
-
+    """(key id, document) -> Arrow batches of ledger rows."""
+    rows: list[tuple[Any, ...]] = []
     for key, doc in docs:
-        _, digest, blob = _ledger_entry(key, doc)
-        keys.append(key)
-        digests.append(digest)
-        blobs.append(blob)
-        if len(keys) >= _BATCH:
-            yield flush()
-    if keys:
-        yield flush()
+        rows.append(_ledger_entry(key, doc))
+        if len(rows) >= _BATCH:
+            yield _ledger_batch(rows)
+            rows = []
+    if rows:
+        yield _ledger_batch(rows)
 
 
-def _ledger_entry(key: str, doc: dict[str, Any]) -> tuple[str, bytes, bytes]:
-    """A row's ledger entry: its key id, a digest of the row pickled, and the row pickled (to compare it again as
+def _ledger_entry(key: str, doc: dict[str, Any]) -> tuple[Any, ...]:
+    """A row's ledger row: its key id, a digest of the row pickled, and the row pickled (to compare it again as
     values when the digests differ)."""
     blob = pickle.dumps(doc, protocol=pickle.HIGHEST_PROTOCOL)
-    return key, hashlib.blake2b(blob, digest_size=16).digest(), blob
+    return key, hashlib.blake2b(blob, digest_size=16).digest(), blob, None, None
 
 
-def _bad_rows(rows: list[tuple[str | None, str, str]]) -> pa.RecordBatch:
+def _ledger_batch(rows: list[tuple[Any, ...]]) -> pa.RecordBatch:
+    """Ledger rows (tuples in the order of ``_LEDGER``) as one Arrow batch."""
     import pyarrow as pa
 
-    nulls = pa.nulls(len(rows), pa.binary())
+    schema = _ledger_arrow()
+    columns = list(zip(*rows, strict=True)) if rows else [()] * len(schema)
     return pa.RecordBatch.from_arrays(
-        [
-            pa.array([r[0] for r in rows], pa.string()),
-            nulls,
-            nulls,
-            pa.array([r[1] for r in rows], pa.string()),
-            pa.array([r[2] for r in rows], pa.string()),
-        ],
-        names=["key", "digest", "row", "bad", "error"],
+        [pa.array(c, t) for c, t in zip(columns, schema.types, strict=True)], schema=schema
     )
 
 
@@ -168,12 +145,12 @@ class _SourceRanges:
     def __call__(self, batches: Iterable[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         for batch in batches:
             for part in batch.column(0).to_pylist():
-                bad: list[tuple[str | None, str, str]] = []
+                bad: list[tuple[Any, ...]] = []
                 yield from _ledger_rows(self._docs(part, bad))
                 if bad:
-                    yield _bad_rows(bad)
+                    yield _ledger_batch(bad)
 
-    def _docs(self, part: int, bad: list[tuple[str | None, str, str]]) -> Iterator[tuple[str, dict[str, Any]]]:
+    def _docs(self, part: int, bad: list[tuple[Any, ...]]) -> Iterator[tuple[str, dict[str, Any]]]:
         names = Names()
         fields = self.src.row_schema["fields"]
         convs = {f["name"]: (column_name(f), doc_converter(f["type"], names, spark=False)) for f in fields}
@@ -183,7 +160,7 @@ class _SourceRanges:
             key = None
             if row.key is not None:
                 key = key_id({convs[k][0]: convs[k][1](row.key[k]) for k in self.src.key_fields})
-            bad.append((key, json.dumps(row.key_text, ensure_ascii=False), row.error))
+            bad.append((key, None, None, json.dumps(row.key_text, ensure_ascii=False), row.error))
 
         for raw in self.src.rows(unencodable=unencodable, snapshot=self.snapshot, within=self.ranges[part]):
             row = {col: conv(raw[name]) for name, (col, conv) in convs.items()}
@@ -212,7 +189,7 @@ class _FrameRead:
 
     def __call__(self, rows: Iterable[Any]) -> Iterator[tuple[Any, ...]]:
         for key, doc in _projected(self.rows_to_docs(iter(rows)), self.columns):
-            yield (*_ledger_entry(key, doc), None, None)
+            yield _ledger_entry(key, doc)
 
 
 def _projected(
