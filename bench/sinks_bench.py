@@ -49,6 +49,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,6 +70,7 @@ from pgcdc_dev.cluster import (  # spark-submit as the cluster tests run it
     submit_command,
     submit_env,
 )
+from prometheus_client.parser import text_string_to_metric_families
 from psycopg import sql
 
 from bench import _debezium as dbz
@@ -91,6 +93,7 @@ RESTART_LIMIT_S = {"search": 5.0, "cache": 5.0, "warehouse": 15.0}
 HEAVY_LIMIT_S = {"search": 1.5, "cache": 1.5, "warehouse": 15.0}
 HEAVY_RATE = 2000  # changes/s
 HEAVY_TXN_ROWS = 20
+_METRICS_LINE = re.compile(r"sinks metrics on (http://\S+/metrics)")
 _BATCH_LINE = re.compile(r"sink (\w+): batch (\d+): (\d+) record\(s\) in ([\d.]+)s")
 
 
@@ -662,6 +665,49 @@ def _applied(env: Env, ids: range) -> dict[str, list[float]]:
     return out
 
 
+def _phase_sums(log: Path) -> dict[tuple[str, str], tuple[float, float]]:
+    """(sum of seconds, batches) per (sink, phase) of the sinks app's batch-phase histogram, scraped from the
+    metrics endpoint its log names: Spark's phases of each micro-batch (latestOffset, walCommit, addBatch,
+    commitOffsets, triggerExecution, ...) and pgcdc's inside addBatch (pgcdc_plan, pgcdc_write)."""
+    found = _METRICS_LINE.findall(log.read_text(errors="replace"))
+    if not found:
+        return {}
+    with urllib.request.urlopen(found[-1], timeout=10) as resp:  # noqa: S310 - the app's own http:// URL
+        text = resp.read().decode()
+    out: dict[tuple[str, str], tuple[float, float]] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name != "pgcdc_sink_batch_phase_seconds":
+            continue
+        for sample in family.samples:
+            key = (sample.labels["sink"], sample.labels["phase"])
+            total, count = out.get(key, (0.0, 0.0))
+            if sample.name.endswith("_sum"):
+                out[key] = (sample.value, count)
+            elif sample.name.endswith("_count"):
+                out[key] = (total, sample.value)
+    return out
+
+
+def _phase_means(
+    before: dict[tuple[str, str], tuple[float, float]], after: dict[tuple[str, str], tuple[float, float]]
+) -> dict[str, dict[str, float]]:
+    """Per sink, each phase's mean seconds per batch between two scrapes."""
+    out: dict[str, dict[str, float]] = {}
+    for (sink, phase), (total, count) in after.items():
+        total0, count0 = before.get((sink, phase), (0.0, 0.0))
+        if count > count0:
+            out.setdefault(sink, {})[phase] = round((total - total0) / (count - count0), 3)
+    return out
+
+
+def _note_phases(means: dict[str, dict[str, float]], result: Result) -> None:
+    """Where a light-load batch's time goes, per sink: kept as a series and summed up in a note."""
+    result.series["light_batch_phase_s"] = means
+    for sink, phases in sorted(means.items()):
+        listed = ", ".join(f"{phase} {s:.3f}" for phase, s in sorted(phases.items(), key=lambda kv: -kv[1]))
+        result.notes.append(f"light load, {sink}, mean seconds per batch: {listed}")
+
+
 def _light(env: Env, sampler: _LagSampler, rows: int, args: argparse.Namespace, result: Result) -> None:
     """Single-row transactions at ``--rate``: each row's commit time is recorded as its insert returns, and
     freshness is measured twice: by the stores' plain clients polling for the rows (bench._outside) and by each
@@ -785,7 +831,9 @@ def _live(env: Env, rows: int, args: argparse.Namespace, result: Result) -> None
             _Load(env.dsn, rows * 5 + 1, 1, 1, 1).run()
             _wait(lambda: all(_batches_done(env, n) > 0 for n in SINKS), sinks, "the sinks' first batch")
             time.sleep(10)
+            phases = _phase_sums(sinks_log)
             _light(env, sampler, rows, args, result)
+            _note_phases(_phase_means(phases, _phase_sums(sinks_log)), result)
             _heavy(env, sampler, rows, args, result)
             sinks = _restart(env, sinks, log=sinks_log, out=out, config=config, rows=rows, result=result)
         finally:

@@ -113,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     # modules, nor Spark.
     for name, text in (
         ("sinks", "list, run or rebuild the derived views (search, cache, warehouse, plugins)"),
-        ("verify", "compare a derived store with PostgreSQL key by key"),
+        ("verify", "compare derived stores with PostgreSQL key by key"),
     ):
         p = sub.add_parser(name, help=text, add_help=False)
         p.add_argument("rest", nargs=argparse.REMAINDER)

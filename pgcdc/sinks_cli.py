@@ -4,8 +4,8 @@
     cdc sinks run [NAME …] --config cdc.toml     one streaming query per sink until SIGTERM/SIGINT
     cdc sinks rebuild NAME --config cdc.toml     rebuild from offset zero beside the served copy, verify, swap
     cdc sinks spark-app                          the file spark-submit runs: spark-submit … FILE sinks run …
-    cdc verify NAME --config cdc.toml            compare the store with PostgreSQL key by key
-    cdc verify NAME --repair --config cdc.toml   … and have the running capture re-emit the keys that differ
+    cdc verify [NAME …] --config cdc.toml        compare stores (default: sinks.enabled) with PostgreSQL key by key
+    cdc verify [NAME …] --repair --config …      … and have the running capture re-emit the keys that differ
 
 Exit codes: 0 fine; 1 unexpected; 2 configuration; 8 plugin failed to load; 9 drift found; 11 the disk under
 sinks.state_dir is full (free space or move it, then run again: nothing is lost).
@@ -21,7 +21,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from common.errors import CDCError, DriftError
+from common.errors import CDCError, DriftError, SinkConfigError
 from sinks._config import load_sink_settings
 
 log = logging.getLogger("cdc.sinks")
@@ -41,8 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("name", metavar="NAME")
     p.add_argument("--config", "-c", type=Path)
     p.add_argument("--verify-wait", type=float, default=120.0, help="seconds to wait for the copy to converge")
-    p = sub.add_parser("verify", help="compare a store with PostgreSQL key by key")
-    p.add_argument("name", metavar="NAME")
+    p = sub.add_parser("verify", help="compare stores with PostgreSQL key by key")
+    p.add_argument("names", nargs="*", metavar="NAME", help="default: sinks.enabled")
     p.add_argument("--config", "-c", type=Path)
     p.add_argument("--wait", type=float, default=0.0, help="keep comparing this long while there is drift")
     p.add_argument(
@@ -105,27 +105,30 @@ def _print_drift(name: str, drifts: list[Any]) -> bool:
     return clean
 
 
-def _repair(args: argparse.Namespace, drifts: list[Any]) -> None:
-    """Asks the running capture to re-emit every key each drifted table's report lists, and waits until it has."""
+def _repair(args: argparse.Namespace, drifted: dict[str, list[Any]]) -> None:
+    """Asks the running capture to re-emit every key the drifted sinks' reports list, each table's keys once
+    whichever stores miss them (one event mends them all), and waits until it has."""
     import cdc  # noqa: PLC0415 - lazily, as _source_tables
 
+    wanted: dict[str, list[Any]] = {}
+    for name, drifts in drifted.items():
+        for d in drifts:
+            if d.clean or d.location is None:
+                continue
+            keys, without = cdc.report_keys((d.location.read_text() or "").splitlines(), d.report)
+            if without:
+                print(
+                    f"{name} {d.table}: {without} key(s) cannot be re-emitted by key: PostgreSQL cannot read them "
+                    f"back from the store's form (`cdc sinks rebuild {name}` mends those)"
+                )
+            wanted.setdefault(d.table, []).extend(keys)
     ids: list[str] = []
-    for d in drifts:
-        if d.clean or d.location is None:
-            continue
-        keys, without = cdc.report_keys((d.location.read_text() or "").splitlines(), d.report)
-        if without:
-            print(
-                f"{args.name} {d.table}: {without} key(s) cannot be re-emitted by key: PostgreSQL cannot read them "
-                f"back from the store's form (`cdc sinks rebuild {args.name}` mends those)"
-            )
+    for table, keys in wanted.items():
         if not keys:
             continue
-        asked = cdc.request_keys(args.config, d.table, keys)
-        print(
-            f"{args.name} {d.table}: repair: {sum(n for _, n in asked)} key(s) to re-emit, "
-            f"backfill {', '.join(i for i, _ in asked)}"
-        )
+        asked = cdc.request_keys(args.config, table, keys)  # each key once
+        backfills = ", ".join(i for i, _ in asked)
+        print(f"{table}: repair: {sum(n for _, n in asked)} key(s) to re-emit, backfill {backfills}")
         ids += [i for i, _ in asked]
     for b in cdc.wait_for_backfills(args.config, ids, args.repair_wait):
         print(f"backfill {b.id} of {b.table}: {b.status}: {b.rows} row(s) re-read, {b.deleted} key(s) deleted")
@@ -134,25 +137,41 @@ def _repair(args: argparse.Namespace, drifts: list[Any]) -> None:
 
 
 def _verify(args: argparse.Namespace, settings: Any, runner: Any) -> int:
-    """``cdc verify``: one Spark session for the comparison and, with --repair, the one after it (a process can
-    start Spark's JVM only once)."""
+    """``cdc verify``: every named sink in one Spark session, and with --repair the comparisons after it (a
+    process can start Spark's JVM only once, and starting it is most of a small comparison's time)."""
     from sinks._spark import stop_session  # noqa: PLC0415 - Spark's side loads only when a command needs it
 
-    if not args.wait and (error := runner.never_ran(settings, args.name)) is not None:
-        raise error  # said before Spark starts: nothing of it is needed to know
+    names = list(dict.fromkeys(args.names or settings.sinks.enabled))
+    if not names:
+        raise SinkConfigError("no sink to verify: name one, or enable some in sinks.enabled")
+    if not args.wait:
+        for name in names:
+            if (error := runner.never_ran(settings, name)) is not None:
+                raise error  # said before Spark starts: nothing of it is needed to know
     spark = runner.spark_session(settings, "pgcdc-verify")
     try:
-        drifts = runner.verify(settings, args.name, _source_tables(args.config), wait_s=args.wait, spark=spark)
-        if _print_drift(args.name, drifts):
+        drifted: dict[str, list[Any]] = {}
+        for name in names:
+            drifts = runner.verify(settings, name, _source_tables(args.config), wait_s=args.wait, spark=spark)
+            if not _print_drift(name, drifts):
+                drifted[name] = drifts
+        if not drifted:
             return 0
+        listed = ", ".join(drifted)
         if not args.repair:
-            raise DriftError(f"{args.name} differs from the source (details above; --repair re-emits those keys)")
-        _repair(args, drifts)
+            raise DriftError(f"{listed} differ(s) from the source (details above; --repair re-emits those keys)")
+        _repair(args, drifted)
         # The stores converge as their queries apply the re-emitted events.
         wait = max(args.wait, 120.0)
-        drifts = runner.verify(settings, args.name, _source_tables(args.config), wait_s=wait, spark=spark)
-        if not _print_drift(args.name, drifts):
-            raise DriftError(f"{args.name} still differs from the source after the repair (details above)")
+        still = [
+            name
+            for name in drifted
+            if not _print_drift(
+                name, runner.verify(settings, name, _source_tables(args.config), wait_s=wait, spark=spark)
+            )
+        ]
+        if still:
+            raise DriftError(f"{', '.join(still)} still differ(s) from the source after the repair (details above)")
         return 0
     finally:
         stop_session(spark)

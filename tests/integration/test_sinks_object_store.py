@@ -22,6 +22,7 @@ from tests.integration._sinks_helpers import (
     PIPELINE_TABLES,
     SinksProcess,
     Stack,
+    assert_verified,
     cdc,
     create_pipeline_tables,
 )
@@ -79,10 +80,8 @@ def test_state_and_warehouse_in_a_bucket_survive_a_kill_and_read_without_spark(
         sinks.start()
         before = sinks.batches()
         wait_for(lambda: sinks.batches() >= before + 2, 300, "a batch of each sink after the restart", None)
-        for name in ("warehouse", "cache"):
-            result = cdc("verify", name, "--config", str(config), "--wait", "120", timeout=400)
-            assert result.returncode == 0, f"{result.stdout}{result.stderr}"
-            assert "no drift" in result.stdout
+        result = cdc("verify", "warehouse", "cache", "--config", str(config), "--wait", "120", timeout=600)
+        assert_verified(result, ("warehouse", "cache"))
 
         keys = object_store.keys(bucket.name)
         assert f"{bucket.name}/state/warehouse/status.json" in keys
