@@ -74,20 +74,25 @@ def open_stream(spark: SparkSession, settings: SinkSettings, *, rebuild: bool = 
     return reader.load().select("topic", "partition", "offset", "key", "value")
 
 
-def tail_records(spark: SparkSession, settings: SinkSettings, per_partition: int) -> tuple[DataFrame, set[str]] | None:
-    """The last ``per_partition`` committed offsets of each change topic's partitions (a batch read, the same
-    columns as :func:`open_stream`) and the topics they are in; None when the topics hold nothing."""
+def tail_ranges(settings: SinkSettings, per_partition: int) -> dict[tuple[str, int], tuple[int, int]]:
+    """The last ``per_partition`` committed offsets of each change topic's non-empty partitions, as
+    (topic, partition) -> [start, end)."""
     ends = TopicEnds(settings)
     try:
         marks = ends.read()
     finally:
         ends.close()
+    return {tp: (max(low, high - per_partition), high) for tp, (low, high) in marks.items() if high > low}
+
+
+def tail_records(spark: SparkSession, settings: SinkSettings, per_partition: int) -> tuple[DataFrame, set[str]] | None:
+    """The last ``per_partition`` committed offsets of each change topic's partitions (a batch read, the same
+    columns as :func:`open_stream`) and the topics they are in; None when the topics hold nothing."""
     start: dict[str, dict[str, int]] = {}
     end: dict[str, dict[str, int]] = {}
-    for (topic, partition), (low, high) in marks.items():
-        if high > low:
-            start.setdefault(topic, {})[str(partition)] = max(low, high - per_partition)
-            end.setdefault(topic, {})[str(partition)] = high
+    for (topic, partition), (low, high) in tail_ranges(settings, per_partition).items():
+        start.setdefault(topic, {})[str(partition)] = low
+        end.setdefault(topic, {})[str(partition)] = high
     if not start:
         return None
     reader = spark.read.format("kafka").options(**kafka_options(settings))

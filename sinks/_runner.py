@@ -41,12 +41,21 @@ from sinks._progress import (
     checkpoint_offsets,
     reached,
 )
-from sinks._reader import Decoder, ensure_dead_letter_topic, open_stream, tail_records
+from sinks._ranges import DRIVER_RECORDS, RangeReader, batch_ranges
+from sinks._reader import Decoder, ensure_dead_letter_topic, open_stream, tail_ranges, tail_records
 from sinks._spark import PARALLELISM_KEYS, build_session, stop_session, submitted_master, under_spark_submit
 from sinks._storage import S3_SCHEMES, Location, hadoop_conf
 from sinks._taskfold import ONE_TASK_RECORDS, TopicFold
 from sinks._verify import Drift, compare
-from sinks._write import Outcome, in_one_task, on_driver_plan, on_executors, rehearse, rehearse_in_one_task
+from sinks._write import (
+    Outcome,
+    in_one_task,
+    on_driver,
+    on_driver_plan,
+    on_executors,
+    rehearse,
+    rehearse_on_driver,
+)
 from sinks.errors import PluginError, SinkConfigError, SinkError, SinkTerminalError, StateDiskFullError
 
 if TYPE_CHECKING:
@@ -230,6 +239,7 @@ class SinkQuery:
         self.metrics: SinkMetrics | None = None
         self.query: StreamingQuery | None = None
         self._ends: dict[int, dict[tuple[str, int], int]] = {}  # the last batch's end offsets, by its id
+        self._reader: RangeReader | None = None  # made at the first batch the driver reads itself
         self._listener: Any = None
 
     def start(self, metrics: SinkMetrics | None = None) -> StreamingQuery:
@@ -261,22 +271,25 @@ class SinkQuery:
         return self.query
 
     def warm(self) -> None:
-        """A batch's path once over the last records of each topic, writing nothing, in the sink's scheduler
-        pool: a live batch's one task for a partition sink (sinks._write.rehearse_in_one_task), the Spark fold
-        for a frame sink (sinks._write.rehearse). A failure here is only logged: the first batch meets it again."""
+        """A live batch's path once over the last records of each topic, writing nothing: for a partition sink
+        the driver's (sinks._write.rehearse_on_driver: milliseconds, no Spark job), for a frame sink the Spark
+        fold in the sink's scheduler pool (sinks._write.rehearse). A failure here is only logged: the first
+        batch meets it again."""
         started = time.monotonic()
         context = self.spark.sparkContext
         pool = context.getLocalProperty("spark.scheduler.pool")
         context.setLocalProperty("spark.scheduler.pool", f"pgcdc-{self.name}")
         try:
-            tail = tail_records(self.spark, self.settings, _WARM_RECORDS)
-            if tail is None:
-                return
-            raw, topics = tail
-            if isinstance(self.sink, PartitionSink):  # its live batches run in one task (sinks._taskfold)
-                folds = [TopicFold(self.decoder.schemas(topic)) for topic in sorted(topics)]
-                rehearse_in_one_task(self.sink, folds, raw, self.settings, self.generation)
+            if isinstance(self.sink, PartitionSink):  # its live batches are applied by the driver (sinks._ranges)
+                ranges = tail_ranges(self.settings, _WARM_RECORDS)
+                folds = [TopicFold(self.decoder.schemas(topic)) for topic in sorted({t for t, _ in ranges})]
+                records = self._range_reader().read(ranges)
+                rehearse_on_driver(self.sink, folds, records, self.settings, self.generation)
             else:
+                tail = tail_records(self.spark, self.settings, _WARM_RECORDS)
+                if tail is None:
+                    return
+                raw, topics = tail
                 rehearse(self.sink, self.decoder.plan(raw.coalesce(1), topics), self.generation)
             log.info("sink %s: warmed up in %.1fs", self.name, time.monotonic() - started)
         except Exception as exc:
@@ -288,17 +301,26 @@ class SinkQuery:
         if self.follow_swaps and self.sink.current_generation() != self.generation:
             raise RuntimeError(_GENERATION_CHANGED)
         started = time.monotonic()
-        moved = self._moves(batch_id)
-        if moved is None:  # the checkpoint does not say (not written by Spark as expected): ask the data
+        offsets = self._offsets(batch_id)
+        if offsets is None:  # the checkpoint does not say (not written by Spark as expected): ask the data
             moved = {r["topic"]: _UNKNOWN for r in raw.select("topic").distinct().collect()}
+            ranges = None
+        else:
+            moved, ranges = offsets_moved(*offsets), batch_ranges(*offsets)
         topics = set(moved)
-        if isinstance(self.sink, PartitionSink) and sum(moved.values()) <= ONE_TASK_RECORDS:
+        records = sum(moved.values())
+        batch = (batch_id, self.generation)
+        if isinstance(self.sink, PartitionSink) and records <= ONE_TASK_RECORDS:
             folds = [TopicFold(self.decoder.schemas(topic)) for topic in sorted(topics)]
             planned = time.monotonic()
-            outcome = in_one_task(self.sink, folds, raw, self.settings, (batch_id, self.generation))
+            if ranges is not None and records <= DRIVER_RECORDS:  # no Spark job: see sinks._ranges
+                read = self._range_reader().read(ranges)
+                outcome = on_driver(self.sink, folds, read, raw, self.settings, batch=batch)
+            else:
+                outcome = in_one_task(self.sink, folds, raw, self.settings, batch)
             self._done(batch_id, outcome, started, planned)
             return
-        raw = _sized(raw, sum(moved.values()), self.shuffle_partitions)
+        raw = _sized(raw, records, self.shuffle_partitions)
         # Several topics: each table's branch reads the batch, so it is read from Kafka once and cached.
         shared = len(topics) > 1
         if shared:
@@ -306,7 +328,6 @@ class SinkQuery:
         try:
             tables = self.decoder.plan(raw, topics)
             planned = time.monotonic()
-            batch = (batch_id, self.generation)
             if isinstance(self.sink, PartitionSink):
                 outcome = on_executors(self.sink, tables, raw, self.settings, batch)
             else:
@@ -316,6 +337,11 @@ class SinkQuery:
                 raw.unpersist()
         self._done(batch_id, outcome, started, planned)
 
+    def _range_reader(self) -> RangeReader:
+        if self._reader is None:
+            self._reader = RangeReader(self.settings, self.name)
+        return self._reader
+
     def _done(self, batch_id: int, outcome: Outcome, started: float, planned: float) -> None:
         ended = time.monotonic()
         self._report(batch_id, outcome, ended - started, planned - started)
@@ -323,9 +349,10 @@ class SinkQuery:
             self.metrics.phase_seconds.labels(self.name, "pgcdc_plan").observe(planned - started)
             self.metrics.phase_seconds.labels(self.name, "pgcdc_write").observe(ended - planned)
 
-    def _moves(self, batch_id: int) -> dict[str, int] | None:
-        """The topics batch ``batch_id`` reads and how many offsets each spans, from its checkpoint (Spark writes
-        ``offsets/N`` before running N; N-1's is remembered from the batch before); None if unknown."""
+    def _offsets(self, batch_id: int) -> tuple[dict[tuple[str, int], int], dict[tuple[str, int], int]] | None:
+        """Where batch ``batch_id`` starts and ends in each partition, from its checkpoint (Spark writes
+        ``offsets/N`` before running N; N-1's is remembered from the batch before; the first batch starts
+        nowhere known); None if unknown."""
         try:
             end = batch_offsets(self.checkpoint, batch_id)
             before = self._ends.get(batch_id - 1)
@@ -336,7 +363,7 @@ class SinkQuery:
         if end is None:
             return None
         self._ends = {batch_id: end}
-        return offsets_moved(before or {}, end)
+        return before or {}, end
 
     def _report(self, batch_id: int, outcome: Outcome, elapsed: float, planning: float) -> None:
         totals = self.status.data
@@ -382,6 +409,8 @@ class SinkQuery:
             self.spark.streams.removeListener(self._listener)
             self._listener = None
         self.status.flush()
+        if self._reader is not None:
+            self._reader.close()
         self.sink.close()
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import sys
 import zipimport
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -269,22 +269,53 @@ def _one_task(
 
     def run(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         forget_zip_finders()  # for the next task in this worker: see there
-        folding: dict[str, Folding] = {}
-        for batch in batches:  # Arrow batches of Spark's size (10,000 rows): the raw records are not kept
-            for r in batch.to_pylist():
-                topic = r["topic"]
-                if topic not in folding:
-                    folding[topic] = Folding(folds.get(topic, TopicFold(TopicSchemas(topic))))
-                folding[topic].add(r)
-        back: list[tuple[Any, ...]] = []
-        for topic, state in sorted(folding.items()):
-            folded = state.finish()
-            back.append(("seen", topic, None, folded.records, None, None, None, folded.newest_ts_ms))
-            back.extend(_written(writer, infos.get(topic), folded.rows))
+        # Arrow batches of Spark's size (10,000 rows): the raw records are not kept.
+        back = fold_and_write(writer, infos, folds, (r for batch in batches for r in batch.to_pylist()))
         if back:
             yield _returned(back)
 
     return run
+
+
+def fold_and_write(
+    writer: PartitionWriter,
+    infos: dict[str, TableInfo],
+    folds: dict[str, TopicFold],
+    records: Iterable[Mapping[str, Any]],
+) -> list[tuple[Any, ...]]:
+    """A whole batch's raw records (topic, partition, offset, key, value) folded per topic and written, in a
+    task or on the driver; what comes back (:data:`RETURNED`'s rows): each topic's count and what was refused."""
+    folding: dict[str, Folding] = {}
+    for r in records:
+        topic = r["topic"]
+        if topic not in folding:
+            folding[topic] = Folding(folds.get(topic, TopicFold(TopicSchemas(topic))))
+        folding[topic].add(r)
+    back: list[tuple[Any, ...]] = []
+    for topic, state in sorted(folding.items()):
+        folded = state.finish()
+        back.append(("seen", topic, None, folded.records, None, None, None, folded.newest_ts_ms))
+        back.extend(_written(writer, infos.get(topic), folded.rows))
+    return back
+
+
+def on_driver(
+    sink: Any,
+    folds: Sequence[TopicFold],
+    records: list[dict[str, Any]],
+    raw: DataFrame,
+    settings: SinkSettings,
+    *,
+    batch: tuple[int, int],
+) -> Outcome:
+    """A small batch read by the driver (sinks._ranges) folded and written here, as :func:`in_one_task` does
+    in a task; Spark runs a job only for dead letters, when there are some."""
+    infos = _infos(folds, settings, batch)
+    if infos:
+        sink.prepare(list(infos.values()))
+    back = fold_and_write(sink.partition_writer(), infos, {f.schemas.topic: f for f in folds}, records)
+    names = [name for name, _ in _RETURNED_ARROW]
+    return _finished(sink, raw, settings, [dict(zip(names, r, strict=True)) for r in back])
 
 
 def _written(writer: PartitionWriter, info: TableInfo | None, rows: list[dict[str, Any]]) -> list[tuple[Any, ...]]:
@@ -351,13 +382,14 @@ def rehearse(sink: Any, tables: Sequence[PlannedTable], generation: int) -> None
         changes.filter(F.col("offset") < 0).mapInArrow(_partition_task(drain, info), RETURNED).collect()
 
 
-def rehearse_in_one_task(
-    sink: Any, folds: Sequence[TopicFold], raw: DataFrame, settings: SinkSettings, generation: int
+def rehearse_on_driver(
+    sink: Any, folds: Sequence[TopicFold], records: list[dict[str, Any]], settings: SinkSettings, generation: int
 ) -> None:
-    """A live batch's path (:func:`in_one_task`) over ``raw`` (a few records read from Kafka), to the sink's
-    writer wrapped so that it drops what it is given: the Python worker starts and imports the writer's and
-    the fold's modules, the JVM compiles the Kafka read, before the query's first batch."""
-    _run_one_task(_Draining(sink.partition_writer()), _infos(folds, settings, (-1, generation)), folds, raw)
+    """A live batch's path (:func:`on_driver`) over ``records`` (a few read from Kafka), to the sink's writer
+    wrapped so that it drops what it is given: the fold's and the writer's modules are imported and the
+    schemas parsed before the query's first batch."""
+    infos = _infos(folds, settings, (-1, generation))
+    fold_and_write(_Draining(sink.partition_writer()), infos, {f.schemas.topic: f for f in folds}, records)
 
 
 # --- frame-based sinks -----------------------------------------------------------------------------------

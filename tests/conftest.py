@@ -107,13 +107,56 @@ def registry_url() -> str:
 
 
 @pytest.fixture(scope="session")
-def opensearch_url() -> str:
-    return discovery.find_or_skip("opensearch")
+def opensearch_url() -> Iterator[str]:
+    """OpenSearch. On the local one, the indices the run's tests created are deleted at its end (as the topics
+    are, see kafka_bootstrap): each of them is a shard the node keeps open, run after run."""
+    from opensearchpy import OpenSearch
+
+    url = discovery.find_or_skip("opensearch")
+    local = discovery.find("opensearch").source == "deploy"
+    before = set(OpenSearch(url).indices.get(index="*", expand_wildcards="all")) if local else set()
+    yield url
+    if local:
+        with _cleaning("indices"):
+            client = OpenSearch(url, timeout=60)
+            doomed = sorted(i for i in set(client.indices.get(index="*")) - before if _made_by_a_test(i))
+            for i in range(0, len(doomed), 100):  # a URL per request: bounded in length
+                client.indices.delete(index=",".join(doomed[i : i + 100]), ignore_unavailable=True)
 
 
 @pytest.fixture(scope="session")
-def redis_url() -> str:
-    return discovery.find_or_skip("redis")
+def redis_url() -> Iterator[str]:
+    """Redis. On the local one, the keys of namespaces the run's tests created are deleted at its end: kept,
+    they made every SCAN with a pattern (verify, a truncate, a rebuild's clean-up) walk millions of keys, and the
+    server's start replay its append-only file."""
+    import redis
+
+    url = discovery.find_or_skip("redis")
+    local = discovery.find("redis").source == "deploy"
+    client = redis.Redis.from_url(url)
+    before = {key.split(b":", 1)[0] for key in client.scan_iter(count=10_000)} if local else set()
+    yield url
+    if local:
+        with _cleaning("cache keys"):
+            doomed: list[bytes] = []
+            for key in client.scan_iter(count=10_000):
+                space = key.split(b":", 1)[0]
+                if space not in before and _made_by_a_test(space.decode(errors="replace")):
+                    doomed.append(key)
+                if len(doomed) >= 5_000:
+                    client.unlink(*doomed)
+                    doomed.clear()
+            if doomed:
+                client.unlink(*doomed)
+    client.close()
+
+
+@contextlib.contextmanager
+def _cleaning(what: str) -> Iterator[None]:
+    try:
+        yield
+    except Exception as exc:  # the run's results stand either way
+        warnings.warn(f"could not delete the test {what}: {type(exc).__name__}: {exc}", stacklevel=1)
 
 
 @pytest.fixture(scope="session")
