@@ -82,7 +82,9 @@ class RangeReader:
                     raise SinkTransientError(
                         f"Kafka did not return a batch's records within {self._timeout:g}s: {missing}"
                     )
-                for m in self._consumer.consume(1000, timeout=0.2):
+                # consume() waits its whole timeout unless it fills the count: a short one, as a batch's last
+                # records (or the partition's end) arrive within milliseconds of the first.
+                for m in self._consumer.consume(1000, timeout=0.01):
                     tp = (m.topic(), m.partition())
                     if tp not in pending:
                         continue

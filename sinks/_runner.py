@@ -28,6 +28,7 @@ import pyspark
 
 from common.errors import CDCError
 from sinks._api import PartitionSink, Rebuildable, SinkContext
+from sinks._fold import TopicSchemas
 from sinks._metrics import SinkMetrics, query_name
 from sinks._plugins import load
 from sinks._preflight import check_master, check_writable
@@ -45,7 +46,7 @@ from sinks._ranges import DRIVER_RECORDS, RangeReader, batch_ranges
 from sinks._reader import Decoder, ensure_dead_letter_topic, open_stream, tail_ranges, tail_records
 from sinks._spark import PARALLELISM_KEYS, build_session, stop_session, submitted_master, under_spark_submit
 from sinks._storage import S3_SCHEMES, Location, hadoop_conf
-from sinks._taskfold import ONE_TASK_RECORDS, TopicFold
+from sinks._taskfold import ONE_TASK_RECORDS, TopicFold, framed_ids, knows
 from sinks._verify import Drift, compare
 from sinks._write import (
     Outcome,
@@ -240,6 +241,7 @@ class SinkQuery:
         self.query: StreamingQuery | None = None
         self._ends: dict[int, dict[tuple[str, int], int]] = {}  # the last batch's end offsets, by its id
         self._reader: RangeReader | None = None  # made at the first batch the driver reads itself
+        self._schemas: dict[str, TopicSchemas] = {}  # the registry's, by topic, for the driver's batches
         self._listener: Any = None
 
     def start(self, metrics: SinkMetrics | None = None) -> StreamingQuery:
@@ -311,12 +313,14 @@ class SinkQuery:
         records = sum(moved.values())
         batch = (batch_id, self.generation)
         if isinstance(self.sink, PartitionSink) and records <= ONE_TASK_RECORDS:
-            folds = [TopicFold(self.decoder.schemas(topic)) for topic in sorted(topics)]
-            planned = time.monotonic()
             if ranges is not None and records <= DRIVER_RECORDS:  # no Spark job: see sinks._ranges
                 read = self._range_reader().read(ranges)
+                folds = self._folds(read)
+                planned = time.monotonic()
                 outcome = on_driver(self.sink, folds, read, raw, self.settings, batch=batch)
             else:
+                folds = [TopicFold(self.decoder.schemas(topic)) for topic in sorted(topics)]
+                planned = time.monotonic()
                 outcome = in_one_task(self.sink, folds, raw, self.settings, batch)
             self._done(batch_id, outcome, started, planned)
             return
@@ -336,6 +340,17 @@ class SinkQuery:
             if shared:
                 raw.unpersist()
         self._done(batch_id, outcome, started, planned)
+
+    def _folds(self, records: list[dict[str, Any]]) -> list[TopicFold]:
+        """Each topic's fold, with the registry's schemas asked again only when a record is framed with an id
+        they do not hold (a new version): a batch of known ids makes no registry request."""
+        folds = []
+        for topic, ids in sorted(framed_ids(records).items()):
+            known = self._schemas.get(topic)
+            if known is None or not knows(known, ids):
+                known = self._schemas[topic] = self.decoder.schemas(topic)
+            folds.append(TopicFold(known))
+        return folds
 
     def _range_reader(self) -> RangeReader:
         if self._reader is None:

@@ -1,10 +1,11 @@
-"""The fold of a small batch inside the one executor task that writes it, in Python.
+"""The fold of a small batch in Python, on the driver or inside the one executor task that writes it.
 
-A live batch (up to :data:`ONE_TASK_RECORDS` offsets) is read from Kafka, decoded, folded and written in a
-single task. Doing the fold there with fastavro, instead of as Spark expressions, leaves the driver a
-one-node plan per batch (the Kafka read and ``mapInArrow``): building and planning the decode, fold and
-projection cost the driver's JVM ~0.3-0.4 s per batch and sink, most of a one-row batch's time. Larger
-batches (replays, rebuilds, a backlog) keep the Spark fold (:mod:`sinks._fold`), which shuffles by key.
+A live batch (up to ``sinks._ranges.DRIVER_RECORDS`` offsets on the driver, up to :data:`ONE_TASK_RECORDS` in
+one task) is read from Kafka, decoded, folded and written in one place. Doing the fold with fastavro, instead
+of as Spark expressions, leaves no plan to build (on the driver) or a one-node plan per batch (the Kafka read
+and ``mapInArrow``): building and planning the decode, fold and projection cost the driver's JVM ~0.3-0.4 s
+per batch and sink, most of a one-row batch's time. Larger batches (replays, rebuilds, a backlog) keep the
+Spark fold (:mod:`sinks._fold`), which shuffles by key.
 
 The rules are :mod:`sinks._fold`'s, applied to one partition that holds every record of the batch:
 decoding with the writer schema by id resolved to the subject's latest, poison (unframed, unknown ids,
@@ -62,6 +63,23 @@ def _framed_id(data: bytes | None) -> int | None:
     if data is None or len(data) < 5 or data[0] != 0:
         return None
     return int.from_bytes(data[1:5], "big")
+
+
+def framed_ids(records: Iterable[Mapping[str, Any]]) -> dict[str, tuple[set[int], set[int]]]:
+    """Per topic, the schema ids its records' keys and values are framed with (unframed ones left out)."""
+    out: dict[str, tuple[set[int], set[int]]] = {}
+    for r in records:
+        keys, values = out.setdefault(r["topic"], (set(), set()))
+        if (kid := _framed_id(r["key"])) is not None:
+            keys.add(kid)
+        if (vid := _framed_id(r["value"])) is not None:
+            values.add(vid)
+    return out
+
+
+def knows(schemas: TopicSchemas, ids: tuple[set[int], set[int]]) -> bool:
+    """Whether ``schemas`` holds every writer schema of ``ids`` (a topic's :func:`framed_ids`)."""
+    return schemas.registered and ids[0] <= schemas.key_writers.keys() and ids[1] <= schemas.value_writers.keys()
 
 
 def _freeze(value: Any) -> Any:

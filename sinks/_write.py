@@ -1,9 +1,13 @@
 """Applying one planned micro-batch to a sink: the executor-side path and the frame-based path.
 
-**One task** (a :class:`sinks.PartitionSink`'s batch of up to ``sinks._taskfold.ONE_TASK_RECORDS``
-offsets: every live batch): one task reads the batch from Kafka, folds it in Python (sinks._taskfold) and
-runs the sink's :class:`sinks.PartitionWriter` on it, truncates last; the driver's plan is the Kafka read and
-``mapInArrow``, and only refusals and each table's counts come back.
+**On the driver** (a :class:`sinks.PartitionSink`'s batch of up to ``sinks._ranges.DRIVER_RECORDS`` offsets:
+every live batch of a sink that keeps up): the driver reads the batch's offset ranges itself
+(sinks._ranges), folds them in Python (sinks._taskfold) and runs the sink's :class:`sinks.PartitionWriter` on
+them, truncates last; no Spark job runs unless there are dead letters to write.
+
+**One task** (up to ``sinks._taskfold.ONE_TASK_RECORDS`` offsets): the same fold and writer in one task,
+which reads the batch from Kafka; the driver's plan is the Kafka read and ``mapInArrow``, and only refusals
+and each table's counts come back.
 
 **Executor-side** (a larger batch of a :class:`sinks.PartitionSink`: search, cache, plugins that write row by
 row): one Spark action per batch. Each table's fold feeds ``mapInArrow``, whose tasks run the sink's
