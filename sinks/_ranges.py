@@ -26,10 +26,12 @@ DRIVER_RECORDS = 5_000  # offsets up to which the driver reads, folds and writes
 Ranges = Mapping[tuple[str, int], tuple[int, int]]  # (topic, partition) -> [start, end) offsets
 
 
-def batch_ranges(start: Mapping[tuple[str, int], int], end: Mapping[tuple[str, int], int]) -> dict[Any, Any] | None:
+def batch_ranges(
+    start: Mapping[tuple[str, int], int], end: Mapping[tuple[str, int], int]
+) -> dict[tuple[str, int], tuple[int, int]] | None:
     """Each partition's [start, end) between two batches' end offsets; None when a partition's start is not
     known (new to the query: Spark reads it from its beginning)."""
-    ranges = {}
+    ranges: dict[tuple[str, int], tuple[int, int]] = {}
     for tp, stop in end.items():
         begin = start.get(tp)
         if begin is None:

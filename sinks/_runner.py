@@ -283,10 +283,9 @@ class SinkQuery:
         context.setLocalProperty("spark.scheduler.pool", f"pgcdc-{self.name}")
         try:
             if isinstance(self.sink, PartitionSink):  # its live batches are applied by the driver (sinks._ranges)
-                ranges = tail_ranges(self.settings, _WARM_RECORDS)
-                folds = [TopicFold(self.decoder.schemas(topic)) for topic in sorted({t for t, _ in ranges})]
-                records = self._range_reader().read(ranges)
-                rehearse_on_driver(self.sink, folds, records, self.settings, self.generation)
+                records = self._range_reader().read(tail_ranges(self.settings, _WARM_RECORDS))
+                # The batches' own schema look-up: what it asks the registry for is kept for them.
+                rehearse_on_driver(self.sink, self._folds(records), records, self.settings, self.generation)
             else:
                 tail = tail_records(self.spark, self.settings, _WARM_RECORDS)
                 if tail is None:
