@@ -160,7 +160,9 @@ class WarehouseSink(BaseSink):
         path = self.path(table.name, generation)
         if not (self.base / f"g{generation}" / table.name / "_delta_log").exists():
             return None
-        frame = self.context.spark.read.format("delta").load(path)
+        frame = self._committed(path)
+        if frame is None:
+            return None
         present = set(frame.columns)
         names = Names()
         fields = table.row_schema["fields"]
@@ -174,6 +176,19 @@ class WarehouseSink(BaseSink):
             ]
         )
         return projected, WarehouseRows(table.row_schema, table.key_fields)
+
+    def _committed(self, path: str) -> DataFrame | None:
+        """The table at ``path``, or None while its first commit is still being written: Delta makes
+        ``_delta_log`` before version 0 lands, so a reader racing the sink's first batch sees a log with
+        no commit in it."""
+        from pyspark.errors import AnalysisException
+
+        try:
+            return self.context.spark.read.format("delta").load(path)
+        except AnalysisException as error:
+            if error.getCondition() == "DELTA_TABLE_NOT_FOUND":
+                return None
+            raise
 
     # --- writes ----------------------------------------------------------------------------
 
