@@ -28,6 +28,7 @@ import pyspark
 
 from common.errors import CDCError
 from sinks._api import PartitionSink, Rebuildable, SinkContext
+from sinks._bridge import Bridge
 from sinks._fold import TopicSchemas
 from sinks._metrics import SinkMetrics, query_name
 from sinks._plugins import load
@@ -119,6 +120,12 @@ def _opened(name: str, settings: SinkSettings, generation: int, spark: SparkSess
     options = settings.sinks.plugins.get(name, options)
     sink.open(SinkContext(name, settings, options, generation, spark))
     return sink
+
+
+def _opened_without_spark(name: str, settings: SinkSettings) -> Any:
+    """A built-in sink opened before (or without) a Spark session: they touch Spark only to write frames."""
+    assert name in _BUILT_IN, name
+    return _opened(name, settings, 0, None)  # type: ignore[arg-type]
 
 
 @dataclass
@@ -498,11 +505,21 @@ def run(settings: SinkSettings, names: Sequence[str], stop: threading.Event) -> 
     cfg = settings.sinks
     metrics = SinkMetrics()
     server = metrics.serve(cfg.metrics_host, cfg.metrics_port) if cfg.metrics_enabled else None
+    # The built-ins open without Spark: what was written while the app was down is applied while it starts.
+    bridges = [
+        Bridge(settings, name, lambda name=name: _opened_without_spark(name, settings))  # type: ignore[misc]
+        for name in usable
+        if name in _BUILT_IN
+    ]
+    for bridge in bridges:
+        bridge.start()
     spark = spark_session(settings, "pgcdc-sinks")
     supervisor = _Supervisor(settings, usable, spark, metrics)
     try:
         supervisor.run(stop)
     finally:
+        for bridge in bridges:  # long done unless a store hangs: its client's timeouts end it
+            bridge.join(60)
         if server is not None:
             server.shutdown()
         stop_session(spark)
@@ -718,7 +735,7 @@ def never_ran(settings: SinkSettings, name: str) -> SinkConfigError | None:
     plugin's ``open`` may need Spark: it is asked inside :func:`verify`)."""
     if name not in _BUILT_IN:
         return None
-    sink = _opened(name, settings, 0, None)  # type: ignore[arg-type]  # the built-ins open without Spark
+    sink = _opened_without_spark(name, settings)
     try:
         return None if sink.current_generation() is not None else _never_ran(name)
     finally:

@@ -227,14 +227,15 @@ def in_one_task(
     """A small batch (see sinks._taskfold): one task reads it, folds it, writes it and applies its truncates;
     only what was refused and each table's counts come back. A second action writes dead letters when there
     are some. ``batch``: (batch id, generation)."""
-    infos = _infos(folds, settings, batch)
+    infos = infos_of(folds, settings, batch)
     if infos:
         sink.prepare(list(infos.values()))
     rows = _run_one_task(sink.partition_writer(), infos, folds, raw)
     return _finished(sink, raw, settings, rows)
 
 
-def _infos(folds: Sequence[TopicFold], settings: SinkSettings, batch: tuple[int, int]) -> dict[str, TableInfo]:
+def infos_of(folds: Sequence[TopicFold], settings: SinkSettings, batch: tuple[int, int]) -> dict[str, TableInfo]:
+    """Each registered topic's :class:`sinks.TableInfo` for ``batch`` ((batch id, generation))."""
     batch_id, generation = batch
     return {
         s.topic: TableInfo(s.topic, settings.table_name(s.topic), s.key_schema, s.row_schema, generation, batch_id)
@@ -314,7 +315,7 @@ def on_driver(
 ) -> Outcome:
     """A small batch read by the driver (sinks._ranges) folded and written here, as :func:`in_one_task` does
     in a task; Spark runs a job only for dead letters, when there are some."""
-    infos = _infos(folds, settings, batch)
+    infos = infos_of(folds, settings, batch)
     if infos:
         sink.prepare(list(infos.values()))
     back = fold_and_write(sink.partition_writer(), infos, {f.schemas.topic: f for f in folds}, records)
@@ -392,7 +393,7 @@ def rehearse_on_driver(
     """A live batch's path (:func:`on_driver`) over ``records`` (a few read from Kafka), to the sink's writer
     wrapped so that it drops what it is given: the fold's and the writer's modules are imported and the
     schemas parsed before the query's first batch."""
-    infos = _infos(folds, settings, (-1, generation))
+    infos = infos_of(folds, settings, (-1, generation))
     fold_and_write(_Draining(sink.partition_writer()), infos, {f.schemas.topic: f for f in folds}, records)
 
 

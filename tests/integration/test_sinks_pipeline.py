@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import threading
 import time
 from pathlib import Path
@@ -86,6 +87,11 @@ def test_pipeline_survives_kills_and_rebuilds_with_no_drift(
             sinks.start()
         workload.finish()
         assert killed == kills
+        # Restarted under the workload, search and cache applied what was written while they were down before
+        # Spark was up (sinks._bridge); their queries' batches then read it again, to no effect on the stores.
+        restarts = sinks.log.read_text()
+        for name in ("search", "cache"):
+            assert re.search(rf"sink {name}: applied \d+ record\(s\) written while it was down, before Spark", restarts)
         assert_no_drift(config, sinks)
         status = json.loads((tmp_path / "state" / "search" / "status.json").read_text())
         assert status["batches"] >= 1
