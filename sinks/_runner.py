@@ -517,9 +517,7 @@ def run(settings: SinkSettings, names: Sequence[str], stop: threading.Event) -> 
     supervisor = _Supervisor(settings, usable, spark, metrics)
     try:
         supervisor.run(stop)
-    finally:
-        for bridge in bridges:  # long done unless a store hangs: its client's timeouts end it
-            bridge.join(60)
+    finally:  # a bridge still running (a store that hangs) is not waited for: what it writes is written again
         if server is not None:
             server.shutdown()
         stop_session(spark)
