@@ -54,36 +54,17 @@ class SinkMetrics:
         self.phase_seconds = Histogram(
             "pgcdc_sink_batch_phase_seconds",
             "Where a micro-batch's time goes: Spark's phases (latestOffset, walCommit, addBatch, commitOffsets, "
-            "queryPlanning, triggerExecution…) and, inside addBatch, pgcdc's plan and write",
+            "queryPlanning, triggerExecution…) and, inside addBatch, pgcdc's plan and write; Spark's phases are "
+            "those of the last batch of each second (its query's lastProgress, read once a second)",
             ["sink", "phase"],
             buckets=_PHASE_BUCKETS,
             registry=r,
         )
 
-    def listener(self) -> Any:
-        """A Spark StreamingQueryListener that records each batch's phases (Spark calls it on its listener
-        thread, after the batch: nothing on the batch's own path)."""
-        from pyspark.sql.streaming.listener import StreamingQueryListener
-
-        phases = self.phase_seconds
-
-        class _Phases(StreamingQueryListener):
-            def onQueryStarted(self, event: Any) -> None:  # noqa: N802 - Spark names the methods
-                pass
-
-            def onQueryProgress(self, event: Any) -> None:  # noqa: N802
-                sink = sink_of_query(event.progress.name)
-                if sink is not None:
-                    for phase, ms in (event.progress.durationMs or {}).items():
-                        phases.labels(sink, phase).observe(ms / 1000)
-
-            def onQueryIdle(self, event: Any) -> None:  # noqa: N802
-                pass
-
-            def onQueryTerminated(self, event: Any) -> None:  # noqa: N802
-                pass
-
-        return _Phases()
+    def observe_phases(self, sink: str, durations_ms: dict[str, int]) -> None:
+        """One batch's phases, from its query's progress (``durationMs``)."""
+        for phase, ms in durations_ms.items():
+            self.phase_seconds.labels(sink, phase).observe(ms / 1000)
 
     def serve(self, host: str, port: int) -> Any:
         """Serve /metrics; a port in use is a configuration error (say which, and how to change it)."""

@@ -249,14 +249,11 @@ class SinkQuery:
         self._ends: dict[int, dict[tuple[str, int], int]] = {}  # the last batch's end offsets, by its id
         self._reader: RangeReader | None = None  # made at the first batch the driver reads itself
         self._schemas: dict[str, TopicSchemas] = {}  # the registry's, by topic, for the driver's batches
-        self._listener: Any = None
+        self._observed = -1  # the last batch whose Spark phases the metrics have
 
     def start(self, metrics: SinkMetrics | None = None) -> StreamingQuery:
         """Starts the query; ``metrics``: the app's, which each batch reports to."""
         self.metrics = metrics
-        if metrics is not None:  # each query's session has its own listeners
-            self._listener = metrics.listener()
-            self.spark.streams.addListener(self._listener)
         # A rebuild's batches follow one another at once: nobody reads its generation until the swap.
         interval = 0.0 if self.rebuild else self.settings.sinks.trigger_for(self.name)
         writer = (
@@ -423,12 +420,21 @@ class SinkQuery:
         source = progress["sources"][0]
         return bool(source.get("endOffset")) and source.get("endOffset") == source.get("latestOffset")
 
+    def observe_progress(self) -> None:
+        """Spark's phases of the query's last batch into the metrics, once per batch. Read here, on the
+        supervisor's thread, rather than by a StreamingQueryListener: PySpark hands a listener each batch's
+        progress converted field by field over py4j (dozens of round trips, and an exception converted at the
+        end of every map), which under load took a fifth of the driver's Python time from the batches."""
+        progress = self.query.lastProgress if self.metrics is not None and self.query is not None else None
+        if progress is None or progress.batchId == self._observed or "addBatch" not in progress.durationMs:
+            return  # seen, or a trigger that found nothing to do (its progress keeps the next batch's id)
+        self._observed = progress.batchId
+        assert self.metrics is not None
+        self.metrics.observe_phases(self.name, dict(progress.durationMs))
+
     def stop(self) -> None:
         if self.query is not None and self.query.isActive:
             self.query.stop()
-        if self._listener is not None:
-            self.spark.streams.removeListener(self._listener)
-            self._listener = None
         self.status.flush()
         if self._reader is not None:
             self._reader.close()
@@ -576,7 +582,10 @@ class _Supervisor:
             if time.monotonic() >= self.retry_at.get(name, 0):
                 self._start(name)
             return
-        if q.query is None or q.query.isActive:
+        if q.query is None:
+            return
+        if q.query.isActive:
+            q.observe_progress()
             return
         error = q.query.exception()
         q.stop()

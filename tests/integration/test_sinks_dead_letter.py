@@ -83,8 +83,8 @@ def test_poison_and_rejected_changes_reach_the_dead_letter_topic(
             inside = scrape(sinks_port)
             assert (metric(inside, "pgcdc_sink_dead_letters_total", sink="search") or 0) >= 2
             assert (metric(inside, "pgcdc_sink_dead_letters_total", sink="cache") or 0) >= 1
-            # Where the batches' time went, per phase: Spark's (its progress reports reach the app's listener
-            # after each batch) and pgcdc's own.
+            # Where the batches' time went, per phase: Spark's (the app reads its queries' last progress once a
+            # second) and pgcdc's own.
             wait_for(
                 lambda: all(
                     (metric(scrape(sinks_port), "pgcdc_sink_batch_phase_seconds_count", sink="cache", phase=p) or 0)
