@@ -16,6 +16,7 @@ import threading
 from types import FrameType
 
 import psycopg
+from confluent_kafka import KafkaException
 
 from cdc._attach import CaptureContext, TextModeNeededError, attach
 from cdc._backfill import Backfills, plan_new_tables
@@ -27,9 +28,11 @@ from cdc._kafka import OffsetStore, TransactionalProducer
 from cdc._metrics import CaptureMetrics
 from cdc._offsets import CaptureState, SnapshotState
 from cdc._replication import ReplicationConnection
+from cdc._signals import topic_ends
 from cdc._snapshot import SnapshotStoppedError, Snapshotter
 from cdc._source import translate_pg_error
 from cdc._stream import ReplicationSource, Streamer
+from common.errors import CDCError
 from schemas import avro_mapping
 
 log = logging.getLogger(__name__)
@@ -105,10 +108,11 @@ class Capture:
         from the slot's own exported snapshot); a snapshot interrupted before is finished first."""
         s = self.settings
         state = self.attached.offsets.load()
+        signals = self._signal_start() if state is None else {}
         if not self.attached.report.slot_exists:
             created = repl.create_slot(s.source.slot, export_snapshot=s.capture.snapshot == "initial")
             log.info("created replication slot %s at %X", s.source.slot, created.consistent_lsn)
-            state = CaptureState(lsn=created.consistent_lsn)
+            state = CaptureState(lsn=created.consistent_lsn, signal_offsets=signals)
             if s.capture.snapshot == "initial":
                 state.snapshot = SnapshotState.started(created.consistent_lsn)
                 self._snapshot(state, created.snapshot_name)
@@ -119,16 +123,29 @@ class Capture:
             # The exported snapshot died with the process that created it. Finish with a fresh snapshot: the
             # stream restarts at the slot's position, so every change after it is replayed over the rows read
             # now, and each key ends at its latest value.
-            state = state or CaptureState()
+            state = state or CaptureState(signal_offsets=signals)
             if state.lsn is None:
                 state.lsn = self._slot_confirmed_lsn()
             if state.snapshot is None:
                 state.snapshot = SnapshotState.started(state.lsn)
             self._snapshot(state, None)
-        state = state or CaptureState()
+        state = state or CaptureState(signal_offsets=signals)
         if state.lsn is None:
             state.lsn = self._slot_confirmed_lsn()
         return state
+
+    def _signal_start(self) -> dict[int, int]:
+        """Where a new capture takes requests from the signal topic (see cdc._signals.SignalTopic): its end
+        now, before the slot and the snapshot. Unreachable, it is left to the first read, with a warning."""
+        topic = self.settings.signal_topic
+        if topic is None:
+            return {}
+        try:
+            self.attached.topics.ensure(topic, partitions=1, policy="delete")
+            return topic_ends(self.settings.kafka.client_conf(), topic)
+        except (CDCError, KafkaException) as exc:
+            log.warning("the signal topic %s cannot be read yet (%s): it is read from its end when it can", topic, exc)
+            return {}
 
     def _all_binary_capable(self) -> bool:
         for table in self.attached.report.tables:

@@ -492,9 +492,9 @@ def test_requests_produced_to_the_signal_topic_are_taken_once(
         backfill = json.dumps({"kind": "backfill", "data": {"tables": ["public.t"]}}).encode()
         proc = cfg.start(tmp_path)
         try:
-            proc.wait_streaming(180)
-            wait_for(lambda: _has_topic(kafka_bootstrap, signals), 60, "the signal topic", proc)
-            time.sleep(1)  # the capture has opened it (it starts at its end)
+            # A new capture takes every request produced after it was created (its slot), even one produced
+            # before it first reads the topic: these go in while its snapshot may still run.
+            wait_for(lambda: "created replication slot" in proc.log.read_text(errors="replace"), 120, "the slot", proc)
             ask("another-slot", backfill)
             bad = ask(slot, b"not json")
             first = ask(slot, backfill)
