@@ -806,6 +806,22 @@ def _heavy(env: Env, sampler: _LagSampler, rows: int, args: argparse.Namespace, 
     result.series["lag_load_window_s"] = [0.0, round(end - start, 1)]
 
 
+@contextlib.contextmanager
+def _profiled(pid: int, out: Path | None, seconds: float) -> Iterator[None]:
+    """py-spy samples ``pid``'s Python threads (not the JVM's) for ``seconds`` while the body runs; a line per
+    distinct stack with its count, for `sort -k2 -n` or a flame graph. Without ``out``, nothing."""
+    if out is None:
+        yield
+        return
+    spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    cmd = [spy, "record", "--pid", str(pid), "--duration", str(int(seconds)), "--rate", "50"]
+    sampler = subprocess.Popen([*cmd, "--nonblocking", "--format", "raw", "--output", str(out)])
+    try:
+        yield
+    finally:
+        sampler.wait(timeout=seconds + 120)
+
+
 def _batches(log: Path, start: int, end: int | None = None) -> dict[str, list[tuple[int, float]]]:
     """Each sink's (records, seconds) per batch logged between byte offsets ``start`` and ``end``."""
     with open(log, "rb") as f:
@@ -836,7 +852,8 @@ def _live(env: Env, rows: int, args: argparse.Namespace, result: Result) -> None
             phases = _phase_sums(sinks_log)
             _light(env, sampler, rows, args, result)
             _note_phases(_phase_means(phases, _phase_sums(sinks_log)), result)
-            _heavy(env, sampler, rows, args, result)
+            with _profiled(sinks.pid, args.profile_heavy, args.heavy_seconds):
+                _heavy(env, sampler, rows, args, result)
             sinks = _restart(env, sinks, log=sinks_log, out=out, config=config, rows=rows, result=result)
         finally:
             sampler.halt.set()
@@ -927,6 +944,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="instead of steps 3-5: rebuild each sink locally and on the standalone cluster with S3 (sinks-cluster)",
     )
     parser.add_argument("--keep", action="store_true", help="keep the scratch database, stores, topics and logs")
+    parser.add_argument(
+        "--profile-heavy",
+        type=Path,
+        metavar="FILE",
+        help="sample the sinks app's Python (py-spy, collapsed stacks) through the 2,000 changes/s load into FILE",
+    )
     return parser
 
 
