@@ -101,6 +101,11 @@ class SinksConfig(_Section):
         description="records a rebuild's batch reads at most: large, so a rebuild dedupes across much of the topic "
         "and its first batch is a bulk load (null: no bound)",
     )
+    lane: bool = Field(
+        default=True,
+        description="search and cache apply changes as they arrive, ahead of Spark's micro-batches, which then "
+        "apply only what the lane has not (docs/sinks.md, Freshness); false: the micro-batches apply everything",
+    )
     dead_letter_topic: str | None = Field(default=None, description="default: <topic_prefix>.dead-letter")
     spark_master: str | None = Field(default="local[2]", description="null: leave it to spark-submit")
     spark_jars: Annotated[tuple[str, ...], NoDecode] = Field(

@@ -41,6 +41,12 @@ class SinkMetrics:
             "pgcdc_sink_batch_seconds", "Duration of a sink's micro-batch", ["sink"], buckets=_BATCH_BUCKETS, registry=r
         )
         self.records = Counter("pgcdc_sink_records", "Change records read by a sink", ["sink"], registry=r)
+        self.lane_records = Counter(
+            "pgcdc_sink_lane_records",
+            "Change records a sink's lane applied as they arrived, ahead of its micro-batches (search, cache)",
+            ["sink"],
+            registry=r,
+        )
         self.dead_letters = Counter(
             "pgcdc_sink_dead_letters", "Records a sink sent to the dead-letter topic", ["sink"], registry=r
         )

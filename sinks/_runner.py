@@ -30,6 +30,7 @@ from common.errors import CDCError
 from sinks._api import PartitionSink, Rebuildable, SinkContext
 from sinks._bridge import Bridge
 from sinks._fold import TopicSchemas
+from sinks._lane import Lane
 from sinks._metrics import SinkMetrics, query_name
 from sinks._plugins import load
 from sinks._preflight import check_master, check_writable
@@ -75,6 +76,7 @@ _NO_SPACE = "No space left on device"  # ENOSPC as the JVM (Spark's checkpoint w
 _NEARLY_FULL = 64 * 2**20  # free bytes under which an ENOSPC is taken to be the state disk's
 _CHECKPOINT_MANAGER = "spark.sql.streaming.checkpointFileManagerClass"
 _BUILT_IN = ("search", "cache", "warehouse")
+_LANE_SINKS = ("search", "cache")  # built-ins that write without Spark (sinks._lane)
 
 
 def spark_session(settings: SinkSettings, app: str) -> SparkSession:
@@ -250,6 +252,7 @@ class SinkQuery:
         self._reader: RangeReader | None = None  # made at the first batch the driver reads itself
         self._schemas: dict[str, TopicSchemas] = {}  # the registry's, by topic, for the driver's batches
         self._observed = -1  # the last batch whose Spark phases the metrics have
+        self._lane: Lane | None = None  # search's and cache's, from their first batch on
 
     def start(self, metrics: SinkMetrics | None = None) -> StreamingQuery:
         """Starts the query; ``metrics``: the app's, which each batch reports to."""
@@ -315,6 +318,13 @@ class SinkQuery:
         topics = set(moved)
         records = sum(moved.values())
         batch = (batch_id, self.generation)
+        if self._lane is not None and ranges is not None:
+            ranges = self._lane.unapplied(ranges)
+            if not ranges:  # the lane has applied all of it
+                self._done(batch_id, Outcome(records, 0, self._lane.newest_ts_ms), started, started)
+                self._lane.follow(self._ends[batch_id])
+                return
+            records = sum(end - start for start, end in ranges.values())
         if isinstance(self.sink, PartitionSink) and records <= ONE_TASK_RECORDS:
             if ranges is not None and records <= DRIVER_RECORDS:  # no Spark job: see sinks._ranges
                 read = self._range_reader().read(ranges)
@@ -326,6 +336,7 @@ class SinkQuery:
                 planned = time.monotonic()
                 outcome = in_one_task(self.sink, folds, raw, self.settings, batch)
             self._done(batch_id, outcome, started, planned)
+            self._follow_lane(batch_id)
             return
         raw = _sized(raw, records, self.shuffle_partitions)
         # Several topics: each table's branch reads the batch, so it is read from Kafka once and cached.
@@ -343,6 +354,27 @@ class SinkQuery:
             if shared:
                 raw.unpersist()
         self._done(batch_id, outcome, started, planned)
+        self._follow_lane(batch_id)
+
+    def _follow_lane(self, batch_id: int) -> None:
+        """After a committed batch of a served search or cache: its lane goes on from the batch's end (started
+        at the first; see sinks._lane)."""
+        ends = self._ends.get(batch_id)
+        if ends is None or self.rebuild or not self.settings.sinks.lane or self.name not in _LANE_SINKS:
+            return
+        if self._lane is None:
+            lane = Lane(self.settings, self.name, self.generation, opened=self._lane_sink, folds=self._folds)
+            lane.on_applied = self._lane_applied
+            self._lane = lane
+        self._lane.follow(ends)
+
+    def _lane_applied(self, records: int) -> None:
+        if self.metrics is not None:
+            self.metrics.lane_records.labels(self.name).inc(records)
+
+    def _lane_sink(self) -> Any:
+        """The lane's own instance of the sink, writing this query's generation."""
+        return _opened(self.name, self.settings, self.generation, None)  # type: ignore[arg-type]  # no Spark needed
 
     def _folds(self, records: list[dict[str, Any]]) -> list[TopicFold]:
         """Each topic's fold, with the registry's schemas asked again only when a record is framed with an id
@@ -435,6 +467,8 @@ class SinkQuery:
     def stop(self) -> None:
         if self.query is not None and self.query.isActive:
             self.query.stop()
+        if self._lane is not None:
+            self._lane.stop()
         self.status.flush()
         if self._reader is not None:
             self._reader.close()

@@ -1,0 +1,215 @@
+"""Applying a partition sink's changes as they arrive, ahead of Spark's micro-batches.
+
+Spark's query owns a sink's progress: its checkpoint says which offsets are applied, and after a crash its
+batches apply them again. But every micro-batch costs Spark ~0.2 s of its own (the offset and commit files,
+planning) before the batch's few milliseconds of work, and waits for CPU behind the other queries, so a change
+waits for the batch in progress and then its own: most of search's and cache's freshness.
+
+The lane is a thread per served search or cache query with a Kafka consumer of its own. From where the query's
+last batch ended it tails the same partitions (read_committed, as the query reads them) and applies what
+arrives at once, with the driver's fold and the sink's writer (sinks._write.fold_and_write), the path of a
+small batch. It keeps in memory how far its writes have completed; a query batch applies only the part of its
+ranges the lane has not (nothing, when the lane is ahead, which is the rule), so each change is written about
+once.
+
+It never commits anything and never writes a dead letter. A chunk with a record the sink refuses (poison, a
+refused write) is not counted as applied: the lane stops, the query's batch applies that range and writes the
+dead letter, and the lane goes on from the end of a batch past it. Any failure (a store or Kafka unreachable)
+stops it the same way, and the query's batches carry on as they would without it. A crash loses only its
+position in memory: the restarted query applies again from its checkpoint, to no effect where the lane had
+written (the stores' position guard: a replayed change never moves a row backwards).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from sinks._ranges import Ranges
+from sinks._taskfold import TopicFold
+from sinks._write import fold_and_write, infos_of
+
+if TYPE_CHECKING:
+    from confluent_kafka import Consumer
+
+    from sinks._config import SinkSettings
+
+log = logging.getLogger(__name__)
+
+Offsets = Mapping[tuple[str, int], int]  # (topic, partition) -> an offset
+_CHUNK = 2_000  # records applied at most per write: a chunk's latency stays in milliseconds
+_POLL_S = 0.2  # the wait for a first record; it returns as soon as one arrives
+
+
+class Lane:
+    """One sink's lane (see the module). The query's thread calls :meth:`follow` after each batch and
+    :meth:`unapplied` before one; the lane's own thread does the rest."""
+
+    def __init__(
+        self,
+        settings: SinkSettings,
+        name: str,
+        generation: int,
+        *,
+        opened: Callable[[], Any],
+        folds: Callable[[list[dict[str, Any]]], list[TopicFold]],
+    ) -> None:
+        """``opened``: the lane's own instance of the sink; ``folds``: each topic's fold for some records (the
+        query's, which keeps the registry's schemas)."""
+        self.settings, self.name, self.generation = settings, name, generation
+        self._opened, self._folds = opened, folds
+        self.on_applied: Callable[[int], None] = lambda _records: None  # told how many records each chunk applied
+        self._lock = threading.Lock()
+        self._applied: dict[tuple[str, int], int] = {}  # per partition: everything before it is in the store
+        self._newest_ts_ms: int | None = None  # the newest source commit time among what the lane applied
+        self._follow: dict[tuple[str, int], int] | None = None  # the query's last batch's ends, not yet taken
+        self._blocked: dict[tuple[str, int], int] = {}  # after a refusal: the ends the query must pass first
+        self._halt = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # --- the query's side ------------------------------------------------------------------------------
+
+    def follow(self, ends: Offsets) -> None:
+        """The query's batch that ended at ``ends`` is committed: the lane starts there, or skips to there if
+        it is behind; the first call starts its thread."""
+        with self._lock:
+            self._follow = dict(ends)
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name=f"pgcdc-lane-{self.name}", daemon=True)
+            self._thread.start()
+
+    def unapplied(self, ranges: Ranges) -> dict[tuple[str, int], tuple[int, int]]:
+        """The part of a batch's ``ranges`` the lane has not applied."""
+        with self._lock:
+            applied = dict(self._applied)
+        out = {}
+        for tp, (start, end) in ranges.items():
+            begin = max(start, applied.get(tp, start))
+            if begin < end:
+                out[tp] = (begin, end)
+        return out
+
+    @property
+    def newest_ts_ms(self) -> int | None:
+        return self._newest_ts_ms
+
+    def stop(self) -> None:
+        self._halt.set()
+        if self._thread is not None:
+            self._thread.join(30)
+
+    # --- the lane's thread -----------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        sink = consumer = None
+        try:
+            sink = self._opened()
+            consumer = self._consumer()
+            positions: dict[tuple[str, int], int] = {}
+            while not self._halt.is_set():
+                if not self._resume(consumer, positions):
+                    self._halt.wait(_POLL_S)
+                    continue
+                records = self._read(consumer, positions)
+                if records is None:
+                    continue
+                if not self._apply(sink, records):
+                    positions.clear()  # stopped: the query applies the chunk (and writes its dead letters)
+                    consumer.unassign()
+                    continue
+                with self._lock:
+                    self._applied.update(positions)
+                self.on_applied(len(records))
+        except Exception as exc:  # the query's batches apply everything the lane has not
+            log.warning("sink %s: changes wait for the query's batches from now on (%s)", self.name, exc)
+        finally:
+            if consumer is not None:
+                consumer.close()
+            if sink is not None:
+                sink.close()
+
+    def _resume(self, consumer: Consumer, positions: dict[tuple[str, int], int]) -> bool:
+        """Takes the query's latest ends: reads from there where the lane is behind them or not reading yet.
+        False while there is nothing to read from."""
+        from confluent_kafka import TopicPartition
+
+        with self._lock:
+            follow, self._follow = self._follow, None
+        if follow is not None and self._blocked:
+            if any(follow.get(tp, 0) < end for tp, end in self._blocked.items()):
+                return bool(positions)
+            self._blocked = {}
+        if follow is not None and any(positions.get(tp, -1) < end for tp, end in follow.items()):
+            starts = {tp: max(end, positions.get(tp, end)) for tp, end in follow.items()}
+            consumer.assign([TopicPartition(t, p, start) for (t, p), start in starts.items()])
+            positions.clear()
+            positions.update(starts)
+            with self._lock:
+                for tp, start in starts.items():
+                    self._applied[tp] = max(self._applied.get(tp, start), start)
+        return bool(positions)
+
+    def _read(self, consumer: Consumer, positions: dict[tuple[str, int], int]) -> list[dict[str, Any]] | None:
+        """What has arrived, up to a chunk; None if nothing did. ``positions`` move past it (and past a
+        transaction's commit marker: the end of the partition says so)."""
+        from confluent_kafka import KafkaError, KafkaException
+
+        first = consumer.poll(_POLL_S)
+        if first is None:
+            return None
+        records = []
+        for m in [first, *consumer.consume(_CHUNK - 1, timeout=0)]:
+            tp, error, offset = (m.topic(), m.partition()), m.error(), m.offset()
+            if error is not None and error.code() != KafkaError._PARTITION_EOF:
+                raise KafkaException(error)
+            if offset is None or tp not in positions:
+                continue
+            if error is None:
+                records.append(
+                    {"topic": tp[0], "partition": tp[1], "offset": offset, "key": m.key(), "value": m.value()}
+                )
+                positions[tp] = max(positions[tp], offset + 1)
+            else:
+                positions[tp] = max(positions[tp], offset)
+        return records
+
+    def _apply(self, sink: Any, records: list[dict[str, Any]]) -> bool:
+        """Folds and writes ``records``; False if the sink refused one (the lane stops until the query's
+        batches are past them)."""
+        if not records:
+            return True
+        folds = self._folds(records)
+        infos = infos_of(folds, self.settings, (-1, self.generation))
+        if infos:
+            sink.prepare(list(infos.values()))
+        back = fold_and_write(sink.partition_writer(), infos, {f.schemas.topic: f for f in folds}, records)
+        if any(r[0] == "rejected" for r in back):
+            ends: dict[tuple[str, int], int] = {}
+            for r in records:
+                tp = (r["topic"], r["partition"])
+                ends[tp] = max(ends.get(tp, 0), r["offset"] + 1)
+            self._blocked = ends
+            log.info("sink %s: a refused change: its batch applies it and writes the dead letter", self.name)
+            return False
+        newest = [int(r[7]) for r in back if r[0] == "seen" and r[7] is not None]
+        if newest:
+            self._newest_ts_ms = max(self._newest_ts_ms or 0, *newest)
+        return True
+
+    def _consumer(self) -> Consumer:
+        from confluent_kafka import Consumer
+
+        return Consumer(
+            {
+                **self.settings.kafka.client_conf(),
+                "group.id": f"pgcdc-lane-{self.name}",  # never joined: partitions are assigned, nothing committed
+                "enable.auto.commit": False,
+                "enable.auto.offset.store": False,
+                "isolation.level": "read_committed",  # what the query reads: committed capture transactions
+                "auto.offset.reset": "earliest",
+                "enable.partition.eof": True,
+                "fetch.wait.max.ms": 10,
+            }
+        )

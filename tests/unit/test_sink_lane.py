@@ -1,0 +1,63 @@
+"""The lane's bookkeeping (sinks._lane): which part of a batch is left to the query, and where it reads from."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sinks._config import SinkSettings
+from sinks._lane import Lane
+
+A, B = ("t", 0), ("t", 1)
+
+
+class _Assigned:
+    """Records what the lane assigns (the consumer's only call in ``_resume``)."""
+
+    def __init__(self) -> None:
+        self.assigned: list[dict[tuple[str, int], int]] = []
+
+    def assign(self, partitions: list[Any]) -> None:
+        self.assigned.append({(p.topic, p.partition): p.offset for p in partitions})
+
+
+def _lane() -> Lane:
+    return Lane(SinkSettings(), "cache", 1, opened=lambda: None, folds=lambda _records: [])
+
+
+def test_a_batch_keeps_only_what_the_lane_has_not_applied() -> None:
+    lane = _lane()
+    lane._applied = {A: 10, B: 3}
+    assert lane.unapplied({A: (5, 10), B: (0, 8)}) == {B: (3, 8)}
+    assert lane.unapplied({A: (5, 12)}) == {A: (10, 12)}
+    assert lane.unapplied({("u", 0): (0, 4)}) == {("u", 0): (0, 4)}  # a partition it does not read
+
+
+def test_it_reads_from_the_query_s_end_and_skips_ahead_only_where_it_is_behind() -> None:
+    lane, consumer = _lane(), _Assigned()
+    positions: dict[tuple[str, int], int] = {}
+    assert not lane._resume(consumer, positions)  # type: ignore[arg-type]  # nothing to read from yet
+    lane._follow = {A: 10, B: 4}
+    assert lane._resume(consumer, positions)  # type: ignore[arg-type]
+    assert consumer.assigned == [{A: 10, B: 4}]
+    assert positions == {A: 10, B: 4}
+    assert lane.unapplied({A: (0, 10), B: (0, 4)}) == {}  # the query applied everything before its end
+    positions[A] = 15  # the lane read ahead; the query's next batch ends behind it
+    lane._follow = {A: 12, B: 4}
+    assert lane._resume(consumer, positions)  # type: ignore[arg-type]
+    assert len(consumer.assigned) == 1  # nothing to skip
+    lane._follow = {A: 12, B: 9}  # the query is ahead on B: read from there, A where the lane is
+    assert lane._resume(consumer, positions)  # type: ignore[arg-type]
+    assert consumer.assigned[-1] == {A: 15, B: 9}
+
+
+def test_after_a_refusal_it_waits_for_a_batch_past_it() -> None:
+    lane, consumer = _lane(), _Assigned()
+    lane._blocked = {A: 20}
+    positions: dict[tuple[str, int], int] = {}
+    lane._follow = {A: 18}
+    assert not lane._resume(consumer, positions)  # type: ignore[arg-type]
+    assert consumer.assigned == []
+    lane._follow = {A: 21}
+    assert lane._resume(consumer, positions)  # type: ignore[arg-type]
+    assert consumer.assigned == [{A: 21}]
+    assert lane._blocked == {}
