@@ -47,7 +47,7 @@ def test_the_exported_metrics_are_the_documented_ones() -> None:
     assert EXPORTED["pgcdc_events_total"] == "counter"
     assert EXPORTED["pgcdc_sink_batch_seconds"] == "histogram"
     assert EXPORTED["pgcdc_sink_batch_phase_seconds"] == "histogram"
-    assert EXPORTED["pgcdc_sink_lane_records"] == "counter"
+    assert EXPORTED["pgcdc_sink_lane_records_total"] == "counter"
     assert EXPORTED["pgcdc_capture_info"] == "info"
 
 
