@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -62,6 +63,8 @@ class Lane:
         self._opened, self._folds = opened, folds
         self.on_applied: Callable[[int], None] = lambda _records: None  # told how many records each chunk applied
         self._lock = threading.Lock()
+        self._progress = threading.Condition(self._lock)  # notified when the lane applied or stopped reading
+        self._reading: frozenset[tuple[str, int]] = frozenset()  # the partitions it is reading now
         self._applied: dict[tuple[str, int], int] = {}  # per partition: everything before it is in the store
         self._newest_ts_ms: int | None = None  # the newest source commit time among what the lane applied
         self._follow: dict[tuple[str, int], int] | None = None  # the query's last batch's ends, not yet taken
@@ -83,10 +86,30 @@ class Lane:
     def unapplied(self, ranges: Ranges) -> dict[tuple[str, int], tuple[int, int]]:
         """The part of a batch's ``ranges`` the lane has not applied."""
         with self._lock:
-            applied = dict(self._applied)
+            return self._left(ranges)
+
+    def wait_for(self, ranges: Ranges, patience_s: float = 2.0) -> dict[tuple[str, int], tuple[int, int]]:
+        """The part of a batch's ``ranges`` the lane has not applied, once it has applied what it will: nothing,
+        as a rule (the batch then only commits). At once, all that is left when the lane is not reading one of
+        its partitions (new to it, after a refusal or a failure); after ``patience_s`` without progress, all
+        that is left. A batch that did the lane's work beside it would take the same interpreter's time twice."""
+        with self._progress:
+            mark, since = None, time.monotonic()
+            while True:
+                left = self._left(ranges)
+                if not left or not self._reading.issuperset(left):
+                    return left
+                now, moved = time.monotonic(), sum(self._applied.get(tp, 0) for tp in left)
+                if moved != mark:
+                    mark, since = moved, now
+                elif now - since > patience_s:
+                    return left
+                self._progress.wait(0.1)
+
+    def _left(self, ranges: Ranges) -> dict[tuple[str, int], tuple[int, int]]:
         out = {}
         for tp, (start, end) in ranges.items():
-            begin = max(start, applied.get(tp, start))
+            begin = max(start, self._applied.get(tp, start))
             if begin < end:
                 out[tp] = (begin, end)
         return out
@@ -104,31 +127,47 @@ class Lane:
 
     def _run(self) -> None:
         sink = consumer = None
+        positions: dict[tuple[str, int], int] = {}  # per partition read: the next offset to read
+        said = None
         try:
             sink = self._opened()
             consumer = self._consumer()
-            positions: dict[tuple[str, int], int] = {}
             while not self._halt.is_set():
-                if not self._resume(consumer, positions):
-                    self._halt.wait(_POLL_S)
-                    continue
-                records = self._read(consumer, positions)
-                if records is None:
-                    continue
-                if not self._apply(sink, records):
-                    positions.clear()  # stopped: the query applies the chunk (and writes its dead letters)
+                try:
+                    self._turn(sink, consumer, positions)
+                    said = None
+                except Exception as exc:  # the batches apply what the lane has not; it goes on after the next
+                    if str(exc) != said:
+                        log.warning("sink %s: the lane stopped until the next batch (%s)", self.name, exc)
+                    said = str(exc)
+                    self._read_from(positions, {})
                     consumer.unassign()
-                    continue
-                with self._lock:
-                    self._applied.update(positions)
-                self.on_applied(len(records))
-        except Exception as exc:  # the query's batches apply everything the lane has not
-            log.warning("sink %s: changes wait for the query's batches from now on (%s)", self.name, exc)
+                    self._halt.wait(1.0)
+        except Exception as exc:
+            log.warning("sink %s: no lane: changes wait for the query's batches (%s)", self.name, exc)
         finally:
+            self._read_from(positions, {})
             if consumer is not None:
                 consumer.close()
             if sink is not None:
                 sink.close()
+
+    def _turn(self, sink: Any, consumer: Consumer, positions: dict[tuple[str, int], int]) -> None:
+        """Reads and applies what has arrived, or waits a moment for it."""
+        if not self._resume(consumer, positions):
+            self._halt.wait(_POLL_S)
+            return
+        records = self._read(consumer, positions)
+        if records is None:
+            return
+        if not self._apply(sink, records):
+            self._read_from(positions, {})  # stopped: the query applies the chunk (and writes its dead letters)
+            consumer.unassign()
+            return
+        with self._progress:
+            self._applied.update(positions)
+            self._progress.notify_all()
+        self.on_applied(len(records))
 
     def _resume(self, consumer: Consumer, positions: dict[tuple[str, int], int]) -> bool:
         """Takes the query's latest ends: reads from there where the lane is behind them or not reading yet.
@@ -144,12 +183,19 @@ class Lane:
         if follow is not None and any(positions.get(tp, -1) < end for tp, end in follow.items()):
             starts = {tp: max(end, positions.get(tp, end)) for tp, end in follow.items()}
             consumer.assign([TopicPartition(t, p, start) for (t, p), start in starts.items()])
-            positions.clear()
-            positions.update(starts)
             with self._lock:
                 for tp, start in starts.items():
                     self._applied[tp] = max(self._applied.get(tp, start), start)
+            self._read_from(positions, starts)
         return bool(positions)
+
+    def _read_from(self, positions: dict[tuple[str, int], int], starts: Mapping[tuple[str, int], int]) -> None:
+        """The partitions the lane reads become ``starts``' (none: it stopped); a waiting batch hears of it."""
+        positions.clear()
+        positions.update(starts)
+        with self._progress:
+            self._reading = frozenset(starts)
+            self._progress.notify_all()
 
     def _read(self, consumer: Consumer, positions: dict[tuple[str, int], int]) -> list[dict[str, Any]] | None:
         """What has arrived, up to a chunk; None if nothing did. ``positions`` move past it (and past a

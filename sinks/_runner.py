@@ -253,6 +253,8 @@ class SinkQuery:
         self._schemas: dict[str, TopicSchemas] = {}  # the registry's, by topic, for the driver's batches
         self._observed = -1  # the last batch whose Spark phases the metrics have
         self._lane: Lane | None = None  # search's and cache's, from their first batch on
+        self._lane_lock = threading.Lock()
+        self._lane_records = 0  # applied by the lane since the last batch
 
     def start(self, metrics: SinkMetrics | None = None) -> StreamingQuery:
         """Starts the query; ``metrics``: the app's, which each batch reports to."""
@@ -319,9 +321,9 @@ class SinkQuery:
         records = sum(moved.values())
         batch = (batch_id, self.generation)
         if self._lane is not None and ranges is not None:
-            ranges = self._lane.unapplied(ranges)
+            ranges = self._lane.wait_for(ranges)
             if not ranges:  # the lane has applied all of it
-                self._done(batch_id, Outcome(records, 0, self._lane.newest_ts_ms), started, started)
+                self._done(batch_id, Outcome(0, 0, self._lane.newest_ts_ms), started, started)
                 self._lane.follow(self._ends[batch_id])
                 return
             records = sum(end - start for start, end in ranges.values())
@@ -369,6 +371,9 @@ class SinkQuery:
         self._lane.follow(ends)
 
     def _lane_applied(self, records: int) -> None:
+        """On the lane's thread: its records count in the next batch's figures (status, metrics) as well."""
+        with self._lane_lock:
+            self._lane_records += records
         if self.metrics is not None:
             self.metrics.lane_records.labels(self.name).inc(records)
 
@@ -394,6 +399,8 @@ class SinkQuery:
 
     def _done(self, batch_id: int, outcome: Outcome, started: float, planned: float) -> None:
         ended = time.monotonic()
+        with self._lane_lock:  # what the lane applied since the last batch is this one's as well
+            outcome.records, self._lane_records = outcome.records + self._lane_records, 0
         self._report(batch_id, outcome, ended - started, planned - started)
         if self.metrics is not None:
             self.metrics.phase_seconds.labels(self.name, "pgcdc_plan").observe(planned - started)

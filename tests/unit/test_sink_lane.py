@@ -61,3 +61,12 @@ def test_after_a_refusal_it_waits_for_a_batch_past_it() -> None:
     assert lane._resume(consumer, positions)  # type: ignore[arg-type]
     assert consumer.assigned == [{A: 21}]
     assert lane._blocked == {}
+
+
+def test_a_batch_waits_for_the_lane_only_while_it_reads_and_moves() -> None:
+    lane = _lane()
+    lane._applied = {A: 10}
+    lane._reading = frozenset({A})
+    assert lane.wait_for({A: (5, 10)}) == {}
+    assert lane.wait_for({B: (0, 3)}) == {B: (0, 3)}  # a partition it does not read: the batch's, at once
+    assert lane.wait_for({A: (5, 12)}, patience_s=0.2) == {A: (10, 12)}  # no progress: the batch's
