@@ -44,6 +44,10 @@ _CHUNK = 2_000  # records applied at most per write: a chunk's latency stays in 
 _POLL_S = 0.2  # the wait for a first record; it returns as soon as one arrives
 
 
+def _size(ranges: Ranges) -> int:
+    return sum(end - start for start, end in ranges.values())
+
+
 class Lane:
     """One sink's lane (see the module). The query's thread calls :meth:`follow` after each batch and
     :meth:`unapplied` before one; the lane's own thread does the rest."""
@@ -88,16 +92,20 @@ class Lane:
         with self._lock:
             return self._left(ranges)
 
-    def wait_for(self, ranges: Ranges, patience_s: float = 2.0) -> dict[tuple[str, int], tuple[int, int]]:
+    def wait_for(
+        self, ranges: Ranges, *, most: int = 2 * _CHUNK, patience_s: float = 2.0
+    ) -> dict[tuple[str, int], tuple[int, int]]:
         """The part of a batch's ``ranges`` the lane has not applied, once it has applied what it will: nothing,
-        as a rule (the batch then only commits). At once, all that is left when the lane is not reading one of
-        its partitions (new to it, after a refusal or a failure); after ``patience_s`` without progress, all
-        that is left. A batch that did the lane's work beside it would take the same interpreter's time twice."""
+        as a rule (the batch then only commits). At once, all that is left when that is over ``most`` offsets
+        (the lane is behind: the batch takes it, on an executor when it is large, and the lane goes on after
+        it, see :meth:`follow`) or when the lane is not reading one of its partitions (new to it, after a
+        refusal or a failure); after ``patience_s`` without progress, all that is left. A batch that did the
+        lane's work beside it would take the same interpreter's time twice."""
         with self._progress:
             mark, since = None, time.monotonic()
             while True:
                 left = self._left(ranges)
-                if not left or not self._reading.issuperset(left):
+                if not left or not self._reading.issuperset(left) or _size(left) > most:
                     return left
                 now, moved = time.monotonic(), sum(self._applied.get(tp, 0) for tp in left)
                 if moved != mark:

@@ -322,9 +322,9 @@ class SinkQuery:
         batch = (batch_id, self.generation)
         if self._lane is not None and ranges is not None:
             ranges = self._lane.wait_for(ranges)
+            self._lane.follow(self._ends[batch_id])  # what is left is the batch's: the lane goes on after it
             if not ranges:  # the lane has applied all of it
                 self._done(batch_id, Outcome(0, 0, self._lane.newest_ts_ms), started, started)
-                self._lane.follow(self._ends[batch_id])
                 return
             records = sum(end - start for start, end in ranges.values())
         if isinstance(self.sink, PartitionSink) and records <= ONE_TASK_RECORDS:

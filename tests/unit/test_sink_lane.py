@@ -70,3 +70,10 @@ def test_a_batch_waits_for_the_lane_only_while_it_reads_and_moves() -> None:
     assert lane.wait_for({A: (5, 10)}) == {}
     assert lane.wait_for({B: (0, 3)}) == {B: (0, 3)}  # a partition it does not read: the batch's, at once
     assert lane.wait_for({A: (5, 12)}, patience_s=0.2) == {A: (10, 12)}  # no progress: the batch's
+
+
+def test_a_lane_far_behind_leaves_the_rest_to_the_batch_at_once() -> None:
+    lane = _lane()
+    lane._applied = {A: 10}
+    lane._reading = frozenset({A})
+    assert lane.wait_for({A: (10, 5_000)}, most=4_000, patience_s=60) == {A: (10, 5_000)}
