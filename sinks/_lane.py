@@ -73,6 +73,8 @@ class Lane:
         self._newest_ts_ms: int | None = None  # the newest source commit time among what the lane applied
         self._follow: dict[tuple[str, int], int] | None = None  # the query's last batch's ends, not yet taken
         self._blocked: dict[tuple[str, int], int] = {}  # after a refusal: the ends the query must pass first
+        self._paused = False  # a batch writes what the lane had not applied: the lane waits for its end
+        self._busy = False  # the lane's thread is reading or writing a chunk
         self._halt = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -81,9 +83,11 @@ class Lane:
     def follow(self, ends: Offsets) -> None:
         """The query's batch that ended at ``ends`` is committed: the lane starts there, or skips to there if
         it is behind; the first call starts its thread."""
-        with self._lock:
+        with self._progress:
             self._follow = dict(ends)
-        if self._thread is None:
+            self._paused = False
+            self._progress.notify_all()
+        if (self._thread is None or not self._thread.is_alive()) and not self._halt.is_set():
             self._thread = threading.Thread(target=self._run, name=f"pgcdc-lane-{self.name}", daemon=True)
             self._thread.start()
 
@@ -93,26 +97,44 @@ class Lane:
             return self._left(ranges)
 
     def wait_for(
-        self, ranges: Ranges, *, most: int = 2 * _CHUNK, patience_s: float = 2.0
+        self, ranges: Ranges, *, most: int = 2 * _CHUNK, patience_s: float = 2.0, limit_s: float = 30.0
     ) -> dict[tuple[str, int], tuple[int, int]]:
         """The part of a batch's ``ranges`` the lane has not applied, once it has applied what it will: nothing,
         as a rule (the batch then only commits). At once, all that is left when that is over ``most`` offsets
-        (the lane is behind: the batch takes it, on an executor when it is large, and the lane goes on after
-        it, see :meth:`follow`) or when the lane is not reading one of its partitions (new to it, after a
-        refusal or a failure); after ``patience_s`` without progress, all that is left. A batch that did the
-        lane's work beside it would take the same interpreter's time twice."""
+        (the lane is behind: the batch takes it, on an executor when it is large) or when the lane is not
+        reading one of its partitions (new to it, after a refusal or a failure); after ``patience_s`` without
+        progress or ``limit_s`` in all, all that is left. A batch that did the lane's work beside it would take
+        the same interpreter's time twice.
+
+        When something is left the lane is paused first, its chunk in flight written, until :meth:`follow`
+        says the batch has ended: the batch and the lane never write one partition at once. (A change the lane
+        wrote past a batch's range while the batch wrote an older one of the same key could stand: a delete
+        before the batch's upsert of the key, or an unchanged TOAST value taken from a row older than the
+        batch's.)"""
         with self._progress:
-            mark, since = None, time.monotonic()
+            mark, since, deadline = None, time.monotonic(), time.monotonic() + limit_s
             while True:
                 left = self._left(ranges)
-                if not left or not self._reading.issuperset(left) or _size(left) > most:
+                if not left:
                     return left
                 now, moved = time.monotonic(), sum(self._applied.get(tp, 0) for tp in left)
                 if moved != mark:
                     mark, since = moved, now
-                elif now - since > patience_s:
-                    return left
+                stalled = now - since > patience_s or now > deadline
+                if self._paused or stalled or not self._reading.issuperset(left) or _size(left) > most:
+                    return self._pause_locked(ranges)
                 self._progress.wait(0.1)
+
+    def pause(self) -> None:
+        """Holds the lane until :meth:`follow` (a batch the lane cannot measure writes meanwhile)."""
+        with self._progress:
+            self._pause_locked({})
+
+    def _pause_locked(self, ranges: Ranges) -> dict[tuple[str, int], tuple[int, int]]:
+        self._paused = True
+        while self._busy:  # the chunk in flight lands first; the writers' own timeouts bound it
+            self._progress.wait(0.1)
+        return self._left(ranges)
 
     def _left(self, ranges: Ranges) -> dict[tuple[str, int], tuple[int, int]]:
         out = {}
@@ -161,12 +183,25 @@ class Lane:
                 sink.close()
 
     def _turn(self, sink: Any, consumer: Consumer, positions: dict[tuple[str, int], int]) -> None:
-        """Reads and applies what has arrived, or waits a moment for it."""
+        """Reads and applies what has arrived, or waits a moment for it (while paused: for the batch's end)."""
+        with self._progress:
+            if self._paused:
+                self._progress.wait(_POLL_S)
+                return
+            self._busy = True
+        try:
+            self._chunk(sink, consumer, positions)
+        finally:
+            with self._progress:
+                self._busy = False
+                self._progress.notify_all()
+
+    def _chunk(self, sink: Any, consumer: Consumer, positions: dict[tuple[str, int], int]) -> None:
         if not self._resume(consumer, positions):
             self._halt.wait(_POLL_S)
             return
         records = self._read(consumer, positions)
-        if records is None:
+        if records is None or self._halt.is_set():
             return
         if not self._apply(sink, records):
             self._read_from(positions, {})  # stopped: the query applies the chunk (and writes its dead letters)

@@ -321,12 +321,15 @@ class SinkQuery:
         records = sum(moved.values())
         batch = (batch_id, self.generation)
         if self._lane is not None and ranges is not None:
-            ranges = self._lane.wait_for(ranges)
-            self._lane.follow(self._ends[batch_id])  # what is left is the batch's: the lane goes on after it
-            if not ranges:  # the lane has applied all of it
+            left = self._lane.wait_for(ranges)  # the lane is paused when something is left, until the batch ends
+            if not left:  # the lane has applied all of it
                 self._done(batch_id, Outcome(0, 0, self._lane.newest_ts_ms), started, started)
+                self._follow_lane(batch_id)
                 return
-            records = sum(end - start for start, end in ranges.values())
+            if sum(end - start for start, end in left.values()) <= DRIVER_RECORDS:  # else the whole range
+                ranges, records = left, sum(end - start for start, end in left.values())
+        elif self._lane is not None:
+            self._lane.pause()
         if isinstance(self.sink, PartitionSink) and records <= ONE_TASK_RECORDS:
             if ranges is not None and records <= DRIVER_RECORDS:  # no Spark job: see sinks._ranges
                 read = self._range_reader().read(ranges)

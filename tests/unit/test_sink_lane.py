@@ -77,3 +77,16 @@ def test_a_lane_far_behind_leaves_the_rest_to_the_batch_at_once() -> None:
     lane._applied = {A: 10}
     lane._reading = frozenset({A})
     assert lane.wait_for({A: (10, 5_000)}, most=4_000, patience_s=60) == {A: (10, 5_000)}
+
+
+def test_a_batch_that_writes_holds_the_lane_until_it_has_ended() -> None:
+    lane, consumer = _lane(), _Assigned()
+    lane._applied = {A: 10}
+    lane._reading = frozenset({A})
+    assert lane.wait_for({A: (10, 9_000)}, most=4_000) == {A: (10, 9_000)}
+    assert lane._paused
+    lane._turn(None, consumer, {A: 10})  # type: ignore[arg-type]  # paused: reads nothing, assigns nothing
+    assert consumer.assigned == []
+    lane._halt.set()  # no thread: follow() only records the batch's end and releases the lane
+    lane.follow({A: 9_000})
+    assert not lane._paused
