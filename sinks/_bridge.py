@@ -79,7 +79,9 @@ def apply_backlog(settings: SinkSettings, name: str, sink: Any) -> tuple[int, in
 
 class Bridge(threading.Thread):
     """:func:`apply_backlog` for one sink, on a thread of its own while Spark starts; a failure is only logged
-    (the query's batches apply the same records)."""
+    (the query's batches apply the same records). The sink's query starts only after it has ended: a batch
+    writing beside it could have its delete of a key undone by the bridge's older upsert of it (a cache key
+    deleted leaves no position to compare)."""
 
     def __init__(self, settings: SinkSettings, name: str, opened: Callable[[], Any]) -> None:
         super().__init__(name=f"pgcdc-bridge-{name}", daemon=True)

@@ -76,6 +76,7 @@ _NO_SPACE = "No space left on device"  # ENOSPC as the JVM (Spark's checkpoint w
 _NEARLY_FULL = 64 * 2**20  # free bytes under which an ENOSPC is taken to be the state disk's
 _CHECKPOINT_MANAGER = "spark.sql.streaming.checkpointFileManagerClass"
 _BUILT_IN = ("search", "cache", "warehouse")
+_BRIDGE_WAIT_S = 120  # a bridge's store calls time out within this (their clients' own timeouts)
 _LANE_SINKS = ("search", "cache")  # built-ins that write without Spark (sinks._lane)
 
 
@@ -556,15 +557,16 @@ def run(settings: SinkSettings, names: Sequence[str], stop: threading.Event) -> 
     metrics = SinkMetrics()
     server = metrics.serve(cfg.metrics_host, cfg.metrics_port) if cfg.metrics_enabled else None
     # The built-ins open without Spark: what was written while the app was down is applied while it starts.
-    bridges = [
-        Bridge(settings, name, lambda name=name: _opened_without_spark(name, settings))  # type: ignore[misc]
+    bridges = {
+        name: Bridge(settings, name, lambda name=name: _opened_without_spark(name, settings))  # type: ignore[misc]
         for name in usable
         if name in _BUILT_IN
-    ]
-    for bridge in bridges:
+    }
+    for bridge in bridges.values():
         bridge.start()
     spark = spark_session(settings, "pgcdc-sinks")
     supervisor = _Supervisor(settings, usable, spark, metrics)
+    supervisor.bridges = bridges
     try:
         supervisor.run(stop)
     finally:  # a bridge still running (a store that hangs) is not waited for: what it writes is written again
@@ -586,6 +588,7 @@ class _Supervisor:
         self.retry_at: dict[str, float] = {}
         self.given_up: dict[str, SinkTerminalError] = {}
         self.starting: dict[str, threading.Thread] = {}  # sinks whose start runs on its own thread
+        self.bridges: dict[str, Bridge] = {}  # the sinks' bridges (sinks._bridge), joined before their query
         self._outcomes: queue.SimpleQueue[tuple[str, SinkQuery | None, Exception | None]] = queue.SimpleQueue()
 
     def run(self, stop: threading.Event) -> None:
@@ -664,6 +667,11 @@ class _Supervisor:
             probe.close()
             q = SinkQuery(name, self.settings, self.spark, generation)
             q.warm()
+            bridge = self.bridges.pop(name, None)
+            if bridge is not None:  # the query's batches never write beside the bridge: see Bridge
+                bridge.join(_BRIDGE_WAIT_S)
+                if bridge.is_alive():
+                    log.warning("sink %s: its bridge still runs after %ds; the query starts", name, _BRIDGE_WAIT_S)
             q.start(self.metrics)
             q.status.update(state="running")
             self.metrics.running.labels(name).set(1)
