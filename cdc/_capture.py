@@ -28,7 +28,7 @@ from cdc._kafka import OffsetStore, TransactionalProducer
 from cdc._metrics import CaptureMetrics
 from cdc._offsets import CaptureState, SnapshotState
 from cdc._replication import ReplicationConnection
-from cdc._signals import topic_ends
+from cdc._resnapshot import TopicReader
 from cdc._snapshot import SnapshotStoppedError, Snapshotter
 from cdc._source import translate_pg_error
 from cdc._stream import ReplicationSource, Streamer
@@ -142,7 +142,11 @@ class Capture:
             return {}
         try:
             self.attached.topics.ensure(topic, partitions=1, policy="delete")
-            return topic_ends(self.settings.kafka.client_conf(), topic)
+            reader = TopicReader(self.settings.kafka.client_conf(), f"pgcdc-signals-{self.settings.source.slot}")
+            try:  # its ends wait out a just-created topic's leader election
+                return {p: high for p, (_low, high) in reader.ends(topic).items()}
+            finally:
+                reader.close()
         except (CDCError, KafkaException) as exc:
             log.warning("the signal topic %s cannot be read yet (%s): it is read from its end when it can", topic, exc)
             return {}

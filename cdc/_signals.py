@@ -113,7 +113,7 @@ class SignalTopic:
     must be the capture's slot (several captures can share one topic; a record keyed to another slot is passed
     over). The topic is read read_committed from the offsets of the committed state, which records a request as
     taken in the same Kafka transaction as the backfill it queues: taken once across restarts. A new capture
-    records the topic's end in its first state (:func:`topic_ends`): older requests were not meant for it, every
+    records the topic's end in its first state (cdc._capture): older requests were not meant for it, every
     later one is taken, even one produced during its initial snapshot. A partition the state does not name (the
     topic was unreachable then, or gained partitions) starts at its end as it is when first opened, and that
     position is recorded with the next commit."""
@@ -177,18 +177,6 @@ class SignalTopic:
             self._consumer = None
 
 
-def topic_ends(conf: dict[str, Any], topic: str) -> dict[int, int]:
-    """Per partition of ``topic``, the offset its next record will get: where a new capture starts taking
-    requests (recorded in its first committed state, so every request produced after it was created is taken,
-    whenever it first reads the topic and however often it restarts before that)."""
-    consumer = Consumer({**conf, "group.id": "pgcdc-signal-ends", "enable.auto.commit": False})
-    try:
-        partitions = consumer.list_topics(topic, timeout=10).topics[topic].partitions
-        return {p: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1] for p in partitions}
-    finally:
-        consumer.close()
-
-
 def _record(offset: int, partition: int, value: bytes) -> Signal:
     try:
         parsed = json.loads(value)
@@ -213,4 +201,4 @@ def _signal(id_: int, kind: str, data: str) -> Signal:
     return Signal(id_, kind, parsed)
 
 
-__all__ = ["SIGNAL_KINDS", "Signal", "SignalTable", "SignalTopic", "topic_ends"]
+__all__ = ["SIGNAL_KINDS", "Signal", "SignalTable", "SignalTopic"]
