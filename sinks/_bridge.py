@@ -25,7 +25,7 @@ from sinks._progress import TopicEnds, checkpoint_location, checkpoint_offsets
 from sinks._ranges import DRIVER_RECORDS, RangeReader
 from sinks._reader import Decoder
 from sinks._taskfold import TopicFold, framed_ids
-from sinks._write import fold_and_write, infos_of
+from sinks._write import tally, written_on_driver
 
 if TYPE_CHECKING:
     from sinks._config import SinkSettings
@@ -70,11 +70,7 @@ def apply_backlog(settings: SinkSettings, name: str, sink: Any) -> tuple[int, in
         return 0, 0
     decoder = Decoder(settings)
     folds = [TopicFold(decoder.schemas(topic)) for topic in sorted(framed_ids(records))]
-    infos = infos_of(folds, settings, (-1, generation))
-    if infos:
-        sink.prepare(list(infos.values()))
-    back = fold_and_write(sink.partition_writer(), infos, {f.schemas.topic: f for f in folds}, records)
-    return len(records), sum(int(r[3]) for r in back if r[0] == "seen" and r[1] in infos)
+    return len(records), tally(written_on_driver(sink, folds, records, settings, (-1, generation))).records
 
 
 class Bridge(threading.Thread):

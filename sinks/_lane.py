@@ -8,9 +8,9 @@ waits for the batch in progress and then its own: most of search's and cache's f
 The lane is a thread per served search or cache query with a Kafka consumer of its own. From where the query's
 last batch ended it tails the same partitions (read_committed, as the query reads them) and applies what
 arrives at once, with the driver's fold and the sink's writer (sinks._write.fold_and_write), the path of a
-small batch. It keeps in memory how far its writes have completed; a query batch applies only the part of its
-ranges the lane has not (nothing, when the lane is ahead, which is the rule), so each change is written about
-once.
+small batch. It keeps in memory how far its writes have completed; a query batch waits while the lane applies
+its ranges and applies only what is left (nothing, as a rule), with the lane paused: the two never write a
+partition at the same time (see :meth:`Lane.wait_for`), and each change is written about once.
 
 It never commits anything and never writes a dead letter. A chunk with a record the sink refuses (poison, a
 refused write) is not counted as applied: the lane stops, the query's batch applies that range and writes the
@@ -28,9 +28,9 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from sinks._ranges import Ranges
+from sinks._ranges import Ranges, as_record, driver_consumer, size_of
 from sinks._taskfold import TopicFold
-from sinks._write import fold_and_write, infos_of
+from sinks._write import tally, written_on_driver
 
 if TYPE_CHECKING:
     from confluent_kafka import Consumer
@@ -44,13 +44,9 @@ _CHUNK = 2_000  # records applied at most per write: a chunk's latency stays in 
 _POLL_S = 0.2  # the wait for a first record; it returns as soon as one arrives
 
 
-def _size(ranges: Ranges) -> int:
-    return sum(end - start for start, end in ranges.values())
-
-
 class Lane:
-    """One sink's lane (see the module). The query's thread calls :meth:`follow` after each batch and
-    :meth:`unapplied` before one; the lane's own thread does the rest."""
+    """One sink's lane (see the module). The query's thread calls :meth:`wait_for` (or :meth:`pause`) before
+    a batch writes and :meth:`follow` after it; the lane's own thread does the rest."""
 
     def __init__(
         self,
@@ -91,11 +87,6 @@ class Lane:
             self._thread = threading.Thread(target=self._run, name=f"pgcdc-lane-{self.name}", daemon=True)
             self._thread.start()
 
-    def unapplied(self, ranges: Ranges) -> dict[tuple[str, int], tuple[int, int]]:
-        """The part of a batch's ``ranges`` the lane has not applied."""
-        with self._lock:
-            return self._left(ranges)
-
     def wait_for(
         self, ranges: Ranges, *, most: int = 2 * _CHUNK, patience_s: float = 2.0, limit_s: float = 30.0
     ) -> dict[tuple[str, int], tuple[int, int]]:
@@ -121,7 +112,7 @@ class Lane:
                 if moved != mark:
                     mark, since = moved, now
                 stalled = now - since > patience_s or now > deadline
-                if self._paused or stalled or not self._reading.issuperset(left) or _size(left) > most:
+                if self._paused or stalled or not self._reading.issuperset(left) or size_of(left) > most:
                     return self._pause_locked(ranges)
                 self._progress.wait(0.1)
 
@@ -161,7 +152,7 @@ class Lane:
         said = None
         try:
             sink = self._opened()
-            consumer = self._consumer()
+            consumer = driver_consumer(self.settings, f"pgcdc-lane-{self.name}")
             while not self._halt.is_set():
                 try:
                     self._turn(sink, consumer, positions)
@@ -256,9 +247,7 @@ class Lane:
             if offset is None or tp not in positions:
                 continue
             if error is None:
-                records.append(
-                    {"topic": tp[0], "partition": tp[1], "offset": offset, "key": m.key(), "value": m.value()}
-                )
+                records.append(as_record(m))
                 positions[tp] = max(positions[tp], offset + 1)
             else:
                 positions[tp] = max(positions[tp], offset)
@@ -269,12 +258,8 @@ class Lane:
         batches are past them)."""
         if not records:
             return True
-        folds = self._folds(records)
-        infos = infos_of(folds, self.settings, (-1, self.generation))
-        if infos:
-            sink.prepare(list(infos.values()))
-        back = fold_and_write(sink.partition_writer(), infos, {f.schemas.topic: f for f in folds}, records)
-        if any(r[0] == "rejected" for r in back):
+        rows = written_on_driver(sink, self._folds(records), records, self.settings, (-1, self.generation))
+        if any(r["kind"] == "rejected" for r in rows):
             ends: dict[tuple[str, int], int] = {}
             for r in records:
                 tp = (r["topic"], r["partition"])
@@ -282,23 +267,7 @@ class Lane:
             self._blocked = ends
             log.info("sink %s: a refused change: its batch applies it and writes the dead letter", self.name)
             return False
-        newest = [int(r[7]) for r in back if r[0] == "seen" and r[7] is not None]
-        if newest:
-            self._newest_ts_ms = max(self._newest_ts_ms or 0, *newest)
+        newest = tally(rows).newest_ts_ms
+        if newest is not None:
+            self._newest_ts_ms = max(self._newest_ts_ms or 0, newest)
         return True
-
-    def _consumer(self) -> Consumer:
-        from confluent_kafka import Consumer
-
-        return Consumer(
-            {
-                **self.settings.kafka.client_conf(),
-                "group.id": f"pgcdc-lane-{self.name}",  # never joined: partitions are assigned, nothing committed
-                "enable.auto.commit": False,
-                "enable.auto.offset.store": False,
-                "isolation.level": "read_committed",  # what the query reads: committed capture transactions
-                "auto.offset.reset": "earliest",
-                "enable.partition.eof": True,
-                "fetch.wait.max.ms": 10,
-            }
-        )

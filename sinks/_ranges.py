@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING, Any
 from sinks.errors import SinkTransientError
 
 if TYPE_CHECKING:
+    from confluent_kafka import Consumer, Message
+
     from sinks._config import SinkSettings
 
 DRIVER_RECORDS = 5_000  # offsets up to which the driver reads, folds and writes a partition sink's batch
@@ -41,30 +43,52 @@ def batch_ranges(
     return ranges
 
 
+def driver_consumer(settings: SinkSettings, group: str) -> Consumer:
+    """A consumer that reads a sink's topics as its query does, for the driver's own reads (a batch's ranges,
+    the lane). It is only ever assigned partitions: it never joins ``group`` or commits, the query's checkpoint
+    owns the offsets."""
+    from confluent_kafka import Consumer
+
+    return Consumer(
+        {
+            **settings.kafka.client_conf(),  # brokers, TLS and SASL, as the capture's
+            "group.id": group,
+            "enable.auto.commit": False,
+            "enable.auto.offset.store": False,
+            # Only committed capture transactions, as the Spark source: an aborted one never reaches a store.
+            "isolation.level": "read_committed",
+            # An offset compacted away since the checkpoint fixed the range: from what is left of it.
+            "auto.offset.reset": "earliest",
+            # A range may end at a transaction's commit marker, which is never returned: the end of the
+            # partition says it was passed.
+            "enable.partition.eof": True,
+            "fetch.wait.max.ms": 10,
+        }
+    )
+
+
+def as_record(message: Message) -> dict[str, Any]:
+    """A Kafka message as the Spark source's row (topic, partition, offset, key, value)."""
+    return {
+        "topic": message.topic(),
+        "partition": message.partition(),
+        "offset": message.offset(),
+        "key": message.key(),
+        "value": message.value(),
+    }
+
+
+def size_of(ranges: Ranges) -> int:
+    """The offsets ``ranges`` span (records and transaction markers)."""
+    return sum(end - start for start, end in ranges.values())
+
+
 class RangeReader:
-    """One sink's consumer for reading batches by offset range. It never joins a group or commits: the query's
-    checkpoint owns the offsets."""
+    """One sink's consumer for reading batches by offset range (:func:`driver_consumer`)."""
 
     def __init__(self, settings: SinkSettings, name: str, *, timeout_s: float = 60.0) -> None:
-        from confluent_kafka import Consumer
-
         self._timeout = timeout_s
-        self._consumer = Consumer(
-            {
-                **settings.kafka.client_conf(),  # brokers, TLS and SASL, as the capture's
-                "group.id": f"pgcdc-sink-{name}",
-                "enable.auto.commit": False,
-                "enable.auto.offset.store": False,
-                # Only committed capture transactions, as the Spark source: an aborted one never reaches a store.
-                "isolation.level": "read_committed",
-                # An offset compacted away since the checkpoint fixed the range: from what is left of it.
-                "auto.offset.reset": "earliest",
-                # A range may end at a transaction's commit marker, which is never returned: the end of the
-                # partition says it was passed.
-                "enable.partition.eof": True,
-                "fetch.wait.max.ms": 10,
-            }
-        )
+        self._consumer = driver_consumer(settings, f"pgcdc-sink-{name}")
 
     def read(self, ranges: Ranges) -> list[dict[str, Any]]:
         """The records of ``ranges``, each partition's in offset order, as the Spark source's rows (topic,
@@ -98,15 +122,7 @@ class RangeReader:
                     if offset >= end:  # past the range (or at the partition's end beyond it)
                         pending.discard(tp)
                     elif error is None:
-                        out.append(
-                            {
-                                "topic": tp[0],
-                                "partition": tp[1],
-                                "offset": offset,
-                                "key": m.key(),
-                                "value": m.value(),
-                            }
-                        )
+                        out.append(as_record(m))
                         if offset == end - 1:
                             pending.discard(tp)
         finally:

@@ -44,7 +44,7 @@ from sinks._progress import (
     checkpoint_offsets,
     reached,
 )
-from sinks._ranges import DRIVER_RECORDS, RangeReader, batch_ranges
+from sinks._ranges import DRIVER_RECORDS, RangeReader, batch_ranges, size_of
 from sinks._reader import Decoder, ensure_dead_letter_topic, open_stream, tail_ranges, tail_records
 from sinks._spark import PARALLELISM_KEYS, build_session, stop_session, submitted_master, under_spark_submit
 from sinks._storage import S3_SCHEMES, Location, hadoop_conf
@@ -327,9 +327,9 @@ class SinkQuery:
                 self._done(batch_id, Outcome(0, 0, self._lane.newest_ts_ms), started, started)
                 self._follow_lane(batch_id)
                 return
-            if sum(end - start for start, end in left.values()) <= DRIVER_RECORDS:  # else the whole range
-                ranges, records = left, sum(end - start for start, end in left.values())
-        elif self._lane is not None:
+            if size_of(left) <= DRIVER_RECORDS:  # else the batch's paths take the whole range
+                ranges, records = left, size_of(left)
+        elif self._lane is not None:  # ranges unknown: the lane waits for a batch whose end is known
             self._lane.pause()
         if isinstance(self.sink, PartitionSink) and records <= ONE_TASK_RECORDS:
             if ranges is not None and records <= DRIVER_RECORDS:  # no Spark job: see sinks._ranges

@@ -252,14 +252,20 @@ def _run_one_task(
     return records.mapInArrow(task, RETURNED).collect()
 
 
-def _finished(sink: Any, raw: DataFrame, settings: SinkSettings, rows: list[Any]) -> Outcome:
-    """The outcome of :func:`in_one_task`'s action: the dead letters written, the counts added up."""
+def tally(rows: Iterable[Mapping[str, Any]]) -> Outcome:
+    """The records counted and the newest commit time in :data:`RETURNED`'s rows (no dead letters written)."""
     out = Outcome()
     for r in rows:
         if r["kind"] == "seen":
             out.records += int(r["offset"])
             if r["ts_ms"] is not None:
                 out.newest_ts_ms = max(out.newest_ts_ms or 0, int(r["ts_ms"]))
+    return out
+
+
+def _finished(sink: Any, raw: DataFrame, settings: SinkSettings, rows: list[Any]) -> Outcome:
+    """The outcome of :func:`in_one_task`'s action: the dead letters written, the counts added up."""
+    out = tally(rows)
     found = [(r["topic"], r["partition"], r["offset"], r["error"]) for r in rows if r["kind"] == "rejected"]
     if found:
         refused = raw.sparkSession.createDataFrame(found, REJECTED)
@@ -315,12 +321,21 @@ def on_driver(
 ) -> Outcome:
     """A small batch read by the driver (sinks._ranges) folded and written here, as :func:`in_one_task` does
     in a task; Spark runs a job only for dead letters, when there are some."""
+    return _finished(sink, raw, settings, written_on_driver(sink, folds, records, settings, batch))
+
+
+def written_on_driver(
+    sink: Any, folds: Sequence[TopicFold], records: list[dict[str, Any]], settings: SinkSettings, batch: tuple[int, int]
+) -> list[dict[str, Any]]:
+    """``records`` read by the driver (topic, partition, offset, key, value), folded and written with the
+    sink's writer: a batch's (:func:`on_driver`), the lane's and the bridge's path. What came back, as
+    :data:`RETURNED`'s rows: each topic's count and what was refused (see :func:`tally`)."""
     infos = infos_of(folds, settings, batch)
     if infos:
         sink.prepare(list(infos.values()))
     back = fold_and_write(sink.partition_writer(), infos, {f.schemas.topic: f for f in folds}, records)
     names = [name for name, _ in _RETURNED_ARROW]
-    return _finished(sink, raw, settings, [dict(zip(names, r, strict=True)) for r in back])
+    return [dict(zip(names, r, strict=True)) for r in back]
 
 
 def _written(writer: PartitionWriter, info: TableInfo | None, rows: list[dict[str, Any]]) -> list[tuple[Any, ...]]:

@@ -27,9 +27,9 @@ def _lane() -> Lane:
 def test_a_batch_keeps_only_what_the_lane_has_not_applied() -> None:
     lane = _lane()
     lane._applied = {A: 10, B: 3}
-    assert lane.unapplied({A: (5, 10), B: (0, 8)}) == {B: (3, 8)}
-    assert lane.unapplied({A: (5, 12)}) == {A: (10, 12)}
-    assert lane.unapplied({("u", 0): (0, 4)}) == {("u", 0): (0, 4)}  # a partition it does not read
+    assert lane._left({A: (5, 10), B: (0, 8)}) == {B: (3, 8)}
+    assert lane._left({A: (5, 12)}) == {A: (10, 12)}
+    assert lane._left({("u", 0): (0, 4)}) == {("u", 0): (0, 4)}  # a partition it does not read
 
 
 def test_it_reads_from_the_query_s_end_and_skips_ahead_only_where_it_is_behind() -> None:
@@ -40,7 +40,7 @@ def test_it_reads_from_the_query_s_end_and_skips_ahead_only_where_it_is_behind()
     assert lane._resume(consumer, positions)  # type: ignore[arg-type]
     assert consumer.assigned == [{A: 10, B: 4}]
     assert positions == {A: 10, B: 4}
-    assert lane.unapplied({A: (0, 10), B: (0, 4)}) == {}  # the query applied everything before its end
+    assert lane._left({A: (0, 10), B: (0, 4)}) == {}  # the query applied everything before its end
     positions[A] = 15  # the lane read ahead; the query's next batch ends behind it
     lane._follow = {A: 12, B: 4}
     assert lane._resume(consumer, positions)  # type: ignore[arg-type]
