@@ -88,14 +88,23 @@ class Lane:
             self._thread.start()
 
     def wait_for(
-        self, ranges: Ranges, *, most: int = 2 * _CHUNK, patience_s: float = 2.0, limit_s: float = 30.0
+        self,
+        ranges: Ranges,
+        *,
+        most: int = 2 * _CHUNK,
+        patience_s: float = 2.0,
+        finish_s: float = 1.0,
+        limit_s: float = 5.0,
     ) -> dict[tuple[str, int], tuple[int, int]]:
         """The part of a batch's ``ranges`` the lane has not applied, once it has applied what it will: nothing,
         as a rule (the batch then only commits). At once, all that is left when that is over ``most`` offsets
         (the lane is behind: the batch takes it, on an executor when it is large) or when the lane is not
-        reading one of its partitions (new to it, after a refusal or a failure); after ``patience_s`` without
-        progress or ``limit_s`` in all, all that is left. A batch that did the lane's work beside it would take
-        the same interpreter's time twice.
+        reading one of its partitions (new to it, after a refusal or a failure). Else the batch waits while the
+        lane's pace, measured since the wait began, would finish the rest within ``finish_s``; after
+        ``patience_s`` without progress, a pace too slow, or ``limit_s`` in all, the rest is the batch's. A lane
+        that falls behind under load so hands its backlog to the executors at the next batch instead of holding
+        every batch up while it catches up, and a batch that did the lane's work beside it would take the same
+        interpreter's time twice.
 
         When something is left the lane is paused first, its chunk in flight written, until :meth:`follow`
         says the batch has ended: the batch and the lane never write one partition at once. (A change the lane
@@ -103,18 +112,33 @@ class Lane:
         before the batch's upsert of the key, or an unchanged TOAST value taken from a row older than the
         batch's.)"""
         with self._progress:
-            mark, since, deadline = None, time.monotonic(), time.monotonic() + limit_s
+            began = since = time.monotonic()
+            first = last = size_of(self._left(ranges))
             while True:
                 left = self._left(ranges)
                 if not left:
                     return left
-                now, moved = time.monotonic(), sum(self._applied.get(tp, 0) for tp in left)
-                if moved != mark:
-                    mark, since = moved, now
-                stalled = now - since > patience_s or now > deadline
-                if self._paused or stalled or not self._reading.issuperset(left) or size_of(left) > most:
+                now, size = time.monotonic(), size_of(left)
+                if size != last:
+                    last, since = size, now
+                if self._paused or not self._reading.issuperset(left) or size > most:
+                    return self._pause_locked(ranges)
+                if (
+                    now - since > patience_s
+                    or now - began > limit_s
+                    or self._too_slow(first, size, now - began, finish_s)
+                ):
                     return self._pause_locked(ranges)
                 self._progress.wait(0.1)
+
+    @staticmethod
+    def _too_slow(first: int, left: int, waited_s: float, finish_s: float) -> bool:
+        """Whether the pace since the wait began (judged after half of ``finish_s``) would not apply the
+        ``left`` offsets within ``finish_s`` more."""
+        if waited_s < finish_s / 2:
+            return False
+        pace = (first - left) / waited_s
+        return pace <= 0 or left / pace > finish_s
 
     def pause(self) -> None:
         """Holds the lane until :meth:`follow` (a batch the lane cannot measure writes meanwhile)."""

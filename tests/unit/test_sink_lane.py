@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 from sinks._config import SinkSettings
@@ -77,6 +78,30 @@ def test_a_lane_far_behind_leaves_the_rest_to_the_batch_at_once() -> None:
     lane._applied = {A: 10}
     lane._reading = frozenset({A})
     assert lane.wait_for({A: (10, 5_000)}, most=4_000, patience_s=60) == {A: (10, 5_000)}
+
+
+def test_a_lane_too_slow_to_finish_soon_leaves_the_rest_to_the_batch() -> None:
+    lane = _lane()
+    lane._applied = {A: 10}
+    lane._reading = frozenset({A})
+    stop = threading.Event()
+
+    def crawl() -> None:  # 10 offsets every 50 ms: the 3,000 of the range would take 15 s
+        while not stop.wait(0.05):
+            with lane._progress:
+                lane._applied[A] += 10
+                lane._progress.notify_all()
+
+    thread = threading.Thread(target=crawl)
+    thread.start()
+    try:  # no patience or time limit comes into it: only the pace sends the rest to the batch
+        left = lane.wait_for({A: (10, 3_010)}, patience_s=60, limit_s=60)
+    finally:
+        stop.set()
+        thread.join()
+    assert left[A][1] == 3_010
+    assert 10 < left[A][0] < 3_010  # the lane moved, and what it applied is not the batch's
+    assert lane._paused
 
 
 def test_a_batch_that_writes_holds_the_lane_until_it_has_ended() -> None:
