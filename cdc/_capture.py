@@ -32,7 +32,9 @@ from cdc._resnapshot import TopicReader
 from cdc._snapshot import SnapshotStoppedError, Snapshotter
 from cdc._source import translate_pg_error
 from cdc._stream import ReplicationSource, Streamer
+from cdc.errors import SourceCheckError
 from common.errors import CDCError
+from decoders import format_lsn
 from schemas import avro_mapping
 
 log = logging.getLogger(__name__)
@@ -42,9 +44,17 @@ class Capture:
     """One capture: a slot, its publication's tables, their topics."""
 
     def __init__(
-        self, settings: Settings, *, stop: threading.Event | None = None, metrics: CaptureMetrics | None = None
+        self,
+        settings: Settings,
+        *,
+        stop: threading.Event | None = None,
+        metrics: CaptureMetrics | None = None,
+        new_slot: bool = False,
     ) -> None:
         self.settings = settings
+        # Whether a missing slot may be created anew though Kafka holds a committed position (`cdc run
+        # --new-slot`): never silently, as the changes between that position and a new slot are not in it.
+        self.new_slot = new_slot
         self.stop = stop or threading.Event()
         self.metrics = metrics or CaptureMetrics()
         self.ctx = CaptureContext(settings, self.stop, self.metrics)
@@ -108,9 +118,13 @@ class Capture:
         from the slot's own exported snapshot); a snapshot interrupted before is finished first."""
         s = self.settings
         state = self.attached.offsets.load()
-        signals = self._signal_start() if state is None else {}
+        signals = self._signal_start() if state is None else state.signal_offsets
         if not self.attached.report.slot_exists:
-            created = repl.create_slot(s.source.slot, export_snapshot=s.capture.snapshot == "initial")
+            if state is not None and state.lsn is not None and not self.new_slot:
+                raise self._slot_missing(state.lsn)
+            created = repl.create_slot(
+                s.source.slot, export_snapshot=s.capture.snapshot == "initial", failover=s.source.failover
+            )
             log.info("created replication slot %s at %X", s.source.slot, created.consistent_lsn)
             state = CaptureState(lsn=created.consistent_lsn, signal_offsets=signals)
             if s.capture.snapshot == "initial":
@@ -119,6 +133,7 @@ class Capture:
             else:
                 self.writer.commit(state)
             return state
+        self._align_failover(repl)
         if (state is not None and state.snapshot_running) or (state is None and s.capture.snapshot == "initial"):
             # The exported snapshot died with the process that created it. Finish with a fresh snapshot: the
             # stream restarts at the slot's position, so every change after it is replayed over the rows read
@@ -133,6 +148,34 @@ class Capture:
         if state.lsn is None:
             state.lsn = self._slot_confirmed_lsn()
         return state
+
+    def _slot_missing(self, committed: int) -> SourceCheckError:
+        s = self.settings
+        return SourceCheckError(
+            f"replication slot {s.source.slot!r} does not exist on {s.source.display_dsn()}, but the capture "
+            f"committed changes up to {format_lsn(committed)} to Kafka: a new slot would start at the server's "
+            "current position and the changes in between would be missing, unseen. Causes: the slot was dropped "
+            "(`cdc detach`), or the primary failed over to a server that had no synchronized copy of it "
+            "(PostgreSQL 17+ failover slots, docs/operations.md#failover); check source.dsn names the server "
+            "you mean. Way out: `cdc run --new-slot` creates it anew and, with capture.snapshot = 'initial', "
+            "snapshots every table again (rows deleted meanwhile get a delete and a tombstone), or with "
+            "capture.snapshot = 'never' resumes from now and `cdc snapshot TABLE` backfills what was missed",
+            check="slot-missing",
+        )
+
+    def _align_failover(self, repl: ReplicationConnection) -> None:
+        """An existing slot made a failover slot (or not) as source.failover says (17+, not on a standby)."""
+        sql = self.attached.sql
+        if sql.info.server_version < 170000:
+            return
+        row = sql.execute(
+            "SELECT failover, pg_is_in_recovery() FROM pg_replication_slots WHERE slot_name = %s",
+            (self.settings.source.slot,),
+        ).fetchone()
+        if row is None or row[1] or row[0] == self.settings.source.failover:
+            return
+        repl.set_failover(self.settings.source.slot, self.settings.source.failover)
+        log.info("replication slot %s: failover = %s", self.settings.source.slot, self.settings.source.failover)
 
     def _signal_start(self) -> dict[int, int]:
         """Where a new capture takes requests from the signal topic (see cdc._signals.SignalTopic): its end

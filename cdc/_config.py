@@ -42,6 +42,12 @@ class SourceConfig(_Section):
     )
     publication: str = "pgcdc"
     slot: str = "pgcdc"
+    failover: bool = Field(
+        default=True,
+        description="PostgreSQL 17+: the slot is a failover slot, kept in step on standbys that set "
+        "sync_replication_slots, so a promoted standby resumes the capture (docs/operations.md#failover); "
+        "an existing slot is altered to match at start",
+    )
     signal_table: str = Field(
         default="public.pgcdc_signal",
         description="'schema.table' where `cdc snapshot` (or anyone with INSERT on it) asks the running capture "

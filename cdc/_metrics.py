@@ -8,9 +8,11 @@ dashboard (tests/unit/test_monitoring.py checks they agree).
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import deque
+from datetime import datetime
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
@@ -69,11 +71,40 @@ class CaptureMetrics:
         )
         self.slot_lost = Gauge(
             "pgcdc_slot_lost",
-            "1 when max_slot_wal_keep_size invalidated the slot (re-snapshot needed)",
+            "1 when the server invalidated the slot (max_slot_wal_keep_size; on 17+ also the idle timeout and "
+            "the other reasons of invalidation_reason): a re-snapshot is needed",
+            ["slot"],
+            registry=r,
+        )
+        self._slot_inactive = Gauge(
+            "pgcdc_slot_inactive_since_timestamp_seconds",
+            "Since when no consumer has been attached to the slot (PostgreSQL 17+; no series while one is)",
+            ["slot"],
+            registry=r,
+        )
+        self._slot_idle_timeout = Gauge(
+            "pgcdc_slot_idle_timeout_seconds",
+            "idle_replication_slot_timeout (PostgreSQL 18+): a slot inactive this long is invalidated; no series "
+            "when it is off",
             ["slot"],
             registry=r,
         )
         self.wal_lsn = Gauge("pgcdc_source_wal_lsn_bytes", "The server's current WAL position", registry=r)
+
+    def slot_inactive_since(self, slot: str, since: str | None) -> None:
+        """``inactive_since`` as the server reports it (ISO 8601), or None: no series."""
+        if since is None:
+            with contextlib.suppress(KeyError):
+                self._slot_inactive.remove(slot)
+            return
+        self._slot_inactive.labels(slot).set(datetime.fromisoformat(since).timestamp())
+
+    def slot_idle_timeout(self, slot: str, seconds: int | None) -> None:
+        if not seconds:
+            with contextlib.suppress(KeyError):
+                self._slot_idle_timeout.remove(slot)
+            return
+        self._slot_idle_timeout.labels(slot).set(seconds)
 
     def _declare_progress(self, r: CollectorRegistry) -> None:
         """What the capture committed, how far behind the source it is, its Kafka transactions and errors."""

@@ -55,10 +55,15 @@ class ReplicationConnection:
     def _error(self) -> str:
         return self._conn.get_error_message().strip()
 
-    def create_slot(self, slot: str, *, export_snapshot: bool) -> CreatedSlot:
-        """CREATE_REPLICATION_SLOT; with export_snapshot, the snapshot stays valid until the next command."""
-        if self._conn.server_version >= 150000:
-            option = "(SNAPSHOT 'export')" if export_snapshot else "(SNAPSHOT 'nothing')"
+    def create_slot(self, slot: str, *, export_snapshot: bool, failover: bool = False) -> CreatedSlot:
+        """CREATE_REPLICATION_SLOT; with export_snapshot, the snapshot stays valid until the next command;
+        ``failover`` (17+; ignored before) makes it a slot standbys synchronize."""
+        version = self._conn.server_version
+        if version >= 150000:
+            options = ["SNAPSHOT 'export'" if export_snapshot else "SNAPSHOT 'nothing'"]
+            if failover and version >= 170000:
+                options.append("FAILOVER true")
+            option = f"({', '.join(options)})"
         else:  # the older spelling, still accepted by 15+, but the option list is the documented one there
             option = "EXPORT_SNAPSHOT" if export_snapshot else "NOEXPORT_SNAPSHOT"
         # Slot names are validated to [a-z0-9_] in the configuration; quoting is still applied.
@@ -69,6 +74,16 @@ class ReplicationConnection:
         snapshot = res.get_value(0, 2)
         assert consistent is not None
         return CreatedSlot(parse_lsn(consistent.decode()), snapshot.decode() if snapshot else None)
+
+    def set_failover(self, slot: str, failover: bool) -> None:
+        """ALTER_REPLICATION_SLOT … (FAILOVER …) (17+): whether standbys synchronize the slot."""
+        res = self._conn.exec_(f'ALTER_REPLICATION_SLOT "{slot}" (FAILOVER {str(failover).lower()})'.encode())
+        if res.status != pq.ExecStatus.COMMAND_OK:
+            raise SourceCheckError(
+                f"cannot set failover = {str(failover).lower()} on replication slot {slot!r}: {self._error()}; "
+                "set source.failover to what the slot has, or alter it by hand",
+                check="slot-failover",
+            )
 
     def start(self, slot: str, start_lsn: int, options: dict[str, str]) -> None:
         opts = ", ".join(f"{k} '{v.replace(chr(39), chr(39) * 2)}'" for k, v in options.items())

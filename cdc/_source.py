@@ -268,13 +268,23 @@ def _check_privileges(conn: psycopg.Connection[Any]) -> None:
         )
 
 
+SLOT_INVALIDATED = {  # pg_replication_slots.invalidation_reason (17+) -> what the server did
+    "wal_removed": "max_slot_wal_keep_size: the WAL it needed is gone",
+    "idle_timeout": "idle_replication_slot_timeout: it had no consumer for longer than that",
+    "rows_removed": "on a standby: rows it needed were vacuumed on the primary; set hot_standby_feedback = on",
+    "wal_level_insufficient": "wal_level was lowered below logical",
+}
+
+
 def _check_slot(conn: psycopg.Connection[Any], slot: str, *, allow_active: bool) -> bool:
+    # to_jsonb: invalidation_reason exists from 17 on.
     row = conn.execute(
-        "SELECT plugin, database, active, active_pid, wal_status FROM pg_replication_slots WHERE slot_name = %s",
+        "SELECT plugin, database, active, active_pid, wal_status, to_jsonb(s) ->> 'invalidation_reason' "
+        "FROM pg_replication_slots s WHERE slot_name = %s",
         (slot,),
     ).fetchone()
     if row is not None:
-        plugin, database, active, active_pid, wal_status = row
+        plugin, database, active, active_pid, wal_status, reason = row
         if plugin != "pgoutput":
             raise SourceCheckError(
                 f"replication slot {slot!r} uses plugin {plugin!r}, not pgoutput; choose another source.slot",
@@ -292,10 +302,11 @@ def _check_slot(conn: psycopg.Connection[Any], slot: str, *, allow_active: bool)
                 "or choose another source.slot",
                 check="slot-in-use",
             )
-        if wal_status == "lost":
+        if wal_status == "lost" or reason is not None:
+            cause = SLOT_INVALIDATED.get(reason or "wal_removed", f"invalidation_reason {reason}")
             raise SourceCheckError(
-                f"replication slot {slot!r} was invalidated (max_slot_wal_keep_size): the WAL it needed is gone. "
-                "Changes were lost; run `cdc detach --yes` and `cdc run` again to re-snapshot (the re-snapshot "
+                f"replication slot {slot!r} was invalidated ({cause}). "
+                "Changes were lost; run `cdc detach --yes` and `cdc run --new-slot` to re-snapshot (the re-snapshot "
                 "writes a delete event and a tombstone for each row deleted meanwhile, so the topics and the "
                 "stores end equal to the source)",
                 check="slot-lost",

@@ -403,17 +403,19 @@ class Streamer:
             elif s.capture.emit_messages and self.capturing:
                 self.changes.apply(msg, msg.lsn)
             return
-        if msg.lsn < self.resume:
+        if msg.lsn <= self.resume:
             return
-        # Not part of any transaction: PostgreSQL skips such a message only when it lies before the start
-        # position, so the resume position must move past it.
+        # Not part of any transaction. pgoutput gives such a message the LSN of its record's end, and PostgreSQL
+        # skips it on a restart at any position past its start: resuming at that end does. (A byte further would
+        # confirm a position the server has not written when the message is the newest record, as an idle
+        # database's heartbeat is: a standby never synchronizes a failover slot confirmed ahead of its WAL.)
         heartbeat = msg.prefix == HEARTBEAT_PREFIX
         watermark = msg.prefix == WATERMARK_PREFIX
         if not (heartbeat or watermark) and s.capture.emit_messages:
             self.changes.apply_outside(msg)
         chunk_due = watermark and self.backfills is not None and self.backfills.on_watermark(bytes(msg.content), lsn)
         if self.current is None and self.stream_xid is None:
-            self.batch_lsn = max(self.batch_lsn, msg.lsn + 1)
+            self.batch_lsn = max(self.batch_lsn, msg.lsn)
             if heartbeat and bytes(msg.content) == s.source.slot.encode():
                 self._commit()  # our own heartbeat (other instances' pass by)
             if chunk_due:  # its rows go before anything after the watermark, in the open batch

@@ -33,27 +33,37 @@ from decoders import format_lsn
 
 log = logging.getLogger(__name__)
 
+# The idle timeout (18+) invalidates a slot left without a consumer longer than it; 0 or absent: never.
 _SLOT_SQL = """
 SELECT (CASE WHEN pg_is_in_recovery() THEN pg_last_wal_replay_lsn() ELSE pg_current_wal_lsn() END - '0/0')::bigint,
-       (SELECT to_jsonb(s) FROM pg_replication_slots s WHERE s.slot_name = %s)
+       (SELECT to_jsonb(s) FROM pg_replication_slots s WHERE s.slot_name = %s),
+       (SELECT setting::bigint FROM pg_settings WHERE name = 'idle_replication_slot_timeout' AND unit = 's')
 """
 
 
 def slot_status(conn: psycopg.Connection[Any], slot: str) -> dict[str, Any]:
-    """The slot as the server sees it (to_jsonb: the columns differ between PostgreSQL versions)."""
+    """The slot as the server sees it (to_jsonb: the columns differ between PostgreSQL versions; those of 17+,
+    ``inactive_since``, ``invalidation_reason``, ``failover`` and ``synced``, are None before)."""
     row = conn.execute(_SLOT_SQL, (slot,)).fetchone()
     assert row is not None
     wal = int(row[0]) if row[0] is not None else None
     info: dict[str, Any] = row[1] or {}
-    out: dict[str, Any] = {"wal_lsn_bytes": wal, "exists": bool(info)}
+    out: dict[str, Any] = {"wal_lsn_bytes": wal, "exists": bool(info), "idle_timeout_s": row[2] or None}
     if info:
         confirmed = _lsn(info.get("confirmed_flush_lsn"))
         restart = _lsn(info.get("restart_lsn"))
+        # Invalidated: WAL removed (wal_status "lost", every version) or, on 17+, any reason the server gives
+        # (the idle timeout, rows a standby's query needed, a wal_level lowered).
+        reason = info.get("invalidation_reason") or ("wal_removed" if info.get("wal_status") == "lost" else None)
         out.update(
             active=bool(info.get("active")),
             active_pid=info.get("active_pid"),
             confirmed_flush_lsn=info.get("confirmed_flush_lsn"),
             wal_status=info.get("wal_status"),
+            invalidated=reason,
+            inactive_since=info.get("inactive_since"),
+            failover=info.get("failover"),
+            synced=info.get("synced"),
             safe_wal_bytes=info.get("safe_wal_size"),
             lag_bytes=max(0, wal - confirmed) if wal is not None and confirmed is not None else None,
             retained_wal_bytes=max(0, wal - restart) if wal is not None and restart is not None else None,
@@ -290,7 +300,9 @@ class Observer:
                     with contextlib.suppress(KeyError):  # unlimited (max_slot_wal_keep_size = -1): no series
                         gauge.remove(slot)
             m.slot_active.labels(slot).set(1 if info.get("active") else 0)
-            m.slot_lost.labels(slot).set(1 if info.get("wal_status") == "lost" else 0)
+            m.slot_lost.labels(slot).set(1 if info.get("invalidated") else 0)
+            m.slot_inactive_since(slot, info.get("inactive_since"))
+        m.slot_idle_timeout(slot, info.get("idle_timeout_s") if info.get("exists") else None)
         return info
 
     def _sample_sinks(self, now: float) -> list[dict[str, Any]]:
@@ -371,6 +383,10 @@ class Observer:
                 "behind_s": m.behind_s,
                 "slot_active": src.get("active"),
                 "wal_status": src.get("wal_status"),
+                "slot_invalidated": src.get("invalidated"),
+                "slot_inactive_since": src.get("inactive_since"),
+                "slot_idle_timeout_s": src.get("idle_timeout_s"),
+                "slot_failover": src.get("failover"),
                 "safe_wal_bytes": src.get("safe_wal_bytes"),
                 "retained_wal_bytes": src.get("retained_wal_bytes"),
                 "error": src.get("error"),

@@ -33,8 +33,9 @@ from tenacity import (
 from cdc import __version__
 from cdc._capture import Capture, install_signal_handlers
 from cdc._config import Settings, load_settings
+from cdc._failover import check_standby
 from cdc._metrics import CaptureMetrics
-from cdc._source import check_and_prepare, connect, detach
+from cdc._source import SLOT_INVALIDATED, check_and_prepare, connect, detach
 from common.errors import CDCError, ConfigError, TransientError
 from pgcdc import snapshot_cli
 from pgcdc._demo import DemoSinks, run_demo
@@ -91,8 +92,22 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("attach", help="check the source and create the publication (the slot comes with `run`)")
     with_config(p)
     p.add_argument("--dry-run", action="store_true", help="only check and print what would be done")
+    p.add_argument(
+        "--standby",
+        action="append",
+        default=[],
+        metavar="DSN",
+        help="also check that this standby can take over the slot at a failover (PostgreSQL 17+; repeatable)",
+    )
     p = sub.add_parser("run", help="capture: snapshot if needed, then stream changes until stopped")
     with_config(p)
+    p.add_argument(
+        "--new-slot",
+        action="store_true",
+        help="create the replication slot anew when it is missing though Kafka holds a committed position "
+        "(after `cdc detach`, an invalidated slot, a failover to a server without a copy of it); with "
+        "capture.snapshot = 'initial' every table is snapshotted again",
+    )
     p = sub.add_parser("detach", help="drop the replication slot and the publication")
     with_config(p)
     p.add_argument("--yes", action="store_true", help="confirm: the slot's position is lost for good")
@@ -120,9 +135,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _attach(settings: Settings, dry_run: bool) -> int:
+def _attach(settings: Settings, dry_run: bool, standbys: list[str] | None = None) -> int:
     with connect(settings) as conn:
         report = check_and_prepare(conn, settings, dry_run=dry_run)
+        for standby in standbys or []:
+            report.notes += check_standby(conn, settings, standby)
     verb = "would run" if dry_run else "ran"
     print(f"source {settings.source.display_dsn()}: all checks passed")
     for table in report.tables:
@@ -150,7 +167,7 @@ def _detach(settings: Settings, yes: bool, dry_run: bool) -> int:
     return 0
 
 
-def _run(settings: Settings, config_path: Path | None) -> int:
+def _run(settings: Settings, config_path: Path | None, *, new_slot: bool = False) -> int:
     stop = threading.Event()
     install_signal_handlers(stop)
     metrics = CaptureMetrics()
@@ -158,13 +175,15 @@ def _run(settings: Settings, config_path: Path | None) -> int:
     if observer is not None:
         observer.start()
     try:
-        return _run_with_retries(settings, stop, metrics)
+        return _run_with_retries(settings, stop, metrics, new_slot=new_slot)
     finally:
         if observer is not None:
             observer.stop()
 
 
-def _run_with_retries(settings: Settings, stop: threading.Event, metrics: CaptureMetrics) -> int:
+def _run_with_retries(
+    settings: Settings, stop: threading.Event, metrics: CaptureMetrics, *, new_slot: bool = False
+) -> int:
 
     # Transient faults (network, broker failover) restart the capture from its committed offset, which is
     # safe by construction; terminal ones end the process with their exit code. The give-up clock counts
@@ -191,7 +210,7 @@ def _run_with_retries(settings: Settings, stop: threading.Event, metrics: Captur
             return
         started = time.monotonic()
         try:
-            Capture(settings, stop=stop, metrics=metrics).run()
+            Capture(settings, stop=stop, metrics=metrics, new_slot=new_slot).run()
         except CDCError as exc:
             metrics.error(exc, transient=isinstance(exc, TransientError))
             metrics.set_state("error")
@@ -258,11 +277,26 @@ def _source_rows(table: Any, src: dict[str, Any]) -> None:
         _row(
             table,
             "slot",
-            active if src.get("wal_status") != "lost" else "[red]LOST[/]",
+            active if not src.get("invalidated") else "[red]LOST[/]",
             _bytes(src.get("lag_bytes")),
             f"confirmed {src.get('confirmed_flush_lsn')}, wal_status {src.get('wal_status')}, "
-            f"holds {_bytes(src.get('retained_wal_bytes'))} of WAL",
+            f"holds {_bytes(src.get('retained_wal_bytes'))} of WAL" + _slot_extras(src),
         )
+
+
+def _slot_extras(src: dict[str, Any]) -> str:
+    """What newer servers say of the slot: why it was invalidated, since when it is idle (17+), the idle timeout
+    that will invalidate it (18+), whether it is a failover slot (17+)."""
+    out = ""
+    if src.get("invalidated"):
+        out += f", invalidated: {src['invalidated']}"
+    if src.get("inactive_since") and not src.get("active"):
+        out += f", inactive since {src['inactive_since']}"
+        if src.get("idle_timeout_s"):
+            out += f" (invalidated after {src['idle_timeout_s']} s idle: idle_replication_slot_timeout)"
+    if src.get("failover"):
+        out += ", failover slot" + (" (synchronized copy)" if src.get("synced") else "")
+    return out
 
 
 def _sink_row(table: Any, sink: dict[str, Any]) -> None:
@@ -294,8 +328,11 @@ def _problems(status: dict[str, Any]) -> list[str]:
     out = []
     if "error" in src:
         out.append(f"the source is unreachable: {src['error']}")
-    elif src.get("exists") and src.get("wal_status") == "lost":
-        out.append("the slot was invalidated (max_slot_wal_keep_size): `cdc detach --yes` then `cdc run` re-snapshots")
+    elif src.get("exists") and src.get("invalidated"):
+        out.append(
+            f"the slot was invalidated ({SLOT_INVALIDATED.get(src['invalidated'], src['invalidated'])}): "
+            "`cdc detach --yes` then `cdc run --new-slot` re-snapshots"
+        )
     elif src.get("exists") and not src.get("active"):
         out.append("no capture is attached to the slot: start `cdc run` (the slot holds WAL back meanwhile)")
     if "kafka_error" in status["capture"]:
@@ -340,14 +377,14 @@ def main(argv: list[str] | None = None) -> int:
             return run_demo(args.pg, args.kafka, args.registry, args.seconds, sinks=sinks)
         settings = load_settings(args.config)
         if args.command == "attach":
-            return _attach(settings, args.dry_run)
+            return _attach(settings, args.dry_run, args.standby)
         if args.command == "detach":
             return _detach(settings, args.yes, args.dry_run)
         if args.command == "status":
             return _status(settings, args.config, as_json=args.json)
         if args.command == "snapshot":
             return snapshot_cli.run(settings, args)
-        return _run(settings, args.config)
+        return _run(settings, args.config, new_slot=args.new_slot)
     except CDCError as exc:
         if args.log_json:
             log.error("%s", exc, extra={"exit_code": exc.exit_code})  # one JSON line like every other

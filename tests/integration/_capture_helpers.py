@@ -170,8 +170,9 @@ class ChildProcess:
 class CdcProcess(ChildProcess):
     """`cdc run` on a configuration file."""
 
-    def __init__(self, config: Path, log: Path) -> None:
-        super().__init__(["--log-level", "info", "run", "--config", str(config)], log)
+    def __init__(self, config: Path, log: Path, *, new_slot: bool = False) -> None:
+        extra = ["--new-slot"] if new_slot else []
+        super().__init__(["--log-level", "info", "run", "--config", str(config), *extra], log)
         self.config = config
 
     def wait_streaming(self, timeout: float = 120) -> None:

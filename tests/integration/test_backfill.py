@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
+import pytest
 from confluent_kafka import Producer
 from confluent_kafka.admin import AdminClient
 
@@ -36,6 +37,8 @@ from tests.integration._capture_helpers import (
     scratch_database,
     wait_for,
 )
+
+pytestmark = pytest.mark.pg_matrix  # `./dev test` runs it on PostgreSQL 18 too
 
 
 def _write(dsn: str, table: str, ids: int, done: threading.Event, counts: list[float]) -> None:

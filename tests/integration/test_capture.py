@@ -23,6 +23,8 @@ from tests.integration._capture_helpers import (
     wait_for,
 )
 
+pytestmark = pytest.mark.pg_matrix  # `./dev test` runs it on PostgreSQL 18 too
+
 
 @pytest.fixture
 def source(pg_dsn: str, unique: str):  # type: ignore[no-untyped-def]

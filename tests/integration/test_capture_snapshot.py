@@ -28,6 +28,8 @@ from tests.integration._capture_helpers import (
     wait_for,
 )
 
+pytestmark = pytest.mark.pg_matrix  # `./dev test` runs it on PostgreSQL 18 too
+
 ROWS = 100_000
 
 

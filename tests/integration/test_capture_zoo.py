@@ -25,6 +25,8 @@ from tests.integration.test_types_zoo import ZOO, Zoo, load_pgtype
 from tests.integration.test_types_zoo import zoo as zoo  # noqa: PLC0414 - the fixture, re-exported for pytest
 from tests.unit.test_types import same, strip_logical
 
+pytestmark = pytest.mark.pg_matrix  # `./dev test` runs it on PostgreSQL 18 too
+
 Types = Sequence[tuple[str, list[tuple[str, Any]]]]  # (column type, [(SQL expression, expected value)…]), as ZOO
 
 

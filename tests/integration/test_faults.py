@@ -35,7 +35,7 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from tests.integration._capture_helpers import CdcProcess, Event, read_topic, scratch_database, wait_for
 from tests.integration._sinks_helpers import SinksProcess, Stack, cdc
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.pg_matrix]
 
 PROFILES: dict[str, dict[str, int]] = {
     "short": {

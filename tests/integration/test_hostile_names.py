@@ -40,7 +40,7 @@ from tests.integration import _hostile as h
 from tests.integration._capture_helpers import CdcConfig, Event, read_topic, scratch_database, wait_for
 from tests.integration._sinks_helpers import SinksProcess, Stack, assert_verified, cdc
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(3000)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(3000), pytest.mark.pg_matrix]
 
 SINKS = ("search", "cache", "warehouse")
 _AVRO_NAME = r"[A-Za-z_][A-Za-z0-9_]*"

@@ -66,6 +66,8 @@ from tests.unit.test_pgoutput_captured import (
     shape,
 )
 
+pytestmark = pytest.mark.pg_matrix  # `./dev test` runs it on PostgreSQL 18 too
+
 RECAPTURE = os.environ.get("PGCDC_RECAPTURE", "") not in ("", "0", "false", "no")
 SAVED_PAYLOAD_MAX = 2048  # larger frames are replaced by an {"omitted": ...} entry in the saved file
 SAVED_INSERTS_PER_BLOCK = 1  # of each streamed block, only the first insert is saved

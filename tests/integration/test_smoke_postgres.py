@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import os
 import select
 import struct
 import time
 
 import psycopg
+import pytest
 from psycopg import pq, sql
 from psycopg.conninfo import make_conninfo
 from psycopg.pq.abc import PGconn
+
+pytestmark = pytest.mark.pg_matrix
 
 # Standby status updates count microseconds from 2000-01-01; the Unix epoch is 946684800 s earlier.
 _PG_EPOCH_OFFSET_US = 946_684_800 * 1_000_000
@@ -105,3 +109,13 @@ def test_logical_slot_streams_a_committed_insert(pg_dsn: str, unique: str) -> No
         conn.execute("SELECT pg_drop_replication_slot(%s)", (slot,))
         conn.execute(sql.SQL("DROP PUBLICATION {}").format(sql.Identifier(pub)))
         conn.execute(sql.SQL("DROP TABLE {}").format(sql.Identifier(table)))
+
+
+def test_the_server_is_the_version_the_run_asked_for(pg_dsn: str) -> None:
+    """CDC_TEST_PG=18 must reach a PostgreSQL 18, not fall back to the default server unnoticed."""
+    if os.environ.get("CDC_TEST_PG_DSN"):
+        pytest.skip("the server is the one CDC_TEST_PG_DSN names, whatever its version")
+    wanted = int(os.environ.get("CDC_TEST_PG") or "15")
+    with psycopg.connect(pg_dsn) as conn:
+        major = conn.info.server_version // 10000
+    assert major == wanted, f"CDC_TEST_PG asks for PostgreSQL {wanted} but the server is {major}"

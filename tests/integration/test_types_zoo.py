@@ -39,6 +39,8 @@ from schemas import (
 )
 from tests.unit.test_types import avro_check, same, strip_logical, to_avro
 
+pytestmark = pytest.mark.pg_matrix  # `./dev test` runs it on PostgreSQL 18 too
+
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 

@@ -22,6 +22,8 @@ from tests.integration._capture_helpers import (
     wait_for,
 )
 
+pytestmark = pytest.mark.pg_matrix  # `./dev test` runs it on PostgreSQL 18 too
+
 SECRET = "unencodable-Secret-42"
 LATE = "294276-12-31 23:59:59"  # PostgreSQL's last timestamp: after 294247 AD, beyond an Avro timestamp
 STOPPED = 7  # StreamError

