@@ -228,6 +228,25 @@ def test_render_writes_summary_charts_and_readme(tmp_path: Path) -> None:
     assert readme.read_text() == text
 
 
+def test_render_writes_the_front_summary_a_line_per_scenario(tmp_path: Path) -> None:
+    results, page, front = tmp_path / "bench" / "results", tmp_path / "docs" / "benchmarks.md", tmp_path / "README.md"
+    page.parent.mkdir()
+    page.write_text(README)
+    front.write_text(f"# pgcdc\n\n{render.FRONT_START}\nold\n{render.FRONT_END}\n\n## More\n")
+    write_result(Result("latency", {}, [Measure("p99 latency", "ms", 120, limit=100, higher_is_better=False)]), results)
+    write_result(Result("snapshot", {}, [Measure("rows", "rows/s", 900, 1000, "COPY", target_ratio=0.5)]), results)
+    write_result(Result("pgbench", {}, [Measure("tps", "tx/s", 500)]), results)
+    render.render(results, page, quiet=True, front=front)
+    text = front.read_text()
+    assert "- **latency**: targets met: 0 of 1; missed: p99 latency (120 ms, target < 100 ms)" in text
+    assert "- **snapshot**: targets met: 1 of 1\n" in text
+    assert "- **pgbench**: no targets (references)" in text
+    assert "[docs/benchmarks.md](docs/benchmarks.md)" in text
+    assert "old" not in text
+    assert text.endswith("## More\n")
+    assert "| latency | p99 latency | 120 ms |" in page.read_text()
+
+
 def test_a_chart_with_nothing_to_show_is_removed(tmp_path: Path) -> None:
     (tmp_path / _charts.LATENCY).write_bytes(b"stale")
     docs = [_doc("x", Measure("r", "rows/s", 1, 2, "ref", target_ratio=1))]

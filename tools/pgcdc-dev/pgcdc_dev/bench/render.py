@@ -1,12 +1,15 @@
-"""Rebuild bench/results/summary.md, the charts and the README's results from the JSON files, running nothing.
+"""Rebuild bench/results/summary.md, the charts, docs/benchmarks.md's results and the README's summary of them from
+the JSON files, running nothing.
 
     ./dev bench --render-only [--results DIR] [--no-readme]
 
 Reads every result document in ``bench/results/`` (``<scenario>.json`` in ``_report``'s format; older files in
 other formats are skipped) and ``summary.json``, the record of the last ``./dev bench`` run. A scenario that
 failed in that run is shown as failed, unless its JSON was written after that run (it was re-run on its own).
-The README's text between ``<!-- bench:results:start -->`` and ``<!-- bench:results:end -->`` is replaced by
-a "Measured … on …" line, the results table and links to the charts. ``pgcdc_dev/bench/run_all.py`` calls this at the
+docs/benchmarks.md's text between ``<!-- bench:results:start -->`` and ``<!-- bench:results:end -->`` is replaced
+by a "Measured … on …" line, the results table and links to the charts; the README's between
+``<!-- bench:summary:start -->`` and ``<!-- bench:summary:end -->`` by one line per scenario (targets met, and
+what missed them). ``pgcdc_dev/bench/run_all.py`` calls this at the
 end of a run.
 """
 
@@ -22,13 +25,16 @@ from typing import Any
 
 from pgcdc_dev import CHECKOUT
 from pgcdc_dev.bench import charts as _charts
-from pgcdc_dev.bench.report import RESULTS, markdown_rows
+from pgcdc_dev.bench.report import RESULTS, fmt_number, markdown_rows
 
-README = CHECKOUT / "README.md"
+PAGE = CHECKOUT / "docs" / "benchmarks.md"  # the full results
+README = CHECKOUT / "README.md"  # a line per scenario
 SUMMARY_JSON = "summary.json"
 SUMMARY_MD = "summary.md"
 START = "<!-- bench:results:start -->"
 END = "<!-- bench:results:end -->"
+FRONT_START = "<!-- bench:summary:start -->"
+FRONT_END = "<!-- bench:summary:end -->"
 DASH = "\N{EN DASH}"  # what _report.markdown_rows prints for "none"
 _MEASURE_KEYS = {"name", "unit", "ours", "reference", "reference_name", "ratio", "target", "met"}
 
@@ -52,7 +58,7 @@ def replace_between_markers(text: str, content: str, start: str = START, end: st
     if problems:
         raise MarkersError(
             "cannot place the benchmark results: " + "; ".join(problems) + f". Put the lines {start} and "
-            f"{end} where the results belong (README.md's '## Benchmarks' section)."
+            f"{end} where the results belong (docs/benchmarks.md; README.md's '## Benchmarks' for the summary)."
         )
     i, j = text.index(start), text.index(end)
     if j < i:
@@ -203,6 +209,19 @@ def readme_block(state: Current, charts: Sequence[Path], readme_dir: Path) -> st
     return "\n\n".join(parts)
 
 
+def front_summary(state: Current, page: str) -> str:
+    """The README's lines: per scenario, how many of its targets were met and which were missed."""
+    lines = []
+    for doc in state.docs:
+        targets = [m for m in doc["measures"] if m["met"] is not None]
+        missed = [f"{m['name']} ({fmt_number(m['ours'])} {m['unit']}, target {m['target']})" for m in targets if not m["met"]]
+        met = f"targets met: {len(targets) - len(missed)} of {len(targets)}" if targets else "no targets (references)"
+        lines.append(f"- **{doc['scenario']}**: {met}" + (f"; missed: {'; '.join(missed)}" if missed else ""))
+    lines += [f"- **{name}**: failed in the last run (no result)" for name in state.failed]
+    lines.append(f"\nEvery figure, with its same-run reference and what it measures: [{page}]({page}).")
+    return "\n".join(lines)
+
+
 def summary_markdown(state: Current, charts: Sequence[Path], results_dir: Path) -> str:
     summary = state.summary or {}
     lines = ["# Benchmark results", "", measured_line(state.docs, state.summary)]
@@ -235,24 +254,41 @@ class Rendered:
 
 
 def render(
-    results_dir: Path = RESULTS, readme: Path | None = README, order: Sequence[str] = (), *, quiet: bool = False
+    results_dir: Path = RESULTS,
+    readme: Path | None = PAGE,
+    order: Sequence[str] = (),
+    *,
+    quiet: bool = False,
+    front: Path | None = None,
 ) -> Rendered:
-    """Write summary.md and the charts from the JSON in ``results_dir``, and the README's results block.
+    """Write summary.md and the charts from the JSON in ``results_dir``, the results block of ``readme`` (the
+    benchmarks page) and, with ``front``, its summary lines.
 
-    The README is checked for its markers before anything is written, so a README without them fails fast.
+    The files are checked for their markers before anything is written, so one without them fails fast.
     """
     readme_text = readme.read_text() if readme is not None else None
     if readme_text is not None:
         replace_between_markers(readme_text, "")  # raises MarkersError before any file is touched
+    front_text = front.read_text() if front is not None else None
+    if front_text is not None:
+        replace_between_markers(front_text, "", FRONT_START, FRONT_END)
     state = current(results_dir, order)
     charts = _charts.render_charts(state.docs, results_dir)
     summary_md = results_dir / SUMMARY_MD
     summary_md.write_text(summary_markdown(state, charts, results_dir))
+    written = [summary_md, *charts]
     if readme is not None and readme_text is not None:
         new = replace_between_markers(readme_text, readme_block(state, charts, readme.parent))
         if new != readme_text:
             readme.write_text(new)
+        written.append(readme)
+    if front is not None and front_text is not None:
+        page = os.path.relpath(readme, front.parent) if readme is not None else "bench/results/summary.md"
+        new = replace_between_markers(front_text, front_summary(state, page), FRONT_START, FRONT_END)
+        if new != front_text:
+            front.write_text(new)
+        written.append(front)
     if not quiet:
-        for path in [summary_md, *charts, *([readme] if readme is not None else [])]:
+        for path in written:
             print(f"render: wrote {path}")
     return Rendered(summary_md, charts, readme)

@@ -92,7 +92,7 @@ def percentile(values: Sequence[float], p: float) -> float:
 
 
 def machine() -> dict[str, Any]:
-    """What the figures were measured on (the README table prints it)."""
+    """What the figures were measured on (the benchmarks page prints it)."""
     cpu = ""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -217,7 +217,7 @@ def _span(low: str, high: str) -> str:
     return f" [{low}\N{EN DASH}{high}]" if low != high else ""
 
 
-def _num(value: float | None) -> str:
+def fmt_number(value: float | None) -> str:
     if value is None:
         return "\N{EN DASH}"
     if abs(value) >= 100:
@@ -233,14 +233,14 @@ def markdown_rows(docs: list[dict[str, Any]]) -> str:
     ]
     for doc in docs:
         for m in doc["measures"]:
-            ref = f"{_num(m['reference'])} ({m['reference_name']})" if m["reference"] is not None else "\N{EN DASH}"
+            ref = f"{fmt_number(m['reference'])} ({m['reference_name']})" if m["reference"] is not None else "\N{EN DASH}"
             ratio = "\N{EN DASH}" if m["ratio"] is None else f"{m['ratio']:.2f}\N{MULTIPLICATION SIGN}"
-            ours = f"{_num(m['ours'])} {m['unit']}"
+            ours = f"{fmt_number(m['ours'])} {m['unit']}"
             # Repeated runs (combine): the spread next to the median, of the ratio where there is one.
             if m.get("ratio_range"):
                 ratio += _span(*(f"{r:.2f}" for r in m["ratio_range"]))
             elif m.get("ours_range"):
-                ours += _span(*(_num(v) for v in m["ours_range"]))
+                ours += _span(*(fmt_number(v) for v in m["ours_range"]))
             met = {True: "yes", False: "**no**", None: ""}[m["met"]]
             lines.append(f"| {doc['scenario']} | {m['name']} | {ours} | {ref} | {ratio} | {m['target']} | {met} |")
     return "\n".join(lines)

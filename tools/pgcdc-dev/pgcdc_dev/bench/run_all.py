@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Every benchmark scenario in sequence, then the summary, the charts and the README's results table.
+"""Every benchmark scenario in sequence, then the summary, the charts, docs/benchmarks.md's results table and the
+README's summary of it.
 
     ./dev bench                                   every scenario at its full size (the services are started first)
     ./dev bench --quick                           smaller sizes (QUICK_ARGV below): checks that everything runs
@@ -8,13 +9,13 @@
     ./dev bench --repeat 3                        each scenario 3 times: medians, with the runs' range in brackets
     ./dev bench --list                            the scenarios and the arguments each would get
     ./dev bench --warm-broker 0                   skip the broker's warm-up (default: 60 s, 0 with --quick)
-    ./dev bench --render-only                     redraw summary.md, charts and README from the JSON (= render.py)
+    ./dev bench --render-only                     redraw summary.md, charts, docs/benchmarks.md and README (= render.py)
 
 Each scenario is a module ``bench/<module>.py`` whose ``run(argv) -> _report.Result`` is imported only when its
 turn comes; its result goes to ``bench/results/<scenario>.json`` (``_report.write_result``). A scenario that
 raises is recorded as failed (traceback on stderr) and the others still run. At the end: ``summary.json`` (the
 run: date, machine, total time, each scenario's status, all documents), ``summary.md``, the charts and the
-README's block between ``<!-- bench:results:start -->`` and ``<!-- bench:results:end -->`` (see render.py).
+docs/benchmarks.md's block between ``<!-- bench:results:start -->`` and ``<!-- bench:results:end -->`` (see render.py).
 Exit status 1 when a scenario failed; a missed target does not fail the run, the tables show it.
 
 Before the first scenario the Kafka broker is warmed (``_warm_broker.py``: a minute of produce, so that the
@@ -371,8 +372,10 @@ def _print_outcomes(outcomes: list[Outcome], total: float) -> None:
 
 
 def _render(results_dir: Path, readme: Path | None) -> bool:
+    """``readme``: docs/benchmarks.md (the results) and the README (its summary) when not None."""
     try:
-        render.render(results_dir, readme, list(SCENARIOS))
+        front = render.README if readme is not None else None
+        render.render(results_dir, readme, list(SCENARIOS), front=front)
     except render.MarkersError as exc:
         print(f"run_all: {exc}", file=sys.stderr)
         return False
@@ -397,7 +400,7 @@ def _list(names: list[str], argv_for: Callable[[str, ModuleType], list[str]]) ->
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        description="Run the benchmark scenarios in sequence; write summary, charts and the README's table.",
+        description="Run the benchmark scenarios in sequence; write summary, charts, docs/benchmarks.md and the README's summary.",
     )
     parser.add_argument("--only", metavar="A,B", help="run only these scenarios")
     parser.add_argument("--skip", metavar="A,B", help="do not run these scenarios")
@@ -414,10 +417,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--list", action="store_true", help="print the scenarios and their arguments; run nothing")
     parser.add_argument("--render-only", action="store_true", help="redraw from the JSON in the results directory")
-    parser.add_argument("--no-readme", action="store_true", help="leave README.md alone")
+    parser.add_argument("--no-readme", action="store_true", help="leave README.md and docs/benchmarks.md alone")
     parser.add_argument("--results", type=Path, default=_report.RESULTS, help="results directory (%(default)s)")
     args = parser.parse_args(argv)
-    readme = None if args.no_readme else render.README
+    readme = None if args.no_readme else render.PAGE
 
     if args.render_only:
         return 0 if _render(args.results, readme) else 2
@@ -432,9 +435,10 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.list:
         return _list(names, argv_for)
-    if readme is not None:  # a README without markers would fail only after the whole run: fail now
+    if readme is not None:  # a page without markers would fail only after the whole run: fail now
         try:
             render.replace_between_markers(readme.read_text(), "")
+            render.replace_between_markers(render.README.read_text(), "", render.FRONT_START, render.FRONT_END)
         except render.MarkersError as exc:
             print(f"run_all: {exc} (or run with --no-readme)", file=sys.stderr)
             return 2
