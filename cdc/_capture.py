@@ -156,7 +156,7 @@ class Capture:
             f"committed changes up to {format_lsn(committed)} to Kafka: a new slot would start at the server's "
             "current position and the changes in between would be missing, unseen. Causes: the slot was dropped "
             "(`cdc detach`), or the primary failed over to a server that had no synchronized copy of it "
-            "(PostgreSQL 17+ failover slots, docs/operations.md#failover); check source.dsn names the server "
+            "(PostgreSQL 17+ failover slots, docs/operations.md#high-availability); check source.dsn names the server "
             "you mean. Way out: `cdc run --new-slot` creates it anew and, with capture.snapshot = 'initial', "
             "snapshots every table again (rows deleted meanwhile get a delete and a tombstone), or with "
             "capture.snapshot = 'never' resumes from now and `cdc snapshot TABLE` backfills what was missed",

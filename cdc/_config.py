@@ -45,7 +45,7 @@ class SourceConfig(_Section):
     failover: bool = Field(
         default=True,
         description="PostgreSQL 17+: the slot is a failover slot, kept in step on standbys that set "
-        "sync_replication_slots, so a promoted standby resumes the capture (docs/operations.md#failover); "
+        "sync_replication_slots, so a promoted standby resumes the capture (docs/operations.md#high-availability); "
         "an existing slot is altered to match at start",
     )
     signal_table: str = Field(

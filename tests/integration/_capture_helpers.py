@@ -84,8 +84,9 @@ class CdcConfig:
     tables: list[str]
     slot: str
     publication: str
-    extra: str = ""
+    extra: str = ""  # more keys of [capture]
     heartbeat_interval_s: float = 1.0
+    source_extra: str = ""  # more keys of [source]
     kafka_extra: str = ""  # more keys of [kafka] (security…)
     registry_extra: str = ""  # more keys of [registry]
 
@@ -100,6 +101,7 @@ dsn = "{self.dsn}"
 tables = [{tables}]
 slot = "{self.slot}"
 publication = "{self.publication}"
+{self.source_extra}
 
 [kafka]
 bootstrap_servers = "{self.kafka}"

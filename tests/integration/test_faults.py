@@ -30,6 +30,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from pgcdc_dev import discovery
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from tests.integration._capture_helpers import CdcProcess, Event, read_topic, scratch_database, wait_for
@@ -139,7 +140,8 @@ def _deploy_pid(name: str) -> int:
 
 def _restart_postgres(sig: int) -> None:
     """Stop PostgreSQL with ``sig`` (SIGINT fast, SIGQUIT immediate = a crash) and start it again."""
-    pid = _deploy_pid("postgres")
+    service = discovery.PG_VERSIONS[discovery.pg_version()]  # the server this run uses (CDC_TEST_PG)
+    pid = _deploy_pid(service)
     os.kill(pid, sig)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -148,7 +150,7 @@ def _restart_postgres(sig: int) -> None:
         except ProcessLookupError:
             break
         time.sleep(0.1)
-    _deploy("up", "postgres")
+    _deploy("up", service)
 
 
 def _kafka_proxied() -> tuple[int, int]:

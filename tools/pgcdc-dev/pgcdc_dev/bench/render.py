@@ -214,7 +214,9 @@ def front_summary(state: Current, page: str) -> str:
     lines = []
     for doc in state.docs:
         targets = [m for m in doc["measures"] if m["met"] is not None]
-        missed = [f"{m['name']} ({fmt_number(m['ours'])} {m['unit']}, target {m['target']})" for m in targets if not m["met"]]
+        missed = [
+            f"{m['name']} ({fmt_number(m['ours'])} {m['unit']}, target {m['target']})" for m in targets if not m["met"]
+        ]
         met = f"targets met: {len(targets) - len(missed)} of {len(targets)}" if targets else "no targets (references)"
         lines.append(f"- **{doc['scenario']}**: {met}" + (f"; missed: {'; '.join(missed)}" if missed else ""))
     lines += [f"- **{name}**: failed in the last run (no result)" for name in state.failed]

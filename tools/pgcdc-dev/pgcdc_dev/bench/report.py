@@ -233,7 +233,9 @@ def markdown_rows(docs: list[dict[str, Any]]) -> str:
     ]
     for doc in docs:
         for m in doc["measures"]:
-            ref = f"{fmt_number(m['reference'])} ({m['reference_name']})" if m["reference"] is not None else "\N{EN DASH}"
+            ref = (
+                f"{fmt_number(m['reference'])} ({m['reference_name']})" if m["reference"] is not None else "\N{EN DASH}"
+            )
             ratio = "\N{EN DASH}" if m["ratio"] is None else f"{m['ratio']:.2f}\N{MULTIPLICATION SIGN}"
             ours = f"{fmt_number(m['ours'])} {m['unit']}"
             # Repeated runs (combine): the spread next to the median, of the ratio where there is one.

@@ -400,7 +400,8 @@ def _list(names: list[str], argv_for: Callable[[str, ModuleType], list[str]]) ->
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        description="Run the benchmark scenarios in sequence; write summary, charts, docs/benchmarks.md and the README's summary.",
+        description="Run the benchmark scenarios in sequence; write summary, charts, docs/benchmarks.md and the "
+        "README's summary.",
     )
     parser.add_argument("--only", metavar="A,B", help="run only these scenarios")
     parser.add_argument("--skip", metavar="A,B", help="do not run these scenarios")
