@@ -21,7 +21,7 @@ from psycopg import sql
 
 from schemas import AvroMapping, avro_mapping
 from tests.integration._capture_helpers import CdcConfig, wait_for
-from tests.integration.test_types_zoo import ZOO, Zoo, load_pgtype
+from tests.integration.test_types_zoo import Zoo, load_pgtype
 from tests.integration.test_types_zoo import zoo as zoo  # noqa: PLC0414 - the fixture, re-exported for pytest
 from tests.unit.test_types import same, strip_logical
 
@@ -66,7 +66,7 @@ def _raw_afters(kafka: str, registry: str, topic: str) -> dict[int, dict[str, An
 
 @pytest.fixture
 def zoo_table(zoo: Zoo, unique: str) -> Iterator[tuple[str, int]]:
-    with types_table(zoo, f"capture_zoo_{unique}", ZOO) as table:
+    with types_table(zoo, f"capture_zoo_{unique}", zoo.types) as table:
         yield table
 
 
@@ -83,8 +83,10 @@ def types_table(zoo: Zoo, table: str, types: Types) -> Iterator[tuple[str, int]]
         zoo.conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(ident))
 
 
-def insert_rows(zoo: Zoo, table: str, first_id: int, rows: int, types: Types = ZOO) -> None:
-    """Rows ``first_id``… of a table of ``types``: row j holds each type's j-th case (NULL past its last)."""
+def insert_rows(zoo: Zoo, table: str, first_id: int, rows: int, types: Types | None = None) -> None:
+    """Rows ``first_id``… of a table of ``types`` (the zoo's): row j holds each type's j-th case (NULL past its
+    last)."""
+    types = zoo.types if types is None else types
     for j in range(rows):
         values = ", ".join(zoo.column_type(cases[j][0]) if j < len(cases) else "NULL" for _, cases in types)
         zoo.conn.execute(
@@ -157,8 +159,9 @@ class SourceColumn:
         return {i: None if t is None else self.mapping.from_text(t) for i, t in self.texts.items()}
 
 
-def source_columns(zoo: Zoo, table: str, types: Types = ZOO) -> list[SourceColumn]:
-    """Every column of ``table`` (a table of ``types``), in their order."""
+def source_columns(zoo: Zoo, table: str, types: Types | None = None) -> list[SourceColumn]:
+    """Every column of ``table`` (a table of ``types``, the zoo's by default), in their order."""
+    types = zoo.types if types is None else types
     ident = sql.Identifier(zoo.schema, table)
     attributes = zoo.conn.execute(
         "SELECT atttypid, atttypmod FROM pg_attribute WHERE attrelid = %s::regclass AND attnum > 1 ORDER BY attnum",

@@ -423,6 +423,13 @@ def test_protocol_2_binary_messages_streaming(
     pg_dsn: str, writer: psycopg.Connection[Any], objects: dict[str, str], suffix: str
 ) -> None:
     n, w = objects, writer
+    if w.info.server_version >= 160000:
+        pytest.skip(
+            "this checks the recorded capture of PostgreSQL 15, where a transaction rolled back before decoding "
+            "reaches it is still streamed and then aborted (Stream Abort); 16 and later skip streaming it, so the "
+            "message sequence differs. The capture's streaming on 18 is covered by the pg_matrix suites "
+            "(test_capture_behaviour's large transactions)"
+        )
     bin_ = n["bin"]
     w.execute(
         _x(

