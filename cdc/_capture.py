@@ -55,6 +55,7 @@ class Capture:
         # Whether a missing slot may be created anew though Kafka holds a committed position (`cdc run
         # --new-slot`): never silently, as the changes between that position and a new slot are not in it.
         self.new_slot = new_slot
+        self.slot_created = False  # set once this attempt has created the slot (--new-slot is then spent)
         self.stop = stop or threading.Event()
         self.metrics = metrics or CaptureMetrics()
         self.ctx = CaptureContext(settings, self.stop, self.metrics)
@@ -122,13 +123,24 @@ class Capture:
         if not self.attached.report.slot_exists:
             if state is not None and state.lsn is not None and not self.new_slot:
                 raise self._slot_missing(state.lsn)
+            # A standby cannot create a failover slot (its copies come from the primary).
+            failover = s.source.failover and not self._in_recovery()
             created = repl.create_slot(
-                s.source.slot, export_snapshot=s.capture.snapshot == "initial", failover=s.source.failover
+                s.source.slot, export_snapshot=s.capture.snapshot == "initial", failover=failover
             )
+            self.slot_created = True
             log.info("created replication slot %s at %X", s.source.slot, created.consistent_lsn)
-            state = CaptureState(lsn=created.consistent_lsn, signal_offsets=signals)
+            old, state = state, CaptureState(lsn=created.consistent_lsn, signal_offsets=signals)
+            if old is not None:
+                state.signal = old.signal  # the signal-table requests already taken stay taken
             if s.capture.snapshot == "initial":
                 state.snapshot = SnapshotState.started(created.consistent_lsn)
+                if old is not None:
+                    # Committed before the snapshot's first rows: a crash before them must not leave Kafka's
+                    # older position in place, which the new slot would move past without a snapshot. (With no
+                    # committed state, a restart snapshots anyway.) The exported snapshot outlives the commit:
+                    # only the next replication command ends it.
+                    self.writer.commit(state)
                 self._snapshot(state, created.snapshot_name)
             else:
                 self.writer.commit(state)
@@ -163,19 +175,31 @@ class Capture:
             check="slot-missing",
         )
 
+    def _in_recovery(self) -> bool:
+        row = self.attached.sql.execute("SELECT pg_is_in_recovery()").fetchone()
+        return bool(row and row[0])
+
     def _align_failover(self, repl: ReplicationConnection) -> None:
-        """An existing slot made a failover slot (or not) as source.failover says (17+, not on a standby)."""
-        sql = self.attached.sql
+        """An existing slot made a failover slot (or not) as source.failover says (17+, not on a standby). Not
+        while another process holds the slot: PostgreSQL's ALTER would wait for it to let go. A slot left as it
+        is only warns: the capture goes on, and the next start tries again."""
+        sql, slot, wanted = self.attached.sql, self.settings.source.slot, self.settings.source.failover
         if sql.info.server_version < 170000:
             return
         row = sql.execute(
-            "SELECT failover, pg_is_in_recovery() FROM pg_replication_slots WHERE slot_name = %s",
-            (self.settings.source.slot,),
+            "SELECT failover, active, pg_is_in_recovery() FROM pg_replication_slots WHERE slot_name = %s", (slot,)
         ).fetchone()
-        if row is None or row[1] or row[0] == self.settings.source.failover:
+        if row is None or row[0] == wanted or row[2]:
             return
-        repl.set_failover(self.settings.source.slot, self.settings.source.failover)
-        log.info("replication slot %s: failover = %s", self.settings.source.slot, self.settings.source.failover)
+        if row[1]:
+            log.warning("replication slot %s is in use: its failover setting is aligned at a later start", slot)
+            return
+        try:
+            repl.set_failover(slot, wanted)
+        except SourceCheckError as exc:
+            log.warning("%s (the capture goes on; the next start tries again)", exc)
+            return
+        log.info("replication slot %s: failover = %s", slot, str(wanted).lower())
 
     def _signal_start(self) -> dict[int, int]:
         """Where a new capture takes requests from the signal topic (see cdc._signals.SignalTopic): its end

@@ -67,16 +67,24 @@ def _gaps(
     physical = _setting(standby, "SELECT current_setting('primary_slot_name')")
     if not physical:
         missing.append("set primary_slot_name on the standby to a physical slot of the primary")
+    notes = []
     conninfo = _setting(standby, "SELECT current_setting('primary_conninfo', true)")
-    if conninfo is not None and "dbname" not in conninfo_to_dict(conninfo or ""):
+    if conninfo is None:
+        notes.append(
+            "this role may not read the standby's primary_conninfo (pg_read_all_settings): check by hand that it "
+            "names the captured database (dbname=…), which slot synchronization needs"
+        )
+    elif "dbname" not in conninfo_to_dict(conninfo):
         missing.append("add dbname=<the captured database> to the standby's primary_conninfo (slot sync needs it)")
     listed = _setting(primary, "SELECT current_setting('synchronized_standby_slots')") or ""
-    if physical and physical not in [s.strip() for s in listed.split(",")]:
+    if physical and physical not in [s.strip().strip('"') for s in listed.split(",")]:
         missing.append(
             f"list the standby's slot {physical!r} in synchronized_standby_slots on the primary, so that no change "
             "reaches the capture before the standby has it"
         )
-    notes = [f"standby {standby.info.host}:{standby.info.port} is set up to take over slot {slot!r} at a failover"]
+    notes.insert(
+        0, f"standby {standby.info.host}:{standby.info.port} is set up to take over slot {slot!r} at a failover"
+    )
     # A copy stays temporary (and a promotion drops it) until the standby has caught up with the slot.
     row = standby.execute(
         "SELECT synced AND NOT temporary FROM pg_replication_slots WHERE slot_name = %s", (slot,)

@@ -190,6 +190,7 @@ def _run_with_retries(
     # from the last attempt that made progress (ran a while), not from the process start: a blip after
     # two days of streaming is retried like one in the first minute.
     last_progress = [time.monotonic()]
+    new_slot_left = [new_slot]
 
     def interruptible_sleep(seconds: float) -> None:
         stop.wait(seconds)  # SIGTERM ends a backoff at once
@@ -209,13 +210,16 @@ def _run_with_retries(
         if stop.is_set():
             return
         started = time.monotonic()
+        capture = Capture(settings, stop=stop, metrics=metrics, new_slot=new_slot_left[0])
         try:
-            Capture(settings, stop=stop, metrics=metrics, new_slot=new_slot).run()
+            capture.run()
         except CDCError as exc:
             metrics.error(exc, transient=isinstance(exc, TransientError))
             metrics.set_state("error")
             raise
         finally:
+            if capture.slot_created:  # --new-slot made its slot: a slot missing later stops the capture again
+                new_slot_left[0] = False
             if time.monotonic() - started > PROGRESS_S:
                 last_progress[0] = time.monotonic()
 

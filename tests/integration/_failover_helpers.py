@@ -96,6 +96,6 @@ def primary_and_standby(bindir: Path, user: str | None, physical_slot: str) -> I
         yield primary, standby
     finally:
         for server in (standby, primary):
-            with contextlib.suppress(AssertionError):  # already down (a killed primary)
+            with contextlib.suppress(AssertionError, subprocess.TimeoutExpired):  # already down (a killed primary)
                 server.stop()
         shutil.rmtree(root, ignore_errors=True)

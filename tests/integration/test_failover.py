@@ -49,6 +49,12 @@ def _slot_copied(dsn: str, slot: str) -> bool:
     return row is not None and bool(row[0])
 
 
+def _failover_slot(dsn: str, slot: str) -> bool | None:
+    with psycopg.connect(dsn) as conn:
+        row = conn.execute("SELECT failover FROM pg_replication_slots WHERE slot_name = %s", (slot,)).fetchone()
+    return None if row is None else bool(row[0])
+
+
 def _slots(dsn: str) -> list[tuple[object, ...]]:
     with psycopg.connect(dsn) as conn:
         return conn.execute(
@@ -164,12 +170,24 @@ def test_a_promoted_standby_resumes_the_capture_with_nothing_lost_or_doubled(rou
             ready = cdc("attach", "--config", str(config), "--standby", standby.dsn)
             assert ready.returncode == 0, ready.stdout + ready.stderr
             assert "is set up to take over slot" in ready.stdout, ready.stdout
+            # A slot made without failover (source.failover = false) is made a failover slot at the next start.
+            text = config.read_text()
+            config.write_text(text.replace("failover = true", "failover = false"))
+            first = CdcProcess(config, env.tmp_path / "cdc0.log")
+            first.start()
+            first.wait_streaming(180)
+            first.stop()
+            assert _failover_slot(primary.dsn, slot) is False
+            config.write_text(text)
 
         proc = CdcProcess(config, env.tmp_path / "cdc.log")
         proc.start()
         again = CdcProcess(config, env.tmp_path / "cdc2.log")
         try:
             proc.wait_streaming(180)
+            assert _failover_slot(primary.dsn, slot) is True
+            if round_ == 0:
+                assert f"replication slot {slot}: failover = true" in proc.tail(200), proc.tail(200)
             with _Workload(both) as work:
                 wait_for(lambda: work.done >= 200 and _slot_copied(standby.dsn, slot), 180,
                          "a workload under way and the standby's lasting copy of the slot", proc)  # fmt: skip
