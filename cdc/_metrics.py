@@ -93,18 +93,10 @@ class CaptureMetrics:
 
     def slot_inactive_since(self, slot: str, since: str | None) -> None:
         """``inactive_since`` as the server reports it (ISO 8601), or None: no series."""
-        if since is None:
-            with contextlib.suppress(KeyError):
-                self._slot_inactive.remove(slot)
-            return
-        self._slot_inactive.labels(slot).set(datetime.fromisoformat(since).timestamp())
+        _set_or_clear(self._slot_inactive, slot, datetime.fromisoformat(since).timestamp() if since else None)
 
     def slot_idle_timeout(self, slot: str, seconds: int | None) -> None:
-        if not seconds:
-            with contextlib.suppress(KeyError):
-                self._slot_idle_timeout.remove(slot)
-            return
-        self._slot_idle_timeout.labels(slot).set(seconds)
+        _set_or_clear(self._slot_idle_timeout, slot, seconds or None)
 
     def _declare_progress(self, r: CollectorRegistry) -> None:
         """What the capture committed, how far behind the source it is, its Kafka transactions and errors."""
@@ -316,3 +308,12 @@ class CaptureMetrics:
 
 
 __all__ = ["DEAD_LETTER_OP", "CaptureMetrics"]
+
+
+def _set_or_clear(gauge: Gauge, label: str, value: float | None) -> None:
+    """The labelled series set to ``value``, or gone when there is none (a gauge at 0 would say something)."""
+    if value is None:
+        with contextlib.suppress(KeyError):
+            gauge.remove(label)
+        return
+    gauge.labels(label).set(value)

@@ -276,15 +276,20 @@ SLOT_INVALIDATED = {  # pg_replication_slots.invalidation_reason (17+) -> what t
 }
 
 
+def slot_invalidation(info: dict[str, Any]) -> str | None:
+    """Why the server invalidated a slot (a ``pg_replication_slots`` row as JSON), or None: WAL removed
+    (``wal_status`` "lost", every version) or, on 17+, the ``invalidation_reason`` it gives."""
+    reason = info.get("invalidation_reason") or ("wal_removed" if info.get("wal_status") == "lost" else None)
+    return str(reason) if reason is not None else None
+
+
 def _check_slot(conn: psycopg.Connection[Any], slot: str, *, allow_active: bool) -> bool:
-    # to_jsonb: invalidation_reason exists from 17 on.
-    row = conn.execute(
-        "SELECT plugin, database, active, active_pid, wal_status, to_jsonb(s) ->> 'invalidation_reason' "
-        "FROM pg_replication_slots s WHERE slot_name = %s",
-        (slot,),
-    ).fetchone()
+    # to_jsonb: the columns differ between versions (invalidation_reason exists from 17 on).
+    row = conn.execute("SELECT to_jsonb(s) FROM pg_replication_slots s WHERE slot_name = %s", (slot,)).fetchone()
     if row is not None:
-        plugin, database, active, active_pid, wal_status, reason = row
+        info = row[0]
+        plugin, database, active, active_pid = (info.get(k) for k in ("plugin", "database", "active", "active_pid"))
+        reason = slot_invalidation(info)
         if plugin != "pgoutput":
             raise SourceCheckError(
                 f"replication slot {slot!r} uses plugin {plugin!r}, not pgoutput; choose another source.slot",
@@ -302,8 +307,8 @@ def _check_slot(conn: psycopg.Connection[Any], slot: str, *, allow_active: bool)
                 "or choose another source.slot",
                 check="slot-in-use",
             )
-        if wal_status == "lost" or reason is not None:
-            cause = SLOT_INVALIDATED.get(reason or "wal_removed", f"invalidation_reason {reason}")
+        if reason is not None:
+            cause = SLOT_INVALIDATED.get(reason, f"invalidation_reason {reason}")
             raise SourceCheckError(
                 f"replication slot {slot!r} was invalidated ({cause}). "
                 "Changes were lost; run `cdc detach --yes` and `cdc run --new-slot` to re-snapshot (the re-snapshot "

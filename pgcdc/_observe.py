@@ -27,6 +27,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from cdc._config import Settings
 from cdc._metrics import DEAD_LETTER_OP, CaptureMetrics
+from cdc._source import slot_invalidation
 from cdc._version import __version__
 from common.errors import ConfigError
 from decoders import format_lsn
@@ -52,15 +53,12 @@ def slot_status(conn: psycopg.Connection[Any], slot: str) -> dict[str, Any]:
     if info:
         confirmed = _lsn(info.get("confirmed_flush_lsn"))
         restart = _lsn(info.get("restart_lsn"))
-        # Invalidated: WAL removed (wal_status "lost", every version) or, on 17+, any reason the server gives
-        # (the idle timeout, rows a standby's query needed, a wal_level lowered).
-        reason = info.get("invalidation_reason") or ("wal_removed" if info.get("wal_status") == "lost" else None)
         out.update(
             active=bool(info.get("active")),
             active_pid=info.get("active_pid"),
             confirmed_flush_lsn=info.get("confirmed_flush_lsn"),
             wal_status=info.get("wal_status"),
-            invalidated=reason,
+            invalidated=slot_invalidation(info),
             inactive_since=info.get("inactive_since"),
             failover=info.get("failover"),
             synced=info.get("synced"),
