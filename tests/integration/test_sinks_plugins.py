@@ -34,6 +34,36 @@ def test_list_shows_builtins_and_the_example_plugin() -> None:
     assert "(cdc-sink-jsonl 0.1.0)" in lines["jsonl"]
 
 
+def test_the_example_plugin_meets_the_contract_without_a_base_class() -> None:
+    """The example distribution (installed by pip) follows sinks.PartitionSink by its methods alone."""
+    from sinks import BaseSink, PartitionSink
+    from sinks._plugins import discover
+
+    jsonl = discover()["jsonl"].factory
+    assert isinstance(jsonl, type), jsonl
+    assert not issubclass(jsonl, BaseSink)
+    assert isinstance(jsonl(), PartitionSink)
+    out = _list()
+    assert out.returncode == 0, out.stderr
+    line = next(x for x in out.stdout.splitlines() if x.split()[0] == "jsonl")
+    assert " ok " in line, out.stdout
+
+
+def test_a_class_meeting_no_contract_is_refused_with_what_it_lacks(tmp_path: Path) -> None:
+    half = "class Half:\n    name = 'half'\n\n    def open(self, context):\n        pass\n"
+    (tmp_path / "half_sink.py").write_text(half)
+    dist = tmp_path / "half_sink-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: half-sink\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text("[cdc.sinks]\nhalf = half_sink:Half\n")
+    out = _list({**os.environ, "PYTHONPATH": str(tmp_path)})
+    assert out.returncode == 0, out.stderr
+    line = next(x for x in out.stdout.splitlines() if x.split()[0] == "half")
+    assert "BROKEN" in line, out.stdout
+    assert "sinks.PartitionSink needs prepare, partition_writer, close" in line, line
+    assert "sinks.Sink needs write, close" in line, line
+
+
 def test_a_broken_plugin_is_reported_and_the_others_still_load(tmp_path: Path) -> None:
     dist = tmp_path / "broken_sink-1.0.dist-info"
     dist.mkdir()

@@ -14,6 +14,9 @@ replayed after a crash, so the file may repeat changes (a reader keeps the one w
 The lines are written by :class:`JsonlWriter` inside Spark's executor tasks, one task per partition of a
 table's changes, so ``path`` is a directory on the executors' machines (on ``local[*]``, this machine's).
 Tasks of one batch run at the same time: each appends its lines with one locked write.
+
+It meets the contract :class:`sinks.PartitionSink` by its methods alone (no base class): discovery accepts any
+class that has them.
 """
 
 from __future__ import annotations
@@ -24,14 +27,13 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from sinks import BaseSink, Change, Rejected, SinkContext, TableInfo
+from sinks import Change, Rejected, SinkContext, TableInfo
 
 
-class JsonlSink(BaseSink):
+class JsonlSink:
     name = "jsonl"
 
     def open(self, context: SinkContext) -> None:
-        super().open(context)
         self.path = Path(context.options.get("path", "changes")).resolve()
 
     def prepare(self, tables: Sequence[TableInfo]) -> None:
@@ -40,6 +42,9 @@ class JsonlSink(BaseSink):
 
     def partition_writer(self) -> JsonlWriter:
         return JsonlWriter(str(self.path))  # pickled to the executors: settings only, no open files
+
+    def close(self) -> None:
+        """Nothing to release: the writers open and close their files within each task."""
 
 
 @dataclass(frozen=True)
