@@ -68,12 +68,49 @@ def _reset_database(admin_dsn: str) -> str:
             conn.execute("SELECT pg_drop_replication_slot(%s)", (slot,))
         conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(DEMO_DB)))
         conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(DEMO_DB)))
-    params = conninfo_to_dict(admin_dsn)
-    params["dbname"] = DEMO_DB
-    dsn = make_conninfo("", **params)
+    dsn = _demo_dsn(admin_dsn)
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute(_SCHEMA)
     return dsn
+
+
+def _demo_dsn(admin_dsn: str) -> str:
+    params = conninfo_to_dict(admin_dsn)
+    params["dbname"] = DEMO_DB
+    return make_conninfo("", **params)
+
+
+def ensure_database(admin_dsn: str) -> str:
+    """The demo database and its tables, created where absent and otherwise left as they are (a capture may be
+    attached to them: ``docker compose up`` runs the capture and the workload as services of their own)."""
+    with psycopg.connect(admin_dsn, autocommit=True) as conn:
+        if conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (DEMO_DB,)).fetchone() is None:
+            conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(DEMO_DB)))
+    dsn = _demo_dsn(admin_dsn)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        if conn.execute("SELECT to_regclass('public.orders')").fetchone() == (None,):
+            conn.execute(_SCHEMA)
+    return dsn
+
+
+def run_workload(admin_dsn: str, seconds: float, *, console: Console | None = None) -> int:
+    """The demo's workload alone, for ``seconds`` (0: until stopped), on the demo database made if absent; the
+    capture runs elsewhere (`cdc run` with source.dsn naming ``pgcdc_demo``)."""
+    dsn = ensure_database(admin_dsn)
+    out = console or Console(stderr=True)
+    out.print(f"workload on database {DEMO_DB!r}: inserts, updates and deletes of {', '.join(TABLES)}")
+    rnd = random.Random(42)  # noqa: S311 - a demo workload, not cryptography
+    deadline = time.monotonic() + seconds if seconds > 0 else float("inf")
+    stop: list[int] = []
+    signal.signal(signal.SIGTERM, lambda signum, _frame: stop.append(signum))  # a container's stop
+    steps = 0
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        while not stop and time.monotonic() < deadline:
+            _workload_step(conn, rnd)
+            steps += 1
+            time.sleep(0.05)  # ~20 transactions a second: a live feed, not a load test
+    out.print(f"workload stopped after {steps} transactions")
+    return 0
 
 
 def _workload_step(conn: psycopg.Connection[Any], rnd: random.Random) -> None:

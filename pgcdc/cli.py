@@ -38,7 +38,7 @@ from cdc._metrics import CaptureMetrics
 from cdc._source import SLOT_INVALIDATED, check_and_prepare, connect, detach
 from common.errors import CDCError, ConfigError, TransientError
 from pgcdc import snapshot_cli
-from pgcdc._demo import DemoSinks, run_demo
+from pgcdc._demo import DemoSinks, ensure_database, run_demo, run_workload
 from pgcdc._observe import Observer, collect_status
 
 log = logging.getLogger("cdc")
@@ -118,9 +118,18 @@ def build_parser() -> argparse.ArgumentParser:
     snapshot_cli.add_parser(sub)
     p = sub.add_parser("demo", help="a demo database with a live workload, captured and read back from Kafka")
     p.add_argument("--pg", required=True, help="DSN of a PostgreSQL server (wal_level=logical) to create the demo in")
-    p.add_argument("--kafka", required=True, help="Kafka bootstrap servers")
-    p.add_argument("--registry", required=True, help="Confluent-compatible schema registry URL")
-    p.add_argument("--seconds", type=float, default=30.0, help="how long the workload runs")
+    p.add_argument("--kafka", help="Kafka bootstrap servers")
+    p.add_argument("--registry", help="Confluent-compatible schema registry URL")
+    p.add_argument("--seconds", type=float, default=30.0, help="how long the workload runs (0: until stopped)")
+    only = p.add_mutually_exclusive_group()
+    only.add_argument(
+        "--setup-only", action="store_true", help="create the demo database where absent (never reset it), then exit"
+    )
+    only.add_argument(
+        "--workload-only",
+        action="store_true",
+        help="run the workload alone (no capture, no Kafka): for a `cdc run` started elsewhere",
+    )
     p.add_argument("--opensearch", help="with --redis and --spark-jars: run the whole pipeline into the stores")
     p.add_argument("--redis", help="Redis URL for the cache sink")
     p.add_argument("--spark-jars", help="comma-separated Spark jars (Kafka source, spark-avro, Delta)")
@@ -373,6 +382,13 @@ def main(argv: list[str] | None = None) -> int:
         return sinks_main([args.command, *args.rest])
     try:
         if args.command == "demo":
+            if args.setup_only:
+                ensure_database(args.pg)
+                return 0
+            if args.workload_only:
+                return run_workload(args.pg, args.seconds)
+            if not (args.kafka and args.registry):
+                raise ConfigError("cdc demo needs --kafka and --registry (or --setup-only / --workload-only)")
             sinks = None
             if args.opensearch or args.redis or args.spark_jars:
                 if not (args.opensearch and args.redis and args.spark_jars):

@@ -109,7 +109,9 @@ class SinksConfig(_Section):
     dead_letter_topic: str | None = Field(default=None, description="default: <topic_prefix>.dead-letter")
     spark_master: str | None = Field(default="local[2]", description="null: leave it to spark-submit")
     spark_jars: Annotated[tuple[str, ...], NoDecode] = Field(
-        default=(), description="local jars: Spark's Kafka source, spark-avro, Delta (`./dev services` fetches them)"
+        default=(),
+        description="local jars: Spark's Kafka source, spark-avro, Delta (`./dev services` fetches them); a "
+        "directory stands for every .jar in it",
     )
     spark_conf: dict[str, str] = Field(default_factory=dict)
     swap_grace_s: float = Field(
@@ -149,6 +151,22 @@ class SinksConfig(_Section):
         if isinstance(value, str):
             return tuple(part for part in value.split(",") if part)
         return value
+
+    @field_validator("spark_jars", mode="after")
+    @classmethod
+    def _expand_jar_directories(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        """A directory (an image's jars, say) stands for the jars in it, in name order."""
+        jars: list[str] = []
+        for entry in value:
+            path = Path(entry)
+            if not path.is_dir():
+                jars.append(entry)
+                continue
+            found = sorted(str(jar) for jar in path.glob("*.jar"))
+            if not found:
+                raise ValueError(f"{entry} is a directory with no .jar files in it")
+            jars.extend(found)
+        return tuple(jars)
 
 
 class SinkSettings(FileSettings):

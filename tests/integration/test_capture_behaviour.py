@@ -318,6 +318,42 @@ def test_demo_command_captures_a_live_workload(pg_dsn: str, kafka_bootstrap: str
         assert sum(counts) > 0, f"no events of {topic} read back:\n{rows[-1]}"
 
 
+def test_the_demo_database_and_workload_run_apart_from_the_capture(pg_dsn: str) -> None:
+    """What docker-compose.yml runs as services of their own: `cdc demo --setup-only` makes the demo database
+    where absent and never resets it; `cdc demo --workload-only --seconds 0` writes until SIGTERM."""
+    from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+    cdc = [sys.executable, "-m", "pgcdc", "demo", "--pg", pg_dsn]
+    demo = make_conninfo("", **{**conninfo_to_dict(pg_dsn), "dbname": "pgcdc_demo"})
+    first = subprocess.run([*cdc, "--setup-only"], capture_output=True, text=True, check=False, timeout=120)
+    assert first.returncode == 0, first.stderr
+    with psycopg.connect(demo, autocommit=True) as conn:
+        conn.execute("INSERT INTO customers (id, name) VALUES (100001, 'kept') ON CONFLICT (id) DO NOTHING")
+    again = subprocess.run([*cdc, "--setup-only"], capture_output=True, text=True, check=False, timeout=120)
+    assert again.returncode == 0, again.stderr
+
+    def orders() -> int:
+        with psycopg.connect(demo) as conn:
+            row = conn.execute("SELECT count(*) FROM orders").fetchone()
+            assert row is not None
+            return int(row[0])
+
+    with psycopg.connect(demo) as conn:
+        assert conn.execute("SELECT name FROM customers WHERE id = 100001").fetchone() == ("kept",)
+    before = orders()
+    workload = subprocess.Popen([*cdc, "--workload-only", "--seconds", "0"], stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: orders() > before + 5, 120, "the workload's orders")
+        assert workload.poll() is None, "the workload ended before it was stopped"
+        workload.terminate()
+        _, err = workload.communicate(timeout=60)
+    finally:
+        if workload.poll() is None:
+            workload.kill()
+    assert workload.returncode == 0, err
+    assert "workload stopped after" in err
+
+
 def test_a_second_instance_fences_the_first_and_takes_over(
     source: str, kafka_bootstrap: str, registry_url: str, unique: str, tmp_path: Path
 ) -> None:

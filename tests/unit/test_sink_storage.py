@@ -99,3 +99,16 @@ def test_each_sink_takes_its_own_trigger_interval_else_the_shared_one() -> None:
     assert (cfg.trigger_for("cache"), cfg.trigger_for("search"), cfg.trigger_for("warehouse")) == (0.5, 2, 5)
     with pytest.raises(ValueError, match="greater than or equal to 0"):
         SinksConfig.model_validate({"search": {"trigger_interval_s": -1}})
+
+
+def test_a_jar_directory_stands_for_its_jars_and_an_empty_one_is_refused(tmp_path: Path) -> None:
+    jars = tmp_path / "jars"
+    jars.mkdir()
+    for name in ("b.jar", "a.jar", "notes.txt"):
+        (jars / name).write_text("")
+    cfg = SinksConfig(spark_jars=f"/elsewhere/x.jar,{jars}")  # type: ignore[arg-type]  # as the environment gives it
+    assert cfg.spark_jars == ("/elsewhere/x.jar", str(jars / "a.jar"), str(jars / "b.jar"))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ValueError, match=r"no \.jar files"):
+        SinksConfig(spark_jars=(str(empty),))
