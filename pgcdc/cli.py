@@ -116,6 +116,19 @@ def build_parser() -> argparse.ArgumentParser:
     with_config(p)
     p.add_argument("--json", action="store_true", help="machine-readable output")
     snapshot_cli.add_parser(sub)
+    _add_demo_parser(sub)
+    # The derived views' commands live in pgcdc/sinks_cli.py, loaded lazily: `cdc run` never loads the sinks'
+    # modules, nor Spark.
+    for name, text in (
+        ("sinks", "list, run or rebuild the derived views (search, cache, warehouse, plugins)"),
+        ("verify", "compare derived stores with PostgreSQL key by key"),
+    ):
+        p = sub.add_parser(name, help=text, add_help=False)
+        p.add_argument("rest", nargs=argparse.REMAINDER)
+    return parser
+
+
+def _add_demo_parser(sub: Any) -> None:
     p = sub.add_parser("demo", help="a demo database with a live workload, captured and read back from Kafka")
     p.add_argument("--pg", required=True, help="DSN of a PostgreSQL server (wal_level=logical) to create the demo in")
     p.add_argument("--kafka", help="Kafka bootstrap servers")
@@ -133,15 +146,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--opensearch", help="with --redis and --spark-jars: run the whole pipeline into the stores")
     p.add_argument("--redis", help="Redis URL for the cache sink")
     p.add_argument("--spark-jars", help="comma-separated Spark jars (Kafka source, spark-avro, Delta)")
-    # The derived views' commands live in pgcdc/sinks_cli.py, loaded lazily: `cdc run` never loads the sinks'
-    # modules, nor Spark.
-    for name, text in (
-        ("sinks", "list, run or rebuild the derived views (search, cache, warehouse, plugins)"),
-        ("verify", "compare derived stores with PostgreSQL key by key"),
-    ):
-        p = sub.add_parser(name, help=text, add_help=False)
-        p.add_argument("rest", nargs=argparse.REMAINDER)
-    return parser
 
 
 def _attach(settings: Settings, dry_run: bool, standbys: list[str] | None = None) -> int:

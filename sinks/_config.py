@@ -19,7 +19,8 @@ from common.errors import SinkConfigError
 from common.topics import split_table_name, topic_name
 from sinks._storage import Location, StorageConfig, location
 
-_BUILTINS = ("search", "cache", "warehouse")
+_BUILTINS = ("search", "cache", "warehouse", "sql")
+_ENABLED = ("search", "cache", "warehouse")  # sql needs a database named first (sinks.sql.url)
 
 
 class _Section(BaseModel):
@@ -82,8 +83,21 @@ class WarehouseConfig(_SinkSection):
     history: bool = Field(default=False, description="also keep an append-only change history table per table")
 
 
+class SqlConfig(_SinkSection):
+    url: SecretStr | None = Field(
+        default=None,
+        description="SQLAlchemy URL of the database kept (postgresql+psycopg://…, sqlite:///path); its "
+        "password is kept secret",
+    )
+    schema_: str | None = Field(
+        default=None,
+        alias="schema",
+        description="schema of the tables, views and state tables; default: the database's (PostgreSQL)",
+    )
+
+
 class SinksConfig(_Section):
-    enabled: tuple[str, ...] = Field(default=_BUILTINS, description="sinks `cdc sinks run` starts by default")
+    enabled: tuple[str, ...] = Field(default=_ENABLED, description="sinks `cdc sinks run` starts by default")
     state_dir: str = Field(
         default=".cdc-sinks", description="checkpoints and status of the queries: a directory or a URI (s3a://…)"
     )
@@ -128,6 +142,7 @@ class SinksConfig(_Section):
     search: SearchConfig = SearchConfig()
     cache: CacheConfig = CacheConfig()
     warehouse: WarehouseConfig = WarehouseConfig()
+    sql: SqlConfig = SqlConfig()
     storage: StorageConfig = StorageConfig()
     plugins: dict[str, dict[str, Any]] = Field(
         default_factory=dict, description="settings handed to plugin sinks, by sink name"

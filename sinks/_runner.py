@@ -75,7 +75,7 @@ _HEALTHY_S = 300.0  # a query that ran this long before failing was healthy: its
 _NO_SPACE = "No space left on device"  # ENOSPC as the JVM (Spark's checkpoint writes) and the C library say it
 _NEARLY_FULL = 64 * 2**20  # free bytes under which an ENOSPC is taken to be the state disk's
 _CHECKPOINT_MANAGER = "spark.sql.streaming.checkpointFileManagerClass"
-_BUILT_IN = ("search", "cache", "warehouse")
+_BUILT_IN = ("search", "cache", "warehouse", "sql")
 _BRIDGE_WAIT_S = 120  # a bridge's store calls time out within this (their clients' own timeouts)
 _LANE_SINKS = ("search", "cache")  # built-ins that write without Spark (sinks._lane)
 
