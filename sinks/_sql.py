@@ -45,7 +45,16 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection, Engine
 
 from sinks._api import BaseSink, Change, Rejected, SinkContext, TableInfo, TableRef
-from sinks._sqltypes import DIALECTS, ColumnKind, UnstorableError, column_kind, sql_type, to_doc, to_sql
+from sinks._sqltypes import (
+    DIALECTS,
+    ColumnKind,
+    UnstorableError,
+    column_kind,
+    register_pg_loaders,
+    sql_type,
+    to_doc,
+    to_sql,
+)
 from sinks._values import Names, column_name
 from sinks.errors import SinkConfigError, SinkTransientError
 
@@ -61,9 +70,15 @@ _SQLITE_WAIT_S = 60  # a SQLite writer waits this long for another's lock (tasks
 def check_dialect(url: str) -> str:
     """The URL's dialect name, or a SinkConfigError naming the ones the sink supports."""
     try:
-        dialect = sa.engine.make_url(url).get_dialect().name
+        parsed = sa.engine.make_url(url)
+        dialect = parsed.get_dialect().name
     except (sa.exc.ArgumentError, sa.exc.NoSuchModuleError) as exc:
         raise SinkConfigError(f"sinks.sql.url is not a SQLAlchemy URL this install can use: {exc}") from exc
+    if dialect == "postgresql" and parsed.get_driver_name() != "psycopg":
+        raise SinkConfigError(
+            f"sinks.sql.url uses the {parsed.get_driver_name()!r} driver; the sql sink talks to PostgreSQL with "
+            "psycopg (3), which pgcdc installs: write postgresql+psycopg://…"
+        )
     if dialect not in DIALECTS:
         raise SinkConfigError(
             f"sinks.sql.url names the {dialect!r} dialect; the sql sink supports {', '.join(DIALECTS)} "
@@ -80,7 +95,13 @@ def make_engine(url: SecretStr) -> Engine:
         engine = sa.create_engine(text, poolclass=sa.pool.NullPool, connect_args={"timeout": _SQLITE_WAIT_S})
         sa.event.listen(engine, "connect", _sqlite_pragmas)
         return engine
-    return sa.create_engine(text, poolclass=sa.pool.NullPool)
+    engine = sa.create_engine(text, poolclass=sa.pool.NullPool)
+    sa.event.listen(engine, "connect", _pg_session)
+    return engine
+
+
+def _pg_session(dbapi_connection: Any, _record: Any) -> None:
+    register_pg_loaders(dbapi_connection)
 
 
 def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:

@@ -11,24 +11,25 @@ float (real) / double (double precision)   real / double precision       REAL
 decimal, with "NaN" (numeric(p,s))         numeric(p,s)                  TEXT, exact ("12.50")
 string (text, varchar, uuid, json, enums)  text                          TEXT
 bytes, fixed (bytea)                       bytea                         BLOB
-date                                       date                          DATE (ISO text)
-timestamp-micros (timestamptz)             timestamp with time zone      DATETIME (ISO text, UTC)
-local-timestamp-micros (timestamp)         timestamp without time zone   DATETIME (ISO text)
-time-micros (time)                         time                          TIME (ISO text)
+date                                       date                          DATE (document form)
+timestamp-micros (timestamptz)             timestamp with time zone      DATETIME (document form)
+local-timestamp-micros (timestamp)         timestamp without time zone   DATETIME (document form)
+time-micros (time)                         time                          TIME (document form)
 record, array, map, other unions           json                          JSON (text)
 =========================================  ============================  ==========================
 
-A value the target type cannot hold is refused with the reason, and goes to the dead-letter topic (the topic
-keeps it): PostgreSQL's date and timestamp ``infinity`` and dates outside years 1-9999 (Python's date, which
-SQLAlchemy's drivers convert through, has neither), a time of ``24:00:00``, and NaN in a float column of
-SQLite (which would store NULL).
+Every value PostgreSQL can hold is kept, the edges too: on a PostgreSQL target dates and times cross as
+PostgreSQL's own text (``infinity``, BC dates, years past 9999, ``24:00:00``; sessions in UTC with ISO dates),
+never through Python's ``date``, which has none of them; SQLite, which has no date types, keeps the document
+form itself (``2024-02-29T23:59:59.123456Z``, which its date functions read), and a float's NaN or infinity as
+its document form's text (SQLite would store a NaN as NULL).
 """
 
 from __future__ import annotations
 
 import base64
-import datetime as dt
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from decimal import Decimal
@@ -108,6 +109,8 @@ def sql_type(kind: ColumnKind, dialect: str) -> sa.types.TypeEngine[Any]:
     k = kind.kind
     if k == "decimal":
         return sa.Numeric(kind.precision, kind.scale, asdecimal=True) if dialect == "postgresql" else sa.Text()
+    if dialect == "sqlite" and k in _SQLITE_DECLARED:
+        return _Declared(_SQLITE_DECLARED[k])  # no conversion: the document form is stored as it is
     simple: dict[str, sa.types.TypeEngine[Any]] = {
         "boolean": sa.Boolean(),
         "int": sa.Integer(),
@@ -128,25 +131,27 @@ def sql_type(kind: ColumnKind, dialect: str) -> sa.types.TypeEngine[Any]:
 def to_sql(kind: ColumnKind, dialect: str) -> Convert:
     """Document form to the value the column stores; raises :class:`UnstorableError`."""
     k = kind.kind
+    if dialect == "sqlite" and k in _SQLITE_DECLARED:
+        return _ident
     if k in ("float", "double"):
-        return _float_in(nan=dialect == "postgresql")
+        return _nullsafe(float)  # "NaN", "Infinity", "-Infinity" in document form
     if k == "decimal":
         return _nullsafe(Decimal) if dialect == "postgresql" else _nullsafe(str)
     if k == "bytes":
         return _nullsafe(base64.b64decode)
     if k == "date":
-        return _nullsafe(_date_in)
-    if k == "timestamp":
-        return _nullsafe(lambda v: _timestamp_in(v, utc=dialect == "postgresql"))
-    if k == "local_timestamp":
-        return _nullsafe(lambda v: _timestamp_in(v, utc=False))
+        return _nullsafe(_pg_date_in)
+    if k in ("timestamp", "local_timestamp"):
+        return _nullsafe(lambda v: _pg_timestamp_in(v, tz=k == "timestamp"))
     if k == "time":
-        return _nullsafe(_time_in)
+        return _nullsafe(str)
     return _ident
 
 
 def to_doc(kind: ColumnKind) -> Convert:
-    """A stored value, as the database driver returns it, to document form (sinks._values)."""
+    """A stored value, as the database driver returns it, to document form (sinks._values). Dates and times
+    come as document form already: PostgreSQL's by the loaders :func:`register_pg_loaders` installs, SQLite's
+    as stored."""
     k = kind.kind
     if k in ("float", "double"):
         return _nullsafe(_float_out)
@@ -154,32 +159,14 @@ def to_doc(kind: ColumnKind) -> Convert:
         return _nullsafe(_decimal_out)
     if k == "bytes":
         return _nullsafe(lambda v: base64.b64encode(bytes(v)).decode("ascii"))
-    if k == "date":
-        return _nullsafe(lambda v: v.isoformat())
-    if k == "timestamp":
-        return _nullsafe(lambda v: _timestamp_out(v, "Z"))
-    if k == "local_timestamp":
-        return _nullsafe(lambda v: _timestamp_out(v, ""))
-    if k == "time":
-        return _nullsafe(lambda v: v.isoformat(timespec="microseconds"))
     if k == "boolean":
         return _nullsafe(bool)
     return _ident
 
 
-def _float_in(*, nan: bool) -> Convert:
-    def convert(value: Any) -> Any:
-        if value is None:
-            return None
-        number = float(value)  # "NaN", "Infinity", "-Infinity" in document form
-        if math.isnan(number) and not nan:
-            raise UnstorableError("NaN in a float column: SQLite would store NULL")
-        return number
-
-    return convert
-
-
-def _float_out(value: float) -> Any:
+def _float_out(value: Any) -> Any:
+    if isinstance(value, str):  # SQLite keeps NaN and the infinities as their document form's text
+        return value
     if math.isnan(value):
         return "NaN"
     if math.isinf(value):
@@ -191,31 +178,122 @@ def _decimal_out(value: Any) -> str:
     return format(value, "f") if isinstance(value, Decimal) and value.is_finite() else str(value)
 
 
-def _date_in(value: Any) -> dt.date:
-    if not isinstance(value, str) or value.endswith("infinity"):
-        raise UnstorableError(f"date {value!r} (PostgreSQL's infinity, or outside years 1-9999) has no SQL date here")
-    return dt.date.fromisoformat(value)
+_SQLITE_DECLARED = {"float": "REAL", "double": "REAL", "date": "DATE", "timestamp": "DATETIME",
+                    "local_timestamp": "DATETIME", "time": "TIME"}  # fmt: skip
 
 
-def _timestamp_in(value: Any, *, utc: bool) -> dt.datetime:
-    if not isinstance(value, str) or value.endswith("infinity"):
-        raise UnstorableError(f"timestamp {value!r} (infinity, or outside years 1-9999) has no SQL timestamp here")
-    if value.endswith("Z"):
-        moment = dt.datetime.fromisoformat(value[:-1]).replace(tzinfo=dt.UTC)
-        return moment if utc else moment.replace(tzinfo=None)  # SQLite keeps UTC as naive text
-    return dt.datetime.fromisoformat(value)
+class _Declared(sa.types.UserDefinedType[Any]):
+    """A column declared with a type name and no conversion either way (SQLite's flexible typing)."""
+
+    cache_ok = True
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def get_col_spec(self, **_kw: Any) -> str:
+        return self.name
 
 
-def _timestamp_out(value: dt.datetime, suffix: str) -> str:
-    if value.tzinfo is not None:
-        value = value.astimezone(dt.UTC).replace(tzinfo=None)
-    return value.isoformat(timespec="microseconds") + suffix  # strftime's %Y drops year 1's zeros
+# --- PostgreSQL's dates and times as its own text (docs: the module's) --------------------------------------
+
+_DAY_US = 86_400_000_000
+_PG_DATE = re.compile(r"^(\d+)-(\d\d)-(\d\d)(?: (\d\d:\d\d:\d\d)(?:\.(\d+))?)?(\+00)?( BC)?$")
 
 
-def _time_in(value: Any) -> dt.time:
-    if isinstance(value, str) and value.startswith("24:"):
-        raise UnstorableError(f"time {value!r}: a SQL time through Python's drivers ends at 23:59:59.999999")
-    return dt.time.fromisoformat(value)
+def civil(days: int) -> tuple[int, int, int]:
+    """(year, month, day) of a day number since 1970-01-01, proleptic Gregorian; year 0 is 1 BC."""
+    z = days + 719_468
+    era = z // 146_097
+    doe = z - era * 146_097
+    yoe = (doe - doe // 1460 + doe // 36_524 - doe // 146_096) // 365
+    doy = doe - (365 * yoe + yoe // 4 - yoe // 100)
+    mp = (5 * doy + 2) // 153
+    month = mp + 3 if mp < 10 else mp - 9
+    return yoe + era * 400 + (month <= 2), month, doy - (153 * mp + 2) // 5 + 1
+
+
+def day_number(year: int, month: int, day: int) -> int:
+    """The inverse of :func:`civil`."""
+    year -= month <= 2
+    era = year // 400
+    yoe = year - era * 400
+    doy = (153 * (month - 3 if month > 2 else month + 9) + 2) // 5 + day - 1
+    return era * 146_097 + yoe * 365 + yoe // 4 - yoe // 100 + doy - 719_468
+
+
+def _pg_date_text(days: int) -> str:
+    year, month, day = civil(days)
+    if year <= 0:
+        return f"{1 - year:04d}-{month:02d}-{day:02d} BC"
+    return f"{year:04d}-{month:02d}-{day:02d}"
+
+
+def _time_text(micros: int) -> str:
+    seconds, us = divmod(micros, 1_000_000)
+    return f"{seconds // 3600:02d}:{seconds // 60 % 60:02d}:{seconds % 60:02d}.{us:06d}"
+
+
+def _pg_date_in(value: Any) -> str:
+    """A date's document form (ISO text, ``infinity``, or days since 1970) as PostgreSQL reads it."""
+    return _pg_date_text(value) if isinstance(value, int) else str(value)
+
+
+def _pg_timestamp_in(value: Any, *, tz: bool) -> str:
+    """A timestamp's document form (ISO text, ``infinity``, or µs since 1970) as PostgreSQL reads it."""
+    if not isinstance(value, int):
+        return str(value)
+    days, rest = divmod(value, _DAY_US)
+    date = _pg_date_text(days)
+    era = " BC" if date.endswith(" BC") else ""
+    return f"{date.removesuffix(' BC')} {_time_text(rest)}{'+00' if tz else ''}{era}"
+
+
+def _pg_out(text: str, *, kind: str) -> Any:
+    """PostgreSQL's text of a date or timestamp (ISO, UTC) to document form."""
+    if text in ("infinity", "-infinity"):
+        return text
+    m = _PG_DATE.match(text)
+    if m is None:
+        raise ValueError(f"unexpected {kind} text from PostgreSQL: {text!r}")
+    year, month, day, clock, fraction, _utc, bc = m.groups()
+    y = 1 - int(year) if bc else int(year)
+    days = day_number(y, int(month), int(day))
+    if kind == "date":
+        return f"{y:04d}-{month}-{day}" if 1 <= y <= 9999 else days
+    micros = 0
+    if clock:
+        h, mi, se = (int(x) for x in clock.split(":"))
+        micros = (h * 3600 + mi * 60 + se) * 1_000_000 + int((fraction or "").ljust(6, "0"))
+    if not 1 <= y <= 9999:
+        return days * _DAY_US + micros
+    return f"{y:04d}-{month}-{day}T{_time_text(micros)}{'Z' if kind == 'timestamptz' else ''}"
+
+
+def _pg_time_out(text: str) -> str:
+    clock, _, fraction = text.partition(".")
+    return f"{clock}.{fraction.ljust(6, '0')}"
+
+
+def register_pg_loaders(connection: Any) -> None:
+    """Have a psycopg connection return dates, timestamps and times in document form (from PostgreSQL's text,
+    which holds infinity, BC and years past 9999), in a UTC session with ISO dates."""
+    from psycopg.adapt import Loader
+
+    def loader(convert: Callable[[str], Any]) -> type[Loader]:
+        class DocForm(Loader):
+            def load(self, data: Any) -> Any:
+                return convert(bytes(data).decode("ascii"))
+
+        return DocForm
+
+    adapters = connection.adapters
+    adapters.register_loader("date", loader(lambda t: _pg_out(t, kind="date")))
+    adapters.register_loader("timestamptz", loader(lambda t: _pg_out(t, kind="timestamptz")))
+    adapters.register_loader("timestamp", loader(lambda t: _pg_out(t, kind="timestamp")))
+    adapters.register_loader("time", loader(_pg_time_out))
+    with connection.cursor() as cursor:
+        cursor.execute("SET TimeZone TO 'UTC'; SET DateStyle TO 'ISO, YMD'")
+    connection.commit()  # a SET in a transaction the pool later rolls back would be undone
 
 
 def _ident(value: Any) -> Any:
