@@ -4,7 +4,7 @@
   zero (keys and values, Confluent wire format), no Spark;
 - each store's native load of the same changes, from one Python thread with the store's plain client and
   nothing else: Redis pipelined HSET/DEL, OpenSearch ``helpers.bulk`` into an index with refresh off and no
-  replicas, a plain Spark Delta append of the rows;
+  replicas, a plain Spark Delta append of the rows, PostgreSQL's COPY of the rows (the sql sink's target);
 - a plain copy of the source (COPY) and a plain scan of each store: what a rebuild's verify costs at least.
 
 Every rate is in records of the topic per second, tombstones included (a sink reads them too), so a sink's
@@ -174,6 +174,35 @@ def delta_append(spark: Any, changes: Changes) -> float:
         started = time.monotonic()
         frame.write.format("delta").mode("append").save(str(Path(tmp, "table")))
         return time.monotonic() - started
+
+
+_PG_TYPES = {bool: "boolean", int: "bigint", float: "double precision", str: "text", Decimal: "numeric",
+             datetime: "timestamptz", date: "date", bytes: "bytea", dict: "jsonb", list: "jsonb"}  # fmt: skip
+
+
+def postgres_copy(dsn: str, changes: Changes) -> float:
+    """Seconds for PostgreSQL to take the topic's rows (inserts and updates) by COPY into a new table with a
+    column per field, typed from the values: the database's own bulk load, no upsert."""
+    rows = [r for r in changes.rows if r]
+    columns = {k: _PG_TYPES.get(type(v), "text") for r in rows[:1000] for k, v in r.items() if v is not None}
+    names = sorted(columns)
+    plain = [tuple(json.dumps(r.get(n)) if columns[n] == "jsonb" and r.get(n) is not None else r.get(n)
+                   for n in names) for r in rows]  # fmt: skip
+    table = sql.Identifier("pgcdc_native_load")
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(
+            sql.SQL("CREATE TABLE {} ({})").format(
+                table, sql.SQL(", ").join(sql.SQL("{} " + columns[n]).format(sql.Identifier(n)) for n in names)
+            )
+        )
+        try:
+            started = time.monotonic()
+            with conn.cursor() as cur, cur.copy(sql.SQL("COPY {} FROM STDIN").format(table)) as copy:
+                for row in plain:
+                    copy.write_row(row)
+            return time.monotonic() - started
+        finally:
+            conn.execute(sql.SQL("DROP TABLE {}").format(table))
 
 
 def copy_source(dsn: str, table: str) -> float:

@@ -72,6 +72,8 @@ from pgcdc_dev.cluster import (  # spark-submit as the cluster tests run it
 )
 from prometheus_client.parser import text_string_to_metric_families
 from psycopg import sql
+from psycopg.conninfo import conninfo_to_dict
+from sqlalchemy.engine import URL
 
 from bench import _debezium as dbz
 from bench import _sink_refs as refs
@@ -86,6 +88,7 @@ SCENARIO = "sinks"
 CLUSTER_SCENARIO = "sinks-cluster"
 LIVE_SCENARIO = "sinks-live"  # --only-live: the live steps alone
 SINKS = ("search", "cache", "warehouse")
+REPLAY_SINKS = (*SINKS, "sql")  # the sql sink (into a second database on the same server) is measured in replay
 TABLE = "events"
 LIGHT_P99_S = {"search": 0.8, "cache": 0.8, "warehouse": 10.0}
 LIGHT_P50_S = {"search": 0.3, "cache": 0.3}
@@ -129,6 +132,24 @@ class Env:
     @property
     def dsn(self) -> str:
         return dsn_for(self.admin, self.prefix)
+
+    @property
+    def sql_dsn(self) -> str:
+        """The sql sink's target: a database of its own on the source's server."""
+        return dsn_for(self.admin, f"{self.prefix}_sql")
+
+    @property
+    def sql_url(self) -> str:
+        info = conninfo_to_dict(self.sql_dsn)
+        url = URL.create(
+            "postgresql+psycopg",
+            username=str(info.get("user", "postgres")),
+            password=str(info["password"]) if info.get("password") else None,
+            host=str(info.get("host", "127.0.0.1")),
+            port=int(str(info.get("port", 5432))),
+            database=str(info["dbname"]),
+        )
+        return url.render_as_string(hide_password=False)
 
     @property
     def bucket(self) -> str:
@@ -179,6 +200,9 @@ url = "{self.redis_url}"
 
 [sinks.warehouse]
 path = "{warehouse}"
+
+[sinks.sql]
+url = "{self.sql_url}"
 """
         )
         return path
@@ -211,6 +235,7 @@ def _stop(proc: subprocess.Popen[bytes], timeout: float) -> None:
 def _create(env: Env, rows: int) -> None:
     with psycopg.connect(env.admin, autocommit=True) as conn:
         conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(env.prefix)))
+        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(f"{env.prefix}_sql")))
     with psycopg.connect(env.dsn, autocommit=True) as conn:
         table = sql.Identifier(TABLE)
         conn.execute(
@@ -400,10 +425,10 @@ def _replays(env: Env, changes: refs.Changes, result: Result) -> dict[str, float
         _replay("warm-up", settings, spark, changes.records)  # class loading and JIT, not counted
         ref_s, _ = _replay("reference", settings, spark, changes.records)
         native = _natives(env, spark, changes, result)
-        for name in SINKS:
+        for name in REPLAY_SINKS:
             limits[name] = min((changes.rate, "read + decode"), (native[name], f"{name} native"))
         seconds: dict[str, float] = {}
-        for name in SINKS:
+        for name in REPLAY_SINKS:
             elapsed, cpu = _replay(name, settings, spark, changes.records)
             seconds[name] = elapsed
             limit, limit_name = limits[name]
@@ -441,11 +466,13 @@ def _natives(env: Env, spark: Any, changes: refs.Changes, result: Result) -> dic
         "cache": refs.redis_native(env.redis_url, f"{env.prefix}-native", changes),
         "search": refs.opensearch_native(env.opensearch, f"{env.prefix}-native", changes),
         "warehouse": refs.delta_append(spark, changes),
+        "sql": refs.postgres_copy(env.sql_dsn, changes),
     }
     how = {
         "cache": "Redis pipelined HSET/DEL, 1,000 per round trip, one Python thread",
         "search": "OpenSearch helpers.bulk, 1,000 per request, refresh off, no replicas, one Python thread",
         "warehouse": "plain Spark Delta append of the rows (no MERGE), local[*]",
+        "sql": "PostgreSQL COPY of the rows into a new table of the sink's database, one Python thread",
     }
     for name, s in seconds.items():
         result.measures.append(
@@ -1044,6 +1071,7 @@ def _cleanup(env: Env) -> None:
             except psycopg.errors.ObjectInUse:
                 time.sleep(0.2)
         conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(env.prefix)))
+        conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(f"{env.prefix}_sql")))
     with contextlib.suppress(Exception):
         OpenSearch(env.opensearch).indices.delete(index=f"{env.prefix}*", expand_wildcards="all")
     with contextlib.suppress(Exception):

@@ -58,7 +58,7 @@ def target(request: pytest.FixtureRequest, tmp_path: Path, unique: str) -> Itera
 
         def pg_query(text: str) -> list[tuple[Any, ...]]:
             with psycopg.connect(dsn) as conn:
-                cursor = conn.execute(text)  # type: ignore[arg-type]
+                cursor = conn.execute(text)
                 return list(cursor.fetchall()) if cursor.description else []
 
         info = psycopg.conninfo.conninfo_to_dict(dsn)
@@ -81,7 +81,9 @@ def _schema_changes(source: str, round_: int) -> None:
         elif round_ == 1:
             conn.execute("ALTER TABLE items RENAME COLUMN qty TO quantity")
             conn.execute('TRUNCATE "Notes"')
-            conn.execute("""INSERT INTO "Notes" SELECT 'k' || (g % 5), g, 'again ' || g FROM generate_series(1, 30) g""")
+            conn.execute(
+                """INSERT INTO "Notes" SELECT 'k' || (g % 5), g, 'again ' || g FROM generate_series(1, 30) g"""
+            )
         elif round_ == 2:
             conn.execute("ALTER TABLE items DROP COLUMN tags")
             conn.execute("UPDATE items SET name = name || '!' WHERE id % 7 = 0")
@@ -165,10 +167,9 @@ def _rebuild_while_reading(config: Path, query: Query) -> None:
 
 def _repair(config: Path, query: Query) -> None:
     """A row removed from the served table behind the sink's back is found and mended."""
-    (name,) = [
-        r[0] for r in query("SELECT table_name FROM pgcdc_sql_columns WHERE generation = 2 AND table_name = 'public.items'")
-    ]
-    query(f'DELETE FROM "{name}__g2" WHERE "__pgcdc_key" = \'[1]\'')  # noqa: S608 - the test's own names
+    rows = query("SELECT table_name FROM pgcdc_sql_columns WHERE generation = 2 AND table_name = 'public.items'")
+    assert rows == [("public.items",)], rows
+    query("""DELETE FROM "public.items__g2" WHERE "__pgcdc_key" = '[1]'""")
     drift = cdc("verify", "sql", "--config", str(config), timeout=600)
     assert drift.returncode == 9, f"{drift.stdout}\n{drift.stderr}"
     assert "missing" in drift.stdout
