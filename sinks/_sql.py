@@ -32,6 +32,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -88,14 +89,32 @@ def check_dialect(url: str) -> str:
 
 
 def make_engine(url: SecretStr) -> Engine:
-    """An engine of its own for this process (an executor task's, or the driver's)."""
+    """An engine of its own, connecting anew each time (the driver's, for set-up and swaps)."""
+    return _engine(url, sa.pool.NullPool)
+
+
+_ENGINES: dict[tuple[int, str], Engine] = {}
+
+
+def shared_engine(url: SecretStr) -> Engine:
+    """This process's engine for ``url``, keeping one connection open between calls: Spark's Python workers
+    (and the driver's live batches) write batch after batch, and a connection (with its session set-up) per
+    batch would cost more than a small batch's rows. Keyed by process too: a forked worker never shares its
+    parent's connections."""
+    key = (os.getpid(), url.get_secret_value())
+    engine = _ENGINES.get(key)
+    if engine is None:
+        engine = _ENGINES[key] = _engine(url, sa.pool.QueuePool, pool_size=1, max_overflow=4, pool_pre_ping=True)
+    return engine
+
+
+def _engine(url: SecretStr, pool: Any, **options: Any) -> Engine:
     text = url.get_secret_value()
-    dialect = check_dialect(text)
-    if dialect == "sqlite":
-        engine = sa.create_engine(text, poolclass=sa.pool.NullPool, connect_args={"timeout": _SQLITE_WAIT_S})
+    if check_dialect(text) == "sqlite":
+        engine = sa.create_engine(text, poolclass=pool, connect_args={"timeout": _SQLITE_WAIT_S}, **options)
         sa.event.listen(engine, "connect", _sqlite_pragmas)
         return engine
-    engine = sa.create_engine(text, poolclass=sa.pool.NullPool)
+    engine = sa.create_engine(text, poolclass=pool, **options)
     sa.event.listen(engine, "connect", _pg_session)
     return engine
 
@@ -475,16 +494,12 @@ class SqlWriter:
             upserts.setdefault(change.unchanged, []).append(
                 {KEY: key, **values, COMMIT: change.commit_lsn, LSN: change.lsn, OP: change.op, TS: change.ts_ms}
             )
-        engine = make_engine(layout.url)
-        try:
-            with _transient(), engine.begin() as conn:
-                for unchanged, rows in upserts.items():
-                    rejected += _upsert(conn, target, unchanged=unchanged, rows=rows, origin=origin, topic=table.topic)
-                _deletes(conn, target, deletes, blind)
-                if truncate is not None:
-                    conn.execute(target.delete().where(_older(target, *truncate)))
-        finally:
-            engine.dispose()
+        with _transient(), shared_engine(layout.url).begin() as conn:
+            for unchanged, rows in upserts.items():
+                rejected += _upsert(conn, target, unchanged=unchanged, rows=rows, origin=origin, topic=table.topic)
+            _deletes(conn, target, deletes, blind)
+            if truncate is not None:
+                conn.execute(target.delete().where(_older(target, *truncate)))
         return rejected
 
 
