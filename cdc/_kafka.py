@@ -309,7 +309,9 @@ class TransactionalProducer:
         try:
             admin = AdminClient(self._admin_conf)
             resource = ConfigResource(ConfigResource.Type.TOPIC, topic)
-            return int(admin.describe_configs([resource])[resource].result(10)["max.message.bytes"].value)
+            # A fresh client's first request waits for its connection and metadata: on a loaded machine 10 s
+            # was seen to fall short, and the operator's message then lacked the limit in force.
+            return int(admin.describe_configs([resource])[resource].result(30)["max.message.bytes"].value)
         except Exception as lookup:  # only detail for the error being reported: it must never replace it
             log.debug("cannot read max.message.bytes of %r: %s", topic, lookup)
             return None

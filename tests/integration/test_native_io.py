@@ -585,6 +585,8 @@ def test_live_changes_from_c_are_what_the_fast_path_writes(kafka_bootstrap: str,
     assert len(written) == 1 + 5000 + 5 + 14 + 3 + 1000 + 4 * 2 + 3000
     unchanged = [v for _, _, v in written if v and v.endswith(b"\x02\x08body\x00")]  # ["body"] and the end
     assert len(unchanged) == 13  # the updates that left a long body alone (not 3150: NULL) carry it as unchanged
-    assert made["c"] > 8000  # most Inserts, Updates and Deletes were produced from C
+    # Most Inserts, Updates and Deletes were produced from C. Not all: whenever librdkafka's queue is full (a busy
+    # machine's broker acknowledges slowly) C hands the change back to the general path, as tested above.
+    assert made["c"] > len(written) // 2
     assert made["u"] > 10
     assert made["d"] >= 3  # the first of the 4 deletes may end a run of the general path
