@@ -36,7 +36,9 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from tests.integration._capture_helpers import CdcProcess, Event, read_topic, scratch_database, wait_for
 from tests.integration._sinks_helpers import SinksProcess, Stack, cdc
 
-pytestmark = [pytest.mark.slow, pytest.mark.pg_matrix]
+# On PostgreSQL 15 only (the whole suite's server): CI's time on 18 goes to the version-sensitive suites, and
+# on 18 the failover test kills the capture and the primary itself (docs/operations.md, PostgreSQL versions).
+pytestmark = [pytest.mark.slow]
 
 PROFILES: dict[str, dict[str, int]] = {
     "short": {

@@ -248,7 +248,7 @@ def test_verify_repair_re_emits_only_the_keys_that_differ(
 def test_a_table_the_publication_gains_while_streaming_is_backfilled_into_every_store(
     *, source: str, stack: Stack, unique: str, tmp_path: Path
 ) -> None:
-    """The publication decides what is captured (source.tables empty): a table with 200,000 rows added to it
+    """The publication decides what is captured (source.tables empty): a table with 50,000 rows added to it
     while the capture, the sinks and writes on that table run is backfilled, and `cdc verify` of the three stores
     is clean afterwards."""
     create_pipeline_tables(source)
@@ -267,8 +267,8 @@ def test_a_table_the_publication_gains_while_streaming_is_backfilled_into_every_
         wait_for(lambda: sinks.batches() >= 2, 240, "the sinks' first batches", sinks)
         with psycopg.connect(source, autocommit=True) as conn:
             conn.execute("CREATE TABLE added (id int PRIMARY KEY, v int NOT NULL)")
-            conn.execute("INSERT INTO added SELECT g, 0 FROM generate_series(1, 200000) g")
-        writer = threading.Thread(target=_write, args=(source, "added", 200000, done, writes))
+            conn.execute("INSERT INTO added SELECT g, 0 FROM generate_series(1, 50000) g")
+        writer = threading.Thread(target=_write, args=(source, "added", 50000, done, writes))
         writer.start()
         with psycopg.connect(source, autocommit=True) as conn:
             conn.execute(f'ALTER PUBLICATION "p_{unique}" ADD TABLE added')
