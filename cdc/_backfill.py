@@ -38,7 +38,7 @@ import psycopg
 from confluent_kafka import KafkaException
 from psycopg import sql
 
-from cdc._catalog import qualified_name
+from cdc._catalog import load_table, qualified_name
 from cdc._encoder import PACKED_HEAD, CopyRowRefused, packed_rows
 from cdc._events import ColumnSpec, Position, Stamp, TableCodec
 from cdc._offsets import BackfillProgress, CaptureState
@@ -669,6 +669,7 @@ class Backfills:
         """How the backfill's chunks are read; ValueError when its listed keys cannot be had."""
         keyset = self._keysets.get(backfill.id)
         if keyset is None:
+            info = self._current(info)
             key = self._attached.report.key_columns[info.qualified]
             cols = [ColumnSpec(c.name, c.type_oid, c.typmod) for c in info.columns]
             codec = self._attached.codecs.for_table(info.schema, info.name, cols, [c.name in key for c in cols])
@@ -681,6 +682,23 @@ class Backfills:
                 keyset.where = backfill.where
             self._keysets[backfill.id] = keyset
         return keyset
+
+    def _current(self, info: TableInfo) -> TableInfo:
+        """The table as the catalogs describe it now: a column renamed, added or dropped since the capture
+        started would otherwise be read by its old name (a repair after a rename failed so). ValueError when a
+        key column is gone, which only a restarted capture can follow."""
+        fresh = load_table(self._attached.sql, info.schema, info.name)
+        if fresh is None or fresh.columns == info.columns:
+            return info
+        key = self._attached.report.key_columns[info.qualified]
+        missing = [k for k in key if k not in {c.name for c in fresh.columns}]
+        if missing:
+            raise ValueError(
+                f"key column(s) {', '.join(missing)} of {info.qualified} were renamed or dropped since `cdc run` "
+                "started: restart it, then ask again"
+            )
+        self._tables[info.qualified] = fresh
+        return fresh
 
     def _finish(self, inflight: _InFlight, writer: BatchWriter) -> bool:
         """The chunk's rows (those its window keeps) into the open Kafka transaction, and its progress; False

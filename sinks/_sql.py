@@ -20,9 +20,10 @@ Schema changes arrive as a new Avro schema; :meth:`SqlSink.prepare` migrates the
 writes: a new field is ADD COLUMN, a field gone is DROP COLUMN, and a field that replaces another at the same
 place with the same kind is RENAME COLUMN (PostgreSQL puts an added column last, so a column replaced in place
 is a rename; a last column dropped and one of the same kind added in one step looks the same, and is taken
-as a rename). A field whose kind changed is dropped and added again. The view is made again in the same
-transaction. Values already stored in a re-created column are gone until their rows change: the log says so
-and ``cdc verify sql --repair`` mends them.
+as a rename; a batch sees only the newest schema of its events, so a rename is recognised when it is the one
+change between the schemas two batches see). A field whose kind changed is dropped and added again. The view
+is made again in the same transaction. Values already stored in a re-created column are gone until their rows
+change: the log says so and ``cdc verify sql --repair`` mends them.
 
 Dialects: PostgreSQL and SQLite (tested); any other is refused when the sink opens, with the list.
 """

@@ -527,3 +527,44 @@ def test_requests_produced_to_the_signal_topic_are_taken_once(
 
 def _has_topic(kafka: str, topic: str) -> bool:
     return topic in AdminClient({"bootstrap.servers": kafka}).list_topics(timeout=10).topics
+
+
+def test_a_backfill_after_a_column_rename_reads_the_table_by_its_new_names(
+    pg_dsn: str, kafka_bootstrap: str, registry_url: str, unique: str, tmp_path: Path
+) -> None:
+    """A column renamed while `cdc run` streams: a backfill asked afterwards (a `cdc verify --repair`, here a
+    list of keys) reads the table as it is now, and its rows carry the new name; a whole-table backfill too."""
+    with scratch_database(pg_dsn, f"br_{unique}") as dsn:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute("CREATE TABLE r (id int PRIMARY KEY, at text, v int)")
+            conn.execute("INSERT INTO r SELECT g, 'then ' || g, g FROM generate_series(1, 20) g")
+        cfg = CdcConfig(
+            dsn, kafka_bootstrap, registry_url, f"br{unique}", ["public.r"], f"s_{unique}", f"p_{unique}",
+            extra="signal_poll_s = 0.2",
+        )  # fmt: skip
+        topic = f"br{unique}.public.r"
+        config = cfg.write(tmp_path / "cdc.toml")
+        keys = tmp_path / "public.r.jsonl"
+        keys.write_text(
+            "".join(
+                json.dumps({"kind": "different", "key": f"[{i}]", "columns": {"id": str(i)}}) + "\n" for i in (3, 7)
+            )
+        )
+        proc = cfg.start(tmp_path)
+        try:
+            proc.wait_streaming(180)
+            with psycopg.connect(dsn, autocommit=True) as conn:
+                conn.execute("ALTER TABLE r RENAME COLUMN at TO at_time")
+            listed = _cdc(config, "public.r", "--keys", str(keys))
+            assert listed.returncode == 0, listed.stderr
+            first = listed.stdout.split()[1].rstrip(":")
+            wait_for(lambda: "\tdone\t" in _listed(config, first), 120, "the backfill of listed keys", proc)
+            whole = _cdc(config, "public.r").stdout.split()[1].rstrip(":")
+            wait_for(lambda: "\tdone\t" in _listed(config, whole), 120, "the whole-table backfill", proc)
+            events = read_topic(kafka_bootstrap, registry_url, topic)
+            after = [e.value["after"] for e in events[20:] if e.value is not None]
+            assert len(after) == 2 + 20, after
+            assert all("at_time" in row and "at" not in row for row in after), after[0]
+            assert {row["id"]: row["at_time"] for row in after[:2]} == {3: "then 3", 7: "then 7"}
+        finally:
+            proc.stop()
