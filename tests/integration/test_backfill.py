@@ -179,6 +179,7 @@ def _listed(config: Path, id_: str) -> str:
     return next((line for line in out.splitlines() if line.startswith(f"{id_}\t")), "")
 
 
+@pytest.mark.one_version  # the CLI and the backfill queue: no server version changes them
 def test_cdc_snapshot_where_pause_resume_and_cancel(
     pg_dsn: str, kafka_bootstrap: str, registry_url: str, unique: str, tmp_path: Path
 ) -> None:
@@ -463,6 +464,7 @@ def test_a_backfill_of_listed_keys_reads_them_and_deletes_those_gone(
         _assert_in_order(events)
 
 
+@pytest.mark.one_version  # the signal topic is Kafka's: no server version changes it
 def test_requests_produced_to_the_signal_topic_are_taken_once(
     pg_dsn: str, kafka_bootstrap: str, registry_url: str, unique: str, tmp_path: Path
 ) -> None:

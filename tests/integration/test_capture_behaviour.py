@@ -283,6 +283,7 @@ def test_logical_decoding_messages_are_published(
     assert all(m["prefix"] == "app.audit" for m in messages)
 
 
+@pytest.mark.one_version  # the demo's own commands
 def test_demo_command_captures_a_live_workload(pg_dsn: str, kafka_bootstrap: str, registry_url: str) -> None:
     """The README's main job: `cdc demo` (what `./dev demo` runs after starting the services)."""
     proc = subprocess.run(
@@ -318,6 +319,7 @@ def test_demo_command_captures_a_live_workload(pg_dsn: str, kafka_bootstrap: str
         assert sum(counts) > 0, f"no events of {topic} read back:\n{rows[-1]}"
 
 
+@pytest.mark.one_version  # the demo's own commands
 def test_the_demo_database_and_workload_run_apart_from_the_capture(pg_dsn: str) -> None:
     """What docker-compose.yml runs as services of their own: `cdc demo --setup-only` makes the demo database
     where absent and never resets it; `cdc demo --workload-only --seconds 0` writes until SIGTERM."""
@@ -354,6 +356,7 @@ def test_the_demo_database_and_workload_run_apart_from_the_capture(pg_dsn: str) 
     assert "workload stopped after" in err
 
 
+@pytest.mark.one_version  # fencing is Kafka's transactions: no server version changes it
 def test_a_second_instance_fences_the_first_and_takes_over(
     source: str, kafka_bootstrap: str, registry_url: str, unique: str, tmp_path: Path
 ) -> None:

@@ -1,14 +1,17 @@
 """The sql sink in the whole pipeline, on a PostgreSQL database and on a SQLite file: PostgreSQL → `cdc run` →
 Kafka → `cdc sinks run sql` (Spark) → the target, under a workload with schema changes (ADD, RENAME, DROP
-COLUMN) and a TRUNCATE while the sinks app is SIGKILLed mid-batch; then `cdc verify sql` finds no drift, a
-rebuild is swapped in while a plain client (psycopg, sqlite3) keeps reading the served views, and
-`cdc verify sql --repair` mends a row removed behind the sink's back."""
+COLUMN) and a TRUNCATE, the sinks app SIGKILLed mid-batch once; then `cdc verify sql` finds no drift. On
+PostgreSQL (and on SQLite in the long profile) a rebuild is then swapped in while a plain client (psycopg,
+sqlite3) keeps reading the served views, and `cdc verify sql --repair` mends a row removed behind the sink's
+back."""
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import random
 import sqlite3
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -28,6 +31,7 @@ from tests.integration._sinks_helpers import (
     assert_verified,
     cdc,
     create_pipeline_tables,
+    wait_caught_up,
 )
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(1500)]
@@ -90,18 +94,19 @@ def _schema_changes(source: str, round_: int) -> None:
 
 
 def _workload_round(source: str, round_: int, sinks: SinksProcess) -> None:
-    """A schema change, then a SIGKILL of the sinks app shortly after one of its batches ended (mid-batch); the
-    next round begins once the restarted app has applied a batch, so that each batch sees one schema change (a
-    rename is recognised only as the one change between the schemas a batch sees: docs/sinks.md)."""
-    time.sleep(random.uniform(2, 5))
+    """A schema change once a batch has applied the last one, so that each batch sees one schema change (a
+    rename is recognised only as the one change between the schemas two batches see: docs/sinks.md); in the
+    rename's round the sinks app is SIGKILLed shortly after a batch ended (mid-batch) and started again."""
+    time.sleep(random.uniform(2, 4))
     _schema_changes(source, round_)
     before = sinks.batches()
-    wait_for(lambda: sinks.batches() > before, 240, "a batch before the kill", None)
-    time.sleep(random.uniform(0.3, 1.5))
-    sinks.kill()
-    sinks.start()
-    restarted = sinks.batches()
-    wait_for(lambda: sinks.batches() > restarted, 240, "a batch after the restart", sinks)
+    wait_for(lambda: sinks.batches() > before, 240, "a batch after the schema change", sinks)
+    if round_ == 1:
+        time.sleep(random.uniform(0.3, 1.5))
+        sinks.kill()
+        sinks.start()
+        restarted = sinks.batches()
+        wait_for(lambda: sinks.batches() > restarted, 240, "a batch after the restart", sinks)
 
 
 def test_the_sql_sink_keeps_a_database_through_kills_schema_changes_rebuilds_and_repairs(
@@ -132,8 +137,14 @@ def test_the_sql_sink_keeps_a_database_through_kills_schema_changes_rebuilds_and
         assert all(r[4] is not None for r in view), "the renamed column lost its values"
         assert query('SELECT count(*) FROM "public.Notes"') == [(30,)]
 
-        _rebuild_while_reading(config, query)
-        _repair(config, query)
+        if url.startswith("postgresql"):
+            # A rebuild and a repair go through the same store calls (tables, views, upserts, read-back) that the
+            # SQLite run has made above; CI runs them once, on PostgreSQL (CDC_TEST_LONG=1 on SQLite too).
+            _rebuild_while_reading(config, query)
+            _repair(config, query)
+        elif os.environ.get("CDC_TEST_LONG", "") not in ("", "0"):
+            _rebuild_while_reading(config, query)
+            _repair(config, query)
         assert sinks.alive(), sinks.tail()
         assert sinks.stop() == 0, sinks.tail()
     finally:
@@ -147,14 +158,26 @@ def _verified_but_for_the_rename(config: Path, sinks: SinksProcess) -> None:
     """No drift, but for the one documented limit: a row whose last event before the rename was applied in the
     same batch as events written after it lacks the renamed column's value (the fold reads every event with the
     batch's newest schema, where the old name is gone: docs/sinks.md); `--repair` mends exactly those rows."""
-    result = cdc("verify", "sql", "--config", str(config), "--wait", "240", timeout=900)
+    # Caught up first, then a short --wait (for the workload's last changes still on their way through the
+    # capture): a long one would be waited out whole on the rename's rows, which only --repair mends.
+    wait_caught_up(config, sinks, ["sql"])
+    result = cdc("verify", "sql", "--config", str(config), "--wait", "20", timeout=900)
     if result.returncode == 9:
         differing = [line for line in result.stdout.splitlines() if line.strip().startswith("differs")]
         assert differing, result.stdout
         assert all(": at_time: " in line and line.endswith("store None") for line in differing), result.stdout
         assert "missing 0, extra 0" in result.stdout, result.stdout
-        result = cdc("verify", "sql", "--repair", "--config", str(config), timeout=900)
+        _assert_repaired(cdc("verify", "sql", "--repair", "--config", str(config), timeout=900))
+        return
     assert_verified(result, ["sql"], sinks.tail())
+
+
+def _assert_repaired(result: subprocess.CompletedProcess[str]) -> None:
+    """`cdc verify --repair` exited 0, and after its backfill every table compared clean."""
+    assert result.returncode == 0, f"{result.stdout}\n{result.stderr}"
+    after = result.stdout.rsplit(" done: ", 1)[1].splitlines()[1:]
+    assert after, result.stdout
+    assert all(line.endswith(": no drift") for line in after if line.startswith("sql ")), result.stdout
 
 
 def _rebuild_while_reading(config: Path, query: Query) -> None:
@@ -193,6 +216,5 @@ def _repair(config: Path, query: Query) -> None:
     drift = cdc("verify", "sql", "--config", str(config), timeout=600)
     assert drift.returncode == 9, f"{drift.stdout}\n{drift.stderr}"
     assert "missing" in drift.stdout
-    repaired = cdc("verify", "sql", "--repair", "--config", str(config), timeout=900)
-    assert_verified(repaired, ["sql"])
+    _assert_repaired(cdc("verify", "sql", "--repair", "--config", str(config), timeout=900))
     assert query('SELECT id FROM "public.items" WHERE id = 1') == [(1,)]
