@@ -17,7 +17,7 @@ from pathlib import Path
 
 import psycopg
 from confluent_kafka import Consumer
-from pgcdc_dev.cluster import ObjectStore, ObjectStoreBucket, submit_command, submit_env
+from pgcdc_dev.cluster import ObjectStoreBucket, submit_command, submit_env
 
 from sinks._config import load_sink_settings
 from sinks._progress import TopicEnds, sink_progress
@@ -260,59 +260,3 @@ def assert_verified(result: subprocess.CompletedProcess[str], names: Sequence[st
     assert "DRIFT" not in result.stdout, result.stdout
     for name in names:
         assert re.search(rf"^{name} \S+: no drift$", result.stdout, re.M), f"{name}:\n{result.stdout}"
-
-
-# --- readers of a bucket's state and warehouse that are not Spark ---------------------------------------------
-
-# `cdc status` as the capture's host runs it: the sinks' progress read with pyspark impossible to import.
-_STATUS_WITHOUT_PYSPARK = """
-import sys
-sys.modules["pyspark"] = None  # any import of it raises ImportError
-from pgcdc.cli import main
-sys.exit(main(["status", "--json", "--config", sys.argv[1]]))
-"""
-
-
-def source_items_names(dsn: str) -> dict[int, tuple[str, int | None]]:
-    with psycopg.connect(dsn) as conn:
-        return {r[0]: (r[1], r[2]) for r in conn.execute("SELECT id, name, qty FROM items")}
-
-
-def status_without_pyspark(config: Path) -> dict:  # type: ignore[type-arg]
-    command = [sys.executable, "-c", _STATUS_WITHOUT_PYSPARK, str(config)]
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
-    data = json.loads(proc.stdout)
-    assert "sinks_error" not in data, data["sinks_error"]
-    data["sinks"].sort(key=lambda s: s["name"])  # cache, warehouse
-    return data  # type: ignore[no-any-return]
-
-
-def delta_rs_reads_the_served_table(
-    store: ObjectStore, bucket: str, expected: dict[int, tuple[str, int | None]]
-) -> None:
-    """As docs/sinks.md says: ``<path>/_cdc_current`` holds N; the table is ``<path>/g<N>/<schema>.<table>``."""
-    import pyarrow as pa
-    from deltalake import DeltaTable, QueryBuilder
-
-    options = {
-        "AWS_ENDPOINT_URL": store.url,
-        "AWS_ACCESS_KEY_ID": store.access_key,
-        "AWS_SECRET_ACCESS_KEY": store.secret_key,
-        "AWS_REGION": "us-east-1",
-        "AWS_ALLOW_HTTP": "true",
-        "AWS_FORCE_PATH_STYLE": "true",
-    }
-    fs = store.filesystem()
-    with fs.open_input_stream(f"{bucket}/warehouse/_cdc_current") as f:
-        generation = int(f.read().decode().strip())
-    deadline = time.monotonic() + 60
-    while True:
-        served = DeltaTable(f"s3://{bucket}/warehouse/g{generation}/public.items", storage_options=options)
-        # delta-rs's own engine: its pyarrow path (to_pyarrow_table) panics on this table, whose every row
-        # has date 'infinity' (int32 max days) in the file statistics it turns into pyarrow expressions.
-        table = QueryBuilder().register("t", served).execute("SELECT id, name, qty FROM t").read_all()
-        got = {r["id"]: (r["name"], r["qty"]) for r in pa.table(table).to_pylist()}
-        if got == expected or time.monotonic() > deadline:
-            break
-        time.sleep(2)
-    assert got == expected
