@@ -72,8 +72,6 @@ from pgcdc_dev.cluster import (  # spark-submit as the cluster tests run it
 )
 from prometheus_client.parser import text_string_to_metric_families
 from psycopg import sql
-from psycopg.conninfo import conninfo_to_dict
-from sqlalchemy.engine import URL
 
 from bench import _debezium as dbz
 from bench import _sink_refs as refs
@@ -83,6 +81,7 @@ from sinks import BaseSink, Batch
 from sinks._config import load_sink_settings
 from sinks._progress import TopicEnds, checkpoint_offsets, reached, sink_progress
 from sinks._runner import SinkQuery, spark_session
+from sinks._sql import sqlalchemy_url
 
 SCENARIO = "sinks"
 CLUSTER_SCENARIO = "sinks-cluster"
@@ -140,16 +139,7 @@ class Env:
 
     @property
     def sql_url(self) -> str:
-        info = conninfo_to_dict(self.sql_dsn)
-        url = URL.create(
-            "postgresql+psycopg",
-            username=str(info.get("user", "postgres")),
-            password=str(info["password"]) if info.get("password") else None,
-            host=str(info.get("host", "127.0.0.1")),
-            port=int(str(info.get("port", 5432))),
-            database=str(info["dbname"]),
-        )
-        return url.render_as_string(hide_password=False)
+        return sqlalchemy_url(self.sql_dsn)
 
     @property
     def bucket(self) -> str:

@@ -89,6 +89,23 @@ def check_dialect(url: str) -> str:
     return dialect
 
 
+def sqlalchemy_url(dsn: str) -> str:
+    """The SQLAlchemy URL (psycopg driver) of a libpq connection string, password included: a PostgreSQL
+    target named as the capture names its source."""
+    from psycopg.conninfo import conninfo_to_dict
+
+    info = conninfo_to_dict(dsn)
+    url = sa.engine.URL.create(
+        "postgresql+psycopg",
+        username=str(info.get("user", "postgres")),
+        password=str(info["password"]) if info.get("password") else None,
+        host=str(info.get("host", "127.0.0.1")),
+        port=int(str(info.get("port", 5432))),
+        database=str(info["dbname"]),
+    )
+    return url.render_as_string(hide_password=False)
+
+
 def make_engine(url: SecretStr) -> Engine:
     """An engine of its own, connecting anew each time (the driver's, for set-up and swaps)."""
     return _engine(url, sa.pool.NullPool)

@@ -17,7 +17,7 @@ import pytest
 import sqlalchemy as sa
 
 from sinks._api import Change, SinkContext, TableInfo, TableRef
-from sinks._sql import SqlSink, check_dialect, plan_migration
+from sinks._sql import SqlSink, check_dialect, plan_migration, sqlalchemy_url
 from sinks._sqltypes import ColumnKind
 from sinks.errors import SinkConfigError
 from tests.integration._capture_helpers import scratch_database
@@ -51,19 +51,7 @@ def url(request: pytest.FixtureRequest, tmp_path: Path, unique: str) -> Iterator
         return
     pg_dsn = request.getfixturevalue("pg_dsn")
     with scratch_database(pg_dsn, f"sqlsink_{unique}") as dsn:
-        yield _pg_url(psycopg.conninfo.conninfo_to_dict(dsn))
-
-
-def _pg_url(info: dict[str, Any]) -> str:
-    url = sa.engine.URL.create(
-        "postgresql+psycopg",
-        username=str(info.get("user", "postgres")),
-        password=str(info["password"]) if info.get("password") else None,
-        host=str(info.get("host", "127.0.0.1")),
-        port=int(str(info.get("port", 5432))),
-        database=str(info["dbname"]),
-    )
-    return url.render_as_string(hide_password=False)
+        yield sqlalchemy_url(dsn)
 
 
 def _sink(url: str) -> SqlSink:
@@ -218,8 +206,7 @@ def test_a_row_the_database_refuses_goes_to_the_dead_letters_and_the_others_are_
     unique: str, pg_dsn: str
 ) -> None:
     with scratch_database(pg_dsn, f"sqlsink_{unique}") as dsn:
-        info = psycopg.conninfo.conninfo_to_dict(dsn)
-        url = _pg_url(info)
+        url = sqlalchemy_url(dsn)
         sink = _sink(url)
         try:
             _served(sink)

@@ -20,8 +20,8 @@ from typing import Any
 
 import psycopg
 import pytest
-import sqlalchemy as sa
 
+from sinks._sql import sqlalchemy_url
 from tests.integration._capture_helpers import scratch_database, wait_for
 from tests.integration._sinks_helpers import (
     PIPELINE_TABLES,
@@ -65,16 +65,7 @@ def target(request: pytest.FixtureRequest, tmp_path: Path, unique: str) -> Itera
                 cursor = conn.execute(text)
                 return list(cursor.fetchall()) if cursor.description else []
 
-        info = psycopg.conninfo.conninfo_to_dict(dsn)
-        url = sa.engine.URL.create(
-            "postgresql+psycopg",
-            username=str(info.get("user", "postgres")),
-            password=str(info["password"]) if info.get("password") else None,
-            host=str(info.get("host", "127.0.0.1")),
-            port=int(str(info.get("port", 5432))),
-            database=str(info["dbname"]),
-        )
-        yield url.render_as_string(hide_password=False), pg_query
+        yield sqlalchemy_url(dsn), pg_query
 
 
 def _schema_changes(source: str, round_: int) -> None:
@@ -97,7 +88,8 @@ def _workload_round(source: str, round_: int, sinks: SinksProcess) -> None:
     """A schema change once a batch has applied the last one, so that each batch sees one schema change (a
     rename is recognised only as the one change between the schemas two batches see: docs/sinks.md); in the
     rename's round the sinks app is SIGKILLed shortly after a batch ended (mid-batch) and started again."""
-    time.sleep(random.uniform(2, 4))
+    ran = sinks.batches()  # the workload's changes flow through two batches before each schema change
+    wait_for(lambda: sinks.batches() >= ran + 2, 240, "the workload's batches", sinks)
     _schema_changes(source, round_)
     before = sinks.batches()
     wait_for(lambda: sinks.batches() > before, 240, "a batch after the schema change", sinks)
