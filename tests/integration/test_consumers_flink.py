@@ -10,8 +10,6 @@ column added while running, and a truncate; docs/consumers.md gives the recipe t
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -22,11 +20,12 @@ import psycopg
 import pytest
 from pgcdc_dev.discovery import find_or_skip
 
-from tests.integration._capture_helpers import CdcConfig, CdcProcess, read_topic, scratch_database, wait_for
+from tests.integration._capture_helpers import CdcProcess, read_topic, scratch_database, wait_for
+from tests.integration._consumers import PROGRAMS, java, start_capture
 
 pytestmark = pytest.mark.timeout(900)
 
-RUNNER = Path(__file__).parent / "consumers" / "FlinkSql.java"
+RUNNER = PROGRAMS / "FlinkSql.java"
 COLUMNS = "id, customer, qty, price, paid, placed, region"
 # What a user declares for the topic's table: one Flink column per PostgreSQL column, by the Avro mapping in
 # docs/types.md. numeric without a typmod is a string. timestamptz is timestamp-micros, which Flink's Avro format
@@ -42,19 +41,15 @@ FLINK_COLUMNS = """
   PRIMARY KEY (id) NOT ENFORCED"""
 
 
-def start_capture(setup: Setup, workdir: Path) -> CdcProcess:
-    cfg = CdcConfig(
-        dsn=setup.source,
+def start_orders_capture(setup: Setup, workdir: Path) -> CdcProcess:
+    return start_capture(
+        source=setup.source,
         kafka=setup.kafka,
         registry=setup.registry,
-        prefix=f"t{setup.unique}",
-        tables=["public.orders"],
-        slot=f"s_{setup.unique}",
-        publication=f"p_{setup.unique}",
+        unique=setup.unique,
+        table="public.orders",
+        workdir=workdir,
     )
-    proc = cfg.start(workdir)
-    proc.wait_streaming()
-    return proc
 
 
 @pytest.fixture
@@ -81,14 +76,6 @@ def setup(source: str, kafka_bootstrap: str, registry_url: str, unique: str) -> 
     return Setup(source, kafka_bootstrap, registry_url, unique, find_or_skip("flink-jars"))
 
 
-def _java() -> str:
-    home = os.environ.get("JAVA_HOME")
-    java = shutil.which("java", path=os.path.join(home, "bin")) if home else shutil.which("java")
-    if java is None:
-        pytest.fail("java is not installed: apt-get install -y openjdk-17-jdk-headless (./dev bootstrap does)")
-    return java
-
-
 @dataclass
 class FlinkResult:
     returncode: int
@@ -101,7 +88,7 @@ def run_flink(classpath: str, script: str, workdir: Path) -> FlinkResult:
     path = workdir / f"job{len(list(workdir.glob('job*.sql')))}.sql"
     path.write_text(script)
     proc = subprocess.run(
-        [_java(), "-Xmx1g", "-cp", classpath, str(RUNNER), str(path)],
+        [java(), "-Xmx1g", "-cp", classpath, str(RUNNER), str(path)],
         capture_output=True,
         text=True,
         timeout=600,
@@ -189,7 +176,7 @@ def test_flink_sql_materializes_a_change_topic_like_postgres(setup: Setup, tmp_p
             "'2026-01-02 03:04:05.123456+00'::timestamptz + g * interval '1 minute 0.5 s' "
             "FROM generate_series(1, 300) g"
         )
-    proc = start_capture(setup, tmp_path)
+    proc = start_orders_capture(setup, tmp_path)
     orders = table_ddl(setup)
     try:
         with psycopg.connect(source, autocommit=True) as conn:
@@ -248,7 +235,7 @@ def test_flink_reads_a_numeric_nan_without_misreading_it(setup: Setup, tmp_path:
         conn.execute("CREATE TABLE orders (id int PRIMARY KEY, customer text NOT NULL, amount numeric(10,2))")
         conn.execute("ALTER TABLE orders REPLICA IDENTITY FULL")
         conn.execute("INSERT INTO orders VALUES (1, 'a', 'NaN'), (2, 'b', 2.50)")
-    proc = start_capture(setup, tmp_path)
+    proc = start_orders_capture(setup, tmp_path)
     try:
         committed_marker(setup, proc, "marker")
     finally:
