@@ -244,3 +244,31 @@ def test_flink_reads_a_numeric_nan_without_misreading_it(setup: Setup, tmp_path:
     result = run_flink(setup.classpath, job, tmp_path)
     # Refusing the NaN would be acceptable; a number in its place is not.
     assert result.returncode != 0 or sorted(result.rows) == [[1, None], [2, "2.50"]], result.output
+
+
+def test_flink_reads_an_unchanged_toast_value_as_null(setup: Setup, tmp_path: Path) -> None:
+    """The limit docs/consumers.md states: the Debezium format has no ``unchanged_toast``, so a value stored out
+    of line that an update did not change comes to Flink as null in the update's "after" image."""
+    with psycopg.connect(setup.source, autocommit=True) as conn:
+        conn.execute("CREATE TABLE orders (id int PRIMARY KEY, customer text NOT NULL, note text)")
+        conn.execute("ALTER TABLE orders ALTER COLUMN note SET STORAGE EXTERNAL")  # out of line, uncompressed
+        conn.execute("ALTER TABLE orders REPLICA IDENTITY FULL")
+        conn.execute("INSERT INTO orders VALUES (1, 'a', repeat('x', 10000)), (2, 'b', 'short')")
+    proc = start_orders_capture(setup, tmp_path)
+    try:
+        with psycopg.connect(setup.source, autocommit=True) as conn:
+            conn.execute("UPDATE orders SET customer = customer || '!'")
+
+        def both_updated() -> bool:
+            events = read_topic(setup.kafka, setup.registry, setup.topic)
+            return sum(1 for e in events if e.value is not None and e.value["op"] == "u") == 2
+
+        wait_for(both_updated, 180, "both updates in the topic", proc)
+    finally:
+        proc.stop()
+    job = table_ddl(setup).replace(
+        FLINK_COLUMNS, "id INT NOT NULL, customer STRING, note STRING, PRIMARY KEY (id) NOT ENFORCED"
+    )
+    job = job.replace(f"SELECT {COLUMNS} FROM", "SELECT id, customer, char_length(note) FROM")
+    # PostgreSQL holds 10,000 characters in id 1's note.
+    assert flink_rows(run_flink(setup.classpath, job, tmp_path)) == [[1, "a!", None], [2, "b!", 5]]
