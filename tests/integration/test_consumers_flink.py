@@ -27,6 +27,7 @@ pytestmark = pytest.mark.timeout(900)
 
 RUNNER = PROGRAMS / "FlinkSql.java"
 COLUMNS = "id, customer, qty, price, paid, placed, region"
+SELECT = f"SELECT {COLUMNS}, TO_TIMESTAMP_LTZ(placed / 1000, 3)"  # µs to a Flink timestamp, to the millisecond
 # What a user declares for the topic's table: one Flink column per PostgreSQL column, by the Avro mapping in
 # docs/types.md. numeric without a typmod is a string. timestamptz is timestamp-micros, which Flink's Avro format
 # reads only as BIGINT (its TIMESTAMP takes precision 3 at most, and it has no mapping for TIMESTAMP_LTZ).
@@ -111,15 +112,17 @@ def table_ddl(setup: Setup) -> str:
   'value.debezium-avro-confluent.url' = '{setup.registry}'
 )
 ;
-SELECT {COLUMNS} FROM orders
+{SELECT} FROM orders
 """
 
 
 def source_rows(dsn: str) -> list[list[Any]]:
     """The table as Flink's rows print (FlinkSql.java): ints and booleans as JSON, the rest as text."""
     micros = "(extract(epoch FROM placed) * 1000000)::bigint"
+    millis = "to_char(date_trunc('milliseconds', placed) AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"')"
     with psycopg.connect(dsn) as conn:
-        rows = conn.execute(f"SELECT id, customer, qty, price::text, paid, {micros}, region FROM orders").fetchall()
+        query = f"SELECT id, customer, qty, price::text, paid, {micros}, region, {millis} FROM orders"
+        rows = conn.execute(query).fetchall()
     return sorted(list(r) for r in rows)
 
 
@@ -155,7 +158,7 @@ def offsets_after_truncate(setup: Setup) -> str:
 def amounts_job(orders: str) -> str:
     """The orders job with the numeric(10,2) column ``amount`` declared, selecting (id, amount)."""
     job = orders.replace("region STRING,", "region STRING, amount DECIMAL(10, 2),")
-    return job.replace(f"SELECT {COLUMNS} FROM", "SELECT id, amount FROM")
+    return job.replace(f"{SELECT} FROM", "SELECT id, amount FROM")
 
 
 def source_amounts(dsn: str) -> list[list[Any]]:
@@ -269,6 +272,6 @@ def test_flink_reads_an_unchanged_toast_value_as_null(setup: Setup, tmp_path: Pa
     job = table_ddl(setup).replace(
         FLINK_COLUMNS, "id INT NOT NULL, customer STRING, note STRING, PRIMARY KEY (id) NOT ENFORCED"
     )
-    job = job.replace(f"SELECT {COLUMNS} FROM", "SELECT id, customer, char_length(note) FROM")
+    job = job.replace(f"{SELECT} FROM", "SELECT id, customer, char_length(note) FROM")
     # PostgreSQL holds 10,000 characters in id 1's note.
     assert flink_rows(run_flink(setup.classpath, job, tmp_path)) == [[1, "a!", None], [2, "b!", 5]]

@@ -1,6 +1,8 @@
 import java.nio.file.Files;
 import java.nio.file.Path;
+import java.time.Instant;
 import java.time.LocalDateTime;
+import java.time.ZoneOffset;
 import java.time.format.DateTimeFormatter;
 import java.util.ArrayList;
 import java.util.Base64;
@@ -24,6 +26,7 @@ import org.apache.flink.util.CloseableIterator;
  */
 public final class FlinkSql {
     private static final DateTimeFormatter MICROS = DateTimeFormatter.ofPattern("uuuu-MM-dd'T'HH:mm:ss.SSSSSS");
+    private static final DateTimeFormatter UTC_MICROS = MICROS.withZone(ZoneOffset.UTC);
 
     private FlinkSql() {}
 
@@ -80,6 +83,9 @@ public final class FlinkSql {
         }
         if (v instanceof LocalDateTime moment) {
             return quote(MICROS.format(moment)); // toString drops zero seconds and fractions
+        }
+        if (v instanceof Instant instant) {
+            return quote(UTC_MICROS.format(instant) + "Z");
         }
         if (v instanceof byte[] bytes) {
             return quote(Base64.getEncoder().encodeToString(bytes));
