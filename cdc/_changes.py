@@ -35,6 +35,7 @@ from decoders import (
     StreamCommit,
     Truncate,
     Update,
+    fill_unchanged_from_old,
     format_lsn,
 )
 from schemas import (
@@ -50,6 +51,7 @@ FAST_KINDS = frozenset(b"IUD")  # Insert, Update, Delete: the frames fast_change
 _PAYLOAD_AT = XLOG_PAYLOAD_AT
 _OLD_TUPLE = frozenset(b"KO")
 _NEW_TUPLE = ord("N")
+_FULL_OLD_ROW = ord("O")  # an update's old row under REPLICA IDENTITY FULL
 _INSERT, _DELETE = ord("I"), ord("D")
 # _read_change's result: before, the old key, after, the key, the unchanged TOAST fields
 _Read = tuple[bytes | None, bytes | None, bytes | None, bytes | None, list[str] | None]
@@ -84,6 +86,7 @@ class ChangeWriter:
         self.binary = ctx.settings.capture.binary  # the stream is in binary mode (pgoutput's binary option)
         self._codecs: dict[int, TableCodec] = {}
         self._relations: dict[int, Relation] = {}
+        self._arrived: dict[int, int] = {}  # relation id -> when its Relation in _relations arrived
         self._stream_codecs: dict[int, TableCodec] = {}
         self._stream_relations: dict[int, Relation] = {}
         self._side: dict[str, tuple[str, bytes, Any, bytes, Any]] = {}
@@ -108,14 +111,23 @@ class ChangeWriter:
         self._stamp = Stamp(self._pos, now_us)
         self._live_targets, self._live_seen = {}, set()
 
-    def relation(self, msg: Relation) -> None:
-        """A Relation outside a streamed transaction: a changed one makes its table's codec again."""
+    def relation(self, msg: Relation, arrived: int = 0) -> None:
+        """A Relation outside a streamed transaction (``arrived``: its place among all Relations received): a
+        changed one makes its table's codec again."""
+        self._arrived[msg.relid] = arrived
         if self._relations.get(msg.relid) != msg:
             if msg.relid in self._relations:
                 self._disturb(msg, "its table's schema changed")
             self._relations[msg.relid] = msg
             self._codecs.pop(msg.relid, None)
             self._live_targets.pop(msg.relid, None)
+
+    def keep_relations(self, streamed: dict[int, tuple[int, Relation]]) -> None:
+        """A committed streamed transaction's last Relation of each table, with when it arrived: each describes
+        the table for later transactions too, unless a Relation of that table arrived after it outside."""
+        for relid, (arrived, msg) in streamed.items():
+            if arrived > self._arrived.get(relid, -1):
+                self.relation(msg, arrived)
 
     def watch(self, topic: str, window: ChunkWindow) -> None:
         """Every change of the table whose topic is ``topic`` goes to ``window`` from now on (with its xid)."""
@@ -503,6 +515,7 @@ def _read_change(encode: Callable[..., Encoded], data: bytes, start: int, at: in
     when the message has no old tuple, the new ones None for a Delete. Raises ValueError on anything else."""
     kind = data[start]
     before = old_key = None
+    old_at = at
     if kind != _INSERT and data[at] in _OLD_TUPLE:  # Update/Delete: the old key ('K') or row ('O')
         before, old_key, _, at = encode(data, at + 1)
         if old_key is None:
@@ -517,6 +530,10 @@ def _read_change(encode: Callable[..., Encoded], data: bytes, start: int, at: in
         after, key, unchanged, at = encode(data, at + 1)
         if key is None:
             raise ValueError("the new row has no key")
+        if unchanged and data[old_at] == _FULL_OLD_ROW:  # the old row has the values PostgreSQL left out
+            filled = fill_unchanged_from_old(data, old_at)
+            if filled is not None:
+                return _read_change(encode, filled, start, old_at)
     if at != len(data):
         raise ValueError(f"{len(data) - at} bytes after the change's rows")
     return before, old_key, after, key, unchanged

@@ -793,11 +793,12 @@ cdef class ReplayTarget:
 cdef tuple change_tuples(ReplayTarget t, bytes data, Py_ssize_t at, Py_ssize_t end, int kind):
     """(before, record, key, unchanged) of an Insert ('I'), Update ('U') or Delete ('D') whose tuples start at
     ``at`` of ``data`` and end at ``end``, encoded by ``t``'s plan; None when DirectProducer._change does not
-    write it: an update that changes the key, or tuples that do not encode cleanly (ChangeWriter.change
-    handles and diagnoses those)."""
+    write it: an update that changes the key, an update with unchanged TOAST values and a full old row (whose
+    values ChangeWriter fills in), or tuples that do not encode cleanly (ChangeWriter.change handles and
+    diagnoses those)."""
     cdef const unsigned char *d = <const unsigned char*>PyBytes_AS_STRING(data)
     cdef object before = None, old_key = None, record = None, key, unchanged = None
-    cdef Py_ssize_t pos
+    cdef Py_ssize_t pos, old_at = at
     if at >= end:
         return None
     try:
@@ -816,6 +817,8 @@ cdef tuple change_tuples(ReplayTarget t, bytes data, Py_ssize_t at, Py_ssize_t e
     except Exception:  # malformed or unconvertible: ChangeWriter.change diagnoses it
         return None
     if key is None or pos != end or (kind == 85 and old_key is not None and old_key != key):
+        return None
+    if unchanged and kind == 85 and d[old_at] == 79:  # a full old row: ChangeWriter fills the TOAST values from it
         return None
     return before, record, key, unchanged
 

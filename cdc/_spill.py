@@ -11,6 +11,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import IO
 
+from decoders import Relation
+
 SPILL_HEAD = struct.Struct(">QI")  # a spilled message: its LSN and length, then the pgoutput message as received
 
 
@@ -37,6 +39,8 @@ class Spill:
     block: int = _SPILL_BLOCK
     size: int = 0
     cuts: list[int] = field(default_factory=list)  # where a block ends: after a whole message
+    # relation id -> (when it arrived, among all Relation messages of the session; the last Relation of it here)
+    relations: dict[int, tuple[int, Relation]] = field(default_factory=dict)
 
     def add(self, lsn: int, payload: bytes | memoryview) -> None:
         self.file.write(SPILL_HEAD.pack(lsn, len(payload)))

@@ -184,6 +184,7 @@ class Streamer:
         self.capturing = False  # current is not None and not skipped: its changes are written
         self.stream_xid: int | None = None  # the streamed transaction whose changes arrive now
         self.spills: dict[int, Spill] = {}  # streamed transactions not yet committed or aborted
+        self.relations_seen = 0  # Relation messages received, in or out of streamed transactions: their order
         self.held: bytes | None = None  # the message after a run of changes read from C
         self.stopping = False
         self.between: list[BetweenTransactions] = []  # run at transaction boundaries, each in its own commit
@@ -385,12 +386,15 @@ class Streamer:
             self._between_transactions()
 
     def _on_relation(self, msg: Relation, lsn: int, payload: bytes | memoryview) -> None:
+        self.relations_seen += 1
         if self.stream_xid is not None:
             # Inside a streamed transaction the schema is that transaction's own (it may have altered the
-            # table): it applies to its changes only, when it commits.
-            self.spills[self.stream_xid].add(lsn, bytes(payload))
+            # table): it applies to its changes, when it commits, and to later ones (see _on_stream_commit).
+            spill = self.spills[self.stream_xid]
+            spill.add(lsn, bytes(payload))
+            spill.relations[msg.relid] = (self.relations_seen, msg)
         else:
-            self.changes.relation(msg)
+            self.changes.relation(msg, self.relations_seen)
 
     def _on_type(self, msg: TypeInfo, _lsn: int, _payload: object) -> None:
         self.attached.types.invalidate(msg.oid)
@@ -449,6 +453,9 @@ class Streamer:
         try:
             if msg.commit_lsn >= self.resume:
                 self._replay(spill, msg)
+            # pgoutput counts the Relations it sent in a committed streamed transaction as sent for good: it does
+            # not send them again before later transactions' changes (replayed or not, here).
+            self.changes.keep_relations(spill.relations)
         finally:
             spill.close()
 

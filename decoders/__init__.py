@@ -35,7 +35,7 @@ from decoders._messages import (
     format_lsn,
     parse_lsn,
 )
-from decoders._pgoutput import PgOutputDecoder
+from decoders._pgoutput import PgOutputDecoder, fill_unchanged_from_old
 from decoders._replication import XLOG_HEADER, XLOG_PAYLOAD_AT, Keepalive, XLogData, parse_copy_data, standby_status
 
 __all__ = [
@@ -69,6 +69,7 @@ __all__ = [
     "Unchanged",
     "Update",
     "XLogData",
+    "fill_unchanged_from_old",
     "format_lsn",
     "parse_copy_data",
     "parse_lsn",

@@ -39,7 +39,7 @@ from decoders._messages import (
     Update,
 )
 
-__all__ = ["PgOutputDecoder"]
+__all__ = ["PgOutputDecoder", "fill_unchanged_from_old"]
 
 _U16: Final = struct.Struct(">H").unpack_from
 _U32: Final = struct.Struct(">I").unpack_from
@@ -67,6 +67,7 @@ _PG_CATALOG: Final = "pg_catalog"
 # Tuple value kinds and tuple markers, as the integers that indexing bytes yields.
 _VALUE_KINDS: Final = (ord("t"), ord("b"))  # text, binary: Int32 length and the bytes follow
 _NO_VALUE_KINDS: Final = (ord("n"), ord("u"))  # null, unchanged TOAST: nothing follows
+_UNCHANGED_KIND: Final = ord("u")
 _NEW_TUPLE: Final = ord("N")
 _OLD_MARKERS: Final = (ord("K"), ord("O"))  # old key, whole old row
 
@@ -145,6 +146,56 @@ def _read_tuple(data: bytes, pos: int, kind: int) -> tuple[TupleData, int]:
             )
         kinds.append(value_kind)
     return TupleData(bytes(kinds), tuple(values)), pos
+
+
+def _column_spans(data: bytes, pos: int) -> tuple[list[tuple[int, int]], int]:
+    """Each column's bytes (kind byte, and length and value for t/b) in the TupleData at ``pos``, as (start, end)
+    spans; and the position after the tuple. Raises ValueError on a malformed tuple."""
+    (ncols,) = _U16(data, pos)
+    pos += 2
+    spans = []
+    for _ in range(ncols):
+        start = pos
+        value_kind = data[pos]
+        pos += 1
+        if value_kind in _VALUE_KINDS:
+            pos += 4 + _U32(data, pos)[0]
+        elif value_kind not in _NO_VALUE_KINDS:
+            raise ValueError(f"unknown value kind {value_kind:#04x}")
+        spans.append((start, pos))
+    if pos > len(data):
+        raise ValueError("truncated tuple")
+    return spans, pos
+
+
+def fill_unchanged_from_old(data: bytes, at: int) -> bytes | None:
+    """The Update message ``data`` whose old row ('O', sent under REPLICA IDENTITY FULL) starts at ``at``, with
+    each unchanged TOAST value ('u') of its new row replaced by the old row's value of that column: the update
+    did not change it, so the old value is the new one. None when nothing is filled (no 'u', or the old row
+    lacks those values too). Raises ValueError on a malformed message.
+
+    Why: PostgreSQL sends no value for an out-of-line column an update left alone, and a consumer that does not
+    read ``unchanged_toast`` (Flink, Debezium's JDBC sink) would store null; under FULL the value is at hand."""
+    if data[at] != ord("O"):
+        raise ValueError("the old row is not a full row ('O')")
+    old, new_at = _column_spans(data, at + 1)
+    if data[new_at] != ord("N"):
+        raise ValueError("no new row ('N') after the old row")
+    new, end = _column_spans(data, new_at + 1)
+    if len(old) != len(new):
+        raise ValueError("the old and new rows have different column counts")
+    parts = [data[: new_at + 3]]  # up to the new row's column count
+    filled = False
+    for (old_start, old_end), (start, stop) in zip(old, new, strict=True):
+        if data[start] == _UNCHANGED_KIND and data[old_start] in _VALUE_KINDS:
+            parts.append(data[old_start:old_end])
+            filled = True
+        else:
+            parts.append(data[start:stop])
+    if not filled:
+        return None
+    parts.append(data[end:])
+    return b"".join(parts)
 
 
 def _check_end(data: bytes, pos: int, kind: int) -> None:

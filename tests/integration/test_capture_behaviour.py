@@ -149,17 +149,59 @@ def test_a_change_the_registry_rejects_stops_before_acknowledging(
     ]
 
 
+def test_a_table_first_changed_in_a_streamed_transaction_is_captured_in_later_ones(
+    source: str, kafka_bootstrap: str, registry_url: str, unique: str, tmp_path: Path
+) -> None:
+    """pgoutput sends a table's Relation inside the first (streamed) transaction that changes it and, once that
+    transaction commits, not again: later transactions' changes must decode with it. The same after a column is
+    added (a new Relation, outside a stream) and a second streamed transaction."""
+    with psycopg.connect(source, autocommit=True) as conn:
+        conn.execute("CREATE TABLE items (id int PRIMARY KEY, body text, qty int)")
+    small_mem = source + " options='-c logical_decoding_work_mem=64kB'"
+    cfg = CdcConfig(
+        small_mem, kafka_bootstrap, registry_url, f"t{unique}", ["public.items"], f"s_{unique}", f"p_{unique}"
+    )
+    proc = cfg.start(tmp_path)
+    topic = f"t{unique}.public.items"
+    try:
+        proc.wait_streaming()
+        with psycopg.connect(source, autocommit=True) as conn:
+            conn.execute("INSERT INTO items SELECT g, repeat('y', 200), 0 FROM generate_series(1, 3000) g")  # streamed
+            conn.execute("UPDATE items SET qty = 1 WHERE id = 1")
+            conn.execute("ALTER TABLE items ADD COLUMN note text")
+            conn.execute("UPDATE items SET qty = 2, note = 'a' WHERE id <= 2000")  # streamed, with the new column
+            conn.execute("UPDATE items SET qty = 3, note = 'b' WHERE id = 3")
+        wait_for(
+            lambda: any(
+                e.value and e.value["after"]["qty"] == 3 for e in read_topic(kafka_bootstrap, registry_url, topic)
+            ),
+            180,
+            "the last update",
+            proc,
+        )
+    finally:
+        proc.stop()
+    events = [e.value for e in read_topic(kafka_bootstrap, registry_url, topic) if e.value]
+    assert Counter(e["op"] for e in events) == {"c": 3000, "u": 2002}
+    assert [e["after"] for e in events if e["op"] == "u" and e["after"]["id"] in (1, 3) and e["after"]["qty"] != 2] == [
+        {"id": 1, "body": "y" * 200, "qty": 1},
+        {"id": 3, "body": "y" * 200, "qty": 3, "note": "b"},
+    ]
+
+
 def test_toast_truncate_and_large_transactions(
     source: str, kafka_bootstrap: str, registry_url: str, unique: str, tmp_path: Path
 ) -> None:
     with psycopg.connect(source, autocommit=True) as conn:
         conn.execute("CREATE TABLE items (id int PRIMARY KEY, body text, qty int)")
+        # Under REPLICA IDENTITY FULL the old row carries the value an update left out: it is filled in.
+        conn.execute("CREATE TABLE full_items (id int PRIMARY KEY, body text, qty int)")
+        conn.execute("ALTER TABLE full_items REPLICA IDENTITY FULL")
     # A small decoding memory makes PostgreSQL stream transactions while they are still in progress.
     small_mem = source + " options='-c logical_decoding_work_mem=64kB'"
     topic = f"t{unique}.public.items"
-    cfg = CdcConfig(
-        small_mem, kafka_bootstrap, registry_url, f"t{unique}", ["public.items"], f"s_{unique}", f"p_{unique}"
-    )
+    tables = ["public.items", "public.full_items"]
+    cfg = CdcConfig(small_mem, kafka_bootstrap, registry_url, f"t{unique}", tables, f"s_{unique}", f"p_{unique}")
     proc = cfg.start(tmp_path)
     big = secrets.token_hex(20_000)  # incompressible: stored out of line, not compressed inline
     try:
@@ -168,7 +210,12 @@ def test_toast_truncate_and_large_transactions(
             # Aborted after PostgreSQL began streaming it: must never reach Kafka.
             conn.execute("INSERT INTO items SELECT g, repeat('x', 200), 0 FROM generate_series(1000, 6000) g")
             conn.rollback()
+            conn.execute("INSERT INTO full_items VALUES (1, %s, 0), (2, %s, 0)", (big, big))
+            conn.commit()
+            conn.execute("UPDATE full_items SET qty = 1 WHERE id = 1")  # a transaction decoded whole
+            conn.commit()
             # Committed, streamed, with an aborted subtransaction inside.
+            conn.execute("UPDATE full_items SET qty = 2 WHERE id = 2")  # ... and one streamed
             conn.execute("INSERT INTO items SELECT g, repeat('y', 200), 0 FROM generate_series(1, 3000) g")
             conn.execute("SAVEPOINT s")
             conn.execute("INSERT INTO items SELECT g, 'gone', 0 FROM generate_series(7000, 9000) g")
@@ -200,6 +247,15 @@ def test_toast_truncate_and_large_transactions(
     inserted = next(e for e in events if e.key == {"id": -1} and e.value and e.value["op"] == "c")
     assert inserted.value is not None
     assert inserted.value["after"]["body"] == big
+    full_updates = [e.value for e in read_topic(kafka_bootstrap, registry_url, f"t{unique}.public.full_items")]
+    assert [
+        (v["after"]["id"], v["after"]["qty"], v["after"]["body"] == big, v["unchanged_toast"])
+        for v in full_updates
+        if v and v["op"] == "u"
+    ] == [
+        (1, 1, True, []),
+        (2, 2, True, []),
+    ]
     truncate = next(e for e in events if e.value and e.value["op"] == "t")
     assert truncate.key == {"id": None}
     assert truncate.value is not None

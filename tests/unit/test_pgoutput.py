@@ -212,7 +212,8 @@ def test_public_surface_is_explicit() -> None:
             "Delete", "Insert", "Keepalive", "LogicalMessage", "Message", "Origin", "PgOutputDecoder",
             "Prepare", "Relation", "RollbackPrepared", "StreamAbort", "StreamCommit", "StreamPrepare",
             "StreamStart", "StreamStop", "Truncate", "TupleData", "TypeInfo", "Unchanged", "Update",
-            "XLOG_HEADER", "XLOG_PAYLOAD_AT", "XLogData", "format_lsn", "parse_copy_data", "parse_lsn",
+            "XLOG_HEADER", "XLOG_PAYLOAD_AT", "XLogData", "fill_unchanged_from_old", "format_lsn", "parse_copy_data",
+            "parse_lsn",
             "standby_status",
         ]
     )  # fmt: skip
