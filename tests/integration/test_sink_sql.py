@@ -119,6 +119,28 @@ def test_a_late_or_replayed_change_never_moves_a_row_backwards(url: str) -> None
         sink.close()
 
 
+def test_a_key_twice_in_one_write_keeps_its_newest_change(url: str) -> None:
+    sink = _sink(url)
+    try:
+        _served(sink)
+        newer, older = (
+            _change(1, {"id": 1, "name": "newer", "body": "b"}, (10, 6)),
+            _change(1, {"id": 1, "name": "older", "body": "b"}, (10, 5)),
+        )
+        _write(sink, [newer, older])
+        assert _view(url) == [(1, "newer", "b")]
+        _write(
+            sink,
+            [
+                _change(1, {"id": 1, "name": "old", "body": "b"}, (11, 1)),
+                _change(1, {"id": 1, "name": "new", "body": "c"}, (11, 2)),
+            ],
+        )
+        assert _view(url) == [(1, "new", "c")]
+    finally:
+        sink.close()
+
+
 def test_unchanged_toast_keeps_the_stored_value_and_a_truncate_removes_what_is_older(url: str) -> None:
     sink = _sink(url)
     try:
