@@ -111,7 +111,7 @@ class ChangeWriter:
         self._stamp = Stamp(self._pos, now_us)
         self._live_targets, self._live_seen = {}, set()
 
-    def relation(self, msg: Relation, arrived: int = 0) -> None:
+    def relation(self, msg: Relation, arrived: int) -> None:
         """A Relation outside a streamed transaction (``arrived``: its place among all Relations received): a
         changed one makes its table's codec again."""
         self._arrived[msg.relid] = arrived

@@ -40,6 +40,14 @@ def _start(source: str, kafka: str, registry: str, unique: str, tmp_path: Path) 
     )
 
 
+def _start_streaming(  # noqa: PLR0917 - the fixtures' values, in their order
+    source: str, kafka: str, registry: str, unique: str, tmp_path: Path, tables: list[str]
+) -> CdcProcess:
+    """`cdc run` with a small decoding memory: PostgreSQL streams transactions while they are in progress."""
+    small_mem = source + " options='-c logical_decoding_work_mem=64kB'"
+    return CdcConfig(small_mem, kafka, registry, f"t{unique}", tables, f"s_{unique}", f"p_{unique}").start(tmp_path)
+
+
 def _slot_flush(dsn: str, slot: str) -> int:
     with psycopg.connect(dsn) as conn:
         row = conn.execute(
@@ -157,11 +165,7 @@ def test_a_table_first_changed_in_a_streamed_transaction_is_captured_in_later_on
     added (a new Relation, outside a stream) and a second streamed transaction."""
     with psycopg.connect(source, autocommit=True) as conn:
         conn.execute("CREATE TABLE items (id int PRIMARY KEY, body text, qty int)")
-    small_mem = source + " options='-c logical_decoding_work_mem=64kB'"
-    cfg = CdcConfig(
-        small_mem, kafka_bootstrap, registry_url, f"t{unique}", ["public.items"], f"s_{unique}", f"p_{unique}"
-    )
-    proc = cfg.start(tmp_path)
+    proc = _start_streaming(source, kafka_bootstrap, registry_url, unique, tmp_path, ["public.items"])
     topic = f"t{unique}.public.items"
     try:
         proc.wait_streaming()
@@ -197,12 +201,9 @@ def test_toast_truncate_and_large_transactions(
         # Under REPLICA IDENTITY FULL the old row carries the value an update left out: it is filled in.
         conn.execute("CREATE TABLE full_items (id int PRIMARY KEY, body text, qty int)")
         conn.execute("ALTER TABLE full_items REPLICA IDENTITY FULL")
-    # A small decoding memory makes PostgreSQL stream transactions while they are still in progress.
-    small_mem = source + " options='-c logical_decoding_work_mem=64kB'"
     topic = f"t{unique}.public.items"
     tables = ["public.items", "public.full_items"]
-    cfg = CdcConfig(small_mem, kafka_bootstrap, registry_url, f"t{unique}", tables, f"s_{unique}", f"p_{unique}")
-    proc = cfg.start(tmp_path)
+    proc = _start_streaming(source, kafka_bootstrap, registry_url, unique, tmp_path, tables)
     big = secrets.token_hex(20_000)  # incompressible: stored out of line, not compressed inline
     try:
         proc.wait_streaming()

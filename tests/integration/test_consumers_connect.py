@@ -20,8 +20,8 @@ import pytest
 from pgcdc_dev.discovery import find_or_skip
 from psycopg.conninfo import conninfo_to_dict
 
-from tests.integration._capture_helpers import CdcProcess, scratch_database, wait_for
-from tests.integration._consumers import java, start_capture
+from tests.integration._capture_helpers import scratch_database, wait_for
+from tests.integration._consumers import Orders, java
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -37,24 +37,16 @@ CONVERTER = """\
 
 
 @dataclass(frozen=True)
-class Setup:
-    source: str
-    target: str
-    kafka: str
-    registry: str
-    unique: str
+class Setup(Orders):
+    target: str  # the second database the sink writes
     home: Path  # the worker's runtime/ and plugins/
-
-    @property
-    def topic(self) -> str:
-        return f"t{self.unique}.public.orders"
 
 
 @pytest.fixture
 def setup(pg_dsn: str, kafka_bootstrap: str, registry_url: str, unique: str) -> Iterator[Setup]:
     home = Path(find_or_skip("connect-jars"))
     with scratch_database(pg_dsn, f"cdc_{unique}") as source, scratch_database(pg_dsn, f"tgt_{unique}") as target:
-        yield Setup(source, target, kafka_bootstrap, registry_url, unique, home)
+        yield Setup(source, kafka_bootstrap, registry_url, unique, target, home)
 
 
 def _free_port() -> int:
@@ -181,44 +173,15 @@ def converged(setup: Setup, worker: ConnectWorker, what: str) -> None:
 
 
 def test_debeziums_jdbc_sink_keeps_a_second_database_equal_to_the_source(setup: Setup, tmp_path: Path) -> None:
-    with psycopg.connect(setup.source, autocommit=True) as conn:
-        conn.execute(
-            "CREATE TABLE orders (id int PRIMARY KEY, customer text NOT NULL, qty int, price numeric, "
-            "paid boolean, placed timestamptz, amount numeric(10,2))"
-        )
-        conn.execute(
-            "INSERT INTO orders SELECT g, 'customer ' || g, g % 7, (g * 1.25)::numeric, g % 2 = 0, "
-            "'2026-01-02 03:04:05.123456+00'::timestamptz + g * interval '1 minute 0.5 s', g * 0.5 "
-            "FROM generate_series(1, 300) g"
-        )
-    capture: CdcProcess = start_capture(
-        source=setup.source,
-        kafka=setup.kafka,
-        registry=setup.registry,
-        unique=setup.unique,
-        table="public.orders",
-        workdir=tmp_path,
-    )
+    setup.create(replica_identity_full=False, amount=True)
+    capture = setup.start_capture(tmp_path)
     worker: ConnectWorker | None = None
     try:
         worker = ConnectWorker(setup, tmp_path)
         converged(setup, worker, "the snapshot in the target")
-        with psycopg.connect(setup.source, autocommit=True) as conn:
-            conn.execute("UPDATE orders SET qty = qty + 100, paid = NOT paid WHERE id % 5 = 0")
-            conn.execute("DELETE FROM orders WHERE id % 11 = 0")
-            conn.execute("UPDATE orders SET id = id + 1000 WHERE id IN (3, 4)")  # a key change: delete + insert
-            conn.execute("UPDATE orders SET price = NULL, placed = NULL WHERE id = 7")
-            conn.execute("ALTER TABLE orders ADD COLUMN region text")
-            conn.execute("INSERT INTO orders VALUES (2000, 'late', 1, 9.99, true, now(), 1, 'eu')")
-            conn.execute("UPDATE orders SET region = 'us' WHERE id % 3 = 0")
+        setup.change()
         converged(setup, worker, "updates, deletes, a key change and an added column in the target")
-        with psycopg.connect(setup.source, autocommit=True) as conn:
-            conn.execute("TRUNCATE orders")
-            conn.execute(
-                "INSERT INTO orders (id, customer, qty, paid) "
-                "SELECT g, 'new ' || g, g, true FROM generate_series(1, 20) g"
-            )
-            conn.execute("DELETE FROM orders WHERE id = 6")
+        setup.truncate_and_change()
         converged(setup, worker, "a truncate and the changes after it in the target")
     finally:
         if worker is not None:

@@ -21,7 +21,7 @@ import pytest
 from pgcdc_dev.discovery import find_or_skip
 
 from tests.integration._capture_helpers import CdcProcess, read_topic, scratch_database, wait_for
-from tests.integration._consumers import PROGRAMS, java, start_capture
+from tests.integration._consumers import PROGRAMS, Orders, java
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -42,17 +42,6 @@ FLINK_COLUMNS = """
   PRIMARY KEY (id) NOT ENFORCED"""
 
 
-def start_orders_capture(setup: Setup, workdir: Path) -> CdcProcess:
-    return start_capture(
-        source=setup.source,
-        kafka=setup.kafka,
-        registry=setup.registry,
-        unique=setup.unique,
-        table="public.orders",
-        workdir=workdir,
-    )
-
-
 @pytest.fixture
 def source(pg_dsn: str, unique: str) -> Iterator[str]:
     with scratch_database(pg_dsn, f"cdc_{unique}") as dsn:
@@ -60,16 +49,8 @@ def source(pg_dsn: str, unique: str) -> Iterator[str]:
 
 
 @dataclass(frozen=True)
-class Setup:
-    source: str
-    kafka: str
-    registry: str
-    unique: str
+class Setup(Orders):
     classpath: str  # Flink's jars
-
-    @property
-    def topic(self) -> str:
-        return f"t{self.unique}.public.orders"
 
 
 @pytest.fixture
@@ -168,28 +149,11 @@ def source_amounts(dsn: str) -> list[list[Any]]:
 
 def test_flink_sql_materializes_a_change_topic_like_postgres(setup: Setup, tmp_path: Path) -> None:
     source = setup.source
-    with psycopg.connect(source, autocommit=True) as conn:
-        conn.execute(
-            "CREATE TABLE orders (id int PRIMARY KEY, customer text NOT NULL, qty int, price numeric, "
-            "paid boolean, placed timestamptz)"
-        )
-        conn.execute("ALTER TABLE orders REPLICA IDENTITY FULL")
-        conn.execute(
-            "INSERT INTO orders SELECT g, 'customer ' || g, g % 7, (g * 1.25)::numeric, g % 2 = 0, "
-            "'2026-01-02 03:04:05.123456+00'::timestamptz + g * interval '1 minute 0.5 s' "
-            "FROM generate_series(1, 300) g"
-        )
-    proc = start_orders_capture(setup, tmp_path)
+    setup.create(replica_identity_full=True)
+    proc = setup.start_capture(tmp_path)
     orders = table_ddl(setup)
     try:
-        with psycopg.connect(source, autocommit=True) as conn:
-            conn.execute("UPDATE orders SET qty = qty + 100, paid = NOT paid WHERE id % 5 = 0")
-            conn.execute("DELETE FROM orders WHERE id % 11 = 0")
-            conn.execute("UPDATE orders SET id = id + 1000 WHERE id IN (3, 4)")  # a key change: delete + insert
-            conn.execute("UPDATE orders SET price = NULL, placed = NULL WHERE id = 7")
-            conn.execute("ALTER TABLE orders ADD COLUMN region text")
-            conn.execute("INSERT INTO orders VALUES (2000, 'late', 1, 9.99, true, now(), 'eu')")
-            conn.execute("UPDATE orders SET region = 'us' WHERE id % 3 = 0")
+        setup.change()
         committed_marker(setup, proc, "marker-1")
         assert flink_rows(run_flink(setup.classpath, orders, tmp_path)) == source_rows(source)
 
@@ -203,14 +167,7 @@ def test_flink_sql_materializes_a_change_topic_like_postgres(setup: Setup, tmp_p
         assert flink_rows(run_flink(setup.classpath, amounts_job(orders), tmp_path)) == source_amounts(source)
 
         # A truncate has no Flink equivalent: Flink's Debezium format refuses the event (op "t")...
-        with psycopg.connect(source, autocommit=True) as conn:
-            conn.execute("TRUNCATE orders")
-            conn.execute(
-                "INSERT INTO orders (id, customer, qty, paid) "
-                "SELECT g, 'new ' || g, g, true FROM generate_series(1, 20) g"
-            )
-            conn.execute("UPDATE orders SET qty = 0 WHERE id = 5")
-            conn.execute("DELETE FROM orders WHERE id = 6")
+        setup.truncate_and_change()
         committed_marker(setup, proc, "marker-3")
         failed = run_flink(setup.classpath, orders, tmp_path)
         assert failed.returncode != 0, failed.output
@@ -238,7 +195,7 @@ def test_flink_reads_a_numeric_nan_without_misreading_it(setup: Setup, tmp_path:
         conn.execute("CREATE TABLE orders (id int PRIMARY KEY, customer text NOT NULL, amount numeric(10,2))")
         conn.execute("ALTER TABLE orders REPLICA IDENTITY FULL")
         conn.execute("INSERT INTO orders VALUES (1, 'a', 'NaN'), (2, 'b', 2.50)")
-    proc = start_orders_capture(setup, tmp_path)
+    proc = setup.start_capture(tmp_path)
     try:
         committed_marker(setup, proc, "marker")
     finally:
@@ -258,7 +215,7 @@ def test_flink_reads_an_unchanged_toast_value_under_replica_identity_full(setup:
         conn.execute("ALTER TABLE orders ALTER COLUMN note SET STORAGE EXTERNAL")  # out of line, uncompressed
         conn.execute("ALTER TABLE orders REPLICA IDENTITY FULL")
         conn.execute("INSERT INTO orders VALUES (1, 'a', repeat('x', 10000)), (2, 'b', 'short')")
-    proc = start_orders_capture(setup, tmp_path)
+    proc = setup.start_capture(tmp_path)
     try:
         with psycopg.connect(setup.source, autocommit=True) as conn:
             conn.execute("UPDATE orders SET customer = customer || '!'")

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import psycopg
@@ -129,14 +128,18 @@ def _delta_rs_reads_the_served_table(
     fs = store.filesystem()
     with fs.open_input_stream(f"{bucket}/warehouse/_cdc_current") as f:
         generation = int(f.read().decode().strip())
-    deadline = time.monotonic() + 60
-    while True:
+    got: dict[int, tuple[str, int | None]] = {}
+
+    def served_equals_expected() -> bool:
+        nonlocal got
         served = DeltaTable(f"s3://{bucket}/warehouse/g{generation}/public.items", storage_options=options)
         # delta-rs's own engine: its pyarrow path (to_pyarrow_table) panics on this table, whose every row
         # has date 'infinity' (int32 max days) in the file statistics it turns into pyarrow expressions.
         table = QueryBuilder().register("t", served).execute("SELECT id, name, qty FROM t").read_all()
         got = {r["id"]: (r["name"], r["qty"]) for r in pa.table(table).to_pylist()}
-        if got == expected or time.monotonic() > deadline:
-            break
-        time.sleep(2)
-    assert got == expected
+        return got == expected
+
+    try:
+        wait_for(served_equals_expected, 60, "delta-rs to read the served table as PostgreSQL holds it")
+    except AssertionError:
+        assert got == expected  # the difference, not only the timeout
