@@ -1,9 +1,9 @@
 """Kafka Connect reads pgcdc's change topics: Debezium's JDBC sink keeps a second PostgreSQL database equal.
 
 Nothing here is ours but the topic: a standalone Connect worker (``connect-runtime`` matching the broker), the
-Debezium JDBC sink connector, and Apicurio's Avro converter reading the registry (the ``connect-jars`` local
-service, from Maven Central). The workload covers inserts, updates, a key change, deletes, a column added while
-running and a truncate; docs/consumers.md gives the settings this test runs.
+Debezium JDBC sink connector, and an Avro converter reading the registry, Apicurio's or Confluent's (the
+``connect-jars`` local service, from Maven Central). The workload covers inserts, updates, a key change,
+deletes, a column added while running and a truncate; docs/consumers.md gives the settings this test runs.
 """
 
 from __future__ import annotations
@@ -25,28 +25,38 @@ from tests.integration._consumers import Orders, java
 
 pytestmark = pytest.mark.timeout(900)
 
-# The registry's native v2 API (Apicurio's converter has no client for the Confluent-compatible one), with the
-# Confluent wire format pgcdc writes: a 4-byte schema id that is the registry's content id, no headers.
-CONVERTER = """\
+CONVERTERS = {
+    # The registry's native v2 API (Apicurio's converter has no client for the Confluent-compatible one), with
+    # the Confluent wire format pgcdc writes: a 4-byte schema id that is the registry's content id, no headers.
+    "apicurio": """\
 {side}.converter=io.apicurio.registry.utils.converter.AvroConverter
 {side}.converter.apicurio.registry.url={registry_v2}
 {side}.converter.apicurio.registry.id-handler=io.apicurio.registry.serde.Legacy4ByteIdHandler
 {side}.converter.apicurio.registry.use-id=contentId
 {side}.converter.apicurio.registry.headers.enabled=false
-"""
+""",
+    # The Confluent-compatible API, as against Confluent's own registry.
+    "confluent": """\
+{side}.converter=io.confluent.connect.avro.AvroConverter
+{side}.converter.schema.registry.url={registry}
+""",
+}
 
 
 @dataclass(frozen=True)
 class Setup(Orders):
     target: str  # the second database the sink writes
     home: Path  # the worker's runtime/ and plugins/
+    converter: str  # a key of CONVERTERS
 
 
-@pytest.fixture
-def setup(pg_dsn: str, kafka_bootstrap: str, registry_url: str, unique: str) -> Iterator[Setup]:
+@pytest.fixture(params=sorted(CONVERTERS))
+def setup(
+    request: pytest.FixtureRequest, pg_dsn: str, kafka_bootstrap: str, registry_url: str, unique: str
+) -> Iterator[Setup]:
     home = Path(find_or_skip("connect-jars"))
     with scratch_database(pg_dsn, f"cdc_{unique}") as source, scratch_database(pg_dsn, f"tgt_{unique}") as target:
-        yield Setup(source, kafka_bootstrap, registry_url, unique, target, home)
+        yield Setup(source, kafka_bootstrap, registry_url, unique, target, home, request.param)
 
 
 def _free_port() -> int:
@@ -58,7 +68,10 @@ def _free_port() -> int:
 def connector_properties(setup: Setup) -> str:
     target = conninfo_to_dict(setup.target)
     registry_v2 = setup.registry.replace("/apis/ccompat/v7", "/apis/registry/v2")
-    converters = "".join(CONVERTER.format(side=side, registry_v2=registry_v2) for side in ("key", "value"))
+    converter = CONVERTERS[setup.converter]
+    converters = "".join(
+        converter.format(side=side, registry=setup.registry, registry_v2=registry_v2) for side in ("key", "value")
+    )
     return f"""\
 name=pgcdc-orders-{setup.unique}
 connector.class=io.debezium.connector.jdbc.JdbcSinkConnector

