@@ -13,6 +13,10 @@ at a time:
 3. Debezium Server (bench/_debezium.py: PostgreSQL connector, Avro in the Confluent framing, Kafka sink) from
    its own slot until its topic holds every row (target: ours ≥ 2x its rows/s), unless ``--no-debezium``.
 Measures: rows/s against both, and peak RSS and CPU seconds against Debezium's.
+
+The server is the one the tests use (``CDC_TEST_PG``, default 15). On another major version the scenario is
+named ``insert-heavy-pg<N>`` (``CDC_TEST_PG=18 ./dev bench --only insert-heavy``), so each version's run keeps
+its own result beside 15's.
 """
 
 from __future__ import annotations
@@ -70,9 +74,11 @@ def run(argv: list[str] | None = None) -> Result:
     args = parse_args(argv)
     sizes = txn_sizes(args.rows, args.max_txn_rows, args.seed)
     debezium = not args.no_debezium
+    major = cb.server_major()
     result = Result(
-        SCENARIO,
+        SCENARIO if major == cb.DEFAULT_PG_MAJOR else f"{SCENARIO}-pg{major}",
         params={
+            "postgres": major,
             "rows": args.rows,
             "max_txn_rows": args.max_txn_rows,
             "transactions": len(sizes),

@@ -8,7 +8,7 @@ For each service, in order:
 3. else the local services of ``pgcdc_dev.services`` are used, started on demand.
 
 ``CDC_TEST_PG`` picks the PostgreSQL major version where ``CDC_TEST_PG_DSN`` is not set: ``15`` (the default,
-Debian's server here) or ``18`` (the ``postgres-18`` local service, a ``postgres:18`` container).
+Debian's server here), ``16``, ``17`` or ``18`` (the ``postgres-<N>`` local service, a ``postgres:<N>`` container).
 
 When none of these yields the service, its tests skip, saying why — unless ``CDC_TEST_REQUIRE_SERVICES=1``
 (set by the README's test command and CI), where a missing service fails the run instead.
@@ -97,7 +97,8 @@ def _stop_containers() -> None:
             print(f"warning: stopping {container!r}: {exc}", file=sys.stderr)
 
 
-PG_VERSIONS = {"15": "postgres", "18": "postgres-18"}  # CDC_TEST_PG -> the local service that runs it
+# CDC_TEST_PG -> the local service that runs it
+PG_VERSIONS = {"15": "postgres", "16": "postgres-16", "17": "postgres-17", "18": "postgres-18"}
 
 
 def pg_version() -> str:

