@@ -39,22 +39,22 @@ from confluent_kafka import KafkaException
 from psycopg import sql
 
 from cdc._catalog import load_table, qualified_name
+from cdc._chunks import (
+    Keyset,
+    RangeJob,
+    ReadRange,
+    encode_chunk,
+    key_types,
+    open_copies,
+    parse_binary_copy,
+    refuse_read,
+    rows_and_last,
+    typed_columns,
+)
 from cdc._encoder import PACKED_HEAD, CopyRowRefused, packed_rows
 from cdc._events import ColumnSpec, Position, Stamp, TableCodec
 from cdc._offsets import BackfillProgress, CaptureState
 from cdc._signals import Signal, SignalTable, SignalTopic
-from cdc._snapshot import (
-    _copies,
-    _encode_chunk,
-    _Keyset,
-    _Range,
-    _RangeJob,
-    _rows_and_last,
-    key_types,
-    parse_binary_copy,
-    refuse_read,
-    typed_columns,
-)
 from cdc._source import check_and_prepare, connect, publication_tables
 from cdc._window import ChunkWindow, XidSnapshot
 from common.errors import CDCError
@@ -90,7 +90,7 @@ class KeyList:
     A key is a JSON object of the key columns' values as PostgreSQL prints them (what `cdc verify` lists)."""
 
     def __init__(
-        self, job: _RangeJob, key_names: Sequence[str], key_types: Sequence[str], keys: list[dict[str, str]]
+        self, job: RangeJob, key_names: Sequence[str], key_types: Sequence[str], keys: list[dict[str, str]]
     ) -> None:
         self.job = job
         self.keys = keys
@@ -181,7 +181,7 @@ class ChunkJob:
     ``first``: the chunk starts after ``after``; otherwise after the last key of the reader's previous chunk
     (read ahead: it is not known when the job is given)."""
 
-    keyset: _Keyset | KeyList
+    keyset: Keyset | KeyList
     after: list[str] | None
     rows: int
     marker: str  # the high watermark's content: slot, backfill, chunk, and a nonce
@@ -240,7 +240,7 @@ class ChunkReader:
             ).format(sql.Literal(timeout_ms))
             snapshot = XidSnapshot.parse(_last_value(conn, begin))
             self._hold(job)
-            copies = _copies(conn)
+            copies = open_copies(conn)
             keyset = job.keyset
             copies.send(keyset.query_for(after, job.rows))
             data = copies.receive()
@@ -248,8 +248,8 @@ class ChunkReader:
             if isinstance(keyset, KeyList):
                 copies.send(keyset.absent_for(after, job.rows))
                 absent = keyset.rows_of(parse_binary_copy(copies.receive()))
-            count, last = _rows_and_last(data)
-            rows, packed, refused = _encode_chunk(
+            count, last = rows_and_last(data)
+            rows, packed, refused = encode_chunk(
                 keyset.job.codec, keyset.job.work.table.qualified, data, keyset.job.kinds
             )
             last_key: list[str] | None
@@ -345,7 +345,7 @@ class Backfills:
         self._signals = SignalTable(s.source.signal_table, s.source.slot)
         self._reader = ChunkReader(s)
         self._tables: dict[str, TableInfo] = {t.qualified: t for t in attached.report.tables}
-        self._keysets: dict[str, _Keyset | KeyList] = {}
+        self._keysets: dict[str, Keyset | KeyList] = {}
         self._listed: dict[str, list[dict[str, str]]] = {}  # the keys of the backfills of listed keys, by id
         self._recent: deque[int] = deque(maxlen=_RECENT_XIDS)
         self._taken: list[Signal] = []  # read from the signal table, not yet in the state
@@ -665,7 +665,7 @@ class Backfills:
         self._turn += 1
         return running[self._turn % len(running)]
 
-    def _keyset(self, backfill: BackfillProgress, info: TableInfo) -> _Keyset | KeyList:
+    def _keyset(self, backfill: BackfillProgress, info: TableInfo) -> Keyset | KeyList:
         """How the backfill's chunks are read; ValueError when its listed keys cannot be had."""
         keyset = self._keysets.get(backfill.id)
         if keyset is None:
@@ -673,12 +673,12 @@ class Backfills:
             key = self._attached.report.key_columns[info.qualified]
             cols = [ColumnSpec(c.name, c.type_oid, c.typmod) for c in info.columns]
             codec = self._attached.codecs.for_table(info.schema, info.name, cols, [c.name in key for c in cols])
-            job = _RangeJob(_Range(info, 0, None, None), codec, self._ctx.settings.capture.backfill_chunk_rows)
+            job = RangeJob(ReadRange(info, 0, None, None), codec, self._ctx.settings.capture.backfill_chunk_rows)
             if backfill.keys is not None:
                 types = key_types(self._attached.sql, info.oid, key)
                 keyset = KeyList(job, key, types, self._listed_keys(backfill, key))
             else:
-                keyset = _Keyset.of(self._attached.sql, job, key)
+                keyset = Keyset.of(self._attached.sql, job, key)
                 keyset.where = backfill.where
             self._keysets[backfill.id] = keyset
         return keyset

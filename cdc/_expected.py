@@ -24,9 +24,9 @@ import psycopg
 from psycopg import sql
 
 from cdc._catalog import TypeResolver
+from cdc._chunks import parse_binary_copy
 from cdc._config import Settings, load_settings
 from cdc._events import ColumnSpec, SourceInfo, TableCodec, table_shape
-from cdc._snapshot import parse_binary_copy
 from cdc._source import check_and_prepare, connect
 from cdc._version import __version__
 from decoders import TupleData
@@ -196,7 +196,7 @@ class SourceTable:
         return sql.SQL(", ").join(sql.SQL("src.{}").format(sql.Identifier(k)) for k in self._keys)
 
     def _key_value(self, texts: tuple[str, ...]) -> sql.Composable:
-        # Literals, not %s: quoted identifiers may hold a "%s" (see cdc._snapshot).
+        # Literals, not %s: quoted identifiers may hold a "%s" (see cdc._chunks).
         return sql.SQL(", ").join(
             sql.SQL("{}::{}").format(sql.Literal(v), sql.SQL(t)) for v, t in zip(texts, self._key_types, strict=True)
         )

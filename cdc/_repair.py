@@ -20,11 +20,11 @@ import psycopg
 from psycopg import sql
 
 from cdc._backfill import parse_keys
+from cdc._chunks import key_types, typed_columns
 from cdc._config import Settings, load_settings
 from cdc._kafka import OffsetStore
 from cdc._offsets import BackfillProgress
 from cdc._signals import SignalTable
-from cdc._snapshot import key_types, typed_columns
 from cdc._source import check_and_prepare, connect
 from common.errors import ConfigError, SourceCheckError, TransientError
 from common.topics import split_table_name
@@ -105,7 +105,7 @@ def _check_values(
             conn.execute("SET TRANSACTION READ ONLY")
             conn.execute(sql.SQL("SET LOCAL statement_timeout = {}").format(sql.Literal(int(timeout_s * 1000))))
             conn.execute(
-                # A literal, not %s: a quoted identifier may hold a "%s" (see cdc._snapshot).
+                # A literal, not %s: a quoted identifier may hold a "%s" (see cdc._chunks).
                 sql.SQL("SELECT count(*) FROM jsonb_to_recordset({}::jsonb) AS k({})").format(
                     sql.Literal(json.dumps(keys)), typed_columns(names, types)
                 )

@@ -23,19 +23,12 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from cdc._catalog import load_table
 from cdc._changes import ChangeWriter
+from cdc._chunks import LibpqCopies, RangeJob, ReadRange, copy_reader, parse_binary_copy
 from cdc._encoder import PACKED_HEAD
 from cdc._events import SourceInfo
 from cdc._kafka import Topics, TransactionalProducer
 from cdc._replication import ReplicationConnection
-from cdc._snapshot import (
-    Snapshotter,
-    TableRewrittenError,
-    _copy_reader,
-    _LibpqCopies,
-    _Range,
-    _RangeJob,
-    parse_binary_copy,
-)
+from cdc._snapshot import Snapshotter, TableRewrittenError
 from cdc._spill import Spill
 from decoders import StreamCommit
 from schemas import PgType
@@ -50,7 +43,7 @@ PURE_PYTHON = os.environ.get("CDC_PURE_PYTHON", "") not in ("", "0")
 def reader() -> Any:
     if PURE_PYTHON:
         pytest.skip("CDC_PURE_PYTHON is set: the snapshot reads through psycopg's Copy")
-    found = _copy_reader()
+    found = copy_reader()
     assert found is not None, "cdc._native is built but CopyReader was not set up (see the capture's log line)"
     return found
 
@@ -65,7 +58,7 @@ def test_libpq_copies_give_what_psycopg_copy_gives(reader: Any, pg_dsn: str, uni
             for block in copy:
                 expected += block
         nonblocking = conn.pgconn.nonblocking
-        copies = _LibpqCopies(reader, conn)
+        copies = LibpqCopies(reader, conn)
         copies.send(query)
         data = copies.receive()
         assert data == bytes(expected)
@@ -88,7 +81,7 @@ def test_a_copy_streamed_in_parts_gives_the_rows_of_the_whole(reader: Any, pg_ds
         conn.execute("CREATE TABLE t (id int PRIMARY KEY, body text)")
         conn.execute("INSERT INTO t SELECT g, repeat('y', g % 700) FROM generate_series(1, 25000) g")
         conn.commit()
-        copies = _LibpqCopies(reader, conn)
+        copies = LibpqCopies(reader, conn)
         # Parts that end with the rows, one before them, none at all; one row per part (the trailer is a message
         # of its own and must not make a part of its own: a bare header is no COPY output).
         for rows, per_part in [(25000, 1000), (24999, 1000), (3, 1), (1, 1), (0, 1), (0, 1000)]:
@@ -135,14 +128,14 @@ def test_a_table_rewritten_between_its_block_ranges_is_not_read_on(reader: Any, 
         # Ranges made before the rewrite stop; ranges made after it read every row.
         for made_with, rewritten in [(before[0], True), (after[0], False)]:
             with psycopg.connect(dsn) as conn:
-                work = _Range(table, 1, None, None, [0, None], made_with)
+                work = ReadRange(table, 1, None, None, [0, None], made_with)
                 codec = make_codec(
                     [("id", PgType(23, "int4"), -1), ("body", PgType(25, "text"), -1)], topic="p.public.t"
                 )
-                job = _RangeJob(work, codec, most_rows=400)
+                job = RangeJob(work, codec, most_rows=400)
                 assert job.kinds == b"bb"
                 stream = functools.partial(
-                    Snapshotter._stream_blocks, conn, job, _LibpqCopies(reader, conn), chunks, threading.Event()
+                    Snapshotter._stream_blocks, conn, job, LibpqCopies(reader, conn), chunks, threading.Event()
                 )
                 if rewritten:
                     with pytest.raises(TableRewrittenError, match="rewritten"):
@@ -155,7 +148,7 @@ def test_a_table_rewritten_between_its_block_ranges_is_not_read_on(reader: Any, 
 
 def test_libpq_copies_fail_as_psycopg_would(reader: Any, pg_dsn: str, unique: str) -> None:
     with scratch_database(pg_dsn, f"copyerr_{unique}") as dsn, psycopg.connect(dsn) as conn:
-        copies = _LibpqCopies(reader, conn)
+        copies = LibpqCopies(reader, conn)
         copies.send(sql.SQL("COPY (SELECT * FROM missing) TO STDOUT (FORMAT binary)"))
         with pytest.raises(psycopg.errors.UndefinedTable, match='relation "missing" does not exist'):
             copies.receive()

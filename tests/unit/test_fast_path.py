@@ -17,9 +17,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pgcdc_dev.codecs import make_codec
 
+from cdc._chunks import packed_keys, parse_binary_copy, rows_and_last
 from cdc._encoder import KeyMissingError, packed_rows
 from cdc._events import Position, Stamp, TableCodec
-from cdc._snapshot import _packed_keys, _rows_and_last, parse_binary_copy
 from decoders import Insert, PgOutputDecoder, TupleData
 from schemas import PgType
 from tests.unit.test_types_numeric import numeric_send
@@ -377,8 +377,8 @@ def test_copy_rows_encode_as_the_general_path(codec: TableCodec, chunk: tuple[by
     assert (rows, _unpacked(packed)) == (len(expected), expected)
     keys, records = packed_rows(packed)
     assert list(zip(keys, records or [], strict=True)) == expected
-    assert _packed_keys(packed) == keys
-    rows, last = _rows_and_last(data)  # what the next chunk's query is made from
+    assert packed_keys(packed) == keys
+    rows, last = rows_and_last(data)  # what the next chunk's query is made from
     assert (rows, None if last is None else last[len(COLUMNS) :]) == (len(expected), extras[-1:] or None)
 
 

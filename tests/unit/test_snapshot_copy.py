@@ -7,8 +7,8 @@ import struct
 import pytest
 from pgcdc_dev.codecs import make_codec
 
+from cdc._chunks import encode_chunk, packed_keys, parse_binary_copy
 from cdc._encoder import ColumnError
-from cdc._snapshot import _encode_chunk, _packed_keys, parse_binary_copy
 from cdc.errors import StreamError
 from schemas import PgType
 
@@ -62,14 +62,14 @@ def test_a_chunk_is_counted_by_its_encoder_and_a_cut_one_is_refused(python: bool
     )
     rows = [_row(struct.pack(">i", i), f"n{i}".encode()) for i in range(5)]
     data = HEADER + b"".join(rows) + struct.pack(">h", -1)
-    count, packed, refused = _encode_chunk(codec, "public.t", data, b"bb")
+    count, packed, refused = encode_chunk(codec, "public.t", data, b"bb")
     assert count == 5
     assert refused == []
-    assert len(_packed_keys(packed)) == 5
+    assert len(packed_keys(packed)) == 5
     with pytest.raises(StreamError, match=r"cannot snapshot a row of public\.t: column 'id': truncated"):
-        _encode_chunk(codec, "public.t", data[:-9], b"bb")
+        encode_chunk(codec, "public.t", data[:-9], b"bb")
     with pytest.raises(StreamError, match=r"cannot snapshot a row of public.t: .*cut short"):
-        _encode_chunk(codec, "public.t", data[:-2], b"bb")
+        encode_chunk(codec, "public.t", data[:-2], b"bb")
 
 
 @pytest.mark.parametrize("python", [False, True], ids=["table's encoder", "python"])
@@ -82,9 +82,9 @@ def test_a_row_no_encoder_takes_is_set_aside_with_its_fields_and_why(python: boo
     )
     rows = [_row(struct.pack(">i", i), b"\xff\xfe" if i == 2 else f"n{i}".encode()) for i in range(5)]
     data = HEADER + b"".join(rows) + struct.pack(">h", -1)
-    count, packed, refused = _encode_chunk(codec, "public.t", data, b"bb")
+    count, packed, refused = encode_chunk(codec, "public.t", data, b"bb")
     assert count == 4
-    assert [packed_key[-1] for packed_key in _packed_keys(packed)] == [0, 2, 6, 8]  # zigzag ids 0, 1, 3, 4
+    assert [packed_key[-1] for packed_key in packed_keys(packed)] == [0, 2, 6, 8]  # zigzag ids 0, 1, 3, 4
     assert len(refused) == 1
     assert refused[0].fields == [struct.pack(">i", 2), b"\xff\xfe"]
     assert isinstance(refused[0].error, ColumnError)

@@ -10,8 +10,9 @@ from typing import Any
 
 import pytest
 
+from cdc._chunks import block_cuts, next_chunk_rows
 from cdc._offsets import RangeProgress, SnapshotState, TableProgress
-from cdc._snapshot import Snapshotter, block_cuts, next_chunk_rows
+from cdc._snapshot import Snapshotter
 
 
 def _snapshotter(
