@@ -1,5 +1,5 @@
-"""Builds the optional C extension cdc._native (the capture's hot spot, cdc/_native.pyx); everything else is
-declared in pyproject.toml.
+"""Builds the optional C extension cdc._native (the capture's hot spot: cdc/_native.pyx and the parts it includes,
+cdc/_native_*.pxi); everything else is declared in pyproject.toml.
 
 ``optional=True``: without a C compiler or Python's headers the install still succeeds and the capture runs
 its pure-Python path (at start the capture logs `fast paths: …`: which paths run in C, and why not where not).

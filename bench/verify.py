@@ -133,7 +133,9 @@ def _worktree(rev: str | None) -> Iterator[Path | None]:
     where = Path(tempfile.mkdtemp(prefix="pgcdc-verify-ref-")) / "src"
     subprocess.run(["git", "-C", str(root), "worktree", "add", "--detach", str(where), rev], check=True)
     try:
-        same = subprocess.run(["git", "-C", str(root), "diff", "--quiet", rev, "--", "cdc/_native.pyx"], check=False)
+        same = subprocess.run(
+            ["git", "-C", str(root), "diff", "--quiet", rev, "--", "cdc/_native.pyx", "cdc/_native_*.pxi"], check=False
+        )
         if same.returncode == 0:
             for built in root.glob("cdc/_native*.so"):
                 shutil.copy2(built, where / "cdc" / built.name)
