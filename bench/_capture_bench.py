@@ -175,9 +175,6 @@ def endpoints() -> Endpoints:
     )
 
 
-DEFAULT_PG_MAJOR = 15  # the server the suite and the benchmarks run on unless CDC_TEST_PG names another
-
-
 def server_major() -> int:
     """The major version of the server the benchmarks run on."""
     with psycopg.connect(endpoints().admin) as conn:

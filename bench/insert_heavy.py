@@ -25,6 +25,7 @@ import argparse
 import random
 import time
 
+from pgcdc_dev import discovery
 from pgcdc_dev.bench.report import Measure, Result, write_result
 from psycopg import sql
 
@@ -76,7 +77,7 @@ def run(argv: list[str] | None = None) -> Result:
     debezium = not args.no_debezium
     major = cb.server_major()
     result = Result(
-        SCENARIO if major == cb.DEFAULT_PG_MAJOR else f"{SCENARIO}-pg{major}",
+        SCENARIO if str(major) == discovery.DEFAULT_PG_VERSION else f"{SCENARIO}-pg{major}",
         params={
             "postgres": major,
             "rows": args.rows,

@@ -99,11 +99,12 @@ def _stop_containers() -> None:
 
 # CDC_TEST_PG -> the local service that runs it
 PG_VERSIONS = {"15": "postgres", "16": "postgres-16", "17": "postgres-17", "18": "postgres-18"}
+DEFAULT_PG_VERSION = "15"  # Debian's server here: the whole suite runs on it
 
 
 def pg_version() -> str:
     """The PostgreSQL major version the run asks for (CDC_TEST_PG, default 15)."""
-    version = os.environ.get("CDC_TEST_PG", "").strip() or "15"
+    version = os.environ.get("CDC_TEST_PG", "").strip() or DEFAULT_PG_VERSION
     if version not in PG_VERSIONS:
         raise ServiceUnavailableError(f"CDC_TEST_PG={version!r}: the versions on offer are {', '.join(PG_VERSIONS)}")
     return version

