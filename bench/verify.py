@@ -89,15 +89,23 @@ def _fill(env: sb.Env, config: Path, sink: str) -> float:
     return time.monotonic() - started
 
 
-def _verify(sink: str, config: Path, log: Path, code_dir: Path | None = None) -> tuple[float, dict[str, float]]:
-    """`cdc verify SINK` (of the code in ``code_dir``, else this checkout's): seconds and peak RSS (MiB) by kind."""
+def _verify(
+    sink: str, config: Path, log: Path, code_dir: Path | None = None, profile: Path | None = None
+) -> tuple[float, dict[str, float]]:
+    """`cdc verify SINK` (of the code in ``code_dir``, else this checkout's): seconds and peak RSS (MiB) by kind.
+    With ``profile``, py-spy samples it and the Spark Python workers it starts (collapsed stacks into that file;
+    the sampler's own start adds to the time)."""
     env = dict(os.environ)
     if code_dir is not None:  # its modules first, for this process and the Spark workers it starts
         env["PYTHONPATH"] = os.pathsep.join([str(code_dir), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     started = time.monotonic()
     with open(log, "ab") as out:
+        cmd = [sys.executable, "-m", "pgcdc", "verify", sink, "--config", str(config)]
+        if profile is not None:
+            spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+            cmd = [spy, "record", "--subprocesses", "--rate", "50", "--format", "raw", "-o", str(profile), "--", *cmd]
         proc = subprocess.Popen(
-            [sys.executable, "-m", "pgcdc", "verify", sink, "--config", str(config)],
+            cmd,
             stdout=out,
             stderr=out,
             env=env,
@@ -154,7 +162,7 @@ class _Run:
     reference: str
 
 
-def _one(rows: int, sinks: list[str], against: Path | None, rev: str | None) -> list[_Run]:
+def _one(rows: int, sinks: list[str], against: Path | None, rev: str | None, profile: Path | None) -> list[_Run]:
     env = sb._env()
     runs = []
     try:
@@ -164,7 +172,8 @@ def _one(rows: int, sinks: list[str], against: Path | None, rev: str | None) -> 
             sb._capture(env, rows, config, log)
         for sink in sinks:
             filled = _fill(env, config, sink)
-            seconds, peaks = _verify(sink, config, env.work / "verify.log")
+            where = None if profile is None else profile / f"verify-{sink}-{rows}.folded"
+            seconds, peaks = _verify(sink, config, env.work / "verify.log", profile=where)
             if against is not None:
                 reference_s, reference = (
                     _verify(sink, config, env.work / "verify-ref.log", against)[0],
@@ -187,13 +196,20 @@ def run(argv: list[str] | None = None) -> Result:
     parser.add_argument("--rows", default="1000000,5000000", help="table sizes, comma-separated, smallest first")
     parser.add_argument("--sinks", default="warehouse", help="the stores to verify, comma-separated")
     parser.add_argument("--against", default=None, help="a git revision whose cdc verify is the speed reference")
+    parser.add_argument(
+        "--profile", type=Path, metavar="DIR", help="sample each verify with py-spy into DIR/verify-SINK-ROWS.folded"
+    )
     args = parser.parse_args(argv)
     sizes = [int(n) for n in args.rows.split(",")]
     sinks = args.sinks.split(",")
     params = {"rows": sizes, "spark.driver.memory": DRIVER_MEMORY, "sinks": sinks, "against": args.against}
     result = Result(SCENARIO, params=params)
     with _worktree(args.against) as against:
-        runs = [r for rows in sizes for r in _one(rows, sinks, against if rows == sizes[0] else None, args.against)]
+        runs = [
+            r
+            for rows in sizes
+            for r in _one(rows, sinks, against if rows == sizes[0] else None, args.against, args.profile)
+        ]
     for r in runs:
         if r.rows == sizes[0]:
             result.measures.append(_speed(r))

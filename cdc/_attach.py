@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 import psycopg
@@ -24,6 +24,7 @@ from cdc._metrics import CaptureMetrics
 from cdc._source import AttachReport, check_and_prepare, connect
 from cdc.errors import StreamError
 from decoders import Relation
+from schemas import ColumnHistory
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,9 @@ class TableCodecs:
         self._topics = topics
         self._registry = registry
         self.source_info = source_info
+        self._histories: dict[str, ColumnHistory] = {}  # by topic; learnt from the registry on first use
+        self._lock = threading.Lock()  # the stream and the snapshot's or backfill's threads build codecs
+        self._relations: dict[int, list[tuple[str, int, int | None]]] = {}  # the stream's last Relation of each
 
     def for_table(
         self, schema: str, table: str, columns: Sequence[ColumnSpec], key_flags: Sequence[bool]
@@ -76,8 +80,16 @@ class TableCodecs:
         topic = settings.topic_for(schema, table)
         self._topics.ensure(topic)
         self._ctx.metrics.tables[topic] = f"{schema}.{table}"
+        shape = table_shape(settings, self._types, schema, table, columns=columns, key=key)
+        with self._lock:
+            history = self._histories.get(topic)
+            if history is None:
+                history = self._histories[topic] = ColumnHistory()
+                if (registered := self._registry.latest(f"{topic}-value")) is not None:
+                    history.learn(registered)
+            shape = replace(shape, columns=history.identify(shape.columns))
         return TableCodec(
-            table_shape(settings, self._types, schema, table, columns=columns, key=key),
+            shape,
             source=self.source_info,
             register=lambda subject, sch: self._registry.register(subject, sch, table=qualified),
         )
@@ -85,11 +97,47 @@ class TableCodecs:
     def for_relation(self, rel: Relation, *, binary: bool) -> TableCodec:
         """The codec of the table version a Relation message describes; with ``binary`` (the stream is in
         binary mode), TextModeNeededError when a column has no binary reader."""
-        cols = [ColumnSpec(c.name, c.type_oid, c.type_modifier) for c in rel.columns]
+        numbers = self._attnums(rel)
+        cols = [ColumnSpec(c.name, c.type_oid, c.type_modifier, n) for c, n in zip(rel.columns, numbers, strict=True)]
         codec = self.for_table(rel.namespace, rel.name, cols, [c.is_key for c in rel.columns])
         if binary and not all(codec.binary_capable):
             raise TextModeNeededError(f"table {rel.namespace}.{rel.name} has a column without a binary reader")
         return codec
+
+    def _attnums(self, rel: Relation) -> list[int | None]:
+        """The Relation's columns' attnums (see :func:`relation_attnums`); remembered for the table's next one."""
+        columns = [(c.name, c.type_oid) for c in rel.columns]
+        numbers = relation_attnums(columns, self._types.column_numbers(rel.relid), self._relations.get(rel.relid))
+        self._relations[rel.relid] = [(n, t, a) for (n, t), a in zip(columns, numbers, strict=True)]
+        return numbers
+
+
+def relation_attnums(
+    columns: Sequence[tuple[str, int]],
+    now: Mapping[str, tuple[int, int]],
+    previous: Sequence[tuple[str, int, int | None]] | None,
+) -> list[int | None]:
+    """The attnums of a Relation message's columns ((name, type oid), in the message's order, which is attnum
+    order), from the catalogs as they are ``now`` (live columns' (attnum, type oid) by name) and the table's
+    ``previous`` Relation in this stream with the attnums found for it.
+
+    A column found by name with the same type takes the catalog's number. The stream may be behind a later
+    ALTER, so a column not found there (renamed again since) takes the number of the previous Relation's column
+    at the same place when both messages have as many columns, the types agree and that column still lives:
+    a live column was not dropped in between, so the one at its place is it, renamed. Numbers that are not in
+    increasing order betray a guess gone wrong: then none is given (the columns carry no identity, as before
+    pgcdc knew them)."""
+    numbers: list[int | None] = []
+    for name, type_oid in columns:
+        found = now.get(name)
+        numbers.append(found[0] if found is not None and found[1] == type_oid else None)
+    alive = {attnum for attnum, _ in now.values()}
+    if previous is not None and len(previous) == len(columns):
+        for i, ((_, type_oid), (_, was_type, was)) in enumerate(zip(columns, previous, strict=True)):
+            if numbers[i] is None and was is not None and was_type == type_oid and was in alive and was not in numbers:
+                numbers[i] = was
+    known = [n for n in numbers if n is not None]
+    return numbers if known == sorted(set(known)) else [None] * len(columns)
 
 
 @dataclass
@@ -128,4 +176,4 @@ def attach(ctx: CaptureContext) -> Iterator[Attached]:
         sql.close()
 
 
-__all__ = ["Attached", "CaptureContext", "TableCodecs", "TextModeNeededError", "attach"]
+__all__ = ["Attached", "CaptureContext", "TableCodecs", "TextModeNeededError", "attach", "relation_attnums"]

@@ -671,7 +671,7 @@ class Backfills:
         if keyset is None:
             info = self._current(info)
             key = self._attached.report.key_columns[info.qualified]
-            cols = [ColumnSpec(c.name, c.type_oid, c.typmod) for c in info.columns]
+            cols = [ColumnSpec(c.name, c.type_oid, c.typmod, c.attnum) for c in info.columns]
             codec = self._attached.codecs.for_table(info.schema, info.name, cols, [c.name in key for c in cols])
             job = RangeJob(ReadRange(info, 0, None, None), codec, self._ctx.settings.capture.backfill_chunk_rows)
             if backfill.keys is not None:

@@ -17,6 +17,7 @@ class ColumnInfo:
     type_oid: int
     typmod: int
     not_null: bool
+    attnum: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,10 +65,10 @@ def load_table(conn: psycopg.Connection[Any], schema: str, table: str) -> TableI
         return None
     oid, replident, relkind = row
     columns = tuple(
-        ColumnInfo(name, type_oid, typmod, not_null)
-        for name, type_oid, typmod, not_null in conn.execute(
+        ColumnInfo(name, type_oid, typmod, not_null, attnum)
+        for name, type_oid, typmod, not_null, attnum in conn.execute(
             """
-            SELECT attname, atttypid, atttypmod, attnotnull FROM pg_attribute
+            SELECT attname, atttypid, atttypmod, attnotnull, attnum FROM pg_attribute
             WHERE attrelid = %s AND attnum > 0 AND NOT attisdropped AND attgenerated = ''
             ORDER BY attnum
             """,
@@ -81,6 +82,15 @@ def load_table(conn: psycopg.Connection[Any], schema: str, table: str) -> TableI
     elif replident == "f":
         identity = tuple(c.name for c in columns)
     return TableInfo(oid, schema, table, columns, primary_key, replident, identity, relkind)
+
+
+def column_numbers(conn: psycopg.Connection[Any], table_oid: int) -> dict[str, tuple[int, int]]:
+    """Each live column's (attnum, type oid) by name, as the catalogs say now."""
+    rows = conn.execute(
+        "SELECT attname, attnum, atttypid FROM pg_attribute WHERE attrelid = %s AND attnum > 0 AND NOT attisdropped",
+        (table_oid,),
+    ).fetchall()
+    return {name: (attnum, type_oid) for name, attnum, type_oid in rows}
 
 
 def _index_columns(conn: psycopg.Connection[Any], table_oid: int, flag: str) -> tuple[str, ...]:
@@ -109,6 +119,10 @@ class TypeResolver:
             self._cache.clear()
         else:
             self._cache.pop(oid, None)
+
+    def column_numbers(self, table_oid: int) -> dict[str, tuple[int, int]]:
+        """The table's live columns' (attnum, type oid) by name, as the catalogs say now."""
+        return column_numbers(self._conn, table_oid)
 
     def resolve(self, oid: int) -> PgType:
         cached = self._cache.get(oid)

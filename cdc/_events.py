@@ -54,6 +54,7 @@ class ColumnSpec:
     name: str
     type_oid: int
     typmod: int
+    attnum: int | None = None  # its number in pg_attribute (what a rename keeps), when known
 
 
 @dataclass(frozen=True, slots=True)
@@ -409,7 +410,7 @@ def table_shape(
         pgtype = types.resolve(col.type_oid)
         mapping = avro_mapping(pgtype, col.typmod)
         mappings.append(mapping)
-        shapes.append(ColumnShape(col.name, pgtype, col.typmod, mapping.schema))
+        shapes.append(ColumnShape(col.name, pgtype, col.typmod, mapping.schema, attnum=col.attnum))
     return TableShape(
         schema=schema,
         table=table,

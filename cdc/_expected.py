@@ -244,7 +244,7 @@ def source_tables(config: Path | Settings | None) -> list[SourceTable]:
         types = TypeResolver(conn)
         source = SourceInfo(__version__, settings.kafka.topic_prefix, conn.info.dbname)
         for info in report.tables:
-            columns = tuple(ColumnSpec(c.name, c.type_oid, c.typmod) for c in info.columns)
+            columns = tuple(ColumnSpec(c.name, c.type_oid, c.typmod, c.attnum) for c in info.columns)
             keys = report.key_columns[info.qualified]
             # Nothing is registered: verify only needs the schemas and the converters.
             shape = table_shape(settings, types, info.schema, info.name, columns=columns, key=keys)

@@ -574,6 +574,15 @@ def _certificate_refused(exc: BaseException) -> bool:
     return False
 
 
+def _credentials_refused(exc: _RegistryHTTPError, doing: str) -> AuthenticationError:
+    # The body may be a proxy's HTML page: the status says enough.
+    return AuthenticationError(
+        f"the schema registry refused our credentials (HTTP {exc.http_status_code}) {doing}; check "
+        "registry.basic_auth_user_info ('user:password', or CDC_REGISTRY__BASIC_AUTH_USER_INFO, or "
+        "registry.basic_auth_user_info_file)"
+    )
+
+
 class Registry:
     """Registers schemas (once each) and returns their ids."""
 
@@ -598,12 +607,7 @@ class Registry:
                     "instead of changing a type) or relax the subject's compatibility level, then restart"
                 ) from exc
             if exc.http_status_code in (401, 403):
-                # The body may be a proxy's HTML page: the status says enough.
-                raise AuthenticationError(
-                    f"the schema registry refused our credentials (HTTP {exc.http_status_code}) registering "
-                    f"{subject!r}; check registry.basic_auth_user_info ('user:password', or "
-                    "CDC_REGISTRY__BASIC_AUTH_USER_INFO, or registry.basic_auth_user_info_file)"
-                ) from exc
+                raise _credentials_refused(exc, f"registering {subject!r}") from exc
             raise TransientError(f"schema registry error for {subject!r}: {exc.error_message}") from exc
         except Exception as exc:  # the client's transport errors (httpx) share no base class we can name
             if _certificate_refused(exc):
@@ -615,3 +619,19 @@ class Registry:
             raise TransientError(f"cannot reach the schema registry: {type(exc).__name__}: {exc}") from exc
         self._ids[(subject, text)] = schema_id
         return schema_id
+
+    def latest(self, subject: str) -> dict[str, Any] | None:
+        """The subject's latest registered schema, None when it has none yet."""
+        try:
+            registered = self._client.get_latest_version(subject)
+        except _RegistryHTTPError as exc:
+            if exc.http_status_code == 404:
+                return None
+            if exc.http_status_code in (401, 403):
+                raise _credentials_refused(exc, f"reading {subject!r}") from exc
+            raise TransientError(f"schema registry error for {subject!r}: {exc.error_message}") from exc
+        except Exception as exc:  # the client's transport errors (httpx) share no base class we can name
+            raise TransientError(f"cannot reach the schema registry: {type(exc).__name__}: {exc}") from exc
+        text = registered.schema.schema_str if registered.schema is not None else None
+        parsed = json.loads(text) if text else None
+        return parsed if isinstance(parsed, dict) else None

@@ -210,7 +210,7 @@ class Snapshotter:
 
     def _codec(self, table: TableInfo) -> TableCodec:
         key = set(self.attached.report.key_columns[table.qualified])
-        cols = [ColumnSpec(c.name, c.type_oid, c.typmod) for c in table.columns]
+        cols = [ColumnSpec(c.name, c.type_oid, c.typmod, c.attnum) for c in table.columns]
         return self.attached.codecs.for_table(table.schema, table.name, cols, [c.name in key for c in cols])
 
     def _estimate(self, table: TableInfo) -> int | None:

@@ -9,6 +9,7 @@ schema and to converters from both wire formats to Avro-ready values (docs/types
 
 from schemas._conv import AvroSchema, FormatError, UnsupportedTypeError, ValueOutOfRangeError, nullable
 from schemas._envelope import (
+    ColumnHistory,
     ColumnShape,
     avro_name,
     avro_namespace,
@@ -30,6 +31,7 @@ __all__ = [
     "TEXT_OUTPUT_SETTINGS",
     "AvroMapping",
     "AvroSchema",
+    "ColumnHistory",
     "ColumnShape",
     "FormatError",
     "PgType",

@@ -12,13 +12,18 @@ Every row field is nullable with a null default, whatever the column's NOT NULL:
 DROP COLUMN and RENAME compatible in both directions (a registry with FULL compatibility accepts them),
 and it is what makes ``unchanged_toast`` possible. Column names that are not valid Avro names are
 sanitised; the original PostgreSQL name is kept in the field's ``pgcdc.column`` attribute.
+
+A renamed column keeps its identity: each row field carries its column's number (``pgcdc.attnum``, from
+``pg_attribute``) and, as Avro ``aliases``, the other field names that column had in the table's earlier
+schemas. A reader of an event written before the rename with today's schema (the sinks, a rebuild from offset
+zero, any Avro library that resolves aliases) then finds the value under the new name.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 from schemas._conv import nullable
@@ -51,6 +56,8 @@ class ColumnShape:
     pgtype: PgType
     typmod: int
     schema: AvroSchema
+    attnum: int | None = None  # its number in pg_attribute, which a rename keeps; None when unknown
+    aliases: tuple[str, ...] = ()  # the field names the same column had in the table's earlier schemas
 
 
 def field_names(columns: Sequence[ColumnShape]) -> tuple[str, ...]:
@@ -74,8 +81,69 @@ def _row_fields(columns: Sequence[ColumnShape], names: Sequence[str]) -> list[di
         field: dict[str, Any] = {"name": name, "type": nullable(col.schema), "default": None}
         if name != col.name:
             field["pgcdc.column"] = col.name
+        if col.aliases:
+            field["aliases"] = list(col.aliases)
+        if col.attnum is not None:
+            field["pgcdc.attnum"] = col.attnum
         fields.append(field)
     return fields
+
+
+class ColumnHistory:
+    """Every field name each column of one table (known by its attnum) has had in the table's value schemas,
+    so that a new schema can name a renamed column's earlier names as its aliases.
+
+    Learnt from the schemas already registered (their fields' ``pgcdc.attnum`` and ``aliases``) and from each
+    new one; names only accumulate, so the order in which versions are built (the stream behind a snapshot that
+    read the catalogs as they are now) does not matter: aliases say "the same column", in either direction."""
+
+    def __init__(self) -> None:
+        self._names: dict[int, list[str]] = {}
+
+    def learn(self, value_schema: Mapping[str, Any]) -> None:
+        """Take in a table's value schema (an envelope as :func:`envelope_schema` writes it)."""
+        for f in _value_fields(value_schema):
+            attnum = f.get("pgcdc.attnum")
+            if isinstance(attnum, int):
+                for name in [f["name"], *f.get("aliases", ())]:
+                    self._add(attnum, name)
+
+    def identify(self, columns: Sequence[ColumnShape]) -> list[ColumnShape]:
+        """The columns with their aliases; a column whose attnum is unknown takes the one its field name had
+        before (when exactly one column had it and no other column here claims it)."""
+        names = field_names(columns)
+        claimed = {c.attnum for c in columns if c.attnum is not None}
+        out = []
+        for col, name in zip(columns, names, strict=True):
+            attnum = col.attnum
+            if attnum is None:
+                had = [a for a, seen in self._names.items() if name in seen and a not in claimed]
+                attnum = had[0] if len(had) == 1 else None
+            if attnum is not None:
+                self._add(attnum, name)
+            out.append(replace(col, attnum=attnum))
+        taken = set(names)  # an alias that is another field's name would make resolution ambiguous
+        return [
+            replace(c, aliases=tuple(a for a in self._names.get(c.attnum, ()) if a not in taken))
+            if c.attnum is not None
+            else c
+            for c in out
+        ]
+
+    def _add(self, attnum: int, name: str) -> None:
+        seen = self._names.setdefault(attnum, [])
+        if name not in seen:
+            seen.append(name)
+
+
+def _value_fields(value_schema: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The row fields of an envelope schema (its ``before`` branch's record); none for another shape."""
+    for f in value_schema.get("fields", ()):
+        if f.get("name") == "before" and isinstance(f.get("type"), list):
+            for branch in f["type"]:
+                if isinstance(branch, dict) and branch.get("type") == "record":
+                    return list(branch.get("fields", ()))
+    return []
 
 
 def key_schema(

@@ -8,7 +8,7 @@ from typing import Any, cast
 import fastavro
 from fastavro.schema import parse_schema
 
-from schemas import ColumnShape, PgType, avro_name, envelope_schema, field_names, key_schema
+from schemas import ColumnHistory, ColumnShape, PgType, avro_name, envelope_schema, field_names, key_schema
 
 INT4 = PgType(23, "int4")
 TEXT = PgType(25, "text")
@@ -90,6 +90,59 @@ def test_adding_a_column_is_readable_both_ways() -> None:
     fastavro.schemaless_writer(buf, new, {**rec, "after": {"id": 1, "first_name": "a", "extra": 3}})
     buf.seek(0)
     assert _read(buf, new, old)["after"] == {"id": 1, "first_name": "a"}
+
+
+_SOURCE = {"version": "0", "connector": "postgresql", "name": "n", "ts_ms": 1, "db": "d", "schema": "s", "table": "t"}
+
+
+def _numbered(*names: tuple[str, int | None]) -> list[ColumnShape]:
+    return [
+        ColumnShape(n, INT4 if n == "id" else TEXT, -1, "int" if n == "id" else "string", attnum=a) for n, a in names
+    ]
+
+
+def _after(writer: dict[str, Any], reader: dict[str, Any], row: dict[str, Any]) -> dict[str, Any]:
+    buf = io.BytesIO()
+    fastavro.schemaless_writer(buf, parse_schema(writer), {"after": row, "source": _SOURCE, "op": "c"})
+    buf.seek(0)
+    return cast(dict[str, Any], _read(buf, parse_schema(writer), parse_schema(reader))["after"])
+
+
+def test_a_renamed_column_names_its_earlier_names_so_old_events_read_into_the_new_one() -> None:
+    history = ColumnHistory()
+    v1 = envelope_schema("ns", history.identify(_numbered(("id", 1), ("name", 2))))
+    v2 = envelope_schema("ns", history.identify(_numbered(("id", 1), ("title", 2))))
+    value = v2["fields"][0]["type"][1]["fields"]
+    assert [(f["name"], f.get("aliases"), f["pgcdc.attnum"]) for f in value] == [
+        ("id", None, 1),
+        ("title", ["name"], 2),
+    ]
+    assert _after(v1, v2, {"id": 1, "name": "a"}) == {"id": 1, "title": "a"}
+    # Renamed again, learnt from the registered schema by a capture that starts afresh: both names carry over.
+    later = ColumnHistory()
+    later.learn(v2)
+    v3 = envelope_schema("ns", later.identify(_numbered(("id", 1), ("label", 2))))
+    assert _after(v1, v3, {"id": 1, "name": "a"}) == {"id": 1, "label": "a"}
+    assert _after(v2, v3, {"id": 1, "title": "b"}) == {"id": 1, "label": "b"}
+
+
+def test_names_a_column_had_are_aliases_in_either_order_and_never_another_fields_name() -> None:
+    history = ColumnHistory()
+    newer = history.identify(_numbered(("id", 1), ("title", 2)))
+    older = history.identify(_numbered(("id", 1), ("name", 2)))  # the stream behind a snapshot of today's table
+    assert older[1].aliases == ("title",)
+    assert newer[1].aliases == ()
+    swapped = history.identify(_numbered(("id", 1), ("name", 3), ("title", 2)))  # a new column took the old name
+    assert swapped[1].aliases == ()
+    assert swapped[2].aliases == ()
+
+
+def test_a_column_of_unknown_number_keeps_the_identity_its_name_had() -> None:
+    history = ColumnHistory()
+    history.identify(_numbered(("id", 1), ("name", 2)))
+    unknown = history.identify(_numbered(("id", None), ("name", None)))
+    assert [c.attnum for c in unknown] == [1, 2]
+    assert history.identify(_numbered(("id", 1), ("other", None)))[1].attnum is None  # a name never seen
 
 
 def test_truncate_key_is_all_null_and_not_empty() -> None:
