@@ -54,6 +54,7 @@ from cdc._chunks import (
 from cdc._encoder import PACKED_HEAD, CopyRowRefused, packed_rows
 from cdc._events import ColumnSpec, Position, Stamp, TableCodec
 from cdc._offsets import BackfillProgress, CaptureState
+from cdc._published import filter_condition, published, restrict
 from cdc._signals import Signal, SignalTable, SignalTopic
 from cdc._source import check_and_prepare, connect, publication_tables
 from cdc._window import ChunkWindow, XidSnapshot
@@ -114,19 +115,24 @@ class KeyList:
     def query_for(self, after: list[str] | None, limit: int) -> sql.Composed:
         """The rows the table has of the chunk's keys."""
         return sql.SQL(
-            "COPY (SELECT {} FROM {} AS src WHERE ({}) IN (SELECT {} FROM {})) TO STDOUT (FORMAT binary)"
+            "COPY (SELECT {} FROM {} AS src WHERE ({}) IN (SELECT {} FROM {}){}) TO STDOUT (FORMAT binary)"
         ).format(
             sql.SQL(", ").join(self.job.select_cols),
             self.job.work.table.ident(),
             self._columns("src"),
             self._columns("k"),
             self._listed(after, limit, "k"),
+            self._published(),
         )
+
+    def _published(self) -> sql.Composable:
+        """`` AND (the row filter)``: a row outside the publication's filter is absent (its key gets a delete)."""
+        return sql.SQL("").join(sql.SQL(" AND ") + c for c in filter_condition(self.job.work.table))
 
     def absent_for(self, after: list[str] | None, limit: int) -> sql.Composed:
         """The chunk's keys the table does not have: their key columns, read as the rows' are."""
         return sql.SQL(
-            "COPY (SELECT {} FROM {} WHERE NOT EXISTS (SELECT 1 FROM {} AS x WHERE ({}) = ({}))) "
+            "COPY (SELECT {} FROM {} WHERE NOT EXISTS (SELECT 1 FROM {} AS x WHERE ({}) = ({}){})) "
             "TO STDOUT (FORMAT binary)"
         ).format(
             sql.SQL(", ").join(self.job.select_cols[i] for i in self.positions),
@@ -134,6 +140,7 @@ class KeyList:
             self.job.work.table.ident(),
             self._columns("x"),
             self._columns("src"),
+            self._published(),  # its columns are x's: the innermost scope
         )
 
     def rows_of(self, keys: list[list[bytes | None]]) -> list[list[bytes | None]]:
@@ -688,6 +695,9 @@ class Backfills:
         started would otherwise be read by its old name (a repair after a rename failed so). ValueError when a
         key column is gone, which only a restarted capture can follow."""
         fresh = load_table(self._attached.sql, info.schema, info.name)
+        if fresh is not None:
+            publication = self._ctx.settings.source.publication
+            fresh = restrict(fresh, published(self._attached.sql, publication).get((info.schema, info.name)))
         if fresh is None or fresh.columns == info.columns:
             return info
         key = self._attached.report.key_columns[info.qualified]

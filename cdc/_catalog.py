@@ -32,6 +32,9 @@ class TableInfo:
     replica_identity: str  # 'd' default (primary key), 'n' nothing, 'f' full, 'i' index
     identity_columns: tuple[str, ...]  # the columns PostgreSQL logs as the old key for updates/deletes
     relkind: str
+    # The publication's row filter (SQL over the table's columns), which every reader of the table adds to its
+    # conditions; ``columns`` are then the published ones only (cdc._published).
+    row_filter: str | None = None
 
     @property
     def qualified(self) -> str:

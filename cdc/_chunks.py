@@ -28,6 +28,7 @@ from cdc._events import TableCodec
 from cdc._fastpaths import LIBPQ_FUNCTIONS
 from cdc._libs import libpq_addresses
 from cdc._metrics import DEAD_LETTER_OP
+from cdc._published import filter_condition
 from cdc.errors import StreamError
 
 if TYPE_CHECKING:
@@ -324,6 +325,7 @@ class Keyset:
             conditions.append(sql.SQL("({}) <= ({})").format(self.order, self.literal(upto)))
         if self.where is not None:
             conditions.append(sql.SQL("({})").format(sql.SQL(self.where)))
+        conditions += filter_condition(self.job.work.table)
         return sql.SQL("COPY (SELECT {} FROM {} AS src {} ORDER BY {} LIMIT {}) TO STDOUT (FORMAT binary)").format(
             sql.SQL(", ").join(self.select_cols),
             self.job.work.table.ident(),

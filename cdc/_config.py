@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, f
 from common.config import FileSettings, KafkaConnection, RegistryConnection, explain, read_config_file, settings_config
 from common.errors import ConfigError
 from common.topics import split_table_name, topic_name
-from schemas import TEXT_OUTPUT_SETTINGS
+from schemas import TEXT_OUTPUT_SETTINGS, Mask
 
 _IDENT = re.compile(r"^[^\x00]{1,63}$")  # PostgreSQL names: any character but NUL, at most 63 bytes
 
@@ -40,6 +40,23 @@ class SourceConfig(_Section):
         default_factory=dict,
         description="'schema.table' -> key columns, for tables without a primary key (needs REPLICA IDENTITY FULL)",
     )
+    columns: dict[str, tuple[str, ...]] = Field(
+        default_factory=dict,
+        description="'schema.table' -> the columns to publish (PostgreSQL 15+ column list); the others never "
+        "leave the database. Must keep the key and replica identity columns",
+    )
+    row_filters: dict[str, str] = Field(
+        default_factory=dict,
+        description="'schema.table' -> a SQL condition on its replica identity columns (PostgreSQL 15+ row "
+        "filter); rows outside it are neither streamed nor snapshotted, and a row leaving it arrives as a delete",
+    )
+    masks: dict[str, dict[str, Mask]] = Field(
+        default_factory=dict,
+        description="'schema.table' -> {column = 'hash' | 'null'}: captured but not exposed. 'hash' writes the "
+        "hex HMAC-SHA256 of the value under source.mask_key (a string field), 'null' always null; never a key column",
+    )
+    mask_key: SecretStr | None = Field(default=None, description="the HMAC key of 'hash' masks; kept secret")
+    mask_key_file: Path | None = Field(default=None, description="file whose first line is source.mask_key")
     publication: str = "pgcdc"
     slot: str = "pgcdc"
     failover: bool = Field(
@@ -99,6 +116,19 @@ class SourceConfig(_Section):
             except (OSError, IndexError) as exc:
                 raise ConfigError(
                     f"cannot read the password from source.password_file {str(self.password_file)!r}: {exc}"
+                ) from exc
+        return None
+
+    def mask_key_bytes(self) -> bytes | None:
+        """The HMAC key of hash masks (source.mask_key, else the first line of source.mask_key_file)."""
+        if self.mask_key is not None:
+            return self.mask_key.get_secret_value().encode()
+        if self.mask_key_file is not None:
+            try:
+                return self.mask_key_file.read_text().splitlines()[0].encode()
+            except (OSError, IndexError) as exc:
+                raise ConfigError(
+                    f"cannot read the mask key from source.mask_key_file {str(self.mask_key_file)!r}: {exc}"
                 ) from exc
         return None
 
@@ -225,8 +255,14 @@ class Settings(FileSettings):
 
     @model_validator(mode="after")
     def _key_columns_name_listed_tables(self) -> Settings:
-        for name in self.source.key_columns:
+        for name in [*self.source.key_columns, *self.source.columns, *self.source.row_filters, *self.source.masks]:
             split_table_name(name)
+        hashed = [t for t, cols in self.source.masks.items() if "hash" in cols.values()]
+        if hashed and self.source.mask_key is None and self.source.mask_key_file is None:
+            raise ValueError(
+                f"source.masks hashes columns of {', '.join(hashed)} but no key is set: set source.mask_key "
+                "(or CDC_SOURCE__MASK_KEY, or source.mask_key_file)"
+            )
         split_table_name(self.source.signal_table)
         return self
 
@@ -242,6 +278,13 @@ class Settings(FileSettings):
     def signal_topic(self) -> str | None:
         """The Kafka topic of requests (None: off)."""
         return self.kafka.signal_topic_name()
+
+    def masks_of(self, schema: str, table: str) -> dict[str, Mask]:
+        """source.masks of one table: column -> how."""
+        for name, columns in self.source.masks.items():
+            if split_table_name(name) == (schema, table):
+                return dict(columns)
+        return {}
 
     def topic_for(self, schema: str, table: str) -> str:
         """``<prefix>.<schema>.<table>``; characters Kafka refuses (and dots inside a part) become '_'."""

@@ -33,6 +33,7 @@ from schemas import (
     envelope_schema,
     field_names,
     key_schema,
+    masked,
     write_long,
     write_string,
 )
@@ -406,9 +407,13 @@ def table_shape(
     """One version of a table as its events describe it: the one place column types become Avro mappings (the
     capture's stream and snapshot, and `cdc verify`'s reading of the source, all go through it)."""
     shapes, mappings = [], []
+    masks = settings.masks_of(schema, table)
+    key_bytes = settings.source.mask_key_bytes() if "hash" in masks.values() else None
     for col in columns:
         pgtype = types.resolve(col.type_oid)
         mapping = avro_mapping(pgtype, col.typmod)
+        if col.name in masks:
+            mapping = masked(mapping, masks[col.name], key_bytes)
         mappings.append(mapping)
         shapes.append(ColumnShape(col.name, pgtype, col.typmod, mapping.schema, attnum=col.attnum))
     return TableShape(

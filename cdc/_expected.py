@@ -91,6 +91,7 @@ class SourceTable:
     _keys: tuple[str, ...]  # the key columns' names, in key order
     _key_types: tuple[str, ...]  # format_type of each key column
     _oid: int
+    _row_filter: str | None = None  # the publication's: rows outside it have no events
 
     @property
     def qualified(self) -> str:
@@ -209,6 +210,7 @@ class SourceTable:
             bounds.append(sql.SQL("({}) > ({})").format(self._key(), self._key_value(after)))
         if upto is not None:
             bounds.append(sql.SQL("({}) <= ({})").format(self._key(), self._key_value(upto)))
+        bounds += [sql.SQL("({})").format(sql.SQL(self._row_filter))] if self._row_filter is not None else []
         where = sql.SQL("WHERE ") + sql.SQL(" AND ").join(bounds) if bounds else sql.SQL("")
         return sql.SQL("COPY (SELECT {} FROM {} AS src {} ORDER BY {} LIMIT {}) TO STDOUT (FORMAT binary)").format(
             select, self._ident(), where, self._key(), sql.Literal(limit)
@@ -271,6 +273,7 @@ def source_tables(config: Path | Settings | None) -> list[SourceTable]:
                     _keys=tuple(keys),
                     _key_types=key_types,
                     _oid=info.oid,
+                    _row_filter=info.row_filter,
                 )
             )
     return out

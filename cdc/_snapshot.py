@@ -58,6 +58,7 @@ from cdc._chunks import (
 from cdc._encoder import CopyRowRefused
 from cdc._events import ColumnSpec, Position, TableCodec
 from cdc._offsets import CaptureState, RangeProgress, SnapshotState, TableProgress
+from cdc._published import filter_condition
 from cdc._resnapshot import GapDeletes, Reconciler
 from cdc.errors import TransientError
 
@@ -396,6 +397,7 @@ class Snapshotter:
             conditions.append(sql.SQL("src.ctid >= {}::tid").format(sql.Literal(f"({low},0)")))
         if high is not None:
             conditions.append(sql.SQL("src.ctid < {}::tid").format(sql.Literal(f"({high},0)")))
+        conditions += filter_condition(table)
         copies.send(
             sql.SQL("COPY (SELECT {} FROM {} AS src {}) TO STDOUT (FORMAT binary)").format(
                 sql.SQL(", ").join(job.select_cols), table.ident(), where_all(conditions)

@@ -16,6 +16,19 @@ from psycopg import sql
 
 from cdc._catalog import TableInfo, load_table
 from cdc._config import Settings, SourceConfig
+from cdc._published import (
+    Published,
+    check_columns,
+    check_filter,
+    check_masks,
+    configured,
+    deparsed,
+    is_refusal,
+    published,
+    refused,
+    restrict,
+    table_clause,
+)
 from cdc.errors import AuthenticationError, ConfigError, SourceCheckError, StreamError, TransientError
 from common.topics import split_table_name
 
@@ -92,7 +105,44 @@ def check_and_prepare(
     _check_privileges(conn)
     report.slot_exists = _check_slot(conn, src.slot, allow_active=allow_active_slot)
     report.publication_exists = _publication_exists(conn, src.publication)
+    wanted = _load_tables(conn, src, report)
+    _check_topic_names(settings, report.tables)
+    filtered = any(w.row_filter is not None for w in wanted.values())
+    if report.publication_exists or not dry_run or filtered:
+        # One transaction: a publication refused below (a filter outside the replica identity) is not left
+        # created or altered; a dry run looks (PostgreSQL itself checks a filter) and rolls back.
+        with conn.transaction(force_rollback=dry_run):
+            _prepare_publication(conn, src.publication, report, wanted)
+            for info in report.tables:
+                if wanted[(info.schema, info.name)].row_filter is not None:
+                    check_filter(conn, src.publication, info)
+            actual = published(conn, src.publication)
+    else:
+        report.actions += _create_publication(conn, src.publication, report.tables, wanted, dry_run=True)
+        actual = wanted
+    report.tables = [restrict(info, actual.get((info.schema, info.name))) for info in report.tables]
+    if not report.slot_exists:
+        report.notes.append(
+            f"replication slot {src.slot!r} will be created by `cdc run`, together with the initial snapshot, "
+            "so that both start from the same consistent point"
+        )
+    return report
+
+
+def _load_tables(
+    conn: psycopg.Connection[Any], src: SourceConfig, report: AttachReport
+) -> dict[tuple[str, str], Published]:
+    """Each captured table into the report with its key; what the configuration asks its publication to publish
+    of it (checked against the table)."""
     configured_keys = {split_table_name(k): v for k, v in src.key_columns.items()}
+    masks = {split_table_name(k): v for k, v in src.masks.items()}
+
+    def src_masks(schema: str, table: str) -> dict[str, str]:
+        return dict(masks.get((schema, table), {}))
+
+    columns = {split_table_name(k): v for k, v in src.columns.items()}
+    filters = {split_table_name(k): v for k, v in src.row_filters.items()}
+    wanted = {}
     for schema, table in _captured_names(conn, src, publication_exists=report.publication_exists):
         info = load_table(conn, schema, table)
         if info is None:
@@ -101,24 +151,40 @@ def check_and_prepare(
                 check="table-exists",
             )
         report.tables.append(info)
-        report.key_columns[info.qualified] = _key_columns(info, configured_keys.get((schema, table)))
-    _check_topic_names(settings, report.tables)
-    if report.publication_exists:
-        actions, added = _align_publication(conn, src.publication, report.tables, dry_run=dry_run)
-        report.actions += actions
-        if added and report.slot_exists:
-            report.notes.append(
-                f"{', '.join(added)} will be backfilled by `cdc run` while it streams (capture.backfill_new_tables)"
-            )
-        _check_publication(conn, src.publication, report.tables)
-    else:
-        report.actions += _create_publication(conn, src.publication, report.tables, dry_run=dry_run)
-    if not report.slot_exists:
+        key = report.key_columns[info.qualified] = _key_columns(info, configured_keys.get((schema, table)))
+        wanted[(schema, table)] = spec = deparsed(conn, info, configured(columns, filters, info))
+        check_columns(info, spec, key)
+        check_masks(info, spec, key, src_masks(schema, table))
+    return wanted
+
+
+def _prepare_publication(
+    conn: psycopg.Connection[Any],
+    publication: str,
+    report: AttachReport,
+    wanted: dict[tuple[str, str], Published],
+) -> None:
+    """Create the publication, or align one pgcdc created and check it publishes what is captured."""
+    try:
+        if not report.publication_exists:
+            report.actions += _create_publication(conn, publication, report.tables, wanted, dry_run=False)
+            return
+        actions, added, changed = _align_publication(conn, publication, report.tables, wanted)
+    except psycopg.Error as exc:
+        if not is_refusal(exc) or all(w.everything for w in wanted.values()):
+            raise
+        raise refused(exc) from exc
+    report.actions += actions
+    if added and report.slot_exists:
         report.notes.append(
-            f"replication slot {src.slot!r} will be created by `cdc run`, together with the initial snapshot, "
-            "so that both start from the same consistent point"
+            f"{', '.join(added)} will be backfilled by `cdc run` while it streams (capture.backfill_new_tables)"
         )
-    return report
+    if changed:
+        report.notes.append(
+            f"what is published of {', '.join(changed)} changed; rows it now publishes reach the topics as they "
+            "change: run `cdc snapshot " + " ".join(changed) + "` to bring every row in"
+        )
+    _check_publication(conn, publication, report.tables, wanted)
 
 
 def _captured_names(
@@ -163,9 +229,14 @@ def _check_topic_names(settings: Settings, tables: list[TableInfo]) -> None:
         topics[topic] = captured.qualified
 
 
-def _check_publication(conn: psycopg.Connection[Any], publication: str, tables: list[TableInfo]) -> None:
-    """An existing publication publishes every captured table, partitioned ones through their root, and every
-    kind of change."""
+def _check_publication(
+    conn: psycopg.Connection[Any],
+    publication: str,
+    tables: list[TableInfo],
+    wanted: dict[tuple[str, str], Published],
+) -> None:
+    """An existing publication publishes every captured table, partitioned ones through their root, every
+    kind of change, and the columns and rows the configuration asks for."""
     ident = sql.Identifier(publication).as_string(conn)
     partitioned = any(t.relkind == "p" for t in tables)
     if partitioned and not _one(conn, "SELECT pubviaroot FROM pg_publication WHERE pubname = %s", (publication,))[0]:
@@ -186,60 +257,98 @@ def _check_publication(conn: psycopg.Connection[Any], publication: str, tables: 
             check="publication-tables",
         )
     _check_publication_actions(conn, publication)
+    actual = published(conn, publication)
+    for t in tables:
+        want = wanted[(t.schema, t.name)]
+        if not _publishes(actual.get((t.schema, t.name)), want, t):
+            raise SourceCheckError(
+                f"publication {publication!r} does not publish {t.qualified} as source.columns/source.row_filters "
+                f"say; run ALTER PUBLICATION {ident} SET TABLE … with {table_clause(t, want).as_string(conn)} "
+                "for it (pgcdc alters only a publication it created), or change the configuration",
+                check="publication-tables",
+            )
 
 
 # What pgcdc writes as the comment of a publication it creates: only such a publication does it ever alter.
 OWNED_COMMENT = "created by pgcdc: it adds and drops the tables of source.tables"
 
 
+def _publishes(actual: Published | None, want: Published, info: TableInfo) -> bool:
+    """Whether what a publication publishes of a table is what the configuration asks (a column list naming
+    every column is no list; filters compare as PostgreSQL deparses them, give or take spaces and brackets)."""
+    have = actual or Published()
+    every = [c.name for c in info.columns]  # what the capture reads: a generated column is never published
+    if {c for c in have.columns or every if c in every} != set(want.columns or every):
+        return False
+    return _expression(have.row_filter) == _expression(want.row_filter)
+
+
+def _expression(text: str | None) -> str | None:
+    return None if text is None else re.sub(r"[\s()]", "", text)
+
+
 def _create_publication(
-    conn: psycopg.Connection[Any], publication: str, tables: list[TableInfo], *, dry_run: bool
+    conn: psycopg.Connection[Any],
+    publication: str,
+    tables: list[TableInfo],
+    wanted: dict[tuple[str, str], Published],
+    *,
+    dry_run: bool,
 ) -> list[str]:
     """The statements that create the publication of ``tables`` and mark it as pgcdc's, run unless ``dry_run``."""
     # Changes of a partitioned table then arrive as the parent's, matching its snapshot and topic.
     partitioned = any(t.relkind == "p" for t in tables)
     create = sql.SQL("CREATE PUBLICATION {} FOR TABLE {}{}").format(
         sql.Identifier(publication),
-        sql.SQL(", ").join(t.ident() for t in tables),
+        sql.SQL(", ").join(table_clause(t, wanted[(t.schema, t.name)]) for t in tables),
         sql.SQL(" WITH (publish_via_partition_root = true)") if partitioned else sql.SQL(""),
     )
     mark = sql.SQL("COMMENT ON PUBLICATION {} IS {}").format(sql.Identifier(publication), sql.Literal(OWNED_COMMENT))
     if not dry_run:
-        with conn.transaction():
-            conn.execute(create)
-            conn.execute(mark)
+        conn.execute(create)
+        conn.execute(mark)
         log.info("created publication %s", publication)
     return [create.as_string(conn), mark.as_string(conn)]
 
 
 def _align_publication(
-    conn: psycopg.Connection[Any], publication: str, tables: list[TableInfo], *, dry_run: bool
-) -> tuple[list[str], list[str]]:
+    conn: psycopg.Connection[Any],
+    publication: str,
+    tables: list[TableInfo],
+    wanted: dict[tuple[str, str], Published],
+) -> tuple[list[str], list[str], list[str]]:
     """A publication pgcdc created (its comment says so; never one FOR ALL TABLES) gets the captured tables it
-    lacks, and loses those no longer captured. The statements, run unless ``dry_run``, and the tables added."""
+    lacks, loses those no longer captured, and publishes of each what the configuration asks. The statements
+    run, the tables added and the tables whose columns or filter changed."""
     row = conn.execute(
         "SELECT puballtables, obj_description(oid, 'pg_publication') FROM pg_publication WHERE pubname = %s",
         (publication,),
     ).fetchone()
     if row is None or row[0] or row[1] != OWNED_COMMENT:
-        return [], []
-    present = set(publication_tables(conn, publication))
-    wanted = {(t.schema, t.name) for t in tables}
+        return [], [], []
+    actual = published(conn, publication)
     ident = sql.Identifier(publication)
     stmts = []
-    added = [t for t in tables if (t.schema, t.name) not in present]
-    if added:
-        stmts.append(
-            sql.SQL("ALTER PUBLICATION {} ADD TABLE {}").format(ident, sql.SQL(", ").join(t.ident() for t in added))
-        )
-    dropped = sorted(present - wanted)
+    added = [t for t in tables if (t.schema, t.name) not in actual]
+    changed = [
+        t
+        for t in tables
+        if t not in added and not _publishes(actual[(t.schema, t.name)], wanted[(t.schema, t.name)], t)
+    ]
+    if changed:  # dropped and added again in this transaction: the stream follows from its commit on
+        names = sql.SQL(", ").join(t.ident() for t in changed)
+        stmts.append(sql.SQL("ALTER PUBLICATION {} DROP TABLE {}").format(ident, names))
+    if added or changed:
+        clauses = sql.SQL(", ").join(table_clause(t, wanted[(t.schema, t.name)]) for t in [*added, *changed])
+        stmts.append(sql.SQL("ALTER PUBLICATION {} ADD TABLE {}").format(ident, clauses))
+    dropped = sorted(set(actual) - {(t.schema, t.name) for t in tables})
     if dropped:
         names = sql.SQL(", ").join(sql.Identifier(schema, table) for schema, table in dropped)
         stmts.append(sql.SQL("ALTER PUBLICATION {} DROP TABLE {}").format(ident, names))
-    for stmt in stmts if not dry_run else []:
+    for stmt in stmts:
         conn.execute(stmt)
         log.info("%s", stmt.as_string(conn))
-    return [stmt.as_string(conn) for stmt in stmts], [t.qualified for t in added]
+    return [stmt.as_string(conn) for stmt in stmts], [t.qualified for t in added], [t.qualified for t in changed]
 
 
 def _quoted(t: TableInfo) -> str:

@@ -22,18 +22,21 @@ from schemas._envelope import (
     transaction_key_schema,
     transaction_value_schema,
 )
+from schemas._masks import MASKS, Mask, masked
 from schemas._names import dedupe_named_types
 from schemas._pgtype import PgType, TypeKind
 from schemas._types import TEXT_OUTPUT_SETTINGS, AvroMapping, avro_mapping
 from schemas._writer import UnsupportedSchemaError, compile_field_writers, compile_writer, write_long, write_string
 
 __all__ = [
+    "MASKS",
     "TEXT_OUTPUT_SETTINGS",
     "AvroMapping",
     "AvroSchema",
     "ColumnHistory",
     "ColumnShape",
     "FormatError",
+    "Mask",
     "PgType",
     "TypeKind",
     "UnsupportedSchemaError",
@@ -48,6 +51,7 @@ __all__ = [
     "envelope_schema",
     "field_names",
     "key_schema",
+    "masked",
     "message_key_schema",
     "message_value_schema",
     "nullable",
