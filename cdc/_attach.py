@@ -64,9 +64,10 @@ class TableCodecs:
         self._relations: dict[int, list[tuple[str, int, int | None]]] = {}  # the stream's last Relation of each
 
     def for_table(
-        self, schema: str, table: str, columns: Sequence[ColumnSpec], key_flags: Sequence[bool]
+        self, schema: str, table: str, columns: Sequence[ColumnSpec], key_flags: Sequence[bool], relid: int
     ) -> TableCodec:
-        """Build (and register schemas for) the codec of one version of a table; callers cache it."""
+        """Build (and register schemas for) the codec of one version of a table (``relid``: its oid); callers
+        cache it."""
         settings = self._ctx.settings
         qualified = qualified_name(schema, table)
         key = self._report.key_columns.get(qualified) or tuple(
@@ -83,11 +84,11 @@ class TableCodecs:
         shape = table_shape(settings, self._types, schema, table, columns=columns, key=key)
         with self._lock:
             history = self._histories.get(topic)
-            if history is None:
-                history = self._histories[topic] = ColumnHistory()
+            if history is None or history.relid != relid:  # first seen, or dropped and made again
+                history = self._histories[topic] = ColumnHistory(relid)
                 if (registered := self._registry.latest(f"{topic}-value")) is not None:
                     history.learn(registered)
-            shape = replace(shape, columns=history.identify(shape.columns))
+            shape = replace(shape, columns=history.identify(shape.columns), relid=relid)
         return TableCodec(
             shape,
             source=self.source_info,
@@ -97,19 +98,16 @@ class TableCodecs:
     def for_relation(self, rel: Relation, *, binary: bool) -> TableCodec:
         """The codec of the table version a Relation message describes; with ``binary`` (the stream is in
         binary mode), TextModeNeededError when a column has no binary reader."""
-        numbers = self._attnums(rel)
+        columns = [(c.name, c.type_oid) for c in rel.columns]
+        numbers = relation_attnums(columns, self._types.column_numbers(rel.relid), self._relations.get(rel.relid))
         cols = [ColumnSpec(c.name, c.type_oid, c.type_modifier, n) for c, n in zip(rel.columns, numbers, strict=True)]
-        codec = self.for_table(rel.namespace, rel.name, cols, [c.is_key for c in rel.columns])
+        codec = self.for_table(rel.namespace, rel.name, cols, [c.is_key for c in rel.columns], rel.relid)
+        # The numbers the codec settled on (a column the catalogs no longer name keeps the number its name had
+        # in the table's schemas): the table's next Relation is told apart against them.
+        self._relations[rel.relid] = [(c.name, c.pgtype.oid, c.attnum) for c in codec.columns]
         if binary and not all(codec.binary_capable):
             raise TextModeNeededError(f"table {rel.namespace}.{rel.name} has a column without a binary reader")
         return codec
-
-    def _attnums(self, rel: Relation) -> list[int | None]:
-        """The Relation's columns' attnums (see :func:`relation_attnums`); remembered for the table's next one."""
-        columns = [(c.name, c.type_oid) for c in rel.columns]
-        numbers = relation_attnums(columns, self._types.column_numbers(rel.relid), self._relations.get(rel.relid))
-        self._relations[rel.relid] = [(n, t, a) for (n, t), a in zip(columns, numbers, strict=True)]
-        return numbers
 
 
 def relation_attnums(

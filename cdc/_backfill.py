@@ -679,7 +679,8 @@ class Backfills:
             info = self._current(info)
             key = self._attached.report.key_columns[info.qualified]
             cols = [ColumnSpec(c.name, c.type_oid, c.typmod, c.attnum) for c in info.columns]
-            codec = self._attached.codecs.for_table(info.schema, info.name, cols, [c.name in key for c in cols])
+            flags = [c.name in key for c in cols]
+            codec = self._attached.codecs.for_table(info.schema, info.name, cols, flags, info.oid)
             job = RangeJob(ReadRange(info, 0, None, None), codec, self._ctx.settings.capture.backfill_chunk_rows)
             if backfill.keys is not None:
                 types = key_types(self._attached.sql, info.oid, key)
@@ -698,7 +699,7 @@ class Backfills:
         if fresh is not None:
             publication = self._ctx.settings.source.publication
             fresh = restrict(fresh, published(self._attached.sql, publication).get((info.schema, info.name)))
-        if fresh is None or fresh.columns == info.columns:
+        if fresh is None or (fresh.columns, fresh.row_filter) == (info.columns, info.row_filter):
             return info
         key = self._attached.report.key_columns[info.qualified]
         missing = [k for k in key if k not in {c.name for c in fresh.columns}]

@@ -125,7 +125,10 @@ class SourceConfig(_Section):
             return self.mask_key.get_secret_value().encode()
         if self.mask_key_file is not None:
             try:
-                return self.mask_key_file.read_text().splitlines()[0].encode()
+                key = self.mask_key_file.read_text().splitlines()[0].encode()
+                if not key:
+                    raise IndexError("its first line is empty")
+                return key
             except (OSError, IndexError) as exc:
                 raise ConfigError(
                     f"cannot read the mask key from source.mask_key_file {str(self.mask_key_file)!r}: {exc}"
@@ -258,7 +261,8 @@ class Settings(FileSettings):
         for name in [*self.source.key_columns, *self.source.columns, *self.source.row_filters, *self.source.masks]:
             split_table_name(name)
         hashed = [t for t, cols in self.source.masks.items() if "hash" in cols.values()]
-        if hashed and self.source.mask_key is None and self.source.mask_key_file is None:
+        key = self.source.mask_key
+        if hashed and (key is None or not key.get_secret_value()) and self.source.mask_key_file is None:
             raise ValueError(
                 f"source.masks hashes columns of {', '.join(hashed)} but no key is set: set source.mask_key "
                 "(or CDC_SOURCE__MASK_KEY, or source.mask_key_file)"

@@ -100,6 +100,7 @@ class TableShape:
     columns: Sequence[ColumnShape]
     mappings: Sequence[AvroMapping]
     key_columns: Sequence[str]
+    relid: int | None = None  # the table's oid, when known (see schemas.ColumnHistory)
 
 
 class TableCodec:
@@ -124,7 +125,7 @@ class TableCodec:
         self._binary: tuple[Converter | None, ...] = tuple(m.from_binary for m in mappings)
         self.binary_capable = tuple(b is not None for b in self._binary)
         self.key_schema = key_schema(namespace, [columns[i] for i in self.key_indexes], self.key_field_names)
-        self.value_schema = envelope_schema(namespace, columns)
+        self.value_schema = envelope_schema(namespace, columns, shape.relid)
         self.key_id = register(f"{topic}-key", self.key_schema)
         self.value_id = register(f"{topic}-value", self.value_schema)
         self._key_frame = _FRAME.pack(0, self.key_id)

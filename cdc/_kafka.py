@@ -574,6 +574,14 @@ def _certificate_refused(exc: BaseException) -> bool:
     return False
 
 
+def _untrusted(exc: Exception) -> SchemaRegistryError:
+    # Retrying cannot make an untrusted certificate trusted: say which setting fixes it.
+    return SchemaRegistryError(
+        f"the TLS connection to the schema registry failed ({exc}); set registry.ssl_ca_location to the PEM file "
+        "of the CA that signed the registry's certificate"
+    )
+
+
 def _credentials_refused(exc: _RegistryHTTPError, doing: str) -> AuthenticationError:
     # The body may be a proxy's HTML page: the status says enough.
     return AuthenticationError(
@@ -611,11 +619,7 @@ class Registry:
             raise TransientError(f"schema registry error for {subject!r}: {exc.error_message}") from exc
         except Exception as exc:  # the client's transport errors (httpx) share no base class we can name
             if _certificate_refused(exc):
-                # Retrying cannot make an untrusted certificate trusted: say which setting fixes it.
-                raise SchemaRegistryError(
-                    f"the TLS connection to the schema registry failed ({exc}); set registry.ssl_ca_location "
-                    "to the PEM file of the CA that signed the registry's certificate"
-                ) from exc
+                raise _untrusted(exc) from exc
             raise TransientError(f"cannot reach the schema registry: {type(exc).__name__}: {exc}") from exc
         self._ids[(subject, text)] = schema_id
         return schema_id
@@ -631,6 +635,8 @@ class Registry:
                 raise _credentials_refused(exc, f"reading {subject!r}") from exc
             raise TransientError(f"schema registry error for {subject!r}: {exc.error_message}") from exc
         except Exception as exc:  # the client's transport errors (httpx) share no base class we can name
+            if _certificate_refused(exc):
+                raise _untrusted(exc) from exc
             raise TransientError(f"cannot reach the schema registry: {type(exc).__name__}: {exc}") from exc
         text = registered.schema.schema_str if registered.schema is not None else None
         parsed = json.loads(text) if text else None

@@ -34,6 +34,8 @@ class Published:
 
     columns: tuple[str, ...] | None = None
     row_filter: str | None = None
+    asked: bool = False  # the configuration names the table (source.columns or source.row_filters)
+    exact: bool = True  # row_filter is as PostgreSQL writes it back, so it compares with a publication's
 
     @property
     def everything(self) -> bool:
@@ -54,7 +56,9 @@ def configured(
                 f"have (its columns: {', '.join(sorted(have))}); fix the list",
                 check="publication-columns",
             )
-    return Published(tuple(listed) if listed is not None else None, filters.get((info.schema, info.name)))
+    row_filter = filters.get((info.schema, info.name))
+    asked = listed is not None or row_filter is not None
+    return Published(tuple(listed) if listed is not None else None, row_filter, asked=asked)
 
 
 def check_columns(info: TableInfo, wanted: Published, key: Sequence[str]) -> None:
@@ -106,23 +110,39 @@ def table_clause(info: TableInfo, wanted: Published) -> sql.Composable:
 
 def deparsed(conn: psycopg.Connection[Any], info: TableInfo, wanted: Published) -> Published:
     """``wanted`` with its row filter as PostgreSQL writes it back (``pg_publication_tables.rowfilter``), so that
-    it compares with what a publication holds: a publication made for the purpose and rolled back. As configured
-    when the role may not create publications; SourceCheckError when PostgreSQL refuses the filter."""
+    it compares with what a publication holds, and checked to read only replica identity columns: a publication
+    made for the purpose and rolled back (it takes a lock on the table, for at most 5 s). When the role may not
+    create publications, or the lock is not had, the filter stays as configured (``exact`` False) and is checked
+    on the real publication. SourceCheckError when PostgreSQL refuses the filter or it reads other columns."""
     if wanted.row_filter is None:
         return wanted
     probe = f"pgcdc_probe_{os.getpid()}"
     clause = table_clause(info, Published(None, wanted.row_filter))
     try:
         with conn.transaction(force_rollback=True):
+            conn.execute("SET LOCAL lock_timeout = '5s'")
             conn.execute(sql.SQL("CREATE PUBLICATION {} FOR TABLE {}").format(sql.Identifier(probe), clause))
             row = conn.execute("SELECT rowfilter FROM pg_publication_tables WHERE pubname = %s", (probe,)).fetchone()
-    except psycopg.errors.InsufficientPrivilege:
-        return wanted
+            check_filter(conn, probe, info)
+    except (psycopg.errors.InsufficientPrivilege, psycopg.errors.LockNotAvailable):
+        return replace(wanted, exact=False)
     except psycopg.Error as exc:
         if is_refusal(exc):
             raise refused(exc) from exc
         raise
-    return replace(wanted, row_filter=row[0]) if row is not None and row[0] else wanted
+    return replace(wanted, row_filter=row[0]) if row is not None and row[0] else replace(wanted, exact=False)
+
+
+def publishes(actual: Published | None, want: Published, info: TableInfo) -> bool:
+    """Whether what a publication publishes of a table is what ``want`` asks (a column list naming every column
+    is no list; a filter that could not be had as PostgreSQL writes it is taken as the same when both have one)."""
+    have = actual or Published()
+    every = [c.name for c in info.columns]  # what the capture reads: a generated column is never published
+    if {c for c in have.columns or every if c in every} != set(want.columns or every):
+        return False
+    if not want.exact:
+        return (have.row_filter is None) == (want.row_filter is None)
+    return have.row_filter == want.row_filter
 
 
 def is_refusal(exc: psycopg.Error) -> bool:
@@ -209,6 +229,7 @@ __all__ = [
     "filter_condition",
     "is_refusal",
     "published",
+    "publishes",
     "refused",
     "restrict",
     "table_clause",

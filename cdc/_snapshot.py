@@ -212,7 +212,7 @@ class Snapshotter:
     def _codec(self, table: TableInfo) -> TableCodec:
         key = set(self.attached.report.key_columns[table.qualified])
         cols = [ColumnSpec(c.name, c.type_oid, c.typmod, c.attnum) for c in table.columns]
-        return self.attached.codecs.for_table(table.schema, table.name, cols, [c.name in key for c in cols])
+        return self.attached.codecs.for_table(table.schema, table.name, cols, [c.name in key for c in cols], table.oid)
 
     def _estimate(self, table: TableInfo) -> int | None:
         row = self.attached.sql.execute(

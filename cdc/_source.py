@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -25,6 +26,7 @@ from cdc._published import (
     deparsed,
     is_refusal,
     published,
+    publishes,
     refused,
     restrict,
     table_clause,
@@ -107,19 +109,16 @@ def check_and_prepare(
     report.publication_exists = _publication_exists(conn, src.publication)
     wanted = _load_tables(conn, src, report)
     _check_topic_names(settings, report.tables)
-    filtered = any(w.row_filter is not None for w in wanted.values())
-    if report.publication_exists or not dry_run or filtered:
-        # One transaction: a publication refused below (a filter outside the replica identity) is not left
-        # created or altered; a dry run looks (PostgreSQL itself checks a filter) and rolls back.
-        with conn.transaction(force_rollback=dry_run):
+    if dry_run:
+        actual = _planned_publication(conn, src.publication, report, wanted)
+    else:
+        # One transaction: a publication refused below (a filter outside the replica identity) is left as it was.
+        with conn.transaction():
             _prepare_publication(conn, src.publication, report, wanted)
             for info in report.tables:
                 if wanted[(info.schema, info.name)].row_filter is not None:
                     check_filter(conn, src.publication, info)
             actual = published(conn, src.publication)
-    else:
-        report.actions += _create_publication(conn, src.publication, report.tables, wanted, dry_run=True)
-        actual = wanted
     report.tables = [restrict(info, actual.get((info.schema, info.name))) for info in report.tables]
     if not report.slot_exists:
         report.notes.append(
@@ -155,7 +154,44 @@ def _load_tables(
         wanted[(schema, table)] = spec = deparsed(conn, info, configured(columns, filters, info))
         check_columns(info, spec, key)
         check_masks(info, spec, key, src_masks(schema, table))
+    named: dict[str, Mapping[tuple[str, str], Any]] = {
+        "source.columns": columns,
+        "source.row_filters": filters,
+        "source.masks": masks,
+    }
+    _check_named_tables(report.tables, named)
     return wanted
+
+
+def _check_named_tables(tables: list[TableInfo], settings: dict[str, Mapping[tuple[str, str], Any]]) -> None:
+    """Every table a per-table setting names is captured: a misspelt name would otherwise publish the columns
+    it was meant to leave out or mask."""
+    captured = {(t.schema, t.name) for t in tables}
+    for key, per_table in settings.items():
+        unknown = [f"{schema}.{table}" for schema, table in per_table if (schema, table) not in captured]
+        if unknown:
+            raise SourceCheckError(
+                f"{key} names {', '.join(unknown)}, which is not captured (captured: "
+                f"{', '.join(t.qualified for t in tables)}); fix the name (schema.table, as in source.tables)",
+                check="table-settings",
+            )
+
+
+def _planned_publication(
+    conn: psycopg.Connection[Any], publication: str, report: AttachReport, wanted: dict[tuple[str, str], Published]
+) -> dict[tuple[str, str], Published]:
+    """A dry run's view of the publication: the statements that would create or align it (not run), and what it
+    would publish of each table (the configuration's, where pgcdc writes it; else the publication's own)."""
+    if not report.publication_exists:
+        report.actions += _create_publication(conn, publication, report.tables, wanted, dry_run=True)
+        return wanted
+    actual = published(conn, publication)
+    if _owned(conn, publication):
+        actions, _, _ = _align_publication(conn, publication, report.tables, wanted, dry_run=True)
+        report.actions += actions
+        return {**actual, **wanted}
+    _check_publication(conn, publication, report.tables, wanted)
+    return {**actual, **{k: w for k, w in wanted.items() if w.asked}}
 
 
 def _prepare_publication(
@@ -169,7 +205,7 @@ def _prepare_publication(
         if not report.publication_exists:
             report.actions += _create_publication(conn, publication, report.tables, wanted, dry_run=False)
             return
-        actions, added, changed = _align_publication(conn, publication, report.tables, wanted)
+        actions, added, changed = _align_publication(conn, publication, report.tables, wanted, dry_run=False)
     except psycopg.Error as exc:
         if not is_refusal(exc) or all(w.everything for w in wanted.values()):
             raise
@@ -181,8 +217,9 @@ def _prepare_publication(
         )
     if changed:
         report.notes.append(
-            f"what is published of {', '.join(changed)} changed; rows it now publishes reach the topics as they "
-            "change: run `cdc snapshot " + " ".join(changed) + "` to bring every row in"
+            f"what is published of {', '.join(changed)} changed: rows a wider filter or list now publishes reach "
+            "the topics as they change (`cdc snapshot " + " ".join(changed) + "` brings every row in), and rows a "
+            "narrower one leaves out stay in the topics and views until `cdc verify --repair` deletes them"
         )
     _check_publication(conn, publication, report.tables, wanted)
 
@@ -260,31 +297,18 @@ def _check_publication(
     actual = published(conn, publication)
     for t in tables:
         want = wanted[(t.schema, t.name)]
-        if not _publishes(actual.get((t.schema, t.name)), want, t):
+        if want.asked and not publishes(actual.get((t.schema, t.name)), want, t):
             raise SourceCheckError(
                 f"publication {publication!r} does not publish {t.qualified} as source.columns/source.row_filters "
-                f"say; run ALTER PUBLICATION {ident} SET TABLE … with {table_clause(t, want).as_string(conn)} "
-                "for it (pgcdc alters only a publication it created), or change the configuration",
+                f"say; run ALTER PUBLICATION {ident} DROP TABLE {t.ident().as_string(conn)}; ALTER PUBLICATION "
+                f"{ident} ADD TABLE {table_clause(t, want).as_string(conn)} (pgcdc alters only a publication it "
+                "created), or change the configuration",
                 check="publication-tables",
             )
 
 
 # What pgcdc writes as the comment of a publication it creates: only such a publication does it ever alter.
 OWNED_COMMENT = "created by pgcdc: it adds and drops the tables of source.tables"
-
-
-def _publishes(actual: Published | None, want: Published, info: TableInfo) -> bool:
-    """Whether what a publication publishes of a table is what the configuration asks (a column list naming
-    every column is no list; filters compare as PostgreSQL deparses them, give or take spaces and brackets)."""
-    have = actual or Published()
-    every = [c.name for c in info.columns]  # what the capture reads: a generated column is never published
-    if {c for c in have.columns or every if c in every} != set(want.columns or every):
-        return False
-    return _expression(have.row_filter) == _expression(want.row_filter)
-
-
-def _expression(text: str | None) -> str | None:
-    return None if text is None else re.sub(r"[\s()]", "", text)
 
 
 def _create_publication(
@@ -316,24 +340,20 @@ def _align_publication(
     publication: str,
     tables: list[TableInfo],
     wanted: dict[tuple[str, str], Published],
+    *,
+    dry_run: bool,
 ) -> tuple[list[str], list[str], list[str]]:
     """A publication pgcdc created (its comment says so; never one FOR ALL TABLES) gets the captured tables it
     lacks, loses those no longer captured, and publishes of each what the configuration asks. The statements
-    run, the tables added and the tables whose columns or filter changed."""
-    row = conn.execute(
-        "SELECT puballtables, obj_description(oid, 'pg_publication') FROM pg_publication WHERE pubname = %s",
-        (publication,),
-    ).fetchone()
-    if row is None or row[0] or row[1] != OWNED_COMMENT:
+    (run unless ``dry_run``), the tables added and the tables whose columns or filter changed."""
+    if not _owned(conn, publication):
         return [], [], []
     actual = published(conn, publication)
     ident = sql.Identifier(publication)
     stmts = []
     added = [t for t in tables if (t.schema, t.name) not in actual]
     changed = [
-        t
-        for t in tables
-        if t not in added and not _publishes(actual[(t.schema, t.name)], wanted[(t.schema, t.name)], t)
+        t for t in tables if t not in added and not publishes(actual[(t.schema, t.name)], wanted[(t.schema, t.name)], t)
     ]
     if changed:  # dropped and added again in this transaction: the stream follows from its commit on
         names = sql.SQL(", ").join(t.ident() for t in changed)
@@ -345,10 +365,19 @@ def _align_publication(
     if dropped:
         names = sql.SQL(", ").join(sql.Identifier(schema, table) for schema, table in dropped)
         stmts.append(sql.SQL("ALTER PUBLICATION {} DROP TABLE {}").format(ident, names))
-    for stmt in stmts:
+    for stmt in stmts if not dry_run else []:
         conn.execute(stmt)
         log.info("%s", stmt.as_string(conn))
     return [stmt.as_string(conn) for stmt in stmts], [t.qualified for t in added], [t.qualified for t in changed]
+
+
+def _owned(conn: psycopg.Connection[Any], publication: str) -> bool:
+    """Whether pgcdc created the publication (its comment says so) and may alter it; never one FOR ALL TABLES."""
+    row = conn.execute(
+        "SELECT puballtables, obj_description(oid, 'pg_publication') FROM pg_publication WHERE pubname = %s",
+        (publication,),
+    ).fetchone()
+    return row is not None and not row[0] and row[1] == OWNED_COMMENT
 
 
 def _quoted(t: TableInfo) -> str:

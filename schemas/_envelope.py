@@ -97,12 +97,17 @@ class ColumnHistory:
     new one; names only accumulate, so the order in which versions are built (the stream behind a snapshot that
     read the catalogs as they are now) does not matter: aliases say "the same column", in either direction."""
 
-    def __init__(self) -> None:
+    def __init__(self, relid: int | None = None) -> None:
+        self.relid = relid  # the table's oid: only schemas of this table teach names
         self._names: dict[int, list[str]] = {}
 
     def learn(self, value_schema: Mapping[str, Any]) -> None:
-        """Take in a table's value schema (an envelope as :func:`envelope_schema` writes it)."""
-        for f in _value_fields(value_schema):
+        """Take in a table's value schema (an envelope as :func:`envelope_schema` writes it), when it was written
+        for this table (same oid)."""
+        record = _value_record(value_schema)
+        if record.get("pgcdc.relid") != self.relid:
+            return
+        for f in record.get("fields", ()):
             attnum = f.get("pgcdc.attnum")
             if isinstance(attnum, int):
                 for name in [f["name"], *f.get("aliases", ())]:
@@ -122,9 +127,14 @@ class ColumnHistory:
             if attnum is not None:
                 self._add(attnum, name)
             out.append(replace(col, attnum=attnum))
-        taken = set(names)  # an alias that is another field's name would make resolution ambiguous
+        # An alias that is another field's name, or that two columns had, would make resolution ambiguous.
+        owners: dict[str, int] = {}
+        for seen in self._names.values():
+            for name in seen:
+                owners[name] = owners.get(name, 0) + 1
+        taken = set(names)
         return [
-            replace(c, aliases=tuple(a for a in self._names.get(c.attnum, ()) if a not in taken))
+            replace(c, aliases=tuple(a for a in self._names.get(c.attnum, ()) if a not in taken and owners[a] == 1))
             if c.attnum is not None
             else c
             for c in out
@@ -136,14 +146,14 @@ class ColumnHistory:
             seen.append(name)
 
 
-def _value_fields(value_schema: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """The row fields of an envelope schema (its ``before`` branch's record); none for another shape."""
+def _value_record(value_schema: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The row record of an envelope schema (its ``before`` branch's record); empty for another shape."""
     for f in value_schema.get("fields", ()):
         if f.get("name") == "before" and isinstance(f.get("type"), list):
             for branch in f["type"]:
                 if isinstance(branch, dict) and branch.get("type") == "record":
-                    return list(branch.get("fields", ()))
-    return []
+                    return branch
+    return {}
 
 
 def key_schema(
@@ -157,7 +167,10 @@ def key_schema(
     join key and row fields by name (the warehouse's MERGE, ``cdc verify``) would take the wrong column.
     """
     names = field_names(key_columns) if names is None else names
-    key = {"type": "record", "name": "Key", "namespace": namespace, "fields": _row_fields(key_columns, names)}
+    # No column numbers or aliases in Key: its schema id is in every framed key, and the bytes of a row's key
+    # must stay the same (compaction and partitioning go by them) when a value schema gains them.
+    plain = [replace(c, attnum=None, aliases=()) for c in key_columns]
+    key = {"type": "record", "name": "Key", "namespace": namespace, "fields": _row_fields(plain, names)}
     return _single_definitions(key)
 
 
@@ -209,9 +222,14 @@ def transaction_schema() -> dict[str, Any]:
     }
 
 
-def envelope_schema(namespace: str, columns: Sequence[ColumnShape]) -> dict[str, Any]:
+def envelope_schema(namespace: str, columns: Sequence[ColumnShape], relid: int | None = None) -> dict[str, Any]:
+    """``relid``: the table's oid, kept in the Value record (``pgcdc.relid``) so that the column numbers of a
+    table dropped and made again under the same name are not taken for the old one's."""
     names = field_names(columns)
-    value = {"type": "record", "name": "Value", "namespace": namespace, "fields": _row_fields(columns, names)}
+    value: dict[str, Any] = {"type": "record", "name": "Value", "namespace": namespace}
+    value["fields"] = _row_fields(columns, names)
+    if relid is not None:
+        value["pgcdc.relid"] = relid
     return _single_definitions(
         {
             "type": "record",

@@ -303,6 +303,14 @@ CASES = [
         tables=["public.mk_{n}"],
         source='mask_key = "k"\nmasks = { "public.mk_{n}" = { id = "hash" } }',
     ),
+    Case(
+        "table-setting-for-a-table-not-captured",
+        3,
+        ["source.masks names public.mz_{n}", "not captured", "fix the name"],
+        setup=lambda env: env.sql("CREATE TABLE my_{n} (id int PRIMARY KEY, email text)"),
+        tables=["public.my_{n}"],
+        source='mask_key = "k"\nmasks = { "public.mz_{n}" = { email = "hash" } }',
+    ),
     # --- the publication (exit 3) --------------------------------------------------------------------------
     Case("no-tables-no-publication", 3, ["no tables to capture", "source.tables"]),
     Case(

@@ -137,6 +137,35 @@ def test_names_a_column_had_are_aliases_in_either_order_and_never_another_fields
     assert swapped[2].aliases == ()
 
 
+def test_the_key_schema_carries_no_column_numbers_or_aliases_so_framed_keys_keep_their_bytes() -> None:
+    history = ColumnHistory()
+    history.identify(_numbered(("id", 1), ("name", 2)))
+    renamed = history.identify(_numbered(("key", 1), ("name", 2)))
+    assert renamed[0].aliases == ("id",)
+    assert key_schema("ns", renamed[:1]) == key_schema("ns", [ColumnShape("key", TEXT, -1, "string")])
+
+
+def test_a_name_two_columns_had_is_no_ones_alias() -> None:
+    history = ColumnHistory()
+    history.identify(_numbered(("id", 1), ("a", 2)))
+    history.identify(_numbered(("id", 1), ("b", 2)))  # a -> b
+    history.identify(_numbered(("id", 1), ("b", 2), ("a", 3)))  # a new column takes the name a
+    later = history.identify(_numbered(("id", 1), ("b", 2), ("d", 3)))  # and is renamed
+    assert later[1].aliases == ()
+    assert later[2].aliases == ()
+
+
+def test_schemas_of_another_table_of_the_same_name_teach_nothing() -> None:
+    old = envelope_schema("ns", ColumnHistory(7).identify(_numbered(("id", 1), ("name", 2))), relid=7)
+    assert old["fields"][0]["type"][1]["pgcdc.relid"] == 7
+    remade = ColumnHistory(8)  # the table dropped and created again: a new oid
+    remade.learn(old)
+    assert remade.identify(_numbered(("id", 1), ("title", 2)))[1].aliases == ()
+    same = ColumnHistory(7)
+    same.learn(old)
+    assert same.identify(_numbered(("id", 1), ("title", 2)))[1].aliases == ("name",)
+
+
 def test_a_column_of_unknown_number_keeps_the_identity_its_name_had() -> None:
     history = ColumnHistory()
     history.identify(_numbered(("id", 1), ("name", 2)))
