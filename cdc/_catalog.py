@@ -87,15 +87,6 @@ def load_table(conn: psycopg.Connection[Any], schema: str, table: str) -> TableI
     return TableInfo(oid, schema, table, columns, primary_key, replident, identity, relkind)
 
 
-def column_numbers(conn: psycopg.Connection[Any], table_oid: int) -> dict[str, tuple[int, int]]:
-    """Each live column's (attnum, type oid) by name, as the catalogs say now."""
-    rows = conn.execute(
-        "SELECT attname, attnum, atttypid FROM pg_attribute WHERE attrelid = %s AND attnum > 0 AND NOT attisdropped",
-        (table_oid,),
-    ).fetchall()
-    return {name: (attnum, type_oid) for name, attnum, type_oid in rows}
-
-
 def _index_columns(conn: psycopg.Connection[Any], table_oid: int, flag: str) -> tuple[str, ...]:
     query = sql.SQL(
         """
@@ -125,7 +116,12 @@ class TypeResolver:
 
     def column_numbers(self, table_oid: int) -> dict[str, tuple[int, int]]:
         """The table's live columns' (attnum, type oid) by name, as the catalogs say now."""
-        return column_numbers(self._conn, table_oid)
+        rows = self._conn.execute(
+            "SELECT attname, attnum, atttypid FROM pg_attribute WHERE attrelid = %s AND attnum > 0 "
+            "AND NOT attisdropped",
+            (table_oid,),
+        ).fetchall()
+        return {name: (attnum, type_oid) for name, attnum, type_oid in rows}
 
     def resolve(self, oid: int) -> PgType:
         cached = self._cache.get(oid)

@@ -121,7 +121,7 @@ class SourceConfig(_Section):
 
     def mask_key_bytes(self) -> bytes | None:
         """The HMAC key of hash masks (source.mask_key, else the first line of source.mask_key_file)."""
-        if self.mask_key is not None:
+        if self.mask_key is not None and self.mask_key.get_secret_value():  # an empty one is unset
             return self.mask_key.get_secret_value().encode()
         if self.mask_key_file is not None:
             try:

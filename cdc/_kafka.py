@@ -5,11 +5,12 @@ confluent-kafka's errors are translated here, once, into pgcdc's own (cdc.errors
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import ssl
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any, NoReturn
 
 from confluent_kafka import (
@@ -574,21 +575,31 @@ def _certificate_refused(exc: BaseException) -> bool:
     return False
 
 
-def _untrusted(exc: Exception) -> SchemaRegistryError:
-    # Retrying cannot make an untrusted certificate trusted: say which setting fixes it.
-    return SchemaRegistryError(
-        f"the TLS connection to the schema registry failed ({exc}); set registry.ssl_ca_location to the PEM file "
-        "of the CA that signed the registry's certificate"
-    )
-
-
-def _credentials_refused(exc: _RegistryHTTPError, doing: str) -> AuthenticationError:
-    # The body may be a proxy's HTML page: the status says enough.
-    return AuthenticationError(
-        f"the schema registry refused our credentials (HTTP {exc.http_status_code}) {doing}; check "
-        "registry.basic_auth_user_info ('user:password', or CDC_REGISTRY__BASIC_AUTH_USER_INFO, or "
-        "registry.basic_auth_user_info_file)"
-    )
+@contextlib.contextmanager
+def _registry_call(subject: str, doing: str) -> Iterator[None]:
+    """A registry request's failures as pgcdc's errors: refused credentials and an untrusted certificate are
+    terminal (retrying cannot fix them: the message says which setting does), anything else transient. A status
+    the caller handles itself is caught inside this block."""
+    try:
+        yield
+    except _RegistryHTTPError as exc:
+        if exc.http_status_code in (401, 403):
+            # The body may be a proxy's HTML page: the status says enough.
+            raise AuthenticationError(
+                f"the schema registry refused our credentials (HTTP {exc.http_status_code}) {doing} {subject!r}; "
+                "check registry.basic_auth_user_info ('user:password', or CDC_REGISTRY__BASIC_AUTH_USER_INFO, or "
+                "registry.basic_auth_user_info_file)"
+            ) from exc
+        raise TransientError(f"schema registry error for {subject!r}: {exc.error_message}") from exc
+    except CDCError:
+        raise
+    except Exception as exc:  # the client's transport errors (httpx) share no base class we can name
+        if _certificate_refused(exc):
+            raise SchemaRegistryError(
+                f"the TLS connection to the schema registry failed ({exc}); set registry.ssl_ca_location to the "
+                "PEM file of the CA that signed the registry's certificate"
+            ) from exc
+        raise TransientError(f"cannot reach the schema registry: {type(exc).__name__}: {exc}") from exc
 
 
 class Registry:
@@ -605,39 +616,29 @@ class Registry:
         cached = self._ids.get((subject, text))
         if cached is not None:
             return cached
-        try:
-            schema_id = int(self._client.register_schema(subject, Schema(text, "AVRO")))
-        except _RegistryHTTPError as exc:
-            if exc.http_status_code in (409, 422):
+        with _registry_call(subject, "registering"):
+            try:
+                schema_id = int(self._client.register_schema(subject, Schema(text, "AVRO")))
+            except _RegistryHTTPError as exc:
+                if exc.http_status_code not in (409, 422):
+                    raise
                 raise SchemaRegistryError(
                     f"the schema registry rejected the new schema of table {table} under subject {subject!r} "
                     f"({exc.error_message}); make the change compatible (e.g. add a column with a default "
                     "instead of changing a type) or relax the subject's compatibility level, then restart"
                 ) from exc
-            if exc.http_status_code in (401, 403):
-                raise _credentials_refused(exc, f"registering {subject!r}") from exc
-            raise TransientError(f"schema registry error for {subject!r}: {exc.error_message}") from exc
-        except Exception as exc:  # the client's transport errors (httpx) share no base class we can name
-            if _certificate_refused(exc):
-                raise _untrusted(exc) from exc
-            raise TransientError(f"cannot reach the schema registry: {type(exc).__name__}: {exc}") from exc
         self._ids[(subject, text)] = schema_id
         return schema_id
 
     def latest(self, subject: str) -> dict[str, Any] | None:
         """The subject's latest registered schema, None when it has none yet."""
-        try:
-            registered = self._client.get_latest_version(subject)
-        except _RegistryHTTPError as exc:
-            if exc.http_status_code == 404:
-                return None
-            if exc.http_status_code in (401, 403):
-                raise _credentials_refused(exc, f"reading {subject!r}") from exc
-            raise TransientError(f"schema registry error for {subject!r}: {exc.error_message}") from exc
-        except Exception as exc:  # the client's transport errors (httpx) share no base class we can name
-            if _certificate_refused(exc):
-                raise _untrusted(exc) from exc
-            raise TransientError(f"cannot reach the schema registry: {type(exc).__name__}: {exc}") from exc
+        with _registry_call(subject, "reading"):
+            try:
+                registered = self._client.get_latest_version(subject)
+            except _RegistryHTTPError as exc:
+                if exc.http_status_code == 404:
+                    return None
+                raise
         text = registered.schema.schema_str if registered.schema is not None else None
         parsed = json.loads(text) if text else None
         return parsed if isinstance(parsed, dict) else None

@@ -124,7 +124,11 @@ def deparsed(conn: psycopg.Connection[Any], info: TableInfo, wanted: Published) 
             conn.execute(sql.SQL("CREATE PUBLICATION {} FOR TABLE {}").format(sql.Identifier(probe), clause))
             row = conn.execute("SELECT rowfilter FROM pg_publication_tables WHERE pubname = %s", (probe,)).fetchone()
             check_filter(conn, probe, info)
-    except (psycopg.errors.InsufficientPrivilege, psycopg.errors.LockNotAvailable):
+    except (
+        psycopg.errors.InsufficientPrivilege,
+        psycopg.errors.LockNotAvailable,
+        psycopg.errors.ReadOnlySqlTransaction,
+    ):
         return replace(wanted, exact=False)
     except psycopg.Error as exc:
         if is_refusal(exc):
@@ -135,13 +139,15 @@ def deparsed(conn: psycopg.Connection[Any], info: TableInfo, wanted: Published) 
 
 def publishes(actual: Published | None, want: Published, info: TableInfo) -> bool:
     """Whether what a publication publishes of a table is what ``want`` asks (a column list naming every column
-    is no list; a filter that could not be had as PostgreSQL writes it is taken as the same when both have one)."""
+    is no list). A filter that could not be had as PostgreSQL writes it back is compared as text, spaces aside:
+    a publication pgcdc owns is then written again, one someone else manages refused with its own filter shown,
+    never taken as the same on a guess."""
     have = actual or Published()
     every = [c.name for c in info.columns]  # what the capture reads: a generated column is never published
     if {c for c in have.columns or every if c in every} != set(want.columns or every):
         return False
-    if not want.exact:
-        return (have.row_filter is None) == (want.row_filter is None)
+    if not want.exact and have.row_filter is not None and want.row_filter is not None:
+        return " ".join(have.row_filter.split()) == " ".join(want.row_filter.split())
     return have.row_filter == want.row_filter
 
 

@@ -135,10 +135,6 @@ def _load_tables(
     of it (checked against the table)."""
     configured_keys = {split_table_name(k): v for k, v in src.key_columns.items()}
     masks = {split_table_name(k): v for k, v in src.masks.items()}
-
-    def src_masks(schema: str, table: str) -> dict[str, str]:
-        return dict(masks.get((schema, table), {}))
-
     columns = {split_table_name(k): v for k, v in src.columns.items()}
     filters = {split_table_name(k): v for k, v in src.row_filters.items()}
     wanted = {}
@@ -153,7 +149,7 @@ def _load_tables(
         key = report.key_columns[info.qualified] = _key_columns(info, configured_keys.get((schema, table)))
         wanted[(schema, table)] = spec = deparsed(conn, info, configured(columns, filters, info))
         check_columns(info, spec, key)
-        check_masks(info, spec, key, src_masks(schema, table))
+        check_masks(info, spec, key, masks.get((schema, table), {}))
     named: dict[str, Mapping[tuple[str, str], Any]] = {
         "source.columns": columns,
         "source.row_filters": filters,
@@ -181,7 +177,8 @@ def _planned_publication(
     conn: psycopg.Connection[Any], publication: str, report: AttachReport, wanted: dict[tuple[str, str], Published]
 ) -> dict[tuple[str, str], Published]:
     """A dry run's view of the publication: the statements that would create or align it (not run), and what it
-    would publish of each table (the configuration's, where pgcdc writes it; else the publication's own)."""
+    would publish of each table (the configuration's, where pgcdc writes it; else the publication's own, which
+    the stream follows)."""
     if not report.publication_exists:
         report.actions += _create_publication(conn, publication, report.tables, wanted, dry_run=True)
         return wanted
@@ -191,7 +188,7 @@ def _planned_publication(
         report.actions += actions
         return {**actual, **wanted}
     _check_publication(conn, publication, report.tables, wanted)
-    return {**actual, **{k: w for k, w in wanted.items() if w.asked}}
+    return actual
 
 
 def _prepare_publication(
@@ -298,11 +295,16 @@ def _check_publication(
     for t in tables:
         want = wanted[(t.schema, t.name)]
         if want.asked and not publishes(actual.get((t.schema, t.name)), want, t):
+            have = actual.get((t.schema, t.name)) or Published()
+            now = f"columns {', '.join(have.columns or ())}" + (
+                f", rows where {have.row_filter}" if have.row_filter else ""
+            )
             raise SourceCheckError(
                 f"publication {publication!r} does not publish {t.qualified} as source.columns/source.row_filters "
-                f"say; run ALTER PUBLICATION {ident} DROP TABLE {t.ident().as_string(conn)}; ALTER PUBLICATION "
-                f"{ident} ADD TABLE {table_clause(t, want).as_string(conn)} (pgcdc alters only a publication it "
-                "created), or change the configuration",
+                f"say (it publishes {now}); run BEGIN; ALTER "
+                f"PUBLICATION {ident} DROP TABLE {t.ident().as_string(conn)}; ALTER PUBLICATION {ident} ADD TABLE "
+                f"{table_clause(t, want).as_string(conn)}; COMMIT; (pgcdc alters only a publication it created), "
+                "or write the configuration as the publication has it",
                 check="publication-tables",
             )
 

@@ -98,19 +98,23 @@ class ColumnHistory:
     read the catalogs as they are now) does not matter: aliases say "the same column", in either direction."""
 
     def __init__(self, relid: int | None = None) -> None:
-        self.relid = relid  # the table's oid: only schemas of this table teach names
+        self.relid = relid  # the table's oid: its column numbers mean nothing for another table
         self._names: dict[int, list[str]] = {}
+        # From a schema of another oid (the table restored from a dump, or dropped and made again under its
+        # name): each field's names by its name, taken on by the column that has that name now.
+        self._by_name: dict[str, list[str]] = {}
 
     def learn(self, value_schema: Mapping[str, Any]) -> None:
-        """Take in a table's value schema (an envelope as :func:`envelope_schema` writes it), when it was written
-        for this table (same oid)."""
+        """Take in a table's value schema (an envelope as :func:`envelope_schema` writes it)."""
         record = _value_record(value_schema)
-        if record.get("pgcdc.relid") != self.relid:
-            return
+        same = record.get("pgcdc.relid") == self.relid
         for f in record.get("fields", ()):
+            names = [f["name"], *f.get("aliases", ())]
             attnum = f.get("pgcdc.attnum")
-            if isinstance(attnum, int):
-                for name in [f["name"], *f.get("aliases", ())]:
+            if not same:
+                self._by_name[f["name"]] = names
+            elif isinstance(attnum, int):
+                for name in names:
                     self._add(attnum, name)
 
     def identify(self, columns: Sequence[ColumnShape]) -> list[ColumnShape]:
@@ -125,7 +129,8 @@ class ColumnHistory:
                 had = [a for a, seen in self._names.items() if name in seen and a not in claimed]
                 attnum = had[0] if len(had) == 1 else None
             if attnum is not None:
-                self._add(attnum, name)
+                for known in self._by_name.pop(name, [name]):
+                    self._add(attnum, known)
             out.append(replace(col, attnum=attnum))
         # An alias that is another field's name, or that two columns had, would make resolution ambiguous.
         owners: dict[str, int] = {}

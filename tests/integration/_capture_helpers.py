@@ -299,6 +299,15 @@ def source_items(dsn: str) -> dict[int, tuple[str, int]]:
         return {r[0]: (r[1], r[2]) for r in conn.execute("SELECT id, name, qty FROM items").fetchall()}
 
 
+def latest_value_fields(registry: str, topic: str) -> list[dict[str, Any]]:
+    """The row fields (``Value`` record) of the topic's latest registered value schema (confluent-kafka's client)."""
+    client = SchemaRegistryClient({"url": registry, "timeout": 30})
+    envelope = json.loads(str(client.get_latest_version(f"{topic}-value").schema.schema_str))
+    before = next(f for f in envelope["fields"] if f["name"] == "before")
+    record = next(b for b in before["type"] if isinstance(b, dict))
+    return list(record["fields"])
+
+
 def topic_items(kafka: str, registry: str, topic: str) -> dict[int, tuple[str, int]]:
     """The ``items`` table as a consumer replaying its topic sees it."""
     return {k: (v["name"], v["qty"]) for k, v in latest_by_key(read_topic(kafka, registry, topic), "id").items()}

@@ -5,26 +5,15 @@ zero after the rename verifies clean with no re-snapshot."""
 
 from __future__ import annotations
 
-import json
-import urllib.request
 from pathlib import Path
-from typing import Any
 
 import psycopg
 import pytest
 
-from tests.integration._capture_helpers import read_topic, scratch_database, wait_for
+from tests.integration._capture_helpers import latest_value_fields, read_topic, scratch_database, wait_for
 from tests.integration._sinks_helpers import SinksProcess, Stack, assert_verified, cdc
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
-
-
-def _value_fields(registry: str, topic: str) -> list[dict[str, Any]]:
-    with urllib.request.urlopen(f"{registry}/subjects/{topic}-value/versions/latest") as resp:  # noqa: S310
-        envelope = json.loads(json.load(resp)["schema"])
-    before = next(f for f in envelope["fields"] if f["name"] == "before")
-    record = next(b for b in before["type"] if isinstance(b, dict))
-    return list(record["fields"])
 
 
 def test_rows_unchanged_since_a_rename_keep_their_values_in_every_store(
@@ -49,7 +38,7 @@ def test_rows_unchanged_since_a_rename_keep_their_values_in_every_store(
                 conn.execute("ALTER TABLE items RENAME COLUMN title TO label")  # and renamed once more
                 conn.execute("UPDATE items SET qty = 20 WHERE id = 2")
             wait_for(lambda: len(read_topic(stack.kafka, stack.registry, topic)) >= 8, 120, "the events", capture)
-            fields = {f["name"]: f for f in _value_fields(stack.registry, topic)}
+            fields = {f["name"]: f for f in latest_value_fields(stack.registry, topic)}
             assert sorted(fields["label"].get("aliases", [])) == ["name", "title"], fields["label"]
             assert fields["label"]["pgcdc.attnum"] == 2
             # The sinks start now: their first batch holds events under all three names.

@@ -158,12 +158,23 @@ def test_a_name_two_columns_had_is_no_ones_alias() -> None:
 def test_schemas_of_another_table_of_the_same_name_teach_nothing() -> None:
     old = envelope_schema("ns", ColumnHistory(7).identify(_numbered(("id", 1), ("name", 2))), relid=7)
     assert old["fields"][0]["type"][1]["pgcdc.relid"] == 7
-    remade = ColumnHistory(8)  # the table dropped and created again: a new oid
+    remade = ColumnHistory(8)  # the table dropped and created again: a new oid, its numbers another table's
     remade.learn(old)
     assert remade.identify(_numbered(("id", 1), ("title", 2)))[1].aliases == ()
     same = ColumnHistory(7)
     same.learn(old)
     assert same.identify(_numbered(("id", 1), ("title", 2)))[1].aliases == ("name",)
+
+
+def test_a_table_restored_under_new_numbers_keeps_the_names_its_columns_had() -> None:
+    history = ColumnHistory(7)
+    history.identify(_numbered(("id", 1), ("name", 3)))
+    renamed = envelope_schema("ns", history.identify(_numbered(("id", 1), ("title", 3))), relid=7)
+    restored = ColumnHistory(9)  # a dump restored: a new oid, the dropped column 2 gone, so title is 2 now
+    restored.learn(renamed)
+    again = restored.identify(_numbered(("id", 1), ("title", 2)))
+    assert again[1].aliases == ("name",)
+    assert _after(renamed, envelope_schema("ns", again, relid=9), {"id": 1, "title": "t"}) == {"id": 1, "title": "t"}
 
 
 def test_a_column_of_unknown_number_keeps_the_identity_its_name_had() -> None:
