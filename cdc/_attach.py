@@ -7,6 +7,7 @@ run one way: the coordinator imports the phases, never the reverse."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -22,9 +23,12 @@ from cdc._events import ColumnSpec, SourceInfo, TableCodec, table_shape
 from cdc._kafka import OffsetStore, Registry, Topics
 from cdc._metrics import CaptureMetrics
 from cdc._source import AttachReport, check_and_prepare, connect
+from cdc._standby import check_standby_source, connect_primary, in_recovery, wait_replayed
 from cdc.errors import StreamError
 from decoders import Relation
 from schemas import ColumnHistory
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -150,6 +154,12 @@ class Attached:
     codecs: TableCodecs
     offsets: OffsetStore
     dead_letters: CaptureDeadLetters  # what becomes of a row no encoder takes (capture.on_unencodable)
+    primary: psycopg.Connection[Any] | None = None  # when ``sql`` is a standby: its primary (cdc._standby)
+
+    @property
+    def writer(self) -> psycopg.Connection[Any]:
+        """Where the capture writes (heartbeats, the signal table): the primary when it reads a standby."""
+        return self.primary if self.primary is not None else self.sql
 
 
 @contextlib.contextmanager
@@ -158,8 +168,16 @@ def attach(ctx: CaptureContext) -> Iterator[Attached]:
     topic; the SQL connection is closed on the way out."""
     s = ctx.settings
     sql = connect(s)
+    primary = None
     try:
-        report = check_and_prepare(sql, s, dry_run=False, allow_active_slot=True)
+        if in_recovery(sql):
+            primary = connect_primary(s)
+            notes = check_standby_source(sql, primary, s)
+            for note in notes:
+                log.warning("%s", note)
+        report = check_and_prepare(sql, s, dry_run=False, allow_active_slot=True, writer=primary)
+        if primary is not None:
+            wait_replayed(sql, primary)  # the publication as the primary has it, before the standby decodes
         types = TypeResolver(sql)
         kafka = s.kafka.client_conf()
         topics = Topics(kafka, partitions=s.kafka.partitions, replication_factor=s.kafka.replication_factor)
@@ -169,9 +187,11 @@ def attach(ctx: CaptureContext) -> Iterator[Attached]:
         source_info = SourceInfo(__version__, s.kafka.topic_prefix, sql.info.dbname)
         codecs = TableCodecs(ctx, report, types=types, topics=topics, registry=registry, source_info=source_info)
         dead = CaptureDeadLetters(s.capture.on_unencodable, s.kafka.topic_prefix, server_printer(sql), topics.ensure)
-        yield Attached(sql, report, types, topics, registry, codecs, offsets, dead)
+        yield Attached(sql, report, types, topics, registry, codecs, offsets, dead, primary)
     finally:
         sql.close()
+        if primary is not None:
+            primary.close()
 
 
 __all__ = ["Attached", "CaptureContext", "TableCodecs", "TextModeNeededError", "attach", "relation_attnums"]

@@ -57,6 +57,7 @@ from cdc._offsets import BackfillProgress, CaptureState
 from cdc._published import filter_condition, published, restrict
 from cdc._signals import Signal, SignalTable, SignalTopic
 from cdc._source import check_and_prepare, connect, publication_tables
+from cdc._standby import connect_primary, wait_replayed
 from cdc._window import ChunkWindow, XidSnapshot
 from common.errors import CDCError
 from common.topics import split_table_name
@@ -214,10 +215,14 @@ class ChunkRead:
 class ChunkReader:
     """Reads chunks on a thread of its own through a connection of its own (opened on the first chunk)."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, *, standby: bool = False) -> None:
         self._settings = settings
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="pgcdc-backfill")
         self._conn: psycopg.Connection[Any] | None = None
+        # Reading a standby, the watermarks are written on its primary (cdc._standby), through a connection of
+        # this thread's own.
+        self._standby = standby
+        self._primary: psycopg.Connection[Any] | None = None
         self._cursor: tuple[list[str] | None, bool] = (None, False)  # the last chunk's last key, and if it was the end
 
     def submit(self, job: ChunkJob) -> Future[ChunkRead]:
@@ -235,6 +240,19 @@ class ChunkReader:
         if self._conn is None or self._conn.closed:
             self._conn = connect(self._settings, autocommit=True)
         return self._conn
+
+    def _watermark(self, conn: psycopg.Connection[Any], marker: str) -> str:
+        """Ends the chunk's transaction and writes its high watermark; the watermark's LSN (text)."""
+        emit = sql.SQL("SELECT pg_logical_emit_message(false, {}, {})::text").format(
+            sql.Literal(WATERMARK_PREFIX), sql.Literal(marker)
+        )
+        if not self._standby:
+            return _last_value(conn, sql.SQL("COMMIT; ") + emit)  # one round trip
+        conn.execute("COMMIT")
+        if self._primary is None or self._primary.closed:
+            self._primary = connect_primary(self._settings)
+        assert self._primary is not None  # a standby source has source.primary_dsn (cdc._standby checks)
+        return _last_value(self._primary, emit)
 
     def _read(self, job: ChunkJob, after: list[str] | None) -> ChunkRead:
         conn = self._connection()
@@ -266,12 +284,7 @@ class ChunkReader:
                 last_key, done = (keyset.resume_key(last) if last is not None else after), count < job.rows
             # Last, and after the snapshot: every transaction the chunk does not see commits after it or is
             # reported to the window before the stream reaches this watermark.
-            high = _last_value(
-                conn,
-                sql.SQL("COMMIT; SELECT pg_logical_emit_message(false, {}, {})::text").format(
-                    sql.Literal(WATERMARK_PREFIX), sql.Literal(job.marker)
-                ),
-            )
+            high = self._watermark(conn, job.marker)
         except BaseException:
             with contextlib.suppress(psycopg.Error):
                 conn.execute("ROLLBACK")
@@ -289,8 +302,9 @@ class ChunkReader:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
-        if self._conn is not None:
-            self._conn.close()
+        for conn in (self._conn, self._primary):
+            if conn is not None:
+                conn.close()
 
 
 @dataclass
@@ -350,7 +364,7 @@ class Backfills:
         self._ctx, self._attached, self._changes, self._state = ctx, attached, changes, state
         s = ctx.settings
         self._signals = SignalTable(s.source.signal_table, s.source.slot)
-        self._reader = ChunkReader(s)
+        self._reader = ChunkReader(s, standby=attached.primary is not None)
         self._tables: dict[str, TableInfo] = {t.qualified: t for t in attached.report.tables}
         self._keysets: dict[str, Keyset | KeyList] = {}
         self._listed: dict[str, list[dict[str, str]]] = {}  # the keys of the backfills of listed keys, by id
@@ -360,9 +374,11 @@ class Backfills:
         self._polled = self._next_start = 0.0
         self._turn = 0  # which running backfill's chunk is next
         self._signal_error: str | None = None
-        note = self._signals.ensure(attached.sql)
+        note = self._signals.ensure(attached.writer)
         if note is not None:
             log.warning("%s", note)
+        elif attached.primary is not None:
+            wait_replayed(attached.sql, attached.primary)  # the table is read on the standby
         self._topic = self._signal_topic(attached)
         self._published_at = time.monotonic()  # when the publication's tables were last looked at
         self._gate: tuple[list[str], int] | None = None  # tables new to the publication, and the xid gate

@@ -31,6 +31,7 @@ from cdc._replication import ReplicationConnection
 from cdc._resnapshot import TopicReader
 from cdc._snapshot import SnapshotStoppedError, Snapshotter
 from cdc._source import translate_pg_error
+from cdc._standby import nudging
 from cdc._stream import ReplicationSource, Streamer
 from cdc.errors import SourceCheckError
 from common.errors import CDCError
@@ -125,9 +126,10 @@ class Capture:
                 raise self._slot_missing(state.lsn)
             # A standby cannot create a failover slot (its copies come from the primary).
             failover = s.source.failover and not self._in_recovery()
-            created = repl.create_slot(
-                s.source.slot, export_snapshot=s.capture.snapshot == "initial", failover=failover
-            )
+            with nudging(s) if self.attached.primary is not None else contextlib.nullcontext():
+                created = repl.create_slot(
+                    s.source.slot, export_snapshot=s.capture.snapshot == "initial", failover=failover
+                )
             self.slot_created = True
             log.info("created replication slot %s at %X", s.source.slot, created.consistent_lsn)
             old, state = state, CaptureState(lsn=created.consistent_lsn, signal_offsets=signals)
@@ -242,7 +244,7 @@ class Capture:
 
     def _stream(self, repl: ReplicationConnection, state: CaptureState) -> None:
         s = self.settings
-        source = ReplicationSource(repl, self.attached.sql, s.capture, s.source.slot)
+        source = ReplicationSource(repl, self.attached.writer, s.capture, s.source.slot)
         streamer = Streamer(self.ctx, self.attached, source, self.changes, writer=self.writer, state=state)
         if self.attached.sql.info.server_version < 140000:  # logical messages reach pgoutput from 14 on
             if any(not b.finished for b in state.backfills):

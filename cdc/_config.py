@@ -32,6 +32,12 @@ class SourceConfig(_Section):
 
     dsn: SecretStr = Field(description="libpq connection string or URI; a password in it is kept secret")
     password: SecretStr | None = Field(default=None, description="overrides any password in dsn")
+    primary_dsn: SecretStr | None = Field(
+        default=None,
+        description="when dsn names a hot standby (PostgreSQL 16+): its primary, where the capture writes what a "
+        "standby cannot (heartbeats, backfill watermarks, the publication, the signal table); the password "
+        "settings apply to it too",
+    )
     password_file: Path | None = Field(default=None, description="file whose first line is the password")
     tables: tuple[str, ...] = Field(
         default=(), description="'schema.table' names to capture; empty = every table in the publication"
@@ -95,7 +101,14 @@ class SourceConfig(_Section):
 
     def conninfo(self, **extra: str) -> str:
         """The libpq connection string with the effective password (never log it)."""
-        params: dict[str, Any] = conninfo_to_dict(self.dsn.get_secret_value())
+        return self._conninfo(self.dsn, extra)
+
+    def primary_conninfo(self, **extra: str) -> str | None:
+        """source.primary_dsn's connection string as :meth:`conninfo` makes dsn's; None when it is not set."""
+        return self._conninfo(self.primary_dsn, extra) if self.primary_dsn is not None else None
+
+    def _conninfo(self, dsn: SecretStr, extra: dict[str, str]) -> str:
+        params: dict[str, Any] = conninfo_to_dict(dsn.get_secret_value())
         password = self.effective_password()
         if password is not None:
             params["password"] = password
@@ -135,9 +148,11 @@ class SourceConfig(_Section):
                 ) from exc
         return None
 
-    def display_dsn(self) -> str:
-        """The DSN with any password masked: safe for logs and status output."""
-        params = conninfo_to_dict(self.dsn.get_secret_value())
+    def display_dsn(self, *, primary: bool = False) -> str:
+        """The DSN (or, with ``primary``, source.primary_dsn) with any password masked: safe for logs and status
+        output."""
+        dsn = self.primary_dsn if primary and self.primary_dsn is not None else self.dsn
+        params = conninfo_to_dict(dsn.get_secret_value())
         if "password" in params or self.password or self.password_file:
             params["password"] = "***"  # noqa: S105 - the mask, not a password
         if "sslpassword" in params:

@@ -25,7 +25,8 @@ from cdc._config import Settings, load_settings
 from cdc._kafka import OffsetStore
 from cdc._offsets import BackfillProgress
 from cdc._signals import SignalTable
-from cdc._source import check_and_prepare, connect
+from cdc._source import check_and_prepare
+from cdc._standby import connect_writer
 from common.errors import ConfigError, SourceCheckError, TransientError
 from common.topics import split_table_name
 
@@ -66,7 +67,7 @@ def request_keys(config: Path | Settings | None, table: str, keys: Sequence[Any]
     backfills' ids, and how many keys each has."""
     settings = config if isinstance(config, Settings) else load_settings(config)
     signals = SignalTable(settings.source.signal_table, settings.source.slot)
-    with connect(settings) as conn:
+    with connect_writer(settings) as conn:  # requests are written on the primary
         note = signals.ensure(conn)
         if note is not None:
             raise SourceCheckError(note, check="signal-table")

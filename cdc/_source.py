@@ -94,31 +94,38 @@ class AttachReport:
 
 
 def check_and_prepare(
-    conn: psycopg.Connection[Any], settings: Settings, *, dry_run: bool, allow_active_slot: bool = False
+    conn: psycopg.Connection[Any],
+    settings: Settings,
+    *,
+    dry_run: bool,
+    allow_active_slot: bool = False,
+    writer: psycopg.Connection[Any] | None = None,
 ) -> AttachReport:
     """Run every check; create the publication if absent (unless dry_run). Raises SourceCheckError.
 
     ``allow_active_slot``: `cdc run` passes True: a slot held by another instance is then waited for (that
-    instance is fenced by our Kafka transactional id and stops), instead of being an error.
+    instance is fenced by our Kafka transactional id and stops), instead of being an error. ``writer``: where
+    the publication is made and read, when ``conn`` is a standby (its primary; cdc._standby).
     """
     src = settings.source
     report = AttachReport()
+    pub = writer if writer is not None else conn
     _check_wal_level(conn)
     _check_privileges(conn)
     report.slot_exists = _check_slot(conn, src.slot, allow_active=allow_active_slot)
-    report.publication_exists = _publication_exists(conn, src.publication)
-    wanted = _load_tables(conn, src, report)
+    report.publication_exists = _publication_exists(pub, src.publication)
+    wanted = _load_tables(conn, src, report, pub)
     _check_topic_names(settings, report.tables)
     if dry_run:
-        actual = _planned_publication(conn, src.publication, report, wanted)
+        actual = _planned_publication(pub, src.publication, report, wanted)
     else:
         # One transaction: a publication refused below (a filter outside the replica identity) is left as it was.
-        with conn.transaction():
-            _prepare_publication(conn, src.publication, report, wanted)
+        with pub.transaction():
+            _prepare_publication(pub, src.publication, report, wanted)
             for info in report.tables:
                 if wanted[(info.schema, info.name)].row_filter is not None:
-                    check_filter(conn, src.publication, info)
-            actual = published(conn, src.publication)
+                    check_filter(pub, src.publication, info)
+            actual = published(pub, src.publication)
     report.tables = [restrict(info, actual.get((info.schema, info.name))) for info in report.tables]
     if not report.slot_exists:
         report.notes.append(
@@ -129,7 +136,7 @@ def check_and_prepare(
 
 
 def _load_tables(
-    conn: psycopg.Connection[Any], src: SourceConfig, report: AttachReport
+    conn: psycopg.Connection[Any], src: SourceConfig, report: AttachReport, pub: psycopg.Connection[Any]
 ) -> dict[tuple[str, str], Published]:
     """Each captured table into the report with its key; what the configuration asks its publication to publish
     of it (checked against the table)."""
@@ -138,7 +145,7 @@ def _load_tables(
     columns = {split_table_name(k): v for k, v in src.columns.items()}
     filters = {split_table_name(k): v for k, v in src.row_filters.items()}
     wanted = {}
-    for schema, table in _captured_names(conn, src, publication_exists=report.publication_exists):
+    for schema, table in _captured_names(pub, src, publication_exists=report.publication_exists):
         info = load_table(conn, schema, table)
         if info is None:
             raise SourceCheckError(
@@ -147,7 +154,7 @@ def _load_tables(
             )
         report.tables.append(info)
         key = report.key_columns[info.qualified] = _key_columns(info, configured_keys.get((schema, table)))
-        wanted[(schema, table)] = spec = deparsed(conn, info, configured(columns, filters, info))
+        wanted[(schema, table)] = spec = deparsed(pub, info, configured(columns, filters, info))
         check_columns(info, spec, key)
         check_masks(info, spec, key, masks.get((schema, table), {}))
     named: dict[str, Mapping[tuple[str, str], Any]] = {

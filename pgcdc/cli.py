@@ -36,6 +36,7 @@ from cdc._config import Settings, load_settings
 from cdc._failover import check_standby
 from cdc._metrics import CaptureMetrics
 from cdc._source import SLOT_INVALIDATED, check_and_prepare, connect, detach
+from cdc._standby import check_standby_source, connect_primary, in_recovery
 from common.errors import CDCError, ConfigError, TransientError
 from pgcdc import snapshot_cli
 from pgcdc._demo import DemoSinks, ensure_database, run_demo, run_workload
@@ -150,7 +151,16 @@ def _add_demo_parser(sub: Any) -> None:
 
 def _attach(settings: Settings, dry_run: bool, standbys: list[str] | None = None) -> int:
     with connect(settings) as conn:
-        report = check_and_prepare(conn, settings, dry_run=dry_run)
+        primary, notes = None, []
+        if in_recovery(conn):  # capturing from a standby: the publication is made on its primary
+            primary = connect_primary(settings)
+            notes = check_standby_source(conn, primary, settings)
+        try:
+            report = check_and_prepare(conn, settings, dry_run=dry_run, writer=primary)
+        finally:
+            if primary is not None:
+                primary.close()
+        report.notes += notes
         for standby in standbys or []:
             report.notes += check_standby(conn, settings, standby)
     verb = "would run" if dry_run else "ran"

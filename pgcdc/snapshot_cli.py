@@ -22,7 +22,8 @@ from cdc._config import Settings
 from cdc._kafka import OffsetStore
 from cdc._repair import report_keys, request_keys
 from cdc._signals import SignalTable
-from cdc._source import check_and_prepare, connect
+from cdc._source import check_and_prepare
+from cdc._standby import connect_writer
 from common.errors import ConfigError, SourceCheckError
 from common.topics import split_table_name
 
@@ -47,7 +48,7 @@ def add_parser(sub: Any) -> None:
 
 def run(settings: Settings, args: argparse.Namespace) -> int:
     signals = SignalTable(settings.source.signal_table, settings.source.slot)
-    with connect(settings) as conn:
+    with connect_writer(settings) as conn:  # requests are written on the primary
         note = signals.ensure(conn)
         if note is not None:
             raise SourceCheckError(note, check="signal-table")
