@@ -22,8 +22,8 @@ from cdc._deadletter import CaptureDeadLetters, server_printer
 from cdc._events import ColumnSpec, SourceInfo, TableCodec, table_shape
 from cdc._kafka import OffsetStore, Registry, Topics
 from cdc._metrics import CaptureMetrics
-from cdc._source import AttachReport, check_and_prepare, connect
-from cdc._standby import check_standby_source, connect_primary, in_recovery, wait_replayed
+from cdc._source import AttachReport, check_and_prepare
+from cdc._standby import source_connections, wait_replayed
 from cdc.errors import StreamError
 from decoders import Relation
 from schemas import ColumnHistory
@@ -167,14 +167,7 @@ def attach(ctx: CaptureContext) -> Iterator[Attached]:
     """Checks the source and prepares it (publication), connects to Kafka and the registry, makes the offsets
     topic; the SQL connection is closed on the way out."""
     s = ctx.settings
-    sql = connect(s)
-    primary = None
-    try:
-        if in_recovery(sql):
-            primary = connect_primary(s)
-            notes = check_standby_source(sql, primary, s)
-            for note in notes:
-                log.warning("%s", note)
+    with source_connections(s) as (sql, primary):
         report = check_and_prepare(sql, s, dry_run=False, allow_active_slot=True, writer=primary)
         if primary is not None:
             wait_replayed(sql, primary)  # the publication as the primary has it, before the standby decodes
@@ -188,10 +181,6 @@ def attach(ctx: CaptureContext) -> Iterator[Attached]:
         codecs = TableCodecs(ctx, report, types=types, topics=topics, registry=registry, source_info=source_info)
         dead = CaptureDeadLetters(s.capture.on_unencodable, s.kafka.topic_prefix, server_printer(sql), topics.ensure)
         yield Attached(sql, report, types, topics, registry, codecs, offsets, dead, primary)
-    finally:
-        sql.close()
-        if primary is not None:
-            primary.close()
 
 
 __all__ = ["Attached", "CaptureContext", "TableCodecs", "TextModeNeededError", "attach", "relation_attnums"]

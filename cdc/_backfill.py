@@ -58,8 +58,8 @@ from cdc._published import filter_condition, published, restrict
 from cdc._signals import Signal, SignalTable, SignalTopic
 from cdc._source import check_and_prepare, connect, publication_tables
 from cdc._standby import connect_primary, wait_replayed
-from cdc._window import ChunkWindow, XidSnapshot
-from common.errors import CDCError
+from cdc._window import ChunkSnapshot, ChunkWindow, ReplaySnapshot, XidSnapshot
+from common.errors import CDCError, TerminalError
 from common.topics import split_table_name
 from decoders import TupleData, parse_lsn
 
@@ -208,7 +208,7 @@ class ChunkRead:
     absent: list[list[bytes | None]]
     last_key: list[str] | None
     done: bool  # fewer rows than asked for: the backfill is read to its end
-    snapshot: XidSnapshot | None  # None: not read (the chunk before it was the table's last)
+    snapshot: ChunkSnapshot | None  # None: not read (the chunk before it was the table's last)
     high: int
 
 
@@ -241,29 +241,43 @@ class ChunkReader:
             self._conn = connect(self._settings, autocommit=True)
         return self._conn
 
-    def _watermark(self, conn: psycopg.Connection[Any], marker: str) -> str:
+    def _replayed(self, conn: psycopg.Connection[Any]) -> int | None:
+        """Reading a standby: its replay position, read before the chunk's snapshot is taken (cdc._window's
+        ReplaySnapshot); None when the server reads as a primary (it has been promoted, or it always was)."""
+        if not self._standby:
+            return None
+        row = conn.execute("SELECT pg_is_in_recovery(), pg_last_wal_replay_lsn()::text").fetchone()
+        return parse_lsn(row[1]) if row is not None and row[0] else None
+
+    def _watermark(self, conn: psycopg.Connection[Any], marker: str, *, on_primary: bool) -> str:
         """Ends the chunk's transaction and writes its high watermark; the watermark's LSN (text)."""
         emit = sql.SQL("SELECT pg_logical_emit_message(false, {}, {})::text").format(
             sql.Literal(WATERMARK_PREFIX), sql.Literal(marker)
         )
-        if not self._standby:
+        if not on_primary:
             return _last_value(conn, sql.SQL("COMMIT; ") + emit)  # one round trip
         conn.execute("COMMIT")
         if self._primary is None or self._primary.closed:
             self._primary = connect_primary(self._settings)
-        assert self._primary is not None  # a standby source has source.primary_dsn (cdc._standby checks)
+        if self._primary is None:
+            raise TerminalError(
+                "the backfill reads a standby but source.primary_dsn is not set: set it to the standby's primary, "
+                "where the capture writes its backfill watermarks"
+            )
         return _last_value(self._primary, emit)
 
     def _read(self, job: ChunkJob, after: list[str] | None) -> ChunkRead:
         conn = self._connection()
         timeout_ms = int(self._settings.capture.backfill_statement_timeout_s * 1000)
         try:
+            replayed = self._replayed(conn)  # before the snapshot: every commit before it is visible in it
             # One round trip for the three (a chunk costs a few milliseconds: round trips count).
             begin = sql.SQL(
                 "BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY; SET LOCAL statement_timeout = {}; "
                 "SELECT pg_current_snapshot()::text"
             ).format(sql.Literal(timeout_ms))
-            snapshot = XidSnapshot.parse(_last_value(conn, begin))
+            xids = XidSnapshot.parse(_last_value(conn, begin))
+            snapshot: ChunkSnapshot = xids if replayed is None else ReplaySnapshot(replayed)
             self._hold(job)
             copies = open_copies(conn)
             keyset = job.keyset
@@ -284,7 +298,7 @@ class ChunkReader:
                 last_key, done = (keyset.resume_key(last) if last is not None else after), count < job.rows
             # Last, and after the snapshot: every transaction the chunk does not see commits after it or is
             # reported to the window before the stream reaches this watermark.
-            high = self._watermark(conn, job.marker)
+            high = self._watermark(conn, job.marker, on_primary=replayed is not None)
         except BaseException:
             with contextlib.suppress(psycopg.Error):
                 conn.execute("ROLLBACK")
@@ -364,11 +378,11 @@ class Backfills:
         self._ctx, self._attached, self._changes, self._state = ctx, attached, changes, state
         s = ctx.settings
         self._signals = SignalTable(s.source.signal_table, s.source.slot)
-        self._reader = ChunkReader(s, standby=attached.primary is not None)
+        self._reader = self._new_reader()
         self._tables: dict[str, TableInfo] = {t.qualified: t for t in attached.report.tables}
         self._keysets: dict[str, Keyset | KeyList] = {}
         self._listed: dict[str, list[dict[str, str]]] = {}  # the keys of the backfills of listed keys, by id
-        self._recent: deque[int] = deque(maxlen=_RECENT_XIDS)
+        self._recent: deque[tuple[int, int]] = deque(maxlen=_RECENT_XIDS)  # (xid, commit LSN)
         self._taken: list[Signal] = []  # read from the signal table, not yet in the state
         self._inflight: deque[_InFlight] = deque()  # one backfill's chunks, in order
         self._polled = self._next_start = 0.0
@@ -402,10 +416,13 @@ class Backfills:
             return None
         return SignalTopic(self._ctx.settings.kafka.client_conf(), topic, self._ctx.settings.source.slot)
 
-    def note_commit(self, xid: int | None) -> None:
-        """A transaction the stream has written (its xid): a chunk read later must see it."""
+    def _new_reader(self) -> ChunkReader:
+        return ChunkReader(self._ctx.settings, standby=self._attached.primary is not None)
+
+    def note_commit(self, xid: int | None, commit_lsn: int) -> None:
+        """A transaction the stream has written (its xid and commit LSN): a chunk read later must see it."""
         if xid is not None:
-            self._recent.append(xid)
+            self._recent.append((xid, commit_lsn))
 
     # --- driven by the stream ---------------------------------------------------------------------------
 
@@ -502,7 +519,9 @@ class Backfills:
                 log.info("the publication gained %s: backfilled once the transactions running now end", ", ".join(new))
             if _xmin(conn) < self._gate[1]:
                 return
-            report = check_and_prepare(conn, self._ctx.settings, dry_run=True, allow_active_slot=True)
+            report = check_and_prepare(
+                conn, self._ctx.settings, dry_run=True, allow_active_slot=True, writer=self._attached.primary
+            )
         except (psycopg.Error, CDCError) as exc:
             log.warning("cannot look at the publication's tables: %s", str(exc).strip())
             return
@@ -781,7 +800,7 @@ class Backfills:
         if isinstance(error, psycopg.OperationalError) and not isinstance(error, psycopg.errors.QueryCanceled):
             log.warning("backfill %s: reading a chunk failed (%s); it is read again", backfill.id, error)
             self._reader.close()
-            self._reader = ChunkReader(self._ctx.settings)
+            self._reader = self._new_reader()
             return
         backfill.status, backfill.error = "failed", str(error).strip() or type(error).__name__
         self._keysets.pop(backfill.id, None)

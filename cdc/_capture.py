@@ -244,7 +244,15 @@ class Capture:
 
     def _stream(self, repl: ReplicationConnection, state: CaptureState) -> None:
         s = self.settings
-        source = ReplicationSource(repl, self.attached.writer, s.capture, s.source.slot)
+        primary = self.attached.primary is not None
+        source = ReplicationSource(
+            repl,
+            self.attached.writer,
+            s.capture,
+            s.source.slot,
+            where=s.source.display_dsn(primary=primary),
+            standby=self.attached.sql if primary else None,
+        )
         streamer = Streamer(self.ctx, self.attached, source, self.changes, writer=self.writer, state=state)
         if self.attached.sql.info.server_version < 140000:  # logical messages reach pgoutput from 14 on
             if any(not b.finished for b in state.backfills):

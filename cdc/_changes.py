@@ -100,7 +100,7 @@ class ChangeWriter:
         self._live_targets: dict[int, Any] = {}
         self._live_seen: set[int] = set()
         # The tables (by topic) a backfill chunk is open on (cdc/_backfill.py): each change of theirs is
-        # reported to the chunk's window with its transaction's xid, so none of theirs goes from C.
+        # reported to the chunk's window with its transaction's xid and commit LSN, so none of theirs goes from C.
         self._watching: dict[str, list[ChunkWindow]] = {}
 
     def begin(self, commit_lsn: int, commit_time_us: int, xid: int | None, now_us: int) -> None:
@@ -424,11 +424,11 @@ class ChangeWriter:
     def _write(self, codec: TableCodec, lsn: int, kind: int, read: _Read) -> None:
         before, old_key, after, key, unchanged = read
         if self._watching:
-            xid = self._pos.xid or 0
+            xid, commit_lsn = self._pos.xid or 0, self._pos.commit_lsn
             for window in self._watching.get(codec.topic, ()):
                 for changed in (old_key, key):
                     if changed is not None:
-                        window.changed(xid, changed)
+                        window.changed(xid, commit_lsn, changed)
         if kind == _DELETE:
             self._delete(codec, lsn, old_key, before)  # type: ignore[arg-type]
         elif kind == _INSERT:

@@ -28,6 +28,7 @@ from cdc._chunks import parse_binary_copy
 from cdc._config import Settings, load_settings
 from cdc._events import ColumnSpec, SourceInfo, TableCodec, table_shape
 from cdc._source import check_and_prepare, connect
+from cdc._standby import source_connections
 from cdc._version import __version__
 from decoders import TupleData
 from schemas import PgType
@@ -241,8 +242,8 @@ def source_tables(config: Path | Settings | None) -> list[SourceTable]:
     """The captured tables of the configuration (``source.tables`` or the publication's), described now."""
     settings = config if isinstance(config, Settings) else load_settings(config)
     out: list[SourceTable] = []
-    with connect(settings) as conn:
-        report = check_and_prepare(conn, settings, dry_run=True, allow_active_slot=True)
+    with source_connections(settings) as (conn, primary):  # a standby's publication is read on its primary
+        report = check_and_prepare(conn, settings, dry_run=True, allow_active_slot=True, writer=primary)
         types = TypeResolver(conn)
         source = SourceInfo(__version__, settings.kafka.topic_prefix, conn.info.dbname)
         for info in report.tables:

@@ -26,7 +26,7 @@ from cdc._kafka import OffsetStore
 from cdc._offsets import BackfillProgress
 from cdc._signals import SignalTable
 from cdc._source import check_and_prepare
-from cdc._standby import connect_writer
+from cdc._standby import source_connections
 from common.errors import ConfigError, SourceCheckError, TransientError
 from common.topics import split_table_name
 
@@ -67,11 +67,13 @@ def request_keys(config: Path | Settings | None, table: str, keys: Sequence[Any]
     backfills' ids, and how many keys each has."""
     settings = config if isinstance(config, Settings) else load_settings(config)
     signals = SignalTable(settings.source.signal_table, settings.source.slot)
-    with connect_writer(settings) as conn:  # requests are written on the primary
-        note = signals.ensure(conn)
+    # Checks and reads on source.dsn; requests written where they can be: on its primary when it is a standby.
+    with source_connections(settings) as (conn, primary):
+        writer = primary or conn
+        note = signals.ensure(writer)
         if note is not None:
             raise SourceCheckError(note, check="signal-table")
-        report = check_and_prepare(conn, settings, dry_run=True, allow_active_slot=True)
+        report = check_and_prepare(conn, settings, dry_run=True, allow_active_slot=True, writer=primary)
         captured = {(t.schema, t.name): t for t in report.tables}
         try:
             info = captured[split_table_name(table)]
@@ -87,7 +89,7 @@ def request_keys(config: Path | Settings | None, table: str, keys: Sequence[Any]
         _check_values(conn, names, types, checked, settings.capture.backfill_statement_timeout_s)
         batches = [checked[i : i + KEYS_PER_REQUEST] for i in range(0, len(checked), KEYS_PER_REQUEST)]
         return [
-            (str(signals.send(conn, "backfill", {"tables": [info.qualified], "keys": batch})), len(batch))
+            (str(signals.send(writer, "backfill", {"tables": [info.qualified], "keys": batch})), len(batch))
             for batch in batches
         ]
 

@@ -554,8 +554,11 @@ def _one(conn: psycopg.Connection[Any], query: str, params: tuple[Any, ...] = ()
     return cast(tuple[Any, ...], row)
 
 
-def detach(conn: psycopg.Connection[Any], settings: Settings, *, dry_run: bool) -> list[str]:
-    """Drop the slot and the publication (only on the explicit `cdc detach` command)."""
+def detach(
+    conn: psycopg.Connection[Any], settings: Settings, *, dry_run: bool, writer: psycopg.Connection[Any] | None = None
+) -> list[str]:
+    """Drop the slot and the publication (only on the explicit `cdc detach` command); ``writer``: where the
+    publication is, when ``conn`` is a standby (its primary)."""
     src = settings.source
     done = []
     row = conn.execute(
@@ -570,9 +573,10 @@ def detach(conn: psycopg.Connection[Any], settings: Settings, *, dry_run: bool) 
         done.append(f"SELECT pg_drop_replication_slot('{src.slot}')")
         if not dry_run:
             conn.execute("SELECT pg_drop_replication_slot(%s)", (src.slot,))
-    if _publication_exists(conn, src.publication):
+    pub = writer if writer is not None else conn
+    if _publication_exists(pub, src.publication):
         stmt = sql.SQL("DROP PUBLICATION {}").format(sql.Identifier(src.publication))
-        done.append(stmt.as_string(conn))
+        done.append(stmt.as_string(pub))
         if not dry_run:
-            conn.execute(stmt)
+            pub.execute(stmt)
     return done

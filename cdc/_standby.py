@@ -51,9 +51,29 @@ def connect_primary(settings: Settings) -> psycopg.Connection[Any] | None:
         raise translate_pg_error(exc, settings.source.display_dsn(primary=True)) from exc
 
 
-def connect_writer(settings: Settings) -> psycopg.Connection[Any]:
-    """Where requests and the publication are written: source.primary_dsn when it is set, else source.dsn."""
-    return connect_primary(settings) or connect(settings)
+@contextmanager
+def source_connections(
+    settings: Settings, notes: list[str] | None = None
+) -> Iterator[tuple[psycopg.Connection[Any], psycopg.Connection[Any] | None]]:
+    """source.dsn's connection, and its primary's when it is a standby (checked by :func:`check_standby_source`,
+    whose notes go to ``notes``, or to the log): where the capture reads, and where it writes when that is
+    elsewhere. Chosen by what source.dsn is now, so a standby since promoted is read and written alone. Both are
+    closed on the way out."""
+    conn = connect(settings)
+    primary = None
+    try:
+        if in_recovery(conn):
+            primary = connect_primary(settings)
+            said = check_standby_source(conn, primary, settings)
+            if notes is not None:
+                notes += said
+            for note in said if notes is None else ():
+                log.warning("%s", note)
+        yield conn, primary
+    finally:
+        conn.close()
+        if primary is not None:
+            primary.close()
 
 
 def check_standby_source(
@@ -76,6 +96,12 @@ def check_standby_source(
         gaps.append(
             "set hot_standby_feedback = on on the standby and reload it (without it the primary may remove catalog "
             "rows the slot needs, and PostgreSQL invalidates the slot)"
+        )
+    delay = _setting(standby, "recovery_min_apply_delay")
+    if delay not in ("", "0"):
+        notes.append(
+            f"the standby applies the primary's WAL {delay} late (recovery_min_apply_delay): every change reaches "
+            "the topics that much later"
         )
     if not _setting(standby, "primary_slot_name"):
         notes.append(
@@ -104,6 +130,12 @@ def _primary_gaps(standby: psycopg.Connection[Any], primary: psycopg.Connection[
     gaps = []
     if _system(primary) != _system(standby):
         gaps.append("source.primary_dsn names another cluster than the standby's primary (system identifiers differ)")
+    elif primary.info.dbname != standby.info.dbname:
+        # A slot decodes one database: heartbeats and watermarks written in another never reach the stream.
+        gaps.append(
+            f"source.primary_dsn names database {primary.info.dbname!r}, the standby's is {standby.info.dbname!r}: "
+            "name the same database on both"
+        )
     if _setting(primary, "wal_level") != "logical":
         gaps.append("set wal_level = logical on the primary and restart it")
     return gaps
@@ -111,17 +143,24 @@ def _primary_gaps(standby: psycopg.Connection[Any], primary: psycopg.Connection[
 
 def wait_replayed(standby: psycopg.Connection[Any], primary: psycopg.Connection[Any], timeout_s: float = 60) -> None:
     """Until the standby has replayed what the primary has written so far (a publication just made there, say);
-    TransientError after ``timeout_s``."""
+    TransientError after ``timeout_s`` more than the standby's recovery_min_apply_delay."""
     row = primary.execute("SELECT pg_current_wal_lsn()::text").fetchone()
     assert row is not None
     target = str(row[0])
+    delay = standby.execute(
+        "SELECT extract(epoch FROM current_setting('recovery_min_apply_delay')::interval)::float8"
+    ).fetchone()
+    timeout_s += float(delay[0]) if delay is not None and delay[0] is not None else 0.0
     deadline = time.monotonic() + timeout_s
     while True:
         done = standby.execute("SELECT pg_last_wal_replay_lsn() >= %s::pg_lsn", (target,)).fetchone()
         if done is not None and done[0]:
             return
         if time.monotonic() > deadline:
-            raise TransientError(f"the standby has not replayed the primary's WAL up to {target} in {timeout_s:.0f} s")
+            raise TransientError(
+                f"the standby has not replayed the primary's WAL up to {target} in {timeout_s:.0f} s: is it "
+                "streaming from source.primary_dsn's server (pg_stat_wal_receiver on the standby)?"
+            )
         time.sleep(0.1)
 
 
@@ -140,7 +179,12 @@ def nudging(settings: Settings) -> Iterator[None]:
                 while not stop.wait(_NUDGE_S):
                     conn.execute("SELECT pg_log_standby_snapshot()")
         except (psycopg.Error, SourceCheckError, TransientError) as exc:  # the slot then waits for the primary
-            log.warning("cannot nudge the primary while the slot is created on the standby: %s", exc)
+            log.warning(
+                "cannot nudge the primary while the slot is created on the standby (%s): the slot waits for the "
+                "primary's next record of running transactions (up to 15 s when idle); GRANT EXECUTE ON FUNCTION "
+                "pg_log_standby_snapshot() to the capture's user makes it prompt",
+                str(exc).strip(),
+            )
 
     thread = threading.Thread(target=nudge, name="pgcdc-standby-nudge", daemon=True)
     thread.start()
@@ -165,8 +209,8 @@ __all__ = [
     "STANDBY_SINCE",
     "check_standby_source",
     "connect_primary",
-    "connect_writer",
     "in_recovery",
     "nudging",
+    "source_connections",
     "wait_replayed",
 ]

@@ -32,8 +32,10 @@ from cdc._changes import FAST_KINDS, ChangeWriter
 from cdc._config import CaptureConfig
 from cdc._offsets import CaptureState
 from cdc._replication import ReplicationConnection
+from cdc._source import translate_pg_error
 from cdc._spill import SPILL_READ, STREAM_PACE_BELOW, STREAM_PACE_S, Spill
-from cdc.errors import StreamError
+from cdc._standby import in_recovery
+from cdc.errors import StreamError, TransientError
 from decoders import (
     XLOG_HEADER,
     XLOG_PAYLOAD_AT,
@@ -104,10 +106,21 @@ class ReplicationSource:
     was told is flushed: the slot may free the WAL before it), and the timers that keep them moving."""
 
     def __init__(
-        self, conn: ReplicationConnection, sql: psycopg.Connection[Any], capture: CaptureConfig, slot: str
+        self,
+        conn: ReplicationConnection,
+        sql: psycopg.Connection[Any],
+        capture: CaptureConfig,
+        slot: str,
+        *,
+        where: str = "source.dsn",
+        standby: psycopg.Connection[Any] | None = None,
     ) -> None:
         self.conn = conn  # read by the loop directly: no call added per message
-        self._sql = sql
+        self._sql = sql  # where heartbeats are written (``where`` names it in errors)
+        self._where = where
+        # Reading a standby (heartbeats then go to its primary): looked at on each heartbeat, so that a promotion
+        # re-attaches the capture, which then writes on the promoted server instead of a primary it left.
+        self._standby = standby
         self._capture = capture
         self._slot = slot
         self.received = self.acked = 0
@@ -127,12 +140,23 @@ class ReplicationSource:
         when each is due."""
         cfg = self._capture
         if now - self._last_heartbeat >= cfg.heartbeat_interval_s:
-            self._sql.execute("SELECT pg_logical_emit_message(false, %s, %s)", (HEARTBEAT_PREFIX, self._slot))
+            self._heartbeat()
             self._last_heartbeat = now
         if now - self._last_status >= cfg.status_interval_s:
             self.conn.send_status(self.received, self.acked, self.acked)
             self._last_status = now
         self._set_due()
+
+    def _heartbeat(self) -> None:
+        try:
+            if self._standby is not None and not in_recovery(self._standby):
+                raise TransientError(
+                    "source.dsn's server has been promoted: the capture attaches again, to write its heartbeats and "
+                    "watermarks there rather than on source.primary_dsn"
+                )
+            self._sql.execute("SELECT pg_logical_emit_message(false, %s, %s)", (HEARTBEAT_PREFIX, self._slot))
+        except psycopg.Error as exc:
+            raise translate_pg_error(exc, self._where) from exc
 
     def _set_due(self) -> None:
         cfg = self._capture
@@ -378,7 +402,7 @@ class Streamer:
             self.writer.note_commit(self.current[1])
             self.changes.tx_end()
             if self.backfills is not None:
-                self.backfills.note_commit(self.current[2])
+                self.backfills.note_commit(self.current[2], self.current[0])
         self.current, self.capturing = None, False
         if self.writer.full:
             self._commit()
@@ -475,7 +499,7 @@ class Streamer:
         self.writer.note_commit(msg.commit_time_us)
         self.changes.tx_end()
         if self.backfills is not None:
-            self.backfills.note_commit(msg.xid)
+            self.backfills.note_commit(msg.xid, msg.commit_lsn)
 
     def _on_origin(self, _msg: Origin, _lsn: int, _payload: object) -> None:
         pass  # replicated-in changes are captured like any other

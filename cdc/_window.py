@@ -20,6 +20,13 @@ written, and placed after it): :meth:`ChunkWindow.stale` checks the ones it saw 
 again if one is not (it becomes visible microseconds after its commit is flushed). A truncate or a schema change
 of the table inside the window makes the chunk read again too.
 
+On a hot standby ``pg_current_snapshot()`` cannot serve: PostgreSQL keeps the transactions running on the primary
+in the snapshot's subtransaction array there, which it does not print, so its ``xip`` is always empty. But a
+standby makes a transaction visible as it replays its commit record, in WAL order, so a snapshot taken there sees
+exactly the commits before some replay position: :class:`ReplaySnapshot` takes ``pg_last_wal_replay_lsn()`` read
+just before the snapshot, and counts a commit at or after it as unseen (some of those were seen; dropping their
+keys is safe, the stream's events of them being at least as new as the chunk's row).
+
 Transaction ids: pgoutput gives 32-bit xids, ``pg_current_snapshot()`` 64-bit ones (epoch and xid); a 32-bit
 xid is taken as the 64-bit one nearest the snapshot's xmax (xids in flight are within 2^31 of each other).
 """
@@ -28,6 +35,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 _XID_SPAN = 1 << 32
 _HALF = 1 << 31
@@ -58,47 +66,67 @@ class XidSnapshot:
             full += _XID_SPAN
         return full
 
-    def sees(self, xid: int) -> bool:
+    def sees(self, xid: int, commit_lsn: int = 0) -> bool:
         """Whether a committed transaction ``xid`` (32-bit, as pgoutput gives it) is visible in this snapshot."""
+        del commit_lsn  # a primary's visibility order is not its WAL order
         full = self.full_xid(xid)
         return full < self.xmin or (full < self.xmax and full not in self.xip)
+
+
+@dataclass(frozen=True)
+class ReplaySnapshot:
+    """A snapshot taken on a hot standby, by the replay position read just before it (``replayed``)."""
+
+    replayed: int
+
+    def sees(self, xid: int, commit_lsn: int) -> bool:
+        """Whether the transaction whose commit record is at ``commit_lsn`` is surely visible in this snapshot."""
+        del xid
+        return commit_lsn < self.replayed
+
+
+class ChunkSnapshot(Protocol):
+    """What a chunk's read saw: which committed transactions (by xid and commit LSN) it surely sees."""
+
+    def sees(self, xid: int, commit_lsn: int) -> bool: ...
 
 
 @dataclass
 class ChunkWindow:
     """One chunk from the moment its read starts until the stream reaches its high watermark.
 
-    ``before``: the xids of the transactions the stream wrote recently before the read started (they must all be
-    visible in the chunk's snapshot). The stream reports each change of the table (:meth:`changed`) with its
-    transaction's xid, and a truncate or schema change (:meth:`disturbed`)."""
+    ``before``: the transactions (xid, commit LSN) the stream wrote recently before the read started (they must
+    all be visible in the chunk's snapshot). The stream reports each change of the table (:meth:`changed`) with
+    its transaction's xid and commit LSN, and a truncate or schema change (:meth:`disturbed`)."""
 
-    before: tuple[int, ...] = ()
-    changes: list[tuple[int, bytes]] = field(default_factory=list)  # (xid, key) in stream order
+    before: tuple[tuple[int, int], ...] = ()
+    changes: list[tuple[int, int, bytes]] = field(default_factory=list)  # (xid, commit LSN, key) in stream order
     disturbed_by: str | None = None  # why the chunk must be read again
 
-    def changed(self, xid: int, key: bytes) -> None:
-        self.changes.append((xid, key))
+    def changed(self, xid: int, commit_lsn: int, key: bytes) -> None:
+        self.changes.append((xid, commit_lsn, key))
 
     def disturbed(self, why: str) -> None:
         if self.disturbed_by is None:
             self.disturbed_by = why
 
-    def stale(self, snapshot: XidSnapshot) -> str | None:
+    def stale(self, snapshot: ChunkSnapshot) -> str | None:
         """Why the chunk read in ``snapshot`` cannot be used (it must be read again), or None."""
         if self.disturbed_by is not None:
             return self.disturbed_by
-        xmin = snapshot.xmin & (_XID_SPAN - 1)
-        for xid in self.before:
+        xmin = snapshot.xmin & (_XID_SPAN - 1) if isinstance(snapshot, XidSnapshot) else None
+        for xid, commit_lsn in self.before:
             # Below xmin (modulo 2^32): visible without looking further; most are, and there are thousands.
-            if (xid - xmin) & (_XID_SPAN - 1) >= _HALF:
+            if xmin is not None and (xid - xmin) & (_XID_SPAN - 1) >= _HALF:
                 continue
-            if not snapshot.sees(xid):
+            if not snapshot.sees(xid, commit_lsn):
                 return f"transaction {xid}, already written, was not yet visible to the chunk's snapshot"
         return None
 
-    def dropped(self, snapshot: XidSnapshot) -> set[bytes]:
-        """The keys whose rows the chunk must not write: changed by a transaction ``snapshot`` does not see."""
-        return {key for xid, key in self.changes if not snapshot.sees(xid)}
+    def dropped(self, snapshot: ChunkSnapshot) -> set[bytes]:
+        """The keys whose rows the chunk must not write: changed by a transaction ``snapshot`` does not surely
+        see."""
+        return {key for xid, commit_lsn, key in self.changes if not snapshot.sees(xid, commit_lsn)}
 
 
 def keep_rows(keys: Iterable[bytes], dropped: set[bytes]) -> list[int]:
@@ -106,4 +134,4 @@ def keep_rows(keys: Iterable[bytes], dropped: set[bytes]) -> list[int]:
     return [i for i, key in enumerate(keys) if key not in dropped]
 
 
-__all__ = ["ChunkWindow", "XidSnapshot", "keep_rows"]
+__all__ = ["ChunkSnapshot", "ChunkWindow", "ReplaySnapshot", "XidSnapshot", "keep_rows"]

@@ -35,8 +35,8 @@ from cdc._capture import Capture, install_signal_handlers
 from cdc._config import Settings, load_settings
 from cdc._failover import check_standby
 from cdc._metrics import CaptureMetrics
-from cdc._source import SLOT_INVALIDATED, check_and_prepare, connect, detach
-from cdc._standby import check_standby_source, connect_primary, in_recovery
+from cdc._source import SLOT_INVALIDATED, check_and_prepare, detach
+from cdc._standby import source_connections
 from common.errors import CDCError, ConfigError, TransientError
 from pgcdc import snapshot_cli
 from pgcdc._demo import DemoSinks, ensure_database, run_demo, run_workload
@@ -150,16 +150,10 @@ def _add_demo_parser(sub: Any) -> None:
 
 
 def _attach(settings: Settings, dry_run: bool, standbys: list[str] | None = None) -> int:
-    with connect(settings) as conn:
-        primary, notes = None, []
-        if in_recovery(conn):  # capturing from a standby: the publication is made on its primary
-            primary = connect_primary(settings)
-            notes = check_standby_source(conn, primary, settings)
-        try:
-            report = check_and_prepare(conn, settings, dry_run=dry_run, writer=primary)
-        finally:
-            if primary is not None:
-                primary.close()
+    notes: list[str] = []
+    # Capturing from a standby, the publication is made on its primary.
+    with source_connections(settings, notes) as (conn, primary):
+        report = check_and_prepare(conn, settings, dry_run=dry_run, writer=primary)
         report.notes += notes
         for standby in standbys or []:
             report.notes += check_standby(conn, settings, standby)
@@ -183,8 +177,8 @@ def _detach(settings: Settings, yes: bool, dry_run: bool) -> int:
     if not yes and not dry_run:
         print("detach drops the replication slot and the publication; pass --yes to confirm", file=sys.stderr)
         return 2
-    with connect(settings) as conn:
-        done = detach(conn, settings, dry_run=dry_run)
+    with source_connections(settings) as (conn, primary):  # the slot on source.dsn, the publication on the primary
+        done = detach(conn, settings, dry_run=dry_run, writer=primary)
     for action in done or ["nothing to drop"]:
         print(("would run: " if dry_run else "ran: ") + action)
     return 0

@@ -23,7 +23,7 @@ from cdc._kafka import OffsetStore
 from cdc._repair import report_keys, request_keys
 from cdc._signals import SignalTable
 from cdc._source import check_and_prepare
-from cdc._standby import connect_writer
+from cdc._standby import source_connections
 from common.errors import ConfigError, SourceCheckError
 from common.topics import split_table_name
 
@@ -48,22 +48,24 @@ def add_parser(sub: Any) -> None:
 
 def run(settings: Settings, args: argparse.Namespace) -> int:
     signals = SignalTable(settings.source.signal_table, settings.source.slot)
-    with connect_writer(settings) as conn:  # requests are written on the primary
-        note = signals.ensure(conn)
+    # Checks and reads on source.dsn; requests written where they can be: on its primary when it is a standby.
+    with source_connections(settings) as (conn, primary):
+        writer = primary or conn
+        note = signals.ensure(writer)
         if note is not None:
             raise SourceCheckError(note, check="signal-table")
         if args.list:
-            return _list(settings, signals, conn)
+            return _list(settings, signals, writer)
         for kind in ("cancel", "pause", "resume"):
             if getattr(args, kind) is not None:
-                request = signals.send(conn, kind, {"id": getattr(args, kind)})
+                request = signals.send(writer, kind, {"id": getattr(args, kind)})
                 print(f"request {request}: {kind} backfill {getattr(args, kind)}")
                 return 0
         if not args.tables:
             raise ConfigError("name the tables to backfill (cdc snapshot public.orders …), or --list")
         if args.keys is not None:
             return _keys(settings, args)
-        report = check_and_prepare(conn, settings, dry_run=True, allow_active_slot=True)
+        report = check_and_prepare(conn, settings, dry_run=True, allow_active_slot=True, writer=primary)
         captured = {(t.schema, t.name): t for t in report.tables}
         names = []
         for name in args.tables:
@@ -78,7 +80,7 @@ def run(settings: Settings, args: argparse.Namespace) -> int:
                 except ValueError as exc:
                     raise ConfigError(str(exc)) from None
             names.append(table.qualified)
-        request = signals.send(conn, "backfill", {"tables": names, "where": args.where})
+        request = signals.send(writer, "backfill", {"tables": names, "where": args.where})
     print(
         f"request {request}: backfill of {', '.join(names)}{f' where {args.where}' if args.where else ''} asked for; "
         f"the running capture takes it within {settings.capture.signal_poll_s:g} s (cdc snapshot --list)"

@@ -164,7 +164,7 @@ def test_a_watched_table_reports_each_change_with_its_xid_to_every_open_window(
     capture: tuple[ChangeWriter, _KeepingProducer],
 ) -> None:
     """A backfill chunk's window hears of every change of its table (the new and the old key, with the
-    transaction's xid), from the fast path and the general one alike, until it is unwatched."""
+    transaction's xid and commit LSN), from the fast path and the general one alike, until it is unwatched."""
     cap, producer = capture
     first, second = ChunkWindow(), ChunkWindow()
     cap.watch("p.public.t", first)
@@ -175,8 +175,8 @@ def test_a_watched_table_reports_each_change_with_its_xid_to_every_open_window(
     cap.unwatch("p.public.t", first)
     cap.change(_insert(16384, 7), 102)
     keys = [key for _, key, _ in producer.out]
-    assert first.changes == [(4242, keys[0]), (4242, keys[1])]
-    assert second.changes == [(4242, k) for k in keys]
+    assert first.changes == [(4242, TXN[0], keys[0]), (4242, TXN[0], keys[1])]
+    assert second.changes == [(4242, TXN[0], k) for k in keys]
     cap.unwatch("p.public.t", second)
     cap.change(_insert(16384, 8), 103)
     assert len(second.changes) == 3
