@@ -520,7 +520,12 @@ class Backfills:
             if _xmin(conn) < self._gate[1]:
                 return
             report = check_and_prepare(
-                conn, self._ctx.settings, dry_run=True, allow_active_slot=True, writer=self._attached.primary
+                conn,
+                self._ctx.settings,
+                dry_run=True,
+                allow_active_slot=True,
+                writer=self._attached.primary,
+                as_published=True,
             )
         except (psycopg.Error, CDCError) as exc:
             log.warning("cannot look at the publication's tables: %s", str(exc).strip())

@@ -243,7 +243,9 @@ def source_tables(config: Path | Settings | None) -> list[SourceTable]:
     settings = config if isinstance(config, Settings) else load_settings(config)
     out: list[SourceTable] = []
     with source_connections(settings) as (conn, primary):  # a standby's publication is read on its primary
-        report = check_and_prepare(conn, settings, dry_run=True, allow_active_slot=True, writer=primary)
+        report = check_and_prepare(
+            conn, settings, dry_run=True, allow_active_slot=True, writer=primary, as_published=True
+        )
         types = TypeResolver(conn)
         source = SourceInfo(__version__, settings.kafka.topic_prefix, conn.info.dbname)
         for info in report.tables:

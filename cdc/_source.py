@@ -100,12 +100,15 @@ def check_and_prepare(
     dry_run: bool,
     allow_active_slot: bool = False,
     writer: psycopg.Connection[Any] | None = None,
+    as_published: bool = False,
 ) -> AttachReport:
     """Run every check; create the publication if absent (unless dry_run). Raises SourceCheckError.
 
     ``allow_active_slot``: `cdc run` passes True: a slot held by another instance is then waited for (that
     instance is fenced by our Kafka transactional id and stops), instead of being an error. ``writer``: where
-    the publication is made and read, when ``conn`` is a standby (its primary; cdc._standby).
+    the publication is made and read, when ``conn`` is a standby (its primary; cdc._standby). ``as_published``
+    (a dry run beside a running capture: its publication watcher, `cdc verify`): each table is described as the
+    publication publishes it now, which the stream follows, rather than as the next `cdc run` would make it.
     """
     src = settings.source
     report = AttachReport()
@@ -118,6 +121,8 @@ def check_and_prepare(
     _check_topic_names(settings, report.tables)
     if dry_run:
         actual = _planned_publication(pub, src.publication, report, wanted)
+        if as_published and report.publication_exists:
+            actual = published(pub, src.publication)
     else:
         # One transaction: a publication refused below (a filter outside the replica identity) is left as it was.
         with pub.transaction():
@@ -162,20 +167,36 @@ def _load_tables(
         "source.row_filters": filters,
         "source.masks": masks,
     }
-    _check_named_tables(report.tables, named)
+    _check_named_tables(conn, report, named, publication_driven=not src.tables)
     return wanted
 
 
-def _check_named_tables(tables: list[TableInfo], settings: dict[str, Mapping[tuple[str, str], Any]]) -> None:
+def _check_named_tables(
+    conn: psycopg.Connection[Any],
+    report: AttachReport,
+    settings: dict[str, Mapping[tuple[str, str], Any]],
+    *,
+    publication_driven: bool,
+) -> None:
     """Every table a per-table setting names is captured: a misspelt name would otherwise publish the columns
-    it was meant to leave out or mask."""
-    captured = {(t.schema, t.name) for t in tables}
+    it was meant to leave out or mask. When the publication decides what is captured, a table it does not hold
+    (yet, or any more) is only noted, if the table exists: the setting applies once the table is published."""
+    captured = {(t.schema, t.name) for t in report.tables}
     for key, per_table in settings.items():
-        unknown = [f"{schema}.{table}" for schema, table in per_table if (schema, table) not in captured]
+        unknown = [(schema, table) for schema, table in per_table if (schema, table) not in captured]
+        if publication_driven:
+            outside = [name for name in unknown if load_table(conn, *name) is not None]
+            for schema, table in outside:
+                report.notes.append(
+                    f"{key} names {schema}.{table}, which the publication does not hold: it applies once the table "
+                    "is published"
+                )
+            unknown = [name for name in unknown if name not in outside]
         if unknown:
             raise SourceCheckError(
-                f"{key} names {', '.join(unknown)}, which is not captured (captured: "
-                f"{', '.join(t.qualified for t in tables)}); fix the name (schema.table, as in source.tables)",
+                f"{key} names {', '.join(f'{schema}.{table}' for schema, table in unknown)}, which is not "
+                f"captured (captured: {', '.join(t.qualified for t in report.tables)}); fix the name (schema.table, "
+                "as in source.tables)",
                 check="table-settings",
             )
 
@@ -193,6 +214,7 @@ def _planned_publication(
     if _owned(conn, publication):
         actions, _, _ = _align_publication(conn, publication, report.tables, wanted, dry_run=True)
         report.actions += actions
+        _check_publication_options(conn, publication, report.tables)  # what aligning does not change
         return {**actual, **wanted}
     _check_publication(conn, publication, report.tables, wanted)
     return actual
@@ -279,14 +301,7 @@ def _check_publication(
     """An existing publication publishes every captured table, partitioned ones through their root, every
     kind of change, and the columns and rows the configuration asks for."""
     ident = sql.Identifier(publication).as_string(conn)
-    partitioned = any(t.relkind == "p" for t in tables)
-    if partitioned and not _one(conn, "SELECT pubviaroot FROM pg_publication WHERE pubname = %s", (publication,))[0]:
-        raise SourceCheckError(
-            f"publication {publication!r} publishes partitioned tables through their partitions, so "
-            f"changes would not reach the parent's topic: run ALTER PUBLICATION {ident} "
-            "SET (publish_via_partition_root = true)",
-            check="publication-partitions",
-        )
+    _check_publication_options(conn, publication, tables)
     present = set(publication_tables(conn, publication))
     missing = [t for t in tables if (t.schema, t.name) not in present]
     if missing:
@@ -297,7 +312,6 @@ def _check_publication(
             "`cdc run` then backfills them while it streams",
             check="publication-tables",
         )
-    _check_publication_actions(conn, publication)
     actual = published(conn, publication)
     for t in tables:
         want = wanted[(t.schema, t.name)]
@@ -314,6 +328,21 @@ def _check_publication(
                 "or write the configuration as the publication has it",
                 check="publication-tables",
             )
+
+
+def _check_publication_options(conn: psycopg.Connection[Any], publication: str, tables: list[TableInfo]) -> None:
+    """Partitioned tables published through their root, and every kind of change published: what pgcdc never
+    alters, even in a publication it created."""
+    ident = sql.Identifier(publication).as_string(conn)
+    partitioned = any(t.relkind == "p" for t in tables)
+    if partitioned and not _one(conn, "SELECT pubviaroot FROM pg_publication WHERE pubname = %s", (publication,))[0]:
+        raise SourceCheckError(
+            f"publication {publication!r} publishes partitioned tables through their partitions, so "
+            f"changes would not reach the parent's topic: run ALTER PUBLICATION {ident} "
+            "SET (publish_via_partition_root = true)",
+            check="publication-partitions",
+        )
+    _check_publication_actions(conn, publication)
 
 
 # What pgcdc writes as the comment of a publication it creates: only such a publication does it ever alter.

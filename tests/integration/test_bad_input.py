@@ -311,6 +311,20 @@ CASES = [
         tables=["public.my_{n}"],
         source='mask_key = "k"\nmasks = { "public.mz_{n}" = { email = "hash" } }',
     ),
+    Case(
+        # The publication decides what is captured: a table it does not hold that exists is only noted (the
+        # setting applies once it is published); one that does not exist is a misspelt name.
+        "table-setting-for-a-table-that-does-not-exist",
+        3,
+        ["source.masks names public.nx_{n}", "not captured", "fix the name"],
+        setup=lambda env: env.sql(
+            "CREATE TABLE pd_{n} (id int PRIMARY KEY, email text)",
+            "CREATE TABLE later_{n} (id int PRIMARY KEY, email text)",
+            "CREATE PUBLICATION p_pd_{n} FOR TABLE pd_{n}",
+        ),
+        source='publication = "p_pd_{n}"\nmask_key = "k"\n'
+        'masks = { "public.later_{n}" = { email = "hash" }, "public.nx_{n}" = { email = "hash" } }',
+    ),
     # --- the publication (exit 3) --------------------------------------------------------------------------
     Case("no-tables-no-publication", 3, ["no tables to capture", "source.tables"]),
     Case(
