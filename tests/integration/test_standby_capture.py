@@ -181,7 +181,9 @@ def test_a_capture_reads_a_standby_and_writes_only_on_its_primary(
         # The standby is promoted under a running capture: it goes on, now writing on the promoted server (the old
         # primary, still up here, takes nothing more), and the topic follows the promoted server's table.
         cfg.slot = f"s2_{unique}"
-        proc = cfg.start(tmp_path)
+        workdir = tmp_path / "promotion"  # a log of its own: the first capture's says "streaming" too
+        workdir.mkdir()
+        proc = cfg.start(workdir)
         try:
             proc.wait_streaming(180)
             standby.promote()
@@ -190,8 +192,10 @@ def test_a_capture_reads_a_standby_and_writes_only_on_its_primary(
                 conn.execute("UPDATE items SET qty = qty + 7 WHERE id % 4 = 0")
             want = _items(standby.dsn)
             wait_for(lambda: topic_items(kafka_bootstrap, registry_url, topic) == want, 180, "the topic", proc)
-            # Its heartbeats now go to the promoted server: an idle capture commits positions past its WAL.
+            # It notices on its next heartbeat, attaches again, and its heartbeats go to the promoted server: an idle
+            # capture commits positions past that server's WAL.
+            wait_for(lambda: "has been promoted" in proc.tail(10_000), 60, "the capture to see the promotion", proc)
             idle_from = _primary_lsn(standby.dsn)
-            wait_for(lambda: _committed_lsn(config) > idle_from, 60, "a heartbeat on the promoted server", proc)
+            wait_for(lambda: _committed_lsn(proc.config) > idle_from, 60, "a heartbeat on the promoted server", proc)
         finally:
             proc.stop()
