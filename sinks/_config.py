@@ -86,8 +86,8 @@ class WarehouseConfig(_SinkSection):
 class SqlConfig(_SinkSection):
     url: SecretStr | None = Field(
         default=None,
-        description="SQLAlchemy URL of the database kept (postgresql+psycopg://…, sqlite:///path); its "
-        "password is kept secret",
+        description="SQLAlchemy URL of the database kept (postgresql+psycopg://…, sqlite:///path, "
+        "mariadb+pymysql://…); its password is kept secret",
     )
     schema_: str | None = Field(
         default=None,

@@ -25,7 +25,12 @@ change between the schemas two batches see). A field whose kind changed is dropp
 is made again in the same transaction. Values already stored in a re-created column are gone until their rows
 change: the log says so and ``cdc verify sql --repair`` mends them.
 
-Dialects: PostgreSQL and SQLite (tested); any other is refused when the sink opens, with the list.
+Dialects: PostgreSQL, SQLite and MariaDB (tested); any other (MySQL too) is refused when the sink opens, with the
+list. MariaDB has no ``ON CONFLICT … WHERE``: its upsert is ``ON DUPLICATE KEY UPDATE`` with each column set to
+the new value only where the guard holds, the position columns last (MariaDB assigns left to right, and the guard
+reads them). Its DDL is not transactional: a migration's statements are written to be run again (``IF EXISTS``,
+``IF NOT EXISTS``, ``CHANGE COLUMN IF EXISTS``) and recorded after them, views are replaced in one statement each,
+and a swap re-points the views one table at a time.
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ import psycopg
 import psycopg.sql
 import sqlalchemy as sa
 from pydantic import SecretStr
-from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.dialects import mysql, postgresql, sqlite
 from sqlalchemy.engine import Connection, Engine
 
 from sinks._api import BaseSink, Change, Rejected, SinkContext, TableInfo, TableRef
@@ -69,6 +74,7 @@ KEY, COMMIT, LSN, OP, TS = "__pgcdc_key", "__pgcdc_commit_lsn", "__pgcdc_lsn", "
 META = (KEY, COMMIT, LSN, OP, TS)
 GENERATIONS, COLUMNS = "pgcdc_sql_generations", "pgcdc_sql_columns"
 _MAX_PARTS = 8  # verify's readers of one table
+MARIADB_KEY_CHARS = 768  # a longer key cannot be stored in MariaDB: its change is a dead letter
 _SQLITE_WAIT_S = 60  # a SQLite writer waits this long for another's lock (tasks of one batch write at once)
 
 
@@ -83,6 +89,16 @@ def check_dialect(url: str) -> str:
         raise SinkConfigError(
             f"sinks.sql.url uses the {parsed.get_driver_name()!r} driver; the sql sink talks to PostgreSQL with "
             "psycopg (3), which pgcdc installs: write postgresql+psycopg://…"
+        )
+    if dialect == "mariadb" and parsed.get_driver_name() != "pymysql":
+        raise SinkConfigError(
+            f"sinks.sql.url uses the {parsed.get_driver_name()!r} driver; the sql sink talks to MariaDB with "
+            "PyMySQL, which pgcdc's sinks install: write mariadb+pymysql://…"
+        )
+    if dialect == "mysql":
+        raise SinkConfigError(
+            "sinks.sql.url names the 'mysql' dialect; the sql sink is tested on MariaDB (mariadb+pymysql://…), "
+            f"not on MySQL; it supports {', '.join(DIALECTS)}"
         )
     if dialect not in DIALECTS:
         raise SinkConfigError(
@@ -135,9 +151,19 @@ def _engine(url: SecretStr, pool: Any, **options: Any) -> Engine:
         engine = sa.create_engine(text, poolclass=pool, connect_args={"timeout": _SQLITE_WAIT_S}, **options)
         sa.event.listen(engine, "connect", _sqlite_pragmas)
         return engine
+    if check_dialect(text) == "mariadb":
+        # utf8mb4: every character PostgreSQL text holds; UTC: DATETIME holds UTC wall time (timestamptz).
+        engine = sa.create_engine(
+            text, poolclass=pool, connect_args={"charset": "utf8mb4", "init_command": _MARIADB_SESSION}, **options
+        )
+        return engine
     engine = sa.create_engine(text, poolclass=pool, **options)
     sa.event.listen(engine, "connect", _pg_session)
     return engine
+
+
+# Strict: a value a column cannot hold is an error (a dead letter), never truncated or zeroed.
+_MARIADB_SESSION = "SET time_zone = '+00:00', sql_mode = 'STRICT_ALL_TABLES,NO_ENGINE_SUBSTITUTION,NO_ZERO_DATE'"
 
 
 def _pg_session(dbapi_connection: Any, _record: Any) -> None:
@@ -196,13 +222,22 @@ class Layout:
         return sa.Table(
             self.table_name(table, generation),
             metadata,
-            sa.Column(KEY, sa.Text(), primary_key=True),
+            sa.Column(KEY, self.key_type(), primary_key=True),
             *(sa.Column(c, sql_type(k, self.dialect), nullable=True, quote=True) for c, k in columns),
             sa.Column(COMMIT, sa.BigInteger(), nullable=False),
             sa.Column(LSN, sa.BigInteger(), nullable=False),
             sa.Column(OP, sa.String(1), nullable=False),
             sa.Column(TS, sa.BigInteger()),
+            mariadb_charset="utf8mb4",
         )
+
+    def key_type(self) -> sa.types.TypeEngine[Any]:
+        """The key column's type: text, but in MariaDB a VARCHAR that an index takes (768 characters of utf8mb4
+        fill InnoDB's 3,072 bytes), compared byte by byte (its default collation folds case: "A" and "a" would
+        be one key)."""
+        if self.dialect == "mariadb":
+            return sa.String(MARIADB_KEY_CHARS, collation="utf8mb4_bin")
+        return sa.Text()
 
     def state_tables(self) -> tuple[sa.Table, sa.Table]:
         metadata = sa.MetaData(schema=self.schema)
@@ -211,6 +246,7 @@ class Layout:
             metadata,
             sa.Column("sink", sa.String(200), primary_key=True),
             sa.Column("generation", sa.Integer(), nullable=False),
+            mariadb_charset="utf8mb4",
         )
         columns = sa.Table(
             COLUMNS,
@@ -218,7 +254,9 @@ class Layout:
             sa.Column("sink", sa.String(200), primary_key=True),
             sa.Column("table_name", sa.String(500), primary_key=True),
             sa.Column("generation", sa.Integer(), primary_key=True),
-            sa.Column("columns", sa.Text(), nullable=False),  # JSON: [[column, [kind, precision, scale]], …]
+            # JSON: [[column, [kind, precision, scale]], …]
+            sa.Column("columns", sa.Text().with_variant(mysql.LONGTEXT(), "mariadb"), nullable=False),
+            mariadb_charset="utf8mb4",
         )
         return generations, columns
 
@@ -237,7 +275,9 @@ class SqlSink(BaseSink):
         options = context.options
         url = options.get("url")
         if not url:
-            raise SinkConfigError("sinks.sql.url is not set: a SQLAlchemy URL (postgresql+psycopg://…, sqlite:///…)")
+            raise SinkConfigError(
+                "sinks.sql.url is not set: a SQLAlchemy URL (postgresql+psycopg://…, sqlite:///…, mariadb+pymysql://…)"
+            )
         secret = url if isinstance(url, SecretStr) else SecretStr(str(url))
         self.engine = make_engine(secret)
         self.layout = Layout(
@@ -380,6 +420,7 @@ class Migration:
     renames: list[tuple[str, str]]
     drops: list[str]
     adds: list[tuple[str, ColumnKind]]
+    renamed_kinds: tuple[tuple[str, ColumnKind], ...] = ()  # each renamed column's (new name, kind)
 
     def __bool__(self) -> bool:
         return bool(self.renames or self.drops or self.adds)
@@ -397,7 +438,7 @@ def plan_migration(old: Sequence[tuple[str, ColumnKind]], new: Sequence[tuple[st
         if at_old == at_new and old_kinds[gone[0]] == came[0][1]:
             renames.append((gone[0], came[0][0]))
     if renames:
-        return Migration(renames, [], [])
+        return Migration(renames, [], [], ((came[0][0], came[0][1]),))
     return Migration([], gone, came)
 
 
@@ -415,8 +456,8 @@ def migrate(conn: Connection, layout: Layout, info: TableInfo, served: int | Non
         change = plan_migration(had, columns)
     is_served = served == generation
     if change or had is None:
-        if is_served:
-            conn.exec_driver_sql(f"DROP VIEW IF EXISTS {layout.quoted(conn, layout.view_name(table))}")
+        if is_served and layout.dialect != "mariadb":  # MariaDB replaces the view in one statement below
+            _ddl(conn, f"DROP VIEW IF EXISTS {layout.quoted(conn, layout.view_name(table))}")
         _alter(conn, layout, physical, change)
         _record(conn, layout, table, generation, columns)
         if change.drops or change.adds:
@@ -432,16 +473,30 @@ def migrate(conn: Connection, layout: Layout, info: TableInfo, served: int | Non
         _create_view(conn, layout, table, physical, columns)
 
 
+def _ddl(conn: Connection, statement: str) -> None:
+    """A statement built with the dialect's quoting (names), run as it is. SQLAlchemy's MariaDB quoting doubles a
+    name's ``%`` for PyMySQL's formatting, which PyMySQL does only when given parameters: it is given none."""
+    conn.exec_driver_sql(statement, () if conn.dialect.name == "mariadb" else None)
+
+
 def _alter(conn: Connection, layout: Layout, physical: str, change: Migration) -> None:
     prep = conn.dialect.identifier_preparer
     target = layout.quoted(conn, physical)
+    # MariaDB commits each DDL statement at once: written so that a migration cut short can run again whole.
+    again = layout.dialect == "mariadb"
+    exists, not_exists = (" IF EXISTS", " IF NOT EXISTS") if again else ("", "")
     for old, new in change.renames:
-        conn.exec_driver_sql(f"ALTER TABLE {target} RENAME COLUMN {prep.quote(old)} TO {prep.quote(new)}")
+        if again:
+            kind = dict(change.renamed_kinds)[new]
+            ddl = sql_type(kind, layout.dialect).compile(dialect=conn.dialect)
+            _ddl(conn, f"ALTER TABLE {target} CHANGE COLUMN IF EXISTS {prep.quote(old)} {prep.quote(new)} {ddl}")
+        else:
+            _ddl(conn, f"ALTER TABLE {target} RENAME COLUMN {prep.quote(old)} TO {prep.quote(new)}")
     for name in change.drops:
-        conn.exec_driver_sql(f"ALTER TABLE {target} DROP COLUMN {prep.quote(name)}")
+        _ddl(conn, f"ALTER TABLE {target} DROP COLUMN{exists} {prep.quote(name)}")
     for name, kind in change.adds:
         ddl = sql_type(kind, layout.dialect).compile(dialect=conn.dialect)
-        conn.exec_driver_sql(f"ALTER TABLE {target} ADD COLUMN {prep.quote(name)} {ddl}")
+        _ddl(conn, f"ALTER TABLE {target} ADD COLUMN{not_exists} {prep.quote(name)} {ddl}")
 
 
 def _create_view(
@@ -450,9 +505,12 @@ def _create_view(
     prep = conn.dialect.identifier_preparer
     view = layout.quoted(conn, layout.view_name(table))
     listed = ", ".join(prep.quote(c) for c, _ in columns) or prep.quote(KEY)
-    conn.exec_driver_sql(f"DROP VIEW IF EXISTS {view}")
     source = layout.quoted(conn, physical)
-    conn.exec_driver_sql(f"CREATE VIEW {view} AS SELECT {listed} FROM {source}")  # noqa: S608 - quoted names
+    if layout.dialect == "mariadb":  # its DDL is not transactional: never a moment without the view
+        _ddl(conn, f"CREATE OR REPLACE VIEW {view} AS SELECT {listed} FROM {source}")  # noqa: S608
+        return
+    _ddl(conn, f"DROP VIEW IF EXISTS {view}")
+    _ddl(conn, f"CREATE VIEW {view} AS SELECT {listed} FROM {source}")  # noqa: S608 - quoted names
 
 
 def point_views(conn: Connection, layout: Layout, generation: int) -> None:
@@ -467,14 +525,14 @@ def point_views(conn: Connection, layout: Layout, generation: int) -> None:
             cols = [(c, ColumnKind.from_json(k)) for c, k in json.loads(r.columns)]
             _create_view(conn, layout, r.table_name, layout.table_name(r.table_name, generation), cols)
         elif r.table_name not in kept:
-            conn.exec_driver_sql(f"DROP VIEW IF EXISTS {layout.quoted(conn, layout.view_name(r.table_name))}")
+            _ddl(conn, f"DROP VIEW IF EXISTS {layout.quoted(conn, layout.view_name(r.table_name))}")
 
 
 def _drop_generation(conn: Connection, layout: Layout, generation: int) -> None:
     _, columns = layout.state_tables()
     where = (columns.c.sink == layout.sink, columns.c.generation == generation)
     for (table,) in conn.execute(sa.select(columns.c.table_name).where(*where)).all():
-        conn.exec_driver_sql(f"DROP TABLE IF EXISTS {layout.quoted(conn, layout.table_name(table, generation))}")
+        _ddl(conn, f"DROP TABLE IF EXISTS {layout.quoted(conn, layout.table_name(table, generation))}")
     conn.execute(columns.delete().where(*where))
 
 
@@ -504,6 +562,10 @@ class SqlWriter:
                 continue
             key = change.doc_id
             origin[key] = change
+            if layout.dialect == "mariadb" and len(key) > MARIADB_KEY_CHARS:
+                reason = f"sql: a key of {len(key)} characters; MariaDB's key column holds {MARIADB_KEY_CHARS}"
+                rejected.append(Rejected(table.topic, change.partition, change.offset, reason))
+                continue
             if change.row is None:
                 (blind if change.position is None else deletes).append(_position({"k": key}, change))
                 continue
@@ -548,6 +610,8 @@ def _upsert(
     try:
         if conn.dialect.name == "postgresql":
             _staged(conn, target, rows)
+        elif conn.dialect.name == "mariadb":
+            _multi_row(conn, target, rows)
         else:
             _isolated(conn, stmt, rows)
         return []
@@ -566,6 +630,8 @@ def _upsert(
 def _upsert_statement(conn: Connection, target: sa.Table, columns: list[str], *, source: sa.Select[Any] | None) -> Any:
     """INSERT of ``columns`` (their values bound per row, or selected by ``source``) that updates a stored row
     only where it is not newer than the new one (the position guard)."""
+    if conn.dialect.name == "mariadb":
+        return _mariadb_upsert(mysql.insert(target), target, columns)
     insert: Any = postgresql.insert(target) if conn.dialect.name == "postgresql" else sqlite.insert(target)
     if source is not None:
         insert = insert.from_select(columns, source)
@@ -577,6 +643,35 @@ def _upsert_statement(conn: Connection, target: sa.Table, columns: list[str], *,
             sa.and_(target.c[COMMIT] == insert.excluded[COMMIT], target.c[LSN] == insert.excluded[LSN]),
         ),
     )
+
+
+def _mariadb_upsert(insert: Any, target: sa.Table, columns: list[str]) -> Any:
+    """MariaDB's form of the guarded upsert: ON DUPLICATE KEY UPDATE has no WHERE, so each column takes the new
+    value where the guard holds and keeps its own elsewhere. MariaDB assigns left to right and a later
+    assignment reads the values earlier ones set: the guard's own columns go last, __pgcdc_lsn before
+    __pgcdc_commit_lsn (once __pgcdc_lsn holds the new value, the guard still holds for __pgcdc_commit_lsn
+    exactly when it held before)."""
+    # VALUES(name) written out: SQLAlchemy's own (insert.inserted) escapes a "%" in the name twice for PyMySQL.
+    new: dict[str, sa.ColumnElement[Any]] = {c: sa.literal_column(f"VALUES(`{c.replace('`', '``')}`)") for c in columns}
+    guard = sa.or_(
+        _older(target, new[COMMIT], new[LSN]),
+        sa.and_(target.c[COMMIT] == new[COMMIT], target.c[LSN] == new[LSN]),
+    )
+    order = [c for c in columns if c not in (KEY, LSN, COMMIT)] + [LSN, COMMIT]
+    return insert.on_duplicate_key_update([(c, sa.case((guard, new[c]), else_=target.c[c])) for c in order])
+
+
+def _multi_row(conn: Connection, target: sa.Table, rows: list[dict[str, Any]]) -> None:
+    """MariaDB: the upsert as multi-row INSERTs of SQLAlchemy's making, not PyMySQL's executemany, whose rewrite
+    leaves a ``%`` in the ON DUPLICATE KEY UPDATE clause doubled (a column named with one is then not found).
+    One statement per chunk: a refused one is undone whole (InnoDB), and the caller retries row by row."""
+    columns = list(rows[0])
+    for at in range(0, len(rows), _MULTI_ROW):
+        chunk = rows[at : at + _MULTI_ROW]
+        conn.execute(_mariadb_upsert(mysql.insert(target).values(chunk), target, columns))
+
+
+_MULTI_ROW = 500  # rows per MariaDB INSERT: well under max_allowed_packet for rows of a few KB
 
 
 def _staged(conn: Connection, target: sa.Table, rows: list[dict[str, Any]]) -> None:
@@ -662,7 +757,7 @@ class SqlPart:
                 if columns is None:
                     return
                 t = self.layout.table(self.table, self.generation, columns)
-                docs = [(c, to_doc(k)) for c, k in columns]
+                docs = [(c, to_doc(k, self.layout.dialect)) for c, k in columns]
                 query = sa.select(t.c[KEY], *(t.c[c] for c, _ in columns)).order_by(t.c[KEY])
                 if self.lo is not None:
                     query = query.where(t.c[KEY] >= self.lo)

@@ -1,28 +1,32 @@
 """The ``sql`` sink's type mapping, written once: an Avro field's column type in SQL, and its values both ways
 (document form to what the database stores, and back to document form for ``cdc verify``).
 
-=========================================  ============================  ==========================
-Avro (PostgreSQL)                          PostgreSQL target             SQLite target
-=========================================  ============================  ==========================
-boolean                                    boolean                       BOOLEAN (0/1)
-int (smallint, integer)                    integer                       INTEGER
-long (bigint, oid, …)                      bigint                        BIGINT
-float (real) / double (double precision)   real / double precision       REAL
-decimal, with "NaN" (numeric(p,s))         numeric(p,s)                  TEXT, exact ("12.50")
-string (text, varchar, uuid, json, enums)  text                          TEXT
-bytes, fixed (bytea)                       bytea                         BLOB
-date                                       date                          DATE (document form)
-timestamp-micros (timestamptz)             timestamp with time zone      DATETIME (document form)
-local-timestamp-micros (timestamp)         timestamp without time zone   DATETIME (document form)
-time-micros (time)                         time                          TIME (document form)
-record, array, map, other unions           json                          JSON (text)
-=========================================  ============================  ==========================
+=====================================  ===========================  ======================  ==========================
+Avro (PostgreSQL)                      PostgreSQL target            SQLite target           MariaDB target
+=====================================  ===========================  ======================  ==========================
+boolean                                boolean                      BOOLEAN (0/1)           BOOLEAN (0/1)
+int (smallint, integer)                integer                      INTEGER                 INTEGER
+long (bigint, oid, …)                  bigint                       BIGINT                  BIGINT
+float (real), double (double prec.)    real, double precision       REAL                    DOUBLE (finite only)
+decimal, with "NaN" (numeric(p,s))     numeric(p,s)                 TEXT, exact ("12.50")   DECIMAL(p,s) (finite;
+                                                                                            p <= 65, s <= 30), else
+                                                                                            LONGTEXT, exact
+string (text, varchar, uuid, json)     text                         TEXT                    LONGTEXT
+bytes, fixed (bytea)                   bytea                        BLOB                    LONGBLOB
+date                                   date                         DATE (document form)    DATE (years 1000-9999)
+timestamp-micros (timestamptz)         timestamp with time zone     DATETIME (doc. form)    DATETIME(6), UTC (1000-)
+local-timestamp-micros (timestamp)     timestamp without time zone  DATETIME (doc. form)    DATETIME(6) (1000-9999)
+time-micros (time)                     time                         TIME (document form)    TIME(6)
+record, array, map, other unions       json                         JSON (text)             JSON (LONGTEXT, checked)
+=====================================  ===========================  ======================  ==========================
 
 Every value PostgreSQL can hold is kept, the edges too: on a PostgreSQL target dates and times cross as
 PostgreSQL's own text (``infinity``, BC dates, years past 9999, ``24:00:00``; sessions in UTC with ISO dates),
 never through Python's ``date``, which has none of them; SQLite, which has no date types, keeps the document
 form itself (``2024-02-29T23:59:59.123456Z``, which its date functions read), and a float's NaN or infinity as
-its document form's text (SQLite would store a NaN as NULL).
+its document form's text (SQLite would store a NaN as NULL). MariaDB's types are narrower: a value outside them
+(a float's NaN or infinity, a numeric's NaN, a date or timestamp that is infinite, BC or before year 1000) is
+refused with the reason, and its change goes to the dead-letter topic, never stored as something else.
 """
 
 from __future__ import annotations
@@ -40,7 +44,11 @@ import sqlalchemy as sa
 from sinks._values import Names
 
 Convert = Callable[[Any], Any]
-DIALECTS = ("postgresql", "sqlite")  # tested; any other SQLAlchemy dialect is refused (sinks._sql.check_dialect)
+DIALECTS = (
+    "postgresql",
+    "sqlite",
+    "mariadb",
+)  # tested; any other SQLAlchemy dialect is refused (sinks._sql.check_dialect)
 
 
 class UnstorableError(ValueError):
@@ -107,6 +115,8 @@ def column_kind(avro: Any, names: Names, namespace: str | None = None) -> Column
 def sql_type(kind: ColumnKind, dialect: str) -> sa.types.TypeEngine[Any]:
     """The column type of ``kind`` in ``dialect``."""
     k = kind.kind
+    if dialect == "mariadb":
+        return _mariadb_type(kind)
     if k == "decimal":
         return sa.Numeric(kind.precision, kind.scale, asdecimal=True) if dialect == "postgresql" else sa.Text()
     if dialect == "sqlite" and k in _SQLITE_DECLARED:
@@ -131,6 +141,8 @@ def sql_type(kind: ColumnKind, dialect: str) -> sa.types.TypeEngine[Any]:
 def to_sql(kind: ColumnKind, dialect: str) -> Convert:
     """Document form to the value the column stores; raises :class:`UnstorableError`."""
     k = kind.kind
+    if dialect == "mariadb":
+        return _mariadb_in(kind)
     if dialect == "sqlite" and k in _SQLITE_DECLARED:
         return _ident
     if k in ("float", "double"):
@@ -148,11 +160,13 @@ def to_sql(kind: ColumnKind, dialect: str) -> Convert:
     return _ident
 
 
-def to_doc(kind: ColumnKind) -> Convert:
+def to_doc(kind: ColumnKind, dialect: str = "postgresql") -> Convert:
     """A stored value, as the database driver returns it, to document form (sinks._values). Dates and times
     come as document form already: PostgreSQL's by the loaders :func:`register_pg_loaders` installs, SQLite's
-    as stored."""
+    as stored; MariaDB's as Python's date, datetime and timedelta."""
     k = kind.kind
+    if dialect == "mariadb" and k in _MARIADB_OUT:
+        return _nullsafe(_MARIADB_OUT[k])
     if k in ("float", "double"):
         return _nullsafe(_float_out)
     if k == "decimal":
@@ -192,6 +206,103 @@ class _Declared(sa.types.UserDefinedType[Any]):
 
     def get_col_spec(self, **_kw: Any) -> str:
         return self.name
+
+
+# --- MariaDB (docs: the module's) ----------------------------------------------------------------------------
+
+_MARIADB_MAX_PRECISION, _MARIADB_MAX_SCALE = 65, 30  # DECIMAL's limits (MySQL's scale limit; MariaDB's is 38)
+
+
+def _mariadb_decimal(kind: ColumnKind) -> bool:
+    """Whether a decimal column is a DECIMAL in MariaDB (else LONGTEXT, exact)."""
+    return (kind.precision or 0) <= _MARIADB_MAX_PRECISION and (kind.scale or 0) <= _MARIADB_MAX_SCALE
+
+
+def _mariadb_type(kind: ColumnKind) -> sa.types.TypeEngine[Any]:
+    from sqlalchemy.dialects import mysql
+
+    k = kind.kind
+    if k == "decimal":
+        return sa.Numeric(kind.precision, kind.scale, asdecimal=True) if _mariadb_decimal(kind) else mysql.LONGTEXT()
+    types: dict[str, sa.types.TypeEngine[Any]] = {
+        "boolean": sa.Boolean(),
+        "int": sa.Integer(),
+        "long": sa.BigInteger(),
+        # A real's value is exact in a DOUBLE, and reads back as the same Python float (a FLOAT would not).
+        "float": mysql.DOUBLE(),
+        "double": mysql.DOUBLE(),
+        "text": mysql.LONGTEXT(),
+        "bytes": mysql.LONGBLOB(),
+        "date": sa.Date(),
+        "timestamp": mysql.DATETIME(fsp=6),
+        "local_timestamp": mysql.DATETIME(fsp=6),
+        # Declared, not SQLAlchemy's TIME: that one makes a datetime.time of the value, which has no 24:00:00.
+        "time": _Declared("TIME(6)"),
+        "json": sa.JSON(none_as_null=True),
+    }
+    return types[k]
+
+
+def _mariadb_in(kind: ColumnKind) -> Convert:
+    k = kind.kind
+    if k in ("float", "double"):
+        return _nullsafe(_finite_float)
+    if k == "decimal":
+        return _nullsafe(_finite_decimal) if _mariadb_decimal(kind) else _nullsafe(str)
+    if k == "bytes":
+        return _nullsafe(base64.b64decode)
+    if k == "date":
+        return _nullsafe(_mariadb_date_in)
+    if k in ("timestamp", "local_timestamp"):
+        return _nullsafe(_mariadb_datetime_in)
+    if k == "time":
+        return _nullsafe(str)
+    return _ident
+
+
+def _finite_float(value: Any) -> float:
+    number = float(value)
+    if not math.isfinite(number):
+        raise UnstorableError(f"{value!r}: MariaDB's DOUBLE holds no NaN or infinity")
+    return number
+
+
+def _finite_decimal(value: Any) -> Decimal:
+    number = Decimal(value)
+    if not number.is_finite():
+        raise UnstorableError(f"{value!r}: MariaDB's DECIMAL holds no NaN or infinity")
+    return number
+
+
+_ISO_DATE = re.compile(r"^(\d{4})-\d\d-\d\d$")
+_ISO_DATETIME = re.compile(r"^(\d{4}-\d\d-\d\d)T(\d\d:\d\d:\d\d(?:\.\d+)?)Z?$")
+
+
+def _mariadb_date_in(value: Any) -> str:
+    m = _ISO_DATE.match(value) if isinstance(value, str) else None
+    if m is None or int(m.group(1)) < 1000:
+        raise UnstorableError(f"{value!r}: MariaDB's DATE holds years 1000 to 9999 only")
+    return str(value)
+
+
+def _mariadb_datetime_in(value: Any) -> str:
+    m = _ISO_DATETIME.match(value) if isinstance(value, str) else None
+    if m is None or int(m.group(1)[:4]) < 1000:
+        raise UnstorableError(f"{value!r}: MariaDB's DATETIME holds years 1000 to 9999 only")
+    return f"{m.group(1)} {m.group(2)}"
+
+
+def _mariadb_time_out(value: Any) -> str:
+    micros = value.days * _DAY_US + value.seconds * 1_000_000 + value.microseconds  # PyMySQL's timedelta
+    return _time_text(micros)
+
+
+_MARIADB_OUT: dict[str, Convert] = {
+    "date": lambda v: v.isoformat(),
+    "timestamp": lambda v: v.strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
+    "local_timestamp": lambda v: v.strftime("%Y-%m-%dT%H:%M:%S.%f"),
+    "time": _mariadb_time_out,
+}
 
 
 # --- PostgreSQL's dates and times as its own text (docs: the module's) --------------------------------------

@@ -48,6 +48,12 @@ def pg_dsn() -> str:
 
 
 @pytest.fixture(scope="session")
+def mariadb_url() -> str:
+    """A MariaDB server's SQLAlchemy URL (mariadb+pymysql://…/, no database): a target of the sql sink."""
+    return discovery.find_or_skip("mariadb")
+
+
+@pytest.fixture(scope="session")
 def kafka_bootstrap() -> Iterator[str]:
     """The broker. On the local one (pgcdc_dev.services: neither CDC_TEST_KAFKA nor testcontainers), the topics
     the run created are deleted at its end.

@@ -49,6 +49,22 @@ def scratch_database(admin_dsn: str, name: str) -> Iterator[str]:
             conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
 
 
+@contextlib.contextmanager
+def scratch_mariadb(server_url: str, name: str) -> Iterator[str]:
+    """A MariaDB database of its own on the server at ``server_url`` (dropped afterwards); its URL."""
+    import sqlalchemy as sa
+
+    engine = sa.create_engine(server_url, poolclass=sa.pool.NullPool)
+    try:
+        with engine.begin() as conn:
+            conn.exec_driver_sql(f"CREATE DATABASE `{name}` CHARACTER SET utf8mb4")
+        yield f"{server_url.rstrip('/')}/{name}"
+    finally:
+        with engine.begin() as conn:
+            conn.exec_driver_sql(f"DROP DATABASE IF EXISTS `{name}`")
+        engine.dispose()
+
+
 @contextmanager
 def capture_role(db_dsn: str, name: str, password: str, *, member_of: str | None = None) -> Iterator[str]:
     """A LOGIN REPLICATION role with ``password`` that may create tables and publications in ``db_dsn``'s

@@ -1,7 +1,8 @@
-"""The sql sink's store contract on real databases (a second PostgreSQL database, a SQLite file), without Spark:
+"""The sql sink's store contract on real databases (a second PostgreSQL database, a SQLite file, a MariaDB
+database), without Spark:
 the position guard, deletes, truncates, unchanged TOAST, every column kind both ways, schema changes,
 generations and their swap, and the read-back verify uses. Each store is read back with its plain client
-(psycopg, sqlite3) as well as through the sink."""
+(psycopg, sqlite3, PyMySQL) as well as through the sink."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import psycopg
+import pymysql
 import pytest
 import sqlalchemy as sa
 
@@ -20,7 +22,7 @@ from sinks._api import Change, SinkContext, TableInfo, TableRef
 from sinks._sql import SqlSink, check_dialect, plan_migration, sqlalchemy_url
 from sinks._sqltypes import ColumnKind
 from sinks.errors import SinkConfigError
-from tests.integration._capture_helpers import scratch_database
+from tests.integration._capture_helpers import scratch_database, scratch_mariadb
 
 pytestmark = pytest.mark.integration
 
@@ -44,10 +46,14 @@ QTY = {"name": "qty", "type": ["null", "int"], "default": None}
 ROW = _row_schema(ID, NAME, BODY)
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
+@pytest.fixture(params=["sqlite", "postgresql", "mariadb"])
 def url(request: pytest.FixtureRequest, tmp_path: Path, unique: str) -> Iterator[str]:
     if request.param == "sqlite":
         yield f"sqlite:///{tmp_path / 'views.db'}"
+        return
+    if request.param == "mariadb":
+        with scratch_mariadb(request.getfixturevalue("mariadb_url"), f"sqlsink_{unique}") as url:
+            yield url
         return
     pg_dsn = request.getfixturevalue("pg_dsn")
     with scratch_database(pg_dsn, f"sqlsink_{unique}") as dsn:
@@ -92,6 +98,18 @@ def _view(url: str, columns: str = "id, name, body") -> list[tuple[Any, ...]]:
         with sqlite3.connect(url.removeprefix("sqlite:///")) as conn:
             return list(conn.execute(query).fetchall())
     parsed = sa.engine.make_url(url)
+    if url.startswith("mariadb"):
+        connection = pymysql.connect(
+            host=parsed.host,
+            port=parsed.port or 3306,
+            user=parsed.username,
+            password=parsed.password or "",
+            database=parsed.database,
+            charset="utf8mb4",
+        )
+        with connection, connection.cursor() as cursor:
+            cursor.execute(query.replace('"public.items"', "`public.items`"))
+            return [tuple(row) for row in cursor.fetchall()]
     with psycopg.connect(
         host=parsed.host, port=parsed.port, user=parsed.username, password=parsed.password, dbname=parsed.database
     ) as conn:
@@ -207,11 +225,19 @@ def test_every_column_kind_reads_back_as_its_document_form(url: str) -> None:
         "tod": "24:00:00.000000",
     }
     far = {**doc, "id": 4, "day": 2_932_897, "at": "infinity", "local": 253_402_300_800_000_000}  # years past 9999
+    rows: tuple[dict[str, Any], ...] = (doc, nulls, edges, far)
+    refused: tuple[dict[str, Any], ...] = ()
+    if url.startswith("mariadb"):
+        # Narrower types: the edges and the years past 9999 go to the dead letters, saying why; the rest is kept.
+        doc = {**doc, "dbl": 2.25, "local": "1000-01-01T00:00:00.000000"}
+        rows, refused = (doc, nulls), (edges, far)
     sink = _sink(url)
     try:
         _served(sink)
-        rows = (doc, nulls, edges, far)
-        assert _write(sink, [_change(r["id"], r, (10, r["id"]), offset=100 + r["id"]) for r in rows], KINDS) == []
+        changes = [_change(r["id"], r, (10, r["id"]), offset=100 + r["id"]) for r in (*rows, *refused)]
+        rejected = _write(sink, changes, KINDS)
+        assert sorted((r.offset, r.error.split(":")[0]) for r in rejected) == [(100 + r["id"], "sql") for r in refused]
+        assert all("MariaDB's" in r.error for r in rejected), [r.error for r in rejected]
         ref = TableRef("t.public.items", TABLE, ("id",), KINDS)
         back = dict(sink.read_table(ref, 1))
         assert back == {f"[{r['id']}]": r for r in rows}
@@ -220,6 +246,9 @@ def test_every_column_kind_reads_back_as_its_document_form(url: str) -> None:
         if url.startswith("postgresql"):  # stored as PostgreSQL's own values, as its plain client sees them
             seen = _view(url, "id, day::text, at::text, tod::text, real::text")
             assert seen[2] == (3, "infinity", "0002-01-01 00:00:00+00 BC", "24:00:00", "NaN")
+        if url.startswith("mariadb"):  # as MariaDB's own types, as its plain client sees them
+            seen = _view(url, "id, CAST(day AS CHAR), CAST(at AS CHAR), CAST(price AS CHAR), dbl")
+            assert seen[0] == (1, "2024-02-29", "2024-02-29 23:59:59.123456", "12.50", 2.25)
     finally:
         sink.close()
 
@@ -278,8 +307,10 @@ def test_a_generation_is_built_beside_the_served_one_and_swapped_in(url: str) ->
 
 
 def test_unsupported_dialects_are_refused_with_the_supported_ones() -> None:
-    with pytest.raises(SinkConfigError, match=r"'mssql' dialect; the sql sink supports postgresql, sqlite"):
+    with pytest.raises(SinkConfigError, match=r"'mssql' dialect; the sql sink supports postgresql, sqlite, mariadb"):
         check_dialect("mssql+pyodbc://user:secret@host/db")
+    with pytest.raises(SinkConfigError, match=r"tested on MariaDB \(mariadb\+pymysql://…\), not on MySQL"):
+        check_dialect("mysql+pymysql://user:secret@host/db")
     with pytest.raises(SinkConfigError, match=r"sinks\.sql\.url is not set"):
         _sink("")
 

@@ -2,7 +2,8 @@
 
 For each service, in order:
 1. an environment variable names it (``CDC_TEST_PG_DSN``, ``CDC_TEST_KAFKA``, ``CDC_TEST_REGISTRY``,
-   ``CDC_TEST_OPENSEARCH``, ``CDC_TEST_REDIS``; ``CDC_TEST_SPARK_JARS`` is a comma-separated jar list;
+   ``CDC_TEST_OPENSEARCH``, ``CDC_TEST_REDIS``,
+   ``CDC_TEST_MARIADB``; ``CDC_TEST_SPARK_JARS`` is a comma-separated jar list;
    ``CDC_TEST_SPARK_MASTER`` a standalone master with two workers, ``spark://host:port``);
 2. else, where a Docker engine answers, testcontainers starts it (once per test run);
 3. else the local services of ``pgcdc_dev.services`` are used, started on demand.
@@ -35,6 +36,7 @@ ENV_VARS = {
     "registry": "CDC_TEST_REGISTRY",
     "opensearch": "CDC_TEST_OPENSEARCH",
     "redis": "CDC_TEST_REDIS",
+    "mariadb": "CDC_TEST_MARIADB",  # a SQLAlchemy URL (mariadb+pymysql://user:password@host:port/)
     "spark-jars": "CDC_TEST_SPARK_JARS",
     "spark-cluster": "CDC_TEST_SPARK_MASTER",
     "s3": "CDC_TEST_S3",
@@ -192,6 +194,7 @@ _DEPLOY_KEYS = {
     "registry": "url",
     "opensearch": "url",
     "redis": "url",
+    "mariadb": "url",
     "spark-cluster": "url",
     "s3": "url",
     "spark-cloud-jars": "classpath",

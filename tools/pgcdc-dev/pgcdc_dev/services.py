@@ -8,16 +8,16 @@
     python -m pgcdc_dev.services env                   shell exports of the CDC_TEST_* variables
     python -m pgcdc_dev.services endpoints             every service's address as JSON (holds the password)
 
-Services: postgres (Debian packages, wal_level=logical, TLS offered), postgres-18 (a wheel from the package
-index), postgres-16 and postgres-17 (zonky's jars from Maven Central; on demand), kafka (KRaft, jars from Maven Central;
-a plaintext and a SASL_SSL listener), registry (Apicurio Registry, Confluent-compatible API), registry-tls
-(the registry behind nginx with HTTPS and basic authentication), opensearch (integ-test zip from Maven
-Central), redis (Debian packages), s3 (s3proxy from Maven Central, in memory), spark-jars (Kafka source,
-spark-avro and Delta Lake for the installed pyspark; nothing to run), spark-cloud-jars (Hadoop's S3A
-connector), flink-jars (Flink's table runtime, Kafka connector and registry Avro format) and connect-jars (a
-Kafka Connect worker with Debezium's JDBC sink and Apicurio's converter) for the consumer tests, spark-master,
-spark-worker-1 and spark-worker-2 (a Spark standalone cluster from the pyspark install: three JVMs, one core
-and 2 GiB of executor memory per worker).
+Services: postgres (Debian packages, wal_level=logical, TLS offered), postgres-18 (a wheel from the package index),
+postgres-16 and postgres-17 (zonky's jars from Maven Central; on demand), kafka (KRaft, jars from Maven Central; a
+plaintext and a SASL_SSL listener), registry (Apicurio Registry, Confluent-compatible API), registry-tls (the registry
+behind nginx with HTTPS and basic authentication), opensearch (integ-test zip from Maven Central), redis (Debian
+packages), mariadb (Debian packages: a target of the sql sink), s3 (s3proxy from Maven Central, in memory), spark-jars
+(Kafka source, spark-avro and Delta Lake for the installed pyspark; nothing to run), spark-cloud-jars (Hadoop's S3A
+connector), flink-jars (Flink's table runtime, Kafka connector and registry Avro format) and connect-jars (a Kafka
+Connect worker with Debezium's JDBC sink and Apicurio's converter) for the consumer tests, spark-master,
+spark-worker-1 and spark-worker-2 (a Spark standalone cluster from the pyspark install: three JVMs, one core and 2 GiB
+of executor memory per worker).
 
 Only the standard library is used, so this runs before the project's virtualenv exists.
 
@@ -25,11 +25,10 @@ Where things go (all outside the repository):
     $CDC_LOCAL_CACHE  (default ~/.cache/pgcdc)             downloads, verified by Maven's SHA-1
     $CDC_LOCAL_STATE  (default ~/.local/state/pgcdc,       installs, data, logs/, run/, endpoints.json
                        or /var/tmp/pgcdc when run as root)
-Ports: CDC_LOCAL_PG_PORT, CDC_LOCAL_KAFKA_PORT, CDC_LOCAL_KAFKA_CONTROLLER_PORT,
-CDC_LOCAL_REGISTRY_PORT, CDC_LOCAL_OPENSEARCH_PORT, CDC_LOCAL_REDIS_PORT, CDC_LOCAL_KAFKA_SASL_PORT,
-CDC_LOCAL_REGISTRY_TLS_PORT, CDC_LOCAL_S3_PORT, CDC_LOCAL_SPARK_MASTER_PORT, CDC_LOCAL_SPARK_MASTER_UI_PORT
-(the workers' UIs take the two ports after it). TLS endpoints present a certificate of a local CA
-(state/data/tls/ca.crt).
+Ports: CDC_LOCAL_PG_PORT, CDC_LOCAL_KAFKA_PORT, CDC_LOCAL_KAFKA_CONTROLLER_PORT, CDC_LOCAL_REGISTRY_PORT,
+CDC_LOCAL_OPENSEARCH_PORT, CDC_LOCAL_REDIS_PORT, CDC_LOCAL_MARIADB_PORT, CDC_LOCAL_KAFKA_SASL_PORT,
+CDC_LOCAL_REGISTRY_TLS_PORT, CDC_LOCAL_S3_PORT, CDC_LOCAL_SPARK_MASTER_PORT, CDC_LOCAL_SPARK_MASTER_UI_PORT (the
+workers' UIs take the two ports after it). TLS endpoints present a certificate of a local CA (state/data/tls/ca.crt).
 """
 
 from __future__ import annotations
@@ -176,6 +175,7 @@ PORTS = {
     # Its workers' web UIs take the next ports (+1, +2).
     "spark-master-ui": _port("CDC_LOCAL_SPARK_MASTER_UI_PORT", 18180),
     "s3": _port("CDC_LOCAL_S3_PORT", 19000),
+    "mariadb": _port("CDC_LOCAL_MARIADB_PORT", 13306),
 }
 TLS = DATA / "tls"
 
@@ -1215,6 +1215,67 @@ class Redis(Service):
         return {"port": port, "url": f"redis://127.0.0.1:{port}/0"}
 
 
+class MariaDB(Service):
+    """Debian's MariaDB, a target database of the sql sink: a data directory of its own, a user with every
+    privilege (pgcdc/pgcdc, a throwaway server on 127.0.0.1)."""
+
+    name = "mariadb"
+    ready_timeout = 60.0
+    user, password = "pgcdc", "pgcdc"
+
+    def version(self) -> str:
+        return run(["mariadbd", "--version"]).stdout.split()[2]
+
+    def install(self) -> None:
+        apt_install("/usr/sbin/mariadbd", "mariadb-server")
+        d = DATA / "mariadb"
+        if not (d / "data" / "mysql").exists():
+            d.mkdir(parents=True, exist_ok=True)
+            user = ensure_service_user()
+            chown_tree(d, user)
+            args = ["mariadb-install-db", f"--datadir={d / 'data'}", "--auth-root-authentication-method=socket"]
+            run([*args, f"--user={user}"] if user else args)
+        (d / "init.sql").write_text(
+            f"CREATE USER IF NOT EXISTS '{self.user}'@'%' IDENTIFIED BY '{self.password}';\n"
+            f"GRANT ALL PRIVILEGES ON *.* TO '{self.user}'@'%' WITH GRANT OPTION;\n"
+        )
+
+    def start(self) -> None:
+        d = DATA / "mariadb"
+        spawn(
+            self.name,
+            [
+                "mariadbd",
+                "--no-defaults",
+                f"--datadir={d / 'data'}",
+                f"--socket={d / 'mariadb.sock'}",
+                f"--pid-file={d / 'mariadb.pid'}",
+                f"--port={PORTS['mariadb']}",
+                "--bind-address=127.0.0.1",
+                "--skip-name-resolve",
+                f"--init-file={d / 'init.sql'}",
+                "--character-set-server=utf8mb4",
+                "--collation-server=utf8mb4_unicode_ci",
+                "--innodb-buffer-pool-size=256M",
+                "--max-connections=500",
+            ],
+            user=ensure_service_user(),
+        )
+
+    def ready(self) -> bool:
+        """The server's greeting: a protocol-10 handshake packet (its 5th byte), sent as a client connects."""
+        try:
+            with socket.create_connection(("127.0.0.1", PORTS["mariadb"]), timeout=1) as s:
+                s.settimeout(2)
+                return s.recv(64)[4:5] == b"\x0a"
+        except OSError:
+            return False
+
+    def endpoint(self) -> dict[str, Any]:
+        port = PORTS["mariadb"]
+        return {"port": port, "url": f"mariadb+pymysql://{self.user}:{self.password}@127.0.0.1:{port}/"}
+
+
 class SparkJars(Service):
     """Jars Spark lacks for our sinks; nothing runs. Jars pyspark already ships are left out."""
 
@@ -1590,6 +1651,7 @@ SERVICES: dict[str, Service] = {
         RegistryTLS(),
         OpenSearch(),
         Redis(),
+        MariaDB(),
         S3(),
         SparkJars(),
         SparkCloudJars(),
@@ -1699,6 +1761,7 @@ def cmd_env() -> None:
     print(f"export CDC_TEST_REGISTRY='{ep['registry']['url']}'")
     print(f"export CDC_TEST_OPENSEARCH='{ep['opensearch']['url']}'")
     print(f"export CDC_TEST_REDIS='{ep['redis']['url']}'")
+    print(f"export CDC_TEST_MARIADB='{ep['mariadb']['url']}'")
     print(f"export CDC_TEST_SPARK_JARS='{','.join(ep['spark-jars']['jars'])}'")
     print(f"export CDC_TEST_SPARK_CLOUD_CLASSPATH='{ep['spark-cloud-jars']['classpath']}'")
     print(f"export CDC_TEST_FLINK_CLASSPATH='{ep['flink-jars']['classpath']}'")
