@@ -59,7 +59,7 @@ from cdc._signals import Signal, SignalTable, SignalTopic
 from cdc._source import check_and_prepare, connect, publication_tables
 from cdc._standby import connect_primary, wait_replayed
 from cdc._window import ChunkSnapshot, ChunkWindow, ReplaySnapshot, XidSnapshot
-from common.errors import CDCError, TerminalError
+from common.errors import CDCError, TerminalError, TransientError
 from common.topics import split_table_name
 from decoders import TupleData, parse_lsn
 
@@ -802,7 +802,11 @@ class Backfills:
 
     def _failed(self, backfill: BackfillProgress, error: BaseException) -> None:
         self._listed.pop(backfill.id, None)
-        if isinstance(error, psycopg.OperationalError) and not isinstance(error, psycopg.errors.QueryCanceled):
+        # A lost connection, a recovery conflict on a standby (40001, 40P01), a primary out of reach for a
+        # watermark: read again. A statement timeout (QueryCanceled) is the chunk's own: it would time out again.
+        if isinstance(error, TransientError) or (
+            isinstance(error, psycopg.OperationalError) and not isinstance(error, psycopg.errors.QueryCanceled)
+        ):
             log.warning("backfill %s: reading a chunk failed (%s); it is read again", backfill.id, error)
             self._reader.close()
             self._reader = self._new_reader()

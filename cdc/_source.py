@@ -179,12 +179,13 @@ def _check_named_tables(
     publication_driven: bool,
 ) -> None:
     """Every table a per-table setting names is captured: a misspelt name would otherwise publish the columns
-    it was meant to leave out or mask. When the publication decides what is captured, a table it does not hold
-    (yet, or any more) is only noted, if the table exists: the setting applies once the table is published."""
+    it was meant to leave out or mask. When the publication decides what is captured, a mask of a table it does
+    not hold (yet, or any more) is only noted, if the table exists: pgcdc applies it once the table is published.
+    A column list or filter is the publication's to apply, so one for a table it does not hold is refused."""
     captured = {(t.schema, t.name) for t in report.tables}
     for key, per_table in settings.items():
         unknown = [(schema, table) for schema, table in per_table if (schema, table) not in captured]
-        if publication_driven:
+        if publication_driven and key == "source.masks":  # applied by pgcdc itself, whatever publishes it
             outside = [name for name in unknown if load_table(conn, *name) is not None]
             for schema, table in outside:
                 report.notes.append(
@@ -602,6 +603,15 @@ def detach(
         done.append(f"SELECT pg_drop_replication_slot('{src.slot}')")
         if not dry_run:
             conn.execute("SELECT pg_drop_replication_slot(%s)", (src.slot,))
+    if writer is None and _one(conn, "SELECT pg_is_in_recovery()")[0]:
+        # A standby's publication is its primary's, out of reach here: the slot alone is dropped.
+        left = sql.SQL("DROP PUBLICATION IF EXISTS {}").format(sql.Identifier(src.publication))
+        log.warning(
+            "source.dsn is a standby and source.primary_dsn is unset or does not answer: the publication is left; "
+            "run %s on the primary",
+            left.as_string(conn),
+        )
+        return done
     pub = writer if writer is not None else conn
     if _publication_exists(pub, src.publication):
         stmt = sql.SQL("DROP PUBLICATION {}").format(sql.Identifier(src.publication))

@@ -20,14 +20,14 @@ import logging
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import Any
 
 import psycopg
 
 from cdc._config import Settings
 from cdc._source import connect, translate_pg_error
-from cdc.errors import SourceCheckError, TransientError
+from cdc.errors import CDCError, SourceCheckError, TransientError
 
 log = logging.getLogger(__name__)
 
@@ -53,22 +53,30 @@ def connect_primary(settings: Settings) -> psycopg.Connection[Any] | None:
 
 @contextmanager
 def source_connections(
-    settings: Settings, notes: list[str] | None = None
+    settings: Settings, notes: list[str] | None = None, *, checked: bool = True
 ) -> Iterator[tuple[psycopg.Connection[Any], psycopg.Connection[Any] | None]]:
-    """source.dsn's connection, and its primary's when it is a standby (checked by :func:`check_standby_source`,
-    whose notes go to ``notes``, or to the log): where the capture reads, and where it writes when that is
-    elsewhere. Chosen by what source.dsn is now, so a standby since promoted is read and written alone. Both are
+    """source.dsn's connection, and its primary's when it is a standby: where the capture reads, and where it
+    writes when that is elsewhere. Chosen by what source.dsn is now, so a standby since promoted is read and
+    written alone. ``checked``: the standby and its primary pass :func:`check_standby_source` (whose notes go to
+    ``notes``, or to the log), and the standby has replayed what the primary had written (a table just created
+    there is seen); else the primary is connected only when source.primary_dsn is set and answers. Both are
     closed on the way out."""
     conn = connect(settings)
     primary = None
     try:
         if in_recovery(conn):
-            primary = connect_primary(settings)
-            said = check_standby_source(conn, primary, settings)
-            if notes is not None:
-                notes += said
-            for note in said if notes is None else ():
-                log.warning("%s", note)
+            if checked:
+                primary = connect_primary(settings)
+                said = check_standby_source(conn, primary, settings)
+                if notes is not None:
+                    notes += said
+                for note in said if notes is None else ():
+                    log.warning("%s", note)
+                assert primary is not None  # check_standby_source refuses without it
+                wait_replayed(conn, primary)
+            else:
+                with suppress(CDCError):
+                    primary = connect_primary(settings)
         yield conn, primary
     finally:
         conn.close()

@@ -148,12 +148,17 @@ class ReplicationSource:
         self._set_due()
 
     def _heartbeat(self) -> None:
-        try:
-            if self._standby is not None and not in_recovery(self._standby):
+        if self._standby is not None:
+            try:
+                promoted = not in_recovery(self._standby)
+            except psycopg.Error as exc:
+                raise translate_pg_error(exc, "source.dsn (the standby)") from exc
+            if promoted:
                 raise TransientError(
                     "source.dsn's server has been promoted: the capture attaches again, to write its heartbeats and "
                     "watermarks there rather than on source.primary_dsn"
                 )
+        try:
             self._sql.execute("SELECT pg_logical_emit_message(false, %s, %s)", (HEARTBEAT_PREFIX, self._slot))
         except psycopg.Error as exc:
             raise translate_pg_error(exc, self._where) from exc

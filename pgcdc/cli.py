@@ -177,7 +177,9 @@ def _detach(settings: Settings, yes: bool, dry_run: bool) -> int:
     if not yes and not dry_run:
         print("detach drops the replication slot and the publication; pass --yes to confirm", file=sys.stderr)
         return 2
-    with source_connections(settings) as (conn, primary):  # the slot on source.dsn, the publication on the primary
+    # The slot on source.dsn, the publication on the primary; unchecked: detaching is what an operator does to a
+    # standby that fails the capture's checks (its slot invalidated, say).
+    with source_connections(settings, checked=False) as (conn, primary):
         done = detach(conn, settings, dry_run=dry_run, writer=primary)
     for action in done or ["nothing to drop"]:
         print(("would run: " if dry_run else "ran: ") + action)

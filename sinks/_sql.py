@@ -49,6 +49,7 @@ from typing import Any
 
 import psycopg
 import psycopg.sql
+import pymysql
 import sqlalchemy as sa
 from pydantic import SecretStr
 from sqlalchemy.dialects import mysql, postgresql, sqlite
@@ -66,7 +67,7 @@ from sinks._sqltypes import (
     to_sql,
 )
 from sinks._values import Names, column_name
-from sinks.errors import SinkConfigError, SinkTransientError
+from sinks.errors import SinkConfigError, SinkTerminalError, SinkTransientError
 
 log = logging.getLogger(__name__)
 
@@ -209,6 +210,15 @@ class Layout:
         names.resolve(row_schema, None)
         ns = row_schema.get("namespace")
         out = [(column_name(f), column_kind(f["type"], names, ns)) for f in row_schema["fields"]]
+        if self.dialect == "mariadb":
+            folded: dict[str, str] = {}
+            for c, _ in out:
+                if c.casefold() in folded:
+                    raise SinkConfigError(
+                        f"columns {folded[c.casefold()]!r} and {c!r} differ only in case, which MariaDB's column "
+                        "names do not tell apart; rename one at the source or leave the table out of sinks.tables"
+                    )
+                folded[c.casefold()] = c
         clash = [c for c, _ in out if c in META]
         if clash:
             raise SinkConfigError(
@@ -244,15 +254,15 @@ class Layout:
         generations = sa.Table(
             GENERATIONS,
             metadata,
-            sa.Column("sink", sa.String(200), primary_key=True),
+            sa.Column("sink", _name(200), primary_key=True),
             sa.Column("generation", sa.Integer(), nullable=False),
             mariadb_charset="utf8mb4",
         )
         columns = sa.Table(
             COLUMNS,
             metadata,
-            sa.Column("sink", sa.String(200), primary_key=True),
-            sa.Column("table_name", sa.String(500), primary_key=True),
+            sa.Column("sink", _name(200), primary_key=True),
+            sa.Column("table_name", _name(500), primary_key=True),
             sa.Column("generation", sa.Integer(), primary_key=True),
             # JSON: [[column, [kind, precision, scale]], …]
             sa.Column("columns", sa.Text().with_variant(mysql.LONGTEXT(), "mariadb"), nullable=False),
@@ -263,6 +273,12 @@ class Layout:
     def quoted(self, conn: Connection, name: str) -> str:
         prep = conn.dialect.identifier_preparer
         return f"{prep.quote_schema(self.schema)}.{prep.quote(name)}" if self.schema else prep.quote(name)
+
+
+def _name(length: int) -> sa.types.TypeEngine[Any]:
+    """A name column of the state tables: compared byte by byte in MariaDB (its default collation would take
+    "public.Notes" and "public.notes" for one table)."""
+    return sa.String(length).with_variant(mysql.VARCHAR(length, collation="utf8mb4_bin"), "mariadb")
 
 
 class SqlSink(BaseSink):
@@ -384,6 +400,11 @@ def _transient() -> Iterator[None]:
     try:
         yield
     except (sa.exc.OperationalError, sa.exc.InterfaceError) as exc:
+        if _mariadb_code(exc) not in (None, *_MARIADB_TRANSIENT):  # the statement's fault: a retry meets it again
+            raise SinkTerminalError(
+                f"sql: MariaDB refused a statement of the sink: {_first_line(exc)} (see docs/sinks.md for what a "
+                "MariaDB target holds)"
+            ) from exc
         raise SinkTransientError(f"sql: {_first_line(exc)}") from exc
 
 
@@ -607,24 +628,95 @@ def _upsert(
     """Insert, or update where the stored row is not newer; a refused batch is retried row by row. The rows
     share their columns: those PostgreSQL did not send (unchanged TOAST) are left out, and so left as stored."""
     stmt = _upsert_statement(conn, target, list(rows[0]), source=None)
-    try:
-        if conn.dialect.name == "postgresql":
-            _staged(conn, target, rows)
-        elif conn.dialect.name == "mariadb":
-            _multi_row(conn, target, rows)
-        else:
-            _isolated(conn, stmt, rows)
-        return []
-    except _REFUSED as exc:
-        log.info("sql: a batch of %d rows was refused (%s); writing them one by one", len(rows), _first_line(exc))
     refused: list[Rejected] = []
-    for row in rows:  # an upsert is idempotent: rows the batch wrote before it failed are written again alike
-        try:
-            _isolated(conn, stmt, [row])
-        except _REFUSED as exc:
+    batches = [rows]
+    if conn.dialect.name == "mariadb":
+        batches, oversized = _mariadb_batches(conn, rows)
+        for row, reason in oversized:
             change = origin[row[KEY]]
-            refused.append(Rejected(topic, change.partition, change.offset, f"sql: {_first_line(exc)}"))
+            refused.append(Rejected(topic, change.partition, change.offset, f"sql: {reason}"))
+    for batch in batches:
+        try:
+            _write_batch(conn, target, stmt, batch)
+            continue
+        except (sa.exc.DBAPIError, psycopg.Error) as exc:
+            if not _row_fault(exc):
+                raise
+            log.info("sql: a batch of %d rows was refused (%s); writing them one by one", len(batch), _first_line(exc))
+        for row in batch:  # an upsert is idempotent: rows the batch wrote before it failed are written again alike
+            try:
+                _isolated(conn, stmt, [row])
+            except (sa.exc.DBAPIError, psycopg.Error) as exc:
+                if not _row_fault(exc):
+                    raise
+                change = origin[row[KEY]]
+                refused.append(Rejected(topic, change.partition, change.offset, f"sql: {_first_line(exc)}"))
     return refused
+
+
+def _write_batch(conn: Connection, target: sa.Table, stmt: Any, rows: list[dict[str, Any]]) -> None:
+    if conn.dialect.name == "postgresql":
+        _staged(conn, target, rows)
+    elif conn.dialect.name == "mariadb":
+        # One multi-row INSERT of SQLAlchemy's making, not PyMySQL's executemany, whose rewrite leaves a "%" in
+        # the ON DUPLICATE KEY UPDATE clause doubled (a column named with one is then not found). A refused
+        # statement is undone whole (InnoDB), and the caller retries row by row.
+        conn.execute(_mariadb_upsert(mysql.insert(target).values(rows), target, list(rows[0])))
+    else:
+        _isolated(conn, stmt, rows)
+
+
+# MariaDB's errors of the connection or of contention, which a later attempt may not meet; any other an upsert
+# meets is the row's (PyMySQL reports most of both kinds as OperationalError).
+_MARIADB_TRANSIENT = frozenset(
+    {1040, 1053, 1152, 1158, 1159, 1160, 1161, 1205, 1213, 1927, 2002, 2003, 2006, 2013, 2014, 2055}
+)
+
+
+def _row_fault(exc: Exception) -> bool:
+    """Whether a refused write is the row's fault (a dead letter), not the connection's (retried). A COPY runs on
+    the driver's connection, so psycopg's own errors come here too."""
+    if isinstance(exc, _REFUSED):
+        return True
+    if not isinstance(exc, sa.exc.DBAPIError):
+        return False
+    return isinstance(exc.orig, _REFUSED) or _mariadb_code(exc) not in (None, *_MARIADB_TRANSIENT)
+
+
+def _mariadb_code(exc: sa.exc.DBAPIError) -> int | None:
+    """MariaDB's error number of an error PyMySQL reports as OperationalError; None for any other error."""
+    orig = exc.orig
+    if isinstance(orig, pymysql.err.OperationalError) and orig.args and isinstance(orig.args[0], int):
+        return int(orig.args[0])
+    return None
+
+
+def _mariadb_batches(
+    conn: Connection, rows: list[dict[str, Any]]
+) -> tuple[list[list[dict[str, Any]]], list[tuple[dict[str, Any], str]]]:
+    """The rows in INSERTs that fit MariaDB's max_allowed_packet (past it the server drops the connection, and a
+    retry would meet the same), and the rows no INSERT can carry, with why. Sizes are estimated at twice the
+    values' lengths (escaping) plus room for each field."""
+    packet = int(conn.exec_driver_sql("SELECT @@max_allowed_packet", ()).scalar_one())
+    budget = min(packet // 2, _MARIADB_BATCH_BYTES)
+    batches: list[list[dict[str, Any]]] = [[]]
+    oversized: list[tuple[dict[str, Any], str]] = []
+    used = 0
+    for row in rows:
+        size = sum(2 * len(v) + 8 if isinstance(v, str | bytes) else 32 for v in row.values())
+        if size > packet * 0.9:
+            oversized.append((row, f"a row of about {size} bytes; MariaDB's max_allowed_packet is {packet}"))
+            continue
+        if batches[-1] and (used + size > budget or len(batches[-1]) >= _MULTI_ROW):
+            batches.append([])
+            used = 0
+        batches[-1].append(row)
+        used += size
+    return [b for b in batches if b], oversized
+
+
+_MULTI_ROW = 500  # rows per MariaDB INSERT at most
+_MARIADB_BATCH_BYTES = 4 << 20  # and bytes, about
 
 
 def _upsert_statement(conn: Connection, target: sa.Table, columns: list[str], *, source: sa.Select[Any] | None) -> Any:
@@ -659,19 +751,6 @@ def _mariadb_upsert(insert: Any, target: sa.Table, columns: list[str]) -> Any:
     )
     order = [c for c in columns if c not in (KEY, LSN, COMMIT)] + [LSN, COMMIT]
     return insert.on_duplicate_key_update([(c, sa.case((guard, new[c]), else_=target.c[c])) for c in order])
-
-
-def _multi_row(conn: Connection, target: sa.Table, rows: list[dict[str, Any]]) -> None:
-    """MariaDB: the upsert as multi-row INSERTs of SQLAlchemy's making, not PyMySQL's executemany, whose rewrite
-    leaves a ``%`` in the ON DUPLICATE KEY UPDATE clause doubled (a column named with one is then not found).
-    One statement per chunk: a refused one is undone whole (InnoDB), and the caller retries row by row."""
-    columns = list(rows[0])
-    for at in range(0, len(rows), _MULTI_ROW):
-        chunk = rows[at : at + _MULTI_ROW]
-        conn.execute(_mariadb_upsert(mysql.insert(target).values(chunk), target, columns))
-
-
-_MULTI_ROW = 500  # rows per MariaDB INSERT: well under max_allowed_packet for rows of a few KB
 
 
 def _staged(conn: Connection, target: sa.Table, rows: list[dict[str, Any]]) -> None:

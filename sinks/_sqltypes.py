@@ -228,9 +228,10 @@ def _mariadb_type(kind: ColumnKind) -> sa.types.TypeEngine[Any]:
         "boolean": sa.Boolean(),
         "int": sa.Integer(),
         "long": sa.BigInteger(),
-        # A real's value is exact in a DOUBLE, and reads back as the same Python float (a FLOAT would not).
-        "float": mysql.DOUBLE(),
-        "double": mysql.DOUBLE(),
+        # A real's value is exact in a DOUBLE, and reads back as the same Python float (a FLOAT would not);
+        # asdecimal=False: SQLAlchemy's default makes a Decimal of 10 places of it.
+        "float": mysql.DOUBLE(asdecimal=False),
+        "double": mysql.DOUBLE(asdecimal=False),
         "text": mysql.LONGTEXT(),
         "bytes": mysql.LONGBLOB(),
         "date": sa.Date(),

@@ -228,9 +228,13 @@ def test_every_column_kind_reads_back_as_its_document_form(url: str) -> None:
     rows: tuple[dict[str, Any], ...] = (doc, nulls, edges, far)
     refused: tuple[dict[str, Any], ...] = ()
     if url.startswith("mariadb"):
-        # Narrower types: the edges and the years past 9999 go to the dead letters, saying why; the rest is kept.
-        doc = {**doc, "dbl": 2.25, "local": "1000-01-01T00:00:00.000000"}
-        rows, refused = (doc, nulls), (edges, far)
+        # Narrower types: each value outside them sends its change to the dead letters, saying why; the rest is
+        # kept, floats exactly (0.1 as a real, 0.1 + 0.2 as a double) and 24:00:00 too.
+        doc = {**doc, "real": 0.10000000149011612, "dbl": 0.1 + 0.2, "local": "1000-01-01T00:00:00.000000"}
+        midnight = {**doc, "id": 5, "tod": "24:00:00.000000"}
+        rows = (doc, nulls, midnight)
+        bad = {"real": "NaN", "price": "NaN", "day": "infinity", "at": edges["at"], "local": far["local"]}
+        refused = tuple({**doc, "id": 10 + i, name: value} for i, (name, value) in enumerate(bad.items()))
     sink = _sink(url)
     try:
         _served(sink)
@@ -247,8 +251,9 @@ def test_every_column_kind_reads_back_as_its_document_form(url: str) -> None:
             seen = _view(url, "id, day::text, at::text, tod::text, real::text")
             assert seen[2] == (3, "infinity", "0002-01-01 00:00:00+00 BC", "24:00:00", "NaN")
         if url.startswith("mariadb"):  # as MariaDB's own types, as its plain client sees them
-            seen = _view(url, "id, CAST(day AS CHAR), CAST(at AS CHAR), CAST(price AS CHAR), dbl")
-            assert seen[0] == (1, "2024-02-29", "2024-02-29 23:59:59.123456", "12.50", 2.25)
+            seen = _view(url, "id, CAST(day AS CHAR), CAST(at AS CHAR), CAST(price AS CHAR), dbl, CAST(tod AS CHAR)")
+            assert seen[0] == (1, "2024-02-29", "2024-02-29 23:59:59.123456", "12.50", 0.1 + 0.2, "13:14:15.000001")
+            assert seen[2][5] == "24:00:00.000000"
     finally:
         sink.close()
 
@@ -267,6 +272,23 @@ def test_a_row_the_database_refuses_goes_to_the_dead_letters_and_the_others_are_
             assert [(r.topic, r.offset) for r in rejected] == [("t.public.items", 8)]
             assert "numeric field overflow" in rejected[0].error
             assert _view(url, "id, price") == [(1, Decimal("1.50"))]
+        finally:
+            sink.close()
+
+
+def test_mariadb_writes_fit_its_packet_limit_and_a_row_past_it_is_a_dead_letter(mariadb_url: str, unique: str) -> None:
+    """MariaDB drops the connection of a statement past max_allowed_packet (16 MiB here), and a retry would meet
+    the same: large rows go in INSERTs of a few MiB (here one each), and a row no INSERT can carry goes to the dead
+    letters."""
+    with scratch_mariadb(mariadb_url, f"sqlsink_{unique}") as url:
+        sink = _sink(url)
+        try:
+            _served(sink)
+            big = [_change(k, {"id": k, "name": f"n{k}", "body": str(k) * (6 << 20)}, (10, k)) for k in (1, 2, 3)]
+            huge = _change(4, {"id": 4, "name": "n4", "body": "4" * (12 << 20)}, (10, 4), offset=44)
+            rejected = _write(sink, [*big, huge])
+            assert [(r.offset, "max_allowed_packet" in r.error) for r in rejected] == [(44, True)], rejected
+            assert _view(url, "id, name, length(body)") == [(k, f"n{k}", 6 << 20) for k in (1, 2, 3)]
         finally:
             sink.close()
 

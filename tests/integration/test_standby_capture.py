@@ -10,6 +10,7 @@ The primary and the standby are the test's own (PostgreSQL 18, tests/integration
 from __future__ import annotations
 
 import os
+import re
 import time
 from pathlib import Path
 
@@ -46,9 +47,9 @@ def _items(dsn: str) -> dict[int, tuple[str, int]]:
         return {r[0]: (r[1], r[2]) for r in conn.execute("SELECT id, name, qty FROM items")}
 
 
-def _backfill(config: Path, proc: CdcProcess, *, then: object = None, held: int = 0) -> None:
-    """`cdc snapshot public.items`, until the capture lists it done; ``then`` is called once the capture holds
-    the first chunk's window open (its ``held``-th such log line and one more)."""
+def _backfill(config: Path, proc: CdcProcess, *, then: object = None, held: int = 0) -> str:
+    """`cdc snapshot public.items`, until the capture lists it done (its id); ``then`` is called once the capture
+    holds the first chunk's window open (its ``held``-th such log line and one more)."""
     asked = cdc("snapshot", "public.items", "--config", str(config))
     assert asked.returncode == 0, asked.stdout + asked.stderr
     backfill = asked.stdout.split()[1].rstrip(":")
@@ -64,6 +65,7 @@ def _backfill(config: Path, proc: CdcProcess, *, then: object = None, held: int 
         "the backfill on the standby",
         proc,
     )
+    return backfill
 
 
 def _committed_lsn(config: Path) -> int:
@@ -145,9 +147,13 @@ def test_a_capture_reads_a_standby_and_writes_only_on_its_primary(
                 open_tx.execute("UPDATE items SET qty = -qty - 1 WHERE id <= 5")
                 other.execute("UPDATE items SET name = name || '!' WHERE id = 150")
                 held = proc.tail(10_000).count("window held open")
-                _backfill(config, proc, then=open_tx.commit, held=held)
+                backfill = _backfill(config, proc, then=open_tx.commit, held=held)
             want = _items(primary.dsn)
             assert all(qty < 0 for _, qty in (want[i] for i in range(1, 6)))
+            # The rule fired: the chunk left out the rows the open transaction changed (its events are newer).
+            written = re.search(rf"backfill {backfill} of public\.items done: (\d+) row", proc.tail(10_000))
+            assert written is not None, proc.tail()
+            assert int(written.group(1)) <= len(want) - 5, written.group(0)
             wait_for(lambda: topic_items(kafka_bootstrap, registry_url, topic) == want, 120, "the topic", proc)
 
             # Idle: the captured table takes no change; the heartbeats written on the primary move the slot, and

@@ -1215,6 +1215,9 @@ class Redis(Service):
         return {"port": port, "url": f"redis://127.0.0.1:{port}/0"}
 
 
+MARIADBD = "/usr/sbin/mariadbd"  # not on a user's PATH in Debian
+
+
 class MariaDB(Service):
     """Debian's MariaDB, a target database of the sql sink: a data directory of its own, a user with every
     privilege (pgcdc/pgcdc, a throwaway server on 127.0.0.1)."""
@@ -1224,10 +1227,10 @@ class MariaDB(Service):
     user, password = "pgcdc", "pgcdc"
 
     def version(self) -> str:
-        return run(["mariadbd", "--version"]).stdout.split()[2]
+        return run([MARIADBD, "--version"]).stdout.split()[2]
 
     def install(self) -> None:
-        apt_install("/usr/sbin/mariadbd", "mariadb-server")
+        apt_install(MARIADBD, "mariadb-server")
         d = DATA / "mariadb"
         if not (d / "data" / "mysql").exists():
             d.mkdir(parents=True, exist_ok=True)
@@ -1245,7 +1248,7 @@ class MariaDB(Service):
         spawn(
             self.name,
             [
-                "mariadbd",
+                MARIADBD,
                 "--no-defaults",
                 f"--datadir={d / 'data'}",
                 f"--socket={d / 'mariadb.sock'}",
