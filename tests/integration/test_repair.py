@@ -245,6 +245,9 @@ def test_verify_repair_re_emits_only_the_keys_that_differ(
         capture.stop()
 
 
+# Long profile: the capture's part (the watcher, its gate, the backfill while written) runs in every suite in
+# test_backfill.py, and the stores' verify after a backfill in test_verify_repair_re_emits_only_the_keys_that_differ.
+@pytest.mark.long
 def test_a_table_the_publication_gains_while_streaming_is_backfilled_into_every_store(
     *, source: str, stack: Stack, unique: str, tmp_path: Path
 ) -> None:

@@ -29,7 +29,7 @@ def test_require_services_flag(monkeypatch: pytest.MonkeyPatch, raw: str, requir
 def test_every_service_has_a_variable() -> None:
     assert set(discovery.ENV_VARS) == {
         *("postgres", "kafka", "registry", "opensearch", "redis", "spark-jars", "spark-cluster"),
-        *("s3", "spark-cloud-jars", "flink-jars", "connect-jars"),
+        *("s3", "spark-cloud-jars", "flink-jars", "connect-jars", "mariadb"),
     }
 
 
