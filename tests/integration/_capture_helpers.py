@@ -49,6 +49,27 @@ def scratch_database(admin_dsn: str, name: str) -> Iterator[str]:
             conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
 
 
+def mariadb_rows(url: str, query: str) -> list[tuple[Any, ...]]:
+    """``query`` (names quoted as PostgreSQL quotes them) on the MariaDB database of ``url``, through PyMySQL, its
+    plain client, in autocommit."""
+    import pymysql
+    import sqlalchemy as sa
+
+    parsed = sa.engine.make_url(url)
+    connection = pymysql.connect(
+        host=parsed.host,
+        port=parsed.port or 3306,
+        user=parsed.username,
+        password=parsed.password or "",
+        database=parsed.database,
+        charset="utf8mb4",
+        autocommit=True,
+    )
+    with connection, connection.cursor() as cursor:
+        cursor.execute(query.replace('"', "`"))
+        return [tuple(row) for row in cursor.fetchall()]
+
+
 @contextlib.contextmanager
 def scratch_mariadb(server_url: str, name: str) -> Iterator[str]:
     """A MariaDB database of its own on the server at ``server_url`` (dropped afterwards); its URL."""

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import psycopg
+import pytest
+from pgcdc_dev import discovery
 
 
 def free_port() -> int:
@@ -99,3 +101,15 @@ def primary_and_standby(bindir: Path, user: str | None, physical_slot: str) -> I
             with contextlib.suppress(AssertionError, subprocess.TimeoutExpired):  # already down (a killed primary)
                 server.stop()
         shutil.rmtree(root, ignore_errors=True)
+
+
+def pg18_binaries(why: str) -> tuple[Path, str | None]:
+    """PostgreSQL 18's binaries (the postgres-18 local service installs them) and the user servers run as; a
+    failure (CDC_TEST_REQUIRE_SERVICES) or a skip saying ``why`` the test needs them when they cannot be had."""
+    try:
+        record = discovery.deploy_record("postgres-18")
+    except discovery.ServiceUnavailableError as exc:
+        if discovery.require_services():
+            pytest.fail(f"required service missing (CDC_TEST_REQUIRE_SERVICES is set): {exc}")
+        pytest.skip(f"{why}, from the postgres-18 local service: {exc}")
+    return Path(record["bindir"]), record.get("service_user")

@@ -18,10 +18,9 @@ from pathlib import Path
 
 import psycopg
 import pytest
-from pgcdc_dev import discovery
 
 from tests.integration._capture_helpers import CdcConfig, CdcProcess, read_topic, scratch_database, wait_for
-from tests.integration._failover_helpers import Server, primary_and_standby
+from tests.integration._failover_helpers import Server, pg18_binaries, primary_and_standby
 from tests.integration._sinks_helpers import SINKS, SinksProcess, Stack, assert_verified, cdc, wait_caught_up
 
 PHYSICAL_SLOT = "standby1"
@@ -29,14 +28,7 @@ PHYSICAL_SLOT = "standby1"
 
 @pytest.fixture(scope="module")
 def pg18() -> tuple[Path, str | None]:
-    """PostgreSQL 18's binaries (the postgres-18 local service installs them) and the user servers run as."""
-    try:
-        record = discovery.deploy_record("postgres-18")
-    except discovery.ServiceUnavailableError as exc:
-        if discovery.require_services():
-            pytest.fail(f"required service missing (CDC_TEST_REQUIRE_SERVICES is set): {exc}")
-        pytest.skip(f"failover slots need PostgreSQL 17+, from the postgres-18 local service: {exc}")
-    return Path(record["bindir"]), record.get("service_user")
+    return pg18_binaries("failover slots need PostgreSQL 17+")
 
 
 def _slot_copied(dsn: str, slot: str) -> bool:

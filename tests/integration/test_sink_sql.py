@@ -14,7 +14,6 @@ from types import SimpleNamespace
 from typing import Any
 
 import psycopg
-import pymysql
 import pytest
 import sqlalchemy as sa
 
@@ -22,7 +21,7 @@ from sinks._api import Change, SinkContext, TableInfo, TableRef
 from sinks._sql import SqlSink, check_dialect, plan_migration, sqlalchemy_url
 from sinks._sqltypes import ColumnKind
 from sinks.errors import SinkConfigError
-from tests.integration._capture_helpers import scratch_database, scratch_mariadb
+from tests.integration._capture_helpers import mariadb_rows, scratch_database, scratch_mariadb
 
 pytestmark = pytest.mark.integration
 
@@ -99,17 +98,7 @@ def _view(url: str, columns: str = "id, name, body") -> list[tuple[Any, ...]]:
             return list(conn.execute(query).fetchall())
     parsed = sa.engine.make_url(url)
     if url.startswith("mariadb"):
-        connection = pymysql.connect(
-            host=parsed.host,
-            port=parsed.port or 3306,
-            user=parsed.username,
-            password=parsed.password or "",
-            database=parsed.database,
-            charset="utf8mb4",
-        )
-        with connection, connection.cursor() as cursor:
-            cursor.execute(query.replace('"public.items"', "`public.items`"))
-            return [tuple(row) for row in cursor.fetchall()]
+        return mariadb_rows(url, query)
     with psycopg.connect(
         host=parsed.host, port=parsed.port, user=parsed.username, password=parsed.password, dbname=parsed.database
     ) as conn:

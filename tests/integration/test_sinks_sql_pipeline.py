@@ -19,12 +19,10 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
-import pymysql
 import pytest
-import sqlalchemy as sa
 
 from sinks._sql import sqlalchemy_url
-from tests.integration._capture_helpers import scratch_database, scratch_mariadb, wait_for
+from tests.integration._capture_helpers import mariadb_rows, scratch_database, scratch_mariadb, wait_for
 from tests.integration._sinks_helpers import (
     PIPELINE_TABLES,
     PipelineWorkload,
@@ -54,20 +52,9 @@ def target(request: pytest.FixtureRequest, tmp_path: Path, unique: str) -> Itera
     """The target's SQLAlchemy URL, and a query through its plain client."""
     if request.param == "mariadb":
         with scratch_mariadb(request.getfixturevalue("mariadb_url"), f"sqltgt_{unique}") as url:
-            parsed = sa.engine.make_url(url)
 
             def mariadb_query(text: str) -> list[tuple[Any, ...]]:
-                connection = pymysql.connect(
-                    host=parsed.host,
-                    port=parsed.port or 3306,
-                    user=parsed.username,
-                    password=parsed.password or "",
-                    database=parsed.database,
-                    autocommit=True,
-                )
-                with connection, connection.cursor() as cursor:
-                    cursor.execute(text.replace('"', "`"))  # the queries quote names as PostgreSQL does
-                    return [tuple(row) for row in cursor.fetchall()]
+                return mariadb_rows(url, text)
 
             yield url, mariadb_query
         return

@@ -16,13 +16,12 @@ from pathlib import Path
 
 import psycopg
 import pytest
-from pgcdc_dev import discovery
 
 from cdc._config import load_settings
 from cdc._kafka import OffsetStore
 from decoders import parse_lsn
 from tests.integration._capture_helpers import CdcConfig, CdcProcess, topic_items, wait_for
-from tests.integration._failover_helpers import primary_and_standby
+from tests.integration._failover_helpers import pg18_binaries, primary_and_standby
 from tests.integration._sinks_helpers import cdc
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
@@ -33,13 +32,7 @@ LAG_BOUND = 1 << 20  # bytes of WAL the standby's slot may trail what the standb
 
 @pytest.fixture(scope="module")
 def pg18() -> tuple[Path, str | None]:
-    try:
-        record = discovery.deploy_record("postgres-18")
-    except discovery.ServiceUnavailableError as exc:
-        if discovery.require_services():
-            pytest.fail(f"required service missing (CDC_TEST_REQUIRE_SERVICES is set): {exc}")
-        pytest.skip(f"capture from a standby needs PostgreSQL 16+, from the postgres-18 local service: {exc}")
-    return Path(record["bindir"]), record.get("service_user")
+    return pg18_binaries("capture from a standby needs PostgreSQL 16+")
 
 
 def _items(dsn: str) -> dict[int, tuple[str, int]]:
