@@ -186,7 +186,7 @@ def nudging(settings: Settings) -> Iterator[None]:
             with conn:
                 while not stop.wait(_NUDGE_S):
                     conn.execute("SELECT pg_log_standby_snapshot()")
-        except (psycopg.Error, SourceCheckError, TransientError) as exc:  # the slot then waits for the primary
+        except (psycopg.Error, CDCError) as exc:  # the slot then waits for the primary
             log.warning(
                 "cannot nudge the primary while the slot is created on the standby (%s): the slot waits for the "
                 "primary's next record of running transactions (up to 15 s when idle); GRANT EXECUTE ON FUNCTION "
