@@ -31,8 +31,6 @@ _SESSION_CONF = {
     # source's SASL settings (a JAAS line holds the password) and the stores' basic-auth settings.
     "spark.redaction.regex": "(?i)secret|password|token|access[.]key|jaas|sasl|credential|auth",
     "spark.sql.redaction.options.regex": "(?i)url|secret|password|token|access[.]key|jaas|sasl|credential|auth",
-    # Python workers are forked from a daemon that has imported pgcdc's modules already (sinks._daemon).
-    "spark.python.daemon.module": "sinks._daemon",
 }
 
 # How many tasks a shuffle, and Delta's reading of a table's log, are split into. A streaming batch's plan

@@ -68,15 +68,3 @@ def test_delta_table_write_merge_read(spark: SparkSession, tmp_path: Path) -> No
     rows = sorted(tuple(r) for r in spark.read.format("delta").load(path).collect())
     assert rows == [(1, "a", 10), (2, "new", 20), (3, "c", 20)]
     assert DeltaTable.forPath(spark, path).history().count() == 2
-
-
-def test_python_workers_are_forked_with_pgcdc_imported(spark: SparkSession) -> None:
-    """sinks._daemon is Spark's Python daemon: a worker has the sinks' modules before its task imports any."""
-
-    def imported(_: object) -> list[str]:
-        import sys
-
-        return sorted(m for m in ("cdc", "sinks._verify", "sinks._warehouse") if m in sys.modules)
-
-    found = spark.sparkContext.parallelize([0], 1).flatMap(imported).collect()
-    assert found == ["cdc", "sinks._verify", "sinks._warehouse"]
