@@ -23,8 +23,9 @@
    Keeping up: 2,000 changes/s in 20-row
    transactions for ``--heavy-seconds``; freshness as `cdc status` measures it from outside (the age of each
    sink's oldest unapplied change, sampled every second): p99 < 1.5 s for search and cache, < 15 s for the
-   warehouse. Restart: `cdc sinks run` is SIGKILLed under load and started again; from its launch to each
-   sink's first applied batch: target ≤ 5 s for search and cache, ≤ 15 s for the warehouse.
+   warehouse. Bounded: 5,000 changes/s for ``--sustained-seconds``; each sink's mean lag over the load's last
+   third against its middle third (half a second added to both): < 1.5x, no upward trend. Restart: `cdc sinks
+   run` is SIGKILLed under load and started again; from its launch to each sink's first applied batch: target ≤ 5 s for search and cache, ≤ 15 s for the warehouse.
 Cluster (`--cluster`, scenario ``sinks-cluster``, instead of steps 3-5): each sink is rebuilt by `cdc sinks
 rebuild NAME` on local[*], then under spark-submit on the local standalone cluster (a master and two one-core
 workers) with checkpoints and warehouse in the local S3-compatible server; every phase timed, the local run as
@@ -94,6 +95,9 @@ LIGHT_P50_S = {"search": 0.3, "cache": 0.3}
 RESTART_LIMIT_S = {"search": 5.0, "cache": 5.0, "warehouse": 15.0}
 HEAVY_LIMIT_S = {"search": 1.5, "cache": 1.5, "warehouse": 15.0}
 HEAVY_RATE = 2000  # changes/s
+SUSTAINED_RATE = 5000  # changes/s: the lag must stay bounded, not within a bound
+GROWTH_LIMIT = 1.5  # the last third's mean lag against the middle third's: linear growth from zero gives 1.67
+GROWTH_FLOOR_S = 0.5  # added to both means: a lag moving within half a second is no trend
 HEAVY_TXN_ROWS = 20
 _METRICS_LINE = re.compile(r"sinks metrics on (http://\S+/metrics)")
 # Changes applied while Spark starts (sinks._bridge); the groups line up with _BATCH_LINE's.
@@ -823,6 +827,43 @@ def _heavy(env: Env, sampler: _LagSampler, rows: int, args: argparse.Namespace, 
     result.series["lag_load_window_s"] = [0.0, round(end - start, 1)]
 
 
+def _sustained(env: Env, sampler: _LagSampler, rows: int, args: argparse.Namespace, result: Result) -> None:
+    """SUSTAINED_RATE changes/s for ``--sustained-seconds``: each sink's lag (the age of its oldest unapplied
+    change, as `cdc status` sees it) over the load's last third against its middle third (the first third is
+    the climb from idle); bounded when the ratio stays under GROWTH_LIMIT."""
+    if args.sustained_seconds <= 0:
+        return
+    load = _Load(env.dsn, rows * 30 + 1, SUSTAINED_RATE, HEAVY_TXN_ROWS, args.sustained_seconds)
+    start = sampler.now()
+    load.run()
+    end = sampler.now()
+    third = (end - start) / 3
+    achieved = load.done / load.elapsed
+    for name in SINKS:
+        middle = sampler.ages(name, start + third, start + 2 * third)
+        last = sampler.ages(name, start + 2 * third, end)
+        if not middle or not last:
+            growth, text = float("nan"), "no lag samples"
+        else:
+            m, l_ = statistics.fmean(middle), statistics.fmean(last)
+            growth = (l_ + GROWTH_FLOOR_S) / (m + GROWTH_FLOOR_S)
+            text = f"mean lag {m:.2f} s over the middle third, {l_:.2f} s over the last, max {max(last):.2f} s"
+        result.measures.append(
+            Measure(
+                f"{name} lag growth, {SUSTAINED_RATE:,} changes/s",
+                "x",
+                round(growth, 2),
+                higher_is_better=False,
+                limit=GROWTH_LIMIT,
+                note=f"{text} ({GROWTH_FLOOR_S:g} s added to both); {achieved:,.0f} changes/s in "
+                f"{HEAVY_TXN_ROWS}-row transactions for {args.sustained_seconds:g} s",
+            )
+        )
+    deadline = time.monotonic() + 300
+    while not sampler.caught_up() and time.monotonic() < deadline:
+        time.sleep(1)
+
+
 @contextlib.contextmanager
 def _profiled(pid: int, out: Path | None, seconds: float) -> Iterator[None]:
     """py-spy samples ``pid``'s Python threads (not the JVM's) for ``seconds`` while the body runs; a line per
@@ -871,6 +912,7 @@ def _live(env: Env, rows: int, args: argparse.Namespace, result: Result) -> None
             _note_phases(_phase_means(phases, _phase_sums(sinks_log)), result)
             with _profiled(sinks.pid, args.profile_heavy, args.heavy_seconds):
                 _heavy(env, sampler, rows, args, result)
+            _sustained(env, sampler, rows, args, result)
             sinks = _restart(env, sinks, log=sinks_log, out=out, config=config, rows=rows, result=result)
         finally:
             sampler.halt.set()
@@ -950,6 +992,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--freshness-seconds", type=float, default=60.0, help="seconds of light load")
     parser.add_argument("--rate", type=float, default=200.0, help="transactions per second of the light load")
     parser.add_argument("--heavy-seconds", type=float, default=120.0, help="seconds at 2,000 changes/s")
+    parser.add_argument(
+        "--sustained-seconds", type=float, default=120.0, help="seconds at 5,000 changes/s (0: not measured)"
+    )
     parser.add_argument("--no-rebuild", action="store_true", help="skip step 4")
     parser.add_argument("--no-live", action="store_true", help="skip step 5")
     parser.add_argument(
