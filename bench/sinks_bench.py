@@ -25,7 +25,8 @@
    sink's oldest unapplied change, sampled every second): p99 < 1.5 s for search and cache, < 15 s for the
    warehouse. Bounded: 5,000 changes/s for ``--sustained-seconds``; each sink's mean lag over the load's last
    third against its middle third (half a second added to both): < 1.5x, no upward trend. Restart: `cdc sinks
-   run` is SIGKILLed under load and started again; from its launch to each sink's first applied batch: target ≤ 5 s for search and cache, ≤ 15 s for the warehouse.
+   run` is SIGKILLed under load and started again; from its launch to each sink's first applied batch: target
+   ≤ 5 s for search and cache, ≤ 15 s for the warehouse.
 Cluster (`--cluster`, scenario ``sinks-cluster``, instead of steps 3-5): each sink is rebuilt by `cdc sinks
 rebuild NAME` on local[*], then under spark-submit on the local standalone cluster (a master and two one-core
 workers) with checkpoints and warehouse in the local S3-compatible server; every phase timed, the local run as
