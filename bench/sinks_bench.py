@@ -151,10 +151,16 @@ class Env:
         return self.prefix.replace("_", "-")  # S3 bucket names have no underscores
 
     def config(
-        self, state: str, bucket: ObjectStoreBucket | None = None, spark_conf: dict[str, str] | None = None
+        self,
+        state: str,
+        bucket: ObjectStoreBucket | None = None,
+        spark_conf: dict[str, str] | None = None,
+        *,
+        sql_sink: bool = True,
     ) -> Path:
         """The run's cdc.toml; state and warehouse in ``work`` or, with ``bucket``, in an object store, where
-        the search and cache sinks get names of their own (``-cl`` and ``:cl``) beside the local ones."""
+        the search and cache sinks get names of their own (``-cl`` and ``:cl``) beside the local ones.
+        ``sql_sink=False`` leaves out the sql sink's section (a revision older than that sink refuses it)."""
         path = self.work / f"cdc-{state}.toml"
         state_dir, warehouse, storage = str(self.work / state), str(self.work / f"warehouse-{state}"), ""
         search, cache = "", ""
@@ -164,6 +170,7 @@ class Env:
         if bucket is not None:
             state_dir, warehouse, storage = bucket.uri(state), bucket.uri(f"warehouse-{state}"), bucket.toml()
             search, cache = f'index_prefix = "{self.prefix}-cl"', f'namespace = "{self.prefix}:cl"'
+        sql = f'\n[sinks.sql]\nurl = "{self.sql_url}"\n' if sql_sink else ""
         path.write_text(
             f"""[source]
 dsn = "{self.dsn}"
@@ -195,10 +202,7 @@ url = "{self.redis_url}"
 
 [sinks.warehouse]
 path = "{warehouse}"
-
-[sinks.sql]
-url = "{self.sql_url}"
-"""
+{sql}"""
         )
         return path
 
@@ -802,10 +806,7 @@ def _heavy(env: Env, sampler: _LagSampler, rows: int, args: argparse.Namespace, 
     start = sampler.now()
     load.run()
     end = sampler.now()
-    deadline = time.monotonic() + 120
-    while not sampler.caught_up() and time.monotonic() < deadline:
-        time.sleep(1)
-    drained = sampler.now() - end
+    drained = _drain(sampler, 120)
     achieved = load.done / load.elapsed
     for name in SINKS:
         ages = sampler.ages(name, start, end)
@@ -838,6 +839,8 @@ def _sustained(env: Env, sampler: _LagSampler, rows: int, args: argparse.Namespa
     start = sampler.now()
     load.run()
     end = sampler.now()
+    drained = _drain(sampler, 300)  # the restart step that follows starts from lag 0 (or says it could not)
+    after = f"{'all' if sampler.caught_up() else 'not all'} sinks at lag 0 {drained:.0f} s after the load"
     third = (end - start) / 3
     achieved = load.done / load.elapsed
     for name in SINKS:
@@ -857,12 +860,18 @@ def _sustained(env: Env, sampler: _LagSampler, rows: int, args: argparse.Namespa
                 higher_is_better=False,
                 limit=GROWTH_LIMIT,
                 note=f"{text} ({GROWTH_FLOOR_S:g} s added to both); {achieved:,.0f} changes/s in "
-                f"{HEAVY_TXN_ROWS}-row transactions for {args.sustained_seconds:g} s",
+                f"{HEAVY_TXN_ROWS}-row transactions for {args.sustained_seconds:g} s; {after}",
             )
         )
-    deadline = time.monotonic() + 300
+
+
+def _drain(sampler: _LagSampler, timeout_s: float) -> float:
+    """Seconds until every sink is at lag 0 (at most ``timeout_s``)."""
+    start = sampler.now()
+    deadline = time.monotonic() + timeout_s
     while not sampler.caught_up() and time.monotonic() < deadline:
         time.sleep(1)
+    return sampler.now() - start
 
 
 @contextlib.contextmanager

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import psycopg
-import pytest
 from pgcdc_dev import discovery
 
 
@@ -109,7 +108,5 @@ def pg18_binaries(why: str) -> tuple[Path, str | None]:
     try:
         record = discovery.deploy_record("postgres-18")
     except discovery.ServiceUnavailableError as exc:
-        if discovery.require_services():
-            pytest.fail(f"required service missing (CDC_TEST_REQUIRE_SERVICES is set): {exc}")
-        pytest.skip(f"{why}, from the postgres-18 local service: {exc}")
+        discovery.skip_unavailable(exc, f"{why}, from the postgres-18 local service")
     return Path(record["bindir"]), record.get("service_user")

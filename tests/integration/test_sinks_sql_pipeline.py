@@ -8,6 +8,7 @@ rebuild is then swapped in while a plain client (psycopg, sqlite3, PyMySQL) keep
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import random
 import sqlite3
@@ -52,11 +53,7 @@ def target(request: pytest.FixtureRequest, tmp_path: Path, unique: str) -> Itera
     """The target's SQLAlchemy URL, and a query through its plain client."""
     if request.param == "mariadb":
         with scratch_mariadb(request.getfixturevalue("mariadb_url"), f"sqltgt_{unique}") as url:
-
-            def mariadb_query(text: str) -> list[tuple[Any, ...]]:
-                return mariadb_rows(url, text)
-
-            yield url, mariadb_query
+            yield url, functools.partial(mariadb_rows, url)
         return
     if request.param == "sqlite":
         path = tmp_path / "views.db"

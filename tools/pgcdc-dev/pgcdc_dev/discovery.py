@@ -26,7 +26,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
-from typing import Any
+from typing import Any, NoReturn
 
 import pytest
 
@@ -266,11 +266,17 @@ def tls_endpoints_or_skip() -> dict[str, Any]:
         for name in ("postgres", "kafka", "registry-tls"):
             _deploy_endpoints(name)
     except ServiceUnavailableError as exc:
-        if require_services():
-            pytest.fail(f"required service missing (CDC_TEST_REQUIRE_SERVICES is set): {exc}")
-        pytest.skip(str(exc))
+        skip_unavailable(exc)
     endpoints: dict[str, Any] = json.loads(_deploy("endpoints").stdout)
     return endpoints
+
+
+def skip_unavailable(exc: ServiceUnavailableError, why: str = "") -> NoReturn:
+    """Skip the test saying which service is missing (and ``why`` it is needed); fail instead when services are
+    required (CDC_TEST_REQUIRE_SERVICES), so that a missing service never passes as a skip in CI."""
+    if require_services():
+        pytest.fail(f"required service missing (CDC_TEST_REQUIRE_SERVICES is set): {exc}")
+    pytest.skip(f"{why}: {exc}" if why else str(exc))
 
 
 def find_or_skip(name: str) -> str:
@@ -278,6 +284,4 @@ def find_or_skip(name: str) -> str:
     try:
         return find(name).value
     except ServiceUnavailableError as exc:
-        if require_services():
-            pytest.fail(f"required service missing (CDC_TEST_REQUIRE_SERVICES is set): {exc}")
-        pytest.skip(str(exc))
+        skip_unavailable(exc)
