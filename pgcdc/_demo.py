@@ -98,11 +98,12 @@ def run_workload(admin_dsn: str, seconds: float, *, console: Console | None = No
     capture runs elsewhere (`cdc run` with source.dsn naming ``pgcdc_demo``)."""
     dsn = ensure_database(admin_dsn)
     out = console or Console(stderr=True)
+    stop: list[int] = []
+    signal.signal(signal.SIGTERM, lambda signum, _frame: stop.append(signum))  # a container's stop
+    # Said once the stop is handled: from this line on, SIGTERM ends the workload with exit 0.
     out.print(f"workload on database {DEMO_DB!r}: inserts, updates and deletes of {', '.join(TABLES)}")
     rnd = random.Random(42)  # noqa: S311 - a demo workload, not cryptography
     deadline = time.monotonic() + seconds if seconds > 0 else float("inf")
-    stop: list[int] = []
-    signal.signal(signal.SIGTERM, lambda signum, _frame: stop.append(signum))  # a container's stop
     steps = 0
     with psycopg.connect(dsn, autocommit=True) as conn:
         while not stop and time.monotonic() < deadline:
@@ -174,33 +175,71 @@ path = "{workdir / "warehouse"}"
 """
 
 
-def _store_counts(sinks: DemoSinks, workdir: Path, run_id: str) -> dict[str, str]:
-    """How much each store holds now: documents per index, cache entries, warehouse batches applied."""
+def _store_counts(sinks: DemoSinks, workdir: Path, run_id: str) -> dict[str, tuple[int, str]]:
+    """How much each store holds now, as (rows or events, what to show): documents per index, cache entries,
+    warehouse batches applied."""
     import redis  # noqa: PLC0415 - the sinks' client, only for the whole-pipeline demo
 
-    out: dict[str, str] = {}
+    out: dict[str, tuple[int, str]] = {}
     for table in TABLES:
         url = f"{sinks.opensearch}/demo-{run_id}-{table}/_count"
         try:
             with urllib.request.urlopen(url, timeout=5) as resp:  # noqa: S310 - the configured OpenSearch URL
-                out[f"search {table}"] = f"{json.load(resp)['count']} documents"
+                n = int(json.load(resp)["count"])
+                out[f"search {table}"] = (n, f"{n} documents")
         except OSError:
-            out[f"search {table}"] = "-"
+            out[f"search {table}"] = (0, "-")
     try:
         client = redis.Redis.from_url(sinks.redis, socket_timeout=5)
         generation = str(int(client.get(f"demo-{run_id}:current") or 0))
         for table in TABLES:
             n = sum(1 for _ in client.scan_iter(match=f"demo-{run_id}:g{generation}:{table}:*", count=1000))
-            out[f"cache {table}"] = f"{n} entries"
+            out[f"cache {table}"] = (n, f"{n} entries")
     except redis.RedisError:
-        out["cache"] = "-"
+        out["cache"] = (0, "-")
     status = workdir / "sinks-state" / "warehouse" / "status.json"
-    if status.exists():
-        data = json.loads(status.read_text())
-        out["warehouse"] = f"{data.get('batches', 0)} batches, {data.get('records', 0)} events merged into Delta"
+    data = json.loads(status.read_text()) if status.exists() else {}
+    events = int(data.get("records", 0))
+    out["warehouse"] = (events, f"{data.get('batches', 0)} batches, {events} events merged into Delta")
     return out
 
 
+class _FirstRows:
+    """When each store first showed a change of the live workload: seconds from its first committed change to
+    the store's count growing past what it held then (the snapshot's rows)."""
+
+    def __init__(self) -> None:
+        self.first_change: float | None = None
+        self.baseline: dict[str, int] = {}
+        self.after: dict[str, float] = {}
+
+    def changed(self, stores: dict[str, tuple[int, str]]) -> None:
+        """A change of the workload committed; ``stores``: the counts last seen before it."""
+        if self.first_change is None:
+            self.first_change = time.monotonic()
+            self.baseline = {line: n for line, (n, _) in stores.items()}
+
+    def look(self, stores: dict[str, tuple[int, str]]) -> None:
+        if self.first_change is None:
+            return
+        for line, (n, _) in stores.items():
+            store = line.split(maxsplit=1)[0]
+            if n > self.baseline.get(line, 0) and store not in self.after:
+                self.after[store] = time.monotonic() - self.first_change
+
+    def note(self, line: str) -> str:
+        seconds = self.after.get(line.split(maxsplit=1)[0])
+        return "" if seconds is None else f" (changes arriving {seconds:.1f}s after the first one)"
+
+    def summary(self) -> str:
+        told = [f"{store} {self.after[store]:.1f}s" for store in _STORES if store in self.after]
+        missing = [store for store in _STORES if store not in self.after]
+        return "the live workload's first change reached the stores after: " + ", ".join(
+            told + [f"{store} never during the live part" for store in missing]
+        )
+
+
+_STORES = ("search", "cache", "warehouse")
 _DEMO_METRICS_PORT = 9464  # the documented default, so the README's address is right
 
 
@@ -230,6 +269,8 @@ def run_demo(
         demo.console.print(f"sinks: search index, cache and warehouse kept by `cdc sinks run` (log {sinks_log})")
         sinks_proc = _start(["sinks", "run", "--config", str(config)], sinks_log)
     try:
+        if sinks_proc is not None:
+            demo.wait_for_sinks(proc, sinks_proc)
         if not demo.watch(dsn, proc, seconds):
             demo.console.print(f"[red]the capture service exited ({proc.returncode}); see {log}[/]")
             return 1
@@ -256,6 +297,8 @@ class _Demo:
         self.prefix = "demo"
         self.run_id = str(int(time.time()))
         self.workdir = Path(tempfile.mkdtemp(prefix="pgcdc-demo-"))
+        self.first_rows = _FirstRows()
+        self.stores: dict[str, tuple[int, str]] = {}  # the stores' counts last seen
 
     def write_config(self, dsn: str) -> Path:
         config = self.workdir / "cdc.toml"
@@ -282,10 +325,34 @@ port = {_DEMO_METRICS_PORT}
         )
         return config
 
+    def wait_for_sinks(
+        self, proc: subprocess.Popen[bytes], sinks_proc: subprocess.Popen[bytes], timeout_s: float = 300
+    ) -> None:
+        """Until every store holds the snapshot's rows (the sinks' first start: Spark, the stores' indices and
+        tables), shown as it goes; the live part then shows the workload's changes arriving."""
+        assert self.sinks is not None
+        started = time.monotonic()
+        ready: dict[str, float] = {}
+        with Live(console=self.console, refresh_per_second=4) as live:
+            while len(ready) < len(_STORES) and time.monotonic() - started < timeout_s:
+                if proc.poll() is not None or sinks_proc.poll() is not None:
+                    break  # said by the caller (the capture) or by verify (the sinks)
+                self.stores = _store_counts(self.sinks, self.workdir, self.run_id)
+                for line, (n, _) in self.stores.items():
+                    store = line.split(maxsplit=1)[0]
+                    if n > 0 and store not in ready:
+                        ready[store] = time.monotonic() - started
+                shown = [f"{s} {ready[s]:.1f}s" if s in ready else f"{s} …" for s in _STORES]
+                waited = time.monotonic() - started
+                live.update(f"the sinks' first start, {waited:.0f}s: the snapshot's rows in " + ", ".join(shown))
+                time.sleep(0.5)
+        told = ", ".join(f"{s} {ready[s]:.1f}s" if s in ready else f"{s} not yet" for s in _STORES)
+        self.console.print(f"the sinks' first start: the snapshot's rows in the stores after {told}")
+
     def watch(self, dsn: str, proc: subprocess.Popen[bytes], seconds: float) -> bool:
         """The workload for ``seconds``, with a live table of the events read back from Kafka (and the stores'
         counts); False when the capture service exited meanwhile."""
-        stores: dict[str, str] = {}
+        stores = self.stores
         last_counted = 0.0
         reader = _EventCounter(self.kafka, self.registry, [f"{self.prefix}.{t}" for t in TABLES], self.console)
         rnd = random.Random(42)  # noqa: S311 - a demo workload, not cryptography
@@ -299,12 +366,17 @@ port = {_DEMO_METRICS_PORT}
                     if proc.poll() is not None:
                         return False
                     _workload_step(conn, rnd)
+                    self.first_rows.changed(stores)
                     reader.poll()
-                    if self.sinks and time.monotonic() - last_counted > 2:
+                    if self.sinks and time.monotonic() - last_counted > 1:
                         stores, last_counted = _store_counts(self.sinks, self.workdir, self.run_id), time.monotonic()
-                    live.update(_table(reader.counts, reader.last, deadline, stores))
+                        self.first_rows.look(stores)
+                    shown = {line: text + self.first_rows.note(line) for line, (_, text) in stores.items()}
+                    live.update(_table(reader.counts, reader.last, deadline, shown))
         finally:
             reader.close()
+        if self.sinks:
+            self.console.print(self.first_rows.summary())
         return True
 
     def verify_and_stop(self, config: Path, sinks_proc: subprocess.Popen[bytes]) -> bool:
@@ -314,17 +386,16 @@ port = {_DEMO_METRICS_PORT}
         console.print(
             "the workload stopped; `cdc verify` compares each store with PostgreSQL (waits for it to catch up)"
         )
-        verified = True
-        for name in ("search", "cache", "warehouse"):
-            result = subprocess.run(
-                [sys.executable, "-m", "pgcdc", "verify", name, "--config", str(config), "--wait", "180"],
-                capture_output=True,
-                text=True,
-                check=False,
-            )
-            console.print(result.stdout.rstrip() or result.stderr.rstrip())
-            verified = verified and result.returncode == 0
-        for key, value in _store_counts(self.sinks, self.workdir, self.run_id).items():
+        # The three stores in one command: one Spark application compares them all.
+        result = subprocess.run(
+            [sys.executable, "-m", "pgcdc", "verify", *_STORES, "--config", str(config), "--wait", "180"],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        console.print(result.stdout.rstrip() or result.stderr.rstrip())
+        verified = result.returncode == 0
+        for key, (_, value) in _store_counts(self.sinks, self.workdir, self.run_id).items():
             console.print(f"  {key}: {value}")
         sinks_proc.send_signal(signal.SIGTERM)
         sinks_proc.wait(120)

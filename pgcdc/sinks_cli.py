@@ -2,7 +2,8 @@
 
     cdc sinks list                               every sink found (built-ins and plugins), where it came from
     cdc sinks run [NAME …] --config cdc.toml     one streaming query per sink until SIGTERM/SIGINT
-    cdc sinks rebuild NAME --config cdc.toml     rebuild from offset zero beside the served copy, verify, swap
+    cdc sinks rebuild NAME … --config cdc.toml   rebuild from offset zero beside the served copies, verify, swap
+                                                 (several sinks in one Spark application; all swapped or none)
     cdc sinks spark-app                          the file spark-submit runs: spark-submit … FILE sinks run …
     cdc verify [NAME …] --config cdc.toml        compare stores (default: sinks.enabled) with PostgreSQL key by key
     cdc verify [NAME …] --repair --config …      … and have the running capture re-emit the keys that differ
@@ -37,8 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = ssub.add_parser("run", help="keep the sinks in sync until stopped")
     p.add_argument("names", nargs="*", metavar="NAME", help="default: sinks.enabled")
     p.add_argument("--config", "-c", type=Path)
-    p = ssub.add_parser("rebuild", help="rebuild a store from offset zero, verify it, swap it in")
-    p.add_argument("name", metavar="NAME")
+    p = ssub.add_parser("rebuild", help="rebuild stores from offset zero, verify them, swap them in")
+    p.add_argument("names", nargs="+", metavar="NAME", help="the sinks to rebuild, side by side in one application")
     p.add_argument("--config", "-c", type=Path)
     p.add_argument("--verify-wait", type=float, default=120.0, help="seconds to wait for the copy to converge")
     p = sub.add_parser("verify", help="compare stores with PostgreSQL key by key")
@@ -177,6 +178,19 @@ def _verify(args: argparse.Namespace, settings: Any, runner: Any) -> int:
         stop_session(spark)
 
 
+def _rebuild(args: argparse.Namespace, settings: Any, runner: Any) -> int:
+    """``cdc sinks rebuild``: every named sink side by side in one application, swapped in all together."""
+    names = list(dict.fromkeys(args.names))
+    results = runner.rebuild(settings, names, _source_tables(args.config), verify_wait_s=args.verify_wait)
+    drifted = [r for r in results if not _print_drift(r.name, r.drifts)]
+    if drifted:
+        listed = ", ".join(f"generation {r.generation} of {r.name}" for r in drifted)
+        raise DriftError(
+            f"{listed} differ(s) from the source; nothing was swapped in (every served copy stays as it was)"
+        )
+    return 0
+
+
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -192,14 +206,7 @@ def main(argv: list[str]) -> int:
         if args.command == "verify":
             return _verify(args, settings, _runner)
         if args.action == "rebuild":
-            generation, drifts = _runner.rebuild(
-                settings, args.name, _source_tables(args.config), verify_wait_s=args.verify_wait
-            )
-            if not _print_drift(args.name, drifts):
-                raise DriftError(
-                    f"generation {generation} of {args.name} differs from the source; it was NOT swapped in"
-                )
-            return 0
+            return _rebuild(args, settings, _runner)
         names = args.names or list(settings.sinks.enabled)
         stop = threading.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):

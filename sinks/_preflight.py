@@ -3,17 +3,23 @@
 A wrong standalone master URL makes ``getOrCreate()`` retry for about a minute and then fail with "Cannot
 call methods on a stopped SparkContext"; an object store that is down, refuses the credentials or lacks the
 bucket surfaces as a JVM stack trace from the first checkpoint write. Each is found here in a second and
-named by the setting to fix.
+named by the setting to fix. One check runs once Spark has started (check_executors): that a cluster's executors
+can import the sinks' code at all.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import socket
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from sinks._storage import Location
 from sinks.errors import SinkConfigError, SinkError, SinkTransientError
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
 
 _PROBE = ".pgcdc-write-check"
 
@@ -81,4 +87,47 @@ def storage_error(exc: OSError, where: Location, setting: str) -> SinkError:
     return SinkConfigError(f"cannot write {where.uri} ({setting}): {text}")
 
 
-__all__ = ["check_master", "check_writable", "storage_error"]
+def _imports_the_sinks(_: object) -> bool:
+    """Run on an executor: pickled by reference, so unpickling it already imports ``sinks``; the import below
+    adds what a batch's code on an executor needs (pyarrow, the decoders)."""
+    import sinks._write  # noqa: F401
+
+    return True
+
+
+def check_executors(session: SparkSession) -> None:
+    """On a cluster, each executor's Python can import the sinks' code, or a SinkConfigError saying how to ship it.
+
+    Small batches are applied by the driver, so without this check an application submitted without the PEX
+    would run until its first large batch (a backfill, a burst) and only then stop.
+    """
+    context = session.sparkContext
+    if (context.master or "local").startswith("local"):
+        return  # the driver's own Python runs the tasks
+    slots = max(1, context.defaultParallelism)
+    try:
+        context.parallelize(range(slots), slots).map(_imports_the_sinks).collect()
+    except Exception as exc:
+        missing = missing_module(exc)
+        if missing is not None:
+            raise missing from None
+        raise
+
+
+_NO_MODULE = re.compile(r"ModuleNotFoundError: No module named '(?P<module>[\w.]+)'")
+
+
+def missing_module(error: Any) -> SinkConfigError | None:
+    """The operator's error when the executors' Python lacks pgcdc or a library it needs (a cluster whose
+    executors were not given the PEX), else None: every retry would fail the same way."""
+    found = _NO_MODULE.search(str(error)) if error is not None else None
+    if found is None:
+        return None
+    return SinkConfigError(
+        f"the executors' Python cannot import {found['module']!r}: they lack pgcdc[sinks] or a library it needs. "
+        "Ship it with the application: build pgcdc.pex and pass spark-submit --files pgcdc.pex "
+        "--conf spark.pyspark.python=./pgcdc.pex (docs/sinks.md, On a cluster)"
+    )
+
+
+__all__ = ["check_executors", "check_master", "check_writable", "missing_module", "storage_error"]

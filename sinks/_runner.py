@@ -33,7 +33,7 @@ from sinks._fold import TopicSchemas
 from sinks._lane import Lane
 from sinks._metrics import SinkMetrics, query_name
 from sinks._plugins import load
-from sinks._preflight import check_master, check_writable
+from sinks._preflight import check_executors, check_master, check_writable, missing_module
 from sinks._progress import (
     HEARTBEAT_S,
     REBUILD_FILE,
@@ -101,9 +101,15 @@ def spark_session(settings: SinkSettings, app: str) -> SparkSession:
         # checkpoint files here, the FileSystem API ~25 ms, with the same write-then-rename (atomic on a local
         # file system). Two of them per batch and sink were a fifth of a live batch's time.
         conf[_CHECKPOINT_MANAGER] = _local_checkpoint_manager(pyspark.__version__)
-    return build_session(
+    session = build_session(
         app, list(cfg.spark_jars), master=cfg.spark_master, conf=conf, class_archive=cfg.jvm_class_archive
     )
+    try:
+        check_executors(session)
+    except BaseException:
+        stop_session(session)
+        raise
+    return session
 
 
 def _local_checkpoint_manager(spark_version: str) -> str:
@@ -412,8 +418,8 @@ class SinkQuery:
 
     def _offsets(self, batch_id: int) -> tuple[dict[tuple[str, int], int], dict[tuple[str, int], int]] | None:
         """Where batch ``batch_id`` starts and ends in each partition, from its checkpoint (Spark writes
-        ``offsets/N`` before running N; N-1's is remembered from the batch before; the first batch starts
-        nowhere known); None if unknown."""
+        ``offsets/N`` before running N; N-1's is remembered from the batch before; see :func:`batch_starts`);
+        None if unknown."""
         try:
             end = batch_offsets(self.checkpoint, batch_id)
             before = self._ends.get(batch_id - 1)
@@ -424,7 +430,7 @@ class SinkQuery:
         if end is None:
             return None
         self._ends = {batch_id: end}
-        return before or {}, end
+        return batch_starts(batch_id, before, end), end
 
     def _report(self, batch_id: int, outcome: Outcome, elapsed: float, planning: float) -> None:
         totals = self.status.data
@@ -487,8 +493,24 @@ class SinkQuery:
 
 
 _WARM_RECORDS = 3  # per partition: enough for every stage of a batch to run
-_UNKNOWN = 1 << 40  # offsets of a topic whose start the checkpoint does not say (the first batch reads from 0)
+_UNKNOWN = 1 << 40  # offsets of a topic whose start is not known (see batch_starts)
 _ROWS_PER_SHUFFLE = ONE_TASK_RECORDS  # records per shuffle partition of a batch's fold
+
+
+def batch_starts(
+    batch_id: int, before: dict[tuple[str, int], int] | None, end: dict[tuple[str, int], int]
+) -> dict[tuple[str, int], int]:
+    """Where batch ``batch_id`` starts in each partition of ``end``, given where the batch before it ended
+    (``before``; None when the checkpoint no longer says).
+
+    The first batch of a checkpoint, and a partition new to the query, start at the partition's beginning:
+    the Spark source reads them from the earliest offset (a record compacted away is simply not there, as for
+    the driver's reader). Knowing so, a first start's batch is sized like any other and, when small, applied
+    by the driver without a Spark job. A later batch whose predecessor is unknown starts nowhere known (empty):
+    its own rows decide."""
+    if before is None and batch_id > 0:
+        return {}
+    return {tp: (before or {}).get(tp, 0) for tp in end}
 
 
 def offsets_moved(start: dict[tuple[str, int], int], end: dict[tuple[str, int], int]) -> dict[str, int]:
@@ -645,7 +667,7 @@ class _Supervisor:
         if full is not None:  # terminal for the whole app: see common.errors.StateDiskFullError
             self.metrics.running.labels(name).set(0)
             raise full
-        missing = _missing_module(error)
+        missing = missing_module(error)
         if missing is not None:
             self._give_up(name, missing)
             return
@@ -764,22 +786,6 @@ def _raised_by(error: Any) -> str | None:
     return None
 
 
-_NO_MODULE = re.compile(r"ModuleNotFoundError: No module named '(?P<module>[\w.]+)'")
-
-
-def _missing_module(error: Any) -> SinkConfigError | None:
-    """The operator's error when the executors' Python lacks pgcdc or a library it needs (a cluster whose
-    executors were not given the PEX), else None: every retry would fail the same way."""
-    found = _NO_MODULE.search(str(error)) if error is not None else None
-    if found is None:
-        return None
-    return SinkConfigError(
-        f"the executors' Python cannot import {found['module']!r}: they lack pgcdc[sinks] or a library it needs. "
-        "Ship it with the application: build pgcdc.pex and pass spark-submit --files pgcdc.pex "
-        "--conf spark.pyspark.python=./pgcdc.pex (docs/sinks.md, On a cluster)"
-    )
-
-
 def _short(error: Any) -> str:
     """One line for status.json, the dashboard and the log: our own message, else the error's first line."""
     text = _raised_by(error) or (str(error) if error is not None else "stopped")
@@ -842,22 +848,66 @@ def verify(
 # --- rebuild ----------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class Rebuilt:
+    """One sink's part of a rebuild: the generation built beside the served one, and its final comparison."""
+
+    name: str
+    generation: int
+    drifts: list[Drift]
+
+    @property
+    def clean(self) -> bool:
+        return all(d.clean for d in self.drifts)
+
+
 def rebuild(
     settings: SinkSettings,
-    name: str,
+    names: Sequence[str],
     source_tables: Callable[[], Sequence[Any]],
     *,
     verify_wait_s: float = 120.0,
     catch_up_timeout_s: float = 3600.0,
     report: Callable[[str], None] = print,
-) -> tuple[int, list[Drift]]:
-    """Build generation N+1 from offset zero beside the served one, verify it, swap it in.
+) -> list[Rebuilt]:
+    """Build generation N+1 of each sink from offset zero beside its served one, verify it, swap it in.
 
-    Returns the new generation and the final comparison; on drift nothing is swapped (the served copy
-    stays) and the caller reports it.
+    The sinks rebuild side by side in one Spark application (one JVM start; their queries share its cores).
+    Every new generation is swapped in only when all of them verify clean: on drift in any, none is swapped
+    (the served copies stay) and the caller reports it, so a rebuild never leaves the stores half rebuilt.
     """
     check_writable(settings.state(), "sinks.state_dir")
-    spark = spark_session(settings, f"pgcdc-rebuild-{name}")
+    spark = spark_session(settings, f"pgcdc-rebuild-{'-'.join(names)}")
+    ensure_dead_letter_topic(settings)
+    queries: list[SinkQuery] = []
+    results: list[Rebuilt] = []
+    try:
+        for name in names:  # one that cannot start (a sink that cannot be rebuilt) stops those started before it
+            queries.append(_rebuild_query(settings, name, spark, report))
+        for q in queries:
+            _catch_up(q, settings, catch_up_timeout_s)
+            report(f"generation {q.generation} of {q.name} caught up with the topics")
+        for q in queries:
+            report(f"verifying generation {q.generation} of {q.name} against the source")
+            q.status.update(state="verifying")
+            drifts = verify(settings, q.name, source_tables, generation=q.generation, wait_s=verify_wait_s, spark=spark)
+            results.append(Rebuilt(q.name, q.generation, drifts))
+    finally:
+        outcomes = {r.name: "done" if r.clean else "drift" for r in results}
+        for q in queries:
+            q.stop()
+            q.status.update(state=outcomes.get(q.name, "failed"), finished_at=time.time())
+    if all(r.clean for r in results):
+        for r in results:
+            swapper = _opened(r.name, settings, r.generation, spark)
+            swapper.swap(r.generation)
+            swapper.close()
+            report(f"{r.name}: generation {r.generation} is now served; generation {r.generation - 1} was dropped")
+    return results
+
+
+def _rebuild_query(settings: SinkSettings, name: str, spark: SparkSession, report: Callable[[str], None]) -> SinkQuery:
+    """A new generation of ``name`` prepared beside the served one, and its query started from offset zero."""
     probe: Any = _opened(name, settings, 0, spark)
     if not isinstance(probe, Rebuildable):
         raise SinkConfigError(f"sink {name!r} does not support rebuild (it does not implement sinks.Rebuildable)")
@@ -866,31 +916,13 @@ def rebuild(
     probe.prepare_generation(new)
     _close(probe)
     (settings.state() / name / f"g{new}").remove_tree()
-    ensure_dead_letter_topic(settings)
     report(f"rebuilding {name}: generation {new} from offset zero, while generation {current} keeps serving")
     # The rebuild's own status file: the served generation's status.json stays the running app's.
     (settings.state() / name / REBUILD_FILE).remove()
     q = SinkQuery(name, settings, spark, new, role="rebuild")
-    status = q.status
-    status.update(state="running", serving=current, started_at=time.time())
+    q.status.update(state="running", serving=current, started_at=time.time())
     q.start()
-    outcome = "failed"
-    try:
-        _catch_up(q, settings, catch_up_timeout_s)
-        report(f"generation {new} caught up with the topics; verifying against the source")
-        status.update(state="verifying")
-        drifts = verify(settings, name, source_tables, generation=new, wait_s=verify_wait_s, spark=spark)
-        outcome = "done" if all(d.clean for d in drifts) else "drift"
-    finally:
-        q.stop()
-        status.update(state=outcome, finished_at=time.time())
-    if outcome != "done":
-        return new, drifts
-    swapper = _opened(name, settings, new, spark)
-    swapper.swap(new)
-    swapper.close()
-    report(f"generation {new} is now served; generation {current} was dropped")
-    return new, drifts
+    return q
 
 
 def _catch_up(q: SinkQuery, settings: SinkSettings, timeout_s: float) -> None:

@@ -6,6 +6,7 @@ import contextlib
 import logging
 import os
 import sys
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
@@ -95,19 +96,31 @@ def build_session(
             conf[_DRIVER_OPTIONS] = f"{given} {options}" if given else options
     for key, value in {**_SESSION_CONF, **conf}.items():
         builder = builder.config(key, value)
+    running = _running_session()
     session = builder.getOrCreate()
+    if running is None:
+        _STARTED.add(session)
+    else:
+        _BORROWED[session] = _BORROWED.get(session, 0) + 1
+        # An application that embeds the sinks (a notebook, a job of its own, a test run) already runs Spark:
+        # the sinks run in it, with the settings a running session can still take, and leave it running.
+        logging.getLogger(__name__).info("running in the application's SparkSession (%s)", session.sparkContext.appName)
     if master is None:
         _fit_shuffle_partitions(session, conf or {})
     if logging.getLogger().getEffectiveLevel() > logging.DEBUG:  # --log-level debug keeps Spark's account
-        session.sparkContext.setLogLevel("WARN")  # spark-submit's default is INFO: a line per task
-        for logger in _QUERY_FAILURE_LOGGERS:
-            _quiet(session, logger)
-        # Pools are made on first use, each time with a warning that no allocation file configured it.
-        _quiet(session, _POOL_LOGGER, "ERROR")
-        # py4j logs the Python traceback of a batch that raised; the runner reports it (in full unless ours).
-        logging.getLogger("py4j.clientserver").setLevel(logging.CRITICAL)
-        logging.getLogger().addFilter(_PY4J_ON_ROOT)  # once: a filter already there is not added again
+        _quiet_session(session)
     return session
+
+
+def _quiet_session(session: SparkSession) -> None:
+    session.sparkContext.setLogLevel("WARN")  # spark-submit's default is INFO: a line per task
+    for logger in _QUERY_FAILURE_LOGGERS:
+        _quiet(session, logger)
+    # Pools are made on first use, each time with a warning that no allocation file configured it.
+    _quiet(session, _POOL_LOGGER, "ERROR")
+    # py4j logs the Python traceback of a batch that raised; the runner reports it (in full unless ours).
+    logging.getLogger("py4j.clientserver").setLevel(logging.CRITICAL)
+    logging.getLogger().addFilter(_PY4J_ON_ROOT)  # once: a filter already there is not added again
 
 
 class _Py4jOnRoot(logging.Filter):
@@ -134,9 +147,26 @@ class _Py4jOnRoot(logging.Filter):
 _PY4J_ON_ROOT = _Py4jOnRoot()
 
 
+# Sessions build_session started, and how many of its callers found a session already running: each such
+# caller's stop_session leaves it running for whoever started it.
+_STARTED: weakref.WeakSet[SparkSession] = weakref.WeakSet()
+_BORROWED: weakref.WeakKeyDictionary[SparkSession, int] = weakref.WeakKeyDictionary()
+
+
+def _running_session() -> SparkSession | None:
+    from pyspark.errors import PySparkException
+    from pyspark.sql import SparkSession
+
+    try:
+        return SparkSession.active()
+    except PySparkException:  # none: NO_ACTIVE_OR_DEFAULT_SESSION
+        return None
+
+
 def stop_session(session: SparkSession, timeout_s: float = 60.0) -> None:
     """Stop Spark and wait until every process it started from this one has ended: its JVM and, under it, the
-    Python workers.
+    Python workers. A session that was running before the sinks asked for one is the embedding application's,
+    and is left running.
 
     Without this they outlive the app: PySpark's JVM exits only when it reads the end of the pipe from this
     process, that is after this process has gone, and a supervisor (systemd, a container runtime, a test)
@@ -145,6 +175,12 @@ def stop_session(session: SparkSession, timeout_s: float = 60.0) -> None:
     """
     import psutil
 
+    borrowed = _BORROWED.get(session, 0)
+    if borrowed:
+        _BORROWED[session] = borrowed - 1
+        return
+    if session not in _STARTED:
+        return
     # Spark's processes only: the JVMs this process started and what runs under them (other children of an
     # application that embeds the sinks are not ours to end).
     jvm, started = [], []

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
-import time
+import sys
 import uuid
 import warnings
 from collections.abc import Iterator
@@ -13,16 +12,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
-from pgcdc_dev import discovery
+from pgcdc_dev import discovery, leftovers
 from pgcdc_dev.cluster import ObjectStore
 
 from tests.integration._sinks_helpers import Stack
 
 if TYPE_CHECKING:
-    from confluent_kafka.admin import AdminClient
     from pyspark.sql import SparkSession
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m` selects by the markers it adds
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     long_profile = os.environ.get("CDC_TEST_LONG", "") not in ("", "0")
     for item in items:
@@ -33,18 +32,68 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.skip(reason="in the long profile only: CDC_TEST_LONG=1 ./dev test"))
 
 
-_UNIQUE_LEN = 10  # hex digits; the end-of-run topic clean-up (kafka_bootstrap) recognises them
+# After pytest-xdist's worker has added each test's group to its id.
+@pytest.hookimpl(trylast=True, specname="pytest_collection_modifyitems")
+def pytest_collection_modifyitems_grouped(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under `--dist loadgroup`, a grouped test whose id lacks its group would run on any worker (the Spark
+    tests side by side): a pytest that pytest-xdist cannot mark this way is refused, not run silently."""
+    if not getattr(config.option, "loadgroup", False):  # set in each worker when the run has --dist loadgroup
+        return
+    lost = [item.nodeid for item in items if item.get_closest_marker("xdist_group") and "@" not in item.nodeid]
+    if lost:
+        message = (
+            f"pytest-xdist did not mark the xdist_group of {len(lost)} tests (first: {lost[0]}): this pytest and "
+            "pytest-xdist do not group together (pytest-xdist issue 1386); install the versions pyproject.toml "
+            "names (./dev reinstalls them)"
+        )
+        print(message, file=sys.stderr)  # a worker's UsageError reaches the terminal only as an INTERNALERROR
+        raise pytest.UsageError(message)
+
+
+_ISSUED: set[str] = set()  # the `unique` suffixes this process handed out
+# Another pytest process shares the services (an xdist worker, say): what it made is not this one's to clean up.
+_SHARED = bool(os.environ.get("PYTEST_XDIST_WORKER"))
 
 
 @pytest.fixture
 def unique() -> str:
     """A short suffix that keeps names (tables, slots, topics, indices) apart across tests and runs."""
-    return uuid.uuid4().hex[:_UNIQUE_LEN]
+    suffix = uuid.uuid4().hex[: leftovers.UNIQUE_LEN]  # what leftovers recognises
+    _ISSUED.add(suffix)
+    return suffix
+
+
+# The servers a pg_matrix suite runs on when the run names none (CDC_TEST_PG, CDC_TEST_PG_DSN): the oldest
+# supported and the newest, in one run, so each version's tests share the run's workers with everything else.
+MATRIX = (discovery.DEFAULT_PG_VERSION, "18")
+
+
+def _matrix() -> tuple[str, ...]:
+    named = os.environ.get("CDC_TEST_PG_DSN") or os.environ.get("CDC_TEST_PG", "").strip()
+    return () if named else MATRIX
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """A pg_matrix test (not one_version) runs once per server of the matrix, with ids [pg15] and [pg18]."""
+    node = metafunc.definition
+    if "pg_server" not in metafunc.fixturenames or not node.get_closest_marker("pg_matrix"):
+        return
+    if node.get_closest_marker("one_version") or not _matrix():
+        return
+    versions = list(_matrix())
+    metafunc.parametrize("pg_server", versions, indirect=True, scope="session", ids=[f"pg{v}" for v in versions])
 
 
 @pytest.fixture(scope="session")
-def pg_dsn() -> str:
-    return discovery.find_or_skip("postgres")
+def pg_server(request: pytest.FixtureRequest) -> str:
+    """The PostgreSQL major version the test's server runs: a pg_matrix test's parameter, else CDC_TEST_PG's
+    (15 by default)."""
+    return str(getattr(request, "param", None) or discovery.pg_version())
+
+
+@pytest.fixture(scope="session")
+def pg_dsn(pg_server: str) -> str:
+    return discovery.find_or_skip("postgres", pg=pg_server)
 
 
 @pytest.fixture(scope="session")
@@ -70,41 +119,24 @@ def kafka_bootstrap() -> Iterator[str]:
     local = discovery.find("kafka").source == "deploy"
     # A client per end, not one held for the session: a held one keeps librdkafka's threads running in the
     # test process all run long, where tests measure this process's CPU by thread (test_bench_cpu).
-    before = _topics(AdminClient({"bootstrap.servers": bootstrap})) if local else set()
+    before = leftovers.topics(AdminClient({"bootstrap.servers": bootstrap})) if local else set()
     yield bootstrap
     if local:
-        _delete_test_topics(AdminClient({"bootstrap.servers": bootstrap}), before)
+        admin = AdminClient({"bootstrap.servers": bootstrap})
+        try:
+            doomed = {t for t in leftovers.topics(admin) - before if _ours(t)}
+        except Exception as exc:  # the run's results stand either way (a broker a fault test left down, say)
+            warnings.warn(f"could not list the test topics: {type(exc).__name__}: {exc}", stacklevel=1)
+        else:
+            leftovers.delete_topics(admin, doomed)
 
 
-_UNIQUE = re.compile(f"[0-9a-f]{{{_UNIQUE_LEN}}}")  # the `unique` fixture's suffix, which test topics carry
-
-
-def _made_by_a_test(topic: str) -> bool:
-    return not topic.startswith("_") and any(set(run) & set("abcdef") for run in _UNIQUE.findall(topic))
-
-
-def _topics(admin: AdminClient) -> set[str]:
-    return set(admin.list_topics(timeout=30).topics)
-
-
-def _delete_test_topics(admin: AdminClient, before: set[str], budget_s: float = 180.0) -> None:
-    """Deletes the tests' topics created since ``before``, in batches, within ``budget_s``; a failure is a
-    warning, not a failed run (a broker a fault test left down, say)."""
-    from confluent_kafka import KafkaException
-
-    deadline = time.monotonic() + budget_s
-    try:
-        doomed = sorted(t for t in _topics(admin) - before if _made_by_a_test(t))
-        for i in range(0, len(doomed), 200):
-            left = deadline - time.monotonic()
-            if left <= 0:
-                warnings.warn(f"left {len(doomed) - i} test topics undeleted: out of time", stacklevel=1)
-                return
-            for future in admin.delete_topics(doomed[i : i + 200], operation_timeout=min(60.0, left)).values():
-                with contextlib.suppress(KafkaException):  # already gone, say
-                    future.result(timeout=max(1.0, deadline - time.monotonic()))
-    except Exception as exc:  # the run's results stand either way
-        warnings.warn(f"could not delete the test topics: {type(exc).__name__}: {exc}", stacklevel=1)
+def _ours(name: str) -> bool:
+    """Made by a test of this run, and, when other processes run tests beside this one, by one of this
+    process's tests (a `unique` suffix it handed out)."""
+    return leftovers.made_by_a_test(name) and (
+        not _SHARED or any(run in _ISSUED for run in leftovers.UNIQUE.findall(name.lower()))
+    )
 
 
 @pytest.fixture(scope="session")
@@ -125,7 +157,7 @@ def opensearch_url() -> Iterator[str]:
     if local:
         with _cleaning("indices"):
             client = OpenSearch(url, timeout=60)
-            doomed = sorted(i for i in set(client.indices.get(index="*")) - before if _made_by_a_test(i))
+            doomed = sorted(i for i in set(client.indices.get(index="*")) - before if _ours(i))
             for i in range(0, len(doomed), 100):  # a URL per request: bounded in length
                 client.indices.delete(index=",".join(doomed[i : i + 100]), ignore_unavailable=True)
 
@@ -147,7 +179,7 @@ def redis_url() -> Iterator[str]:
             doomed: list[bytes] = []
             for key in client.scan_iter(count=10_000):
                 space = key.split(b":", 1)[0]
-                if space not in before and _made_by_a_test(space.decode(errors="replace")):
+                if space not in before and _ours(space.decode(errors="replace")):
                     doomed.append(key)
                 if len(doomed) >= 5_000:
                     client.unlink(*doomed)

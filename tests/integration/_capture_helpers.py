@@ -14,10 +14,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import psycopg
-from confluent_kafka import Consumer, KafkaError, TopicPartition
+from confluent_kafka import Consumer, KafkaError, Message, TopicPartition
 from confluent_kafka.admin import AdminClient
 from confluent_kafka.schema_registry import SchemaRegistryClient
 from confluent_kafka.schema_registry.avro import AvroDeserializer
@@ -232,34 +232,35 @@ class Event:
     offset: int
 
 
-def read_topic(bootstrap: str, registry: str, topic: str, timeout: float = 60) -> list[Event]:
-    """Everything committed in ``topic`` (read_committed), decoded with confluent-kafka's AvroDeserializer."""
-    client = SchemaRegistryClient({"url": registry, "timeout": 30})
-    # The default strategy asks the registry for "associations" on every record (Apicurio answers 404):
-    # the topic strategy is what the capture registers under, and one request per schema is enough.
-    conf = {"subject.name.strategy.type": "TOPIC"}
-    key_de, value_de = AvroDeserializer(client, conf=conf), AvroDeserializer(client, conf=conf)
-    admin = AdminClient({"bootstrap.servers": bootstrap})
-    md = admin.list_topics(topic, timeout=30)
-    if topic not in md.topics or md.topics[topic].error is not None:
-        return []
-    partitions = list(md.topics[topic].partitions)
+def records_to_end(
+    bootstrap: str, topic: str, *, committed: bool = True, partitions: int | None = None, timeout: float = 60
+) -> list[Message]:
+    """Every record ``topic`` holds now, up to each partition's end (its last stable offset when
+    ``committed``): the read ends when the broker says it has reached the end, never after an idle wait. A
+    topic that does not exist (yet) holds nothing; ``partitions``: read these (0..N-1) without asking."""
+    if partitions is None:
+        md = AdminClient({"bootstrap.servers": bootstrap}).list_topics(topic, timeout=30)
+        if topic not in md.topics or md.topics[topic].error is not None:
+            return []
+        numbers = sorted(md.topics[topic].partitions)
+    else:
+        numbers = list(range(partitions))
     consumer = Consumer(
         {
             "bootstrap.servers": bootstrap,
             "group.id": f"test-reader-{time.monotonic_ns()}",
             "enable.auto.commit": False,
-            "isolation.level": "read_committed",
+            "isolation.level": "read_committed" if committed else "read_uncommitted",
             "enable.partition.eof": True,
         }
     )
-    events: list[Event] = []
+    found: list[Message] = []
     try:
-        consumer.assign([TopicPartition(topic, p, 0) for p in partitions])
-        pending = set(partitions)
+        consumer.assign([TopicPartition(topic, p, 0) for p in numbers])
+        pending = set(numbers)
         deadline = time.monotonic() + timeout
         while pending:
-            assert time.monotonic() < deadline, f"timed out reading {topic}"
+            assert time.monotonic() < deadline, f"timed out reading {topic} to its end"
             msg = consumer.poll(1.0)
             if msg is None:
                 continue
@@ -269,14 +270,27 @@ def read_topic(bootstrap: str, registry: str, topic: str, timeout: float = 60) -
                     pending.discard(msg.partition())
                     continue
                 raise AssertionError(err)
-            ctx_k = SerializationContext(topic, MessageField.KEY)
-            ctx_v = SerializationContext(topic, MessageField.VALUE)
-            partition, offset = msg.partition(), msg.offset()
-            assert partition is not None
-            assert offset is not None
-            events.append(Event(key_de(msg.key(), ctx_k), value_de(msg.value(), ctx_v), partition, offset))
+            found.append(msg)
     finally:
         consumer.close()
+    return found
+
+
+def read_topic(bootstrap: str, registry: str, topic: str, timeout: float = 60) -> list[Event]:
+    """Everything committed in ``topic`` (read_committed), decoded with confluent-kafka's AvroDeserializer."""
+    client = SchemaRegistryClient({"url": registry, "timeout": 30})
+    # The default strategy asks the registry for "associations" on every record (Apicurio answers 404):
+    # the topic strategy is what the capture registers under, and one request per schema is enough.
+    conf = {"subject.name.strategy.type": "TOPIC"}
+    key_de, value_de = AvroDeserializer(client, conf=conf), AvroDeserializer(client, conf=conf)
+    ctx_k = SerializationContext(topic, MessageField.KEY)
+    ctx_v = SerializationContext(topic, MessageField.VALUE)
+    events: list[Event] = []
+    for msg in records_to_end(bootstrap, topic, timeout=timeout):
+        partition, offset = msg.partition(), msg.offset()
+        assert partition is not None
+        assert offset is not None
+        events.append(Event(key_de(msg.key(), ctx_k), value_de(msg.value(), ctx_v), partition, offset))
     return events
 
 
@@ -284,23 +298,12 @@ def committed_records(
     kafka: str, topic: str, partitions: int, *, in_order: bool = False
 ) -> list[tuple[int, bytes | None, bytes | None]]:
     """The committed records of ``topic``: sorted, or ``in_order`` (by partition, each in offset order)."""
-    consumer = Consumer({"bootstrap.servers": kafka, "group.id": f"g-{topic}", "isolation.level": "read_committed"})
-    try:
-        consumer.assign([TopicPartition(topic, p, 0) for p in range(partitions)])
-        found: list[tuple[int, bytes | None, bytes | None]] = []
-        idle = 0
-        while idle < 5:
-            msg = consumer.poll(1.0)
-            if msg is None:
-                idle += 1
-                continue
-            assert msg.error() is None, msg.error()
-            partition = msg.partition()
-            assert partition is not None
-            found.append((partition, msg.key(), msg.value()))
-        return sorted(found, key=lambda r: r[0]) if in_order else sorted(found)
-    finally:
-        consumer.close()
+    found: list[tuple[int, bytes | None, bytes | None]] = []
+    for msg in records_to_end(kafka, topic, partitions=partitions):
+        partition = msg.partition()
+        assert partition is not None
+        found.append((partition, msg.key(), msg.value()))
+    return sorted(found, key=lambda r: r[0]) if in_order else sorted(found)
 
 
 def latest_by_key(events: list[Event], key_field: str) -> dict[Any, dict[str, Any]]:
@@ -319,7 +322,14 @@ def latest_by_key(events: list[Event], key_field: str) -> dict[Any, dict[str, An
     return state
 
 
-def wait_for(predicate: Any, timeout: float, what: str, proc: ChildProcess | None = None) -> None:
+class Watched(Protocol):
+    """What :func:`wait_for` watches while it waits: a child process, or the sinks run in the test process."""
+
+    def alive(self) -> bool: ...
+    def tail(self, n: int = 60) -> str: ...
+
+
+def wait_for(predicate: Any, timeout: float, what: str, proc: Watched | None = None) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if predicate():

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import logging
 import os
 import random
 import re
@@ -11,17 +14,37 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 import psycopg
-from confluent_kafka import Consumer
+import pytest
 from pgcdc_dev.cluster import ObjectStoreBucket, submit_command, submit_env
 
+from common.errors import CDCError
 from sinks._config import load_sink_settings
 from sinks._progress import TopicEnds, sink_progress
-from tests.integration._capture_helpers import CdcConfig, ChildProcess, wait_for
+from tests.integration._capture_helpers import (
+    CdcConfig,
+    CdcProcess,
+    ChildProcess,
+    records_to_end,
+    scratch_database,
+    wait_for,
+)
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+    from redis import Redis
+
+# Every test that runs Spark (in the test's process or in a child) carries this mark. When `./dev test` spreads
+# the tests over two pytest-xdist workers (--dist loadgroup), they all run one after another on one worker,
+# which shares one SparkSession between the in-process ones, while the other worker runs the capture's tests:
+# two Spark applications side by side overload two cores. The type zoo's modules carry it too: each makes its
+# own zoo, and they share the server-wide extensions (tests/integration/test_types_zoo.py).
+SPARK_WORKER = pytest.mark.xdist_group("spark")
 
 
 @dataclass(frozen=True)
@@ -106,28 +129,122 @@ class SinksProcess(ChildProcess):
         return self.log.read_text(errors="replace").count(": batch ") if self.log.exists() else 0
 
 
-def dead_letters(kafka: str, topic: str) -> list[dict[str, str]]:
-    """Every record of the dead-letter ``topic``: its headers (pgcdc.sink, pgcdc.error, …) and repr'd value."""
-    consumer = Consumer(
-        {"bootstrap.servers": kafka, "group.id": f"dlq-{time.time_ns()}", "auto.offset.reset": "earliest"}
-    )
-    consumer.subscribe([topic])
-    out = []
+class InProcessSinks:
+    """`cdc sinks run [NAME…]` inside the test process, on the run's one Spark application (the ``spark``
+    fixture): for tests of what the stores hold. Starting Spark is most of a small test's time; tests of the
+    process itself (kills, signals, exit codes, spark-submit, its log) use :class:`SinksProcess`.
+
+    The same face as :class:`SinksProcess`: ``start``, ``stop`` (the exit code `cdc` would give), ``alive``,
+    ``tail``, ``batches`` (the sinks' log lines go to ``log``), and ``kill``, which can only stop it."""
+
+    def __init__(self, spark: SparkSession, config: Path, log: Path, names: list[str] | None = None) -> None:
+        self.spark, self.config, self.log, self.names = spark, config, log, names or []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._handler: logging.Handler | None = None
+        self.exit_code: int | None = None
+
+    def start(self) -> None:
+        from sinks import _runner
+
+        settings = load_sink_settings(self.config)
+        self._stop = threading.Event()
+        self.exit_code = None
+        self._listen()
+
+        def run() -> None:
+            try:
+                self.exit_code = _runner.run(settings, self.names or list(settings.sinks.enabled), self._stop)
+            except CDCError as exc:
+                logging.getLogger("cdc.sinks").error("cdc: error: %s", exc)
+                self.exit_code = exc.exit_code
+            except BaseException:
+                logging.getLogger("cdc.sinks").exception("the sinks failed")
+                self.exit_code = 1
+
+        self._thread = threading.Thread(target=run, name="test-sinks", daemon=True)
+        self._thread.start()
+
+    def _listen(self) -> None:
+        """The sinks' log lines (as `cdc`'s own format writes them) appended to ``log``."""
+        handler = logging.FileHandler(self.log)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        handler.setLevel(logging.INFO)
+        for name in _LOGGERS:
+            logging.getLogger(name).addHandler(handler)
+            logging.getLogger(name).setLevel(logging.INFO)
+        self._handler = handler
+
+    def stop(self) -> int:
+        """Stops it as a SIGTERM would; the exit code `cdc sinks run` would give."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(180)
+            assert not self._thread.is_alive(), f"the sinks did not stop within 180s:\n{self.tail()}"
+        if self._handler is not None:
+            for name in _LOGGERS:
+                logging.getLogger(name).removeHandler(self._handler)
+            self._handler.close()
+            self._handler = None
+        return 1 if self.exit_code is None else self.exit_code
+
+    kill = stop
+
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def tail(self, n: int = 60) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:]) if self.log.exists() else ""
+
+    def batches(self) -> int:
+        return self.log.read_text(errors="replace").count(": batch ") if self.log.exists() else 0
+
+
+_LOGGERS = ("sinks", "cdc")
+
+
+def cdc_here(*args: str, env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """`cdc sinks …` or `cdc verify …` run in the test process on the run's Spark application (the ``spark``
+    fixture must be set up), as :func:`cdc` would run it: its output and exit code as a CompletedProcess."""
+    from pgcdc import sinks_cli
+
+    out, err = io.StringIO(), io.StringIO()
+    with _environment(env or {}), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = sinks_cli.main(list(args))
+    return subprocess.CompletedProcess(["cdc", *args], code, out.getvalue(), err.getvalue())
+
+
+@contextlib.contextmanager
+def _environment(env: Mapping[str, str]) -> Iterator[None]:
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
     try:
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            msg = consumer.poll(0.5)
-            if msg is None or msg.error():
-                continue
-            pairs: list[tuple[str, bytes]] = list(msg.headers() or [])  # type: ignore[arg-type]
-            headers = {k: v.decode() for k, v in pairs}
-            out.append(headers | {"value": repr(msg.value())})
+        yield
     finally:
-        consumer.close()
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def dead_letters(kafka: str, topic: str) -> list[dict[str, str]]:
+    """Every record the dead-letter ``topic`` holds now: its headers (pgcdc.sink, pgcdc.error, …) and repr'd
+    value (read to the topic's end; none while the topic does not exist)."""
+    out = []
+    for msg in records_to_end(kafka, topic):
+        pairs: list[tuple[str, bytes]] = list(msg.headers() or [])  # type: ignore[arg-type]
+        out.append({k: v.decode() for k, v in pairs} | {"value": repr(msg.value())})
     return out
 
 
 PIPELINE_TABLES = ["public.items", 'public."Notes"']
+
+
+def cached_row(cache: Redis, prefix: str, key: str, table: str = "public.t") -> dict[str, object] | None:
+    """The cache sink's row of ``key`` (the primary key as the cache names it: '[1]', '["b"]') in generation 1."""
+    row = cache.hget(f"{prefix}:g1:{table}:{key}", "row")
+    return None if row is None else dict(json.loads(row))
 
 
 def create_pipeline_tables(dsn: str) -> None:
@@ -231,14 +348,71 @@ class PipelineWorkload:
             self._thread.join(30)
 
 
-def assert_no_drift(config: Path, sinks: SinksProcess) -> None:
+Running = TypeVar("Running", SinksProcess, InProcessSinks)
+
+
+@dataclass
+class Captured(Generic[Running]):
+    """A scratch database whose tables the capture streams, and the sinks on the same configuration."""
+
+    dsn: str
+    prefix: str
+    config: Path
+    capture: CdcProcess
+    sinks: Running
+
+    def topic(self, table: str) -> str:
+        return f"{self.prefix}.public.{table}"
+
+
+@contextlib.contextmanager
+def captured(
+    stack: Stack,
+    pg_dsn: str,
+    unique: str,
+    workdir: Path,
+    *,
+    name: str,
+    setup: Sequence[str],
+    tables: Sequence[str],
+    sinks: Callable[[Path, Path], Running],
+    kafka_extra: str = "",
+) -> Iterator[Captured[Running]]:
+    """The scratch database ``name``_``unique`` made by the ``setup`` statements; the capture of ``tables``
+    (``public.`` ones) on it, streaming (topics ``name````unique``.public.*); the sinks ``sinks(config, log)``
+    builds, not started (``kafka_extra``: more of the capture's [kafka] settings). Both are stopped on the way
+    out, the sinks first, and the database dropped."""
+    with scratch_database(pg_dsn, f"{name}_{unique}") as dsn:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            for statement in setup:
+                conn.execute(statement.encode())
+        prefix = f"{name}{unique}"
+        cfg = stack.config(dsn, [f"public.{t}" for t in tables], prefix=prefix, unique=unique, workdir=workdir)
+        cfg.kafka_extra += kafka_extra
+        capture = cfg.start(workdir)
+        config = workdir / "cdc.toml"
+        running = sinks(config, workdir / "sinks.log")
+        try:
+            capture.wait_streaming(180)
+            yield Captured(dsn, prefix, config, capture, running)
+        finally:
+            if running.alive():
+                running.kill()
+            capture.stop()
+
+
+def assert_no_drift(config: Path, sinks: SinksProcess | InProcessSinks, *, spark: SparkSession | None = None) -> None:
     """`cdc verify` of every built-in sink, in one command (waiting up to 240 s each for it to converge), finds
-    no drift."""
-    result = cdc("verify", *SINKS, "--config", str(config), "--wait", "240", timeout=1200)
+    no drift: run in the test process on ``spark`` (the fixture) when given, else as a child process (a
+    configuration the run's Spark application cannot serve: an object store's, say)."""
+    args = ("verify", *SINKS, "--config", str(config), "--wait", "240")
+    result = cdc_here(*args) if spark is not None else cdc(*args, timeout=1200)
     assert_verified(result, SINKS, sinks.tail())
 
 
-def wait_caught_up(config: Path, sinks: SinksProcess, names: Sequence[str] = SINKS, timeout: float = 240) -> None:
+def wait_caught_up(
+    config: Path, sinks: SinksProcess | InProcessSinks, names: Sequence[str] = SINKS, timeout: float = 240
+) -> None:
     """Waits until each of ``names`` has applied every record its topics hold now (`cdc status`'s lag)."""
     settings = load_sink_settings(config)
     ends = TopicEnds(settings)

@@ -26,7 +26,8 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from tests.integration._capture_helpers import scratch_database
 
-pytestmark = pytest.mark.integration
+# One worker for the module: its clean-up drops every role its cases create, by name pattern.
+pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("bad_input")]
 
 SECRET = "Bad-Input-Secret-7f3a"  # the password of the roles below: must never appear in any output
 

@@ -30,7 +30,7 @@ from tests.integration._capture_helpers import (
     scratch_database,
     wait_for,
 )
-from tests.integration._sinks_helpers import SinksProcess, Stack, cdc
+from tests.integration._sinks_helpers import SPARK_WORKER, SinksProcess, Stack, cdc_here
 
 pytestmark = pytest.mark.integration
 
@@ -233,7 +233,9 @@ def _fill(where: Path) -> Path:
     return filler
 
 
+@SPARK_WORKER
 @pytest.mark.slow  # Spark starts twice
+@pytest.mark.usefixtures("spark")  # verify runs in the test process, on its Spark application
 def test_sinks_state_disk_full(*, pg_dsn: str, stack: Stack, unique: str, tmp_path: Path) -> None:
     state = tmp_path / "state"  # the sinks' state_dir in Stack.config: checkpoints and status.json
     with _small_disk(state, "16m"), scratch_database(pg_dsn, f"full_{unique}") as dsn:
@@ -274,7 +276,7 @@ def test_sinks_state_disk_full(*, pg_dsn: str, stack: Stack, unique: str, tmp_pa
             with psycopg.connect(dsn, autocommit=True) as conn:
                 conn.execute("INSERT INTO items SELECT g, 'late ' || g, g FROM generate_series(1001, 1100) g")
             again.start()
-            verified = cdc("verify", "cache", "--config", str(config), "--wait", "300", timeout=600)
+            verified = cdc_here("verify", "cache", "--config", str(config), "--wait", "300")
             assert verified.returncode == 0, verified.stdout + verified.stderr + again.tail()
             assert again.alive(), again.tail()
             assert again.stop() == 0, again.tail()

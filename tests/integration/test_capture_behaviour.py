@@ -341,6 +341,7 @@ def test_logical_decoding_messages_are_published(
 
 
 @pytest.mark.one_version  # the demo's own commands
+@pytest.mark.xdist_group("demo")  # the demo database is one: its two tests run one after the other
 def test_demo_command_captures_a_live_workload(pg_dsn: str, kafka_bootstrap: str, registry_url: str) -> None:
     """The README's main job: `cdc demo` (what `./dev demo` runs after starting the services)."""
     proc = subprocess.run(
@@ -377,6 +378,7 @@ def test_demo_command_captures_a_live_workload(pg_dsn: str, kafka_bootstrap: str
 
 
 @pytest.mark.one_version  # the demo's own commands
+@pytest.mark.xdist_group("demo")
 def test_the_demo_database_and_workload_run_apart_from_the_capture(pg_dsn: str) -> None:
     """What docker-compose.yml runs as services of their own: `cdc demo --setup-only` makes the demo database
     where absent and never resets it; `cdc demo --workload-only --seconds 0` writes until SIGTERM."""
@@ -402,6 +404,8 @@ def test_the_demo_database_and_workload_run_apart_from_the_capture(pg_dsn: str) 
     before = orders()
     workload = subprocess.Popen([*cdc, "--workload-only", "--seconds", "0"], stderr=subprocess.PIPE, text=True)
     try:
+        assert workload.stderr is not None
+        assert "workload on database" in workload.stderr.readline()  # its SIGTERM handler is in place
         wait_for(lambda: orders() > before + 5, 120, "the workload's orders")
         assert workload.poll() is None, "the workload ended before it was stopped"
         workload.terminate()

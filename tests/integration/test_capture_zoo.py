@@ -21,11 +21,12 @@ from psycopg import sql
 
 from schemas import AvroMapping, avro_mapping
 from tests.integration._capture_helpers import CdcConfig, wait_for
+from tests.integration._sinks_helpers import SPARK_WORKER
 from tests.integration.test_types_zoo import Zoo, load_pgtype
 from tests.integration.test_types_zoo import zoo as zoo  # noqa: PLC0414 - the fixture, re-exported for pytest
 from tests.unit.test_types import same, strip_logical
 
-pytestmark = pytest.mark.pg_matrix  # `./dev test` runs it on PostgreSQL 18 too
+pytestmark = [pytest.mark.pg_matrix, SPARK_WORKER]  # on PostgreSQL 18 too; the zoo's tests share a worker
 
 Types = Sequence[tuple[str, list[tuple[str, Any]]]]  # (column type, [(SQL expression, expected value)…]), as ZOO
 

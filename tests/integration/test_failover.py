@@ -15,13 +15,26 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import psycopg
 import pytest
 
 from tests.integration._capture_helpers import CdcConfig, CdcProcess, read_topic, scratch_database, wait_for
 from tests.integration._failover_helpers import Server, pg18_binaries, primary_and_standby
-from tests.integration._sinks_helpers import SINKS, SinksProcess, Stack, assert_verified, cdc, wait_caught_up
+from tests.integration._sinks_helpers import (
+    SINKS,
+    SPARK_WORKER,
+    InProcessSinks,
+    Stack,
+    assert_verified,
+    cdc,
+    cdc_here,
+    wait_caught_up,
+)
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
 
 PHYSICAL_SLOT = "standby1"
 
@@ -144,23 +157,24 @@ _pair = contextmanager(_pair_and_capture)
 ROUNDS = 5 if os.environ.get("CDC_TEST_LONG", "") not in ("", "0") else 1  # the long profile: 5 in a row
 
 
-def _sinks_verify_clean(env: _Env, stack: Stack, both: str) -> None:
+def _sinks_verify_clean(env: _Env, stack: Stack, spark: SparkSession, both: str) -> None:
     """The three sinks apply the topic and `cdc verify` finds each of them equal to the promoted standby."""
     config = stack.config(both, ["public.items"], prefix=f"t{env.unique}", unique=env.unique, workdir=env.tmp_path)
     path = config.write(env.tmp_path / "sinks.toml")
-    sinks = SinksProcess(path, env.tmp_path / "sinks.log")
+    sinks = InProcessSinks(spark, path, env.tmp_path / "sinks.log")
     sinks.start()
     try:
         wait_caught_up(path, sinks)
-        result = cdc("verify", *SINKS, "--config", str(path), "--wait", "240", timeout=1200)
+        result = cdc_here("verify", *SINKS, "--config", str(path), "--wait", "240")
         assert_verified(result, SINKS, sinks.tail())
     finally:
         sinks.stop()
 
 
+@SPARK_WORKER
 @pytest.mark.parametrize("round_", range(ROUNDS))
 def test_a_promoted_standby_resumes_the_capture_with_nothing_lost_or_doubled(
-    round_: int, env: _Env, stack: Stack
+    round_: int, env: _Env, stack: Stack, spark: SparkSession
 ) -> None:
     """The capture is SIGKILLed, the primary stopped at once and the standby promoted while a workload runs;
     the capture, restarted on the two-host DSN, resumes from the standby's copy of its slot. After the last
@@ -230,7 +244,7 @@ def test_a_promoted_standby_resumes_the_capture_with_nothing_lost_or_doubled(
         assert slot_seen["invalidated"] is None, slot_seen
         assert slot_seen["inactive_since"], slot_seen
         if round_ == ROUNDS - 1:
-            _sinks_verify_clean(env, stack, both)
+            _sinks_verify_clean(env, stack, spark, both)
 
 
 def test_without_failover_slots_a_promoted_standby_stops_the_capture_clearly(env: _Env) -> None:

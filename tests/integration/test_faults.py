@@ -34,7 +34,7 @@ from pgcdc_dev import discovery
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from tests.integration._capture_helpers import CdcProcess, Event, read_topic, scratch_database, wait_for
-from tests.integration._sinks_helpers import SinksProcess, Stack, cdc
+from tests.integration._sinks_helpers import SPARK_WORKER, SinksProcess, Stack, cdc_here
 
 # On PostgreSQL 15 only (the whole suite's server): CI's time on 18 goes to the version-sensitive suites, and
 # on 18 the failover test kills the capture and the primary itself (docs/operations.md, PostgreSQL versions).
@@ -251,6 +251,9 @@ def _check_exactly_once(events: list[Any], source: dict[int, int]) -> dict[str, 
     }
 
 
+@SPARK_WORKER
+@pytest.mark.exclusive  # it restarts PostgreSQL and Kafka, which every other test uses
+@pytest.mark.usefixtures("spark")  # verify runs in the test process, on its Spark application
 def test_nothing_is_lost_or_doubled_whatever_fails(*, pg_dsn: str, stack: Stack, unique: str, tmp_path: Path) -> None:
     profile_name = os.environ.get("CDC_FAULTS", "short")
     profile = PROFILES[profile_name]
@@ -331,7 +334,7 @@ def test_nothing_is_lost_or_doubled_whatever_fails(*, pg_dsn: str, stack: Stack,
 
             wait_for(converged, 600, "the topic to reach the source's state", capture)
             checked = _check_exactly_once(read_topic(stack.kafka, stack.registry, topic), expected)
-            verify = cdc("verify", "cache", "--config", str(config), "--wait", "600", timeout=900)
+            verify = cdc_here("verify", "cache", "--config", str(config), "--wait", "600")
             assert verify.returncode == 0, verify.stdout + verify.stderr + sinks.tail()
             report = {
                 "profile": profile_name,

@@ -16,7 +16,8 @@ from cdc._config import load_settings
 from cdc._kafka import Topics, TransactionalProducer
 from tests.integration._capture_helpers import committed_records
 
-pytestmark = pytest.mark.integration
+# Exclusive: it counts the broker's refusals of back-to-back transactions, which other tests' load changes.
+pytestmark = [pytest.mark.integration, pytest.mark.exclusive]
 
 _TRANSACTIONS = 200
 _GAP_S = 0.002  # the markers of a commit on this broker are written within ~2 ms (cdc/_kafka.py, _TXN_GAP_S)

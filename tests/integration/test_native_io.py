@@ -163,14 +163,24 @@ def test_libpq_copies_fail_as_psycopg_would(reader: Any, pg_dsn: str, unique: st
         assert conn.execute("SELECT 1").fetchone() == (1,)
 
 
+def _slot(dsn: str, name: str) -> str:
+    """Slots are server-wide: each test's are named after its scratch database."""
+    return f"{name}_{conninfo_to_dict(dsn)['dbname']}"
+
+
 def _published(dsn: str, *ddl: str, slots: tuple[str, ...]) -> None:
-    """Table t made by ``ddl``, in publication "pub", and a pgoutput slot per name in ``slots``, all at one point."""
+    """Table t made by ``ddl``, in publication "pub", and a pgoutput slot per name in ``slots``, all at one point:
+    copies of the first, so each decodes the same WAL from the same start. Slots made one after the other would
+    start apart, and a transaction of another database between them (another test's) can make the server stream
+    a large transaction in different chunks to each."""
+    first, *others = (_slot(dsn, name) for name in slots)
     with psycopg.connect(dsn, autocommit=True) as conn:
         for statement in ddl:
             conn.execute(statement)
         conn.execute("CREATE PUBLICATION pub FOR TABLE t")
-        for slot in slots:
-            conn.execute("SELECT pg_create_logical_replication_slot(%s, 'pgoutput')", (slot,))
+        conn.execute("SELECT pg_create_logical_replication_slot(%s, 'pgoutput')", (first,))
+        for slot in others:
+            conn.execute("SELECT pg_copy_logical_replication_slot(%s, %s)", (first, slot))
 
 
 def _ensure_topics(kafka: str, *topics: str) -> None:
@@ -388,7 +398,7 @@ def _read_stream(dsn: str, slot: str, *, bulk: bool) -> tuple[list[tuple[str, by
     taken = 0
     try:
         assert repl.reads_changes_in_bulk, "cdc._native is built but ChangeReader was not set up"
-        repl.start(slot, 0, {"proto_version": "2", "publication_names": '"pub"', "streaming": "on"})
+        repl.start(_slot(dsn, slot), 0, {"proto_version": "2", "publication_names": '"pub"', "streaming": "on"})
         held: bytes | None = None
         while True:
             raw = held if held is not None else repl.read(10.0)
@@ -504,7 +514,7 @@ def _capture_live(
     committed = 0
     made = _count_made(cap)
     try:
-        repl.start(slot, 0, {"proto_version": "1", "publication_names": '"pub"', "binary": "true"})
+        repl.start(_slot(dsn, slot), 0, {"proto_version": "1", "publication_names": '"pub"', "binary": "true"})
         cap._writer.begin()
         held: bytes | None = None
         while committed < commits:

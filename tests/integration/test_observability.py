@@ -24,7 +24,7 @@ from pgcdc_dev.discovery import tool_or_skip
 
 from tests.integration._capture_helpers import CdcConfig, capture_role, drop_role, scratch_database, wait_for
 from tests.integration._observe_helpers import api_status, free_port, http_get, metric, metric_sum, scrape
-from tests.integration._sinks_helpers import SinksProcess, Stack, cdc
+from tests.integration._sinks_helpers import SPARK_WORKER, SinksProcess, Stack, cdc
 
 pytestmark = pytest.mark.slow
 
@@ -32,6 +32,7 @@ ROOT = Path(__file__).resolve().parents[2]
 ARTIFACTS = ROOT / "test-artifacts"
 
 
+@pytest.mark.exclusive  # it sets the server-wide max_slot_wal_keep_size for a while
 def test_capture_metrics_move_under_a_workload_and_never_show_the_password(
     *,
     pg_dsn: str,
@@ -279,6 +280,7 @@ def _firing(prometheus: str) -> set[tuple[str, str]]:
     return {(a["labels"]["alertname"], a["labels"].get("sink", "")) for a in alerts if a["state"] == "firing"}
 
 
+@SPARK_WORKER
 def test_sink_lag_climbs_while_the_sinks_are_down_and_the_dashboard_shows_it(
     *, pg_dsn: str, stack: Stack, unique: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -10,15 +10,23 @@ import hashlib
 import hmac
 import io
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import fastavro
 import psycopg
 import pytest
-from confluent_kafka import Consumer, TopicPartition
 
-from tests.integration._capture_helpers import latest_value_fields, read_topic, scratch_database, wait_for
-from tests.integration._sinks_helpers import SinksProcess, Stack, assert_verified, cdc
+from tests.integration._capture_helpers import (
+    latest_value_fields,
+    read_topic,
+    records_to_end,
+    scratch_database,
+    wait_for,
+)
+from tests.integration._sinks_helpers import SPARK_WORKER, InProcessSinks, Stack, assert_verified, cdc, cdc_here
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
@@ -47,21 +55,7 @@ def _hashed(value: str | None) -> str | None:
 
 def _raw_values(bootstrap: str, topic: str) -> list[bytes]:
     """Every record value of the topic as bytes, read with a plain consumer."""
-    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": "raw", "enable.auto.commit": False})
-    try:
-        parts = consumer.list_topics(topic, timeout=30).topics[topic].partitions
-        ends = {p: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=30)[1] for p in parts}
-        assigned = [TopicPartition(topic, p, 0) for p in parts]
-        consumer.assign(assigned)
-        out: list[bytes] = []
-        while True:
-            msg = consumer.poll(2)
-            if msg is not None and msg.error() is None:
-                out.append(msg.value() or b"")
-            elif msg is None and all(tp.offset >= ends[tp.partition] for tp in consumer.position(assigned)):
-                return out  # past the end (a transaction's marker is an offset no message has)
-    finally:
-        consumer.close()
+    return [msg.value() or b"" for msg in records_to_end(bootstrap, topic)]
 
 
 def _latest(events: list[Any]) -> dict[int, dict[str, Any] | None]:
@@ -74,8 +68,9 @@ def _latest(events: list[Any]) -> dict[int, dict[str, Any] | None]:
     return state
 
 
+@SPARK_WORKER
 def test_unpublished_columns_and_rows_never_reach_kafka_and_verify_compares_what_is_published(
-    *, pg_dsn: str, stack: Stack, unique: str, tmp_path: Path
+    *, pg_dsn: str, stack: Stack, spark: SparkSession, unique: str, tmp_path: Path
 ) -> None:
     prefix = f"f{unique}"
     with scratch_database(pg_dsn, f"filters_{unique}") as dsn:
@@ -91,7 +86,7 @@ def test_unpublished_columns_and_rows_never_reach_kafka_and_verify_compares_what
         cfg.source_extra = MASKS
         capture = cfg.start(tmp_path)
         config = tmp_path / "cdc.toml"
-        sinks = SinksProcess(config, tmp_path / "sinks.log")
+        sinks = InProcessSinks(spark, config, tmp_path / "sinks.log")
         topic = f"{prefix}.public.people"
         try:
             capture.wait_streaming(180)
@@ -148,7 +143,7 @@ def test_unpublished_columns_and_rows_never_reach_kafka_and_verify_compares_what
 
             # Every store holds what is published, masked, and verify compares that.
             sinks.start()
-            result = cdc("verify", "search", "cache", "warehouse", "--config", str(config), "--wait", "300")
+            result = cdc_here("verify", "search", "cache", "warehouse", "--config", str(config), "--wait", "300")
             assert_verified(result, ("search", "cache", "warehouse"), sinks.tail())
             assert sinks.stop() == 0, sinks.tail()
         finally:

@@ -16,7 +16,6 @@ import io
 import json
 import re
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -24,24 +23,25 @@ import fastavro
 import psycopg
 import pytest
 import redis
-from confluent_kafka import Consumer, Producer, TopicPartition
+from confluent_kafka import Producer
 from confluent_kafka.schema_registry import SchemaRegistryClient
 from opensearchpy import OpenSearch
 from pyspark.sql import SparkSession
 
-from tests.integration._capture_helpers import scratch_database, wait_for
+from tests.integration._capture_helpers import records_to_end, scratch_database, wait_for
 from tests.integration._sinks_helpers import (
     PIPELINE_TABLES,
-    SinksProcess,
+    SPARK_WORKER,
+    InProcessSinks,
     Stack,
     assert_no_drift,
-    cdc,
+    cdc_here,
     create_pipeline_tables,
     wait_caught_up,
 )
 from tests.integration.test_backfill import _write
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800), SPARK_WORKER]
 
 
 @pytest.fixture
@@ -52,34 +52,12 @@ def source(pg_dsn: str, unique: str):  # type: ignore[no-untyped-def]
 
 def _raw_events(kafka: str, topic: str) -> list[tuple[int, bytes, bytes | None]]:
     """Every record of ``topic`` as it is stored: (partition, key bytes, value bytes)."""
-    consumer = Consumer(
-        {
-            "bootstrap.servers": kafka,
-            "group.id": f"repair-{time.time_ns()}",
-            "enable.partition.eof": True,
-            "isolation.level": "read_committed",
-        }
-    )
-    try:
-        partitions = list(consumer.list_topics(topic, timeout=30).topics[topic].partitions)
-        consumer.assign([TopicPartition(topic, p, 0) for p in partitions])
-        out: list[tuple[int, bytes, bytes | None]] = []
-        ended: set[int] = set()
-        deadline = time.monotonic() + 60
-        while len(ended) < len(partitions) and time.monotonic() < deadline:
-            msg = consumer.poll(1.0)
-            if msg is None:
-                continue
-            if msg.error():
-                ended.add(int(msg.partition() or 0))
-                continue
-            key = msg.key()
-            assert isinstance(key, bytes), msg
-            value = msg.value()
-            out.append((int(msg.partition() or 0), key, value if isinstance(value, bytes) else None))
-        return out
-    finally:
-        consumer.close()
+    out: list[tuple[int, bytes, bytes | None]] = []
+    for msg in records_to_end(kafka, topic):
+        key, value = msg.key(), msg.value()
+        assert isinstance(key, bytes), msg
+        out.append((int(msg.partition() or 0), key, value if isinstance(value, bytes) else None))
+    return out
 
 
 def _plain(schema: Any) -> Any:
@@ -135,7 +113,8 @@ def _forge(kafka: str, plain: _Plain, topic: str, id_: int) -> None:
 
 
 def _verify(config: Path, *names: str, extra: tuple[str, ...] = ()) -> tuple[int, str]:
-    result = cdc("verify", *names, "--config", str(config), *extra, timeout=900)
+    """`cdc verify` in the test process (the ``spark`` fixture must be set up): its exit code and output."""
+    result = cdc_here("verify", *names, "--config", str(config), *extra)
     return result.returncode, result.stdout + result.stderr
 
 
@@ -164,7 +143,7 @@ def test_verify_repair_re_emits_only_the_keys_that_differ(
     cfg.extra = "signal_poll_s = 0.2\n" + cfg.extra
     capture = cfg.start(tmp_path)
     config = tmp_path / "cdc.toml"
-    sinks = SinksProcess(config, tmp_path / "sinks.log")
+    sinks = InProcessSinks(spark, config, tmp_path / "sinks.log")
     topic = f"{prefix}.public.items"
     try:
         capture.wait_streaming(180)
@@ -249,7 +228,7 @@ def test_verify_repair_re_emits_only_the_keys_that_differ(
 # test_backfill.py, and the stores' verify after a backfill in test_verify_repair_re_emits_only_the_keys_that_differ.
 @pytest.mark.long
 def test_a_table_the_publication_gains_while_streaming_is_backfilled_into_every_store(
-    *, source: str, stack: Stack, unique: str, tmp_path: Path
+    *, source: str, stack: Stack, spark: SparkSession, unique: str, tmp_path: Path
 ) -> None:
     """The publication decides what is captured (source.tables empty): a table with 50,000 rows added to it
     while the capture, the sinks and writes on that table run is backfilled, and `cdc verify` of the three stores
@@ -261,7 +240,7 @@ def test_a_table_the_publication_gains_while_streaming_is_backfilled_into_every_
     cfg = stack.config(source, [], prefix=prefix, unique=unique, workdir=tmp_path)
     capture = cfg.start(tmp_path)
     config = tmp_path / "cdc.toml"
-    sinks = SinksProcess(config, tmp_path / "sinks.log")
+    sinks = InProcessSinks(spark, config, tmp_path / "sinks.log")
     done = threading.Event()
     writes: list[float] = []
     try:

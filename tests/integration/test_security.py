@@ -36,7 +36,7 @@ from tests.integration._capture_helpers import (
     wait_for,
 )
 from tests.integration._observe_helpers import free_port, http_get
-from tests.integration._sinks_helpers import SinksProcess, Stack, cdc
+from tests.integration._sinks_helpers import SPARK_WORKER, SinksProcess, Stack, cdc
 
 pytestmark = pytest.mark.slow
 
@@ -83,6 +83,7 @@ def _secure_config(cfg: CdcConfig, ep: dict[str, Any], workdir: Path, *, kafka_p
     )
 
 
+@SPARK_WORKER
 def test_capture_and_sinks_run_over_tls_with_credentials(
     *, pg_dsn: str, stack: Stack, unique: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

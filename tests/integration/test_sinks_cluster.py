@@ -3,18 +3,21 @@ says: spark-submit in client mode, pgcdc shipped to the executors as a PEX file 
 have pgcdc installed (the workers run this machine's plain ``python3.11``).
 
 The checkpoints, the status files and the warehouse are in a bucket of the local S3-compatible server
-(s3proxy), reached through Hadoop's S3A connector on the JVMs' classpath. The pipeline's workload streams
-through the capture while the submitted application is SIGKILLed once and submitted again; then
-the warehouse is rebuilt beside the served copy (by a local `cdc sinks rebuild` on the same bucket) and the
-application follows the swap; every store then verifies without drift, the poison record reached the
-dead-letter topic from each sink, and Spark's REST API shows the writing stages' tasks on both executors.
+(s3proxy), reached through Hadoop's S3A connector on the JVMs' classpath; nothing of them lands on the local
+disk. The pipeline's workload streams through the capture while the submitted application is SIGKILLed once
+and submitted again; then the warehouse is rebuilt beside the served copy (by a local `cdc sinks rebuild` on
+the same bucket: local Spark on S3A too) and the application follows the swap; every store then verifies
+without drift, the poison record reached the dead-letter topic from each sink, and Spark's REST API shows the
+writing stages' tasks on both executors. Readers that are not Spark then read the bucket: ``cdc status`` with
+pyspark made unimportable, and delta-rs reading the served table as docs/sinks.md tells readers to.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import socket
+import subprocess
+import sys
 import time
 import urllib.request
 from collections import Counter
@@ -26,10 +29,12 @@ import pytest
 from confluent_kafka import Producer
 from pgcdc_dev import discovery
 from pgcdc_dev.cluster import ObjectStore, pgcdc_pex
+from pgcdc_dev.services import CACHE
 
 from tests.integration._capture_helpers import scratch_database, wait_for
 from tests.integration._sinks_helpers import (
     PIPELINE_TABLES,
+    SPARK_WORKER,
     PipelineWorkload,
     Stack,
     SubmittedSinks,
@@ -39,7 +44,15 @@ from tests.integration._sinks_helpers import (
     dead_letters,
 )
 
-pytestmark = [pytest.mark.timeout(1500)]
+pytestmark = [pytest.mark.timeout(1500), SPARK_WORKER]
+
+# `cdc status` as the capture's host runs it: the sinks' progress read with pyspark impossible to import.
+_STATUS_WITHOUT_PYSPARK = """
+import sys
+sys.modules["pyspark"] = None  # any import of it raises ImportError
+from pgcdc.cli import main
+sys.exit(main(["status", "--json", "--config", sys.argv[1]]))
+"""
 
 
 @pytest.fixture(scope="module")
@@ -49,8 +62,7 @@ def spark_master() -> str:
 
 @pytest.fixture(scope="module")
 def executor_env() -> Path:
-    cache = Path(os.environ.get("CDC_LOCAL_CACHE", Path.home() / ".cache" / "pgcdc"))
-    return pgcdc_pex(cache)
+    return pgcdc_pex(CACHE)  # `./dev test` builds it while the services start
 
 
 @pytest.fixture
@@ -145,6 +157,8 @@ def test_sinks_on_a_standalone_cluster_survive_a_kill_with_no_drift(
         assert all(tasks[e] > 0 for e in executors), (tasks, executors)
         assert "run by spark-submit" in sinks.log.read_text()
         _assert_state_in_the_bucket(object_store, bucket.name)
+        assert not list(tmp_path.glob("state")), "nothing of the state may land on the local disk"
+        _assert_read_without_spark(config, object_store, bucket.name, source)
         poison = [d for d in dead_letters(stack.kafka, f"k{unique}.dead-letter") if "garbage" in d["value"]]
         assert {d["pgcdc.sink"] for d in poison} == {"search", "cache", "warehouse"}, poison
         assert sinks.stop() in (0, 143), sinks.tail()
@@ -169,8 +183,9 @@ def _assert_state_in_the_bucket(store: ObjectStore, bucket: str) -> None:
 def test_executors_without_pgcdc_stop_the_app_saying_how_to_ship_it(
     *, source: str, stack: Stack, spark_master: str, unique: str, tmp_path: Path
 ) -> None:
-    """Submitted without the PEX, the executors' Python cannot unpickle the sinks' code: each retry would fail
-    alike, so the app stops (exit 2) and says what to pass to spark-submit."""
+    """Submitted without the PEX, the executors' Python cannot import the sinks' code. The app finds it as it
+    starts, before any batch (the driver applies small batches itself, so the first batch to fail could come
+    much later), stops (exit 2) and says what to pass to spark-submit."""
     create_pipeline_tables(source)
     cfg = stack.config(source, PIPELINE_TABLES, prefix=f"n{unique}", unique=unique, workdir=tmp_path)
     capture = cfg.start(tmp_path)
@@ -190,3 +205,57 @@ def test_executors_without_pgcdc_stop_the_app_saying_how_to_ship_it(
         if sinks.alive():
             sinks.kill()
         capture.stop()
+
+
+def _assert_read_without_spark(config: Path, store: ObjectStore, bucket: str, source: str) -> None:
+    status = _status_without_pyspark(config)
+    assert {s["name"] for s in status["sinks"]} == {"search", "cache", "warehouse"}, status
+    caught_up = lambda: all(s["lag_records"] == 0 for s in _status_without_pyspark(config)["sinks"])  # noqa: E731
+    wait_for(caught_up, 60, "a lag of 0 in cdc status", None)
+    with psycopg.connect(source) as conn:
+        expected = {r[0]: (r[1], r[2]) for r in conn.execute("SELECT id, name, qty FROM items")}
+    _delta_rs_reads_the_served_table(store, bucket, expected)
+
+
+def _status_without_pyspark(config: Path) -> dict:  # type: ignore[type-arg]
+    command = [sys.executable, "-c", _STATUS_WITHOUT_PYSPARK, str(config)]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+    data = json.loads(proc.stdout)
+    assert "sinks_error" not in data, data["sinks_error"]
+    data["sinks"].sort(key=lambda s: s["name"])
+    return data  # type: ignore[no-any-return]
+
+
+def _delta_rs_reads_the_served_table(
+    store: ObjectStore, bucket: str, expected: dict[int, tuple[str, int | None]]
+) -> None:
+    """As docs/sinks.md says: ``<path>/_cdc_current`` holds N; the table is ``<path>/g<N>/<schema>.<table>``."""
+    import pyarrow as pa
+    from deltalake import DeltaTable, QueryBuilder
+
+    options = {
+        "AWS_ENDPOINT_URL": store.url,
+        "AWS_ACCESS_KEY_ID": store.access_key,
+        "AWS_SECRET_ACCESS_KEY": store.secret_key,
+        "AWS_REGION": "us-east-1",
+        "AWS_ALLOW_HTTP": "true",
+        "AWS_FORCE_PATH_STYLE": "true",
+    }
+    fs = store.filesystem()
+    with fs.open_input_stream(f"{bucket}/warehouse/_cdc_current") as f:
+        generation = int(f.read().decode().strip())
+    got: dict[int, tuple[str, int | None]] = {}
+
+    def served_equals_expected() -> bool:
+        nonlocal got
+        served = DeltaTable(f"s3://{bucket}/warehouse/g{generation}/public.items", storage_options=options)
+        # delta-rs's own engine: its pyarrow path (to_pyarrow_table) panics on this table, whose every row
+        # has date 'infinity' (int32 max days) in the file statistics it turns into pyarrow expressions.
+        table = QueryBuilder().register("t", served).execute("SELECT id, name, qty FROM t").read_all()
+        got = {r["id"]: (r["name"], r["qty"]) for r in pa.table(table).to_pylist()}
+        return got == expected
+
+    try:
+        wait_for(served_equals_expected, 60, "delta-rs to read the served table as PostgreSQL holds it")
+    except AssertionError:
+        assert got == expected  # the difference, not only the timeout

@@ -32,11 +32,12 @@ from sinks._fold import KEY_UNFRAMED, VALUE_UNFRAMED, TopicSchemas
 from sinks._reader import Decoder
 from sinks._taskfold import TopicFold
 from sinks._values import Names, doc_converter, envelope_row
+from tests.integration._sinks_helpers import SPARK_WORKER
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
-pytestmark = [pytest.mark.slow]
+pytestmark = [pytest.mark.slow, SPARK_WORKER]
 
 PREFIX = "p"
 TOPIC = "p.public.t"

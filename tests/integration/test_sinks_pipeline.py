@@ -1,8 +1,9 @@
 """The whole pipeline: PostgreSQL → `cdc run` → Kafka → `cdc sinks run` → OpenSearch, Redis, Delta Lake.
 
 A write workload (inserts, updates, deletes, a truncate, an ALTER TABLE in the middle) runs while the sinks
-app is SIGKILLed mid-batch again and again; afterwards `cdc verify` finds no drift in any store. Then each
-store is rebuilt from offset zero while a reader keeps querying the served copy, and verified again.
+app is SIGKILLed mid-batch again and again; afterwards `cdc verify` finds no drift in any store. Then the
+three stores are rebuilt from offset zero in one application while a reader keeps querying the served copies,
+and verified again.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import re
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import psycopg
 import pytest
@@ -25,15 +27,19 @@ from tests.integration._capture_helpers import scratch_database, wait_for
 from tests.integration._sinks_helpers import (
     PIPELINE_TABLES,
     SINKS,
+    SPARK_WORKER,
     PipelineWorkload,
     SinksProcess,
     Stack,
     assert_no_drift,
-    cdc,
+    cdc_here,
     create_pipeline_tables,
 )
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800), SPARK_WORKER]
 # The rebuilds run with live batches this small, so that a rebuild's own, larger bound shows.
 LIVE_BATCH = 1000
 
@@ -50,7 +56,7 @@ def source(pg_dsn: str, unique: str):  # type: ignore[no-untyped-def]
     [pytest.param(3, id="3 kills"), pytest.param(8, id="8 kills", marks=pytest.mark.long)],
 )
 def test_pipeline_survives_kills_and_rebuilds_with_no_drift(
-    *, kills: int, source: str, stack: Stack, unique: str, tmp_path: Path
+    *, kills: int, source: str, stack: Stack, spark: SparkSession, unique: str, tmp_path: Path
 ) -> None:
     create_pipeline_tables(source)
     prefix = f"t{unique}"
@@ -92,7 +98,7 @@ def test_pipeline_survives_kills_and_rebuilds_with_no_drift(
         restarts = sinks.log.read_text()
         for name in ("search", "cache"):
             assert re.search(rf"sink {name}: applied \d+ record\(s\) written while it was down, before Spark", restarts)
-        assert_no_drift(config, sinks)
+        assert_no_drift(config, sinks, spark=spark)
         status = json.loads((tmp_path / "state" / "search" / "status.json").read_text())
         assert status["batches"] >= 1
 
@@ -121,18 +127,18 @@ def test_pipeline_survives_kills_and_rebuilds_with_no_drift(
         read_thread = threading.Thread(target=reader)
         read_thread.start()
         try:
+            # All three side by side in one application, swapped in together once each verifies clean.
+            result = cdc_here(
+                "sinks",
+                "rebuild",
+                *SINKS,
+                "--config",
+                str(config),
+                env={"CDC_SINKS__MAX_OFFSETS_PER_TRIGGER": str(LIVE_BATCH)},
+            )
+            assert result.returncode == 0, f"{result.stdout}\n{result.stderr}"
             for name in SINKS:
-                result = cdc(
-                    "sinks",
-                    "rebuild",
-                    name,
-                    "--config",
-                    str(config),
-                    timeout=900,
-                    env={"CDC_SINKS__MAX_OFFSETS_PER_TRIGGER": str(LIVE_BATCH)},
-                )
-                assert result.returncode == 0, f"{name}:\n{result.stdout}\n{result.stderr}"
-                assert "generation 2 is now served" in result.stdout
+                assert f"{name}: generation 2 is now served" in result.stdout, result.stdout
                 # Its progress, as the dashboard and `cdc status` read it (the workload goes on meanwhile, so
                 # the topics may have grown a little after the rebuild caught up).
                 progress = json.loads((tmp_path / "state" / name / "rebuild.json").read_text())
@@ -160,7 +166,7 @@ def test_pipeline_survives_kills_and_rebuilds_with_no_drift(
         # The running sinks app follows the swap; the store stays in sync afterwards.
         with psycopg.connect(source, autocommit=True) as conn:
             conn.execute("UPDATE items SET name = 'after rebuild' WHERE id = 1")
-        assert_no_drift(config, sinks)
+        assert_no_drift(config, sinks, spark=spark)
         assert sinks.alive(), sinks.tail()
         assert sinks.stop() == 0, sinks.tail()
     finally:

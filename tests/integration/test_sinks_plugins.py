@@ -8,12 +8,16 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import psycopg
 import pytest
 
 from tests.integration._capture_helpers import CdcConfig, scratch_database, wait_for
-from tests.integration._sinks_helpers import SinksProcess
+from tests.integration._sinks_helpers import SPARK_WORKER, InProcessSinks
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
 
 
 def _list(env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -88,9 +92,17 @@ def test_a_broken_plugin_is_reported_and_the_others_still_load(tmp_path: Path) -
     assert "ModuleNotFoundError" in run.stderr
 
 
+@SPARK_WORKER
 @pytest.mark.slow
 def test_the_example_plugin_receives_the_events(
-    *, pg_dsn: str, kafka_bootstrap: str, registry_url: str, spark_jars: list[str], unique: str, tmp_path: Path
+    *,
+    pg_dsn: str,
+    kafka_bootstrap: str,
+    registry_url: str,
+    spark_jars: list[str],
+    spark: SparkSession,
+    unique: str,
+    tmp_path: Path,
 ) -> None:
     with scratch_database(pg_dsn, f"plug_{unique}") as dsn:
         with psycopg.connect(dsn, autocommit=True) as conn:
@@ -109,7 +121,7 @@ path = "{out_dir}"
             dsn, kafka_bootstrap, registry_url, f"p{unique}", ["public.t"], f"s_{unique}", f"p_{unique}", extra
         )
         capture = cfg.start(tmp_path)
-        sinks = SinksProcess(tmp_path / "cdc.toml", tmp_path / "sinks.log", ["jsonl"])
+        sinks = InProcessSinks(spark, tmp_path / "cdc.toml", tmp_path / "sinks.log", ["jsonl"])
         try:
             capture.wait_streaming(180)
             sinks.start()

@@ -7,13 +7,12 @@ import signal
 from pathlib import Path
 
 import psutil
-import psycopg
 import pytest
 
-from tests.integration._capture_helpers import scratch_database, wait_for
-from tests.integration._sinks_helpers import SinksProcess, Stack
+from tests.integration._capture_helpers import wait_for
+from tests.integration._sinks_helpers import SPARK_WORKER, SinksProcess, Stack, captured
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, SPARK_WORKER]
 
 
 def _session(leader: int) -> list[str]:
@@ -31,27 +30,27 @@ def _session(leader: int) -> list[str]:
 def test_sigterm_ends_every_process_the_sinks_started(
     *, pg_dsn: str, stack: Stack, unique: str, tmp_path: Path
 ) -> None:
-    prefix = f"p{unique}"
-    with scratch_database(pg_dsn, f"proc_{unique}") as dsn:
-        with psycopg.connect(dsn, autocommit=True) as conn:
-            conn.execute("CREATE TABLE t (k int PRIMARY KEY, v text)")
-            conn.execute("INSERT INTO t SELECT g, 'v' FROM generate_series(1, 10) g")
-        cfg = stack.config(dsn, ["public.t"], prefix=prefix, unique=unique, workdir=tmp_path)
-        capture = cfg.start(tmp_path)
-        sinks = SinksProcess(tmp_path / "cdc.toml", tmp_path / "sinks.log", ["cache"])
-        try:
-            capture.wait_streaming(180)
-            sinks.start()
-            wait_for(lambda: sinks.batches() >= 1, 300, "the cache's first batch", None)
-            assert sinks.proc is not None
-            leader = sinks.proc.pid
-            assert _session(leader), "Spark's JVM runs in the sinks' session"
-            # The signal a supervisor sends to the main process only (systemd's KillMode=mixed, docker stop).
-            sinks.proc.send_signal(signal.SIGTERM)
-            assert sinks.proc.wait(120) == 0, sinks.tail()
-            left = _session(leader)
-            assert not left, f"still running after `cdc sinks run` exited: {left}"
-        finally:
-            if sinks.alive():
-                sinks.kill()
-            capture.stop()
+    with captured(
+        stack,
+        pg_dsn,
+        unique,
+        tmp_path,
+        name="proc",
+        setup=[
+            "CREATE TABLE t (k int PRIMARY KEY, v text)",
+            "INSERT INTO t SELECT g, 'v' FROM generate_series(1, 10) g",
+        ],
+        tables=["t"],
+        sinks=lambda config, log: SinksProcess(config, log, ["cache"]),
+    ) as run:
+        sinks = run.sinks
+        sinks.start()
+        wait_for(lambda: sinks.batches() >= 1, 300, "the cache's first batch", None)
+        assert sinks.proc is not None
+        leader = sinks.proc.pid
+        assert _session(leader), "Spark's JVM runs in the sinks' session"
+        # The signal a supervisor sends to the main process only (systemd's KillMode=mixed, docker stop).
+        sinks.proc.send_signal(signal.SIGTERM)
+        assert sinks.proc.wait(120) == 0, sinks.tail()
+        left = _session(leader)
+        assert not left, f"still running after `cdc sinks run` exited: {left}"

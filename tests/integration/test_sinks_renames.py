@@ -6,47 +6,47 @@ zero after the rename verifies clean with no re-snapshot."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import psycopg
 import pytest
 
-from tests.integration._capture_helpers import latest_value_fields, read_topic, scratch_database, wait_for
-from tests.integration._sinks_helpers import SinksProcess, Stack, assert_verified, cdc
+from tests.integration._capture_helpers import latest_value_fields, read_topic, wait_for
+from tests.integration._sinks_helpers import SPARK_WORKER, InProcessSinks, Stack, assert_verified, captured, cdc_here
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200), SPARK_WORKER]
 
 
 def test_rows_unchanged_since_a_rename_keep_their_values_in_every_store(
-    *, pg_dsn: str, stack: Stack, unique: str, tmp_path: Path
+    *, pg_dsn: str, stack: Stack, spark: SparkSession, unique: str, tmp_path: Path
 ) -> None:
-    prefix = f"r{unique}"
-    with scratch_database(pg_dsn, f"rename_{unique}") as dsn:
+    with captured(
+        stack,
+        pg_dsn,
+        unique,
+        tmp_path,
+        name="rename",
+        setup=["CREATE TABLE items (id int PRIMARY KEY, name text, qty int)"],
+        tables=["items"],
+        sinks=lambda config, log: InProcessSinks(spark, config, log),
+    ) as run:
+        dsn, config, sinks, capture, topic = run.dsn, run.config, run.sinks, run.capture, run.topic("items")
         with psycopg.connect(dsn, autocommit=True) as conn:
-            conn.execute("CREATE TABLE items (id int PRIMARY KEY, name text, qty int)")
-        cfg = stack.config(dsn, ["public.items"], prefix=prefix, unique=unique, workdir=tmp_path)
-        capture = cfg.start(tmp_path)
-        config = tmp_path / "cdc.toml"
-        sinks = SinksProcess(config, tmp_path / "sinks.log")
-        topic = f"{prefix}.public.items"
-        try:
-            capture.wait_streaming(180)
-            with psycopg.connect(dsn, autocommit=True) as conn:
-                conn.execute("INSERT INTO items SELECT g, 'item ' || g, g FROM generate_series(1, 5) g")
-                conn.execute("ALTER TABLE items RENAME COLUMN name TO title")
-                conn.execute("UPDATE items SET qty = 10 WHERE id = 1")  # the first event under the new name
-                conn.execute("INSERT INTO items VALUES (6, 'item 6', 6)")
-                conn.execute("ALTER TABLE items RENAME COLUMN title TO label")  # and renamed once more
-                conn.execute("UPDATE items SET qty = 20 WHERE id = 2")
-            wait_for(lambda: len(read_topic(stack.kafka, stack.registry, topic)) >= 8, 120, "the events", capture)
-            fields = {f["name"]: f for f in latest_value_fields(stack.registry, topic)}
-            assert sorted(fields["label"].get("aliases", [])) == ["name", "title"], fields["label"]
-            assert fields["label"]["pgcdc.attnum"] == 2
-            # The sinks start now: their first batch holds events under all three names.
-            sinks.start()
-            result = cdc("verify", "search", "cache", "warehouse", "--config", str(config), "--wait", "300")
-            assert_verified(result, ("search", "cache", "warehouse"), sinks.tail())
-            assert sinks.stop() == 0, sinks.tail()
-        finally:
-            if sinks.alive():
-                sinks.kill()
-            capture.stop()
+            conn.execute("INSERT INTO items SELECT g, 'item ' || g, g FROM generate_series(1, 5) g")
+            conn.execute("ALTER TABLE items RENAME COLUMN name TO title")
+            conn.execute("UPDATE items SET qty = 10 WHERE id = 1")  # the first event under the new name
+            conn.execute("INSERT INTO items VALUES (6, 'item 6', 6)")
+            conn.execute("ALTER TABLE items RENAME COLUMN title TO label")  # and renamed once more
+            conn.execute("UPDATE items SET qty = 20 WHERE id = 2")
+        wait_for(lambda: len(read_topic(stack.kafka, stack.registry, topic)) >= 8, 120, "the events", capture)
+        fields = {f["name"]: f for f in latest_value_fields(stack.registry, topic)}
+        assert sorted(fields["label"].get("aliases", [])) == ["name", "title"], fields["label"]
+        assert fields["label"]["pgcdc.attnum"] == 2
+        # The sinks start now: their first batch holds events under all three names.
+        sinks.start()
+        result = cdc_here("verify", "search", "cache", "warehouse", "--config", str(config), "--wait", "300")
+        assert_verified(result, ("search", "cache", "warehouse"), sinks.tail())
+        assert sinks.stop() == 0, sinks.tail()

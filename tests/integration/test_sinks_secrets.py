@@ -24,9 +24,9 @@ from confluent_kafka import Producer
 
 from tests.integration._capture_helpers import CdcProcess, ChildProcess, scratch_database, wait_for
 from tests.integration._observe_helpers import api_status, free_port, http_get
-from tests.integration._sinks_helpers import Stack, cdc, dead_letters
+from tests.integration._sinks_helpers import SPARK_WORKER, Stack, cdc, dead_letters
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, SPARK_WORKER]
 
 
 @contextmanager

@@ -26,16 +26,17 @@ from sinks._sql import sqlalchemy_url
 from tests.integration._capture_helpers import mariadb_rows, scratch_database, scratch_mariadb, wait_for
 from tests.integration._sinks_helpers import (
     PIPELINE_TABLES,
+    SPARK_WORKER,
     PipelineWorkload,
     SinksProcess,
     Stack,
     assert_verified,
-    cdc,
+    cdc_here,
     create_pipeline_tables,
     wait_caught_up,
 )
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(1500)]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(1500), SPARK_WORKER]
 
 Query = Callable[[str], list[tuple[Any, ...]]]
 
@@ -108,6 +109,7 @@ def _workload_round(source: str, round_: int, sinks: SinksProcess) -> None:
         wait_for(lambda: sinks.batches() > restarted, 240, "a batch after the restart", sinks)
 
 
+@pytest.mark.usefixtures("spark")  # verify, rebuild and repair run in the test process, on its Spark application
 def test_the_sql_sink_keeps_a_database_through_kills_schema_changes_rebuilds_and_repairs(
     *, source: str, target: tuple[str, Query], stack: Stack, unique: str, tmp_path: Path
 ) -> None:
@@ -132,7 +134,7 @@ def test_the_sql_sink_keeps_a_database_through_kills_schema_changes_rebuilds_and
             _workload_round(source, round_, sinks)
         workload.finish()
         wait_caught_up(config, sinks, ["sql"])
-        assert_verified(cdc("verify", "sql", "--config", str(config), "--wait", "120", timeout=900), ["sql"])
+        assert_verified(cdc_here("verify", "sql", "--config", str(config), "--wait", "120"), ["sql"])
         with psycopg.connect(source) as conn:
             source_rows = conn.execute("SELECT id, name, qty, note, at_time::text FROM items ORDER BY id").fetchall()
         view = query('SELECT id, name, qty, note, at_time FROM "public.items" ORDER BY id')
@@ -184,7 +186,7 @@ def _rebuild_while_reading(config: Path, query: Query) -> None:
     thread = threading.Thread(target=reader)
     thread.start()
     try:
-        result = cdc("sinks", "rebuild", "sql", "--config", str(config), timeout=900)
+        result = cdc_here("sinks", "rebuild", "sql", "--config", str(config))
     finally:
         done.set()
         thread.join(10)
@@ -199,8 +201,8 @@ def _repair(config: Path, query: Query) -> None:
     rows = query("SELECT table_name FROM pgcdc_sql_columns WHERE generation = 2 AND table_name = 'public.items'")
     assert rows == [("public.items",)], rows
     query("""DELETE FROM "public.items__g2" WHERE "__pgcdc_key" = '[1]'""")
-    drift = cdc("verify", "sql", "--config", str(config), timeout=600)
+    drift = cdc_here("verify", "sql", "--config", str(config))
     assert drift.returncode == 9, f"{drift.stdout}\n{drift.stderr}"
     assert "missing" in drift.stdout
-    _assert_repaired(cdc("verify", "sql", "--repair", "--config", str(config), timeout=900))
+    _assert_repaired(cdc_here("verify", "sql", "--repair", "--config", str(config)))
     assert query('SELECT id FROM "public.items" WHERE id = 1') == [(1,)]

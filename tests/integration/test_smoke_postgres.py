@@ -111,11 +111,11 @@ def test_logical_slot_streams_a_committed_insert(pg_dsn: str, unique: str) -> No
         conn.execute(sql.SQL("DROP TABLE {}").format(sql.Identifier(table)))
 
 
-def test_the_server_is_the_version_the_run_asked_for(pg_dsn: str) -> None:
-    """CDC_TEST_PG=18 must reach a PostgreSQL 18, not fall back to the default server unnoticed."""
+def test_the_server_is_the_version_the_run_asked_for(pg_dsn: str, pg_server: str) -> None:
+    """A [pg18] test (or CDC_TEST_PG=18) must reach a PostgreSQL 18, not fall back to the default server
+    unnoticed."""
     if os.environ.get("CDC_TEST_PG_DSN"):
         pytest.skip("the server is the one CDC_TEST_PG_DSN names, whatever its version")
-    wanted = int(os.environ.get("CDC_TEST_PG") or "15")
     with psycopg.connect(pg_dsn) as conn:
         major = conn.info.server_version // 10000
-    assert major == wanted, f"CDC_TEST_PG asks for PostgreSQL {wanted} but the server is {major}"
+    assert major == int(pg_server), f"the test asks for PostgreSQL {pg_server} but the server is {major}"

@@ -8,8 +8,13 @@ from typing import TYPE_CHECKING
 from confluent_kafka import Producer
 from confluent_kafka.admin import AdminClient, NewTopic
 
+from tests.integration._sinks_helpers import SPARK_WORKER
+
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
+
+
+pytestmark = SPARK_WORKER
 
 
 def test_structured_streaming_reads_a_kafka_topic(
@@ -68,3 +73,18 @@ def test_delta_table_write_merge_read(spark: SparkSession, tmp_path: Path) -> No
     rows = sorted(tuple(r) for r in spark.read.format("delta").load(path).collect())
     assert rows == [(1, "a", 10), (2, "new", 20), (3, "c", 20)]
     assert DeltaTable.forPath(spark, path).history().count() == 2
+
+
+def test_the_sinks_borrow_a_running_session_and_leave_it_running(spark: SparkSession) -> None:
+    """What every in-process sink test and an embedding application rely on: build_session finds the running
+    session, and stop_session on it (as the sinks, verify and rebuild each call on their way out) leaves it
+    running for whoever started it, however many borrowers came and went."""
+    from sinks._spark import build_session, stop_session
+
+    first = build_session("pgcdc-borrower", [], master="local[1]")
+    second = build_session("pgcdc-borrower", [], master="local[1]")
+    assert first.sparkContext is spark.sparkContext
+    assert second.sparkContext is spark.sparkContext
+    stop_session(second)
+    stop_session(first)
+    assert spark.range(5).count() == 5, "the session stopped under its owner"

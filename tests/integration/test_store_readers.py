@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 from datetime import UTC, date, datetime
 from decimal import Decimal
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psycopg
 import pytest
@@ -28,7 +28,7 @@ from opensearchpy import OpenSearch, helpers
 from psycopg import sql
 
 from tests.integration._capture_helpers import wait_for
-from tests.integration._sinks_helpers import SinksProcess, Stack, assert_verified, cdc
+from tests.integration._sinks_helpers import SPARK_WORKER, InProcessSinks, Stack, assert_verified, cdc_here
 from tests.integration.test_capture_zoo import SourceColumn, insert_rows, source_columns
 from tests.integration.test_capture_zoo import zoo_table as zoo_table  # noqa: PLC0414 - the fixture, for pytest
 from tests.integration.test_types_zoo import INT32_MAX, INT32_MIN, INT64_MAX, INT64_MIN, TEXT, ZOO, Zoo
@@ -36,7 +36,10 @@ from tests.integration.test_types_zoo import zoo as zoo  # noqa: PLC0414 - the f
 from tests.integration.test_warehouse_readers import check_every_column
 from tests.unit.test_types import same
 
-pytestmark = pytest.mark.timeout(1200)
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
+pytestmark = [pytest.mark.timeout(1200), SPARK_WORKER]
 
 _SKIP = object()  # a ZOO case whose document form this file does not spell out by hand
 
@@ -96,16 +99,16 @@ READERS: dict[str, Callable[[Stack, str, str], dict[int, dict[str, Any]]]] = {
 
 
 def test_plain_clients_read_every_zoo_value_in_the_documented_form_and_verify_finds_no_drift(
-    *, zoo: Zoo, zoo_table: tuple[str, int], pg_dsn: str, stack: Stack, unique: str, tmp_path: Path
+    *, zoo: Zoo, zoo_table: tuple[str, int], pg_dsn: str, stack: Stack, spark: SparkSession, unique: str, tmp_path: Path
 ) -> None:
     table, rows = zoo_table
     insert_rows(zoo, table, 1, rows)
     name = f"{zoo.schema}.{table}"
     prefix = f"r{unique}"
-    with _search_and_cache(name, rows, pg_dsn=pg_dsn, stack=stack, unique=unique, workdir=tmp_path):
+    with _search_and_cache(name, rows, pg_dsn=pg_dsn, stack=stack, spark=spark, unique=unique, workdir=tmp_path):
         stored = {reader: read(stack, prefix, name) for reader, read in READERS.items()}
         # Every value compared with PostgreSQL's, as an operator checks.
-        result = cdc("verify", "search", "cache", "--config", str(tmp_path / "cdc.toml"))
+        result = cdc_here("verify", "search", "cache", "--config", str(tmp_path / "cdc.toml"))
         assert_verified(result, ("search", "cache"))
     columns = source_columns(zoo, table)
     for reader, got in stored.items():
@@ -116,13 +119,13 @@ def test_plain_clients_read_every_zoo_value_in_the_documented_form_and_verify_fi
 
 @contextlib.contextmanager
 def _search_and_cache(
-    table: str, rows: int, *, pg_dsn: str, stack: Stack, unique: str, workdir: Path
+    table: str, rows: int, *, pg_dsn: str, stack: Stack, spark: SparkSession, unique: str, workdir: Path
 ) -> Iterator[None]:
     """`cdc run` and `cdc sinks run search cache` until both stores hold ``rows`` rows of ``table``."""
     prefix = f"r{unique}"
     cfg = stack.config(pg_dsn, [table], prefix=prefix, unique=unique, workdir=workdir)
     capture = cfg.start(workdir)
-    sinks = SinksProcess(workdir / "cdc.toml", workdir / "sinks.log", ["search", "cache"])
+    sinks = InProcessSinks(spark, workdir / "cdc.toml", workdir / "sinks.log", ["search", "cache"])
     try:
         capture.wait_streaming(180)
         sinks.start()

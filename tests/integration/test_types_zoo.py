@@ -39,7 +39,10 @@ from schemas import (
 )
 from tests.unit.test_types import avro_check, same, strip_logical, to_avro
 
-pytestmark = pytest.mark.pg_matrix  # `./dev test` runs it on PostgreSQL 18 too
+pytestmark = [
+    pytest.mark.pg_matrix,  # `./dev test` runs it on PostgreSQL 18 too
+    pytest.mark.xdist_group("spark"),  # two of its tests read with Spark: see tests/integration/conftest.py
+]
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -641,38 +644,41 @@ CREATE TYPE {s}.textrange AS RANGE (subtype = text, collation = "C");
 """
 
 
-def _ensure_extension(conn: psycopg.Connection[Any], name: str, schema: str) -> tuple[str, bool]:
-    """The schema holding the extension, and whether we created it (and must drop it)."""
+# The extensions live in a schema of their own that no zoo drops: several zoo fixtures (one per module) may be
+# alive at once, and an extension created in one zoo's schema would vanish with it (DROP SCHEMA … CASCADE).
+EXTENSIONS_SCHEMA = "zoo_extensions"
+
+
+def _ensure_extension(conn: psycopg.Connection[Any], name: str) -> str:
+    """The schema holding the extension (made in EXTENSIONS_SCHEMA when absent: left for later runs)."""
     found = conn.execute(
         "SELECT n.nspname FROM pg_extension e JOIN pg_namespace n ON n.oid = e.extnamespace WHERE e.extname = %s",
         (name,),
     ).fetchone()
     if found:
-        return str(found[0]), False
-    conn.execute(sql.SQL("CREATE EXTENSION {} SCHEMA {}").format(sql.Identifier(name), sql.Identifier(schema)))
-    return schema, True
+        return str(found[0])
+    conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(EXTENSIONS_SCHEMA)))
+    conn.execute(
+        sql.SQL("CREATE EXTENSION IF NOT EXISTS {} SCHEMA {}").format(
+            sql.Identifier(name), sql.Identifier(EXTENSIONS_SCHEMA)
+        )
+    )
+    return EXTENSIONS_SCHEMA
 
 
 @pytest.fixture(scope="module")
 def zoo(pg_dsn: str) -> Iterator[Zoo]:
     schema = f"zoo_{uuid.uuid4().hex[:10]}"
     conn = psycopg.connect(pg_dsn, autocommit=True)
-    created: list[str] = []
     try:
         for setting, value in TEXT_OUTPUT_SETTINGS.items():
             conn.execute(sql.SQL("SELECT set_config({}, {}, false)").format(sql.Literal(setting), sql.Literal(value)))
         conn.execute(sql.SQL("CREATE SCHEMA {}").format(sql.Identifier(schema)))
         conn.execute(_SETUP.format(s=schema).encode())
-        extensions = {}
-        for name in ("hstore", "ltree", "citext", "seg"):
-            extensions[name], mine = _ensure_extension(conn, name, schema)
-            if mine:
-                created.append(name)
+        extensions = {name: _ensure_extension(conn, name) for name in ("hstore", "ltree", "citext", "seg")}
         yield Zoo(conn, schema, extensions, xml=_parses_xml(conn))
     finally:
         conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema)))
-        for name in created:
-            conn.execute(sql.SQL("DROP EXTENSION IF EXISTS {}").format(sql.Identifier(name)))
         conn.close()
 
 

@@ -18,12 +18,16 @@ from cdc import KeyRange
 from sinks._api import TableRef
 from sinks._storage import StorageConfig, location
 from sinks._verify import SAMPLE, compare, key_texts
+from tests.integration._sinks_helpers import SPARK_WORKER
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
 # The fakes below run in Spark's Python workers, which need not import this module: they travel by value.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # type: ignore[no-untyped-call]
+
+pytestmark = SPARK_WORKER
+
 
 _SCHEMA = {
     "type": "record",

@@ -22,7 +22,8 @@ from tests.integration._capture_helpers import (
 )
 from tests.integration._sinks_helpers import cdc
 
-pytestmark = pytest.mark.slow
+# Exclusive: it sets the server-wide max_slot_wal_keep_size, which would invalidate other tests' slots.
+pytestmark = [pytest.mark.slow, pytest.mark.exclusive]
 
 _LSN = "(pg_current_wal_lsn() - '0/0')::bigint"
 

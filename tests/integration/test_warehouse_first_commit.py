@@ -14,6 +14,10 @@ from pyspark.sql import SparkSession
 from sinks._api import SinkContext, TableRef
 from sinks._config import SinksConfig, SinkSettings, WarehouseConfig
 from sinks._warehouse import WarehouseSink
+from tests.integration._sinks_helpers import SPARK_WORKER
+
+pytestmark = SPARK_WORKER
+
 
 _ROW = {"type": "record", "name": "r", "fields": [{"name": "id", "type": "int"}]}
 

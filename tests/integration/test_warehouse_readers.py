@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 from datetime import date, datetime
 from decimal import Decimal
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 import polars as pl
@@ -34,14 +34,17 @@ from psycopg import sql
 from sinks._delta_stats import parse_columns
 from sinks._values import Names, doc_converter
 from tests.integration._capture_helpers import wait_for
-from tests.integration._sinks_helpers import SinksProcess, Stack, cdc
+from tests.integration._sinks_helpers import SPARK_WORKER, InProcessSinks, Stack, cdc_here
 from tests.integration.test_capture_zoo import SourceColumn, Types, insert_rows, source_columns, types_table
 from tests.integration.test_capture_zoo import zoo_table as zoo_table  # noqa: PLC0414 - the fixture, for pytest
 from tests.integration.test_types_zoo import TEXT, ZOO, Zoo, us
 from tests.integration.test_types_zoo import zoo as zoo  # noqa: PLC0414 - the fixture, re-exported for pytest
 from tests.unit.test_types import same
 
-pytestmark = pytest.mark.timeout(1200)
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
+pytestmark = [pytest.mark.timeout(1200), SPARK_WORKER]
 
 
 def _pyarrow(path: Path) -> pa.Table:
@@ -91,16 +94,19 @@ EXACT_TYPES = {
 
 
 def test_delta_rs_and_polars_read_every_zoo_value_exactly_and_verify_finds_no_drift(
-    *, zoo: Zoo, zoo_table: tuple[str, int], pg_dsn: str, stack: Stack, unique: str, tmp_path: Path
+    *, zoo: Zoo, zoo_table: tuple[str, int], pg_dsn: str, stack: Stack, spark: SparkSession, unique: str, tmp_path: Path
 ) -> None:
     table, rows = zoo_table
     insert_rows(zoo, table, 1, rows)
     with types_table(zoo, f"edges_{unique}", EDGES) as (edges, edge_rows):
         insert_rows(zoo, edges, 1, edge_rows, EDGES)
         tables = {f"{zoo.schema}.{table}": (rows, ZOO), f"{zoo.schema}.{edges}": (edge_rows, EDGES)}
-        with _warehouse_sink(tables, pg_dsn=pg_dsn, stack=stack, unique=unique, workdir=tmp_path) as (current, cfg):
+        with _warehouse_sink(tables, pg_dsn=pg_dsn, stack=stack, spark=spark, unique=unique, workdir=tmp_path) as (
+            current,
+            cfg,
+        ):
             # `cdc verify` reads the warehouse with Spark and compares every value with PostgreSQL's.
-            result = cdc("verify", "warehouse", "--config", str(cfg), timeout=900)
+            result = cdc_here("verify", "warehouse", "--config", str(cfg))
             assert result.returncode == 0, f"{result.stdout}\n{result.stderr}"
             assert "no drift" in result.stdout, result.stdout
             paths = sorted(p for p in current.iterdir() if (p / "_delta_log").is_dir())
@@ -144,14 +150,14 @@ def _statistics_columns(path: Path) -> list[tuple[str, ...]] | None:
 
 @contextlib.contextmanager
 def _warehouse_sink(
-    tables: dict[str, tuple[int, Any]], *, pg_dsn: str, stack: Stack, unique: str, workdir: Path
+    tables: dict[str, tuple[int, Any]], *, pg_dsn: str, stack: Stack, spark: SparkSession, unique: str, workdir: Path
 ) -> Iterator[tuple[Path, Path]]:
     """`cdc run` and `cdc sinks run warehouse` until each table and its history hold its number of rows
     (counted by delta-rs on the id column alone, which any timestamp encoding leaves readable); yields the
     served copy and the configuration file."""
     cfg = stack.config(pg_dsn, list(tables), prefix=f"w{unique}", unique=unique, workdir=workdir)
     capture = cfg.start(workdir)
-    sinks = SinksProcess(workdir / "cdc.toml", workdir / "sinks.log", ["warehouse"])
+    sinks = InProcessSinks(spark, workdir / "cdc.toml", workdir / "sinks.log", ["warehouse"])
     current = workdir / "warehouse" / "current"
     try:
         capture.wait_streaming(180)

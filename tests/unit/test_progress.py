@@ -9,7 +9,7 @@ from pathlib import Path
 from cdc._metrics import CaptureMetrics
 from sinks._config import SinksConfig, SinkSettings
 from sinks._progress import checkpoint_offsets, reached, sink_progress
-from sinks._runner import offsets_moved
+from sinks._runner import batch_starts, offsets_moved
 from sinks._storage import StorageConfig, location
 
 
@@ -142,3 +142,15 @@ def test_a_batch_spans_the_offsets_between_its_end_and_the_last_batchs_end() -> 
     assert moved["p.s.a"] == 5  # both partitions
     assert "p.s.b" not in moved  # nothing new: not read by the batch
     assert moved["p.s.c"] >= 1 << 40  # a topic new to the query is read from its start: its size is unknown
+
+
+def test_the_first_batch_and_a_new_partition_start_at_the_partitions_beginning() -> None:
+    end = {("p.s.a", 0): 12, ("p.s.a", 1): 8, ("p.s.c", 0): 3}
+    # A fresh checkpoint's first batch: Spark reads every partition from its earliest offset.
+    assert batch_starts(0, None, end) == {("p.s.a", 0): 0, ("p.s.a", 1): 0, ("p.s.c", 0): 0}
+    assert offsets_moved(batch_starts(0, None, end), end) == {"p.s.a": 20, "p.s.c": 3}
+    # A later batch: from where the batch before ended; a topic new to the query from its beginning.
+    before = {("p.s.a", 0): 10, ("p.s.a", 1): 5}
+    assert batch_starts(4, before, end) == {("p.s.a", 0): 10, ("p.s.a", 1): 5, ("p.s.c", 0): 0}
+    # The batch before is not known any more: nothing is assumed.
+    assert batch_starts(4, None, end) == {}

@@ -9,7 +9,8 @@ For each service, in order:
 3. else the local services of ``pgcdc_dev.services`` are used, started on demand.
 
 ``CDC_TEST_PG`` picks the PostgreSQL major version where ``CDC_TEST_PG_DSN`` is not set: ``15`` (the default,
-Debian's server here), ``16``, ``17`` or ``18`` (the ``postgres-<N>`` local service, a ``postgres:<N>`` container).
+Debian's server here), ``16``, ``17`` or ``18`` (the ``postgres-<N>`` local service, a ``postgres:<N>`` container);
+``find("postgres", pg=...)`` asks for a version itself (the tests' ``pg_server`` fixture does, for pg_matrix suites).
 
 When none of these yields the service, its tests skip, saying why — unless ``CDC_TEST_REQUIRE_SERVICES=1``
 (set by the README's test command and CI), where a missing service fails the run instead.
@@ -18,6 +19,7 @@ When none of these yields the service, its tests skip, saying why — unless ``C
 from __future__ import annotations
 
 import atexit
+import functools
 import json
 import os
 import shutil
@@ -112,10 +114,10 @@ def pg_version() -> str:
     return version
 
 
-def _tc_postgres() -> str:
+def _tc_postgres(version: str) -> str:
     from testcontainers.postgres import PostgresContainer
 
-    pg = PostgresContainer(f"postgres:{pg_version()}", username="postgres", password="postgres", dbname="postgres")
+    pg = PostgresContainer(f"postgres:{version}", username="postgres", password="postgres", dbname="postgres")
     pg.with_command("postgres -c wal_level=logical -c max_wal_senders=20 -c max_replication_slots=20")
     _keep(pg)
     return f"postgresql://postgres:postgres@{pg.get_container_host_ip()}:{pg.get_exposed_port(5432)}/postgres"
@@ -157,7 +159,6 @@ def _tc_redis() -> str:
 
 
 _TESTCONTAINERS: dict[str, Callable[[], str]] = {
-    "postgres": _tc_postgres,
     "kafka": _tc_kafka,
     "registry": _tc_registry,
     "opensearch": _tc_opensearch,
@@ -208,8 +209,8 @@ def deploy_record(name: str) -> dict[str, Any]:
     return _deploy_endpoints(name)
 
 
-def _from_deploy(name: str) -> str:
-    record = _deploy_endpoints(PG_VERSIONS[pg_version()] if name == "postgres" else name)
+def _from_deploy(name: str, pg: str) -> str:
+    record = _deploy_endpoints(PG_VERSIONS[pg] if name == "postgres" else name)
     if name == "spark-jars":
         return ",".join(record["jars"])
     return str(record[_DEPLOY_KEYS[name]])
@@ -219,24 +220,31 @@ def _from_deploy(name: str) -> str:
 
 
 @cache
-def find(name: str) -> Found:
-    """Locate service ``name`` (see the module docstring for the order); raise ServiceUnavailableError."""
+def find(name: str, pg: str | None = None) -> Found:
+    """Locate service ``name`` (see the module docstring for the order); raise ServiceUnavailableError.
+
+    ``pg`` is PostgreSQL's major version (CDC_TEST_PG's by default); a server CDC_TEST_PG_DSN names is used
+    whatever its version."""
+    pg = (pg or pg_version()) if name == "postgres" else ""
+    if name == "postgres" and pg not in PG_VERSIONS:
+        raise ServiceUnavailableError(f"PostgreSQL {pg!r}: the versions on offer are {', '.join(PG_VERSIONS)}")
     value = from_env(name)
     if value:
         return Found(value, "env")
     failures = []
-    if name in _TESTCONTAINERS and docker_engine_answers():
+    start = functools.partial(_tc_postgres, pg) if name == "postgres" else _TESTCONTAINERS.get(name)
+    if start is not None and docker_engine_answers():
         try:
-            return Found(_TESTCONTAINERS[name](), "testcontainers")
+            return Found(start(), "testcontainers")
         except Exception as exc:  # fall through to the local services, but keep the reason
             failures.append(f"testcontainers: {exc}")
     try:
-        return Found(_from_deploy(name), "deploy")
+        return Found(_from_deploy(name, pg), "deploy")
     except (ServiceUnavailableError, OSError, subprocess.SubprocessError, ValueError, KeyError) as exc:
         failures.append(f"pgcdc_dev.services: {exc}")
     raise ServiceUnavailableError(
         f"{name} not available: set {ENV_VARS[name]}, run a Docker engine, or run "
-        f"`python -m pgcdc_dev.services up {name}`. Tried: " + "; ".join(failures)
+        f"`python -m pgcdc_dev.services up {PG_VERSIONS.get(pg, name)}`. Tried: " + "; ".join(failures)
     )
 
 
@@ -279,9 +287,9 @@ def skip_unavailable(exc: ServiceUnavailableError, why: str = "") -> NoReturn:
     pytest.skip(f"{why}: {exc}" if why else str(exc))
 
 
-def find_or_skip(name: str) -> str:
+def find_or_skip(name: str, pg: str | None = None) -> str:
     """The service's address, or skip (fail when services are required) with the reason."""
     try:
-        return find(name).value
+        return find(name, pg).value
     except ServiceUnavailableError as exc:
         skip_unavailable(exc)

@@ -262,8 +262,13 @@ def extract(archive: Path, dest: Path, top: str) -> Path:
 
 
 def maven_copy_dependencies(coords: list[str], dest: Path, exclusions: dict[str, list[str]]) -> Path:
-    """Resolve artifacts and their runtime dependencies with Maven into dest (idempotent)."""
-    if dest.exists():
+    """Resolve artifacts and their runtime dependencies with Maven into dest (idempotent).
+
+    dest keeps the request it was resolved for: a changed list of artifacts resolves again instead of
+    leaving the old jars in place."""
+    request = json.dumps({"coords": coords, "exclusions": exclusions}, sort_keys=True)
+    marker = dest / ".request.json"
+    if marker.exists() and marker.read_text() == request:
         return dest
     if not shutil.which("mvn"):
         raise DeployError("Maven (mvn) is needed to fetch jars: apt-get install -y maven")
@@ -310,6 +315,8 @@ def maven_copy_dependencies(coords: list[str], dest: Path, exclusions: dict[str,
             "store (/etc/ssl/certs/java/cacerts) from the system's; "
             f"mvn -X -s settings.xml dependency:copy-dependencies in {work} shows the cause."
         ) from exc
+    (tmp / marker.name).write_text(request)
+    shutil.rmtree(dest, ignore_errors=True)
     tmp.rename(dest)
     shutil.rmtree(work, ignore_errors=True)
     return dest
@@ -812,7 +819,9 @@ class PostgresZonky(Postgres):
 
 class Kafka(Service):
     name = "kafka"
-    ready_timeout = 120.0
+    # After an unclean stop the broker recovers every partition's log before it answers: ~1,000 partitions took
+    # 48 s on an idle machine and more than 120 s beside a starting test run. A broker that dies fails at once.
+    ready_timeout = 400.0
 
     def home(self) -> Path:
         return OPT / f"kafka-{KAFKA_VERSION}"
@@ -824,8 +833,9 @@ class Kafka(Service):
         libs = maven_copy_dependencies(
             [
                 f"org.apache.kafka:kafka_{SCALA_BINARY}:{KAFKA_VERSION}",
-                # the Maven artifact has no logging binding; Kafka 4 logs through log4j2
-                f"org.apache.logging.log4j:log4j-slf4j-impl:{LOG4J_VERSION}",
+                # the Maven artifact has no logging binding; Kafka 4 logs through SLF4J 2 to log4j2 (the
+                # slf4j-impl binding is SLF4J 1's: with it Kafka logs nothing)
+                f"org.apache.logging.log4j:log4j-slf4j2-impl:{LOG4J_VERSION}",
                 f"org.apache.logging.log4j:log4j-core:{LOG4J_VERSION}",
                 f"org.slf4j:slf4j-api:{SLF4J_VERSION}",
             ],
@@ -896,8 +906,8 @@ class Kafka(Service):
                     *self.java(),
                     "kafka.tools.StorageTool",
                     "format",
-                    "-t",
-                    cluster_id,
+                    # One argument: an id that begins with '-' (one in 64 do) would read as an option.
+                    f"--cluster-id={cluster_id}",
                     "-c",
                     str(props),
                     "--standalone",

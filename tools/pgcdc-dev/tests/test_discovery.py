@@ -33,21 +33,16 @@ def test_every_service_has_a_variable() -> None:
     }
 
 
-@pytest.mark.parametrize(
-    ("topic", "deleted"),
-    [
-        ("plainf964bd61a3", True),  # a test's prefix and its `unique` suffix
-        ("txgap.table.0a1b2c3d4e", True),
-        ("hb55af816e1.public.t", True),
-        ("pgcdc.public.orders", False),  # a demo's
-        ("bench_bigtxn_1795542778686.public.events", False),  # a benchmark's: digits only
-        ("kafkasql-snapshots", False),  # the registry's
-        ("registry-events", False),
-        ("__consumer_offsets", False),
-        ("_apicurio_registry", False),
-    ],
-)
-def test_only_topics_named_like_a_tests_are_cleaned_up(topic: str, deleted: bool) -> None:
-    from tests.conftest import _made_by_a_test
+def test_a_version_the_services_do_not_offer_is_refused_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("CDC_TEST_PG_DSN", raising=False)
+    with pytest.raises(discovery.ServiceUnavailableError, match="PostgreSQL '14'"):
+        discovery.find("postgres", pg="14")
 
-    assert _made_by_a_test(topic) is deleted
+
+def test_a_server_named_by_its_dsn_serves_every_version(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CDC_TEST_PG_DSN", "postgresql://example.invalid/x")
+    discovery.find.cache_clear()
+    try:
+        assert discovery.find("postgres", pg="18") == discovery.Found("postgresql://example.invalid/x", "env")
+    finally:
+        discovery.find.cache_clear()

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import time
 
+import pytest
 from confluent_kafka.admin import AdminClient
 from pgcdc_dev.bench import warm_broker as _warm_broker
+
+pytestmark = pytest.mark.integration  # the real broker: `./dev test` runs it once the services are up
 
 
 def test_the_warm_up_produces_in_windows_and_deletes_its_topic(kafka_bootstrap: str) -> None:

@@ -1,0 +1,25 @@
+"""The demo's measure of freshness: when each store first showed a change of the live workload."""
+
+from __future__ import annotations
+
+from pgcdc._demo import _FirstRows
+
+
+def test_each_store_is_timed_from_the_first_change_past_what_it_held_then() -> None:
+    first = _FirstRows()
+    snapshot = {"search public.customers": (200, "200 documents"), "cache public.customers": (200, "200 entries")}
+    first.look(snapshot)  # before any change: not timed
+    assert first.after == {}
+    first.changed({**snapshot, "warehouse": (200, "1 batches, 200 events")})
+    first.changed({})  # only the first change counts
+    first.look({**snapshot, "cache public.orders": (2, "2 entries"), "warehouse": (200, "1 batches, 200 events")})
+    assert set(first.after) == {"cache"}  # the search index and the warehouse hold only what they held
+    cache = first.after["cache"]
+    first.look({"search public.customers": (201, "201 documents"), "cache public.orders": (9, "9 entries")})
+    assert set(first.after) == {"cache", "search"}
+    assert first.after["cache"] == cache  # the first time only
+    assert first.note("cache public.customers").startswith(" (changes arriving ")
+    assert first.note("warehouse") == ""
+    summary = first.summary()
+    assert "warehouse never during the live part" in summary
+    assert summary.index("search") < summary.index("cache")  # in the stores' order
