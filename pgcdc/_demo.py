@@ -271,7 +271,7 @@ def run_demo(
     try:
         if sinks_proc is not None:
             demo.wait_for_sinks(proc, sinks_proc)
-        if not demo.watch(dsn, proc, seconds):
+        if not demo.wait_streaming(proc, log) or not demo.watch(dsn, proc, seconds):
             demo.console.print(f"[red]the capture service exited ({proc.returncode}); see {log}[/]")
             return 1
     finally:
@@ -348,6 +348,21 @@ port = {_DEMO_METRICS_PORT}
                 time.sleep(0.5)
         told = ", ".join(f"{s} {ready[s]:.1f}s" if s in ready else f"{s} not yet" for s in _STORES)
         self.console.print(f"the sinks' first start: the snapshot's rows in the stores after {told}")
+
+    def wait_streaming(self, proc: subprocess.Popen[bytes], log: Path, timeout_s: float = 300) -> bool:
+        """Until the capture has taken its snapshot and streams from its slot, so the live part's seconds are all
+        spent streaming; False when it exited first (the caller says so)."""
+        started = time.monotonic()
+        with self.console.status("the capture starts: its slot, the snapshot, then streaming"):
+            while proc.poll() is None and time.monotonic() - started < timeout_s:
+                if "streaming from slot" in log.read_text(errors="replace"):
+                    self.console.print(f"the capture streams after {time.monotonic() - started:.1f}s")
+                    return True
+                time.sleep(0.2)
+        if proc.poll() is None:
+            self.console.print(f"[yellow]the capture is not streaming after {timeout_s:.0f}s; see {log}[/]")
+            return True  # the live part shows what does arrive
+        return False
 
     def watch(self, dsn: str, proc: subprocess.Popen[bytes], seconds: float) -> bool:
         """The workload for ``seconds``, with a live table of the events read back from Kafka (and the stores'
