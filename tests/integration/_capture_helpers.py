@@ -176,8 +176,10 @@ class ChildProcess:
         self.launcher = launcher or [sys.executable, "-m", "pgcdc"]
         self.env: dict[str, str] = {}
         self.proc: subprocess.Popen[bytes] | None = None
+        self._run_starts_at = 0  # where this run's output begins in ``log`` (earlier runs' output comes before)
 
     def start(self) -> None:
+        self._run_starts_at = self.log.stat().st_size if self.log.exists() else 0
         out = open(self.log, "ab")  # noqa: SIM115 - handed to the child, closed by it
         self.proc = subprocess.Popen(
             [*self.launcher, *self.args],
@@ -205,6 +207,14 @@ class ChildProcess:
     def tail(self, n: int = 60) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:]) if self.log.exists() else ""
 
+    def this_run(self) -> str:
+        """What the process started last has written (a restart's output, not its predecessors')."""
+        if not self.log.exists():
+            return ""
+        with open(self.log, "rb") as f:
+            f.seek(self._run_starts_at)
+            return f.read().decode(errors="replace")
+
 
 class CdcProcess(ChildProcess):
     """`cdc run` on a configuration file."""
@@ -215,8 +225,9 @@ class CdcProcess(ChildProcess):
         self.config = config
 
     def wait_streaming(self, timeout: float = 120) -> None:
-        """Until the snapshot (if any) is done and changes are being streamed."""
-        wait_for(lambda: "streaming from slot" in self.tail(), timeout, "streaming to start", self)
+        """Until the snapshot (if any) is done and changes are being streamed, said by this run's log (a busy
+        debug log can push the line out of any fixed tail before a poll sees it)."""
+        wait_for(lambda: "streaming from slot" in self.this_run(), timeout, "streaming to start", self)
 
     def stop(self) -> None:
         """SIGTERM if still running; a clean shutdown must exit 0."""

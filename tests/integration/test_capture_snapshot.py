@@ -137,7 +137,7 @@ def test_snapshot_with_concurrent_writes_ends_at_the_source_state(
             proc.kill()
             assert "snapshot done" not in proc.tail(), "the snapshot finished before the kill: test proves nothing"
             proc.start()
-        wait_for(lambda: "streaming from slot" in proc.tail(), 180, "the snapshot to finish", proc)
+        wait_for(lambda: "streaming from slot" in proc.this_run(), 180, "the snapshot to finish", proc)
         stop_workload_and_converge(
             done, writer, dsn=source, kafka=kafka_bootstrap, registry=registry_url, topic=topic, proc=proc
         )
