@@ -743,8 +743,11 @@ class Postgres(Service):
         return self.bindir()
 
     def ready(self) -> bool:
+        pg_isready = self.client_bindir() / "pg_isready"
+        if not pg_isready.exists():  # not installed (e.g. PostgreSQL 18 where only the demo's services are)
+            return False
         proc = subprocess.run(
-            [str(self.client_bindir() / "pg_isready"), "-q", "-h", "127.0.0.1", "-p", str(self.port)],
+            [str(pg_isready), "-q", "-h", "127.0.0.1", "-p", str(self.port)],
             capture_output=True,
             check=False,
         )
