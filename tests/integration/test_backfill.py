@@ -420,7 +420,9 @@ def test_a_backfill_of_listed_keys_reads_them_and_deletes_those_gone(
             ["public.k"],
             f"s_{unique}",
             f"p_{unique}",
-            extra="backfill_chunk_rows = 50\nbackfill_rows_per_s = 60\nsignal_poll_s = 0.2",
+            # ~4 s a chunk: a busy machine's `cdc snapshot --list` polls, the update and the stop all fit before
+            # the last of the six chunks (at 60 rows/s, 0.8 s a chunk, the backfill ended first on CI).
+            extra="backfill_chunk_rows = 50\nbackfill_rows_per_s = 12\nsignal_poll_s = 0.2",
         )
         topic = f"bk{unique}.public.k"
         config = cfg.write(tmp_path / "cdc.toml")
