@@ -166,7 +166,16 @@ heartbeat_interval_s = {self.heartbeat_interval_s}
         return proc
 
 
-class ChildProcess:
+class LogView:
+    """What a running `cdc` has written to ``log``: child processes and the in-process sinks alike."""
+
+    log: Path
+
+    def tail(self, n: int = 60) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:]) if self.log.exists() else ""
+
+
+class ChildProcess(LogView):
     """A `cdc …` command as a child process, as an operator would run it; output appended to ``log``."""
 
     def __init__(self, args: list[str], log: Path, launcher: list[str] | None = None) -> None:
@@ -203,9 +212,6 @@ class ChildProcess:
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
-
-    def tail(self, n: int = 60) -> str:
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:]) if self.log.exists() else ""
 
     def this_run(self) -> str:
         """What the process started last has written (a restart's output, not its predecessors')."""

@@ -30,6 +30,7 @@ from tests.integration._capture_helpers import (
     CdcConfig,
     CdcProcess,
     ChildProcess,
+    LogView,
     records_to_end,
     scratch_database,
     wait_for,
@@ -114,7 +115,14 @@ def cdc(*args: str, timeout: float = 600, env: Mapping[str, str] | None = None) 
     )
 
 
-class SinksProcess(ChildProcess):
+class SinksLog(LogView):
+    """The sinks' log, whether a child process or the test's own process writes it."""
+
+    def batches(self) -> int:
+        return self.log.read_text(errors="replace").count(": batch ") if self.log.exists() else 0
+
+
+class SinksProcess(ChildProcess, SinksLog):
     """`cdc sinks run [NAME…]` on a configuration file."""
 
     def __init__(self, config: Path, log: Path, names: list[str] | None = None) -> None:
@@ -125,11 +133,8 @@ class SinksProcess(ChildProcess):
         assert self.proc is not None
         return self.terminate(120) if self.alive() else int(self.proc.returncode)
 
-    def batches(self) -> int:
-        return self.log.read_text(errors="replace").count(": batch ") if self.log.exists() else 0
 
-
-class InProcessSinks:
+class InProcessSinks(SinksLog):
     """`cdc sinks run [NAME…]` inside the test process, on the run's one Spark application (the ``spark``
     fixture): for tests of what the stores hold. Starting Spark is most of a small test's time; tests of the
     process itself (kills, signals, exit codes, spark-submit, its log) use :class:`SinksProcess`.
@@ -193,12 +198,6 @@ class InProcessSinks:
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    def tail(self, n: int = 60) -> str:
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:]) if self.log.exists() else ""
-
-    def batches(self) -> int:
-        return self.log.read_text(errors="replace").count(": batch ") if self.log.exists() else 0
-
 
 _LOGGERS = ("sinks", "cdc")
 
@@ -209,23 +208,11 @@ def cdc_here(*args: str, env: Mapping[str, str] | None = None) -> subprocess.Com
     from pgcdc import sinks_cli
 
     out, err = io.StringIO(), io.StringIO()
-    with _environment(env or {}), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        for name, value in (env or {}).items():
+            patch.setenv(name, value)
         code = sinks_cli.main(list(args))
     return subprocess.CompletedProcess(["cdc", *args], code, out.getvalue(), err.getvalue())
-
-
-@contextlib.contextmanager
-def _environment(env: Mapping[str, str]) -> Iterator[None]:
-    saved = {name: os.environ.get(name) for name in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def dead_letters(kafka: str, topic: str) -> list[dict[str, str]]:
