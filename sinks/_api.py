@@ -276,6 +276,19 @@ class StorePart(Protocol):
 
 
 @runtime_checkable
+class DropsGeneration(Protocol):
+    """A :class:`Rebuildable` sink whose replaced copy the serving app drops once more after it switches.
+
+    A batch of the served generation that began just before a rebuild's swap can end after the swap dropped
+    that copy, and writing it creates part of the copy anew (an index, keys, a table's files). The app stops
+    that generation's query before it starts the new one's, so a drop then leaves nothing behind."""
+
+    def drop_generation(self, generation: int) -> None:
+        """Delete everything stored for ``generation`` (never the served one); idempotent."""
+        ...
+
+
+@runtime_checkable
 class ReadsInParts(Protocol):
     """A :class:`Rebuildable` sink whose copy ``cdc verify`` reads in parallel executor tasks (search: sliced
     scrolls; cache: a share of the keys each). Without it, verify reads ``read_table`` on the driver."""

@@ -96,6 +96,9 @@ class CacheSink(BaseSink):
 
     def prepare_generation(self, generation: int) -> None:
         # Keys appear as rows are written; leftovers of an earlier, failed rebuild to this number go first.
+        self.drop_generation(generation)
+
+    def drop_generation(self, generation: int) -> None:
         self._drop(f"{_glob_escape(self.namespace)}:g{generation}:*")
 
     def swap(self, generation: int) -> None:
@@ -103,7 +106,7 @@ class CacheSink(BaseSink):
         _call(self.client.set, f"{self.namespace}:current", str(generation))
         if old is not None and old != generation:
             time.sleep(self.context.settings.sinks.swap_grace_s)  # readers that read the old number finish first
-            self._drop(f"{_glob_escape(self.namespace)}:g{old}:*")
+            self.drop_generation(old)
 
     def _drop(self, pattern: str) -> None:
         batch: list[Any] = []

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import pyspark
 
 from common.errors import CDCError
-from sinks._api import PartitionSink, Rebuildable, SinkContext
+from sinks._api import DropsGeneration, PartitionSink, Rebuildable, SinkContext
 from sinks._bridge import Bridge
 from sinks._fold import TopicSchemas
 from sinks._lane import Lane
@@ -661,7 +661,7 @@ class _Supervisor:
         self.queries.pop(name)
         if error is not None and _GENERATION_CHANGED in str(error):
             log.info("sink %s: a rebuild swapped in a new generation; switching to it", name)
-            self._start(name)
+            self._start(name, replaced=q.generation)
             return
         full = _state_disk_full(self.settings, name, error)
         if full is not None:  # terminal for the whole app: see common.errors.StateDiskFullError
@@ -675,17 +675,21 @@ class _Supervisor:
             log.warning("sink %s: the query failed:\n%s", name, error)
         self._back_off(name, f"stopped: {_short(error)}")
 
-    def _start(self, name: str) -> None:
-        """Starts the sink on a thread of its own: its warm-up takes seconds, which no other sink waits for."""
+    def _start(self, name: str, replaced: int | None = None) -> None:
+        """Starts the sink on a thread of its own: its warm-up takes seconds, which no other sink waits for.
+        ``replaced``: the generation whose query stopped because a rebuild swapped in a new one."""
         self.started_at[name] = time.monotonic()
-        thread = threading.Thread(target=self._launch, args=(name,), name=f"pgcdc-start-{name}", daemon=True)
+        thread = threading.Thread(target=self._launch, args=(name, replaced), name=f"pgcdc-start-{name}", daemon=True)
         self.starting[name] = thread
         thread.start()
 
-    def _launch(self, name: str) -> None:
+    def _launch(self, name: str, replaced: int | None) -> None:
         try:
             probe = _opened(name, self.settings, 0, self.spark)
             generation = served_generation(probe)
+            if replaced is not None and replaced < generation and isinstance(probe, DropsGeneration):
+                probe.drop_generation(replaced)  # what its last batch wrote after the swap's drop: see the protocol
+                log.info("sink %s: generation %d's query stopped; what it left was dropped", name, replaced)
             probe.close()
             q = SinkQuery(name, self.settings, self.spark, generation)
             q.warm()

@@ -117,8 +117,11 @@ class SearchSink(BaseSink):
 
     def prepare_generation(self, generation: int) -> None:
         # Indices are created with their table's first batch; leftovers of a failed rebuild go first.
-        _call(self.client.indices.delete, index=f"{self.prefix}-*-g{generation}", ignore_unavailable=True)
+        self.drop_generation(generation)
         self._mapped.clear()
+
+    def drop_generation(self, generation: int) -> None:
+        _call(self.client.indices.delete, index=f"{self.prefix}-*-g{generation}", ignore_unavailable=True)
 
     def swap(self, generation: int) -> None:
         old = self.current_generation()
@@ -129,7 +132,7 @@ class SearchSink(BaseSink):
             # Searches that resolved an alias just before the swap are still running on the old indices;
             # deleting them at once would fail those searches ("all shards failed").
             time.sleep(self.context.settings.sinks.swap_grace_s)
-            _call(self.client.indices.delete, index=f"{self.prefix}-*-g{old}", ignore_unavailable=True)
+            self.drop_generation(old)
 
     def _serve(self, generation: int) -> None:
         """Give a generation's indices the settings of served ones (a rebuild built them without refreshes or

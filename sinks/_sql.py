@@ -347,6 +347,9 @@ class SqlSink(BaseSink):
 
     def prepare_generation(self, generation: int) -> None:
         # Tables appear with their first batch; leftovers of an earlier, failed rebuild to this number go first.
+        self.drop_generation(generation)
+
+    def drop_generation(self, generation: int) -> None:
         with _transient(), self.engine.begin() as conn:
             _drop_generation(conn, self.layout, generation)
         self._migrated = {k: v for k, v in self._migrated.items() if k[1] != generation}
@@ -363,8 +366,7 @@ class SqlSink(BaseSink):
                 conn.execute(generations.insert().values(sink=self.layout.sink, generation=generation))
         if old is not None and old != generation:
             time.sleep(self.context.settings.sinks.swap_grace_s)  # queries that began on the old tables end first
-            with _transient(), self.engine.begin() as conn:
-                _drop_generation(conn, self.layout, old)
+            self.drop_generation(old)
 
     # --- read back (verify) ----------------------------------------------------------------------------
 

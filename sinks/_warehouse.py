@@ -122,8 +122,11 @@ class WarehouseSink(BaseSink):
 
     def prepare_generation(self, generation: int) -> None:
         # Leftovers of an earlier, failed rebuild to this number go first.
-        (self.base / f"g{generation}").remove_tree()
+        self.drop_generation(generation)
         (self.base / f"g{generation}").make_dirs()
+
+    def drop_generation(self, generation: int) -> None:
+        (self.base / f"g{generation}").remove_tree()
 
     def swap(self, generation: int) -> None:
         old = self.current_generation()
@@ -137,7 +140,7 @@ class WarehouseSink(BaseSink):
             os.replace(link, base / "current")
         if old is not None and old != generation:
             time.sleep(self.context.settings.sinks.swap_grace_s)  # readers of the old copy finish first
-            (self.base / f"g{old}").remove_tree()
+            self.drop_generation(old)
 
     def read_table(self, table: TableRef, generation: int) -> Iterator[tuple[str, dict[str, Any]]]:
         read = self.read_frame(table, generation)

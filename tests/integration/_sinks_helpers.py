@@ -389,11 +389,12 @@ def captured(
 
 
 def assert_no_drift(config: Path, sinks: SinksProcess | InProcessSinks, *, spark: SparkSession | None = None) -> None:
-    """`cdc verify` of every built-in sink, in one command (waiting up to 240 s each for it to converge), finds
+    """`cdc verify` of every built-in sink, in one command (waiting up to 480 s each for it to converge), finds
     no drift: run in the test process on ``spark`` (the fixture) when given, else as a child process (a
-    configuration the run's Spark application cannot serve: an object store's, say)."""
-    args = ("verify", *SINKS, "--config", str(config), "--wait", "240")
-    result = cdc_here(*args) if spark is not None else cdc(*args, timeout=1200)
+    configuration the run's Spark application cannot serve: an object store's, say). A busy machine's warehouse
+    takes a minute and more a batch while verify reads beside it; the wait ends as soon as a store converges."""
+    args = ("verify", *SINKS, "--config", str(config), "--wait", "480")
+    result = cdc_here(*args) if spark is not None else cdc(*args, timeout=2400)
     assert_verified(result, SINKS, sinks.tail())
 
 

@@ -1,15 +1,16 @@
-"""The sinks on a Spark standalone cluster (a master and two workers, separate JVMs), run as docs/sinks.md
-says: spark-submit in client mode, pgcdc shipped to the executors as a PEX file whose interpreter does not
-have pgcdc installed (the workers run this machine's plain ``python3.11``).
+"""The sinks on a Spark standalone cluster (a master and two workers, separate JVMs), run as docs/sinks.md says:
+spark-submit in client mode, pgcdc shipped to the executors as a PEX file whose interpreter does not have pgcdc
+installed (the workers run this machine's plain ``python3.11``).
 
-The checkpoints, the status files and the warehouse are in a bucket of the local S3-compatible server
-(s3proxy), reached through Hadoop's S3A connector on the JVMs' classpath; nothing of them lands on the local
-disk. The pipeline's workload streams through the capture while the submitted application is SIGKILLed once
-and submitted again; then the warehouse is rebuilt beside the served copy (by a local `cdc sinks rebuild` on
-the same bucket: local Spark on S3A too) and the application follows the swap; every store then verifies
-without drift, the poison record reached the dead-letter topic from each sink, and Spark's REST API shows the
-writing stages' tasks on both executors. Readers that are not Spark then read the bucket: ``cdc status`` with
-pyspark made unimportable, and delta-rs reading the served table as docs/sinks.md tells readers to.
+The checkpoints, the status files and the warehouse are in a bucket of the local S3-compatible server (s3proxy),
+reached through Hadoop's S3A connector on the JVMs' classpath; nothing of them lands on the local disk. The
+pipeline's workload streams through the capture while the submitted application is SIGKILLed once and submitted
+again; in the long profile the warehouse is then rebuilt beside the served copy (by a local `cdc sinks rebuild` on
+the same bucket: local Spark on S3A too) and the application follows the swap and drops what its last batch left in
+the replaced copy. Every store then verifies without drift, the poison record reached the dead-letter topic from each
+sink, and Spark's REST API shows the writing stages' tasks on both executors. Readers that are not Spark then read
+the bucket: ``cdc status`` with pyspark made unimportable, and delta-rs reading the served table as docs/sinks.md
+tells readers to.
 """
 
 from __future__ import annotations
@@ -97,8 +98,15 @@ def _write_tasks_by_executor(api: str) -> tuple[Counter[str], dict[str, str]]:
     return tasks, executors
 
 
+@pytest.mark.parametrize(
+    "rebuild",
+    # A rebuild in the bucket while the cluster serves it: in the long profile (~4 minutes more). The default
+    # suite rebuilds while an application serves in test_sinks_pipeline.py, on the local disk.
+    [pytest.param(False, id="kill"), pytest.param(True, id="kill-and-rebuild", marks=pytest.mark.long)],
+)
 def test_sinks_on_a_standalone_cluster_survive_a_kill_with_no_drift(
     *,
+    rebuild: bool,
     source: str,
     stack: Stack,
     object_store: ObjectStore,
@@ -144,19 +152,23 @@ def test_sinks_on_a_standalone_cluster_survive_a_kill_with_no_drift(
         wait_for(lambda: sinks.batches() > before + 3, 420, "batches after the restart", None)
         time.sleep(10)
         workload.finish()
-        # Rebuilt while the cluster's application serves it: a one-shot `cdc sinks rebuild` on another Spark
-        # (local) and the same bucket; the application then follows the swap to generation 2.
-        rebuilt = cdc("sinks", "rebuild", "warehouse", "--config", str(config), timeout=900)
-        assert rebuilt.returncode == 0, f"{rebuilt.stdout}\n{rebuilt.stderr}"
-        assert "generation 2 is now served" in rebuilt.stdout
-        with psycopg.connect(source, autocommit=True) as conn:
-            conn.execute("UPDATE items SET note = 'after the rebuild' WHERE id % 5 = 0")
+        if rebuild:
+            # Rebuilt while the cluster's application serves it: a one-shot `cdc sinks rebuild` on another Spark
+            # (local) and the same bucket; the application then follows the swap to generation 2.
+            rebuilt = cdc("sinks", "rebuild", "warehouse", "--config", str(config), timeout=900)
+            assert rebuilt.returncode == 0, f"{rebuilt.stdout}\n{rebuilt.stderr}"
+            assert "generation 2 is now served" in rebuilt.stdout
+            with psycopg.connect(source, autocommit=True) as conn:
+                conn.execute("UPDATE items SET note = 'after the rebuild' WHERE id % 5 = 0")
         assert_no_drift(config, sinks)
         tasks, executors = _write_tasks_by_executor(sinks.ui)
         assert len(executors) == 2, executors
         assert all(tasks[e] > 0 for e in executors), (tasks, executors)
         assert "run by spark-submit" in sinks.log.read_text()
-        _assert_state_in_the_bucket(object_store, bucket.name)
+        if rebuild:
+            left = "sink warehouse: generation 1's query stopped; what it left was dropped"
+            wait_for(lambda: left in sinks.log.read_text(), 120, "generation 1's leftovers dropped", sinks)
+        _assert_state_in_the_bucket(object_store, bucket.name, 2 if rebuild else 1)
         assert not list(tmp_path.glob("state")), "nothing of the state may land on the local disk"
         _assert_read_without_spark(config, object_store, bucket.name, source)
         poison = [d for d in dead_letters(stack.kafka, f"k{unique}.dead-letter") if "garbage" in d["value"]]
@@ -169,13 +181,18 @@ def test_sinks_on_a_standalone_cluster_survive_a_kill_with_no_drift(
         capture.stop()
 
 
-def _assert_state_in_the_bucket(store: ObjectStore, bucket: str) -> None:
+def _assert_state_in_the_bucket(store: ObjectStore, bucket: str, warehouse: int) -> None:
+    """The warehouse serves generation ``warehouse`` (any replaced one is gone); every query's checkpoint is in
+    the bucket."""
     fs = store.filesystem()
     keys = store.keys(bucket)
     with fs.open_input_stream(f"{bucket}/warehouse/_cdc_current") as f:
-        assert f.read() == b"2\n"
-    assert not [k for k in keys if k.startswith(f"{bucket}/warehouse/g1/")], "the replaced generation is dropped"
-    for name, generation in (("search", 1), ("cache", 1), ("warehouse", 2)):
+        assert f.read() == f"{warehouse}\n".encode()
+    served = [k for k in keys if k.startswith(f"{bucket}/warehouse/g{warehouse}/")]
+    assert served
+    for old in range(1, warehouse):
+        assert not [k for k in keys if k.startswith(f"{bucket}/warehouse/g{old}/")], "a replaced generation is dropped"
+    for name, generation in (("search", 1), ("cache", 1), ("warehouse", warehouse)):
         commits = f"{bucket}/state/{name}/g{generation}/checkpoint/commits/"
         assert any(k.startswith(commits) for k in keys), commits
 

@@ -26,6 +26,9 @@ from types import FrameType
 # master, workers and executors run others.
 _DRIVER_CLASS = b"org.apache.spark.deploy.SparkSubmit"
 _SAMPLE_S = 0.5
+# spark-submit and spark-class, the shell scripts between a driver JVM and what asked for it.
+_LAUNCHER = b"pyspark/bin/"
+_LAUNCH_DEPTH = 4
 
 
 def spark_drivers(proc: Path = Path("/proc")) -> set[tuple[int, int]]:
@@ -47,12 +50,19 @@ def spark_drivers(proc: Path = Path("/proc")) -> set[tuple[int, int]]:
 
 
 def started_by(pid: int, proc: Path = Path("/proc")) -> str:
-    """What started process ``pid``: its parent's command line (a test's `cdc …` names the test's directory)."""
-    try:
-        parent = int((proc / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        return (proc / str(parent) / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
-    except (OSError, ValueError, IndexError):
-        return "?"
+    """What started process ``pid``: the command line of its nearest ancestor that is not one of Spark's launch
+    scripts (``spark-submit`` runs ``spark-class`` in a shell; a test's `cdc …` names the test's directory)."""
+    command = "?"
+    for _ in range(_LAUNCH_DEPTH):
+        try:
+            pid = int((proc / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (proc / str(pid) / "cmdline").read_bytes()
+        except (OSError, ValueError, IndexError):
+            return command
+        command = cmdline.replace(b"\0", b" ").decode(errors="replace").strip()
+        if _LAUNCHER not in cmdline:
+            return command
+    return command
 
 
 def watch_spark(out: Path) -> None:

@@ -29,11 +29,11 @@ def test_the_slowest_tests_come_first_across_reports(tmp_path: Path) -> None:
     assert lines[-1] == "Spark applications started: 7; by what started them:"
 
 
-def _process(proc: Path, pid: int, cmdline: bytes, started: int) -> None:
+def _process(proc: Path, pid: int, cmdline: bytes, started: int, parent: int = 0) -> None:
     entry = proc / str(pid)
     entry.mkdir()
     (entry / "cmdline").write_bytes(cmdline)
-    fields = ["S", *["0"] * 18, str(started), "0"]  # state, then fields 4-21, starttime (22), vsize
+    fields = ["S", str(parent), *["0"] * 17, str(started), "0"]  # state, parent, fields 5-21, starttime (22), vsize
     (entry / "stat").write_text(f"{pid} (java with spaces) {' '.join(fields)}\n")
 
 
@@ -44,6 +44,17 @@ def test_only_spark_drivers_are_counted_by_pid_and_start_time(tmp_path: Path) ->
     _process(tmp_path, 102, b"java\x00kafka.Kafka\x00", 5002)
     (tmp_path / "self").mkdir()
     assert testrun.spark_drivers(tmp_path) == {(100, 5000)}
+
+
+def test_a_driver_is_put_down_to_what_ran_spark_submit_not_to_its_scripts(tmp_path: Path) -> None:
+    verify = b"python\x00-m\x00pgcdc\x00verify\x00--config\x00/tmp/pytest-3/test_toast0/cdc.toml\x00"
+    _process(tmp_path, 40, verify, 10)
+    _process(
+        tmp_path, 50, b"bash\x00/venv/lib/pyspark/bin/spark-class\x00org.apache.spark.deploy.SparkSubmit\x00", 11, 40
+    )
+    _process(tmp_path, 100, b"java\x00org.apache.spark.deploy.SparkSubmit\x00", 12, 50)
+    assert testrun.started_by(100, tmp_path) == "python -m pgcdc verify --config /tmp/pytest-3/test_toast0/cdc.toml"
+    assert testrun.started_by(40, tmp_path) == "?"  # its parent (pid 0) is gone
 
 
 def test_applications_are_counted_by_the_test_that_started_them() -> None:
