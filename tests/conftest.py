@@ -22,8 +22,9 @@ if TYPE_CHECKING:
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` selects by the markers it adds
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     long_profile = os.environ.get("CDC_TEST_LONG", "") not in ("", "0")
+    _one_version_params(config, items)
     for item in items:
         if "integration" in Path(str(item.path)).parts:
             item.add_marker(pytest.mark.integration)
@@ -71,6 +72,21 @@ MATRIX = (discovery.DEFAULT_PG_VERSION, "18")
 def _matrix() -> tuple[str, ...]:
     named = os.environ.get("CDC_TEST_PG_DSN") or os.environ.get("CDC_TEST_PG", "").strip()
     return () if named else MATRIX
+
+
+def _one_version_params(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """A pg_matrix test's case marked one_version (``pytest.param(…, marks=pytest.mark.one_version)``) runs on
+    the matrix's first server only: pytest_generate_tests sees the function's markers, not its cases'."""
+    dropped = [
+        item
+        for item in items
+        if item.get_closest_marker("one_version")
+        and getattr(item, "callspec", None) is not None
+        and item.callspec.params.get("pg_server", MATRIX[0]) != MATRIX[0]  # type: ignore[attr-defined]
+    ]
+    if dropped:
+        items[:] = [item for item in items if item not in dropped]
+        config.hook.pytest_deselected(items=dropped)
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
