@@ -106,7 +106,7 @@ def _write_tasks_by_executor(api: str) -> tuple[Counter[str], dict[str, str]]:
     # local disk.
     [pytest.param(False, id="run"), pytest.param(True, id="kill-and-rebuild", marks=pytest.mark.long)],
 )
-def test_sinks_on_a_standalone_cluster_survive_a_kill_with_no_drift(
+def test_sinks_on_a_standalone_cluster_keep_the_stores_in_a_bucket_with_no_drift(
     *,
     faults: bool,
     source: str,
