@@ -20,10 +20,11 @@ Examples are derandomized (the same ones on every run); a failure prints the fal
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -140,6 +141,21 @@ _COLLIDING = [  # "a b" and "a_b" become one topic name: the documented refusal
 ]
 
 
+@pytest.fixture
+def captured_exactly(
+    source: str, kafka_bootstrap: str, registry_url: str, unique: str, tmp_path: Path
+) -> Callable[[list[h.Table]], None]:
+    """The capture property over a set of tables, on this test's server and services."""
+    return functools.partial(
+        _captured_exactly,
+        source=source,
+        kafka_bootstrap=kafka_bootstrap,
+        registry_url=registry_url,
+        unique=unique,
+        tmp_path=tmp_path,
+    )
+
+
 @pytest.mark.parametrize(
     "tables",
     [
@@ -149,17 +165,10 @@ _COLLIDING = [  # "a b" and "a_b" become one topic name: the documented refusal
     ],
 )
 def test_the_worst_names_are_captured_exactly(
-    *, tables: list[h.Table], source: str, kafka_bootstrap: str, registry_url: str, unique: str, tmp_path: Path
+    *, tables: list[h.Table], captured_exactly: Callable[[list[h.Table]], None]
 ) -> None:
     """The hand-picked sets, on each server of the matrix (its catalog queries differ by version)."""
-    _captured_exactly(
-        tables,
-        source=source,
-        kafka_bootstrap=kafka_bootstrap,
-        registry_url=registry_url,
-        unique=unique,
-        tmp_path=tmp_path,
-    )
+    captured_exactly(tables)
 
 
 @pytest.mark.one_version  # drawn names exercise the quoting, which no server version changes
@@ -173,16 +182,9 @@ def test_the_worst_names_are_captured_exactly(
 )
 @given(tables=h.table_sets())
 def test_hostile_names_are_captured_exactly(
-    *, tables: list[h.Table], source: str, kafka_bootstrap: str, registry_url: str, unique: str, tmp_path: Path
+    *, tables: list[h.Table], captured_exactly: Callable[[list[h.Table]], None]
 ) -> None:
-    _captured_exactly(
-        tables,
-        source=source,
-        kafka_bootstrap=kafka_bootstrap,
-        registry_url=registry_url,
-        unique=unique,
-        tmp_path=tmp_path,
-    )
+    captured_exactly(tables)
 
 
 def _captured_exactly(

@@ -153,7 +153,6 @@ def test_sinks_on_a_standalone_cluster_keep_the_stores_in_a_bucket_with_no_drift
             sinks.start()
             before = sinks.batches()
             wait_for(lambda: sinks.batches() > before + 3, 420, "batches after the restart", None)
-            time.sleep(10)
         workload.finish()
         if faults:
             # Rebuilt while the cluster's application serves it: a one-shot `cdc sinks rebuild` on another Spark
