@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -143,6 +144,9 @@ def submit_command(*, master: str, pex: Path | None, jars: list[str], ui_port: i
         "--conf", f"spark.ui.port={ui_port}",
         "--conf", "spark.ui.showConsoleProgress=false",
         *(extra if classpath else []),
+        # The workers start the executors' JVMs with their own environment: the test run's JIT options
+        # (./dev test sets JAVA_TOOL_OPTIONS) reach them only this way.
+        *(["--conf", f"spark.executor.extraJavaOptions={jvm}"] if (jvm := os.environ.get("JAVA_TOOL_OPTIONS")) else []),
         spark_app(),
     ]  # fmt: skip
 

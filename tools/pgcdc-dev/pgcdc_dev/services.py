@@ -525,7 +525,9 @@ def spawn(
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             cwd=cwd,
-            env={**os.environ, **(env or {})},
+            # A service runs with the JVM's defaults whoever starts it: a test that restarts Kafka gets the broker
+            # `./dev services up` started, not one with the test run's JIT options (./dev test).
+            env={**{k: v for k, v in os.environ.items() if k != "JAVA_TOOL_OPTIONS"}, **(env or {})},
             start_new_session=True,
             user=user if (user and IS_ROOT) else None,
             group=user if (user and IS_ROOT) else None,
