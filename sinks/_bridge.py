@@ -34,7 +34,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_IDLE_S = 0.2  # the wait before looking at the topics' ends again once everything in them is applied
+# The wait before looking at the topics' ends again once everything in them is applied: doubled while they stay
+# still, up to 2 s: an idle bridge then asks the broker for every partition's ends once every 2 s beside Spark's
+# start, whose JVM launch and py4j calls share the driver's cores and GIL with it.
+_IDLE_S = 0.2
+_IDLE_MAX_S = 2.0
 
 
 def served_generation(sink: Any) -> int:
@@ -123,10 +127,14 @@ class Bridge(threading.Thread):
                 return
             backlog = _Backlog(self.settings, self.sink_name, sink, served_generation(sink))
             self.settled.set()
+            idle = _IDLE_S
             while not self._finish.is_set():
                 if not backlog.step():
-                    self._finish.wait(_IDLE_S)
-                elif backlog.applied and not told:
+                    self._finish.wait(idle)
+                    idle = min(idle * 2, _IDLE_MAX_S)
+                    continue
+                idle = _IDLE_S
+                if backlog.applied and not told:
                     told = True
                     log.info(
                         "sink %s: applied %d record(s) before its query started, the first after %.2fs",
