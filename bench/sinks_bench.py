@@ -107,7 +107,7 @@ GROWTH_FLOOR_S = 0.5  # added to both means: a lag moving within half a second i
 HEAVY_TXN_ROWS = 20
 _METRICS_LINE = re.compile(r"sinks metrics on (http://\S+/metrics)")
 # Changes applied while Spark starts (sinks._bridge); the groups line up with _BATCH_LINE's.
-_BRIDGE_LINE = re.compile(r"sink (\w+): ()applied (\d+) record\(s\) written while it was down")
+_BRIDGE_LINE = re.compile(r"sink (\w+): ()applied (\d+) record\(s\) before its query started, the first")
 _BATCH_LINE = re.compile(r"sink (\w+): batch (\d+): (\d+) record\(s\) in ([\d.]+)s")
 
 

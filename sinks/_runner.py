@@ -28,7 +28,7 @@ import pyspark
 
 from common.errors import CDCError
 from sinks._api import DropsGeneration, PartitionSink, Rebuildable, SinkContext
-from sinks._bridge import Bridge
+from sinks._bridge import Bridge, served_generation
 from sinks._fold import TopicSchemas
 from sinks._lane import Lane
 from sinks._metrics import SinkMetrics, query_name
@@ -544,20 +544,6 @@ def _close(sink: Any) -> None:
     sink.close()
 
 
-def served_generation(sink: Any) -> int:
-    """The served generation; a sink's first run creates and serves generation 1."""
-    if not isinstance(sink, Rebuildable):
-        return 1
-    current = sink.current_generation()
-    if current is None:
-        current = 1
-        sink.prepare_generation(current)
-    # swap is idempotent: serving the served generation again completes a swap a crash interrupted (e.g.
-    # OpenSearch aliases behind the recorded generation).
-    sink.swap(current)
-    return current
-
-
 def run(settings: SinkSettings, names: Sequence[str], stop: threading.Event) -> int:
     """Run the sinks until ``stop``; a failing sink is restarted with backoff, the others go on.
 
@@ -578,7 +564,7 @@ def run(settings: SinkSettings, names: Sequence[str], stop: threading.Event) -> 
     cfg = settings.sinks
     metrics = SinkMetrics()
     server = metrics.serve(cfg.metrics_host, cfg.metrics_port) if cfg.metrics_enabled else None
-    # The built-ins open without Spark: what was written while the app was down is applied while it starts.
+    # The built-ins open without Spark: what their topics hold past their checkpoints is applied while it starts.
     bridges = {
         name: Bridge(settings, name, lambda name=name: _opened_without_spark(name, settings))  # type: ignore[misc]
         for name in usable
@@ -592,6 +578,8 @@ def run(settings: SinkSettings, names: Sequence[str], stop: threading.Event) -> 
     try:
         supervisor.run(stop)
     finally:  # a bridge still running (a store that hangs) is not waited for: what it writes is written again
+        for bridge in bridges.values():
+            bridge.finish()
         if server is not None:
             server.shutdown()
         stop_session(spark)
@@ -685,6 +673,21 @@ class _Supervisor:
 
     def _launch(self, name: str, replaced: int | None) -> None:
         try:
+            q = self._warmed(name, replaced)
+            q.start(self.metrics)
+            q.status.update(state="running")
+            self.metrics.running.labels(name).set(1)
+            self._outcomes.put((name, q, None))
+        except Exception as exc:
+            self._outcomes.put((name, None, exc))
+
+    def _warmed(self, name: str, replaced: int | None) -> SinkQuery:
+        """The sink's query, warmed up, with its bridge ended: the query's batches never write beside it (see
+        Bridge), whether the warm-up succeeded or not. ``replaced``: as for :meth:`_start`."""
+        bridge = self.bridges.pop(name, None)
+        try:
+            if bridge is not None:  # the bridge settles (on a first start: creates) the served generation
+                bridge.settled.wait(_BRIDGE_WAIT_S)
             probe = _opened(name, self.settings, 0, self.spark)
             generation = served_generation(probe)
             if replaced is not None and replaced < generation and isinstance(probe, DropsGeneration):
@@ -693,17 +696,13 @@ class _Supervisor:
             probe.close()
             q = SinkQuery(name, self.settings, self.spark, generation)
             q.warm()
-            bridge = self.bridges.pop(name, None)
-            if bridge is not None:  # the query's batches never write beside the bridge: see Bridge
+            return q
+        finally:
+            if bridge is not None:
+                bridge.finish()
                 bridge.join(_BRIDGE_WAIT_S)
                 if bridge.is_alive():
                     log.warning("sink %s: its bridge still runs after %ds; the query starts", name, _BRIDGE_WAIT_S)
-            q.start(self.metrics)
-            q.status.update(state="running")
-            self.metrics.running.labels(name).set(1)
-            self._outcomes.put((name, q, None))
-        except Exception as exc:
-            self._outcomes.put((name, None, exc))
 
     def _started(self) -> None:
         """Takes the outcome of each start that has ended (on the supervisor's thread, which owns its state)."""
@@ -735,6 +734,9 @@ class _Supervisor:
     def _give_up(self, name: str, exc: SinkTerminalError) -> None:
         # Retrying cannot help (its configuration, say): this sink stops, the others go on.
         self.queries.pop(name, None)
+        bridge = self.bridges.pop(name, None)
+        if bridge is not None:
+            bridge.finish()
         self.given_up[name] = exc
         self.metrics.running.labels(name).set(0)
         _sink_status(self.settings, name).update(state="given_up", last_error=_short(exc))

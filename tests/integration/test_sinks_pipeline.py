@@ -101,7 +101,7 @@ def test_pipeline_survives_kills_and_rebuilds_with_no_drift(
         # Spark was up (sinks._bridge); their queries' batches then read it again, to no effect on the stores.
         restarts = sinks.log.read_text()
         for name in ("search", "cache"):
-            assert re.search(rf"sink {name}: applied \d+ record\(s\) written while it was down, before Spark", restarts)
+            assert re.search(rf"sink {name}: applied \d+ record\(s\) before its query started", restarts)
         assert_no_drift(config, sinks, spark=spark)
         status = json.loads((tmp_path / "state" / "search" / "status.json").read_text())
         assert status["batches"] >= 1

@@ -8,14 +8,17 @@ from pgcdc._demo import _FirstRows
 def test_each_store_is_timed_from_the_first_change_past_what_it_held_then() -> None:
     first = _FirstRows()
     snapshot = {"search public.customers": (200, "200 documents"), "cache public.customers": (200, "200 entries")}
-    first.look(snapshot)  # before any change: not timed
+    first.look(snapshot, 1_000)  # before any change: not timed
     assert first.after == {}
-    first.changed({**snapshot, "warehouse": (200, "1 batches, 200 events")})
-    first.changed({})  # only the first change counts
-    first.look({**snapshot, "cache public.orders": (2, "2 entries"), "warehouse": (200, "1 batches, 200 events")})
-    assert set(first.after) == {"cache"}  # the search index and the warehouse hold only what they held
+    first.changed({**snapshot, "warehouse": (0, "0 batches, 0 events")}, 2.0)
+    first.changed({}, 3.0)  # only the first change counts
+    assert first.began_ms == 2_000
+    # The warehouse's snapshot batch lands during the live part: its count grows, its newest change is older.
+    landed = {**snapshot, "cache public.orders": (2, "2 entries"), "warehouse": (200, "1 batches, 200 events")}
+    first.look(landed, 1_500)
+    assert set(first.after) == {"cache"}  # the search index holds only what it held
     cache = first.after["cache"]
-    first.look({"search public.customers": (201, "201 documents"), "cache public.orders": (9, "9 entries")})
+    first.look({"search public.customers": (201, "201 documents"), "cache public.orders": (9, "9 entries")}, 1_999)
     assert set(first.after) == {"cache", "search"}
     assert first.after["cache"] == cache  # the first time only
     assert first.note("cache public.customers").startswith(" (changes arriving ")
@@ -23,3 +26,6 @@ def test_each_store_is_timed_from_the_first_change_past_what_it_held_then() -> N
     summary = first.summary()
     assert "warehouse never during the live part" in summary
     assert summary.index("search") < summary.index("cache")  # in the stores' order
+    first.look({}, 2_000)  # a change committed after the live part began
+    assert "warehouse" in first.after
+    assert first.note("warehouse").startswith(" (changes arriving ")
