@@ -25,6 +25,7 @@ from types import FrameType
 # A Spark driver's JVM runs this class (PySpark starts it as `spark-submit … pyspark-shell`); a cluster's
 # master, workers and executors run others.
 _DRIVER_CLASS = b"org.apache.spark.deploy.SparkSubmit"
+_LAUNCHER_CLASS = b"org.apache.spark.launcher.Main"
 _SAMPLE_S = 0.5
 # spark-submit and spark-class, the shell scripts between a driver JVM and what asked for it.
 _LAUNCHER = b"pyspark/bin/"
@@ -42,7 +43,9 @@ def spark_drivers(proc: Path = Path("/proc")) -> set[tuple[int, int]]:
             stat = (entry / "stat").read_text()
         except OSError:  # ended meanwhile, or not ours to read
             continue
-        if _DRIVER_CLASS in cmdline:
+        # spark-class first runs a short JVM (launcher.Main) that only prints the driver's command, with the
+        # driver's class among its arguments: not a driver. (spark-class itself execs into the driver: one pid.)
+        if _DRIVER_CLASS in cmdline and _LAUNCHER_CLASS not in cmdline:
             # Field 22 (starttime) counted after the command's closing parenthesis: names may hold spaces.
             started = int(stat.rsplit(")", 1)[1].split()[19])
             found.add((int(entry.name), started))

@@ -42,6 +42,8 @@ def test_only_spark_drivers_are_counted_by_pid_and_start_time(tmp_path: Path) ->
     _process(tmp_path, 100, driver, 5000)
     _process(tmp_path, 101, b"java\x00org.apache.spark.deploy.worker.Worker\x00", 5001)
     _process(tmp_path, 102, b"java\x00kafka.Kafka\x00", 5002)
+    launcher = b"java\x00-cp\x00jars/*\x00org.apache.spark.launcher.Main\x00org.apache.spark.deploy.SparkSubmit\x00"
+    _process(tmp_path, 103, launcher, 4999)  # spark-class's JVM that prints the driver's command
     (tmp_path / "self").mkdir()
     assert testrun.spark_drivers(tmp_path) == {(100, 5000)}
 
