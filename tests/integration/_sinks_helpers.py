@@ -297,7 +297,16 @@ class SubmittedSinks(SinksProcess):
         names: list[str] | None = None,
     ) -> None:
         super().__init__(config, log, names)
-        self.launcher = submit_command(master=master, pex=pex, jars=jars, ui_port=ui_port, classpath=classpath)
+        # The test run's JIT options (./dev test sets JAVA_TOOL_OPTIONS) reach the executors only as Spark conf:
+        # the workers start their JVMs with their own environment.
+        self.launcher = submit_command(
+            master=master,
+            pex=pex,
+            jars=jars,
+            ui_port=ui_port,
+            classpath=classpath,
+            java_options=os.environ.get("JAVA_TOOL_OPTIONS", ""),
+        )
         self.args = ["--log-level", "info", *self.args]
         self.ui = f"http://127.0.0.1:{ui_port}/api/v1"
         self.env = submit_env()

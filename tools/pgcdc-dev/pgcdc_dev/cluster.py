@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -124,9 +123,12 @@ def _run(cmd: list[str]) -> None:
         raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
 
 
-def submit_command(*, master: str, pex: Path | None, jars: list[str], ui_port: int, classpath: str = "") -> list[str]:
+def submit_command(
+    *, master: str, pex: Path | None, jars: list[str], ui_port: int, classpath: str = "", java_options: str = ""
+) -> list[str]:
     """spark-submit in client mode on ``master`` as docs/sinks.md gives it, up to the application's arguments
-    (cdc's: ``sinks run …``, ``sinks rebuild NAME …``)."""
+    (cdc's: ``sinks run …``, ``sinks rebuild NAME …``). ``java_options`` go to the executors' JVMs, which the
+    workers start with their own environment, not the submitter's."""
     spark_submit = Path(sys.executable).parent / "spark-submit"
     # Jars already on the machines (the S3 connector): on the JVMs' classpath, not copied to each executor.
     extra = ["--driver-class-path", classpath, "--conf", f"spark.executor.extraClassPath={classpath}"]
@@ -144,9 +146,7 @@ def submit_command(*, master: str, pex: Path | None, jars: list[str], ui_port: i
         "--conf", f"spark.ui.port={ui_port}",
         "--conf", "spark.ui.showConsoleProgress=false",
         *(extra if classpath else []),
-        # The workers start the executors' JVMs with their own environment: the test run's JIT options
-        # (./dev test sets JAVA_TOOL_OPTIONS) reach them only this way.
-        *(["--conf", f"spark.executor.extraJavaOptions={jvm}"] if (jvm := os.environ.get("JAVA_TOOL_OPTIONS")) else []),
+        *(["--conf", f"spark.executor.extraJavaOptions={java_options}"] if java_options else []),
         spark_app(),
     ]  # fmt: skip
 

@@ -504,6 +504,19 @@ def rotate_log(path: Path, limit: int = LOG_ROTATE_BYTES) -> bool:
     return True
 
 
+def service_environ() -> dict[str, str]:
+    """The environment a service starts with: a test that restarts Kafka gets the broker `./dev services up`
+    started, not one with the test run's JIT options. `./dev test` keeps the caller's own JAVA_TOOL_OPTIONS
+    (a trust store, a proxy) in CDC_SERVICES_JAVA_TOOL_OPTIONS; the services get exactly that back."""
+    environ = dict(os.environ)
+    if "CDC_SERVICES_JAVA_TOOL_OPTIONS" in environ:
+        own = environ.pop("CDC_SERVICES_JAVA_TOOL_OPTIONS")
+        environ.pop("JAVA_TOOL_OPTIONS", None)
+        if own:
+            environ["JAVA_TOOL_OPTIONS"] = own
+    return environ
+
+
 def spawn(
     name: str,
     cmd: list[str],
@@ -525,9 +538,7 @@ def spawn(
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             cwd=cwd,
-            # A service runs with the JVM's defaults whoever starts it: a test that restarts Kafka gets the broker
-            # `./dev services up` started, not one with the test run's JIT options (./dev test).
-            env={**{k: v for k, v in os.environ.items() if k != "JAVA_TOOL_OPTIONS"}, **(env or {})},
+            env={**service_environ(), **(env or {})},
             start_new_session=True,
             user=user if (user and IS_ROOT) else None,
             group=user if (user and IS_ROOT) else None,

@@ -90,3 +90,30 @@ def test_maven_that_cannot_fetch_its_plugin_says_what_to_check(
     with pytest.raises(deploy.DeployError, match="update-ca-certificates -f") as raised:
         deploy.maven_copy_dependencies(["g:a:1"], tmp_path / "libs", {})
     assert "mvn -X -s settings.xml dependency:copy-dependencies in " in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    ("environ", "expected"),
+    [
+        # ./dev test added the JIT option to a caller's own trust store: the services get the trust store back.
+        (
+            {"JAVA_TOOL_OPTIONS": "-Djavax.net.ssl.trustStore=/t -XX:TieredStopAtLevel=1",
+             "CDC_SERVICES_JAVA_TOOL_OPTIONS": "-Djavax.net.ssl.trustStore=/t"},
+            "-Djavax.net.ssl.trustStore=/t",
+        ),
+        # The caller had none: the services have none.
+        ({"JAVA_TOOL_OPTIONS": "-XX:TieredStopAtLevel=1", "CDC_SERVICES_JAVA_TOOL_OPTIONS": ""}, None),
+        # Not started by ./dev test: whatever the caller set is left alone.
+        ({"JAVA_TOOL_OPTIONS": "-Xss4m"}, "-Xss4m"),
+    ],
+)  # fmt: skip
+def test_services_get_the_callers_java_options_not_the_test_runs(
+    monkeypatch: pytest.MonkeyPatch, environ: dict[str, str], expected: str | None
+) -> None:
+    for name in ("JAVA_TOOL_OPTIONS", "CDC_SERVICES_JAVA_TOOL_OPTIONS"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    got = services.service_environ()
+    assert got.get("JAVA_TOOL_OPTIONS") == expected
+    assert "CDC_SERVICES_JAVA_TOOL_OPTIONS" not in got
