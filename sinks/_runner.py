@@ -50,8 +50,10 @@ from sinks._spark import PARALLELISM_KEYS, build_session, stop_session, submitte
 from sinks._storage import S3_SCHEMES, Location, hadoop_conf
 from sinks._taskfold import ONE_TASK_RECORDS, TopicFold, framed_ids, knows
 from sinks._verify import Drift, compare
+from sinks._warehouse_live import NotOnDriverError
 from sinks._write import (
     Outcome,
+    folded_on_driver,
     in_one_task,
     on_driver,
     on_driver_plan,
@@ -290,15 +292,20 @@ class SinkQuery:
 
     def warm(self) -> None:
         """A live batch's path once over the last records of each topic, writing nothing: for a partition sink
-        the driver's (sinks._write.rehearse_on_driver: milliseconds, no Spark job), for a frame sink the Spark
-        fold in the sink's scheduler pool (sinks._write.rehearse). A failure here is only logged: the first
+        the driver's (sinks._write.rehearse_on_driver: milliseconds, no Spark job), for a sink that folds its
+        small batches on the driver (the warehouse) that fold, for another frame sink the Spark fold in the
+        sink's scheduler pool (sinks._write.rehearse). A failure here is only logged: the first
         batch meets it again."""
         started = time.monotonic()
         context = self.spark.sparkContext
         pool = context.getLocalProperty("spark.scheduler.pool")
         context.setLocalProperty("spark.scheduler.pool", f"pgcdc-{self.name}")
         try:
-            if isinstance(self.sink, PartitionSink):  # its live batches are applied by the driver (sinks._ranges)
+            if getattr(self.sink, "folds_on_driver", False):  # its live batches are folded on the driver
+                records = self._range_reader().read(tail_ranges(self.settings, _WARM_RECORDS))
+                for fold in self._folds(records):
+                    fold.fold([r for r in records if r["topic"] == fold.schemas.topic])
+            elif isinstance(self.sink, PartitionSink):  # its live batches are applied by the driver (sinks._ranges)
                 records = self._range_reader().read(tail_ranges(self.settings, _WARM_RECORDS))
                 # The batches' own schema look-up: what it asks the registry for is kept for them.
                 rehearse_on_driver(self.sink, self._folds(records), records, self.settings, self.generation)
@@ -337,6 +344,17 @@ class SinkQuery:
                 ranges, records = left, size_of(left)
         elif self._lane is not None:  # ranges unknown: the lane waits for a batch whose end is known
             self._lane.pause()
+        if getattr(self.sink, "folds_on_driver", False) and ranges is not None and records <= DRIVER_RECORDS:
+            read = self._range_reader().read(ranges)
+            folds = self._folds(read)
+            planned = time.monotonic()
+            try:
+                outcome = folded_on_driver(self.sink, folds, read, raw, self.settings, batch=batch)
+            except NotOnDriverError as exc:
+                log.info("sink %s: batch %d goes Spark's path: %s", self.name, batch_id, exc)
+            else:
+                self._done(batch_id, outcome, started, planned)
+                return
         if isinstance(self.sink, PartitionSink) and records <= ONE_TASK_RECORDS:
             if ranges is not None and records <= DRIVER_RECORDS:  # no Spark job: see sinks._ranges
                 read = self._range_reader().read(ranges)

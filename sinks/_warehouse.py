@@ -30,6 +30,7 @@ from sinks._delta_stats import BatchDates, StatsColumns, has_dates, quoted, sql_
 from sinks._preflight import check_writable
 from sinks._storage import location
 from sinks._values import Names, column_name, doc_converter, spark_projection
+from sinks._warehouse_live import DeltaWriter, NotOnDriverError, TableWrite
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame
@@ -110,6 +111,10 @@ class WarehouseSink(BaseSink):
         self.history = context.settings.sinks.warehouse.history
         self.stats = StatsColumns()
         check_writable(self.base, "sinks.warehouse.path")
+        self.live = DeltaWriter(context.name, self.history)
+        # Small batches are merged by delta-rs on the driver (sinks._warehouse_live) where the tables are local
+        # files; on an object store they go Spark's path, whose storage settings are Hadoop's.
+        self.folds_on_driver = self.base.local
 
     def path(self, table: str, generation: int) -> str:
         return (self.base / f"g{generation}" / table).uri
@@ -194,6 +199,20 @@ class WarehouseSink(BaseSink):
             raise
 
     # --- writes ----------------------------------------------------------------------------
+
+    def write_folded(self, tables: Sequence[TableWrite]) -> None:
+        """A small batch folded on the driver, merged by delta-rs (sinks._warehouse_live). Raises
+        :class:`NotOnDriverError` when the batch must go Spark's path, which repeats what was written as no-ops."""
+        for table in tables:
+            path = str(Path(self.base.path) / f"g{table.info.generation}" / table.info.name)
+            try:
+                self.live.write(path, history_path(path), table)
+            except NotOnDriverError:
+                raise
+            except (KeyboardInterrupt, SystemExit):
+                raise
+            except BaseException as exc:  # delta-rs's Rust panics surface as a BaseException (pyo3)
+                raise NotOnDriverError(f"{table.info.name}: delta-rs: {type(exc).__name__}: {exc}") from exc
 
     def write(self, batch: Batch) -> None:
         for table in batch.tables:
