@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import pyspark
 
 from common.errors import CDCError
-from sinks._api import DropsGeneration, PartitionSink, Rebuildable, SinkContext
+from sinks._api import DropsGeneration, PartitionSink, Rebuildable, SinkContext, WritesFolded
 from sinks._bridge import Bridge, served_generation
 from sinks._fold import TopicSchemas
 from sinks._lane import Lane
@@ -44,7 +44,7 @@ from sinks._progress import (
     checkpoint_offsets,
     reached,
 )
-from sinks._ranges import DRIVER_RECORDS, RangeReader, batch_ranges, size_of
+from sinks._ranges import DRIVER_RECORDS, RangeReader, Ranges, batch_ranges, size_of
 from sinks._reader import Decoder, ensure_dead_letter_topic, open_stream, tail_ranges, tail_records
 from sinks._spark import PARALLELISM_KEYS, build_session, stop_session, submitted_master, under_spark_submit
 from sinks._storage import S3_SCHEMES, Location, hadoop_conf
@@ -301,7 +301,7 @@ class SinkQuery:
         pool = context.getLocalProperty("spark.scheduler.pool")
         context.setLocalProperty("spark.scheduler.pool", f"pgcdc-{self.name}")
         try:
-            if getattr(self.sink, "folds_on_driver", False):  # its live batches are folded on the driver
+            if _on_driver(self.sink):  # its live batches are folded on the driver
                 records = self._range_reader().read(tail_ranges(self.settings, _WARM_RECORDS))
                 for fold in self._folds(records):
                     fold.fold([r for r in records if r["topic"] == fold.schemas.topic])
@@ -344,17 +344,8 @@ class SinkQuery:
                 ranges, records = left, size_of(left)
         elif self._lane is not None:  # ranges unknown: the lane waits for a batch whose end is known
             self._lane.pause()
-        if getattr(self.sink, "folds_on_driver", False) and ranges is not None and records <= DRIVER_RECORDS:
-            read = self._range_reader().read(ranges)
-            folds = self._folds(read)
-            planned = time.monotonic()
-            try:
-                outcome = folded_on_driver(self.sink, folds, read, raw, self.settings, batch=batch)
-            except NotOnDriverError as exc:
-                log.info("sink %s: batch %d goes Spark's path: %s", self.name, batch_id, exc)
-            else:
-                self._done(batch_id, outcome, started, planned)
-                return
+        if ranges is not None and records <= ONE_TASK_RECORDS and self._whole_on_driver(batch_id, ranges, raw, started):
+            return
         if isinstance(self.sink, PartitionSink) and records <= ONE_TASK_RECORDS:
             if ranges is not None and records <= DRIVER_RECORDS:  # no Spark job: see sinks._ranges
                 read = self._range_reader().read(ranges)
@@ -385,6 +376,23 @@ class SinkQuery:
                 raw.unpersist()
         self._done(batch_id, outcome, started, planned)
         self._follow_lane(batch_id)
+
+    def _whole_on_driver(self, batch_id: int, ranges: Ranges, raw: Any, started: float) -> bool:
+        """A sink that writes whole tables on the driver (the warehouse, by delta-rs) takes a batch of up to one
+        task's worth there: its store's write costs milliseconds where a Spark MERGE costs seconds. False when
+        the batch goes the Spark path (the sink says why)."""
+        if not _on_driver(self.sink):
+            return False
+        read = self._range_reader().read(ranges)
+        folds = self._folds(read)
+        planned = time.monotonic()
+        try:
+            outcome = folded_on_driver(self.sink, folds, read, raw, self.settings, batch=(batch_id, self.generation))
+        except NotOnDriverError as exc:
+            log.info("sink %s: batch %d goes Spark's path: %s", self.name, batch_id, exc)
+            return False
+        self._done(batch_id, outcome, started, planned)
+        return True
 
     def _follow_lane(self, batch_id: int) -> None:
         """After a committed batch of a served search or cache: its lane goes on from the batch's end (started
@@ -513,6 +521,10 @@ class SinkQuery:
 _WARM_RECORDS = 3  # per partition: enough for every stage of a batch to run
 _UNKNOWN = 1 << 40  # offsets of a topic whose start is not known (see batch_starts)
 _ROWS_PER_SHUFFLE = ONE_TASK_RECORDS  # records per shuffle partition of a batch's fold
+
+
+def _on_driver(sink: Any) -> bool:
+    return isinstance(sink, WritesFolded) and sink.folds_on_driver
 
 
 def batch_starts(

@@ -17,7 +17,6 @@ idempotent writes (txnAppId/txnVersion = batch id).
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import time
 from collections.abc import Iterator, Sequence
@@ -25,64 +24,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from sinks._api import BaseSink, Batch, SinkContext, TableChanges, TableRef, key_id
+from sinks._api import BaseSink, Batch, SinkContext, TableChanges, TableRef, TableWrite, key_id
+from sinks._delta_names import META as _META
+from sinks._delta_names import UNCHANGED as _UNCHANGED
+from sinks._delta_names import delta_columns
 from sinks._delta_stats import BatchDates, StatsColumns, has_dates, quoted, sql_string
 from sinks._preflight import check_writable
 from sinks._storage import location
 from sinks._values import Names, column_name, doc_converter, spark_projection
-from sinks._warehouse_live import DeltaWriter, NotOnDriverError, TableWrite
+from sinks._warehouse_live import DeltaWriter, NotOnDriverError
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame
 
-_META = ("__op", "__commit_lsn", "__lsn", "__ts_ms", "__applied_ms")
-_UNCHANGED = "__unchanged"  # in the MERGE source only
 _READ_PIECE_BYTES = 4 << 20  # compressed Parquet per partition when the table is read back (verify)
 _CURRENT = "_cdc_current"  # the served generation's number
-
-
-def delta_columns(fields: Sequence[str], existing: Sequence[str] = ()) -> dict[str, str]:
-    """The Delta column of each Avro field of a row: its name, unless Delta would refuse it.
-
-    Delta compares column names ignoring case, so Avro fields ``Order`` and ``order`` (columns "Order" and
-    "order") cannot both keep their names, and a column named like one of ours (``__op``…) would clash. Such
-    a field, in field order, gets ``__`` and 8 hex digits of its name's SHA-256 (``order__1a2b3c4d``).
-
-    ``existing``: the Delta table's columns. A field that already has a column keeps it, whatever happened to
-    the other fields since: a dropped or renamed case-twin must not hand its name over (``order`` would then
-    become ``order``, which Delta refuses next to the old ``Order``, and its values would be stranded).
-    """
-    ours = {m.lower() for m in (*_META, _UNCHANGED)}
-    present = {c for c in existing if c.lower() not in ours}  # the sink's own columns are never a field's
-    taken = ours | {c.lower() for c in existing}
-    out: dict[str, str] = {}
-    for name in fields:
-        for candidate in _candidates(name):
-            if candidate in present:
-                out[name] = candidate
-                break
-            if candidate.lower() not in taken:
-                break  # the first free name: nothing further on can be this field's existing column
-    for name in fields:
-        if name in out:
-            continue
-        for column in _candidates(name):
-            if column.lower() not in taken:
-                break
-        taken.add(column.lower())
-        out[name] = column
-    return out
-
-
-def _candidates(name: str) -> Iterator[str]:
-    """The names a field's column may have, in the order they are given out."""
-    yield name
-    digest = hashlib.sha256(name.encode()).hexdigest()[:8]
-    yield f"{name}__{digest}"
-    n = 3
-    while True:
-        yield f"{name}__{digest}_{n}"
-        n += 1
 
 
 @dataclass(frozen=True)

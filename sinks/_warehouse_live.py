@@ -3,7 +3,7 @@
 A Spark MERGE of a few hundred changes into a 200k-row table costs ~2.5 s of both cores on a quiet machine
 (planning the join, two jobs, rewriting the touched files) and ten times that beside the other sinks under
 load; delta-rs merges the same changes into the same table in ~0.3 s of one core (measured side by side, same
-table and batch). So a live batch of the warehouse (up to ``sinks._ranges.DRIVER_RECORDS`` offsets) is read,
+table and batch). So a live batch of the warehouse (up to ``sinks._taskfold.ONE_TASK_RECORDS`` offsets) is read,
 folded by the Python fold (sinks._taskfold) and written here; larger batches (backlogs, replays, rebuilds)
 keep Spark's path. Both write the same tables by the same rules (sinks._warehouse): the columns'
 types (sinks._delta_arrow), the MERGE's position guard, the truncate's delete before it, a new table created
@@ -18,14 +18,13 @@ in a column Delta keeps statistics for (Spark's path takes it out of the statist
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
 
-from sinks._api import TableInfo
+from sinks._api import TableWrite
 from sinks._delta_arrow import NotInArrowError, arrow_field, beyond_python, rows_table
+from sinks._delta_names import delta_columns
 from sinks._values import Names
 
 _STRING_LIST = pa.list_(pa.field("element", pa.string()))
@@ -43,16 +42,6 @@ def quoted(name: str) -> str:
 def _string(text: str) -> str:
     """A delta-rs (DataFusion) SQL string literal."""
     return "'" + text.replace("'", "''") + "'"
-
-
-@dataclass(frozen=True)
-class TableWrite:
-    """One table's share of a batch as the driver folded it."""
-
-    info: TableInfo
-    rows: Sequence[dict[str, Any]]  # the fold's rows: c/u/r/d (raw Avro values), truncates apart
-    truncate: tuple[int, int] | None
-    events: Sequence[dict[str, Any]] | None  # the decoded events in offset order, for the history
 
 
 class DeltaWriter:
@@ -75,8 +64,6 @@ class DeltaWriter:
             self._append_history(history_path, table)
 
     def _source(self, table: TableWrite, target: pa.Schema | None) -> tuple[pa.Table, list[str], dict[str, str]]:
-        from sinks._warehouse import delta_columns
-
         info = table.info
         fields = info.row_schema["fields"]
         delta = delta_columns([f["name"] for f in fields], target.names if target is not None else [])

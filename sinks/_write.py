@@ -38,11 +38,12 @@ from sinks._api import (
     Rejected,
     TableChanges,
     TableInfo,
+    TableWrite,
+    WritesFolded,
 )
 from sinks._fold import APPLY_OPS, POISON, TRUNCATE, TopicSchemas, fold
 from sinks._reader import PlannedTable, dead_letters, union_all, write_dead_letters
 from sinks._taskfold import Folding, TopicFold
-from sinks._warehouse_live import TableWrite
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -340,7 +341,7 @@ def written_on_driver(
 
 
 def folded_on_driver(
-    sink: Any,
+    sink: WritesFolded,
     folds: Sequence[TopicFold],
     records: list[dict[str, Any]],
     raw: DataFrame,
@@ -375,7 +376,7 @@ def folded_on_driver(
         truncate = max(truncates) if truncates else None
         rows = [r for r in folded.rows if r["op"] in APPLY_OPS and _after(r, truncate)]
         events = None
-        if getattr(sink, "history", False):
+        if sink.history:
             decoded = (fold.decode(r) for r in rs)
             events = [e for e in decoded if e["error"] is None and not e["tombstone"] and e["op"] in APPLY_OPS]
             events = [e for e in events if _after(e, truncate)]
