@@ -9,6 +9,17 @@ META = ("__op", "__commit_lsn", "__lsn", "__ts_ms", "__applied_ms")
 UNCHANGED = "__unchanged"  # in the MERGE source only (and in histories)
 
 
+def history_app(sink: str, table: str, generation: int) -> str:
+    """The Delta transaction id (txnAppId) of a table's history appends; their version is the batch id, so a
+    batch's history is appended once whichever path (Spark's, delta-rs's) writes it first."""
+    return f"pgcdc-{sink}-{table}-g{generation}"
+
+
+def create_app(sink: str, table: str, generation: int) -> str:
+    """The Delta transaction id of the append that creates a table (version: the batch id)."""
+    return f"{history_app(sink, table, generation)}-create"
+
+
 def delta_columns(fields: Sequence[str], existing: Sequence[str] = ()) -> dict[str, str]:
     """The Delta column of each Avro field of a row: its name, unless Delta would refuse it.
 

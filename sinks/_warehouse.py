@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 from sinks._api import BaseSink, Batch, SinkContext, TableChanges, TableRef, TableWrite, key_id
 from sinks._delta_names import META as _META
 from sinks._delta_names import UNCHANGED as _UNCHANGED
-from sinks._delta_names import delta_columns
+from sinks._delta_names import create_app, delta_columns, history_app
 from sinks._delta_stats import BatchDates, StatsColumns, has_dates, quoted, sql_string
 from sinks._preflight import check_writable
 from sinks._storage import location
@@ -162,7 +162,10 @@ class WarehouseSink(BaseSink):
         for table in tables:
             path = str(Path(self.base.path) / f"g{table.info.generation}" / table.info.name)
             try:
-                self.live.write(path, history_path(path), table)
+                if self.live.write(path, history_path(path), table):
+                    self.stats.forget(
+                        path
+                    )  # a table made anew at a path seen before: its properties are Delta's defaults
             except NotOnDriverError:
                 raise
             except (KeyboardInterrupt, SystemExit):
@@ -260,7 +263,7 @@ class WarehouseSink(BaseSink):
             .mode("append")
             .option("mergeSchema", "true")
             .options(**guard)
-            .option("txnAppId", f"pgcdc-{self.context.name}-{table.name}-g{batch.generation}")
+            .option("txnAppId", history_app(self.context.name, table.name, batch.generation))
             .option("txnVersion", str(batch.batch_id))
             .save(history)
         )
@@ -287,7 +290,7 @@ class WarehouseSink(BaseSink):
             rows.write.format("delta")
             .mode("append")
             .options(**self.stats.guard(batch.spark, path, rows.schema, dates, new=True))
-            .option("txnAppId", f"pgcdc-{self.context.name}-{table.name}-g{batch.generation}-create")
+            .option("txnAppId", create_app(self.context.name, table.name, batch.generation))
             .option("txnVersion", str(batch.batch_id))
             .save(path)
         )

@@ -18,13 +18,15 @@ in a column Delta keeps statistics for (Spark's path takes it out of the statist
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
-from sinks._api import TableWrite
+from sinks._api import TableInfo, TableWrite
 from sinks._delta_arrow import NotInArrowError, arrow_field, beyond_python, rows_table
-from sinks._delta_names import delta_columns
+from sinks._delta_names import create_app, delta_columns, history_app
 from sinks._values import Names
 
 _STRING_LIST = pa.list_(pa.field("element", pa.string()))
@@ -50,23 +52,29 @@ class DeltaWriter:
     def __init__(self, sink: str, history: bool) -> None:
         self.sink, self.history = sink, history
 
-    def write(self, path: str, history_path: str, table: TableWrite) -> None:
-        from deltalake import DeltaTable
-
-        existing = DeltaTable(path) if DeltaTable.is_deltatable(path) else None
+    def write(self, path: str, history_path: str, table: TableWrite) -> bool:
+        """Everything is built and checked before the first commit: a batch that must go Spark's path leaves
+        nothing behind. True when this write created the table."""
+        existing = _table(path)
         target = pa.schema(existing.schema().to_arrow()) if existing is not None else None
-        source, keys, toasted = self._source(table, target)
+        names = target.names if target is not None else []  # the columns' names follow the table's
+        source, keys, toasted = self._source(table.info, table.rows, target, names)
+        history = self._history(history_path, table, names) if self.history and table.events else None
         if existing is None:
             self._create(path, table, source)
         else:
             self._merge(existing, table=table, source=source, keys=keys, toasted=toasted, target=target)
-        if self.history and table.events:
-            self._append_history(history_path, table)
+        if history is not None:
+            self._append(history_path, table.info, history)
+        return existing is None
 
-    def _source(self, table: TableWrite, target: pa.Schema | None) -> tuple[pa.Table, list[str], dict[str, str]]:
-        info = table.info
+    def _source(
+        self, info: TableInfo, rows: Sequence[dict[str, Any]], target: pa.Schema | None, existing: Sequence[str]
+    ) -> tuple[pa.Table, list[str], dict[str, str]]:
+        """``rows`` as the table's columns and ours, cast to ``target``'s types where it has the column; the
+        key's columns; the columns some row left unchanged (TOAST), by their fields' names."""
         fields = info.row_schema["fields"]
-        delta = delta_columns([f["name"] for f in fields], target.names if target is not None else [])
+        delta = delta_columns([f["name"] for f in fields], existing)
         key_names = [f["name"] for f in info.key_schema["fields"]]
         names = Names()
         try:
@@ -74,7 +82,6 @@ class DeltaWriter:
         except NotInArrowError as exc:
             raise NotOnDriverError(f"{info.name}: {exc}") from exc
         columns: dict[str, tuple[pa.DataType, list[Any]]] = {}
-        rows = table.rows
         for name, arrow, conv in typed:
             if name in key_names:
                 values = [conv((r["key"] or {}).get(name)) for r in rows]
@@ -104,10 +111,8 @@ class DeltaWriter:
         from deltalake import CommitProperties, Transaction, write_deltalake
 
         info = table.info
-        import pyarrow.compute as pc
-
         rows = source.filter(pc.not_equal(source.column("__op"), "d")).drop_columns(["__unchanged"])
-        app = f"pgcdc-{self.sink}-{info.name}-g{info.generation}-create"
+        app = create_app(self.sink, info.name, info.generation)
         write_deltalake(
             path,
             rows,
@@ -162,23 +167,32 @@ class DeltaWriter:
             .execute()
         )
 
-    def _append_history(self, path: str, table: TableWrite) -> None:
-        from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
-
+    def _history(self, path: str, table: TableWrite, existing: Sequence[str]) -> pa.Table | None:
+        """The batch's events as the history's rows; None when this batch's history is there already (Delta's
+        transaction id of the table's history = the batch id, as Spark's path writes it)."""
         info = table.info
-        app = f"pgcdc-{self.sink}-{info.name}-g{info.generation}"
-        if DeltaTable.is_deltatable(path):
-            done = DeltaTable(path).transaction_version(app)
+        history = _table(path)
+        if history is not None:
+            done = history.transaction_version(history_app(self.sink, info.name, info.generation))
             if done is not None and done >= info.batch_id:
-                return  # this batch's history is there already
-        events, _, _ = self._source(TableWrite(info, table.events or (), None, None), None)
+                return None
+        target = pa.schema(history.schema().to_arrow()) if history is not None else None
+        return self._source(info, table.events or (), target, existing)[0]
+
+    def _append(self, path: str, info: TableInfo, events: pa.Table) -> None:
+        from deltalake import CommitProperties, Transaction, write_deltalake
+
+        app = Transaction(history_app(self.sink, info.name, info.generation), info.batch_id)
         write_deltalake(
-            path,
-            events,
-            mode="append",
-            schema_mode="merge",
-            commit_properties=CommitProperties(app_transactions=[Transaction(app, info.batch_id)]),
+            path, events, mode="append", schema_mode="merge", commit_properties=CommitProperties(app_transactions=[app])
         )
+
+
+def _table(path: str) -> Any:
+    """The Delta table at ``path``, or None."""
+    from deltalake import DeltaTable
+
+    return DeltaTable(path) if DeltaTable.is_deltatable(path) else None
 
 
 def _cast_to(source: pa.Table, target: pa.Schema | None, table: str) -> pa.Table:
