@@ -169,6 +169,16 @@ def _warn_driver_side() -> None:
         logging.getLogger(__name__).warning(message)
 
 
+@dataclass(frozen=True)
+class TableWrite:
+    """One table's share of a batch as the driver folded it (:class:`WritesFolded`)."""
+
+    info: TableInfo
+    rows: Sequence[dict[str, Any]]  # the fold's rows: c/u/r/d (raw Avro values), truncates apart
+    truncate: tuple[int, int] | None
+    events: Sequence[dict[str, Any]] | None  # the decoded events in offset order, for the history
+
+
 class Rejected(NamedTuple):
     """A change the store refused: it goes to the dead-letter topic with the reason."""
 
@@ -302,6 +312,19 @@ class FrameRows(Protocol):
     """Rows of a :class:`ReadsFrame` sink's frame to document form, in an executor task: picklable."""
 
     def __call__(self, rows: Iterator[Any]) -> Iterator[tuple[str, dict[str, Any]]]: ...
+
+
+@runtime_checkable
+class WritesFolded(Protocol):
+    """A frame-based sink that also writes its small batches whole on the driver, folded there (the warehouse,
+    with delta-rs: sinks._warehouse_live). Internal to the built-in sinks, not a plugin contract."""
+
+    folds_on_driver: bool  # whether this instance's store takes the driver's writes (else: Spark's path only)
+    history: bool  # whether it wants each table's decoded events as well
+
+    def write_folded(self, tables: Sequence[TableWrite]) -> None:
+        """Raises sinks._warehouse_live.NotOnDriverError when the batch must go Spark's path."""
+        ...
 
 
 @runtime_checkable

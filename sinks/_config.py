@@ -76,8 +76,8 @@ class CacheConfig(_SinkSection):
 
 
 class WarehouseConfig(_SinkSection):
-    # Each warehouse batch is a Delta commit (a MERGE and a log entry): a few seconds apart, so the table's log
-    # and small files grow by a bounded number per minute and the MERGEs leave the cores to cache and search.
+    # Each warehouse batch is a Delta commit (a MERGE, new files and a log entry): a few seconds apart, so the
+    # table's log and small files grow by a bounded number per minute.
     trigger_interval_s: float | None = Field(default=5.0, ge=0, description=_TRIGGER)
     path: str = Field(default="warehouse", description="base directory or URI of the Delta tables")
     history: bool = Field(default=False, description="also keep an append-only change history table per table")

@@ -159,6 +159,10 @@ class StatsColumns:
             spark.sql(f"ALTER TABLE delta.{quoted(path)} SET TBLPROPERTIES ({sql_string(STATS_COLUMNS)} = {value})")
         return {}
 
+    def forget(self, path: str) -> None:
+        """The table at ``path`` was created by another writer (delta-rs): its list is read again when needed."""
+        self._listed.pop(path, None)
+
     def _listed_columns(self, spark: SparkSession, path: str) -> list[Path] | None:
         if path not in self._listed:
             from delta.tables import DeltaTable

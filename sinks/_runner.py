@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import pyspark
 
 from common.errors import CDCError
-from sinks._api import DropsGeneration, PartitionSink, Rebuildable, SinkContext
+from sinks._api import DropsGeneration, PartitionSink, Rebuildable, SinkContext, WritesFolded
 from sinks._bridge import Bridge, served_generation
 from sinks._fold import TopicSchemas
 from sinks._lane import Lane
@@ -44,14 +44,16 @@ from sinks._progress import (
     checkpoint_offsets,
     reached,
 )
-from sinks._ranges import DRIVER_RECORDS, RangeReader, batch_ranges, size_of
+from sinks._ranges import DRIVER_RECORDS, RangeReader, Ranges, batch_ranges, size_of
 from sinks._reader import Decoder, ensure_dead_letter_topic, open_stream, tail_ranges, tail_records
 from sinks._spark import PARALLELISM_KEYS, build_session, stop_session, submitted_master, under_spark_submit
 from sinks._storage import S3_SCHEMES, Location, hadoop_conf
 from sinks._taskfold import ONE_TASK_RECORDS, TopicFold, framed_ids, knows
 from sinks._verify import Drift, compare
+from sinks._warehouse_live import NotOnDriverError
 from sinks._write import (
     Outcome,
+    folded_on_driver,
     in_one_task,
     on_driver,
     on_driver_plan,
@@ -290,15 +292,20 @@ class SinkQuery:
 
     def warm(self) -> None:
         """A live batch's path once over the last records of each topic, writing nothing: for a partition sink
-        the driver's (sinks._write.rehearse_on_driver: milliseconds, no Spark job), for a frame sink the Spark
-        fold in the sink's scheduler pool (sinks._write.rehearse). A failure here is only logged: the first
+        the driver's (sinks._write.rehearse_on_driver: milliseconds, no Spark job), for a sink that folds its
+        small batches on the driver (the warehouse) that fold, for another frame sink the Spark fold in the
+        sink's scheduler pool (sinks._write.rehearse). A failure here is only logged: the first
         batch meets it again."""
         started = time.monotonic()
         context = self.spark.sparkContext
         pool = context.getLocalProperty("spark.scheduler.pool")
         context.setLocalProperty("spark.scheduler.pool", f"pgcdc-{self.name}")
         try:
-            if isinstance(self.sink, PartitionSink):  # its live batches are applied by the driver (sinks._ranges)
+            if _on_driver(self.sink):  # its live batches are folded on the driver
+                records = self._range_reader().read(tail_ranges(self.settings, _WARM_RECORDS))
+                for fold in self._folds(records):
+                    fold.fold([r for r in records if r["topic"] == fold.schemas.topic])
+            elif isinstance(self.sink, PartitionSink):  # its live batches are applied by the driver (sinks._ranges)
                 records = self._range_reader().read(tail_ranges(self.settings, _WARM_RECORDS))
                 # The batches' own schema look-up: what it asks the registry for is kept for them.
                 rehearse_on_driver(self.sink, self._folds(records), records, self.settings, self.generation)
@@ -337,6 +344,8 @@ class SinkQuery:
                 ranges, records = left, size_of(left)
         elif self._lane is not None:  # ranges unknown: the lane waits for a batch whose end is known
             self._lane.pause()
+        if ranges is not None and records <= ONE_TASK_RECORDS and self._whole_on_driver(batch_id, ranges, raw, started):
+            return
         if isinstance(self.sink, PartitionSink) and records <= ONE_TASK_RECORDS:
             if ranges is not None and records <= DRIVER_RECORDS:  # no Spark job: see sinks._ranges
                 read = self._range_reader().read(ranges)
@@ -367,6 +376,23 @@ class SinkQuery:
                 raw.unpersist()
         self._done(batch_id, outcome, started, planned)
         self._follow_lane(batch_id)
+
+    def _whole_on_driver(self, batch_id: int, ranges: Ranges, raw: Any, started: float) -> bool:
+        """A sink that writes whole tables on the driver (the warehouse, by delta-rs) takes a batch of up to one
+        task's worth there: its store's write costs milliseconds where a Spark MERGE costs seconds. False when
+        the batch goes the Spark path (the sink says why)."""
+        if not _on_driver(self.sink):
+            return False
+        read = self._range_reader().read(ranges)
+        folds = self._folds(read)
+        planned = time.monotonic()
+        try:
+            outcome = folded_on_driver(self.sink, folds, read, raw, self.settings, batch=(batch_id, self.generation))
+        except NotOnDriverError as exc:
+            log.info("sink %s: batch %d goes Spark's path: %s", self.name, batch_id, exc)
+            return False
+        self._done(batch_id, outcome, started, planned)
+        return True
 
     def _follow_lane(self, batch_id: int) -> None:
         """After a committed batch of a served search or cache: its lane goes on from the batch's end (started
@@ -495,6 +521,10 @@ class SinkQuery:
 _WARM_RECORDS = 3  # per partition: enough for every stage of a batch to run
 _UNKNOWN = 1 << 40  # offsets of a topic whose start is not known (see batch_starts)
 _ROWS_PER_SHUFFLE = ONE_TASK_RECORDS  # records per shuffle partition of a batch's fold
+
+
+def _on_driver(sink: Any) -> bool:
+    return isinstance(sink, WritesFolded) and sink.folds_on_driver
 
 
 def batch_starts(

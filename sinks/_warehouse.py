@@ -17,7 +17,6 @@ idempotent writes (txnAppId/txnVersion = batch id).
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import time
 from collections.abc import Iterator, Sequence
@@ -25,63 +24,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from sinks._api import BaseSink, Batch, SinkContext, TableChanges, TableRef, key_id
+from sinks._api import BaseSink, Batch, SinkContext, TableChanges, TableRef, TableWrite, key_id
+from sinks._delta_names import META as _META
+from sinks._delta_names import UNCHANGED as _UNCHANGED
+from sinks._delta_names import create_app, delta_columns, history_app
 from sinks._delta_stats import BatchDates, StatsColumns, has_dates, quoted, sql_string
 from sinks._preflight import check_writable
 from sinks._storage import location
 from sinks._values import Names, column_name, doc_converter, spark_projection
+from sinks._warehouse_live import DeltaWriter, NotOnDriverError
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame
 
-_META = ("__op", "__commit_lsn", "__lsn", "__ts_ms", "__applied_ms")
-_UNCHANGED = "__unchanged"  # in the MERGE source only
 _READ_PIECE_BYTES = 4 << 20  # compressed Parquet per partition when the table is read back (verify)
 _CURRENT = "_cdc_current"  # the served generation's number
-
-
-def delta_columns(fields: Sequence[str], existing: Sequence[str] = ()) -> dict[str, str]:
-    """The Delta column of each Avro field of a row: its name, unless Delta would refuse it.
-
-    Delta compares column names ignoring case, so Avro fields ``Order`` and ``order`` (columns "Order" and
-    "order") cannot both keep their names, and a column named like one of ours (``__op``…) would clash. Such
-    a field, in field order, gets ``__`` and 8 hex digits of its name's SHA-256 (``order__1a2b3c4d``).
-
-    ``existing``: the Delta table's columns. A field that already has a column keeps it, whatever happened to
-    the other fields since: a dropped or renamed case-twin must not hand its name over (``order`` would then
-    become ``order``, which Delta refuses next to the old ``Order``, and its values would be stranded).
-    """
-    ours = {m.lower() for m in (*_META, _UNCHANGED)}
-    present = {c for c in existing if c.lower() not in ours}  # the sink's own columns are never a field's
-    taken = ours | {c.lower() for c in existing}
-    out: dict[str, str] = {}
-    for name in fields:
-        for candidate in _candidates(name):
-            if candidate in present:
-                out[name] = candidate
-                break
-            if candidate.lower() not in taken:
-                break  # the first free name: nothing further on can be this field's existing column
-    for name in fields:
-        if name in out:
-            continue
-        for column in _candidates(name):
-            if column.lower() not in taken:
-                break
-        taken.add(column.lower())
-        out[name] = column
-    return out
-
-
-def _candidates(name: str) -> Iterator[str]:
-    """The names a field's column may have, in the order they are given out."""
-    yield name
-    digest = hashlib.sha256(name.encode()).hexdigest()[:8]
-    yield f"{name}__{digest}"
-    n = 3
-    while True:
-        yield f"{name}__{digest}_{n}"
-        n += 1
 
 
 @dataclass(frozen=True)
@@ -110,6 +67,10 @@ class WarehouseSink(BaseSink):
         self.history = context.settings.sinks.warehouse.history
         self.stats = StatsColumns()
         check_writable(self.base, "sinks.warehouse.path")
+        self.live = DeltaWriter(context.name, self.history)
+        # Small batches are merged by delta-rs on the driver (sinks._warehouse_live) where the tables are local
+        # files; on an object store they go Spark's path, whose storage settings are Hadoop's.
+        self.folds_on_driver = self.base.local
 
     def path(self, table: str, generation: int) -> str:
         return (self.base / f"g{generation}" / table).uri
@@ -194,6 +155,23 @@ class WarehouseSink(BaseSink):
             raise
 
     # --- writes ----------------------------------------------------------------------------
+
+    def write_folded(self, tables: Sequence[TableWrite]) -> None:
+        """A small batch folded on the driver, merged by delta-rs (sinks._warehouse_live). Raises
+        :class:`NotOnDriverError` when the batch must go Spark's path, which repeats what was written as no-ops."""
+        for table in tables:
+            path = str(Path(self.base.path) / f"g{table.info.generation}" / table.info.name)
+            try:
+                if self.live.write(path, history_path(path), table):
+                    self.stats.forget(
+                        path
+                    )  # a table made anew at a path seen before: its properties are Delta's defaults
+            except NotOnDriverError:
+                raise
+            except (KeyboardInterrupt, SystemExit):
+                raise
+            except BaseException as exc:  # delta-rs's Rust panics surface as a BaseException (pyo3)
+                raise NotOnDriverError(f"{table.info.name}: delta-rs: {type(exc).__name__}: {exc}") from exc
 
     def write(self, batch: Batch) -> None:
         for table in batch.tables:
@@ -285,7 +263,7 @@ class WarehouseSink(BaseSink):
             .mode("append")
             .option("mergeSchema", "true")
             .options(**guard)
-            .option("txnAppId", f"pgcdc-{self.context.name}-{table.name}-g{batch.generation}")
+            .option("txnAppId", history_app(self.context.name, table.name, batch.generation))
             .option("txnVersion", str(batch.batch_id))
             .save(history)
         )
@@ -312,7 +290,7 @@ class WarehouseSink(BaseSink):
             rows.write.format("delta")
             .mode("append")
             .options(**self.stats.guard(batch.spark, path, rows.schema, dates, new=True))
-            .option("txnAppId", f"pgcdc-{self.context.name}-{table.name}-g{batch.generation}-create")
+            .option("txnAppId", create_app(self.context.name, table.name, batch.generation))
             .option("txnVersion", str(batch.batch_id))
             .save(path)
         )

@@ -38,6 +38,8 @@ from sinks._api import (
     Rejected,
     TableChanges,
     TableInfo,
+    TableWrite,
+    WritesFolded,
 )
 from sinks._fold import APPLY_OPS, POISON, TRUNCATE, TopicSchemas, fold
 from sinks._reader import PlannedTable, dead_letters, union_all, write_dead_letters
@@ -336,6 +338,59 @@ def written_on_driver(
     back = fold_and_write(sink.partition_writer(), infos, {f.schemas.topic: f for f in folds}, records)
     names = [name for name, _ in _RETURNED_ARROW]
     return [dict(zip(names, r, strict=True)) for r in back]
+
+
+def folded_on_driver(
+    sink: WritesFolded,
+    folds: Sequence[TopicFold],
+    records: list[dict[str, Any]],
+    raw: DataFrame,
+    settings: SinkSettings,
+    *,
+    batch: tuple[int, int],
+) -> Outcome:
+    """A small batch of a sink that writes whole folded tables on the driver (the warehouse: delta-rs), as
+    :func:`on_driver` does for a partition sink: each topic folded by the Python fold, its truncate apart (the
+    newest; rows at or before it are not written, as Spark's fold drops them), and, when ``sink.history``, its
+    decoded events after the truncate in offset order. Raises what ``sink.write_folded`` raises when the batch
+    must go Spark's path (before anything is written, or after writes that path repeats as no-ops)."""
+    infos = infos_of(folds, settings, batch)
+    by_topic: dict[str, list[dict[str, Any]]] = {}
+    for r in records:
+        by_topic.setdefault(r["topic"], []).append(r)
+    fold_of = {f.schemas.topic: f for f in folds}
+    back: list[tuple[Any, ...]] = []
+    writes: list[TableWrite] = []
+    for topic, rs in sorted(by_topic.items()):
+        fold = fold_of.get(topic, TopicFold(TopicSchemas(topic)))
+        folded = fold.fold(rs)
+        back.append(("seen", topic, None, folded.records, None, None, None, folded.newest_ts_ms))
+        info = infos.get(topic)
+        refused = [r for r in folded.rows if r["op"] == POISON or info is None]
+        back.extend(
+            ("rejected", r["topic"], r["partition"], r["offset"], r["error"], None, None, None) for r in refused
+        )
+        if info is None:
+            continue
+        truncates = [(r["commit_lsn"], r["lsn"]) for r in folded.rows if r["op"] == TRUNCATE]
+        truncate = max(truncates) if truncates else None
+        rows = [r for r in folded.rows if r["op"] in APPLY_OPS and _after(r, truncate)]
+        events = None
+        if sink.history:
+            decoded = (fold.decode(r) for r in rs)
+            events = [e for e in decoded if e["error"] is None and not e["tombstone"] and e["op"] in APPLY_OPS]
+            events = [e for e in events if _after(e, truncate)]
+        writes.append(TableWrite(info, rows, truncate, events))
+    sink.write_folded(writes)
+    names = [name for name, _ in _RETURNED_ARROW]
+    return _finished(sink, raw, settings, [dict(zip(names, r, strict=True)) for r in back])
+
+
+def _after(row: Mapping[str, Any], truncate: tuple[int, int] | None) -> bool:
+    """Whether a change outlives the batch's truncate (a lone tombstone, without a position, does)."""
+    if truncate is None or row["commit_lsn"] is None:
+        return True
+    return (row["commit_lsn"], row["lsn"]) > truncate
 
 
 def _written(writer: PartitionWriter, info: TableInfo | None, rows: list[dict[str, Any]]) -> list[tuple[Any, ...]]:

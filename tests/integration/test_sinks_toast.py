@@ -1,11 +1,16 @@
-"""Partial updates (unchanged TOAST values) keep the large value in every store: within one micro-batch
-(the runtime fills it from the batch's earlier event) and across batches (the store keeps what it holds)."""
+"""Small batches in every store: partial updates (unchanged TOAST values) keep the large value within one
+micro-batch (the runtime fills it from the batch's earlier event) and across batches (the store keeps what it
+holds); a column added and a truncate follow. The warehouse writes such batches with delta-rs on the driver
+(sinks._warehouse_live), and a date beyond year 9999 sends its batch to Spark's path; each Delta commit says
+which wrote it."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import polars as pl
 import psycopg
 import pytest
 
@@ -22,7 +27,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200), SPARK_WORKER]
 BIG = "SELECT string_agg(md5(g::text || %s), '') FROM generate_series(1, 640) g"
 
 
-def test_unchanged_toast_values_survive_in_every_store(
+def test_small_batches_keep_unchanged_toast_added_columns_and_truncates_in_every_store(
     *, pg_dsn: str, stack: Stack, spark: SparkSession, unique: str, tmp_path: Path
 ) -> None:
     with captured(
@@ -51,4 +56,36 @@ def test_unchanged_toast_values_survive_in_every_store(
             conn.execute("UPDATE docs SET qty = 2 WHERE id = 1")
         result = cdc_here("verify", "search", "cache", "warehouse", "--config", str(config), "--wait", "300")
         assert_verified(result, ("search", "cache", "warehouse"), "(later batch)")
+        for statements in (
+            ["ALTER TABLE docs ADD COLUMN due date", "INSERT INTO docs VALUES (3, 'short', 3, '2026-12-01')"],
+            ["TRUNCATE docs", "INSERT INTO docs VALUES (4, 'after', 4, '2026-12-02')"],
+        ):
+            with psycopg.connect(dsn, autocommit=True) as conn:
+                for statement in statements:
+                    conn.execute(statement.encode())
+            result = cdc_here("verify", "search", "cache", "warehouse", "--config", str(config), "--wait", "300")
+            assert_verified(result, ("search", "cache", "warehouse"), f"({statements[0]})\n{sinks.tail()}")
+        table = tmp_path / "warehouse" / "current" / "public.docs"
+        # Every batch so far was small: created, merged, widened and truncated by delta-rs, history too.
+        assert set(_writers(table)) == {"delta-rs"}, _writers(table)
+        assert set(_writers(table.with_name("public.docs.history"))) == {"delta-rs"}
+        with psycopg.connect(dsn, autocommit=True) as conn:  # a date Python cannot hold: Spark's path
+            conn.execute("INSERT INTO docs VALUES (5, 'far', 5, 'infinity')")
+        result = cdc_here("verify", "search", "cache", "warehouse", "--config", str(config), "--wait", "300")
+        assert_verified(result, ("search", "cache", "warehouse"), f"(infinity)\n{sinks.tail()}")
+        assert _writers(table)[-1] == "spark", _writers(table)
+        assert sorted(pl.read_delta(str(table))["id"].to_list()) == [4, 5]  # delta-rs reads both paths' commits
         assert sinks.stop() == 0, sinks.tail()
+
+
+def _writers(table: Path) -> list[str]:
+    """Who wrote each commit of a Delta table, in version order: "delta-rs" or "spark" (its commitInfo)."""
+    out = []
+    for commit in sorted((table / "_delta_log").glob("*.json")):
+        for line in commit.read_text().splitlines():
+            info = json.loads(line).get("commitInfo")
+            if info is not None:
+                client = str(info.get("clientVersion", ""))
+                engine = str(info.get("engineInfo", ""))
+                out.append("delta-rs" if client.startswith("delta-rs") else "spark" if "Spark" in engine else client)
+    return out

@@ -10,8 +10,9 @@ from hypothesis import strategies as st
 from cdc._catalog import qualified_name
 from cdc._config import Settings
 from sinks._config import SinkSettings
+from sinks._delta_names import delta_columns
 from sinks._search import column_of, field_name, index_alias
-from sinks._warehouse import delta_columns, history_path
+from sinks._warehouse import history_path
 
 _NAMES = st.text(alphabet=st.sampled_from([*"._%% \t\n\"'\\aAbB0éİ😀"]), min_size=1, max_size=12)
 
