@@ -8,6 +8,10 @@ Layout under ``sinks.warehouse.path`` (docs/sinks.md):
                                     plus __op, __commit_lsn, __lsn, __ts_ms
     g<N>/<schema>.<table>.history/  with ``history = true``: every change appended, in order
 
+A batch of up to 25,000 records on local files is folded on the driver and merged by delta-rs
+(sinks._warehouse_live); a larger one, or one on an object store, by a Spark MERGE of the Spark fold. Both
+follow the same rules, below.
+
 Columns are named by the Avro field names (``[A-Za-z0-9_]``, so Delta needs no column mapping mode), except
 where Delta would refuse them (:func:`delta_columns`). MERGE applies a change only when its (commit_lsn, lsn)
 is at least the stored one, so replays are no-ops and nothing goes backwards; history appends use Delta's
@@ -162,10 +166,9 @@ class WarehouseSink(BaseSink):
         for table in tables:
             path = str(Path(self.base.path) / f"g{table.info.generation}" / table.info.name)
             try:
+                # A table made anew at a path seen before has Delta's default properties again.
                 if self.live.write(path, history_path(path), table):
-                    self.stats.forget(
-                        path
-                    )  # a table made anew at a path seen before: its properties are Delta's defaults
+                    self.stats.forget(path)
             except NotOnDriverError:
                 raise
             except (KeyboardInterrupt, SystemExit):
