@@ -55,9 +55,9 @@ from sinks._write import (
     Outcome,
     folded_on_driver,
     in_one_task,
+    in_tasks,
     on_driver,
     on_driver_plan,
-    on_executors,
     rehearse,
     rehearse_on_driver,
 )
@@ -314,7 +314,7 @@ class SinkQuery:
                 if tail is None:
                     return
                 raw, topics = tail
-                rehearse(self.sink, self.decoder.plan(raw.coalesce(1), topics), self.generation)
+                rehearse(self.decoder.plan(raw.coalesce(1), topics))
             log.info("sink %s: warmed up in %.1fs", self.name, time.monotonic() - started)
         except Exception as exc:
             log.info("sink %s: warm-up skipped (%s)", self.name, _short(exc))
@@ -346,7 +346,7 @@ class SinkQuery:
             self._lane.pause()
         if ranges is not None and records <= ONE_TASK_RECORDS and self._whole_on_driver(batch_id, ranges, raw, started):
             return
-        if isinstance(self.sink, PartitionSink) and records <= ONE_TASK_RECORDS:
+        if isinstance(self.sink, PartitionSink):
             if ranges is not None and records <= DRIVER_RECORDS:  # no Spark job: see sinks._ranges
                 read = self._range_reader().read(ranges)
                 folds = self._folds(read)
@@ -355,7 +355,8 @@ class SinkQuery:
             else:
                 folds = [TopicFold(self.decoder.schemas(topic)) for topic in sorted(topics)]
                 planned = time.monotonic()
-                outcome = in_one_task(self.sink, folds, raw, self.settings, batch)
+                tasks = in_one_task if records <= ONE_TASK_RECORDS else in_tasks
+                outcome = tasks(self.sink, folds, raw, self.settings, batch)
             self._done(batch_id, outcome, started, planned)
             self._follow_lane(batch_id)
             return
@@ -367,10 +368,7 @@ class SinkQuery:
         try:
             tables = self.decoder.plan(raw, topics)
             planned = time.monotonic()
-            if isinstance(self.sink, PartitionSink):
-                outcome = on_executors(self.sink, tables, raw, self.settings, batch)
-            else:
-                outcome = on_driver_plan(self.sink, tables, raw, self.settings, batch)
+            outcome = on_driver_plan(self.sink, tables, raw, self.settings, batch)
         finally:
             if shared:
                 raw.unpersist()

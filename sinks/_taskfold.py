@@ -1,13 +1,16 @@
-"""The fold of a small batch in Python, on the driver or inside the one executor task that writes it.
+"""The fold in Python: on the driver, in the one task that writes a batch, or in a task per Kafka partition.
 
-A live batch (up to ``sinks._ranges.DRIVER_RECORDS`` offsets on the driver, up to :data:`ONE_TASK_RECORDS` in
-one task) is read from Kafka, decoded, folded and written in one place. Doing the fold with fastavro, instead
-of as Spark expressions, leaves no plan to build (on the driver) or a one-node plan per batch (the Kafka read
-and ``mapInArrow``): building and planning the decode, fold and projection cost the driver's JVM ~0.3-0.4 s
-per batch and sink, most of a one-row batch's time. Larger batches (replays, rebuilds, a backlog) keep the
-Spark fold (:mod:`sinks._fold`), which shuffles by key.
+Every batch of a partition sink (search, cache, SQL, plugins) and the warehouse's small batches are read from
+Kafka, decoded, folded and written in one place: up to ``sinks._ranges.DRIVER_RECORDS`` offsets on the
+driver, up to :data:`ONE_TASK_RECORDS` in one task, a larger batch in one task per Kafka partition (the capture
+partitions by key, so a partition holds every event of its keys). Doing the fold with fastavro, instead of as
+Spark expressions, leaves no plan to build (on the driver) or a one-node plan per batch (the Kafka read and
+``mapInArrow``): building and planning the decode, fold and projection cost the driver's JVM ~0.3-0.4 s per
+batch and sink, most of a one-row batch's time; and one Python thread decodes Avro faster than a core of
+Spark's ``from_avro``. The warehouse's larger batches keep the Spark fold (:mod:`sinks._fold`), which
+shuffles by key, for its MERGE.
 
-The rules are :mod:`sinks._fold`'s, applied to one partition that holds every record of the batch:
+The rules are :mod:`sinks._fold`'s, applied to the records of one task, which hold every event of their keys:
 decoding with the writer schema by id resolved to the subject's latest, poison (unframed, unknown ids,
 undecodable, a key with a null field outside a truncate), the last event per key by
 ``(commit_lsn, lsn, offset, partition)``, the table's newest truncate, unchanged TOAST filled from the key's

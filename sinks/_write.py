@@ -1,4 +1,4 @@
-"""Applying one planned micro-batch to a sink: the executor-side path and the frame-based path.
+"""Applying one planned micro-batch to a sink: the Python fold's paths and the frame-based path.
 
 **On the driver** (a :class:`sinks.PartitionSink`'s batch of up to ``sinks._ranges.DRIVER_RECORDS`` offsets:
 every live batch of a sink that keeps up): the driver reads the batch's offset ranges itself
@@ -9,12 +9,11 @@ them, truncates last; no Spark job runs unless there are dead letters to write.
 which reads the batch from Kafka; the driver's plan is the Kafka read and ``mapInArrow``, and only refusals
 and each table's counts come back.
 
-**Executor-side** (a larger batch of a :class:`sinks.PartitionSink`: search, cache, plugins that write row by
-row): one Spark action per batch. Each table's fold feeds ``mapInArrow``, whose tasks run the sink's
-:class:`sinks.PartitionWriter` on their partition and return only what was refused, plus the fold's poison
-rows; the action collects those (rare, and nothing else reaches the driver). Only when there are some does a
-second action join them (broadcast) with the raw records and write them to the dead-letter topic. Counts
-come from ``observe`` in the first action, not from jobs of their own.
+**One task per Kafka partition** (a larger batch of a :class:`sinks.PartitionSink`: a backlog, a replay, a
+rebuild): the same fold and writer in each task over its partition's records, which hold every event of their
+keys (see :func:`in_tasks`); one Spark action, no shuffle. Only when the batch has them does a second action
+apply the tables' truncates and another join the refused records (broadcast) with the raw ones and write them
+to the dead-letter topic.
 
 **Frame-based** (:class:`sinks.Sink`: the warehouse): each table's decoded records are cached, one small job
 reads the batch's marks (records, newest commit time, truncates, poison), the sink writes its frames with
@@ -33,7 +32,6 @@ from sinks._api import (
     Batch,
     Change,
     ChangeMaker,
-    PartitionSink,
     PartitionWriter,
     Rejected,
     TableChanges,
@@ -76,16 +74,6 @@ class Outcome:
     newest_ts_ms: int | None = None
 
 
-def _observed(table: PlannedTable, name: str) -> tuple[DataFrame, Any]:
-    """The table's decoded records, counted (and their newest commit time) by the action that reads them."""
-    from pyspark.sql import Observation
-    from pyspark.sql import functions as F
-
-    seen = Observation(name)
-    frame = table.decoded.observe(seen, F.count(F.lit(1)).alias("n"), F.max("ts_ms").alias("ts"))
-    return frame, seen
-
-
 def forget_zip_finders() -> None:
     """Drop the zip archives' finders from ``sys.path_importer_cache`` in this Python worker.
 
@@ -111,52 +99,6 @@ def _returned(rows: list[tuple[Any, ...]]) -> pa.RecordBatch:
     return pa.RecordBatch.from_pylist([dict(zip(schema.names, r, strict=True)) for r in rows], schema=schema)
 
 
-def _partition_task(
-    writer: PartitionWriter | None, info: TableInfo | None
-) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
-    """The function each executor task runs over its partition of a table's fold (pickled with ``writer``).
-
-    Changes go to the writer; poison rows and what the writer refuses come back as "rejected", the table's
-    truncate as "truncate" (applied after every task of the batch has written: see :func:`on_executors`).
-    """
-
-    def run(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-        forget_zip_finders()  # for the next task in this worker: see there
-        back: list[tuple[Any, ...]] = []
-
-        def changes() -> Iterator[Change]:
-            make = ChangeMaker(info.key_schema, info.row_schema) if info is not None else None
-            for batch in batches:
-                for r in batch.to_pylist():
-                    if r["op"] == POISON or make is None:
-                        back.append(("rejected", r["topic"], r["partition"], r["offset"], r["error"], None, None, None))
-                    elif r["op"] == TRUNCATE:
-                        back.append(
-                            (
-                                "truncate",
-                                r["topic"],
-                                r["partition"],
-                                r["offset"],
-                                None,
-                                r["commit_lsn"],
-                                r["lsn"],
-                                r["ts_ms"],
-                            )
-                        )
-                    else:
-                        yield make(r)
-
-        if writer is not None and info is not None:
-            back.extend(("rejected", *r, None, None, None) for r in writer.write(info, changes()))
-        else:
-            for _ in changes():
-                pass
-        if back:
-            yield _returned(back)
-
-    return run
-
-
 def _truncate_task(
     writer: PartitionWriter, infos: dict[str, TableInfo]
 ) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
@@ -178,46 +120,53 @@ def _truncate_task(
     return run
 
 
-def on_executors(
-    sink: Any, tables: Sequence[PlannedTable], raw: DataFrame, settings: SinkSettings, batch: tuple[int, int]
+def in_tasks(
+    sink: Any, folds: Sequence[TopicFold], raw: DataFrame, settings: SinkSettings, batch: tuple[int, int]
 ) -> Outcome:
-    """The sink's partition writers write every table in one action; then, only when the batch has them, one
-    action applies the tables' truncates and one writes the dead letters.
+    """A larger batch of a partition sink (a backlog, a replay, a rebuild): one task per Kafka partition reads
+    its share, folds it and writes it; then, only when the batch has them, one action applies the tables'
+    truncates and one writes the dead letters. ``batch``: (batch id, generation).
 
-    A truncate is applied after the batch's other writes (a shuffle-free plan cannot order tasks), so the
-    changes of the batch older than it, written a moment before, are removed with the rest. ``batch``:
-    (batch id, generation).
+    The capture partitions by key, so a partition's records hold every event of their keys in offset order and
+    each task's fold is the batch's fold for its keys: no shuffle. A topic whose key schema has changed may
+    hold one key in two partitions (its bytes, and so its partition, moved): its records are folded in one
+    task. A truncate is applied after every task has written (tasks are not ordered), so the changes of the
+    batch older than it, written a moment before, are removed with the rest.
     """
-    batch_id, generation = batch
-    infos = {
-        t.topic: TableInfo(t.topic, t.name, t.key_schema, t.row_schema, generation, batch_id)
-        for t in tables
-        if t.schemas.registered
-    }
+    infos = infos_of(folds, settings, batch)
     if infos:
         sink.prepare(list(infos.values()))
     writer: PartitionWriter = sink.partition_writer()
-    outs, seen = [], []
-    for n, table in enumerate(tables):
-        decoded, observation = _observed(table, f"pgcdc-{sink.name}-{batch_id}-{n}")
-        seen.append(observation)
-        info = infos.get(table.topic)
-        task = _partition_task(writer if info else None, info)
-        outs.append(table.plan.changes(decoded).mapInArrow(task, RETURNED))
-    returned = union_all(outs)
-    # The action: the tasks write; only refusals and truncates (rare) come back to the driver.
-    rows = [] if returned is None else returned.collect()
+    task = _one_task(writer, infos, {f.schemas.topic: f for f in folds}, truncates_later=True)
+    rows = _by_partition(raw, folds).mapInArrow(task, RETURNED).collect()
     truncates = _newest_per_topic([r for r in rows if r["kind"] == "truncate"])
     if truncates:
-        spark = raw.sparkSession
-        todo = spark.createDataFrame([tuple(r)[1:] for r in truncates], _TRUNCATES)
+        todo = raw.sparkSession.createDataFrame([tuple(r)[1:] for r in truncates], _TRUNCATES)
         rows += todo.mapInArrow(_truncate_task(writer, infos), RETURNED).collect()
-    found = [(r["topic"], r["partition"], r["offset"], r["error"]) for r in rows if r["kind"] == "rejected"]
-    dead = 0
-    if found:
-        refused = raw.sparkSession.createDataFrame(found, REJECTED)
-        dead = write_dead_letters(settings, sink.name, dead_letters(raw, refused), len(found))
-    return _outcome(seen, dead)
+    return _finished(sink, raw, settings, rows)
+
+
+def _by_partition(raw: DataFrame, folds: Sequence[TopicFold]) -> DataFrame:
+    """The batch's records, a task per Kafka partition (as Spark's source reads them), except that each topic
+    whose key moved partitions (:func:`_keys_may_move`) is in one task of its own."""
+    from pyspark.sql import functions as F
+
+    records = raw.select("topic", "partition", "offset", "key", "value")
+    moving = sorted(f.schemas.topic for f in folds if _keys_may_move(f.schemas))
+    if not moving:
+        return records
+    apart = [records.filter(F.col("topic") == topic).coalesce(1) for topic in moving]
+    rest = records.filter(~F.col("topic").isin(*moving))
+    out = rest
+    for frame in apart:
+        out = out.union(frame)
+    return out
+
+
+def _keys_may_move(schemas: TopicSchemas) -> bool:
+    """Whether one key of the topic may sit in two partitions: its key bytes carry the schema id, so a new key
+    schema version (a key column's type changed) sends the key's later events to another partition."""
+    return len(schemas.key_writers) > 1
 
 
 _TRUNCATES = "topic string, partition int, offset long, error string, commit_lsn long, lsn long, ts_ms long"
@@ -276,14 +225,19 @@ def _finished(sink: Any, raw: DataFrame, settings: SinkSettings, rows: list[Any]
 
 
 def _one_task(
-    writer: PartitionWriter, infos: dict[str, TableInfo], folds: dict[str, TopicFold]
+    writer: PartitionWriter,
+    infos: dict[str, TableInfo],
+    folds: dict[str, TopicFold],
+    *,
+    truncates_later: bool = False,
 ) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
-    """The task of :func:`in_one_task` (pickled with ``writer`` and the folds' schemas)."""
+    """The task of :func:`in_one_task` and :func:`in_tasks` (pickled with ``writer`` and the folds' schemas)."""
 
     def run(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         forget_zip_finders()  # for the next task in this worker: see there
         # Arrow batches of Spark's size (10,000 rows): the raw records are not kept.
-        back = fold_and_write(writer, infos, folds, (r for batch in batches for r in batch.to_pylist()))
+        records = (r for batch in batches for r in batch.to_pylist())
+        back = fold_and_write(writer, infos, folds, records, truncates_later=truncates_later)
         if back:
             yield _returned(back)
 
@@ -295,9 +249,12 @@ def fold_and_write(
     infos: dict[str, TableInfo],
     folds: dict[str, TopicFold],
     records: Iterable[Mapping[str, Any]],
+    *,
+    truncates_later: bool = False,
 ) -> list[tuple[Any, ...]]:
     """A whole batch's raw records (topic, partition, offset, key, value) folded per topic and written, in a
-    task or on the driver; what comes back (:data:`RETURNED`'s rows): each topic's count and what was refused."""
+    task or on the driver; what comes back (:data:`RETURNED`'s rows): each topic's count and what was refused,
+    and, when ``truncates_later`` (one of several tasks), each table's truncate instead of applying it."""
     folding: dict[str, Folding] = {}
     for r in records:
         topic = r["topic"]
@@ -308,7 +265,7 @@ def fold_and_write(
     for topic, state in sorted(folding.items()):
         folded = state.finish()
         back.append(("seen", topic, None, folded.records, None, None, None, folded.newest_ts_ms))
-        back.extend(_written(writer, infos.get(topic), folded.rows))
+        back.extend(_written(writer, infos.get(topic), folded.rows, truncates_later=truncates_later))
     return back
 
 
@@ -393,16 +350,24 @@ def _after(row: Mapping[str, Any], truncate: tuple[int, int] | None) -> bool:
     return (row["commit_lsn"], row["lsn"]) > truncate
 
 
-def _written(writer: PartitionWriter, info: TableInfo | None, rows: list[dict[str, Any]]) -> list[tuple[Any, ...]]:
-    """A table's folded rows through the writer, its truncate after them; what was refused, as returned rows."""
+def _written(
+    writer: PartitionWriter, info: TableInfo | None, rows: list[dict[str, Any]], *, truncates_later: bool = False
+) -> list[tuple[Any, ...]]:
+    """A table's folded rows through the writer, its truncate after them (or returned, ``truncates_later``);
+    what was refused, as returned rows."""
     refused = [(r["topic"], r["partition"], r["offset"], r["error"]) for r in rows if r["op"] == POISON or info is None]
+    back: list[tuple[Any, ...]] = []
     if info is not None:
         make = ChangeMaker(info.key_schema, info.row_schema, spark=False)
         refused.extend(writer.write(info, (make(r) for r in rows if r["op"] not in (POISON, TRUNCATE))))
-        for r in rows:  # one per table; after the batch's other writes, as on_executors applies it
-            if r["op"] == TRUNCATE:
+        for r in rows:  # one per table; after the batch's other writes
+            if r["op"] == TRUNCATE and truncates_later:
+                back.append(
+                    ("truncate", r["topic"], r["partition"], r["offset"], None, r["commit_lsn"], r["lsn"], r["ts_ms"])
+                )
+            elif r["op"] == TRUNCATE:
                 refused.extend(writer.write(info, iter([make(r)])))
-    return [("rejected", *r, None, None, None) for r in refused]
+    return back + [("rejected", *r, None, None, None) for r in refused]
 
 
 def _newest_per_topic(rows: list[Any]) -> list[Any]:
@@ -437,24 +402,15 @@ class _Draining:
         return ()
 
 
-def rehearse(sink: Any, tables: Sequence[PlannedTable], generation: int) -> None:
-    """Run a larger batch's path over ``tables`` (a few records read from Kafka) without writing anything.
+def rehearse(tables: Sequence[PlannedTable]) -> None:
+    """Run a frame sink's Spark fold over ``tables`` (a few records read from Kafka) without writing anything.
 
     What a first batch pays once per application is paid here, before the query starts: the JVM loads and
-    compiles the decode and fold (generated code is cached by its text, which the query's batches share),
-    the Python workers start and import the writer's modules, and the plans are built. Rows reach the tasks'
-    writers filtered out after the fold, so every stage up to the writer runs on real records.
+    compiles the decode and fold (generated code is cached by its text, which the query's batches share) and
+    the plans are built.
     """
-    from pyspark.sql import functions as F
-
-    drain = _Draining(sink.partition_writer()) if isinstance(sink, PartitionSink) else None
     for table in tables:
-        changes = table.plan.changes(table.decoded)
-        if drain is None or not table.schemas.registered:
-            changes.count()
-            continue
-        info = TableInfo(table.topic, table.name, table.key_schema, table.row_schema, generation, -1)
-        changes.filter(F.col("offset") < 0).mapInArrow(_partition_task(drain, info), RETURNED).collect()
+        table.plan.changes(table.decoded).count()
 
 
 def rehearse_on_driver(

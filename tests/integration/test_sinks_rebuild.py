@@ -1,5 +1,9 @@
 """`cdc sinks rebuild A B`: the sinks rebuild side by side in one application and are swapped in together, or,
-when any new copy differs from the source, none is."""
+when any new copy differs from the source, none is.
+
+The rebuilds here take the larger batches' path (the thresholds of the driver's and the one task's paths set
+to nothing): one task per Kafka partition folds and writes its records, a truncate follows every task, and a
+table whose key column changed type (its key in two partitions) is folded in one task."""
 
 from __future__ import annotations
 
@@ -11,6 +15,9 @@ import psycopg
 import pytest
 import redis
 
+import sinks._runner
+import sinks._write
+from tests.integration._capture_helpers import read_topic, wait_for
 from tests.integration._sinks_helpers import SPARK_WORKER, InProcessSinks, Stack, captured, cdc_here, wait_caught_up
 
 if TYPE_CHECKING:
@@ -18,9 +25,50 @@ if TYPE_CHECKING:
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900), SPARK_WORKER]
 
+# A history for a rebuild to fold: updates, deletes, a truncate, inserts after it (k = 3 keeps v = 3).
+HISTORY = [
+    "UPDATE t SET v = v + 100 WHERE k % 4 = 0",
+    "DELETE FROM t WHERE k % 5 = 0",
+    "TRUNCATE t",
+    "INSERT INTO t SELECT g, g FROM generate_series(1, 30) g",
+    "UPDATE t SET v = v + 100 WHERE k % 4 = 0",
+    "DELETE FROM t WHERE k % 7 = 0",
+]
+# After the live sinks stopped: u's key column widens, so its later events carry a new key schema (and land in
+# other partitions).
+KEY_MOVES = [
+    "ALTER TABLE u ALTER COLUMN k TYPE bigint",
+    "UPDATE u SET v = v || '!' WHERE k > 5",
+    "DELETE FROM u WHERE k = 9",
+    "INSERT INTO u VALUES (11, 'last')",
+]
+
+
+@pytest.fixture
+def larger_batches(monkeypatch: pytest.MonkeyPatch) -> list[list[tuple[str, int]]]:
+    """Every batch of search and cache through sinks._write.in_tasks; the topics and key schema versions of
+    each batch it took."""
+    taken: list[list[tuple[str, int]]] = []
+    real = sinks._write.in_tasks
+
+    def spied(sink, folds, *args, **kwargs):  # type: ignore[no-untyped-def]
+        taken.append(sorted((f.schemas.topic, len(f.schemas.key_writers)) for f in folds))
+        return real(sink, folds, *args, **kwargs)
+
+    monkeypatch.setattr(sinks._runner, "DRIVER_RECORDS", 0)
+    monkeypatch.setattr(sinks._runner, "ONE_TASK_RECORDS", 0)
+    monkeypatch.setattr("sinks._runner.in_tasks", spied)
+    return taken
+
 
 def test_a_rebuild_that_differs_from_the_source_swaps_in_none_of_its_sinks(
-    *, pg_dsn: str, stack: Stack, spark: SparkSession, unique: str, tmp_path: Path
+    *,
+    pg_dsn: str,
+    stack: Stack,
+    spark: SparkSession,
+    unique: str,
+    tmp_path: Path,
+    larger_batches: list[list[tuple[str, int]]],
 ) -> None:
     with captured(
         stack,
@@ -28,15 +76,34 @@ def test_a_rebuild_that_differs_from_the_source_swaps_in_none_of_its_sinks(
         unique,
         tmp_path,
         name="rebuild",
-        setup=["CREATE TABLE t (k int PRIMARY KEY, v int)", "INSERT INTO t SELECT g, g FROM generate_series(1, 20) g"],
-        tables=["t"],
+        setup=[
+            "CREATE TABLE t (k int PRIMARY KEY, v int)",
+            "INSERT INTO t SELECT g, g FROM generate_series(1, 20) g",
+            "CREATE TABLE u (k int PRIMARY KEY, v text)",
+            "INSERT INTO u SELECT g, 'u' || g FROM generate_series(1, 10) g",
+        ],
+        tables=["t", "u"],
         sinks=lambda config, log: InProcessSinks(spark, config, log, ["search", "cache"]),
     ) as run:
         dsn, config, prefix, sinks = run.dsn, run.config, run.prefix, run.sinks
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            for statement in HISTORY:
+                conn.execute(statement.encode())
         sinks.start()
         wait_caught_up(config, sinks, ["search", "cache"])
         assert sinks.stop() == 0, sinks.tail()
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            for statement in KEY_MOVES:
+                conn.execute(statement.encode())
+        u = f"{prefix}.public.u"
+
+        def arrived() -> bool:
+            events = read_topic(stack.kafka, stack.registry, u)
+            return any(e.value and (e.value["after"] or {}).get("v") == "last" for e in events)
+
+        wait_for(arrived, 120, "u's last insert in its topic", None)
         run.capture.stop()
+        larger_batches.clear()  # the live sinks' batches: the rebuilds' are what is checked
         # Behind the capture's back (it is stopped): the topics, and so every rebuilt copy, no longer match.
         with psycopg.connect(dsn, autocommit=True) as conn:
             conn.execute("UPDATE t SET v = -1 WHERE k = 3")
@@ -57,3 +124,7 @@ def test_a_rebuild_that_differs_from_the_source_swaps_in_none_of_its_sinks(
         assert "search: generation 2 is now served" in again.stdout
         assert "cache: generation 2 is now served" in again.stdout
         assert redis.Redis.from_url(stack.redis).get(f"{prefix}:current") == b"2"
+        # Each rebuild's batch went one task per partition: t's key schema has one version, u's two.
+        assert larger_batches, "no rebuild batch took sinks._write.in_tasks"
+        versions = {topic: n for batch in larger_batches for topic, n in batch}
+        assert versions == {f"{prefix}.public.t": 1, u: 2}, larger_batches
