@@ -355,8 +355,11 @@ class SinkQuery:
             else:
                 folds = [TopicFold(self.decoder.schemas(topic)) for topic in sorted(topics)]
                 planned = time.monotonic()
-                tasks = in_one_task if records <= ONE_TASK_RECORDS else in_tasks
-                outcome = tasks(self.sink, folds, raw, self.settings, batch)
+                if records <= ONE_TASK_RECORDS:
+                    outcome = in_one_task(self.sink, folds, raw, self.settings, batch)
+                else:
+                    spread = _spread(records, ranges, self.shuffle_partitions)
+                    outcome = in_tasks(self.sink, folds, raw, self.settings, batch, spread=spread)
             self._done(batch_id, outcome, started, planned)
             self._follow_lane(batch_id)
             return
@@ -550,6 +553,13 @@ def offsets_moved(start: dict[tuple[str, int], int], end: dict[tuple[str, int], 
         if before != offset:
             moved[topic] = moved.get(topic, 0) + (_UNKNOWN if before is None else offset - before)
     return moved
+
+
+def _spread(offsets: int, ranges: Ranges | None, most: int) -> int:
+    """How many tasks a partition sink's larger batch is shuffled into (sinks._write.in_tasks): one per
+    ~25,000 records up to ``most``, when the batch's Kafka partitions are fewer; else 0 (a task each)."""
+    wanted = max(1, min(most, -(-offsets // _ROWS_PER_SHUFFLE)))
+    return wanted if ranges is None or len(ranges) < wanted else 0
 
 
 def _sized(raw: DataFrame, offsets: int, most: int) -> DataFrame:

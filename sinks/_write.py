@@ -41,7 +41,7 @@ from sinks._api import (
 )
 from sinks._fold import APPLY_OPS, POISON, TRUNCATE, TopicSchemas, fold
 from sinks._reader import PlannedTable, dead_letters, union_all, write_dead_letters
-from sinks._taskfold import Folding, TopicFold
+from sinks._taskfold import Folding, TopicFold, collector_paused
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -121,24 +121,31 @@ def _truncate_task(
 
 
 def in_tasks(
-    sink: Any, folds: Sequence[TopicFold], raw: DataFrame, settings: SinkSettings, batch: tuple[int, int]
+    sink: Any,
+    folds: Sequence[TopicFold],
+    raw: DataFrame,
+    settings: SinkSettings,
+    batch: tuple[int, int],
+    *,
+    spread: int = 0,
 ) -> Outcome:
-    """A larger batch of a partition sink (a backlog, a replay, a rebuild): one task per Kafka partition reads
-    its share, folds it and writes it; then, only when the batch has them, one action applies the tables'
+    """A larger batch of a partition sink (a backlog, a replay, a rebuild): each task reads its share of the
+    batch, folds it and writes it; then, only when the batch has them, one action applies the tables'
     truncates and one writes the dead letters. ``batch``: (batch id, generation).
 
-    The capture partitions by key, so a partition's records hold every event of their keys in offset order and
-    each task's fold is the batch's fold for its keys: no shuffle. A topic whose key schema has changed may
-    hold one key in two partitions (its bytes, and so its partition, moved): its records are folded in one
-    task. A truncate is applied after every task has written (tasks are not ordered), so the changes of the
-    batch older than it, written a moment before, are removed with the rest.
+    Each task must hold every event of its keys. The capture partitions by key, so a task per Kafka partition
+    does, without a shuffle. ``spread`` > 1 (the batch's partitions are fewer than the cores it could use):
+    the records are shuffled by key into that many tasks instead. A topic whose key schema has changed may
+    hold one key under two byte strings, in two partitions: its records are folded in one task. A truncate is
+    applied after every task has written (tasks are not ordered), so the changes of the batch older than it,
+    written a moment before, are removed with the rest.
     """
     infos = infos_of(folds, settings, batch)
     if infos:
         sink.prepare(list(infos.values()))
     writer: PartitionWriter = sink.partition_writer()
     task = _one_task(writer, infos, {f.schemas.topic: f for f in folds}, truncates_later=True)
-    rows = _by_partition(raw, folds).mapInArrow(task, RETURNED).collect()
+    rows = _by_key(raw, folds, spread).mapInArrow(task, RETURNED).collect()
     truncates = _newest_per_topic([r for r in rows if r["kind"] == "truncate"])
     if truncates:
         todo = raw.sparkSession.createDataFrame([tuple(r)[1:] for r in truncates], _TRUNCATES)
@@ -146,20 +153,19 @@ def in_tasks(
     return _finished(sink, raw, settings, rows)
 
 
-def _by_partition(raw: DataFrame, folds: Sequence[TopicFold]) -> DataFrame:
-    """The batch's records, a task per Kafka partition (as Spark's source reads them), except that each topic
-    whose key moved partitions (:func:`_keys_may_move`) is in one task of its own."""
+def _by_key(raw: DataFrame, folds: Sequence[TopicFold], spread: int) -> DataFrame:
+    """The batch's records in tasks that each hold every event of their keys: as Kafka partitions them, or
+    shuffled by key into ``spread`` tasks when that is more than one; each topic whose key may be under two
+    byte strings (:func:`_keys_may_move`) in one task of its own."""
     from pyspark.sql import functions as F
 
     records = raw.select("topic", "partition", "offset", "key", "value")
     moving = sorted(f.schemas.topic for f in folds if _keys_may_move(f.schemas))
-    if not moving:
-        return records
-    apart = [records.filter(F.col("topic") == topic).coalesce(1) for topic in moving]
-    rest = records.filter(~F.col("topic").isin(*moving))
-    out = rest
-    for frame in apart:
-        out = out.union(frame)
+    rest = records.filter(~F.col("topic").isin(*moving)) if moving else records
+    # The fold orders a key's events by their positions, not by arrival: a shuffle may interleave them.
+    out = rest.repartition(spread, "topic", "key") if spread > 1 else rest
+    for topic in moving:
+        out = out.union(records.filter(F.col("topic") == topic).coalesce(1))
     return out
 
 
@@ -256,16 +262,17 @@ def fold_and_write(
     task or on the driver; what comes back (:data:`RETURNED`'s rows): each topic's count and what was refused,
     and, when ``truncates_later`` (one of several tasks), each table's truncate instead of applying it."""
     folding: dict[str, Folding] = {}
-    for r in records:
-        topic = r["topic"]
-        if topic not in folding:
-            folding[topic] = Folding(folds.get(topic, TopicFold(TopicSchemas(topic))))
-        folding[topic].add(r)
     back: list[tuple[Any, ...]] = []
-    for topic, state in sorted(folding.items()):
-        folded = state.finish()
-        back.append(("seen", topic, None, folded.records, None, None, None, folded.newest_ts_ms))
-        back.extend(_written(writer, infos.get(topic), folded.rows, truncates_later=truncates_later))
+    with collector_paused():
+        for r in records:
+            topic = r["topic"]
+            if topic not in folding:
+                folding[topic] = Folding(folds.get(topic, TopicFold(TopicSchemas(topic))))
+            folding[topic].add(r)
+        for topic, state in sorted(folding.items()):
+            folded = state.finish()
+            back.append(("seen", topic, None, folded.records, None, None, None, folded.newest_ts_ms))
+            back.extend(_written(writer, infos.get(topic), folded.rows, truncates_later=truncates_later))
     return back
 
 
