@@ -51,6 +51,31 @@ def test_a_live_child_counts_in_its_parents_tree() -> None:
         parent.wait()
 
 
+def test_a_child_started_by_another_thread_counts_in_its_parents_tree() -> None:
+    """A JVM starts its children (Spark's Python workers) from threads other than its main one; Linux lists a
+    child under the thread that started it for as long as that thread lives."""
+    burner = _BURN.format(s=0.4) + "time.sleep(30)\n"
+    spawn = (
+        "import subprocess, sys, threading, time\n"
+        "def start():\n"
+        f"    subprocess.Popen([sys.executable, '-c', {burner!r}])\n"
+        "    time.sleep(30)\n"
+        "threading.Thread(target=start).start()\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", spawn], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 20
+        while not _cpu.children(parent.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(_cpu.children(parent.pid)) == 1
+        while _cpu.tree_cpu(parent.pid) < 0.35 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _cpu.tree_cpu(parent.pid) >= 0.35
+    finally:
+        os.killpg(parent.pid, signal.SIGKILL)
+        parent.wait()
+
+
 def test_threads_split_into_main_librdkafka_and_the_rest_which_keeps_ended_threads() -> None:
     start = _cpu.thread_cpu(os.getpid())
     worker = threading.Thread(target=_burn, args=(0.3,))

@@ -53,11 +53,15 @@ def tree_cpu(pid: int) -> float:
 
 
 def children(pid: int) -> list[int]:
-    """The live children of a process (its main thread's; none once it has ended)."""
-    try:
-        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-    except OSError:
-        return []
+    """The live children of a process, whichever of its threads started them (a JVM starts its children, such
+    as Spark's Python workers, from threads other than its main one); none once it has ended."""
+    out: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            out += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            continue  # the thread ended
+    return out
 
 
 def tree(pid: int) -> list[int]:
