@@ -54,7 +54,6 @@ from sinks._warehouse_live import NotOnDriverError
 from sinks._write import (
     Outcome,
     folded_on_driver,
-    in_one_task,
     in_tasks,
     on_driver,
     on_driver_plan,
@@ -355,11 +354,8 @@ class SinkQuery:
             else:
                 folds = [TopicFold(self.decoder.schemas(topic)) for topic in sorted(topics)]
                 planned = time.monotonic()
-                if records <= ONE_TASK_RECORDS:
-                    outcome = in_one_task(self.sink, folds, raw, self.settings, batch)
-                else:
-                    spread = _spread(records, ranges, self.shuffle_partitions)
-                    outcome = in_tasks(self.sink, folds, raw, self.settings, batch, spread=spread)
+                tasks = _tasks(records, ranges, self.shuffle_partitions)
+                outcome = in_tasks(self.sink, folds, raw, self.settings, batch, tasks=tasks)
             self._done(batch_id, outcome, started, planned)
             self._follow_lane(batch_id)
             return
@@ -555,11 +551,18 @@ def offsets_moved(start: dict[tuple[str, int], int], end: dict[tuple[str, int], 
     return moved
 
 
-def _spread(offsets: int, ranges: Ranges | None, most: int) -> int:
-    """How many tasks a partition sink's larger batch is shuffled into (sinks._write.in_tasks): one per
-    ~25,000 records up to ``most``, when the batch's Kafka partitions are fewer; else 0 (a task each)."""
-    wanted = max(1, min(most, -(-offsets // _ROWS_PER_SHUFFLE)))
+def _tasks(offsets: int, ranges: Ranges | None, most: int) -> int:
+    """How sinks._write.in_tasks spreads a partition sink's batch: 1 (one task) up to ONE_TASK_RECORDS; else
+    :func:`_wanted` tasks by a shuffle when the batch's Kafka partitions are fewer, or 0 (a task each)."""
+    if offsets <= ONE_TASK_RECORDS:
+        return 1
+    wanted = _wanted(offsets, most)
     return wanted if ranges is None or len(ranges) < wanted else 0
+
+
+def _wanted(offsets: int, most: int) -> int:
+    """Tasks for a batch of ``offsets``: one per ~25,000 records, up to ``most``."""
+    return max(1, min(most, -(-offsets // _ROWS_PER_SHUFFLE)))
 
 
 def _sized(raw: DataFrame, offsets: int, most: int) -> DataFrame:
@@ -573,7 +576,7 @@ def _sized(raw: DataFrame, offsets: int, most: int) -> DataFrame:
     """
     if offsets <= _ROWS_PER_SHUFFLE:
         return raw.coalesce(1)
-    wanted = max(1, min(most, -(-offsets // _ROWS_PER_SHUFFLE)))
+    wanted = _wanted(offsets, most)
     raw.sparkSession.conf.set("spark.sql.shuffle.partitions", str(wanted))
     return raw
 

@@ -2,13 +2,12 @@
 
 Every batch of a partition sink (search, cache, SQL, plugins) and the warehouse's small batches are read from
 Kafka, decoded, folded and written in one place: up to ``sinks._ranges.DRIVER_RECORDS`` offsets on the
-driver, up to :data:`ONE_TASK_RECORDS` in one task, a larger batch in one task per Kafka partition (the capture
-partitions by key, so a partition holds every event of its keys). Doing the fold with fastavro, instead of as
-Spark expressions, leaves no plan to build (on the driver) or a one-node plan per batch (the Kafka read and
-``mapInArrow``): building and planning the decode, fold and projection cost the driver's JVM ~0.3-0.4 s per
-batch and sink, most of a one-row batch's time; and one Python thread decodes Avro faster than a core of
-Spark's ``from_avro``. The warehouse's larger batches keep the Spark fold (:mod:`sinks._fold`), which
-shuffles by key, for its MERGE.
+driver, up to :data:`ONE_TASK_RECORDS` in one task, a larger batch in one task per Kafka partition (the
+capture partitions by key, so a partition holds every event of its keys) or shuffled by key into one per
+core. Doing the fold with fastavro, instead of as Spark expressions, leaves no plan to build (on the driver)
+or a one-node plan per batch (the Kafka read and ``mapInArrow``): building and planning the decode, fold and
+projection cost the driver's JVM ~0.3-0.4 s per batch and sink, most of a one-row batch's time. The
+warehouse's larger batches keep the Spark fold (:mod:`sinks._fold`), which shuffles by key, for its MERGE.
 
 The rules are :mod:`sinks._fold`'s, applied to the records of one task, which hold every event of their keys:
 decoding with the writer schema by id resolved to the subject's latest, poison (unframed, unknown ids,
@@ -89,8 +88,18 @@ def knows(schemas: TopicSchemas, ids: tuple[set[int], set[int]]) -> bool:
 
 
 _PLAIN = frozenset((int, str, bool, bytes))  # a key's values that are equal exactly where Spark groups them
-_PAUSES = [0]  # folds under way in this process that have the cyclic collector paused
-_PAUSES_LOCK = threading.Lock()
+
+
+class _CollectorPause:
+    """How many folds in this process have the cyclic collector paused, and whether it ran before the first."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.folds = 0
+        self.was_enabled = False
+
+
+_PAUSE = _CollectorPause()
 
 
 @contextlib.contextmanager
@@ -101,18 +110,17 @@ def collector_paused() -> Iterator[None]:
     allocations, walks every live one again and again, ~a fifth of a large batch's fold. Nothing a fold makes
     refers to itself, so reference counting frees it all; the collector runs again when the last fold in the
     process ends (folds on several threads of the driver share it)."""
-    with _PAUSES_LOCK:
-        _PAUSES[0] += 1
-        if _PAUSES[0] == 1:
-            paused = gc.isenabled()
+    with _PAUSE.lock:
+        if _PAUSE.folds == 0:
+            _PAUSE.was_enabled = gc.isenabled()
             gc.disable()
-            _PAUSES.append(int(paused))
+        _PAUSE.folds += 1
     try:
         yield
     finally:
-        with _PAUSES_LOCK:
-            _PAUSES[0] -= 1
-            if _PAUSES[0] == 0 and _PAUSES.pop():
+        with _PAUSE.lock:
+            _PAUSE.folds -= 1
+            if _PAUSE.folds == 0 and _PAUSE.was_enabled:
                 gc.enable()
 
 

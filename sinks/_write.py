@@ -5,15 +5,13 @@ every live batch of a sink that keeps up): the driver reads the batch's offset r
 (sinks._ranges), folds them in Python (sinks._taskfold) and runs the sink's :class:`sinks.PartitionWriter` on
 them, truncates last; no Spark job runs unless there are dead letters to write.
 
-**One task** (up to ``sinks._taskfold.ONE_TASK_RECORDS`` offsets): the same fold and writer in one task,
-which reads the batch from Kafka; the driver's plan is the Kafka read and ``mapInArrow``, and only refusals
-and each table's counts come back.
-
-**One task per Kafka partition** (a larger batch of a :class:`sinks.PartitionSink`: a backlog, a replay, a
-rebuild): the same fold and writer in each task over its partition's records, which hold every event of their
-keys (see :func:`in_tasks`); one Spark action, no shuffle. Only when the batch has them does a second action
-apply the tables' truncates and another join the refused records (broadcast) with the raw ones and write them
-to the dead-letter topic.
+**In tasks** (a larger batch of a :class:`sinks.PartitionSink`: see :func:`in_tasks`): the same fold and
+writer in Spark tasks, each over records that hold every event of their keys: one task up to
+``sinks._taskfold.ONE_TASK_RECORDS`` offsets, else a task per Kafka partition, or, when the batch has fewer
+partitions than its size could use, a shuffle by key into that many tasks. One Spark action; only refusals,
+truncates and each table's counts come back. Only when the batch has them does another action apply the
+truncates (several tasks) and another join the refused records (broadcast) with the raw ones and write them to
+the dead-letter topic.
 
 **Frame-based** (:class:`sinks.Sink`: the warehouse): each table's decoded records are cached, one small job
 reads the batch's marks (records, newest commit time, truncates, poison), the sink writes its frames with
@@ -127,25 +125,26 @@ def in_tasks(
     settings: SinkSettings,
     batch: tuple[int, int],
     *,
-    spread: int = 0,
+    tasks: int,
 ) -> Outcome:
-    """A larger batch of a partition sink (a backlog, a replay, a rebuild): each task reads its share of the
-    batch, folds it and writes it; then, only when the batch has them, one action applies the tables'
-    truncates and one writes the dead letters. ``batch``: (batch id, generation).
+    """A batch of a partition sink too large for the driver: each task reads its share, folds it and writes it;
+    only what was refused, the truncates and each table's counts come back. ``batch``: (batch id, generation).
 
-    Each task must hold every event of its keys. The capture partitions by key, so a task per Kafka partition
-    does, without a shuffle. ``spread`` > 1 (the batch's partitions are fewer than the cores it could use):
-    the records are shuffled by key into that many tasks instead. A topic whose key schema has changed may
-    hold one key under two byte strings, in two partitions: its records are folded in one task. A truncate is
-    applied after every task has written (tasks are not ordered), so the changes of the batch older than it,
-    written a moment before, are removed with the rest.
+    Each task must hold every event of its keys. ``tasks`` = 1 (a medium batch): one task holds the whole
+    batch and applies its truncates itself. 0: a task per Kafka partition, without a shuffle (the capture
+    partitions by key). More: the records are shuffled by key into that many tasks (a batch with fewer
+    partitions than the cores it could use). With several tasks a truncate is applied after every task has
+    written (tasks are not ordered), so the changes of the batch older than it, written a moment before, are
+    removed with the rest; a topic whose key schema has changed may hold one key under two byte strings, in
+    two partitions, and is folded in one task of its own. Dead letters are written by one more action, only
+    when there are some.
     """
     infos = infos_of(folds, settings, batch)
     if infos:
         sink.prepare(list(infos.values()))
     writer: PartitionWriter = sink.partition_writer()
-    task = _one_task(writer, infos, {f.schemas.topic: f for f in folds}, truncates_later=True)
-    rows = _by_key(raw, folds, spread).mapInArrow(task, RETURNED).collect()
+    task = _one_task(writer, infos, {f.schemas.topic: f for f in folds}, truncates_later=tasks != 1)
+    rows = _by_key(raw, folds, tasks).mapInArrow(task, RETURNED).collect()
     truncates = _newest_per_topic([r for r in rows if r["kind"] == "truncate"])
     if truncates:
         todo = raw.sparkSession.createDataFrame([tuple(r)[1:] for r in truncates], _TRUNCATES)
@@ -153,17 +152,17 @@ def in_tasks(
     return _finished(sink, raw, settings, rows)
 
 
-def _by_key(raw: DataFrame, folds: Sequence[TopicFold], spread: int) -> DataFrame:
-    """The batch's records in tasks that each hold every event of their keys: as Kafka partitions them, or
-    shuffled by key into ``spread`` tasks when that is more than one; each topic whose key may be under two
-    byte strings (:func:`_keys_may_move`) in one task of its own."""
+def _by_key(raw: DataFrame, folds: Sequence[TopicFold], tasks: int) -> DataFrame:
+    """The batch's records arranged as :func:`in_tasks` says for ``tasks``."""
     from pyspark.sql import functions as F
 
     records = raw.select("topic", "partition", "offset", "key", "value")
+    if tasks == 1:
+        return records.coalesce(1)
     moving = sorted(f.schemas.topic for f in folds if _keys_may_move(f.schemas))
     rest = records.filter(~F.col("topic").isin(*moving)) if moving else records
     # The fold orders a key's events by their positions, not by arrival: a shuffle may interleave them.
-    out = rest.repartition(spread, "topic", "key") if spread > 1 else rest
+    out = rest.repartition(tasks, "topic", "key") if tasks > 1 else rest
     for topic in moving:
         out = out.union(records.filter(F.col("topic") == topic).coalesce(1))
     return out
@@ -178,19 +177,6 @@ def _keys_may_move(schemas: TopicSchemas) -> bool:
 _TRUNCATES = "topic string, partition int, offset long, error string, commit_lsn long, lsn long, ts_ms long"
 
 
-def in_one_task(
-    sink: Any, folds: Sequence[TopicFold], raw: DataFrame, settings: SinkSettings, batch: tuple[int, int]
-) -> Outcome:
-    """A small batch (see sinks._taskfold): one task reads it, folds it, writes it and applies its truncates;
-    only what was refused and each table's counts come back. A second action writes dead letters when there
-    are some. ``batch``: (batch id, generation)."""
-    infos = infos_of(folds, settings, batch)
-    if infos:
-        sink.prepare(list(infos.values()))
-    rows = _run_one_task(sink.partition_writer(), infos, folds, raw)
-    return _finished(sink, raw, settings, rows)
-
-
 def infos_of(folds: Sequence[TopicFold], settings: SinkSettings, batch: tuple[int, int]) -> dict[str, TableInfo]:
     """Each registered topic's :class:`sinks.TableInfo` for ``batch`` ((batch id, generation))."""
     batch_id, generation = batch
@@ -199,14 +185,6 @@ def infos_of(folds: Sequence[TopicFold], settings: SinkSettings, batch: tuple[in
         for s in (f.schemas for f in folds)
         if s.registered
     }
-
-
-def _run_one_task(
-    writer: PartitionWriter, infos: dict[str, TableInfo], folds: Sequence[TopicFold], raw: DataFrame
-) -> list[Any]:
-    task = _one_task(writer, infos, {f.schemas.topic: f for f in folds})
-    records = raw.select("topic", "partition", "offset", "key", "value").coalesce(1)
-    return records.mapInArrow(task, RETURNED).collect()
 
 
 def tally(rows: Iterable[Mapping[str, Any]]) -> Outcome:
@@ -221,7 +199,7 @@ def tally(rows: Iterable[Mapping[str, Any]]) -> Outcome:
 
 
 def _finished(sink: Any, raw: DataFrame, settings: SinkSettings, rows: list[Any]) -> Outcome:
-    """The outcome of :func:`in_one_task`'s action: the dead letters written, the counts added up."""
+    """The outcome of :func:`in_tasks`'s actions: the dead letters written, the counts added up."""
     out = tally(rows)
     found = [(r["topic"], r["partition"], r["offset"], r["error"]) for r in rows if r["kind"] == "rejected"]
     if found:
@@ -237,7 +215,7 @@ def _one_task(
     *,
     truncates_later: bool = False,
 ) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
-    """The task of :func:`in_one_task` and :func:`in_tasks` (pickled with ``writer`` and the folds' schemas)."""
+    """The task of :func:`in_tasks` (pickled with ``writer`` and the folds' schemas)."""
 
     def run(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         forget_zip_finders()  # for the next task in this worker: see there
@@ -285,7 +263,7 @@ def on_driver(
     *,
     batch: tuple[int, int],
 ) -> Outcome:
-    """A small batch read by the driver (sinks._ranges) folded and written here, as :func:`in_one_task` does
+    """A small batch read by the driver (sinks._ranges) folded and written here, as :func:`in_tasks` does
     in a task; Spark runs a job only for dead letters, when there are some."""
     return _finished(sink, raw, settings, written_on_driver(sink, folds, records, settings, batch))
 
