@@ -2,12 +2,13 @@
 
 A sink is a class with a ``name`` and ``open``/``close``, announced under the entry-point group ``cdc.sinks``.
 The runtime reads the change topics and folds each micro-batch (sinks._fold: decode, last event per key,
-truncates, unchanged TOAST) as a Spark plan. Then, per micro-batch, either
+truncates, unchanged TOAST). Then, per micro-batch, either
 
-* a :class:`PartitionSink` gets ``prepare`` on the driver and its :class:`PartitionWriter` writes each
-  partition of each table inside the executor tasks (search, cache): nothing per row runs on the driver; or
-* a frame-based :class:`Sink` gets ``write`` with one :class:`TableChanges` per table and writes its frame
-  with Spark (the warehouse's Delta MERGE).
+* a :class:`PartitionSink` gets ``prepare`` on the driver and its :class:`PartitionWriter` writes the folded
+  changes where they were folded: on the driver for a small batch, else inside the executor tasks (search,
+  cache, SQL); or
+* a frame-based :class:`Sink` gets ``write`` with one :class:`TableChanges` per table, the folded changes as a
+  Spark frame typed as Spark reads the Avro schemas, and writes it with Spark (the warehouse's Delta MERGE).
 
 Writes must be idempotent and must not go backwards: a batch is replayed after a crash, a task may be retried,
 and the same key may arrive again with an older position (keep the newer one; positions order by
@@ -92,16 +93,26 @@ def projected(
     frame: DataFrame, key_schema: dict[str, Any], row_schema: dict[str, Any], extra: Sequence[str] = ()
 ) -> DataFrame:
     """A folded frame with dates and timestamps as numbers: the form :class:`ChangeMaker` reads."""
-    from sinks._fold import projection
+    from pyspark.sql import functions as F
 
-    return frame.select(*projection(key_schema, row_schema, tuple(extra)))
+    from sinks._values import spark_projection
+
+    names = Names()
+    return frame.select(
+        F.col("topic"),
+        F.col("partition"),
+        F.col("offset"),
+        spark_projection(key_schema, F.col("key"), names).alias("key"),
+        spark_projection(row_schema, F.col("row"), names).alias("row"),
+        *[F.col(c) for c in ("op", "commit_lsn", "lsn", "ts_ms", "unchanged", *extra)],
+    )
 
 
 class ChangeMaker:
     """Rows of a :func:`projected` frame (as Arrow gives them) to :class:`Change` in document form."""
 
     def __init__(self, key_schema: dict[str, Any], row_schema: dict[str, Any], *, spark: bool = True) -> None:
-        """``spark``: rows as a projected frame gives them; else raw Avro values (sinks._taskfold's fold)."""
+        """``spark``: rows as a projected frame gives them; else raw Avro values (as sinks._fold folds them)."""
         names = Names()
         self._key = doc_converter(key_schema, names, spark=spark)
         self._row = doc_converter(row_schema, names, spark=spark)

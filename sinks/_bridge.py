@@ -23,10 +23,10 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from sinks._api import PartitionSink, Rebuildable
+from sinks._fold import TopicFold, framed_ids
 from sinks._progress import TopicEnds, checkpoint_location, checkpoint_offsets
 from sinks._ranges import DRIVER_RECORDS, RangeReader
 from sinks._reader import Decoder
-from sinks._taskfold import TopicFold, framed_ids
 from sinks._write import tally, written_on_driver
 
 if TYPE_CHECKING:

@@ -1,8 +1,10 @@
-"""A warehouse table's rows as Arrow, from raw Avro values (the Python fold's form), typed as Spark types them.
+"""Folded rows as Arrow, from raw Avro values (the Python fold's form), typed as Spark types them.
 
-The warehouse's small batches are written by delta-rs on the driver (sinks._warehouse_live), its large ones by
-Spark: both must give a table the same column types, so these are the types Spark's ``from_avro`` reads the
-same schema into, as Delta stores them (every field nullable, as Delta makes a table created from a frame):
+The warehouse's small batches are written by delta-rs on the driver (sinks._warehouse_live); its large ones,
+and every batch of a frame plugin, reach Spark as frames built from these Arrow columns (sinks._frames). Both
+must give a table the same column types, so these are the types Spark's ``from_avro`` reads the same schema
+into, as Delta stores them (every field nullable, as Delta makes a table created from a frame);
+:func:`spark_type` names each in Spark's DDL:
 
 =========================================  ======================================
 Avro                                        Arrow (Spark)
@@ -156,3 +158,35 @@ def beyond_python(array: pa.Array) -> bool:
 def rows_table(columns: Mapping[str, tuple[pa.DataType, list[Any]]]) -> pa.Table:
     """Columns of converted values (dates and timestamps as day and µs counts, which Arrow takes as they are)."""
     return pa.table({name: pa.array(values, arrow) for name, (arrow, values) in columns.items()})
+
+
+def spark_type(arrow: pa.DataType) -> str:
+    """``arrow`` (one of :func:`arrow_field`'s types) in Spark's DDL, the type Spark reads it into."""
+    if pa.types.is_struct(arrow):
+        fields = [arrow.field(i) for i in range(arrow.num_fields)]
+        return "struct<" + ", ".join(f"`{f.name.replace('`', '``')}`: {spark_type(f.type)}" for f in fields) + ">"
+    if pa.types.is_map(arrow):
+        return f"map<{spark_type(arrow.key_type)}, {spark_type(arrow.item_type)}>"
+    if pa.types.is_list(arrow):
+        return f"array<{spark_type(arrow.value_type)}>"
+    if pa.types.is_decimal(arrow):
+        return f"decimal({arrow.precision}, {arrow.scale})"
+    if pa.types.is_timestamp(arrow):
+        return "timestamp" if arrow.tz is not None else "timestamp_ntz"
+    for kind, ddl in _DDL:
+        if arrow == kind:
+            return ddl
+    raise NotInArrowError(f"Arrow type {arrow} has no Spark type here")
+
+
+_DDL = (
+    (pa.null(), "void"),
+    (pa.bool_(), "boolean"),
+    (pa.int32(), "int"),
+    (pa.int64(), "bigint"),
+    (pa.float32(), "float"),
+    (pa.float64(), "double"),
+    (pa.string(), "string"),
+    (pa.binary(), "binary"),
+    (pa.date32(), "date"),
+)

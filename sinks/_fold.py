@@ -1,40 +1,51 @@
-"""The fold: one micro-batch of raw change records to the latest change per key, as Spark operations.
+"""The fold: one batch of raw change records to the latest change per key, in Python, wherever the batch runs.
 
-Everything here builds a plan; nothing runs on the driver and nothing is collected. The rules, which exist
-only here:
+Every batch of every sink is folded here: on the driver (a partition sink's batch of up to
+``sinks._ranges.DRIVER_RECORDS`` offsets, the warehouse's of up to :data:`ONE_TASK_RECORDS`), in the one
+task that takes a medium batch, or in the tasks of a larger one (sinks._write.in_tasks for the partition
+sinks, sinks._frames for the warehouse and frame plugins), each over records that hold every event of their
+keys: one task, a task per Kafka partition (the capture partitions by key), or a shuffle by key. Doing the fold
+with fastavro, instead of as Spark expressions, leaves no plan to build on the driver, and one implementation
+of the rules below serves every batch size and every sink.
+
+The rules:
 
 * **Decoding.** A record is Confluent-framed Avro; it is read with the schema it was written with (its id is
-  one of the subject's versions, known from the registry before the batch is planned) and resolved to the
-  subject's latest version, so events written before an ALTER TABLE read in today's shape.
-* **Poison.** A record that is not framed, names a schema id that is not a version of its subject, or does not
-  decode gets an ``error``; it comes out of the fold as a row of its own with ``op = '!'`` (and goes to the
-  dead-letter topic); the rest of the batch goes on.
+  one of the subject's versions, known from the registry before the batch runs) and resolved to the subject's
+  latest version, so events written before an ALTER TABLE read in today's shape.
+* **Poison.** A record that is not framed, names a schema id that is not a version of its subject, does not
+  decode, or has a key with a null field outside a truncate comes out as a row of its own with ``op = '!'``
+  and its ``error`` (it goes to the dead-letter topic); the rest of the batch goes on.
 * **Last event per key** by ``(commit_lsn, lsn, offset, partition)``.
-* **Truncates** (``op = 't'``, a key whose fields are all null): the table's newest truncate in the batch
-  comes out as one row with ``op = 't'`` and its position, which a store applies as "remove every row older
-  than this" after the batch's other writes (so whatever of the batch is older goes too). A frame-based sink
-  is given the position before it writes, and the fold then drops the events at or before it.
+* **Truncates** (``op = 't'``, a key whose fields are all null): the table's newest truncate comes out as one
+  row with ``op = 't'`` and its position, which a store applies as "remove every row older than this" after
+  the batch's other writes (so whatever of the batch is older goes too).
 * **Unchanged TOAST**: a partial update takes each missing column from the key's latest earlier event in the
   batch that sent it; columns still unknown stay listed in ``unchanged`` (the store keeps its value).
 * **Lone tombstones**: a tombstone whose delete event is not in the batch (compacted away) is a delete
   without a position.
 
-Output columns of :func:`fold`: ``topic, partition, offset, key, row, op, commit_lsn, lsn, ts_ms, unchanged,
-error``. ``partition``/``offset`` are those of the record the row came from.
+Values stay in raw Avro form (logical types dropped before fastavro reads them): they become documents with
+``doc_converter(spark=False)``, the form `cdc verify` reads the source in, or typed Arrow columns
+(sinks._delta_arrow) for Spark and Delta. ``tests/integration/test_sinks_fold.py`` runs every rule on the
+driver and through the tasks of a larger batch.
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
+import io
 import json
-from collections.abc import Mapping
+import math
+import threading
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from sinks._values import Names, envelope_row, spark_projection
+from sinks._values import envelope_row
 
-if TYPE_CHECKING:
-    from pyspark.sql import Column, DataFrame
-
+ONE_TASK_RECORDS = 25_000  # offsets up to which a batch is read, folded and written by one task
 APPLY_OPS = ("c", "u", "r", "d")
 TRUNCATE = "t"
 POISON = "!"
@@ -43,9 +54,6 @@ VALUE_UNFRAMED = "value is not Confluent-framed Avro (magic byte 0)"
 # Avro types whose values never live out of line (PostgreSQL TOASTs only variable-length values): no
 # unchanged-TOAST filling is planned for them.
 _FIXED_WIDTH = {"boolean", "int", "long", "float", "double"}
-# Spark reads these as its TIME type, which its aggregations refuse (spark.sql.timeType.enabled is off) and
-# Delta Lake cannot store: the fold reads a time of day as the number it is encoded as (µs since midnight).
-_TIME_OF_DAY = ("time-micros", "time-millis")
 
 
 @dataclass(frozen=True)
@@ -75,149 +83,6 @@ class TopicSchemas:
         return envelope_row(json.loads(self.value_reader))
 
 
-def schema_id(column: Column) -> Column:
-    """The Confluent schema id of a framed record (magic byte 0, then 4 bytes big-endian); null otherwise."""
-    from pyspark.sql import functions as F
-
-    framed = (F.length(column) >= 5) & (F.hex(F.substring(column, 1, 1)) == F.lit("00"))
-    return F.when(framed, F.conv(F.hex(F.substring(column, 2, 4)), 16, 10).cast("int"))
-
-
-def _body(column: Column) -> Column:
-    from pyspark.sql import functions as F
-
-    return column.substr(F.lit(6), F.length(column) - 5)
-
-
-def _decoded(body: Column, ids: Column, writers: Mapping[int, str], reader: str) -> Column:
-    """``body`` read with its writer schema (by id) and resolved to ``reader``; null where it does not decode."""
-    from pyspark.sql import functions as F
-    from pyspark.sql.avro.functions import from_avro
-
-    options = {"mode": "PERMISSIVE", "avroSchema": _without_times_of_day(reader)}
-    out: Column | None = None
-    for schema_id_, writer in sorted(writers.items()):
-        branch = from_avro(body, writer, options)
-        out = F.when(ids == schema_id_, branch) if out is None else out.when(ids == schema_id_, branch)
-    assert out is not None  # a registered subject has at least one version
-    return out
-
-
-def _without_times_of_day(schema: str) -> str:
-    """``schema`` with the time-of-day logical types dropped (see _TIME_OF_DAY): their longs and ints stay."""
-
-    def plain(node: Any) -> Any:
-        if isinstance(node, dict):
-            return {k: plain(v) for k, v in node.items() if not (k == "logicalType" and v in _TIME_OF_DAY)}
-        return [plain(v) for v in node] if isinstance(node, list) else node
-
-    return json.dumps(plain(json.loads(schema)))
-
-
-def _unknown(ids: Column, known: Mapping[int, str], what: str, subject: str) -> Column:
-    from pyspark.sql import functions as F
-
-    message = F.concat(F.lit(f"{what} schema id "), ids.cast("string"), F.lit(f" is not a version of {subject}"))
-    return F.when(~ids.isin(*known), message) if known else message
-
-
-def decode_steps(schemas: TopicSchemas) -> list[list[Column]]:
-    """The projections that decode one topic's records, applied in order: the result has ``topic, partition,
-    offset, key, row, op, commit_lsn, lsn, ts_ms, unchanged, tombstone, error`` (``error`` set, and the rest
-    null, for poison)."""
-    from pyspark.sql import functions as F
-
-    kid, vid = schema_id(F.col("key")), schema_id(F.col("value"))
-    framed = [F.col(c) for c in ("topic", "partition", "offset", "key", "value")] + [
-        kid.alias("_kid"),
-        vid.alias("_vid"),
-    ]
-    if not schemas.registered:
-        return [framed, _poison_only(f"no schema registered for {schemas.topic}")]
-    assert schemas.key_reader is not None
-    assert schemas.value_reader is not None
-    kid, vid, value = F.col("_kid"), F.col("_vid"), F.col("value")
-    cheap = F.coalesce(
-        F.when(kid.isNull(), F.lit(KEY_UNFRAMED)).otherwise(
-            _unknown(kid, schemas.key_writers, "key", f"{schemas.topic}-key")
-        ),
-        F.when(value.isNotNull() & vid.isNull(), F.lit(VALUE_UNFRAMED)),
-        F.when(value.isNotNull(), _unknown(vid, schemas.value_writers, "value", f"{schemas.topic}-value")),
-    )
-    ok = F.col("_cheap").isNull()
-    k = F.when(ok, _decoded(_body(F.col("key")), kid, schemas.key_writers, schemas.key_reader))
-    v = F.when(ok & value.isNotNull(), _decoded(_body(value), vid, schemas.value_writers, schemas.value_reader))
-    undecodable = F.concat(
-        F.lit("Avro decoding failed with the writer schema ids key "),
-        F.coalesce(kid.cast("string"), F.lit("None")),
-        F.lit(" / value "),
-        F.coalesce(vid.cast("string"), F.lit("None")),
-    )
-    # A row's key never has a null field; only a truncate's has them all null. Avro bytes that are not of the
-    # key's schema can still decode (to nulls), so a null field outside a truncate is poison too.
-    key_fields = [f["name"] for f in json.loads(schemas.key_reader)["fields"]]
-    holed = F.lit(False)
-    for name in key_fields:
-        holed = holed | F.col("k").getField(name).isNull()
-    broken = (
-        F.col("k").isNull()
-        | (value.isNotNull() & F.col("v.op").isNull())
-        | (holed & (value.isNull() | (F.col("v.op") != TRUNCATE)))
-    )
-    error = F.coalesce(F.col("_cheap"), F.when(broken, undecodable))
-    final = [
-        F.col("topic"),
-        F.col("partition"),
-        F.col("offset"),
-        F.col("k").alias("key"),
-        F.col("v.after").alias("row"),
-        F.col("v.op").alias("op"),
-        F.col("v.source.commit_lsn").alias("commit_lsn"),
-        F.col("v.source.lsn").alias("lsn"),
-        F.col("v.source.ts_ms").alias("ts_ms"),
-        F.col("v.unchanged_toast").alias("unchanged"),
-        value.isNull().alias("tombstone"),
-        error.alias("error"),
-    ]
-    return [framed, [F.col("*"), cheap.alias("_cheap")], [F.col("*"), k.alias("k"), v.alias("v")], final]
-
-
-def decode(raw: DataFrame, schemas: TopicSchemas) -> DataFrame:
-    """:func:`decode_steps` applied to ``raw`` (records of one topic)."""
-    return apply_steps(raw, decode_steps(schemas))
-
-
-def apply_steps(frame: DataFrame, steps: list[list[Column]]) -> DataFrame:
-    for step in steps:
-        frame = frame.select(*step)
-    return frame
-
-
-def _poison_only(reason: str) -> list[Column]:
-    from pyspark.sql import functions as F
-
-    return [
-        F.col("topic"),
-        F.col("partition"),
-        F.col("offset"),
-        F.lit(None).cast("binary").alias("key"),
-        F.lit(None).cast("binary").alias("row"),
-        F.lit(None).cast("string").alias("op"),
-        F.lit(None).cast("long").alias("commit_lsn"),
-        F.lit(None).cast("long").alias("lsn"),
-        F.lit(None).cast("long").alias("ts_ms"),
-        F.lit(None).cast("array<string>").alias("unchanged"),
-        F.col("value").isNull().alias("tombstone"),
-        F.lit(reason).alias("error"),
-    ]
-
-
-def _is_truncate() -> Column:
-    from pyspark.sql import functions as F
-
-    return F.col("error").isNull() & ~F.col("tombstone") & (F.col("op") == TRUNCATE)
-
-
 def fillable_fields(row_schema: Mapping[str, Any]) -> list[str]:
     """The row's fields whose values PostgreSQL may leave out as unchanged TOAST (variable-length ones)."""
     out = []
@@ -231,181 +96,304 @@ def fillable_fields(row_schema: Mapping[str, Any]) -> list[str]:
     return out
 
 
-@dataclass(frozen=True)
-class FoldSteps:
-    """The fold's expressions: group by ``keys``, aggregate ``aggregates``, keep ``keep``, project ``rows``."""
-
-    keys: list[Column]
-    aggregates: list[Column]
-    keep: Column
-    rows: list[Column]
-
-    def apply(self, decoded: DataFrame) -> DataFrame:
-        return decoded.groupBy(*self.keys).agg(*self.aggregates).filter(self.keep).select(*self.rows)
+def _plain(avro: Any) -> Any:
+    """The schema without logical types: fastavro then returns the encoded values themselves."""
+    if isinstance(avro, list):
+        return [_plain(a) for a in avro]
+    if isinstance(avro, dict):
+        return {k: _plain(v) for k, v in avro.items() if k != "logicalType"}
+    return avro
 
 
-def fold_steps(row_schema: Mapping[str, Any], truncate: Column | None = None) -> FoldSteps:
-    """The fold of one table (module doc), plus its truncate and its poison rows.
-
-    ``truncate``: the table's truncate position, ``struct(commit_lsn, lsn)``: events at or before it are
-    dropped. Without it nothing is dropped, and the store's truncate, applied after the batch's other writes,
-    removes what is older.
-    """
-    from pyspark.sql import functions as F
-
-    bad = F.col("error").isNotNull()
-    change = ~bad & ~F.col("tombstone") & F.col("op").isin(*APPLY_OPS)
-    if truncate is not None:
-        change = change & (truncate.isNull() | (F.struct("commit_lsn", "lsn") > truncate))
-    pos = F.struct("commit_lsn", "lsn", "offset", "partition")
-    fill = fillable_fields(row_schema)
-    known = [
-        F.max_by(
-            F.struct(F.col("row").getField(name).alias("v")),
-            F.when(change & (F.col("op") != "d") & ~F.array_contains("unchanged", name), pos),
-        ).alias(f"_k{i}")
-        for i, name in enumerate(fill)
-    ]
-    source = F.struct("topic", "partition", "offset")
-    keys = [F.col("key").alias("_key"), F.when(bad, source).alias("_poison")]  # each poison record: its own group
-    aggregates = [
-        F.max_by(
-            F.struct("row", "op", "commit_lsn", "lsn", "ts_ms", "unchanged", "topic", "partition", "offset"),
-            F.when(change, pos),
-        ).alias("_last"),
-        F.max_by(
-            F.struct("commit_lsn", "lsn", "ts_ms", "topic", "partition", "offset"), F.when(_is_truncate(), pos)
-        ).alias("_trunc"),
-        F.max_by(source, F.when(~bad & F.col("tombstone"), F.struct("offset", "partition", "topic"))).alias("_tomb"),
-        F.first(F.when(bad, F.struct("topic", "partition", "offset", "error")), ignorenulls=True).alias("_bad"),
-        *known,
-    ]
-    keep, rows = _folded_rows(row_schema, fill)
-    return FoldSteps(keys, aggregates, keep, rows)
+# Schema text -> fastavro's parse of it, in this process: a Python worker runs a sink's batches one after
+# another (spark.python.worker.reuse), so its schemas are parsed once, not per batch.
+_PARSED: dict[str, Any] = {}
+_PARSED_MOST = 1024
 
 
-def fold(decoded: DataFrame, row_schema: Mapping[str, Any], truncate: Column | None = None) -> DataFrame:
-    """:func:`fold_steps` applied to one table's decoded records."""
-    return fold_steps(row_schema, truncate).apply(decoded)
+def _parsed(schema: str) -> Any:
+    parsed = _PARSED.get(schema)
+    if parsed is None:
+        import fastavro
+
+        if len(_PARSED) >= _PARSED_MOST:  # many tables' versions over a long life: start again
+            _PARSED.clear()
+        parsed = _PARSED[schema] = fastavro.parse_schema(_plain(json.loads(schema)))
+    return parsed
 
 
-def _folded_rows(row_schema: Mapping[str, Any], fill: list[str]) -> tuple[Column, list[Column]]:
-    """Which groups give a row, and its columns: poison, else the latest change, else the truncate, else a lone
-    tombstone."""
-    from pyspark.sql import functions as F
-
-    last, trunc, tomb, poison = F.col("_last"), F.col("_trunc"), F.col("_tomb"), F.col("_bad")
-    is_bad, is_change, is_trunc = poison.isNotNull(), last.isNotNull(), trunc.isNotNull()
-
-    def source(name: str, cast: str) -> Column:
-        """topic, partition or offset of the record this group's row comes from."""
-        return (
-            F.when(is_bad, poison.getField(name))
-            .when(is_change, last.getField(name))
-            .when(is_trunc, trunc.getField(name))
-            .otherwise(tomb.getField(name))
-            .cast(cast)
-        )
-
-    def position(name: str) -> Column:
-        """commit_lsn, lsn or ts_ms: a change's or a truncate's; null for poison and lone tombstones."""
-        return F.when(is_change, last.getField(name)).when(is_trunc, trunc.getField(name)).cast("long")
-
-    op = (
-        F.when(is_bad, F.lit(POISON))
-        .when(is_change, last.getField("op"))
-        .when(is_trunc, F.lit(TRUNCATE))
-        .otherwise(F.lit("d"))
-    )
-    row, unchanged = _filled(last, row_schema, fill)
-    # A key whose events were all dropped (older than the truncate) has nothing to say.
-    keep = is_bad | is_change | is_trunc | tomb.isNotNull()
-    return keep, [
-        source("topic", "string").alias("topic"),
-        source("partition", "int").alias("partition"),
-        source("offset", "long").alias("offset"),
-        F.when(~is_bad, F.col("_key")).alias("key"),
-        F.when(is_change & (last.getField("op") != "d"), row).alias("row"),
-        op.alias("op"),
-        position("commit_lsn").alias("commit_lsn"),
-        position("lsn").alias("lsn"),
-        position("ts_ms").alias("ts_ms"),
-        F.when(is_change, unchanged).otherwise(F.array().cast("array<string>")).alias("unchanged"),
-        F.when(is_bad, poison.getField("error")).alias("error"),
-    ]
+def _framed_id(data: bytes | None) -> int | None:
+    """The Confluent schema id of a framed record (magic byte 0, then 4 bytes big-endian); None otherwise."""
+    if data is None or len(data) < 5 or data[0] != 0:
+        return None
+    return int.from_bytes(data[1:5], "big")
 
 
-def _filled(last: Column, row_schema: Mapping[str, Any], fill: list[str]) -> tuple[Column, Column]:
-    """The latest event's row with unchanged-TOAST columns taken from earlier events, and what stays unknown."""
-    from pyspark.sql import functions as F
-
-    missing = last.getField("unchanged")
-    row = last.getField("row")
-    if not fill:
-        return row, missing
-    index = {name: i for i, name in enumerate(fill)}
-    parts = []
-    for f in row_schema["fields"]:
-        name = f["name"]
-        value = row.getField(name)
-        if name in index:
-            k = F.col(f"_k{index[name]}")
-            value = F.when(F.array_contains(missing, name) & k.isNotNull(), k.getField("v")).otherwise(value)
-        parts.append(value.alias(name))
-    filled = F.when(F.size(missing) > 0, F.struct(*parts)).otherwise(row)
-    still = F.filter(
-        missing,
-        lambda x: F.coalesce(*[F.when(x == name, F.col(f"_k{i}").isNull()) for name, i in index.items()], F.lit(True)),
-    )
-    return filled, still
+def framed_ids(records: Iterable[Mapping[str, Any]]) -> dict[str, tuple[set[int], set[int]]]:
+    """Per topic, the schema ids its records' keys and values are framed with (unframed ones left out)."""
+    out: dict[str, tuple[set[int], set[int]]] = {}
+    for r in records:
+        keys, values = out.setdefault(r["topic"], (set(), set()))
+        if (kid := _framed_id(r["key"])) is not None:
+            keys.add(kid)
+        if (vid := _framed_id(r["value"])) is not None:
+            values.add(vid)
+    return out
 
 
-def projection(
-    key_schema: Mapping[str, Any], row_schema: Mapping[str, Any], extra: tuple[str, ...] = ()
-) -> list[Column]:
-    """A folded frame's columns with dates and timestamps as numbers: the form ``sinks.ChangeMaker`` reads."""
-    from pyspark.sql import functions as F
-
-    names = Names()
-    return [
-        F.col("topic"),
-        F.col("partition"),
-        F.col("offset"),
-        spark_projection(dict(key_schema), F.col("key"), names).alias("key"),
-        spark_projection(dict(row_schema), F.col("row"), names).alias("row"),
-        *[F.col(c) for c in ("op", "commit_lsn", "lsn", "ts_ms", "unchanged", *extra)],
-    ]
+def knows(schemas: TopicSchemas, ids: tuple[set[int], set[int]]) -> bool:
+    """Whether ``schemas`` holds every writer schema of ``ids`` (a topic's :func:`framed_ids`)."""
+    return schemas.registered and ids[0] <= schemas.key_writers.keys() and ids[1] <= schemas.value_writers.keys()
 
 
-@dataclass(frozen=True)
-class TopicPlan:
-    """One topic's decode, fold and projection for the executor-side writers, built once per set of schema
-    versions: building the expressions costs the driver far more than applying them to a batch."""
+_PLAIN = frozenset((int, str, bool, bytes))  # a key's values that are equal exactly where Spark groups them
+
+
+class _CollectorPause:
+    """How many folds in this process have the cyclic collector paused, and whether it ran before the first."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.folds = 0
+        self.was_enabled = False
+
+
+_PAUSE = _CollectorPause()
+
+
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector held off while a batch is folded and written.
+
+    A fold allocates a few dicts per event and keeps each key's newest: the collector, triggered by the
+    allocations, walks every live one again and again, ~a fifth of a large batch's fold. Nothing a fold makes
+    refers to itself, so reference counting frees it all; the collector runs again when the last fold in the
+    process ends (folds on several threads of the driver share it)."""
+    with _PAUSE.lock:
+        if _PAUSE.folds == 0:
+            _PAUSE.was_enabled = gc.isenabled()
+            gc.disable()
+        _PAUSE.folds += 1
+    try:
+        yield
+    finally:
+        with _PAUSE.lock:
+            _PAUSE.folds -= 1
+            if _PAUSE.folds == 0 and _PAUSE.was_enabled:
+                gc.enable()
+
+
+def _freeze(value: Any) -> Any:
+    """A hashable stand-in for a key's value, equal where Spark's grouping finds struct values equal."""
+    if isinstance(value, dict):
+        values = tuple(value.values())
+        if all(type(v) in _PLAIN for v in values):  # most keys: ints and strings, hashable as they are
+            return (tuple(value), values)
+        return tuple((k, _freeze(v)) for k, v in value.items())
+    if isinstance(value, list):
+        return tuple(_freeze(v) for v in value)
+    if isinstance(value, float):
+        return ("NaN",) if math.isnan(value) else value + 0.0  # one group for NaNs, one for -0.0 and 0.0
+    if isinstance(value, bytearray):
+        return bytes(value)
+    return value
+
+
+def _position(e: Mapping[str, Any]) -> tuple[Any, ...]:
+    """Spark's struct order of (commit_lsn, lsn, offset, partition): nulls first."""
+    c, lsn = e["commit_lsn"], e["lsn"]
+    return (c is not None, c or 0, lsn is not None, lsn or 0, e["offset"], e["partition"])
+
+
+@dataclass
+class TopicFold:
+    """One topic's decode and fold, pickled to the task with the schemas the driver read from the registry."""
 
     schemas: TopicSchemas
-    decode: list[list[Column]]
-    fold: FoldSteps | None  # None when the topic has no schemas: its records are all poison
-    project: list[Column] | None
 
-    @classmethod
-    def build(cls, schemas: TopicSchemas) -> TopicPlan:
-        if not schemas.registered:
-            return cls(schemas, decode_steps(schemas), None, None)
-        assert schemas.key_reader is not None
-        assert schemas.value_reader is not None
-        key_schema = json.loads(schemas.key_reader)
-        row_schema = envelope_row(json.loads(schemas.value_reader))
-        return cls(
-            schemas,
-            decode_steps(schemas),
-            fold_steps(row_schema),
-            projection(key_schema, row_schema, ("error",)),
+    def _read(self, data: bytes, writer: str, reader: str) -> Any:
+        from fastavro import schemaless_reader
+
+        body = io.BytesIO(data)
+        body.seek(5)  # past the framing, without copying the record
+        # Written with the reader's own schema (most records): read without schema resolution.
+        return schemaless_reader(body, _parsed(writer), None if writer == reader else _parsed(reader))
+
+    def decode(self, r: Mapping[str, Any]) -> dict[str, Any]:
+        """One raw record (topic, partition, offset, key, value) decoded: its event, or its ``error``."""
+        s, topic = self.schemas, self.schemas.topic
+        out: dict[str, Any] = {"partition": r["partition"], "offset": r["offset"], "tombstone": r["value"] is None}
+        if s.key_reader is None or s.value_reader is None:
+            return {**out, "error": f"no schema registered for {topic}"}
+        kid, vid, value = _framed_id(r["key"]), _framed_id(r["value"]), r["value"]
+        cheap = (
+            KEY_UNFRAMED
+            if kid is None
+            else (f"key schema id {kid} is not a version of {topic}-key" if kid not in s.key_writers else None)
         )
+        if cheap is None and value is not None:
+            if vid is None:
+                cheap = VALUE_UNFRAMED
+            elif vid not in s.value_writers:
+                cheap = f"value schema id {vid} is not a version of {topic}-value"
+        if cheap is not None:
+            return {**out, "error": cheap}
+        try:  # PERMISSIVE, as from_avro: a record that does not decode is poison
+            k = self._read(r["key"], s.key_writers[kid], s.key_reader)  # type: ignore[index]
+            v = None if value is None else self._read(value, s.value_writers[vid], s.value_reader)  # type: ignore[index]
+        except Exception:
+            k = v = None
+        op = None if v is None else v.get("op")
+        holed = isinstance(k, dict) and any(x is None for x in k.values())
+        broken = not isinstance(k, dict) or (value is not None and op is None)
+        if broken or (holed and (value is None or op != TRUNCATE)):
+            return {**out, "error": f"Avro decoding failed with the writer schema ids key {kid} / value {vid}"}
+        source = (v or {}).get("source") or {}
+        return {
+            **out,
+            "key": k,
+            "row": None if v is None else v.get("after"),
+            "op": op,
+            "commit_lsn": source.get("commit_lsn"),
+            "lsn": source.get("lsn"),
+            "ts_ms": source.get("ts_ms"),
+            "unchanged": list((v or {}).get("unchanged_toast") or ()),
+            "error": None,
+        }
 
-    def changes(self, decoded: DataFrame) -> DataFrame:
-        """The folded, projected rows of a batch (poison rows: ``op = '!'`` with their ``error``)."""
-        from pyspark.sql import functions as F
+    def fold(self, records: Iterable[Mapping[str, Any]]) -> Folded:
+        """The topic's records of the batch (all of them: the fold is exact only over the whole batch)."""
+        folding = Folding(self)
+        for r in records:
+            folding.add(r)
+        return folding.finish()
 
-        if self.fold is None or self.project is None:
-            return decoded.select("topic", "partition", "offset", F.lit(POISON).alias("op"), "error")
-        return self.fold.apply(decoded).select(*self.project)
+
+class Folding:
+    """One topic's fold under way: records are added one at a time and only each key's state is kept (its
+    latest change, the newest value of each column an unchanged-TOAST event may need, its truncate, its
+    tombstone), so memory grows with the batch's keys, not with its events or their raw bytes."""
+
+    def __init__(self, fold: TopicFold, *, events: bool = False) -> None:
+        """``events``: also keep every decoded change event (c, u, r, d) in :attr:`events`, for histories."""
+        self.fold = fold
+        self.out = Folded(fold.schemas.topic)
+        self.events: list[dict[str, Any]] | None = [] if events else None
+        self._keys: dict[Any, _KeyState] = {}
+        self._fill: frozenset[str] | None = None
+
+    def add(self, record: Mapping[str, Any]) -> None:
+        e = self.fold.decode(record)
+        out = self.out
+        out.records += 1
+        if e["error"] is not None:
+            out.rows.append(_row(out.topic, e, POISON, error=e["error"]))
+            return
+        if e["ts_ms"] is not None:
+            out.newest_ts_ms = max(out.newest_ts_ms or 0, int(e["ts_ms"]))
+        if self.events is not None and not e["tombstone"] and e["op"] in APPLY_OPS:
+            self.events.append(e)
+        if self._fill is None:
+            self._fill = frozenset(fillable_fields(self.fold.schemas.row_schema))
+        frozen = _freeze(e["key"])
+        state = self._keys.get(frozen)
+        if state is None:
+            state = self._keys[frozen] = _KeyState()
+        state.add(e, self._fill)
+
+    def finish(self) -> Folded:
+        for state in self._keys.values():
+            row = state.folded(self.out.topic)
+            if row is not None:
+                self.out.rows.append(row)
+        self._keys.clear()
+        return self.out
+
+
+@dataclass
+class _KeyState:
+    """What the fold keeps of one key's events in a batch."""
+
+    last: dict[str, Any] | None = None  # the newest change (c, u, r, d) by position
+    known: dict[str, tuple[tuple[Any, ...], Any]] = field(default_factory=dict)  # column -> (position, value)
+    truncate: dict[str, Any] | None = None  # the newest truncate (only a truncate's key has null fields)
+    tombstone: dict[str, Any] | None = None  # the newest tombstone by offset
+
+    def add(self, e: dict[str, Any], fill: frozenset[str]) -> None:
+        if e["tombstone"]:
+            if self.tombstone is None or (e["offset"], e["partition"]) > (
+                self.tombstone["offset"],
+                self.tombstone["partition"],
+            ):
+                self.tombstone = e
+            return
+        position = _position(e)
+        if e["op"] == TRUNCATE:
+            if self.truncate is None or position > _position(self.truncate):
+                self.truncate = e
+            return
+        if e["op"] not in APPLY_OPS:
+            return
+        if self.last is None or position > _position(self.last):
+            self.last = e
+        if e["op"] != "d" and e["row"] is not None:  # what a later partial update of the key may take
+            sent = [name for name in fill if name not in e["unchanged"]]
+            for name in sent:
+                had = self.known.get(name)
+                if had is None or position > had[0]:
+                    self.known[name] = (position, e["row"].get(name))
+
+    def folded(self, topic: str) -> dict[str, Any] | None:
+        """The key's row: its latest change (TOAST filled), else the table's truncate, else a lone tombstone."""
+        last = self.last
+        if last is not None:
+            row, still = last["row"], last["unchanged"]
+            if still:
+                row = dict(row or {})
+                still = []
+                for name in last["unchanged"]:
+                    if name in self.known:
+                        row[name] = self.known[name][1]
+                    else:
+                        still.append(name)
+            return _row(
+                topic,
+                last,
+                last["op"],
+                key=last["key"],
+                row=None if last["op"] == "d" else row,
+                commit_lsn=last["commit_lsn"],
+                lsn=last["lsn"],
+                ts_ms=last["ts_ms"],
+                unchanged=still,
+            )
+        if self.truncate is not None:
+            t = self.truncate
+            return _row(topic, t, TRUNCATE, key=t["key"], commit_lsn=t["commit_lsn"], lsn=t["lsn"], ts_ms=t["ts_ms"])
+        if self.tombstone is not None:
+            return _row(topic, self.tombstone, "d", key=self.tombstone["key"])
+        return None
+
+
+@dataclass
+class Folded:
+    """A topic's folded batch: its rows (raw Avro values; ``op`` '!' for poison, 't' for the truncate) and its
+    marks: records read, the newest commit time."""
+
+    topic: str
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    records: int = 0
+    newest_ts_ms: int | None = None
+
+
+def _row(topic: str, e: Mapping[str, Any], op: str, **values: Any) -> dict[str, Any]:
+    base = dict.fromkeys(("key", "row", "commit_lsn", "lsn", "ts_ms", "error"))
+    return {
+        **base,
+        "topic": topic,
+        "partition": e["partition"],
+        "offset": e["offset"],
+        "op": op,
+        "unchanged": [],
+        **values,
+    }

@@ -28,8 +28,8 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from sinks._fold import TopicFold
 from sinks._ranges import Ranges, as_record, driver_consumer, size_of
-from sinks._taskfold import TopicFold
 from sinks._write import tally, written_on_driver
 
 if TYPE_CHECKING:

@@ -1,10 +1,10 @@
-"""The one reader every sink shares: Spark's Kafka source over the change topics, decoded per micro-batch.
+"""The one reader every sink shares: Spark's Kafka source over the change topics, and the registry's schemas
+each batch is decoded with (sinks._fold decodes it, wherever the batch runs).
 
-Decoding is Spark's own ``from_avro`` (on the executors), once per writer schema present in the batch: each
-record is read with the schema it was written with (``jsonFormatSchema``) and resolved to the subject's
-latest schema (the ``avroSchema`` option), so events written before an ALTER TABLE decode into today's
-shape. The capture registers every schema before writing with it and the registry enforces FULL
-compatibility, so the latest version fetched after the batch's ids were seen can read all of them.
+Each record is read with the schema it was written with and resolved to the subject's latest schema, so
+events written before an ALTER TABLE decode into today's shape. The capture registers every schema before
+writing with it and the registry enforces FULL compatibility, so the latest version fetched after the batch's
+ids were seen can read all of them.
 
 Records that are not Confluent-framed Avro, name a schema the registry does not know, or fail to decode
 are *poison*: they go to the dead-letter topic with the reason, the rest of the batch goes on.
@@ -14,14 +14,12 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from confluent_kafka.schema_registry import SchemaRegistryClient
 from confluent_kafka.schema_registry.error import SchemaRegistryError
 
-from sinks._fold import TopicPlan, TopicSchemas, apply_steps
+from sinks._fold import TopicSchemas
 from sinks._progress import TopicEnds
 from sinks.errors import SinkConfigError, SinkTransientError
 
@@ -101,28 +99,6 @@ def tail_records(spark: SparkSession, settings: SinkSettings, per_partition: int
     return reader.option("failOnDataLoss", "false").load().select(*_RAW), set(start)
 
 
-@dataclass
-class PlannedTable:
-    """One topic's share of a micro-batch, decoded (a plan: nothing has run yet)."""
-
-    topic: str
-    name: str  # "<schema>.<table>" as in the topic name
-    plan: TopicPlan
-    decoded: DataFrame  # sinks._fold.decode_steps' columns
-
-    @property
-    def schemas(self) -> TopicSchemas:
-        return self.plan.schemas
-
-    @property
-    def key_schema(self) -> dict[str, Any]:
-        return self.schemas.key_schema
-
-    @property
-    def row_schema(self) -> dict[str, Any]:
-        return self.schemas.row_schema
-
-
 class Decoder:
     """The registry's side of decoding, on the driver: each topic's reader and writer schemas.
 
@@ -135,7 +111,6 @@ class Decoder:
         self.settings = settings
         self._client = SchemaRegistryClient(settings.registry_conf())
         self._versions: dict[str, dict[int, tuple[int, str]]] = {}  # subject -> version -> (id, schema)
-        self._plans: dict[tuple[Any, ...], TopicPlan] = {}  # by topic and schema versions
 
     def _subject(self, subject: str) -> dict[int, tuple[int, str]] | None:
         try:
@@ -165,30 +140,6 @@ class Decoder:
             key_writers=dict(keys.values()),
             value_writers=dict(values.values()),
         )
-
-    def plan(self, raw: DataFrame, topics: Iterable[str]) -> list[PlannedTable]:
-        """The batch's topics, each decoded with what the registry holds for it."""
-        from pyspark.sql import functions as F
-
-        out = []
-        for topic in sorted(topics):
-            plan = self._topic_plan(self.schemas(topic))
-            decoded = apply_steps(raw.filter(F.col("topic") == topic), plan.decode)
-            out.append(PlannedTable(topic, self.settings.table_name(topic), plan, decoded))
-        return out
-
-    def _topic_plan(self, schemas: TopicSchemas) -> TopicPlan:
-        key = (
-            schemas.topic,
-            schemas.key_reader,
-            schemas.value_reader,
-            tuple(sorted(schemas.key_writers)),
-            tuple(sorted(schemas.value_writers)),
-        )
-        plan = self._plans.get(key)
-        if plan is None:
-            plan = self._plans[key] = TopicPlan.build(schemas)
-        return plan
 
 
 def union_all(frames: list[DataFrame], columns: tuple[str, ...] | None = None) -> DataFrame | None:

@@ -29,7 +29,9 @@ import pyspark
 from common.errors import CDCError
 from sinks._api import DropsGeneration, PartitionSink, Rebuildable, SinkContext, WritesFolded
 from sinks._bridge import Bridge, served_generation
-from sinks._fold import TopicSchemas
+from sinks._fold import ONE_TASK_RECORDS, TopicFold, TopicSchemas, framed_ids, knows
+from sinks._frames import in_frames
+from sinks._frames import rehearse as rehearse_frames
 from sinks._lane import Lane
 from sinks._metrics import SinkMetrics, query_name
 from sinks._plugins import load
@@ -48,7 +50,6 @@ from sinks._ranges import DRIVER_RECORDS, RangeReader, Ranges, batch_ranges, siz
 from sinks._reader import Decoder, ensure_dead_letter_topic, open_stream, tail_ranges, tail_records
 from sinks._spark import PARALLELISM_KEYS, build_session, stop_session, submitted_master, under_spark_submit
 from sinks._storage import S3_SCHEMES, Location, hadoop_conf
-from sinks._taskfold import ONE_TASK_RECORDS, TopicFold, framed_ids, knows
 from sinks._verify import Drift, compare
 from sinks._warehouse_live import NotOnDriverError
 from sinks._write import (
@@ -56,14 +57,12 @@ from sinks._write import (
     folded_on_driver,
     in_tasks,
     on_driver,
-    on_driver_plan,
-    rehearse,
     rehearse_on_driver,
 )
 from sinks.errors import PluginError, SinkConfigError, SinkError, SinkTerminalError, StateDiskFullError
 
 if TYPE_CHECKING:
-    from pyspark.sql import DataFrame, SparkSession
+    from pyspark.sql import SparkSession
     from pyspark.sql.streaming.query import StreamingQuery
 
     from sinks._config import SinkSettings
@@ -292,8 +291,8 @@ class SinkQuery:
     def warm(self) -> None:
         """A live batch's path once over the last records of each topic, writing nothing: for a partition sink
         the driver's (sinks._write.rehearse_on_driver: milliseconds, no Spark job), for a sink that folds its
-        small batches on the driver (the warehouse) that fold, for another frame sink the Spark fold in the
-        sink's scheduler pool (sinks._write.rehearse). A failure here is only logged: the first
+        small batches on the driver (the warehouse) that fold, for another frame sink the fold in a task up to
+        its frames, in the sink's scheduler pool (sinks._frames.rehearse). A failure here is only logged: the first
         batch meets it again."""
         started = time.monotonic()
         context = self.spark.sparkContext
@@ -313,7 +312,7 @@ class SinkQuery:
                 if tail is None:
                     return
                 raw, topics = tail
-                rehearse(self.decoder.plan(raw.coalesce(1), topics))
+                rehearse_frames([TopicFold(self.decoder.schemas(topic)) for topic in sorted(topics)], raw)
             log.info("sink %s: warmed up in %.1fs", self.name, time.monotonic() - started)
         except Exception as exc:
             log.info("sink %s: warm-up skipped (%s)", self.name, _short(exc))
@@ -345,32 +344,17 @@ class SinkQuery:
             self._lane.pause()
         if ranges is not None and records <= ONE_TASK_RECORDS and self._whole_on_driver(batch_id, ranges, raw, started):
             return
-        if isinstance(self.sink, PartitionSink):
-            if ranges is not None and records <= DRIVER_RECORDS:  # no Spark job: see sinks._ranges
-                read = self._range_reader().read(ranges)
-                folds = self._folds(read)
-                planned = time.monotonic()
-                outcome = on_driver(self.sink, folds, read, raw, self.settings, batch=batch)
-            else:
-                folds = [TopicFold(self.decoder.schemas(topic)) for topic in sorted(topics)]
-                planned = time.monotonic()
-                tasks = _tasks(records, ranges, self.shuffle_partitions)
-                outcome = in_tasks(self.sink, folds, raw, self.settings, batch, tasks=tasks)
-            self._done(batch_id, outcome, started, planned)
-            self._follow_lane(batch_id)
-            return
-        raw = _sized(raw, records, self.shuffle_partitions)
-        # Several topics: each table's branch reads the batch, so it is read from Kafka once and cached.
-        shared = len(topics) > 1
-        if shared:
-            raw = raw.persist()
-        try:
-            tables = self.decoder.plan(raw, topics)
+        if isinstance(self.sink, PartitionSink) and ranges is not None and records <= DRIVER_RECORDS:
+            read = self._range_reader().read(ranges)  # no Spark job: see sinks._ranges
+            folds = self._folds(read)
             planned = time.monotonic()
-            outcome = on_driver_plan(self.sink, tables, raw, self.settings, batch)
-        finally:
-            if shared:
-                raw.unpersist()
+            outcome = on_driver(self.sink, folds, read, raw, self.settings, batch=batch)
+        else:
+            folds = [TopicFold(self.decoder.schemas(topic)) for topic in sorted(topics)]
+            planned = time.monotonic()
+            tasks = _tasks(records, ranges, self.shuffle_partitions)
+            apply = in_tasks if isinstance(self.sink, PartitionSink) else in_frames
+            outcome = apply(self.sink, folds, raw, self.settings, batch, tasks=tasks)
         self._done(batch_id, outcome, started, planned)
         self._follow_lane(batch_id)
 
@@ -563,22 +547,6 @@ def _tasks(offsets: int, ranges: Ranges | None, most: int) -> int:
 def _wanted(offsets: int, most: int) -> int:
     """Tasks for a batch of ``offsets``: one per ~25,000 records, up to ``most``."""
     return max(1, min(most, -(-offsets // _ROWS_PER_SHUFFLE)))
-
-
-def _sized(raw: DataFrame, offsets: int, most: int) -> DataFrame:
-    """The batch, partitioned for its size: one task from the read to the write for a small batch, else one
-    shuffle partition per ~25,000 records, up to the configured number.
-
-    Every partition is an executor task with a Python writer, and a shuffle is a stage of its own: a one-row
-    batch spread over four tasks and two stages costs far more than its work. A single input partition
-    satisfies the fold's grouping, so Spark plans no shuffle at all for it. (Adaptive execution, which would
-    coalesce small shuffles, is off in streaming.)
-    """
-    if offsets <= _ROWS_PER_SHUFFLE:
-        return raw.coalesce(1)
-    wanted = _wanted(offsets, most)
-    raw.sparkSession.conf.set("spark.sql.shuffle.partitions", str(wanted))
-    return raw
 
 
 def _close(sink: Any) -> None:

@@ -2,20 +2,20 @@
 
 **On the driver** (a :class:`sinks.PartitionSink`'s batch of up to ``sinks._ranges.DRIVER_RECORDS`` offsets:
 every live batch of a sink that keeps up): the driver reads the batch's offset ranges itself
-(sinks._ranges), folds them in Python (sinks._taskfold) and runs the sink's :class:`sinks.PartitionWriter` on
+(sinks._ranges), folds them in Python (sinks._fold) and runs the sink's :class:`sinks.PartitionWriter` on
 them, truncates last; no Spark job runs unless there are dead letters to write.
 
 **In tasks** (a larger batch of a :class:`sinks.PartitionSink`: see :func:`in_tasks`): the same fold and
 writer in Spark tasks, each over records that hold every event of their keys: one task up to
-``sinks._taskfold.ONE_TASK_RECORDS`` offsets, else a task per Kafka partition, or, when the batch has fewer
+``sinks._fold.ONE_TASK_RECORDS`` offsets, else a task per Kafka partition, or, when the batch has fewer
 partitions than its size could use, a shuffle by key into that many tasks. One Spark action; only refusals,
 truncates and each table's counts come back. Only when the batch has them does another action apply the
 truncates (several tasks) and another join the refused records (broadcast) with the raw ones and write them to
 the dead-letter topic.
 
-**Frame-based** (:class:`sinks.Sink`: the warehouse): each table's decoded records are cached, one small job
-reads the batch's marks (records, newest commit time, truncates, poison), the sink writes its frames with
-Spark (Delta MERGE), and the dead letters are written by one more action when there are any.
+**Frame sinks** (:class:`sinks.Sink`: the warehouse, frame plugins): the warehouse's batch of up to one task's
+worth on the driver, written by delta-rs (:func:`folded_on_driver`); a larger one, and every batch of a frame
+plugin, folded in tasks arranged as above and handed to the sink as Spark frames (sinks._frames).
 """
 
 from __future__ import annotations
@@ -27,23 +27,20 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from sinks._api import (
-    Batch,
     Change,
     ChangeMaker,
     PartitionWriter,
     Rejected,
-    TableChanges,
     TableInfo,
     TableWrite,
     WritesFolded,
 )
-from sinks._fold import APPLY_OPS, POISON, TRUNCATE, TopicSchemas, fold
-from sinks._reader import PlannedTable, dead_letters, union_all, write_dead_letters
-from sinks._taskfold import Folding, TopicFold, collector_paused
+from sinks._fold import APPLY_OPS, POISON, TRUNCATE, Folding, TopicFold, TopicSchemas, collector_paused
+from sinks._reader import dead_letters, write_dead_letters
 
 if TYPE_CHECKING:
     import pyarrow as pa
-    from pyspark.sql import Column, DataFrame
+    from pyspark.sql import DataFrame
 
     from sinks._config import SinkSettings
 
@@ -135,8 +132,9 @@ def in_tasks(
     partitions by key). More: the records are shuffled by key into that many tasks (a batch with fewer
     partitions than the cores it could use). With several tasks a truncate is applied after every task has
     written (tasks are not ordered), so the changes of the batch older than it, written a moment before, are
-    removed with the rest; a topic whose key schema has changed may hold one key under two byte strings, in
-    two partitions, and is folded in one task of its own. Dead letters are written by one more action, only
+    removed with the rest; a topic that may hold one key under two byte strings, in two partitions (its key
+    schema changed, or its key has a floating-point field: :func:`_keys_may_move`), is folded in one task of
+    its own. Dead letters are written by one more action, only
     when there are some.
     """
     infos = infos_of(folds, settings, batch)
@@ -144,15 +142,15 @@ def in_tasks(
         sink.prepare(list(infos.values()))
     writer: PartitionWriter = sink.partition_writer()
     task = _one_task(writer, infos, {f.schemas.topic: f for f in folds}, truncates_later=tasks != 1)
-    rows = _by_key(raw, folds, tasks).mapInArrow(task, RETURNED).collect()
-    truncates = _newest_per_topic([r for r in rows if r["kind"] == "truncate"])
+    rows = by_key(raw, folds, tasks).mapInArrow(task, RETURNED).collect()
+    truncates = newest_per_topic([r for r in rows if r["kind"] == "truncate"])
     if truncates:
         todo = raw.sparkSession.createDataFrame([tuple(r)[1:] for r in truncates], _TRUNCATES)
         rows += todo.mapInArrow(_truncate_task(writer, infos), RETURNED).collect()
     return _finished(sink, raw, settings, rows)
 
 
-def _by_key(raw: DataFrame, folds: Sequence[TopicFold], tasks: int) -> DataFrame:
+def by_key(raw: DataFrame, folds: Sequence[TopicFold], tasks: int) -> DataFrame:
     """The batch's records arranged as :func:`in_tasks` says for ``tasks``."""
     from pyspark.sql import functions as F
 
@@ -169,9 +167,21 @@ def _by_key(raw: DataFrame, folds: Sequence[TopicFold], tasks: int) -> DataFrame
 
 
 def _keys_may_move(schemas: TopicSchemas) -> bool:
-    """Whether one key of the topic may sit in two partitions: its key bytes carry the schema id, so a new key
-    schema version (a key column's type changed) sends the key's later events to another partition."""
-    return len(schemas.key_writers) > 1
+    """Whether one key of the topic may come under two byte strings, so in two partitions, where a fold by
+    key bytes would see two keys: its key bytes carry the schema id, so a new key schema version (a key
+    column's type changed) moves the key's later events; and a floating-point key field's -0.0 and 0.0, or
+    NaNs, are one key (to PostgreSQL's unique index and to the fold) under different bytes."""
+    if len(schemas.key_writers) > 1:
+        return True
+    return schemas.registered and _has_floats(schemas.key_schema)
+
+
+def _has_floats(avro: Any) -> bool:
+    if isinstance(avro, list):
+        return any(_has_floats(a) for a in avro)
+    if isinstance(avro, dict):
+        return any(_has_floats(avro.get(k)) for k in ("type", "fields", "items", "values"))
+    return avro in ("float", "double")
 
 
 _TRUNCATES = "topic string, partition int, offset long, error string, commit_lsn long, lsn long, ts_ms long"
@@ -293,9 +303,9 @@ def folded_on_driver(
 ) -> Outcome:
     """A small batch of a sink that writes whole folded tables on the driver (the warehouse: delta-rs), as
     :func:`on_driver` does for a partition sink: each topic folded by the Python fold, its truncate apart (the
-    newest; rows at or before it are not written, as Spark's fold drops them), and, when ``sink.history``, its
+    newest; rows at or before it are not written, as sinks._frames leaves them out), and, when ``sink.history``, its
     decoded events after the truncate in offset order. Raises what ``sink.write_folded`` raises when the batch
-    must go Spark's path (before anything is written, or after writes that path repeats as no-ops)."""
+    must go Spark's path (sinks._frames; before anything is written, or after writes that path repeats as no-ops)."""
     infos = infos_of(folds, settings, batch)
     by_topic: dict[str, list[dict[str, Any]]] = {}
     for r in records:
@@ -355,7 +365,7 @@ def _written(
     return back + [("rejected", *r, None, None, None) for r in refused]
 
 
-def _newest_per_topic(rows: list[Any]) -> list[Any]:
+def newest_per_topic(rows: list[Any]) -> list[Any]:
     """One truncate per table: the newest (every partition of a topic carries a copy of each)."""
     newest: dict[str, Any] = {}
     for r in rows:
@@ -363,16 +373,6 @@ def _newest_per_topic(rows: list[Any]) -> list[Any]:
         if best is None or (r["commit_lsn"], r["lsn"]) > (best["commit_lsn"], best["lsn"]):
             newest[r["topic"]] = r
     return list(newest.values())
-
-
-def _outcome(seen: list[Any], dead: int) -> Outcome:
-    out = Outcome(dead_letters=dead)
-    for observation in seen:
-        got = observation.get or {}
-        out.records += int(got.get("n") or 0)
-        if got.get("ts") is not None:
-            out.newest_ts_ms = max(out.newest_ts_ms or 0, int(got["ts"]))
-    return out
 
 
 @dataclass(frozen=True)
@@ -387,17 +387,6 @@ class _Draining:
         return ()
 
 
-def rehearse(tables: Sequence[PlannedTable]) -> None:
-    """Run a frame sink's Spark fold over ``tables`` (a few records read from Kafka) without writing anything.
-
-    What a first batch pays once per application is paid here, before the query starts: the JVM loads and
-    compiles the decode and fold (generated code is cached by its text, which the query's batches share) and
-    the plans are built.
-    """
-    for table in tables:
-        table.plan.changes(table.decoded).count()
-
-
 def rehearse_on_driver(
     sink: Any, folds: Sequence[TopicFold], records: list[dict[str, Any]], settings: SinkSettings, generation: int
 ) -> None:
@@ -406,87 +395,3 @@ def rehearse_on_driver(
     schemas parsed before the query's first batch."""
     infos = infos_of(folds, settings, (-1, generation))
     fold_and_write(_Draining(sink.partition_writer()), infos, {f.schemas.topic: f for f in folds}, records)
-
-
-# --- frame-based sinks -----------------------------------------------------------------------------------
-
-
-def _truncate_literal(position: tuple[int, int] | None) -> Column:
-    from pyspark.sql import functions as F
-
-    if position is None:
-        return F.lit(None).cast("struct<commit_lsn:bigint,lsn:bigint>")
-    return F.struct(F.lit(position[0]).cast("long").alias("commit_lsn"), F.lit(position[1]).cast("long").alias("lsn"))
-
-
-def _marks(tables: Sequence[PlannedTable]) -> dict[str, Any]:
-    """One small job over the cached decoded records: per topic, records, newest time, truncate, poison."""
-    from pyspark.sql import functions as F
-
-    frames = [
-        t.decoded.select(
-            "topic",
-            F.col("ts_ms"),
-            F.when(
-                F.col("error").isNull() & ~F.col("tombstone") & (F.col("op") == TRUNCATE),
-                F.struct("commit_lsn", "lsn"),
-            ).alias("t"),
-            F.col("error").isNotNull().cast("int").alias("b"),
-        )
-        for t in tables
-    ]
-    union = union_all(frames)
-    if union is None:
-        return {}
-    rows = union.groupBy("topic").agg(
-        F.count(F.lit(1)).alias("n"), F.max("ts_ms").alias("ts"), F.max("t").alias("t"), F.sum("b").alias("b")
-    )
-    return {r["topic"]: r for r in rows.collect()}
-
-
-def on_driver_plan(
-    sink: Any, tables: Sequence[PlannedTable], raw: DataFrame, settings: SinkSettings, batch: tuple[int, int]
-) -> Outcome:
-    """A frame-based sink: ``sink.write(Batch)`` with each table's fold as a frame (see the module doc)."""
-    from pyspark.sql import functions as F
-
-    batch_id, generation = batch
-    spark = raw.sparkSession
-    cached = [t.decoded.persist() for t in tables]
-    try:
-        marks = _marks(tables)
-        changes, poison = [], []
-        for table in tables:
-            mark = marks.get(table.topic)
-            if mark is None:
-                continue
-            if mark["b"]:
-                poison.append(
-                    table.decoded.filter(F.col("error").isNotNull()).select("topic", "partition", "offset", "error")
-                )
-            if not table.schemas.registered or mark["n"] == mark["b"]:
-                continue
-            truncate = None if mark["t"] is None else (int(mark["t"]["commit_lsn"]), int(mark["t"]["lsn"]))
-            folded = fold(table.decoded, table.row_schema, _truncate_literal(truncate))
-            kept = table.decoded.filter(
-                F.col("error").isNull() & ~F.col("tombstone") & F.col("op").isin(*APPLY_OPS)
-            ).drop("tombstone", "error")
-            if truncate is not None:
-                kept = kept.filter(F.struct("commit_lsn", "lsn") > _truncate_literal(truncate))
-            frame = folded.filter(F.col("op").isin(*APPLY_OPS)).drop("error")
-            changes.append(
-                TableChanges(table.topic, table.name, table.key_schema, table.row_schema, frame, truncate, kept)
-            )
-        refused: list[Rejected] = []
-        if changes:
-            sink.write(Batch(batch_id, generation, changes, spark, refused.extend))
-        if refused:
-            poison.append(spark.createDataFrame([tuple(r) for r in refused], REJECTED))
-        rejected = union_all(poison)
-        count = sum(int(m["b"]) for m in marks.values()) + len(refused)
-        dead = 0 if rejected is None else write_dead_letters(settings, sink.name, dead_letters(raw, rejected), count)
-    finally:
-        for frame in cached:
-            frame.unpersist()
-    newest = [int(m["ts"]) for m in marks.values() if m["ts"] is not None]
-    return Outcome(sum(int(m["n"]) for m in marks.values()), dead, max(newest) if newest else None)

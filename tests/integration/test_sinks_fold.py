@@ -1,11 +1,11 @@
 """The fold (sinks._fold): decode, last event per key, truncates, unchanged TOAST, tombstones and poison, run
-on a real local Spark exactly as the sinks run it.
+as a small batch runs it (one pass in Python) and as a larger one does, on a real local Spark (in tasks, the
+records shuffled by key, the rows handed back as typed Spark frames: sinks._frames).
 
 Real envelopes and keys are written by the capture's own code (TableCodec over schemas.envelope_schema and
-key_schema), Confluent-framed with the ids a small in-memory registry gives them, and fed to the runtime's
-planning (Decoder.plan, then the fold and projection each batch runs) as the raw Kafka records (topic,
-partition, offset, key, value) Spark's Kafka source gives. The registry is a fake with the two calls the
-Decoder makes; Spark and spark-avro are real. A batch's truncate is applied by the writers after its other
+key_schema), Confluent-framed with the ids a small in-memory registry gives them, and fed to the fold as the
+raw Kafka records (topic, partition, offset, key, value) Spark's Kafka source gives. The registry is a fake
+with the two calls the Decoder makes; Spark is real. A batch's truncate is applied by the writers after its other
 changes, so the changes listed here are what the store keeps: those older than the truncate are gone.
 """
 
@@ -28,9 +28,8 @@ from decoders import TupleData
 from schemas import PgType
 from sinks._api import Change, ChangeMaker
 from sinks._config import SinkSettings
-from sinks._fold import KEY_UNFRAMED, VALUE_UNFRAMED, TopicSchemas
+from sinks._fold import KEY_UNFRAMED, VALUE_UNFRAMED, TopicFold, TopicSchemas
 from sinks._reader import Decoder
-from sinks._taskfold import TopicFold
 from sinks._values import Names, doc_converter, envelope_row
 from tests.integration._sinks_helpers import SPARK_WORKER
 
@@ -56,10 +55,10 @@ TIME = PgType(1083, "time")
 _SESSION: list[SparkSession] = []
 
 
-@pytest.fixture(autouse=True, params=["spark", "task"])
+@pytest.fixture(autouse=True, params=["tasks", "one"])
 def _spark(spark: SparkSession, request: pytest.FixtureRequest) -> None:
-    """The run's SparkSession and the fold under test (Spark's, or a small batch's in its task), for the
-    harness below (hypothesis' tests take no function fixtures)."""
+    """The run's SparkSession and the path under test (a larger batch's tasks, or a small batch's one pass),
+    for the harness below (hypothesis' tests take no function fixtures)."""
     _SESSION[:] = [spark]
     _PATH[:] = [request.param]
 
@@ -153,7 +152,7 @@ def _decode(decoder: Decoder, rows: list[dict[str, Any]]) -> Decoded:
         if not schemas.registered:
             continue
         key_schema, row_schema = schemas.key_schema, schemas.row_schema
-        make = ChangeMaker(key_schema, row_schema, spark=_PATH[0] == "spark")
+        make = ChangeMaker(key_schema, row_schema, spark=_PATH[0] == "tasks")
         truncates = [(r["commit_lsn"], r["lsn"]) for r in folded if r["op"] == "t"]
         changes = sorted((make(r) for r in folded if r["op"] not in ("!", "t")), key=lambda c: (c.partition, c.offset))
         if truncates:
@@ -167,25 +166,42 @@ def _decode(decoder: Decoder, rows: list[dict[str, Any]]) -> Decoded:
 _Folded = list[tuple[str, str, TopicSchemas, list[dict[str, Any]], tuple[int, int | None]]]
 
 
-def _spark_fold(decoder: Decoder, rows: list[dict[str, Any]]) -> _Folded:
-    """sinks._fold as a batch larger than one task runs it."""
-    from pyspark.sql import functions as F
+def _tasks_fold(decoder: Decoder, rows: list[dict[str, Any]]) -> _Folded:
+    """sinks._frames as a larger batch runs it: folded in two Spark tasks (the records shuffled by key), the
+    marks collected, the rows as a frame sink's typed frame, projected as a writer reads it."""
+    from sinks._api import projected
+    from sinks._frames import folded_frames, table_frame
 
     spark = _SESSION[0]
     raw = spark.createDataFrame(
         [(r["topic"], r["partition"], r["offset"], r["key"], r["value"]) for r in rows],
         "topic string, partition int, offset long, key binary, value binary",
     )
-    out: _Folded = []
-    for planned in Decoder.plan(decoder, raw, {r["topic"] for r in rows}):
-        stats = planned.decoded.agg(F.count(F.lit(1)).alias("n"), F.max("ts_ms").alias("ts")).collect()[0]
-        folded = planned.plan.changes(planned.decoded).toArrow().to_pylist()
-        out.append((planned.topic, planned.name, planned.schemas, folded, (stats["n"], stats["ts"])))
-    return out
+    folds = [TopicFold(decoder.schemas(topic)) for topic in sorted({r["topic"] for r in rows})]
+    layout, out = folded_frames(folds, raw, 2, events=False)
+    out = out.cache()
+    marks = [m.asDict() for m in out.filter("kind NOT IN ('row', 'event')").collect()]
+    result: _Folded = []
+    for fold in folds:
+        s = fold.schemas
+        mine = [m for m in marks if m["topic"] == s.topic]
+        seen = [m for m in mine if m["kind"] == "seen"]
+        stamps = [m["ts_ms"] for m in seen if m["ts_ms"] is not None]
+        folded = [{**m, "op": "!"} for m in mine if m["kind"] == "rejected"]
+        truncates = [m for m in mine if m["kind"] == "truncate"]
+        if truncates:  # each task's newest: the table's is the newest of them
+            folded.append({**max(truncates, key=lambda m: (m["commit_lsn"], m["lsn"])), "op": "t"})
+        if s.registered:
+            frame = projected(table_frame(out, layout, s.topic, "row", None), s.key_schema, s.row_schema)
+            folded += frame.toArrow().to_pylist()
+        counts = (sum(m["offset"] for m in seen), max(stamps) if stamps else None)
+        result.append((s.topic, decoder.settings.table_name(s.topic), s, folded, counts))
+    out.unpersist()
+    return result
 
 
 def _task_fold(decoder: Decoder, rows: list[dict[str, Any]]) -> _Folded:
-    """sinks._taskfold as the one task of a small batch runs it (the records in the order Kafka gives them)."""
+    """sinks._fold as the one task of a small batch runs it (the records in the order Kafka gives them)."""
     out: _Folded = []
     for topic in sorted({r["topic"] for r in rows}):
         fold = TopicFold(decoder.schemas(topic))
@@ -195,8 +211,8 @@ def _task_fold(decoder: Decoder, rows: list[dict[str, Any]]) -> _Folded:
     return out
 
 
-_FOLDS = {"spark": _spark_fold, "task": _task_fold}
-_PATH = ["spark"]
+_FOLDS = {"tasks": _tasks_fold, "one": _task_fold}
+_PATH = ["tasks"]
 
 
 def _poison(decoded: Decoded) -> list[tuple[Any, ...]]:
@@ -830,10 +846,11 @@ def test_a_new_schema_version_after_old_events_in_the_same_batch_is_read_with_it
 
 
 def test_a_frame_sink_gets_the_fold_and_its_rows_on_the_driver_with_a_deprecation_warning() -> None:
-    """The frame-based path (the warehouse's, and plugins written before executor-side writers): the same fold,
-    counted by one marks job; ``changes()`` still hands the rows over on the driver, and warns."""
+    """The frame path (the warehouse's larger batches, frame plugins): the fold in tasks, the table's truncate
+    and its changes and events after it as frames; ``changes()`` still hands the rows over on the driver, and
+    warns."""
     import sinks._api
-    from sinks._write import on_driver_plan
+    from sinks._frames import in_frames
 
     registry = FakeRegistry()
     codec = _codec(registry, NAMED)
@@ -848,17 +865,21 @@ def test_a_frame_sink_gets_the_fold_and_its_rows_on_the_driver_with_a_deprecatio
     )
     decoder = _local(registry)
     got: list[tuple[tuple[int, int] | None, list[Change]]] = []
+    events: list[str] = []
 
     class FrameSink:
         name = "frames"
 
         def write(self, batch: Any) -> None:
             got.extend((t.truncate, list(t.changes())) for t in batch.tables)
+            events.extend(r["row"]["name"] for t in batch.tables for r in t.events.orderBy("offset").collect())
 
     sinks._api._WARNED.clear()
+    folds = [TopicFold(decoder.schemas(TOPIC))]
     with pytest.warns(DeprecationWarning, match="moves every row to the Spark driver"):
-        outcome = on_driver_plan(FrameSink(), decoder.plan(raw, {TOPIC}), raw, decoder.settings, (5, 1))
+        outcome = in_frames(FrameSink(), folds, raw, decoder.settings, (5, 1), tasks=2)
     assert (outcome.records, outcome.dead_letters, outcome.newest_ts_ms) == (4, 0, 40)
     ((truncate, changes),) = got
     assert truncate == (20, 1)
     assert [(c.key, c.row, c.op, c.position) for c in changes] == [({"id": 2}, {"id": 2, "name": "b"}, "u", (40, 1))]
+    assert events == ["a", "b"]  # the events after the truncate

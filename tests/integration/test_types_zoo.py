@@ -1000,25 +1000,20 @@ def test_spark_reads_the_mapped_schemas(zoo: Zoo, spark: SparkSession) -> None:
 
 
 def test_document_form_is_the_same_from_spark_and_from_raw_values(zoo: Zoo, spark: SparkSession) -> None:
-    """What the sinks store (Spark's values) equals what `cdc verify` computes from PostgreSQL (raw values),
+    """What the sinks store from a Spark frame equals what `cdc verify` computes from PostgreSQL (raw values),
     for every value of every type in the zoo: otherwise verify would report drift that is not there."""
+    import pyarrow as pa
     from pyspark.sql import functions as F
-    from pyspark.sql.avro.functions import from_avro
 
-    from sinks._fold import _without_times_of_day
+    from sinks._delta_arrow import arrow_field, spark_type
     from sinks._values import Names, doc_converter, spark_projection
 
     record, rows = _everything(zoo)
-    parsed = fastavro.parse_schema(record)
-    payloads = []
-    for i, row in enumerate(rows):
-        out = io.BytesIO()
-        fastavro.schemaless_writer(out, parsed, row)
-        payloads.append((i, bytearray(out.getvalue())))
-    # As the sinks read it: a time of day as the µs count it is encoded as (sinks._fold._without_times_of_day)
-    frame = spark.createDataFrame(payloads, "i INT, v BINARY").select(
-        "i", from_avro("v", _without_times_of_day(json.dumps(record))).alias("r")
-    )
+    # As a frame sink is handed them (sinks._frames): the raw values typed as Arrow, read by Spark.
+    arrow, convert = arrow_field(record, Names())
+    table = pa.table({"i": pa.array(range(len(rows)), pa.int64()), "r": pa.array([convert(r) for r in rows], arrow)})
+    batches = table.to_batches()
+    frame = spark.range(1).coalesce(1).mapInArrow(lambda _: iter(batches), f"i bigint, r {spark_type(arrow)}")
     names = Names()
     projected = frame.select("i", spark_projection(record, F.col("r"), names).alias("r")).orderBy("i")
     from_spark = doc_converter(record, Names(), spark=True)

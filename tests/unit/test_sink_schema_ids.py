@@ -1,11 +1,10 @@
-"""The driver's batches ask the registry only for a schema id they have not seen (sinks._taskfold.knows)."""
+"""The driver's batches ask the registry only for a schema id they have not seen (sinks._fold.knows)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from sinks._fold import TopicSchemas
-from sinks._taskfold import framed_ids, knows
+from sinks._fold import TopicSchemas, framed_ids, knows
 
 
 def _framed(schema_id: int) -> bytes:
