@@ -26,7 +26,7 @@ union of several types                      struct<member0, member1, …>, one m
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from decimal import Decimal
+from decimal import Context, Decimal
 from typing import Any
 
 import pyarrow as pa
@@ -37,6 +37,11 @@ Convert = Callable[[Any], Any]
 
 FIRST_DAY, LAST_DAY = -719_162, 2_932_896  # 0001-01-01 and 9999-12-31 in days since 1970
 FIRST_US, LAST_US = FIRST_DAY * 86_400_000_000, (LAST_DAY + 1) * 86_400_000_000 - 1
+
+
+# Decimal arithmetic rounds to its context's precision, 28 digits by default: a numeric(38, s) value would lose
+# its last ten digits (and pyarrow then refuse it as wider than 38). This context holds every digit Spark can.
+_EXACT = Context(prec=76)
 
 
 class NotInArrowError(ValueError):
@@ -58,7 +63,7 @@ def arrow_field(avro: AvroType, names: Names, namespace: str | None = None) -> t
         if precision > 38:
             raise NotInArrowError(f"decimal precision {precision} (Spark holds 38)")
         return pa.decimal128(precision, scale), _nullsafe(
-            lambda b: Decimal(int.from_bytes(b, "big", signed=True)).scaleb(-scale)
+            lambda b: Decimal(int.from_bytes(b, "big", signed=True)).scaleb(-scale, _EXACT)
         )
     simple = _SIMPLE.get((kind, logical)) or _SIMPLE.get((kind, None))
     if simple is not None and kind not in ("record", "array", "map"):

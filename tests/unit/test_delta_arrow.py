@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from decimal import Decimal
+from decimal import Context, Decimal
 
 import pyarrow as pa
 import pytest
 
-from sinks._delta_arrow import NotInArrowError, arrow_field, beyond_python, rows_table
+from sinks._delta_arrow import NotInArrowError, arrow_field, beyond_python, rows_table, spark_type
 from sinks._values import Names
 
 
@@ -84,3 +84,34 @@ def test_dates_and_timestamps_beyond_years_1_to_9999_are_found(
     arrow: pa.DataType, values: list[int], beyond: bool
 ) -> None:
     assert beyond_python(pa.array(values, arrow)) is beyond
+
+
+@pytest.mark.parametrize("unscaled", [10**38 - 1, -(10**38 - 1), 10**29 + 7, 0])
+def test_a_decimal_keeps_every_digit_of_its_precision(unscaled: int) -> None:
+    """Python's Decimal context rounds to 28 digits; a numeric(38, 10) value must not lose its last ten."""
+    avro = {"type": "bytes", "logicalType": "decimal", "precision": 38, "scale": 10}
+    column = _one(avro, unscaled.to_bytes(17, "big", signed=True))
+    assert column.type == pa.decimal128(38, 10)
+    assert column.to_pylist() == [Decimal(unscaled).scaleb(-10, Context(prec=38))]
+    assert column.to_pylist()[0].as_tuple().digits == Decimal(unscaled).as_tuple().digits
+
+
+@pytest.mark.parametrize(
+    ("arrow", "ddl"),
+    [
+        (pa.int32(), "int"),
+        (pa.timestamp("us", tz="UTC"), "timestamp"),
+        (pa.timestamp("us"), "timestamp_ntz"),
+        (pa.decimal128(38, 10), "decimal(38, 10)"),
+        (pa.map_(pa.string(), pa.date32()), "map<string, date>"),
+        (pa.list_(pa.field("element", pa.binary())), "array<binary>"),
+        (pa.struct([("a b", pa.float32()), ("c`", pa.null())]), "struct<`a b`: float, `c```: void>"),
+    ],
+)
+def test_each_arrow_type_has_its_spark_type(arrow: pa.DataType, ddl: str) -> None:
+    assert spark_type(arrow) == ddl
+
+
+def test_an_arrow_type_spark_has_no_type_for_is_refused() -> None:
+    with pytest.raises(NotInArrowError, match="uint8"):
+        spark_type(pa.uint8())
