@@ -2,19 +2,23 @@
 when any new copy differs from the source, none is.
 
 The rebuilds here take the larger batches' path (the thresholds of the driver's and the one task's paths set
-to nothing): one task per Kafka partition folds and writes its records, a truncate follows every task, and a
-table whose key column changed type (its key in two partitions) is folded in one task."""
+to nothing): one task per Kafka partition folds and writes its records (search, cache) or hands them to
+Spark's MERGE as frames (the warehouse), a truncate follows every task, and a table whose key column changed
+type (its key in two partitions) is folded in one task."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import psycopg
+import pyarrow as pa
 import pytest
 import redis
+from deltalake import DeltaTable
 
+import sinks._frames
 import sinks._runner
 import sinks._write
 from tests.integration._capture_helpers import read_topic, wait_for
@@ -24,6 +28,8 @@ if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900), SPARK_WORKER]
+
+SINKS = ("search", "cache", "warehouse")
 
 # A history for a rebuild to fold: updates, deletes, a truncate, inserts after it (k = 3 keeps v = 3).
 HISTORY = [
@@ -45,19 +51,22 @@ KEY_MOVES = [
 
 
 @pytest.fixture
-def larger_batches(monkeypatch: pytest.MonkeyPatch) -> list[list[tuple[str, int]]]:
-    """Every batch of search and cache through sinks._write.in_tasks; the topics and key schema versions of
-    each batch it took."""
-    taken: list[list[tuple[str, int]]] = []
-    real = sinks._write.in_tasks
+def larger_batches(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, list[tuple[str, int]]]]:
+    """Every batch of search and cache through sinks._write.in_tasks, of the warehouse through
+    sinks._frames.in_frames; each batch's sink, and its topics with their key schema versions."""
+    taken: list[tuple[str, list[tuple[str, int]]]] = []
 
-    def spied(sink, folds, *args, **kwargs):  # type: ignore[no-untyped-def]
-        taken.append(sorted((f.schemas.topic, len(f.schemas.key_writers)) for f in folds))
-        return real(sink, folds, *args, **kwargs)
+    def spy(real: Any) -> Any:
+        def spied(sink, folds, *args, **kwargs):  # type: ignore[no-untyped-def]
+            taken.append((sink.name, sorted((f.schemas.topic, len(f.schemas.key_writers)) for f in folds)))
+            return real(sink, folds, *args, **kwargs)
+
+        return spied
 
     monkeypatch.setattr(sinks._runner, "DRIVER_RECORDS", 0)
     monkeypatch.setattr(sinks._runner, "ONE_TASK_RECORDS", 0)
-    monkeypatch.setattr("sinks._runner.in_tasks", spied)
+    monkeypatch.setattr("sinks._runner.in_tasks", spy(sinks._write.in_tasks))
+    monkeypatch.setattr("sinks._runner.in_frames", spy(sinks._frames.in_frames))
     return taken
 
 
@@ -68,7 +77,7 @@ def test_a_rebuild_that_differs_from_the_source_swaps_in_none_of_its_sinks(
     spark: SparkSession,
     unique: str,
     tmp_path: Path,
-    larger_batches: list[list[tuple[str, int]]],
+    larger_batches: list[tuple[str, list[tuple[str, int]]]],
 ) -> None:
     with captured(
         stack,
@@ -119,12 +128,24 @@ def test_a_rebuild_that_differs_from_the_source_swaps_in_none_of_its_sinks(
         assert redis.Redis.from_url(stack.redis).get(f"{prefix}:current") == b"1"
         with psycopg.connect(dsn, autocommit=True) as conn:
             conn.execute("UPDATE t SET v = 3 WHERE k = 3")  # the source as the topics say again
-        again = cdc_here("sinks", "rebuild", "search", "cache", "--config", str(config))
+        larger_batches.clear()
+        # The warehouse, never run before, is built in the clean rebuild only.
+        again = cdc_here("sinks", "rebuild", *SINKS, "--config", str(config))
         assert again.returncode == 0, f"{again.stdout}\n{again.stderr}"
         assert "search: generation 2 is now served" in again.stdout
         assert "cache: generation 2 is now served" in again.stdout
+        assert "warehouse: generation 2 is now served" in again.stdout
         assert redis.Redis.from_url(stack.redis).get(f"{prefix}:current") == b"2"
         # Each rebuild's batch went one task per partition: t's key schema has one version, u's two.
-        assert larger_batches, "no rebuild batch took sinks._write.in_tasks"
-        versions = {topic: n for batch in larger_batches for topic, n in batch}
+        assert {name for name, _ in larger_batches} == set(SINKS), larger_batches
+        versions = {topic: n for _, batch in larger_batches for topic, n in batch}
         assert versions == {f"{prefix}.public.t": 1, u: 2}, larger_batches
+        # The rebuilt warehouse as delta-rs reads it: PostgreSQL's rows, the key widened to bigint.
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            for table in ("t", "u"):
+                want = sorted(conn.execute(f"SELECT k, v FROM {table}").fetchall())
+                delta = DeltaTable(str(tmp_path / "warehouse" / "current" / f"public.{table}")).to_pyarrow_table()
+                got = zip(delta.column("k").to_pylist(), delta.column("v").to_pylist(), strict=True)
+                assert sorted(got) == want, table
+                if table == "u":
+                    assert delta.schema.field("k").type == pa.int64()
