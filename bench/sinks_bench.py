@@ -81,6 +81,7 @@ from psycopg import sql
 from bench import _debezium as dbz
 from bench import _sink_refs as refs
 from bench._capture_bench import dsn_for
+from bench._connect import jdbc_sink_replay
 from bench._outside import POLL_S, OutsideWatch
 from sinks import BaseSink, Batch
 from sinks._config import load_sink_settings
@@ -461,7 +462,45 @@ def _replays(env: Env, changes: refs.Changes, result: Result) -> dict[str, float
             ]
     finally:
         spark.stop()
+    result.measures.append(_against_connect(env, settings, changes, seconds["sql"]))
     return seconds
+
+
+def _against_connect(env: Env, settings: Any, changes: refs.Changes, ours_s: float) -> Measure:
+    """The SQL sink's replay beside Kafka Connect's: Debezium's JDBC sink connector reading the same topic from
+    offset zero into a database of its own on the same server (bench._connect says what it does not do)."""
+    target = f"{env.prefix}_connect"
+    with psycopg.connect(env.admin, autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(target)))
+    ends = TopicEnds(settings)
+    try:
+        marks = {p: high for (t, p), (_, high) in ends.read().items() if t == env.topic}
+    finally:
+        ends.close()
+    run = jdbc_sink_replay(
+        kafka=env.kafka,
+        registry=env.registry,
+        topic=env.topic,
+        ends=marks,
+        target=dsn_for(env.admin, target),
+        exclude="price",
+        workdir=env.work / "connect",
+    )
+    print(
+        f"Kafka Connect JDBC sink: {changes.records / run.seconds:,.0f} events/s ({run.seconds:.1f} s)", file=sys.stderr
+    )
+    return Measure(
+        "sql replay vs Kafka Connect",
+        "events/s",
+        round(changes.records / ours_s),
+        reference=round(changes.records / run.seconds),
+        reference_name="Debezium JDBC sink on Kafka Connect",
+        target_ratio=1.0,
+        note="the same topic from offset zero into PostgreSQL, each into a database of its own on the same server; "
+        f"Connect timed from its sink task's start ({run.launch_seconds:.0f} s from the worker's launch), one task, "
+        "shipped batch sizes, upsert by key; it neither folds nor guards by position, and leaves out the "
+        "numeric column (price), whose Avro union it cannot store",
+    )
 
 
 def _natives(env: Env, spark: Any, changes: refs.Changes, result: Result) -> dict[str, float]:
@@ -1200,7 +1239,8 @@ def _cleanup(env: Env) -> None:
             except psycopg.errors.ObjectInUse:
                 time.sleep(0.2)
         conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(env.prefix)))
-        conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(f"{env.prefix}_sql")))
+        for suffix in ("_sql", "_connect"):
+            conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(env.prefix + suffix)))
     with contextlib.suppress(Exception):
         OpenSearch(env.opensearch).indices.delete(index=f"{env.prefix}*", expand_wildcards="all")
     with contextlib.suppress(Exception):

@@ -19,7 +19,7 @@ _SESSION_CONF = {
     "spark.sql.extensions": "io.delta.sql.DeltaSparkSessionExtension",
     "spark.sql.catalog.spark_catalog": "org.apache.spark.sql.delta.catalog.DeltaCatalog",
     # Avro and PostgreSQL names are case-sensitive: a table may have columns "Order" and "order". Spark's
-    # default (case-insensitive) resolution finds two matches for either, in from_avro and in getField.
+    # default (case-insensitive) resolution finds two matches for either in a struct's fields.
     "spark.sql.caseSensitive": "true",
     # One scheduler pool per sink's query (sinks._runner.SinkQuery.start): the queries share the cores
     # instead of queueing behind whichever submitted its tasks first.

@@ -2,9 +2,10 @@
 
 One definition, reached from two directions, so that a stored document can be compared with PostgreSQL:
 
-* from the values Spark gives after ``from_avro`` (the sinks' write path), after :func:`spark_projection`
-  has turned dates and timestamps into plain numbers (PySpark cannot collect a date in year 5 874 897 or an
-  ``infinity`` timestamp into Python's ``date``/``datetime``);
+* from the values of a Spark frame (a frame sink's folded rows, typed as ``from_avro`` types them, or a
+  Delta table read back), after :func:`spark_projection` has turned dates and timestamps into plain numbers
+  (PySpark cannot collect a date in year 5 874 897 or an ``infinity`` timestamp into Python's
+  ``date``/``datetime``);
 * from raw Avro values, as the Avro writer takes them (``cdc verify``'s PostgreSQL side).
 
 Document form, by Avro type (docs/sinks.md has the table): numbers stay numbers except NaN/±Infinity
