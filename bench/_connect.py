@@ -31,6 +31,8 @@ from confluent_kafka import Consumer, TopicPartition
 from pgcdc_dev import discovery, services
 from psycopg.conninfo import conninfo_to_dict
 
+from bench._capture_bench import stop_process
+
 _STARTED = re.compile(r"WorkerSinkTask\{id=[^}]+\} Sink task finished initialization and start")
 
 
@@ -141,12 +143,7 @@ def jdbc_sink_replay(
     try:
         return _wait(proc, log, launched, (kafka, f"connect-{name}", topic, ends), timeout_s)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(30)
+        stop_process(proc)
 
 
 def _wait(
