@@ -215,31 +215,29 @@ def _warehouse_status(workdir: Path) -> dict[str, Any]:
 
 class _FirstRows:
     """When each store first showed a change of the live workload, in seconds from its first committed change:
-    for search and cache, their counts growing past what they held then (the snapshot's rows); for the
-    warehouse, its status naming a change committed after the live part began (its counts include the
-    snapshot's batch, which may land during the live part)."""
+    for search and cache, the first row of ``public.orders`` in them (the table is empty until the live part
+    begins, so every row of it is a live change: the snapshot's customers, still arriving, cannot be taken for
+    one); for the warehouse, its status naming a change committed after the live part began (its counts include
+    the snapshot's batch, which may land during the live part)."""
 
     def __init__(self) -> None:
         self.first_change: float | None = None
         self.began_ms = 0  # wall clock before the first change's commit, as PostgreSQL's commit times count
-        self.baseline: dict[str, int] = {}
         self.after: dict[str, float] = {}
 
-    def changed(self, stores: dict[str, tuple[int, str]], began: float) -> None:
-        """A change of the workload committed, its transaction begun at ``began`` (epoch s); ``stores``: the
-        counts last seen before it."""
+    def changed(self, began: float) -> None:
+        """A change of the workload committed, its transaction begun at ``began`` (epoch s)."""
         if self.first_change is None:
             self.first_change = time.monotonic()
             self.began_ms = int(began * 1000)
-            self.baseline = {line: n for line, (n, _) in stores.items()}
 
     def look(self, stores: dict[str, tuple[int, str]], warehouse_source_ms: int | None = None) -> None:
         """The stores' counts now, and the commit time of the newest change the warehouse applied."""
         if self.first_change is None:
             return
         for line, (n, _) in stores.items():
-            store = line.split(maxsplit=1)[0]
-            if store != "warehouse" and n > self.baseline.get(line, 0) and store not in self.after:
+            store, _, table = line.partition(" ")
+            if table == _LIVE_TABLE and n > 0 and store not in self.after:
                 self.after[store] = time.monotonic() - self.first_change
         if warehouse_source_ms is not None and warehouse_source_ms >= self.began_ms and "warehouse" not in self.after:
             self.after["warehouse"] = time.monotonic() - self.first_change
@@ -257,6 +255,7 @@ class _FirstRows:
 
 
 _STORES = ("search", "cache", "warehouse")
+_LIVE_TABLE = "public.orders"  # empty until the live part: the workload inserts its rows
 # Filled before Spark is up (sinks._bridge): the live part starts once they hold the snapshot; the warehouse,
 # written by Spark, joins during it.
 _WITHOUT_SPARK = ("search", "cache")
@@ -405,7 +404,7 @@ port = {_DEMO_METRICS_PORT}
                         return False
                     began = time.time()
                     _workload_step(conn, rnd)
-                    self.first_rows.changed(stores, began)
+                    self.first_rows.changed(began)
                     reader.poll()
                     if self.sinks and time.monotonic() - last_counted > 1:
                         stores, last_counted = _store_counts(self.sinks, self.workdir, self.run_id), time.monotonic()

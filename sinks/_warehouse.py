@@ -171,6 +171,11 @@ class WarehouseSink(BaseSink):
                     self.stats.forget(path)
             except NotOnDriverError:
                 raise
+            except ImportError as exc:  # an install without pgcdc[sinks]'s deltalake: Spark's MERGE still writes
+                raise NotOnDriverError(
+                    f"delta-rs is not installed ({exc}), so every batch takes a Spark MERGE (seconds where delta-rs "
+                    "takes milliseconds); install it: pip install 'pgcdc[sinks]'"
+                ) from exc
             except (KeyboardInterrupt, SystemExit):
                 raise
             except BaseException as exc:  # delta-rs's Rust panics surface as a BaseException (pyo3)

@@ -5,20 +5,26 @@ from __future__ import annotations
 from pgcdc._demo import _FirstRows
 
 
-def test_each_store_is_timed_from_the_first_change_past_what_it_held_then() -> None:
+def test_each_store_is_timed_from_the_first_change_to_its_first_live_row() -> None:
     first = _FirstRows()
-    snapshot = {"search public.customers": (200, "200 documents"), "cache public.customers": (200, "200 entries")}
+    snapshot = {"search public.customers": (150, "150 documents"), "cache public.customers": (200, "200 entries")}
     first.look(snapshot, 1_000)  # before any change: not timed
     assert first.after == {}
-    first.changed({**snapshot, "warehouse": (0, "0 batches, 0 events")}, 2.0)
-    first.changed({}, 3.0)  # only the first change counts
+    first.changed(2.0)
+    first.changed(3.0)  # only the first change counts
     assert first.began_ms == 2_000
-    # The warehouse's snapshot batch lands during the live part: its count grows, its newest change is older.
-    landed = {**snapshot, "cache public.orders": (2, "2 entries"), "warehouse": (200, "1 batches, 200 events")}
+    # The snapshot still arriving in the search index is not a live change; the warehouse's snapshot batch lands
+    # during the live part: its count grows, its newest change is older.
+    landed = {
+        "search public.customers": (200, "200 documents"),
+        "search public.orders": (0, "0 documents"),
+        "cache public.orders": (2, "2 entries"),
+        "warehouse": (200, "1 batches, 200 events"),
+    }
     first.look(landed, 1_500)
-    assert set(first.after) == {"cache"}  # the search index holds only what it held
+    assert set(first.after) == {"cache"}
     cache = first.after["cache"]
-    first.look({"search public.customers": (201, "201 documents"), "cache public.orders": (9, "9 entries")}, 1_999)
+    first.look({"search public.orders": (1, "1 documents"), "cache public.orders": (9, "9 entries")}, 1_999)
     assert set(first.after) == {"cache", "search"}
     assert first.after["cache"] == cache  # the first time only
     assert first.note("cache public.customers").startswith(" (changes arriving ")
