@@ -2,12 +2,14 @@
 
 Starting the JVM and a Spark session, then a query's first batch, is most of a start: 5-10 s for a restart on
 two cores, 20-40 s for a first start (no class archive yet, the stores' indices and tables created). The
-changes in the topics need none of it: for each partition sink whose store opens without Spark (search,
-cache), a thread reads what its topics hold past the last batch its checkpoint committed (from each
-partition's start on a first start) and applies it with the driver's fold and the sink's writer
-(sinks._write.fold_and_write), in steps of up to ``sinks._ranges.DRIVER_RECORDS`` offsets per partition, and
-goes on with what arrives until the sink's query is ready to start (:meth:`Bridge.finish`). A first start
-shows the snapshot in the stores within seconds, and the changes after it as they come.
+changes in the topics need none of it: for each built-in sink whose store opens without Spark (search, cache,
+sql, and the warehouse where it merges on the driver: a local directory), a thread reads what its topics hold
+past the last batch its checkpoint committed (from each partition's start on a first start) and applies it
+with the driver's fold and the sink's own driver path (sinks._write.written_on_driver, or folded_written for
+the warehouse's delta-rs, which leaves the history's events to the batches), in steps of up to
+``sinks._ranges.DRIVER_RECORDS`` offsets per partition, and goes on with what arrives until the sink's query
+is ready to start (:meth:`Bridge.finish`). A first start shows the snapshot in the stores within seconds, and
+the changes after it as they come.
 
 The checkpoint is only read: the query's first batches read the same records again, and the stores' position
 guard makes their writes change nothing. Poison records and refusals are left to those batches, which write
@@ -22,12 +24,12 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from sinks._api import PartitionSink, Rebuildable
+from sinks._api import PartitionSink, Rebuildable, WritesFolded
 from sinks._fold import TopicFold, framed_ids
 from sinks._progress import TopicEnds, checkpoint_location, checkpoint_offsets
 from sinks._ranges import DRIVER_RECORDS, RangeReader
 from sinks._reader import Decoder
-from sinks._write import tally, written_on_driver
+from sinks._write import folded_written, tally, written_on_driver
 
 if TYPE_CHECKING:
     from sinks._config import SinkSettings
@@ -39,6 +41,11 @@ log = logging.getLogger(__name__)
 # start, whose JVM launch and py4j calls share the driver's cores and GIL with it.
 _IDLE_S = 0.2
 _IDLE_MAX_S = 2.0
+
+
+def bridged(sink: Any) -> bool:
+    """Whether a bridge can apply ``sink``'s backlog: its writes need no Spark."""
+    return isinstance(sink, PartitionSink) or (isinstance(sink, WritesFolded) and sink.folds_on_driver)
 
 
 def served_generation(sink: Any) -> int:
@@ -88,7 +95,11 @@ class _Backlog:
         records = self._reader.read(ranges)
         if records:
             folds = [TopicFold(self._decoder.schemas(topic)) for topic in sorted(framed_ids(records))]
-            rows = written_on_driver(self.sink, folds, records, self.settings, (-1, self.generation))
+            batch = (-1, self.generation)
+            if isinstance(self.sink, PartitionSink):
+                rows = written_on_driver(self.sink, folds, records, self.settings, batch)
+            else:
+                rows = folded_written(self.sink, folds, records, self.settings, batch, history=False)
             self.applied += tally(rows).records
             self.read += len(records)
         self.position.update({tp: end for tp, (_, end) in ranges.items()})
@@ -123,7 +134,7 @@ class Bridge(threading.Thread):
         told = False
         try:
             sink = self._opened()
-            if not isinstance(sink, PartitionSink):
+            if not bridged(sink):
                 return
             backlog = _Backlog(self.settings, self.sink_name, sink, served_generation(sink))
             self.settled.set()

@@ -302,10 +302,27 @@ def folded_on_driver(
     batch: tuple[int, int],
 ) -> Outcome:
     """A small batch of a sink that writes whole folded tables on the driver (the warehouse: delta-rs), as
-    :func:`on_driver` does for a partition sink: each topic folded by the Python fold, its truncate apart (the
-    newest; rows at or before it are not written, as sinks._frames leaves them out), and, when ``sink.history``, its
-    decoded events after the truncate in offset order. Raises what ``sink.write_folded`` raises when the batch
-    must go Spark's path (sinks._frames; before anything is written, or after writes that path repeats as no-ops)."""
+    :func:`on_driver` does for a partition sink; see :func:`folded_written`."""
+    back = folded_written(sink, folds, records, settings, batch, history=sink.history)
+    return _finished(sink, raw, settings, back)
+
+
+def folded_written(
+    sink: WritesFolded,
+    folds: Sequence[TopicFold],
+    records: list[dict[str, Any]],
+    settings: SinkSettings,
+    batch: tuple[int, int],
+    *,
+    history: bool,
+) -> list[dict[str, Any]]:
+    """``records`` written whole by ``sink.write_folded``: each topic folded by the Python fold, its truncate
+    apart (the newest; rows at or before it are not written, as sinks._frames leaves them out), and, when
+    ``history``, its decoded events after the truncate in offset order: a batch's path and the bridge's (which
+    leaves the history to the batches: their Delta transaction ids keep each batch's events there once). What
+    came back, as :data:`RETURNED`'s rows (see :func:`tally`). Raises what ``sink.write_folded`` raises when the
+    batch must go Spark's path (sinks._frames; before anything is written, or after writes that path repeats as
+    no-ops)."""
     infos = infos_of(folds, settings, batch)
     by_topic: dict[str, list[dict[str, Any]]] = {}
     for r in records:
@@ -328,14 +345,14 @@ def folded_on_driver(
         truncate = max(truncates) if truncates else None
         rows = [r for r in folded.rows if r["op"] in APPLY_OPS and _after(r, truncate)]
         events = None
-        if sink.history:
+        if history:
             decoded = (fold.decode(r) for r in rs)
             events = [e for e in decoded if e["error"] is None and not e["tombstone"] and e["op"] in APPLY_OPS]
             events = [e for e in events if _after(e, truncate)]
         writes.append(TableWrite(info, rows, truncate, events))
     sink.write_folded(writes)
     names = [name for name, _ in _RETURNED_ARROW]
-    return _finished(sink, raw, settings, [dict(zip(names, r, strict=True)) for r in back])
+    return [dict(zip(names, r, strict=True)) for r in back]
 
 
 def _after(row: Mapping[str, Any], truncate: tuple[int, int] | None) -> bool:
