@@ -176,8 +176,8 @@ path = "{workdir / "warehouse"}"
 
 
 def _store_counts(sinks: DemoSinks, workdir: Path, run_id: str) -> dict[str, tuple[int, str]]:
-    """How much each store holds now, as (rows or events, what to show): documents per index, cache entries,
-    warehouse batches applied."""
+    """How much each store holds now, per table, as (rows, what to show): documents per index, cache entries,
+    rows of the warehouse's Delta tables."""
     import redis  # noqa: PLC0415 - the sinks' client, only for the whole-pipeline demo
 
     out: dict[str, tuple[int, str]] = {}
@@ -197,50 +197,46 @@ def _store_counts(sinks: DemoSinks, workdir: Path, run_id: str) -> dict[str, tup
             out[f"cache {table}"] = (n, f"{n} entries")
     except redis.RedisError:
         out["cache"] = (0, "-")
-    data = _warehouse_status(workdir)
-    events = int(data.get("records", 0))
-    out["warehouse"] = (events, f"{data.get('batches', 0)} batches, {events} events merged into Delta")
+    for table in TABLES:
+        rows = _delta_rows(workdir / "warehouse" / "current" / table)
+        out[f"warehouse {table}"] = (rows or 0, "-" if rows is None else f"{rows} rows")
     return out
 
 
-def _warehouse_status(workdir: Path) -> dict[str, Any]:
-    """The warehouse sink's status file (batches, records, the newest change's commit time), {} before any."""
-    status = workdir / "sinks-state" / "warehouse" / "status.json"
+def _delta_rows(path: Path) -> int | None:
+    """The rows of the served copy of a warehouse table (read as a reader would, with delta-rs); None before
+    its first commit."""
+    from deltalake import DeltaTable  # noqa: PLC0415 - the sinks' dependency, only for the whole-pipeline demo
+    from deltalake.exceptions import DeltaError  # noqa: PLC0415
+
     try:
-        data = json.loads(status.read_text())
-    except (OSError, ValueError):  # not written yet, or caught between its write and rename
-        return {}
-    return data if isinstance(data, dict) else {}
+        return int(DeltaTable(str(path)).to_pyarrow_table(columns=["id"]).num_rows)
+    except (DeltaError, OSError):  # not there yet, or its first commit not written yet
+        return None
 
 
 class _FirstRows:
     """When each store first showed a change of the live workload, in seconds from its first committed change:
-    for search and cache, the first row of ``public.orders`` in them (the table is empty until the live part
-    begins, so every row of it is a live change: the snapshot's customers, still arriving, cannot be taken for
-    one); for the warehouse, its status naming a change committed after the live part began (its counts include
-    the snapshot's batch, which may land during the live part)."""
+    the first row of ``public.orders`` in it (the table is empty until the live part begins, so every row of it
+    is a live change: the snapshot's customers, maybe still arriving, cannot be taken for one)."""
 
     def __init__(self) -> None:
         self.first_change: float | None = None
-        self.began_ms = 0  # wall clock before the first change's commit, as PostgreSQL's commit times count
         self.after: dict[str, float] = {}
 
-    def changed(self, began: float) -> None:
-        """A change of the workload committed, its transaction begun at ``began`` (epoch s)."""
+    def changed(self) -> None:
+        """A change of the workload committed."""
         if self.first_change is None:
             self.first_change = time.monotonic()
-            self.began_ms = int(began * 1000)
 
-    def look(self, stores: dict[str, tuple[int, str]], warehouse_source_ms: int | None = None) -> None:
-        """The stores' counts now, and the commit time of the newest change the warehouse applied."""
+    def look(self, stores: dict[str, tuple[int, str]]) -> None:
+        """The stores' counts now."""
         if self.first_change is None:
             return
         for line, (n, _) in stores.items():
             store, _, table = line.partition(" ")
             if table == _LIVE_TABLE and n > 0 and store not in self.after:
                 self.after[store] = time.monotonic() - self.first_change
-        if warehouse_source_ms is not None and warehouse_source_ms >= self.began_ms and "warehouse" not in self.after:
-            self.after["warehouse"] = time.monotonic() - self.first_change
 
     def note(self, line: str) -> str:
         seconds = self.after.get(line.split(maxsplit=1)[0])
@@ -256,9 +252,6 @@ class _FirstRows:
 
 _STORES = ("search", "cache", "warehouse")
 _LIVE_TABLE = "public.orders"  # empty until the live part: the workload inserts its rows
-# Filled before Spark is up (sinks._bridge): the live part starts once they hold the snapshot; the warehouse,
-# written by Spark, joins during it.
-_WITHOUT_SPARK = ("search", "cache")
 _DEMO_METRICS_PORT = 9464  # the documented default, so the README's address is right
 
 
@@ -350,16 +343,15 @@ port = {_DEMO_METRICS_PORT}
     def wait_for_sinks(
         self, proc: subprocess.Popen[bytes], sinks_proc: subprocess.Popen[bytes], timeout_s: float = 300
     ) -> None:
-        """Until search and cache hold the snapshot's rows (applied before Spark is up), shown as it goes with
-        the warehouse's; the live part then shows the workload's changes arriving, the warehouse's once Spark
-        writes it."""
+        """Until each store holds the snapshot's rows (applied before Spark is up: sinks._bridge), shown as it
+        goes; the live part then shows the workload's changes arriving."""
         assert self.sinks is not None
         started = time.monotonic()
         ready: dict[str, float] = {}
         with Live(console=self.console, refresh_per_second=4, transient=True) as live:
-            while any(s not in ready for s in _WITHOUT_SPARK) and time.monotonic() - started < timeout_s:
+            while any(s not in ready for s in _STORES) and time.monotonic() - started < timeout_s:
                 if proc.poll() is not None or sinks_proc.poll() is not None:
-                    break  # said by the caller (the capture) or by verify (the sinks)
+                    break  # said by the caller (the capture) or by wait_caught_up (the sinks)
                 self.stores = _store_counts(self.sinks, self.workdir, self.run_id)
                 for line, (n, _) in self.stores.items():
                     store = line.split(maxsplit=1)[0]
@@ -371,8 +363,6 @@ port = {_DEMO_METRICS_PORT}
                 time.sleep(0.5)
         told = ", ".join(f"{s} {ready[s]:.1f}s" if s in ready else f"{s} not yet" for s in _STORES)
         self.console.print(f"the sinks' first start: the snapshot's rows in the stores after {told}")
-        if "warehouse" not in ready:
-            self.console.print("the warehouse is written by Spark: its rows follow once Spark is up")
 
     def wait_streaming(self, proc: subprocess.Popen[bytes], log: Path, timeout_s: float = 300) -> bool:
         """Until the capture has taken its snapshot and streams from its slot, so the live part's seconds are all
@@ -405,13 +395,12 @@ port = {_DEMO_METRICS_PORT}
                 while time.monotonic() < deadline:
                     if proc.poll() is not None:
                         return False
-                    began = time.time()
                     _workload_step(conn, rnd)
-                    self.first_rows.changed(began)
+                    self.first_rows.changed()
                     reader.poll()
                     if self.sinks and time.monotonic() - last_counted > 1:
                         stores, last_counted = _store_counts(self.sinks, self.workdir, self.run_id), time.monotonic()
-                        self.first_rows.look(stores, _warehouse_status(self.workdir).get("last_source_ts_ms"))
+                        self.first_rows.look(stores)
                     shown = {line: text + self.first_rows.note(line) for line, (_, text) in stores.items()}
                     live.update(_table(reader.counts, reader.last, deadline, shown))
         finally:
