@@ -65,7 +65,8 @@ import redis
 from confluent_kafka import Consumer, TopicPartition
 from opensearchpy import OpenSearch
 from pgcdc_dev import discovery
-from pgcdc_dev.bench.cpu import own_cpu, stat, tree_cpu
+from pgcdc_dev.bench.cpu import box, own_cpu, stat, tree_cpu
+from pgcdc_dev.bench.cpu import tree as _tree
 from pgcdc_dev.bench.report import Measure, Result, percentile, write_result
 from pgcdc_dev.bench.warm_broker import delete_topics
 from pgcdc_dev.cluster import (  # spark-submit as the cluster tests run it
@@ -106,6 +107,7 @@ SUSTAINED_RATE = 5000  # changes/s: the lag must stay bounded, not within a boun
 GROWTH_LIMIT = 1.5  # the last third's mean lag against the middle third's: linear growth from zero gives 1.67
 GROWTH_FLOOR_S = 0.5  # added to both means: a lag moving within half a second is no trend
 HEAVY_TXN_ROWS = 20
+HEADROOM_CORES = 0.3  # the sinks' processes together at light load: room left for a slower day
 _METRICS_LINE = re.compile(r"sinks metrics on (http://\S+/metrics)")
 # Changes applied while Spark starts (sinks._bridge); the groups line up with _BATCH_LINE's.
 _BRIDGE_LINE = re.compile(r"sink (\w+): ()applied (\d+) record\(s\) before its query started, the first")
@@ -380,6 +382,44 @@ class _SparkCpu(threading.Thread):
                 role = "runtime"
             out[role] += spent
         return out
+
+
+class _TreeCpu(threading.Thread):
+    """CPU of a process and its descendants while it runs, by kind: the process itself, its JVM(s), and the
+    other processes (Spark's Python workers). Each process is sampled every 0.5 s from /proc, so one that ends
+    keeps what it was last seen with (a parent's cutime would lose a child reaped elsewhere)."""
+
+    def __init__(self, pid: int) -> None:
+        super().__init__(name="tree-cpu", daemon=True)
+        self.pid = pid
+        self.halt = threading.Event()
+        self.first: dict[int, float] = {}
+        self.last: dict[int, tuple[str, float]] = {}
+        self.started, self.box = time.monotonic(), box()[0]
+        self._sample(initial=True)
+
+    def _sample(self, *, initial: bool = False) -> None:
+        for pid in _tree(self.pid):
+            found = stat(Path(f"/proc/{pid}/stat"))
+            if found is not None:
+                cpu = own_cpu(found[1])
+                self.first.setdefault(pid, cpu if initial else 0.0)  # born since: from 0
+                self.last[pid] = (found[0], cpu)
+
+    def run(self) -> None:
+        while not self.halt.wait(0.5):
+            self._sample()
+
+    def stop(self) -> tuple[float, dict[str, float], float]:
+        """Seconds sampled, CPU seconds by kind, and the whole machine's busy CPU seconds meanwhile."""
+        self.halt.set()
+        self.join(5)
+        self._sample()
+        out = {"driver": 0.0, "jvm": 0.0, "python workers": 0.0}
+        for pid, (comm, cpu) in self.last.items():
+            kind = "driver" if pid == self.pid else "jvm" if comm == "java" else "python workers"
+            out[kind] += cpu - self.first[pid]
+        return time.monotonic() - self.started, out, box()[0] - self.box
 
 
 def _jvm_pid() -> int | None:
@@ -780,7 +820,9 @@ def _note_phases(means: dict[str, dict[str, float]], result: Result) -> None:
         result.notes.append(f"light load, {sink}, mean seconds per batch: {listed}")
 
 
-def _light(env: Env, sampler: _LagSampler, rows: int, args: argparse.Namespace, result: Result) -> None:
+def _light(
+    env: Env, sampler: _LagSampler, rows: int, args: argparse.Namespace, result: Result, *, sinks_pid: int
+) -> None:
     """Single-row transactions at ``--rate``: each row's commit time is recorded as its insert returns, and
     freshness is measured twice: by the stores' plain clients polling for the rows (bench._outside) and by each
     row's ``applied_ms`` (when the sink's writer applied it)."""
@@ -797,12 +839,14 @@ def _light(env: Env, sampler: _LagSampler, rows: int, args: argparse.Namespace, 
     )
     count = int(args.rate * args.freshness_seconds)
     with psycopg.connect(env.dsn, autocommit=True) as conn:
-        t0 = time.monotonic()
+        t0, cpu = time.monotonic(), _TreeCpu(sinks_pid)
+        cpu.start()
         for i in range(count):
             conn.execute(insert, (first + i,))
             watch.commit([first + i])
             time.sleep(max(0.0, t0 + (i + 1) / args.rate - time.monotonic()))
         achieved = count / (time.monotonic() - t0)
+        elapsed, spent, busy = cpu.stop()
     watch.wait(120)
     outside, missing = watch.stop(), watch.missing()
     applied = {k: sorted(v / 1000 for v in values) for k, values in _applied(env, range(first, first + count)).items()}
@@ -810,6 +854,20 @@ def _light(env: Env, sampler: _LagSampler, rows: int, args: argparse.Namespace, 
         kind: {name: _percentiles(values) for name, values in figures.items()}
         for kind, figures in (("outside", outside), ("applied", applied))
     }
+    result.measures.append(
+        Measure(
+            "sinks' CPU, light load",
+            "cores",
+            round(sum(spent.values()) / elapsed, 2),
+            higher_is_better=False,
+            limit=HEADROOM_CORES,
+            note="`cdc sinks run` with search, cache and warehouse, CPU seconds over the "
+            f"{elapsed:.0f} s of light load (/proc): "
+            + ", ".join(f"{kind} {v / elapsed:.2f}" for kind, v in spent.items())
+            + f" cores; the whole machine (capture, stores, Kafka) was busy {busy / elapsed:.2f} of its "
+            f"{os.cpu_count()} cores",
+        )
+    )
     for name in SINKS:
         seen = outside.get(name, [])
         own = applied.get(name)
@@ -962,7 +1020,8 @@ def _live(env: Env, rows: int, args: argparse.Namespace, result: Result) -> None
             _wait(lambda: all(_batches_done(env, n) > 0 for n in SINKS), sinks, "the sinks' first batch")
             time.sleep(10)
             phases = _phase_sums(sinks_log)
-            _light(env, sampler, rows, args, result)
+            with _profiled(sinks.pid, args.profile_light, args.freshness_seconds):
+                _light(env, sampler, rows, args, result, sinks_pid=sinks.pid)
             _note_phases(_phase_means(phases, _phase_sums(sinks_log)), result)
             with _profiled(sinks.pid, args.profile_heavy, args.heavy_seconds):
                 _heavy(env, sampler, rows, args, result)
@@ -1133,6 +1192,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="instead of steps 3-5: rebuild each sink locally and on the standalone cluster with S3 (sinks-cluster)",
     )
     parser.add_argument("--keep", action="store_true", help="keep the scratch database, stores, topics and logs")
+    parser.add_argument(
+        "--profile-light",
+        type=Path,
+        metavar="FILE",
+        help="sample the sinks app's Python (py-spy, collapsed stacks) through the light load into FILE",
+    )
     parser.add_argument(
         "--profile-heavy",
         type=Path,

@@ -120,6 +120,13 @@ class SinksConfig(_Section):
         description="search and cache apply changes as they arrive, ahead of Spark's micro-batches, which then "
         "apply only what the lane has not (docs/sinks.md, Freshness); false: the micro-batches apply everything",
     )
+    shared_decode_records: int = Field(
+        default=50_000,
+        ge=0,
+        description="decoded change records `cdc sinks run` keeps for its sinks' other readers on the driver (the "
+        "lanes, the bridges, the driver's batches): each record is decoded once, not once per sink (0: each "
+        "decodes its own)",
+    )
     dead_letter_topic: str | None = Field(default=None, description="default: <topic_prefix>.dead-letter")
     spark_master: str | None = Field(default="local[2]", description="null: leave it to spark-submit")
     spark_jars: Annotated[tuple[str, ...], NoDecode] = Field(

@@ -39,6 +39,7 @@ import io
 import json
 import math
 import threading
+from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -205,6 +206,62 @@ def _position(e: Mapping[str, Any]) -> tuple[Any, ...]:
     return (c is not None, c or 0, lsn is not None, lsn or 0, e["offset"], e["partition"])
 
 
+class SharedDecoding:
+    """The latest decoded records of one process, for its other readers of the same records.
+
+    On the driver of `cdc sinks run` every sink reads the same change records: search's and cache's lanes as
+    they arrive, the warehouse's batches a few seconds later, the bridges of all three at a start. Decoding
+    (fastavro, per record) was the largest part of the driver's work, paid once per sink; with this, the first
+    reader of a record decodes it and the others take its event. An entry is only taken for the same record
+    read with the same schemas: its (topic, partition, offset), its key and value bytes, and the readers it was
+    resolved to, all equal. Events are shared, never changed: the fold and the writers build new rows from
+    them. The oldest entries go first past ``most``; only decodes without an error are kept (an error can
+    depend on the writers the registry held then).
+    """
+
+    def __init__(self, most: int) -> None:
+        self.most = most
+        self._events: OrderedDict[tuple[str, int, int], tuple[Any, ...]] = OrderedDict()
+
+    def clear(self) -> None:
+        self._events.clear()
+
+    def get(self, schemas: TopicSchemas, r: Mapping[str, Any]) -> dict[str, Any] | None:
+        found = self._events.get((schemas.topic, r["partition"], r["offset"]))
+        if found is None:
+            return None
+        key, value, key_reader, value_reader, event = found
+        if key != r["key"] or value != r["value"]:
+            return None
+        if key_reader != schemas.key_reader or value_reader != schemas.value_reader:
+            return None
+        return event  # type: ignore[no-any-return]
+
+    def put(self, schemas: TopicSchemas, r: Mapping[str, Any], event: dict[str, Any]) -> None:
+        events = self._events
+        events[(schemas.topic, r["partition"], r["offset"])] = (
+            r["key"],
+            r["value"],
+            schemas.key_reader,
+            schemas.value_reader,
+            event,
+        )
+        while len(events) > self.most:
+            try:  # OrderedDict's own operations are atomic: the readers' threads share it without a lock
+                events.popitem(last=False)
+            except KeyError:
+                break
+
+
+_SHARED = SharedDecoding(0)  # kept only on the driver of `cdc sinks run` (share_decoding); tasks decode their own
+
+
+def share_decoding(most: int) -> None:
+    """Decoded records are kept for this process's other readers, ``most`` at a time (0: none)."""
+    _SHARED.most = most
+    _SHARED.clear()
+
+
 @dataclass
 class TopicFold:
     """One topic's decode and fold, pickled to the task with the schemas the driver read from the registry."""
@@ -220,7 +277,19 @@ class TopicFold:
         return schemaless_reader(body, _parsed(writer), None if writer == reader else _parsed(reader))
 
     def decode(self, r: Mapping[str, Any]) -> dict[str, Any]:
-        """One raw record (topic, partition, offset, key, value) decoded: its event, or its ``error``."""
+        """One raw record (topic, partition, offset, key, value) decoded: its event, or its ``error``; taken
+        from another reader's decode of it when this process shares them (:func:`share_decoding`)."""
+        shared = _SHARED
+        if not shared.most:
+            return self._decoded(r)
+        event = shared.get(self.schemas, r)
+        if event is None:
+            event = self._decoded(r)
+            if event["error"] is None:
+                shared.put(self.schemas, r, event)
+        return event
+
+    def _decoded(self, r: Mapping[str, Any]) -> dict[str, Any]:
         s, topic = self.schemas, self.schemas.topic
         out: dict[str, Any] = {"partition": r["partition"], "offset": r["offset"], "tombstone": r["value"] is None}
         if s.key_reader is None or s.value_reader is None:

@@ -29,7 +29,7 @@ import pyspark
 from common.errors import CDCError
 from sinks._api import DropsGeneration, PartitionSink, Rebuildable, SinkContext, WritesFolded
 from sinks._bridge import Bridge, served_generation
-from sinks._fold import ONE_TASK_RECORDS, TopicFold, TopicSchemas, framed_ids, knows
+from sinks._fold import ONE_TASK_RECORDS, TopicFold, TopicSchemas, framed_ids, knows, share_decoding
 from sinks._frames import in_frames
 from sinks._frames import rehearse as rehearse_frames
 from sinks._lane import Lane
@@ -571,6 +571,7 @@ def run(settings: SinkSettings, names: Sequence[str], stop: threading.Event) -> 
     check_writable(settings.state(), "sinks.state_dir")
     ensure_dead_letter_topic(settings)
     cfg = settings.sinks
+    share_decoding(cfg.shared_decode_records)  # the sinks read the same records: each is decoded once
     metrics = SinkMetrics()
     server = metrics.serve(cfg.metrics_host, cfg.metrics_port) if cfg.metrics_enabled else None
     # The built-ins open without Spark: what their topics hold past their checkpoints is applied while it starts.
