@@ -238,12 +238,13 @@ class PartitionWriter(Protocol):
     """Writes one partition of a table's changes, **inside a Spark executor task** (one call per task).
 
     It is pickled to the executors with its attributes: hold settings, not clients; open clients in
-    :meth:`write` and close them before it returns. ``changes`` holds the latest change per key (each key
-    in one partition only). A table's truncate comes in a call of its own, after every task of the batch has
-    written: one :class:`Change` with ``op == "t"`` and no key or row, meaning "remove every stored row whose
-    position is lower than this one's" (so the batch's changes older than the truncate go too). Writes must
-    be idempotent and never go backwards (a task can be retried or run twice). Changes the store refuses are
-    returned; they go to the dead-letter topic.
+    :meth:`write` and close them before it returns, or keep one per process for the settings (search and
+    cache take theirs from sinks._clients: small batches call :meth:`write` often). ``changes`` holds the
+    latest change per key (each key in one partition only). A table's truncate comes in a call of its own,
+    after every task of the batch has written: one :class:`Change` with ``op == "t"`` and no key or row,
+    meaning "remove every stored row whose position is lower than this one's" (so the batch's changes older
+    than the truncate go too). Writes must be idempotent and never go backwards (a task can be retried or run
+    twice). Changes the store refuses are returned; they go to the dead-letter topic.
     """
 
     def write(self, table: TableInfo, changes: Iterator[Change]) -> Iterable[Rejected]: ...

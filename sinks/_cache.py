@@ -24,6 +24,7 @@ import redis
 from pydantic import SecretStr
 
 from sinks._api import BaseSink, Change, Rejected, SinkContext, TableInfo, TableRef
+from sinks._clients import shared
 from sinks.errors import SinkTransientError
 
 # Many entries per call (a round trip and a command per row would cost more than the work itself).
@@ -169,31 +170,30 @@ def entry_prefix(namespace: str, table: str, generation: int) -> str:
 
 @dataclass(frozen=True)
 class CacheWriter:
-    """Writes one partition of a table's changes from an executor task: Lua-guarded pipelines, own client."""
+    """Writes one partition of a table's changes (in an executor task, or on the driver): Lua-guarded
+    pipelines, with the process's client for the URL."""
 
     url: SecretStr
     namespace: str
     ttl: int
 
     def write(self, table: TableInfo, changes: Iterator[Change]) -> Iterable[Rejected]:
-        client = redis.Redis.from_url(self.url.get_secret_value(), socket_timeout=30)
-        try:
-            script = client.register_script(_APPLY)
-            prefix = entry_prefix(self.namespace, table.name, table.generation)
-            pending: list[Change] = []
-            for change in changes:
-                if change.op == "t":
-                    assert change.position is not None  # a truncate always has its position
-                    self._truncate(client, script, prefix, change.position)
-                    continue
-                pending.append(change)
-                if len(pending) >= _PIPELINE:
-                    self._apply(client, script, prefix, pending)
-                    pending = []
-            if pending:
+        url = self.url.get_secret_value()
+        client = shared(("redis", url), lambda: redis.Redis.from_url(url, socket_timeout=30))  # sinks._clients
+        script = client.register_script(_APPLY)
+        prefix = entry_prefix(self.namespace, table.name, table.generation)
+        pending: list[Change] = []
+        for change in changes:
+            if change.op == "t":
+                assert change.position is not None  # a truncate always has its position
+                self._truncate(client, script, prefix, change.position)
+                continue
+            pending.append(change)
+            if len(pending) >= _PIPELINE:
                 self._apply(client, script, prefix, pending)
-        finally:
-            client.close()
+                pending = []
+        if pending:
+            self._apply(client, script, prefix, pending)
         return ()
 
     def _apply(self, client: redis.Redis, script: Any, prefix: str, changes: list[Change]) -> None:

@@ -120,6 +120,13 @@ class SinksConfig(_Section):
         description="search and cache apply changes as they arrive, ahead of Spark's micro-batches, which then "
         "apply only what the lane has not (docs/sinks.md, Freshness); false: the micro-batches apply everything",
     )
+    lane_trigger_interval_s: float = Field(
+        default=2.0,
+        ge=0,
+        description="with the lane on, seconds between the starts of search's and cache's micro-batches at least: "
+        "the lane applies changes as they arrive, the batches confirm it in the checkpoint, and each costs Spark "
+        "~0.2-0.4 s of CPU however little it holds (0: as trigger_interval_s says)",
+    )
     shared_decode_records: int = Field(
         default=50_000,
         ge=0,

@@ -159,6 +159,11 @@ class Lane:
                 out[tp] = (begin, end)
         return out
 
+    def applied(self) -> dict[tuple[str, int], int]:
+        """Per partition, the offset before which everything is in the store, as far as the lane knows."""
+        with self._lock:
+            return dict(self._applied)
+
     @property
     def newest_ts_ms(self) -> int | None:
         return self._newest_ts_ms

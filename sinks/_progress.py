@@ -70,7 +70,7 @@ class PartitionLag:
     topic: str
     partition: int
     end: int
-    committed: int
+    committed: int  # what the sink has applied: its checkpoint's offset, or its lane's when further
     lag: int
 
 
@@ -110,8 +110,12 @@ def _parse_json(text: str) -> dict[str, Any]:
 
 
 def _lag(
-    checkpoint: Location | None, ends: Mapping[tuple[str, int], tuple[int, int]]
+    checkpoint: Location | None,
+    ends: Mapping[tuple[str, int], tuple[int, int]],
+    lane: Mapping[tuple[str, int], int] | None = None,
 ) -> tuple[int, list[PartitionLag]]:
+    """The sink's lag per partition: from its checkpoint, or from where its lane has applied to when that is
+    further (``lane``: the status file's ``lane_applied`` of the same generation)."""
     # A sink that has not completed a batch yet (or never started a query) has applied nothing: it is behind
     # by everything, so the lag alerts can fire for a sink that fails on its first batch.
     committed = (checkpoint_offsets(checkpoint) if checkpoint is not None else None) or {}
@@ -119,8 +123,24 @@ def _lag(
     for (topic, partition), (low, high) in sorted(ends.items()):
         # A topic the query has not reached yet starts at the earliest offset (startingOffsets=earliest).
         done = committed.get((topic, partition), low)
+        done = max(done, (lane or {}).get((topic, partition), done))
         parts.append(PartitionLag(topic, partition, high, done, max(0, high - done)))
     return sum(p.lag for p in parts), parts
+
+
+def lane_offsets(status: Mapping[str, Any], generation: Any) -> dict[tuple[str, int], int]:
+    """Where a sink's lane has applied to (sinks._lane), from its status file: per partition, the offset before
+    which everything is in the store. Empty when the lane wrote another generation (a swap since) or none."""
+    applied = status.get("lane_applied")
+    if status.get("lane_generation") != generation or not isinstance(applied, list):
+        return {}
+    out = {}
+    for item in applied:
+        if isinstance(item, list) and len(item) == 3:
+            topic, partition, offset = item
+            if isinstance(topic, str) and isinstance(partition, int) and isinstance(offset, int):
+                out[(topic, partition)] = offset
+    return out
 
 
 def sinks_present(settings: SinkSettings) -> bool:
@@ -154,7 +174,7 @@ def sink_progress(
         status = _parse_json(text)
         generation = status.get("generation")
         checkpoint = checkpoint_location(base, name, generation) if isinstance(generation, int) else None
-        lag, parts = _lag(checkpoint, ends)
+        lag, parts = _lag(checkpoint, ends, lane_offsets(status, generation))
         last_ts = status.get("last_source_ts_ms")
         out.append(
             SinkProgress(

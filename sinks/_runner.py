@@ -268,6 +268,8 @@ class SinkQuery:
         self.metrics = metrics
         # A rebuild's batches follow one another at once: nobody reads its generation until the swap.
         interval = 0.0 if self.rebuild else self.settings.sinks.trigger_for(self.name)
+        if self._lane_on():  # the lane applies changes as they arrive; a batch only confirms them (sinks._lane)
+            interval = max(interval, self.settings.sinks.lane_trigger_interval_s)
         writer = (
             open_stream(self.spark, self.settings, rebuild=self.rebuild)
             .writeStream.queryName(query_name(self.name, self.generation))
@@ -379,7 +381,7 @@ class SinkQuery:
         """After a committed batch of a served search or cache: its lane goes on from the batch's end (started
         at the first; see sinks._lane)."""
         ends = self._ends.get(batch_id)
-        if ends is None or self.rebuild or not self.settings.sinks.lane or self.name not in _LANE_SINKS:
+        if ends is None or not self._lane_on():
             return
         if self._lane is None:
             lane = Lane(self.settings, self.name, self.generation, opened=self._lane_sink, folds=self._folds)
@@ -387,10 +389,20 @@ class SinkQuery:
             self._lane = lane
         self._lane.follow(ends)
 
+    def _lane_on(self) -> bool:
+        return not self.rebuild and self.settings.sinks.lane and self.name in _LANE_SINKS
+
     def _lane_applied(self, records: int) -> None:
-        """On the lane's thread: its records count in the next batch's figures (status, metrics) as well."""
+        """On the lane's thread: its records count in the next batch's figures (status, metrics) as well, and
+        where it has applied to is in the status file at once (within the flusher's half second), which
+        `cdc status` and the lag metrics read beside the checkpoint (sinks._progress.lane_offsets)."""
         with self._lane_lock:
             self._lane_records += records
+        if self._lane is not None:
+            applied = sorted(self._lane.applied().items())
+            self.status.stage(
+                lane_generation=self.generation, lane_applied=[[t, p, offset] for (t, p), offset in applied]
+            )
         if self.metrics is not None:
             self.metrics.lane_records.labels(self.name).inc(records)
 

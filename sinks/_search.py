@@ -25,6 +25,7 @@ from opensearchpy.exceptions import ConnectionError as OSConnectionError
 from opensearchpy.exceptions import ConnectionTimeout, NotFoundError, RequestError, TransportError
 
 from sinks._api import BaseSink, Change, Rejected, SinkContext, TableInfo, TableRef
+from sinks._clients import shared
 from sinks._config import SearchConfig
 from sinks._values import Names, column_name, search_mapping
 from sinks.errors import SinkTransientError
@@ -80,6 +81,12 @@ def _client(cfg: SearchConfig) -> OpenSearch:
     return OpenSearch(
         cfg.url, http_auth=auth, verify_certs=cfg.verify_certs, timeout=60, max_retries=3, retry_on_timeout=True
     )
+
+
+def _client_key(cfg: SearchConfig) -> tuple[Any, ...]:
+    """What a client is made from: two writers with these equal share one (sinks._clients)."""
+    password = cfg.password.get_secret_value() if cfg.password else None
+    return ("opensearch", cfg.url, cfg.username, password, cfg.verify_certs)
 
 
 class SearchSink(BaseSink):
@@ -252,30 +259,28 @@ class SearchPart:
 
 @dataclass(frozen=True)
 class SearchWriter:
-    """Writes one partition of a table's changes from an executor task: bulk requests, own client."""
+    """Writes one partition of a table's changes (in an executor task, or on the driver): bulk requests, with
+    the process's client for the settings."""
 
     cfg: SearchConfig
     prefix: str
 
     def write(self, table: TableInfo, changes: Iterator[Change]) -> Iterable[Rejected]:
         index = f"{index_alias(self.prefix, table.name)}-g{table.generation}"
-        client = _client(self.cfg)
+        client = shared(_client_key(self.cfg), lambda: _client(self.cfg))  # sinks._clients
         rejected: list[Rejected] = []
-        try:
-            pending: list[Change] = []
-            for change in changes:
-                if change.op == "t":
-                    assert change.position is not None  # a truncate always has its position
-                    self._truncate(client, index, change.position)
-                    continue
-                pending.append(change)
-                if len(pending) >= _BULK:
-                    rejected += self._apply(client, index, table.topic, pending)
-                    pending = []
-            if pending:
+        pending: list[Change] = []
+        for change in changes:
+            if change.op == "t":
+                assert change.position is not None  # a truncate always has its position
+                self._truncate(client, index, change.position)
+                continue
+            pending.append(change)
+            if len(pending) >= _BULK:
                 rejected += self._apply(client, index, table.topic, pending)
-        finally:
-            client.close()
+                pending = []
+        if pending:
+            rejected += self._apply(client, index, table.topic, pending)
         return rejected
 
     def _apply(self, client: OpenSearch, index: str, topic: str, changes: list[Change]) -> list[Rejected]:

@@ -48,6 +48,20 @@ def _status(base: Path, name: str, **values: object) -> None:
     (base / name / "status.json").write_text(json.dumps(values))
 
 
+def test_what_the_lane_applied_beyond_the_checkpoint_is_not_lag(tmp_path: Path) -> None:
+    """Search's and cache's lanes apply changes ahead of the batches; the status file says how far, for the
+    generation they wrote. Another generation's figures (a swap since) are not this one's."""
+    _batch(tmp_path / "cache" / "g2" / "checkpoint", 0, {"pgcdc.public.a": {"0": 50, "1": 70}}, committed=True)
+    ends = {("pgcdc.public.a", 0): (0, 100), ("pgcdc.public.a", 1): (0, 80)}
+    lane = [["pgcdc.public.a", 0, 95], ["pgcdc.public.a", 1, 60]]  # partition 1: the checkpoint is further
+    _status(tmp_path, "cache", generation=2, lane_generation=2, lane_applied=lane)
+    (cache,) = sink_progress(_settings(tmp_path), ends)
+    assert [(p.committed, p.lag) for p in cache.partitions] == [(95, 5), (70, 10)]
+    _status(tmp_path, "cache", generation=2, lane_generation=1, lane_applied=lane)
+    (cache,) = sink_progress(_settings(tmp_path), ends)
+    assert [(p.committed, p.lag) for p in cache.partitions] == [(50, 50), (70, 10)]
+
+
 def test_lag_per_partition_freshness_and_heartbeat(tmp_path: Path) -> None:
     now = time.time()
     _status(tmp_path, "cache", generation=1, state="running", heartbeat_at=now - 1, last_source_ts_ms=1000)
