@@ -945,11 +945,19 @@ def _served(env: Env, name: str) -> int:
     return 1
 
 
-def _heavy(env: Env, sampler: _LagSampler, rows: int, args: argparse.Namespace, result: Result) -> None:
+def _heavy(
+    env: Env, sampler: _LagSampler, rows: int, args: argparse.Namespace, result: Result, *, sinks_pid: int
+) -> None:
     load = _Load(env.dsn, rows * 20 + 1, HEAVY_RATE, HEAVY_TXN_ROWS, args.heavy_seconds)
-    start = sampler.now()
+    start, cpu = sampler.now(), _MachineCpu(sinks_pid)
+    cpu.start()
     load.run()
     end = sampler.now()
+    elapsed, spent, busy = cpu.stop()
+    result.notes.append(
+        f"{HEAVY_RATE:,} changes/s, the machine's CPU by process (cores): busy {busy / elapsed:.2f} of "
+        f"{os.cpu_count()}: " + ", ".join(f"{kind} {v / elapsed:.2f}" for kind, v in spent.items() if v > 0)
+    )
     drained = _drain(sampler, 120)
     achieved = load.done / load.elapsed
     for name in SINKS:
@@ -1066,7 +1074,7 @@ def _live(env: Env, rows: int, args: argparse.Namespace, result: Result) -> None
                 _light(env, sampler, rows, args, result, sinks_pid=sinks.pid)
             _note_phases(_phase_means(phases, _phase_sums(sinks_log)), result)
             with _profiled(sinks.pid, args.profile_heavy, args.heavy_seconds):
-                _heavy(env, sampler, rows, args, result)
+                _heavy(env, sampler, rows, args, result, sinks_pid=sinks.pid)
             _sustained(env, sampler, rows, args, result)
             sinks = _restart(env, sinks, log=sinks_log, out=out, config=config, rows=rows, result=result)
         finally:
