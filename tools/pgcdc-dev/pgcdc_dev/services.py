@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import base64
 import contextlib
+import fcntl
 import hashlib
 import http.client
 import json
@@ -54,7 +55,7 @@ import urllib.error
 import urllib.request
 import uuid
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -472,17 +473,39 @@ def pid_file(name: str) -> Path:
 _CHILDREN: dict[str, subprocess.Popen[bytes]] = {}
 
 
+def _started_at(pid: int) -> str | None:
+    """The process's start time in clock ticks since boot (/proc/<pid>/stat, field 22), or None if it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[19]  # fields after the command's ")" start at field 3
+
+
+def write_pid(name: str, pid: int) -> None:
+    """Record a service's pid with its start time, atomically: a reader never sees a half-written file."""
+    tmp = pid_file(name).with_suffix(f".pid.{os.getpid()}")
+    tmp.write_text(f"{pid} {_started_at(pid) or ''}".strip())
+    tmp.replace(pid_file(name))
+
+
 def running_pid(name: str) -> int | None:
+    """The service's live pid, or None. A pid file outlives a machine's processes (they are gone when a session
+    ends, the files in /var/tmp are not) and pids wrap at pid_max, so the recorded start time must match too:
+    otherwise an unrelated process that got the same pid would pass for the service (and `down` signal it)."""
     child = _CHILDREN.get(name)
     if child is not None and child.poll() is not None:  # our own child: reap it, or it lingers as a zombie
         return None
     try:
-        pid = int(pid_file(name).read_text())
+        recorded = pid_file(name).read_text().split()
+        pid = int(recorded[0])
         os.kill(pid, 0)
-    except (FileNotFoundError, ValueError, ProcessLookupError):
+    except (FileNotFoundError, ValueError, IndexError, ProcessLookupError):
         return None
     except PermissionError:
         pass  # alive, owned by the service user
+    if len(recorded) > 1 and _started_at(pid) != recorded[1]:
+        return None  # the pid now belongs to another process
     return pid
 
 
@@ -544,7 +567,7 @@ def spawn(
             group=user if (user and IS_ROOT) else None,
             extra_groups=[] if (user and IS_ROOT) else None,
         )
-    pid_file(name).write_text(str(proc.pid))
+    write_pid(name, proc.pid)
     _CHILDREN[name] = proc
     return proc.pid
 
@@ -1704,7 +1727,23 @@ def select(names: list[str]) -> list[Service]:
     return [s for s in SERVICES.values() if s.name in chosen]
 
 
+@contextlib.contextmanager
+def _one_up_at_a_time() -> Iterator[None]:
+    """Hold the machine-wide lock for starting services. Test workers start on-demand services concurrently:
+    without it, two `up`s could both find a service stopped and start it twice, or one could rewrite a
+    configuration the other's process is reading."""
+    RUN.mkdir(parents=True, exist_ok=True)
+    with open(RUN / "up.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if this process dies
+        yield
+
+
 def cmd_up(names: list[str]) -> int:
+    with _one_up_at_a_time():
+        return _up(names)
+
+
+def _up(names: list[str]) -> int:
     services = select(names)
     for s in services:
         s.install()

@@ -117,3 +117,23 @@ def test_services_get_the_callers_java_options_not_the_test_runs(
     got = services.service_environ()
     assert got.get("JAVA_TOOL_OPTIONS") == expected
     assert "CDC_SERVICES_JAVA_TOOL_OPTIONS" not in got
+
+
+def test_a_pid_file_whose_pid_now_names_another_process_is_stale(
+    deploy: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Pid files outlive a machine's processes and pids wrap at pid_max: a recorded pid that now belongs to
+    another process must read as stopped (so `up` starts the service) and `down` must not signal it."""
+    monkeypatch.setattr(deploy, "RUN", tmp_path)
+    other = subprocess.Popen(["sleep", "120"])
+    try:
+        deploy.write_pid("svc", other.pid)
+        assert deploy.running_pid("svc") == other.pid
+        deploy.pid_file("svc").write_text(f"{other.pid} 1")  # the same pid, recorded for an earlier process
+        assert deploy.running_pid("svc") is None
+        deploy.stop_pid("svc")
+        assert other.poll() is None, "stop_pid signalled a process that is not the service"
+        assert not deploy.pid_file("svc").exists()
+    finally:
+        other.kill()
+        other.wait()
