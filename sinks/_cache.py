@@ -12,6 +12,7 @@ positions and writes atomically: a replayed or late event never overwrites a new
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import time
@@ -54,6 +55,7 @@ for i, key in ipairs(KEYS) do
 end
 return applied
 """
+_APPLY_SHA = hashlib.sha1(_APPLY.encode(), usedforsecurity=False).hexdigest()  # the name EVALSHA calls it by
 _PIPELINE = 1000
 _MAX_PARTS = 4  # verify's readers of one table
 _PER_CALL = 200  # entries per script call
@@ -180,23 +182,22 @@ class CacheWriter:
     def write(self, table: TableInfo, changes: Iterator[Change]) -> Iterable[Rejected]:
         url = self.url.get_secret_value()
         client = shared(("redis", url), lambda: redis.Redis.from_url(url, socket_timeout=30))  # sinks._clients
-        script = client.register_script(_APPLY)
         prefix = entry_prefix(self.namespace, table.name, table.generation)
         pending: list[Change] = []
         for change in changes:
             if change.op == "t":
                 assert change.position is not None  # a truncate always has its position
-                self._truncate(client, script, prefix, change.position)
+                self._truncate(client, prefix, change.position)
                 continue
             pending.append(change)
             if len(pending) >= _PIPELINE:
-                self._apply(client, script, prefix, pending)
+                self._apply(client, prefix, pending)
                 pending = []
         if pending:
-            self._apply(client, script, prefix, pending)
+            self._apply(client, prefix, pending)
         return ()
 
-    def _apply(self, client: redis.Redis, script: Any, prefix: str, changes: list[Change]) -> None:
+    def _apply(self, client: redis.Redis, prefix: str, changes: list[Change]) -> None:
         partial = [c for c in changes if c.unchanged and c.row is not None]
         stored: dict[str, dict[str, Any]] = {}
         if partial:  # unchanged TOAST values: keep what the cache holds (the script does not parse JSON)
@@ -208,7 +209,6 @@ class CacheWriter:
         now_ms = str(int(time.time() * 1000))
         keys: list[str] = []
         args: list[Any] = []
-        pipe = client.pipeline(transaction=False)
         for c in changes:
             doc_id = c.doc_id
             keys.append(prefix + doc_id)
@@ -223,23 +223,33 @@ class CacheWriter:
                     row = {**row, **{col: old.get(col) for col in c.unchanged}}
                 row_json = json.dumps(row, separators=(",", ":"), ensure_ascii=False)
                 args += ["u", commit, lsn, row_json, c.op, c.ts_ms or 0, now_ms]
-            if len(keys) >= _PER_CALL:
-                script(keys=keys, args=[self.ttl, *args], client=pipe)
-                keys, args = [], []
-        if keys:
-            script(keys=keys, args=[self.ttl, *args], client=pipe)
-        _call(pipe.execute)
+        self._run(client, keys, args)
 
-    def _truncate(self, client: redis.Redis, script: Any, prefix: str, before: tuple[int, int]) -> None:
+    def _truncate(self, client: redis.Redis, prefix: str, before: tuple[int, int]) -> None:
         keys = list(_call(lambda: list(client.scan_iter(match=_glob_escape(prefix) + "*", count=1000))))
-        pipe = client.pipeline(transaction=False)
-        for start in range(0, len(keys), _PER_CALL):
-            chunk = keys[start : start + _PER_CALL]
-            args: list[Any] = []
-            for _ in chunk:
-                args += ["d", _hex(before[0]), _hex(before[1]), "", "", "", ""]
-            script(keys=chunk, args=[self.ttl, *args], client=pipe)
-        _call(pipe.execute)
+        self._run(client, keys, ["d", _hex(before[0]), _hex(before[1]), "", "", "", ""] * len(keys))
+
+    def _run(self, client: redis.Redis, keys: list[str], args: list[Any]) -> None:
+        """The apply script over ``keys`` (7 ``args`` each), ``_PER_CALL`` entries per call, in one pipeline of
+        EVALSHA. redis-py's Script objects ask SCRIPT EXISTS before each pipeline: a round trip more per write,
+        which for the lane's small writes was most of their time. A server that lacks the script (new,
+        restarted, SCRIPT FLUSH) refuses every call with NOSCRIPT: it is loaded and the pipeline runs again,
+        which the script's position check makes harmless where a call was applied meanwhile."""
+
+        def execute() -> Any:
+            pipe = client.pipeline(transaction=False)
+            for start in range(0, len(keys), _PER_CALL):
+                part = keys[start : start + _PER_CALL]
+                pipe.evalsha(_APPLY_SHA, len(part), *part, self.ttl, *args[start * 7 : (start + len(part)) * 7])
+            return pipe.execute()
+
+        if not keys:
+            return
+        try:
+            _call(execute)
+        except redis.exceptions.NoScriptError:
+            _call(client.script_load, _APPLY)
+            _call(execute)
 
 
 def _call(fn: Any, *args: Any) -> Any:

@@ -127,6 +127,14 @@ class SinksConfig(_Section):
         "the lane applies changes as they arrive, the batches confirm it in the checkpoint, and each costs Spark "
         "~0.2-0.4 s of CPU however little it holds (0: as trigger_interval_s says)",
     )
+    lane_linger_ms: int = Field(
+        default=50,
+        ge=0,
+        le=1_000,
+        description="how long the broker may hold a lane's fetch to gather changes (0: each fetch returns as soon "
+        "as one change is there): at a light load each change otherwise becomes a chunk of its own, and every "
+        "chunk costs the driver a fold and a write, and the store a request",
+    )
     shared_decode_records: int = Field(
         default=50_000,
         ge=0,

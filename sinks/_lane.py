@@ -181,7 +181,9 @@ class Lane:
         said = None
         try:
             sink = self._opened()
-            consumer = driver_consumer(self.settings, f"pgcdc-lane-{self.name}")
+            consumer = driver_consumer(
+                self.settings, f"pgcdc-lane-{self.name}", linger_ms=self.settings.sinks.lane_linger_ms
+            )
             while not self._halt.is_set():
                 try:
                     self._turn(sink, consumer, positions)

@@ -43,12 +43,14 @@ def batch_ranges(
     return ranges
 
 
-def driver_consumer(settings: SinkSettings, group: str) -> Consumer:
+def driver_consumer(settings: SinkSettings, group: str, *, linger_ms: int = 0) -> Consumer:
     """A consumer that reads a sink's topics as its query does, for the driver's own reads (a batch's ranges,
     the lane). It is only ever assigned partitions: it never joins ``group`` or commits, the query's checkpoint
-    owns the offsets."""
+    owns the offsets. ``linger_ms``: how long the broker may hold a fetch to gather records (a tail's reads);
+    0 for bounded reads, which must hear of a partition's end at once."""
     from confluent_kafka import Consumer
 
+    gather = {"fetch.wait.max.ms": linger_ms, "fetch.min.bytes": 1_048_576} if linger_ms > 0 else {}
     return Consumer(
         {
             **settings.kafka.client_conf(),  # brokers, TLS and SASL, as the capture's
@@ -63,6 +65,7 @@ def driver_consumer(settings: SinkSettings, group: str) -> Consumer:
             # partition says it was passed.
             "enable.partition.eof": True,
             "fetch.wait.max.ms": 10,
+            **gather,
         }
     )
 
