@@ -65,7 +65,7 @@ import redis
 from confluent_kafka import Consumer, TopicPartition
 from opensearchpy import OpenSearch
 from pgcdc_dev import discovery
-from pgcdc_dev.bench.cpu import box, own_cpu, stat, tree_cpu
+from pgcdc_dev.bench.cpu import MachineCpu, own_cpu, stat, tree_cpu
 from pgcdc_dev.bench.cpu import tree as _tree
 from pgcdc_dev.bench.report import Measure, Result, percentile, write_result
 from pgcdc_dev.bench.warm_broker import delete_topics
@@ -384,51 +384,11 @@ class _SparkCpu(threading.Thread):
         return out
 
 
-class _MachineCpu(threading.Thread):
-    """CPU of every process on the machine while it runs, by what it is: the sinks app's parts (its Python,
-    its JVM, Spark's Python workers), the stores, Kafka, PostgreSQL, the capture, this benchmark. Each process
-    is sampled every 0.5 s from /proc, so one that ends keeps what it was last seen with."""
-
-    def __init__(self, sinks_pid: int) -> None:
-        super().__init__(name="machine-cpu", daemon=True)
-        self.sinks_pid = sinks_pid
-        self.halt = threading.Event()
-        self.first: dict[int, float] = {}
-        self.last: dict[int, tuple[str, float]] = {}
-        self.started, self.box = time.monotonic(), box()[0]
-        self._sample(initial=True)
-
-    def _sample(self, *, initial: bool = False) -> None:
-        sinks = set(_tree(self.sinks_pid))
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit():
-                continue
-            pid = int(entry.name)
-            found = stat(entry / "stat")
-            if found is None:
-                continue
-            if pid not in self.last:
-                kind = _kind(pid, found[0], sinks=sinks, sinks_pid=self.sinks_pid)
-            else:
-                kind = self.last[pid][0]
-            cpu = own_cpu(found[1])
-            self.first.setdefault(pid, cpu if initial else 0.0)  # born since: from 0
-            self.last[pid] = (kind, cpu)
-
-    def run(self) -> None:
-        while not self.halt.wait(0.5):
-            self._sample()
-
-    def stop(self) -> tuple[float, dict[str, float], float]:
-        """Seconds sampled, CPU seconds by kind (largest first), and the machine's busy CPU seconds."""
-        self.halt.set()
-        self.join(5)
-        self._sample()
-        out: dict[str, float] = {}
-        for pid, (kind, cpu) in self.last.items():
-            out[kind] = out.get(kind, 0.0) + cpu - self.first[pid]
-        ranked = dict(sorted(out.items(), key=lambda kv: -kv[1]))
-        return time.monotonic() - self.started, ranked, box()[0] - self.box
+def _machine_cpu(sinks_pid: int) -> MachineCpu:
+    """The machine's CPU by process kind (:func:`_kind`) from now, sampled until its ``stop``."""
+    sampler = MachineCpu(lambda pid, comm: _kind(pid, comm, sinks=set(_tree(sinks_pid)), sinks_pid=sinks_pid))
+    sampler.start()
+    return sampler
 
 
 _JAVA_KINDS = {
@@ -442,7 +402,8 @@ _JAVA_KINDS = {
 
 
 def _kind(pid: int, comm: str, *, sinks: set[int], sinks_pid: int) -> str:
-    """What a process is, for :class:`_MachineCpu`."""
+    """What a process is, for :func:`_machine_cpu`: the sinks app's parts (its Python, its JVM, Spark's Python
+    workers), the stores, Kafka, PostgreSQL, the capture, this benchmark."""
     if pid in sinks:
         return "sinks: driver" if pid == sinks_pid else "sinks: JVM" if comm == "java" else "sinks: Python workers"
     if pid == os.getpid():
@@ -879,8 +840,7 @@ def _light(
     )
     count = int(args.rate * args.freshness_seconds)
     with psycopg.connect(env.dsn, autocommit=True) as conn:
-        t0, cpu = time.monotonic(), _MachineCpu(sinks_pid)
-        cpu.start()
+        t0, cpu = time.monotonic(), _machine_cpu(sinks_pid)
         for i in range(count):
             conn.execute(insert, (first + i,))
             watch.commit([first + i])
@@ -949,8 +909,7 @@ def _heavy(
     env: Env, sampler: _LagSampler, rows: int, args: argparse.Namespace, result: Result, *, sinks_pid: int
 ) -> None:
     load = _Load(env.dsn, rows * 20 + 1, HEAVY_RATE, HEAVY_TXN_ROWS, args.heavy_seconds)
-    start, cpu = sampler.now(), _MachineCpu(sinks_pid)
-    cpu.start()
+    start, cpu = sampler.now(), _machine_cpu(sinks_pid)
     load.run()
     end = sampler.now()
     elapsed, spent, busy = cpu.stop()

@@ -144,3 +144,34 @@ def test_settle_waits_for_a_quiet_machine_and_says_what_it_did(monkeypatch: pyte
     monkeypatch.setattr(run_all, "QUIET_MAX_WAIT_S", 0.0)
     monkeypatch.setattr(_cpu, "box", lambda: (next(ticks) * cpus * window, 0.0))  # always fully busy
     assert "still busy" in run_all.settle(None)
+
+
+def test_the_machine_sampler_counts_a_process_born_meanwhile_by_its_kind() -> None:
+    """Spark's Python workers start after the window opens: a process born meanwhile counts from zero, under
+    the kind its classifier gives it (asked once), and the others' CPU is not given to it."""
+    asked: list[int] = []
+    burner = subprocess.Popen(
+        [sys.executable, "-c", "import sys\n" + _BURN.format(s=0.4) + "print('done', flush=True)\nsys.stdin.read()\n"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+
+    def kind(pid: int, comm: str) -> str:
+        if pid == burner.pid:
+            asked.append(pid)
+            return "burner"
+        return "rest"
+
+    sampler = _cpu.MachineCpu(kind, every_s=0.05)  # started after the burner: it counts from its first sample
+    sampler.start()
+    try:
+        assert burner.stdout is not None
+        assert burner.stdout.readline() == "done\n"
+        seconds, spent, busy = sampler.stop()
+    finally:
+        burner.communicate("")
+    assert asked == [burner.pid]
+    assert 0.0 < spent["burner"] <= 0.6  # its 0.4 s burn and part of its start
+    assert seconds > 0
+    assert busy >= spent["burner"]

@@ -9,12 +9,17 @@ cores; a ratio against a reference that needs fewer of them is only understood n
 - the Kafka broker (the JVM running ``kafka.Kafka``), when it runs on this machine;
 - a process of ours by thread: its main thread, librdkafka's threads (``rdk:*``), the others;
 - the whole machine's busy and idle time (/proc/stat), whose remainder is everything else.
+
+:class:`MachineCpu` samples every process on the machine instead, for a window in which processes start and
+end (a Spark application's Python workers): each keeps what it was last seen with.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+import threading
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -175,3 +180,47 @@ def cpu_bound_note(parts: dict[str, float], rows: int, seconds: float, ref_rate:
         f"the capture's threads cost nothing; {target}x needs them at {max(allowed_us, 0.0):.2f} CPU-µs per row "
         f"with no CPU idle (they took {ours * 1e6 / rows:.2f}; {seconds:.2f} s measured)"
     )
+
+
+class MachineCpu(threading.Thread):
+    """CPU seconds of every process on the machine while it runs, summed by ``kind(pid, command name)`` (asked
+    once per process). Each process is sampled every ``every_s`` from /proc, so one that ends between the
+    start and the stop keeps what it was last seen with; one born meanwhile counts from zero."""
+
+    def __init__(self, kind: Callable[[int, str], str], *, every_s: float = 0.5) -> None:
+        super().__init__(name="machine-cpu", daemon=True)
+        self._kind, self._every_s = kind, every_s
+        self._halt = threading.Event()
+        self._first: dict[int, float] = {}
+        self._last: dict[int, tuple[str, float]] = {}
+        self._began, self._busy = time.monotonic(), box()[0]
+        self._sample(initial=True)
+
+    def _sample(self, *, initial: bool = False) -> None:
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            pid = int(entry.name)
+            found = stat(entry / "stat")
+            if found is None:
+                continue
+            kind = self._last[pid][0] if pid in self._last else self._kind(pid, found[0])
+            cpu = own_cpu(found[1])
+            self._first.setdefault(pid, cpu if initial else 0.0)
+            self._last[pid] = (kind, cpu)
+
+    def run(self) -> None:
+        while not self._halt.wait(self._every_s):
+            self._sample()
+
+    def stop(self) -> tuple[float, dict[str, float], float]:
+        """Seconds sampled, CPU seconds by kind (largest first), and the machine's busy CPU seconds."""
+        self._halt.set()
+        if self.is_alive():
+            self.join(5)
+        self._sample()
+        out: dict[str, float] = {}
+        for pid, (kind, cpu) in self._last.items():
+            out[kind] = out.get(kind, 0.0) + cpu - self._first[pid]
+        ranked = dict(sorted(out.items(), key=lambda kv: -kv[1]))
+        return time.monotonic() - self._began, ranked, box()[0] - self._busy
