@@ -121,7 +121,7 @@ class SinksConfig(_Section):
         "apply only what the lane has not (docs/sinks.md, Freshness); false: the micro-batches apply everything",
     )
     lane_trigger_interval_s: float = Field(
-        default=2.0,
+        default=5.0,
         ge=0,
         description="with the lane on, seconds between the starts of search's and cache's micro-batches at least: "
         "the lane applies changes as they arrive, the batches confirm it in the checkpoint, and each costs Spark "

@@ -85,6 +85,7 @@ class Stack:
 [sinks]
 state_dir = "{state}"
 trigger_interval_s = 1.0
+lane_trigger_interval_s = 2.0  # the tests wait for checkpoints: at most 2 s apart, not the default 5
 metrics_port = 0
 spark_jars = {json.dumps(self.spark_jars)}
 {storage}
