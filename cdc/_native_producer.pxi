@@ -155,6 +155,7 @@ ctypedef const char *(*rk_topic_name_t)(const void *rkt) noexcept nogil
 cdef int RD_KAFKA_PRODUCER = 0
 cdef int RD_KAFKA_CONF_OK = 0
 cdef int RD_KAFKA_RESP_ERR__QUEUE_FULL = -184
+cdef int RD_KAFKA_RESP_ERR_MSG_SIZE_TOO_LARGE = 10  # the broker refused a record batch as too large
 
 # Every librdkafka function KafkaProducer and DirectProducer call.
 LIBRDKAFKA_FUNCTIONS = (
@@ -320,17 +321,17 @@ cdef class KafkaProducer:
         return self._check(error)
 
     def commit_transaction(self, double timeout) -> None:
-        cdef int code
+        cdef size_t i
         self._drain(timeout)
-        if self.failures.n:
-            # An event was refused: the transaction can only be aborted. Committing would flush again and wait
-            # its whole timeout for the events queued behind the refused one, which librdkafka holds until an
-            # abort bumps the producer's epoch (seen on a busy broker: a too-large event, 2.5 min to the error).
-            code = self.failures.items[0].err
-            self._served()
-            raise self.kafka_exception(
-                self.kafka_error(code, "an event of the transaction was refused", txn_requires_abort=True)
-            )
+        for i in range(self.failures.n):
+            if self.failures.items[i].err == RD_KAFKA_RESP_ERR_MSG_SIZE_TOO_LARGE:
+                # The broker refused an event as too large: the transaction can only be aborted, and committing
+                # would flush again, waiting up to its timeout for events queued behind the refused one. Other
+                # failures go on to the commit, whose own error says more (fenced by another instance, say).
+                self._served()
+                raise self.kafka_exception(
+                    self.kafka_error(RD_KAFKA_RESP_ERR_MSG_SIZE_TOO_LARGE, "an event is too large", txn_requires_abort=True)
+                )
         self._end(self.commit_txn, timeout)
 
     cdef void _drain(self, double timeout):
@@ -341,7 +342,7 @@ cdef class KafkaProducer:
         each commit of a light load would wait ~10 ms (measured: 10.9 ms per one-event transaction against
         2.2 with confluent_kafka's Producer, whose handle gets other wake-ups). After this its flush finds
         nothing left and returns at once. Each step is itself a flush, so the broker threads send at once
-        rather than after linger.ms. It stops at the first refused event: the rest cannot commit."""
+        rather than after linger.ms. It stops at the first refused event: the transaction cannot commit."""
         cdef int steps = <int>(timeout * 1000)
         with nogil:
             while steps > 0 and self.failures.n == 0 and self.flush_(self.rk, 1) != 0:
