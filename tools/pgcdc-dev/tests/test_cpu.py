@@ -146,9 +146,9 @@ def test_settle_waits_for_a_quiet_machine_and_says_what_it_did(monkeypatch: pyte
     assert "still busy" in run_all.settle(None)
 
 
-def test_the_machine_sampler_counts_a_process_born_meanwhile_by_its_kind() -> None:
-    """Spark's Python workers start after the window opens: a process born meanwhile counts from zero, under
-    the kind its classifier gives it (asked once), and the others' CPU is not given to it."""
+def test_the_machine_sampler_counts_a_process_from_its_start_under_its_kind() -> None:
+    """A process's CPU counts from the window's start, under the kind its classifier gives it (asked once for
+    it), and the others' CPU is not given to it."""
     asked: list[int] = []
     burner = subprocess.Popen(
         [sys.executable, "-c", "import sys\n" + _BURN.format(s=0.4) + "print('done', flush=True)\nsys.stdin.read()\n"],
@@ -163,7 +163,7 @@ def test_the_machine_sampler_counts_a_process_born_meanwhile_by_its_kind() -> No
             return "burner"
         return "rest"
 
-    sampler = _cpu.MachineCpu(kind, every_s=0.05)  # started after the burner: it counts from its first sample
+    sampler = _cpu.MachineCpu(kind, every_s=0.05)  # opened after the burner started: it counts from here
     sampler.start()
     try:
         assert burner.stdout is not None
