@@ -1,7 +1,7 @@
 """The fold: one batch of raw change records to the latest change per key, in Python, wherever the batch runs.
 
 Every batch of every sink is folded here: on the driver (a partition sink's batch of up to
-``sinks._ranges.DRIVER_RECORDS`` offsets, the warehouse's of up to :data:`ONE_TASK_RECORDS`), in the one
+``sinks._ranges.DRIVER_RECORDS`` offsets, the warehouse's of up to :data:`DRIVER_FOLD_RECORDS`), in the one
 task that takes a medium batch, or in the tasks of a larger one (sinks._write.in_tasks for the partition
 sinks, sinks._frames for the warehouse and frame plugins), each over records that hold every event of their
 keys: one task, a task per Kafka partition (the capture partitions by key), or a shuffle by key. Doing the fold
@@ -47,6 +47,11 @@ from typing import Any
 from sinks._values import envelope_row
 
 ONE_TASK_RECORDS = 25_000  # offsets up to which a batch is read, folded and written by one task
+# Offsets up to which a sink that writes whole folded tables on the driver (the warehouse, by delta-rs) takes a
+# live batch there: its write costs the same seconds for a thousand changes as for a hundred thousand, where
+# Spark's MERGE of a batch costs tens of seconds on a busy machine. The batch's records and, with history, its
+# decoded events are held in memory meanwhile (tens to hundreds of MB at this size).
+DRIVER_FOLD_RECORDS = 100_000
 APPLY_OPS = ("c", "u", "r", "d")
 TRUNCATE = "t"
 POISON = "!"

@@ -91,20 +91,23 @@ class Lane:
         self,
         ranges: Ranges,
         *,
-        most: int = 2 * _CHUNK,
+        most: int = 50 * _CHUNK,
         patience_s: float = 2.0,
-        finish_s: float = 1.0,
-        limit_s: float = 5.0,
+        finish_s: float = 20.0,
+        limit_s: float = 30.0,
     ) -> dict[tuple[str, int], tuple[int, int]]:
         """The part of a batch's ``ranges`` the lane has not applied, once it has applied what it will: nothing,
         as a rule (the batch then only commits). At once, all that is left when that is over ``most`` offsets
-        (the lane is behind: the batch takes it, on an executor when it is large) or when the lane is not
-        reading one of its partitions (new to it, after a refusal or a failure). Else the batch waits while the
-        lane's pace, measured since the wait began, would finish the rest within ``finish_s``; after
-        ``patience_s`` without progress, a pace too slow, or ``limit_s`` in all, the rest is the batch's. A lane
-        that falls behind under load so hands its backlog to the executors at the next batch instead of holding
-        every batch up while it catches up, and a batch that did the lane's work beside it would take the same
-        interpreter's time twice.
+        (a backlog: the batch takes it, on the executors) or when the lane is not reading one of its partitions
+        (new to it, after a refusal or a failure). Else the batch waits while the lane's pace, measured since
+        the wait began, would finish the rest within ``finish_s``; after ``patience_s`` without progress, a pace
+        too slow, or ``limit_s`` in all, the rest is the batch's.
+
+        A lane a load has put some seconds behind is still the cheapest way through: it decodes each change once
+        for every sink of the process (sinks._fold.share_decoding) and pays no Spark job, where a batch handed
+        the rest pauses the lane and decodes the same changes again in its tasks. On a busy machine that hand-off
+        took more CPU than the lane it relieved, and the sinks never caught up again; so a batch waits out a lane
+        that is moving, and takes over only from one that stalls or could not finish in ``finish_s``.
 
         When something is left the lane is paused first, its chunk in flight written, until :meth:`follow`
         says the batch has ended: the batch and the lane never write one partition at once. (A change the lane

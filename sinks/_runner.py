@@ -29,7 +29,15 @@ import pyspark
 from common.errors import CDCError
 from sinks._api import DropsGeneration, PartitionSink, Rebuildable, SinkContext, WritesFolded
 from sinks._bridge import Bridge, served_generation
-from sinks._fold import ONE_TASK_RECORDS, TopicFold, TopicSchemas, framed_ids, knows, share_decoding
+from sinks._fold import (
+    DRIVER_FOLD_RECORDS,
+    ONE_TASK_RECORDS,
+    TopicFold,
+    TopicSchemas,
+    framed_ids,
+    knows,
+    share_decoding,
+)
 from sinks._frames import in_frames
 from sinks._frames import rehearse as rehearse_frames
 from sinks._lane import Lane
@@ -344,7 +352,8 @@ class SinkQuery:
                 ranges, records = left, size_of(left)
         elif self._lane is not None:  # ranges unknown: the lane waits for a batch whose end is known
             self._lane.pause()
-        if ranges is not None and records <= ONE_TASK_RECORDS and self._whole_on_driver(batch_id, ranges, raw, started):
+        small = ranges is not None and records <= DRIVER_FOLD_RECORDS
+        if small and ranges is not None and self._whole_on_driver(batch_id, ranges, raw, started):
             return
         if isinstance(self.sink, PartitionSink) and ranges is not None and records <= DRIVER_RECORDS:
             read = self._range_reader().read(ranges)  # no Spark job: see sinks._ranges

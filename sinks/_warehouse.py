@@ -8,7 +8,7 @@ Layout under ``sinks.warehouse.path`` (docs/sinks.md):
                                     plus __op, __commit_lsn, __lsn, __ts_ms
     g<N>/<schema>.<table>.history/  with ``history = true``: every change appended, in order
 
-A batch of up to 25,000 records on local files is folded on the driver and merged by delta-rs
+A batch of up to 100,000 records on local files is folded on the driver and merged by delta-rs
 (sinks._warehouse_live); a larger one, or one on an object store, by a Spark MERGE of the Spark fold. Both
 follow the same rules, below.
 

@@ -3,7 +3,7 @@
 A Spark MERGE of a few hundred changes into a 200k-row table costs ~2.5 s of both cores on a quiet machine
 (planning the join, two jobs, rewriting the touched files) and ten times that beside the other sinks under
 load; delta-rs merges the same changes into the same table in ~0.3 s of one core (measured side by side, same
-table and batch). So a live batch of the warehouse (up to ``sinks._fold.ONE_TASK_RECORDS`` offsets) is read,
+table and batch). So a live batch of the warehouse (up to ``sinks._fold.DRIVER_FOLD_RECORDS`` offsets) is read,
 folded by the Python fold (sinks._fold) and written here; larger batches (backlogs, replays, rebuilds)
 keep Spark's path. Both write the same tables by the same rules (sinks._warehouse): the columns'
 types (sinks._delta_arrow), the MERGE's position guard, the truncate's delete before it, a new table created

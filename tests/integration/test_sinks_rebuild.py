@@ -65,6 +65,7 @@ def larger_batches(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, list[tupl
 
     monkeypatch.setattr(sinks._runner, "DRIVER_RECORDS", 0)
     monkeypatch.setattr(sinks._runner, "ONE_TASK_RECORDS", 0)
+    monkeypatch.setattr(sinks._runner, "DRIVER_FOLD_RECORDS", 0)
     monkeypatch.setattr("sinks._runner.in_tasks", spy(sinks._write.in_tasks))
     monkeypatch.setattr("sinks._runner.in_frames", spy(sinks._frames.in_frames))
     return taken

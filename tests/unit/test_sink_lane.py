@@ -95,13 +95,38 @@ def test_a_lane_too_slow_to_finish_soon_leaves_the_rest_to_the_batch() -> None:
     thread = threading.Thread(target=crawl)
     thread.start()
     try:  # no patience or time limit comes into it: only the pace sends the rest to the batch
-        left = lane.wait_for({A: (10, 3_010)}, patience_s=60, limit_s=60)
+        left = lane.wait_for({A: (10, 3_010)}, patience_s=60, finish_s=1.0, limit_s=60)
     finally:
         stop.set()
         thread.join()
     assert left[A][1] == 3_010
     assert 10 < left[A][0] < 3_010  # the lane moved, and what it applied is not the batch's
     assert lane._paused
+
+
+def test_a_batch_waits_out_a_lane_some_seconds_behind_that_moves() -> None:
+    """The defaults: a lane 9,000 offsets behind (4.5 s of a 2,000 changes/s load) applying a chunk at a time
+    is left to finish; the batch takes nothing and the lane is not paused."""
+    lane = _lane()
+    lane._applied = {A: 0}
+    lane._reading = frozenset({A})
+    stop = threading.Event()
+
+    def chunks() -> None:
+        while not stop.wait(0.05) and lane._applied[A] < 9_000:
+            with lane._progress:
+                lane._applied[A] += 1_000
+                lane._progress.notify_all()
+
+    thread = threading.Thread(target=chunks)
+    thread.start()
+    try:
+        left = lane.wait_for({A: (0, 9_000)})
+    finally:
+        stop.set()
+        thread.join()
+    assert left == {}
+    assert not lane._paused
 
 
 def test_a_batch_that_writes_holds_the_lane_until_it_has_ended() -> None:
