@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime as dt
 import io
+import json
 from decimal import Context, Decimal
 from typing import Any
 
@@ -17,6 +18,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from schemas import avro_mapping, nullable
+from sinks._api import key_id
 from sinks._config import SinkSettings, load_sink_settings
 from sinks._values import Names, doc_converter, envelope_row, search_mapping
 from sinks.errors import SinkConfigError
@@ -253,3 +255,21 @@ def test_sink_settings_refuse_unknown_sink_keys(tmp_path: Any) -> None:
 def test_spark_jars_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CDC_SINKS__SPARK_JARS", "a.jar,b.jar")
     assert SinkSettings().sinks.spark_jars == ("a.jar", "b.jar")
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        {"id": 7},
+        {"a": -3, "b": 10**20},
+        {"flag": True},  # a bool is not an int here: JSON says true
+        {"id": 1, "name": 'q"uo\\te\n'},
+        {"name": "ünï"},
+        {"id": None},
+        {"x": 1.5},
+    ],
+)
+def test_a_key_s_id_is_the_json_array_of_its_values(key: dict[str, Any]) -> None:
+    """Document ids and cache keys already stored were written as json.dumps made them: the shortcut for integer
+    keys must give the same text."""
+    assert key_id(key) == json.dumps(list(key.values()), separators=(",", ":"), ensure_ascii=False)
