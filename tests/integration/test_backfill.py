@@ -180,7 +180,8 @@ class _LockWatch:
     def _watch(self) -> None:
         query = (
             "SELECT DISTINCT l.mode FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid "
-            "WHERE l.relation = %s::regclass AND a.application_name LIKE 'pgcdc%%' AND a.pid <> pg_backend_pid()"
+            "WHERE l.relation = %s::regclass AND a.application_name LIKE 'pgcdc%%' AND a.pid <> pg_backend_pid() "
+            "AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())"
         )
         with psycopg.connect(self._dsn, autocommit=True) as conn:
             while not self._stop.is_set():
