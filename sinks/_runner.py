@@ -352,8 +352,11 @@ class SinkQuery:
                 ranges, records = left, size_of(left)
         elif self._lane is not None:  # ranges unknown: the lane waits for a batch whose end is known
             self._lane.pause()
-        small = ranges is not None and records <= DRIVER_FOLD_RECORDS
-        if small and ranges is not None and self._whole_on_driver(batch_id, ranges, raw, started):
+        if (
+            ranges is not None
+            and records <= DRIVER_FOLD_RECORDS
+            and self._whole_on_driver(batch_id, ranges, raw, started)
+        ):
             return
         if isinstance(self.sink, PartitionSink) and ranges is not None and records <= DRIVER_RECORDS:
             read = self._range_reader().read(ranges)  # no Spark job: see sinks._ranges
