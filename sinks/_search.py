@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote
 
+import orjson
 from opensearchpy import OpenSearch, helpers
 from opensearchpy.exceptions import ConnectionError as OSConnectionError
 from opensearchpy.exceptions import ConnectionTimeout, NotFoundError, RequestError, TransportError
@@ -33,7 +34,10 @@ from sinks.errors import SinkTransientError
 _META = "__cdc"
 _MAX_ID_BYTES = 512
 log = logging.getLogger(__name__)
-_BULK = 2000
+_BULK = 2000  # changes per bulk call
+_BULK_BYTES = 16 << 20  # a bulk body's size at most (OpenSearch refuses requests over http.max_content_length, 100 MB)
+# A bulk action: its metadata line ({"index": {...}} or {"delete": {...}}) and, for an index, the document.
+_Action = tuple[dict[str, Any], dict[str, Any] | None]
 _ESCAPE = re.compile(r"[%.]")
 
 
@@ -289,7 +293,7 @@ class SearchWriter:
         if partial:  # unchanged TOAST values: keep what the index holds
             found = _call(client.mget, index=index, body={"ids": [c.doc_id for c in partial]})
             stored = {d["_id"]: d["_source"] for d in found["docs"] if d.get("found")}
-        actions: list[dict[str, Any]] = []
+        actions: list[_Action] = []
         rejected: list[Rejected] = []
         now = int(time.time() * 1000)  # when the change was applied: freshness = applied_ms - ts_ms
         for c in changes:
@@ -357,37 +361,72 @@ def _call(fn: Any, *args: Any, **kwargs: Any) -> Any:
         raise SinkTransientError(f"OpenSearch unreachable: {exc}") from exc
 
 
-def _action(index: str, c: Change, old: dict[str, Any] | None, now_ms: int) -> dict[str, Any]:
+def _action(index: str, c: Change, old: dict[str, Any] | None, now_ms: int) -> _Action:
     """The bulk action of one change: a delete, or the document (``old``: what the index holds, for the
     unchanged TOAST values), versioned by its commit LSN so an older change never replaces a newer one."""
-    action: dict[str, Any] = {"_index": index, "_id": c.doc_id}
+    head: dict[str, Any] = {"_index": index, "_id": c.doc_id}
     if c.commit_lsn is not None:
-        action.update(_version=c.commit_lsn, _version_type="external_gte")
+        head.update(version=c.commit_lsn, version_type="external_gte")
     if c.row is None:
-        action["_op_type"] = "delete"
-        return action
+        return {"delete": head}, None
     row = _encoded(c.row)
     if c.unchanged and old is not None:
         row = {**row, **{field_name(col): old.get(field_name(col)) for col in c.unchanged}}
     meta = {"commit_lsn": c.commit_lsn, "lsn": c.lsn, "op": c.op, "ts_ms": c.ts_ms, "applied_ms": now_ms}
-    action["_source"] = {**row, _META: meta}
-    return action
+    return {"index": head}, {**row, _META: meta}
 
 
-def _bulk(client: OpenSearch, actions: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The bulk request's per-action errors. A request refused as a whole (validation) is applied one action at
-    a time to find the culprits."""
-    try:
-        _, errors = helpers.bulk(client, actions, raise_on_error=False, raise_on_exception=True)
-    except (OSConnectionError, ConnectionTimeout) as exc:
-        raise SinkTransientError(f"OpenSearch unreachable: {exc}") from exc
-    except RequestError as exc:
-        errors = []
-        for action in actions:
-            try:
-                helpers.bulk(client, [action], raise_on_error=False, raise_on_exception=True)
-            except RequestError as one:
-                op = action.get("_op_type", "index")
-                errors.append({op: {"_id": action["_id"], "status": 400, "error": str(one.info or one)}})
-        log.warning("OpenSearch refused a bulk request (%s); applied its actions one by one", exc.error)
-    return errors if isinstance(errors, list) else []
+def _bulk(client: OpenSearch, actions: list[_Action]) -> list[dict[str, Any]]:
+    """The bulk request's per-action errors, as ``{op: item}``. A request refused as a whole (validation) is
+    applied one action at a time to find the culprits.
+
+    The body is serialized with orjson, in requests of at most _BULK_BYTES: the client's own helper serializes
+    action by action with the stdlib's json, a sixth of a live lane's time at 2,000 changes/s."""
+    errors: list[dict[str, Any]] = []
+    for body, part in _bodies(actions):
+        try:
+            errors += _failed(_call(client.bulk, body=body))
+        except RequestError as exc:
+            log.warning("OpenSearch refused a bulk request (%s); applying its actions one by one", exc.error)
+            for action in part:
+                try:
+                    errors += _failed(_call(client.bulk, body=_lines([action])))
+                except RequestError as one:
+                    ((op, head),) = action[0].items()
+                    errors.append({op: {"_id": head["_id"], "status": 400, "error": str(one.info or one)}})
+    return errors
+
+
+def _bodies(actions: list[_Action]) -> Iterator[tuple[bytes, list[_Action]]]:
+    """Bulk bodies of at most _BULK_BYTES (one action over it goes alone), each with its actions."""
+    part: list[_Action] = []
+    lines: list[bytes] = []
+    size = 0
+    for action in actions:
+        encoded = _lines([action])
+        if part and size + len(encoded) > _BULK_BYTES:
+            yield b"".join(lines), part
+            part, lines, size = [], [], 0
+        part.append(action)
+        lines.append(encoded)
+        size += len(encoded)
+    if part:
+        yield b"".join(lines), part
+
+
+def _lines(actions: list[_Action]) -> bytes:
+    out = []
+    for head, source in actions:
+        out.append(orjson.dumps(head))
+        if source is not None:
+            out.append(orjson.dumps(source))
+    out.append(b"")
+    return b"\n".join(out)
+
+
+def _failed(response: Mapping[str, Any]) -> list[dict[str, Any]]:
+    if not response.get("errors"):
+        return []
+    return [
+        item for item in response["items"] for result in item.values() if not 200 <= result.get("status", 500) < 300
+    ]
