@@ -5,43 +5,44 @@ batches apply them again. But every micro-batch costs Spark ~0.2 s of its own (t
 planning) before the batch's few milliseconds of work, and waits for CPU behind the other queries, so a change
 waits for the batch in progress and then its own: most of search's and cache's freshness.
 
-The lane is a thread per served search or cache query with a Kafka consumer of its own. From where the query's
-last batch ended it tails the same partitions (read_committed, as the query reads them) and applies what
-arrives at once, with the driver's fold and the sink's writer (sinks._write.fold_and_write), the path of a
-small batch. It keeps in memory how far its writes have completed; a query batch waits while the lane applies
-its ranges and applies only what is left (nothing, as a rule), with the lane paused: the two never write a
+The lane is a thread per served search or cache query. From where the query's last batch ended it takes the
+same partitions' records from the process's one reader (sinks._feed: read_committed, as the query reads them,
+read and folded once for every lane) and applies them at once with the sink's writer, the path of a small
+batch. It keeps in memory how far its writes have completed; a query batch waits while the lane applies its
+ranges and applies only what is left (nothing, as a rule), with the lane paused: the two never write a
 partition at the same time (see :meth:`Lane.wait_for`), and each change is written about once.
 
 It never commits anything and never writes a dead letter. A chunk with a record the sink refuses (poison, a
 refused write) is not counted as applied: the lane stops, the query's batch applies that range and writes the
-dead letter, and the lane goes on from the end of a batch past it. Any failure (a store or Kafka unreachable)
-stops it the same way, and the query's batches carry on as they would without it. A crash loses only its
-position in memory: the restarted query applies again from its checkpoint, to no effect where the lane had
-written (the stores' position guard: a replayed change never moves a row backwards).
+dead letter, and the lane goes on from the end of a batch past it. Any failure (a store or Kafka unreachable,
+a lane the reader dropped for being too far behind) stops it the same way, and the query's batches carry on as
+they would without it. A crash loses only its position in memory: the restarted query applies again from its
+checkpoint, to no effect where the lane had written (the stores' position guard: a replayed change never moves
+a row backwards).
 """
 
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from sinks._feed import CHUNK, INBOX_RECORDS, Chunk, LaneFeed
 from sinks._fold import TopicFold
-from sinks._ranges import Ranges, as_record, driver_consumer, size_of
-from sinks._write import tally, written_on_driver
+from sinks._ranges import Ranges, size_of
+from sinks._write import prepared_written, tally, written_on_driver
+from sinks.errors import SinkTransientError
 
 if TYPE_CHECKING:
-    from confluent_kafka import Consumer
-
     from sinks._config import SinkSettings
 
 log = logging.getLogger(__name__)
 
 Offsets = Mapping[tuple[str, int], int]  # (topic, partition) -> an offset
-_CHUNK = 2_000  # records applied at most per write: a chunk's latency stays in milliseconds
-_POLL_S = 0.2  # the wait for a first record; it returns as soon as one arrives
+_POLL_S = 0.2  # the wait for a chunk; it returns as soon as one arrives
 
 
 class Lane:
@@ -54,13 +55,18 @@ class Lane:
         name: str,
         generation: int,
         *,
+        feed: LaneFeed,
         opened: Callable[[], Any],
         folds: Callable[[list[dict[str, Any]]], list[TopicFold]],
     ) -> None:
-        """``opened``: the lane's own instance of the sink; ``folds``: each topic's fold for some records (the
-        query's, which keeps the registry's schemas)."""
+        """``feed``: the process's reader; ``opened``: the lane's own instance of the sink; ``folds``: each
+        topic's fold for some records (the query's, which keeps the registry's schemas), for a chunk the lane
+        takes only part of."""
         self.settings, self.name, self.generation = settings, name, generation
-        self._opened, self._folds = opened, folds
+        self._feed, self._opened, self._folds = feed, opened, folds
+        self._inbox: queue.Queue[Chunk] = queue.Queue()
+        self._inbox_records = 0  # records offered and not yet taken off the inbox (under _lock)
+        self._dropped = threading.Event()  # set by the feed
         self.on_applied: Callable[[int], None] = lambda _records: None  # told how many records each chunk applied
         self._lock = threading.Lock()
         self._progress = threading.Condition(self._lock)  # notified when the lane applied or stopped reading
@@ -91,7 +97,7 @@ class Lane:
         self,
         ranges: Ranges,
         *,
-        most: int = 50 * _CHUNK,
+        most: int = 50 * CHUNK,
         patience_s: float = 2.0,
         finish_s: float = 20.0,
         limit_s: float = 30.0,
@@ -103,8 +109,8 @@ class Lane:
         the wait began, would finish the rest within ``finish_s``; after ``patience_s`` without progress, a pace
         too slow, or ``limit_s`` in all, the rest is the batch's.
 
-        A lane a load has put some seconds behind is still the cheapest way through: it decodes each change once
-        for every sink of the process (sinks._fold.share_decoding) and pays no Spark job, where a batch handed
+        A lane a load has put some seconds behind is still the cheapest way through: its changes were decoded
+        and folded once for every lane of the process (sinks._feed) and it pays no Spark job, where a batch handed
         the rest pauses the lane and decodes the same changes again in its tasks. On a busy machine that hand-off
         took more CPU than the lane it relieved, and the sinks never caught up again; so a batch waits out a lane
         that is moving, and takes over only from one that stalls or could not finish in ``finish_s``.
@@ -176,72 +182,92 @@ class Lane:
         if self._thread is not None:
             self._thread.join(30)
 
+    # --- the feed's side -----------------------------------------------------------------------------
+
+    def offer(self, chunk: Chunk) -> bool:
+        """Queues ``chunk`` for the lane's thread; False when the lane holds too much unwritten already."""
+        with self._lock:
+            if self._inbox_records + len(chunk.records) > INBOX_RECORDS and self._inbox_records:
+                return False
+            self._inbox_records += len(chunk.records)
+        self._inbox.put(chunk)
+        return True
+
+    def dropped(self) -> None:
+        self._dropped.set()
+
     # --- the lane's thread -----------------------------------------------------------------------------
 
     def _run(self) -> None:
-        sink = consumer = None
-        positions: dict[tuple[str, int], int] = {}  # per partition read: the next offset to read
+        sink = None
+        positions: dict[tuple[str, int], int] = {}  # per partition read: the next offset to apply
         said = None
         try:
             sink = self._opened()
-            consumer = driver_consumer(
-                self.settings, f"pgcdc-lane-{self.name}", linger_ms=self.settings.sinks.lane_linger_ms
-            )
             while not self._halt.is_set():
                 try:
-                    self._turn(sink, consumer, positions)
+                    self._turn(sink, positions)
                     said = None
                 except Exception as exc:  # the batches apply what the lane has not; it goes on after the next
                     if str(exc) != said:
                         log.warning("sink %s: the lane stopped until the next batch (%s)", self.name, exc)
                     said = str(exc)
-                    self._read_from(positions, {})
-                    consumer.unassign()
+                    self._stop_reading(positions)
                     self._halt.wait(1.0)
         except Exception as exc:
             log.warning("sink %s: no lane: changes wait for the query's batches (%s)", self.name, exc)
         finally:
-            self._read_from(positions, {})
-            if consumer is not None:
-                consumer.close()
+            self._stop_reading(positions)
             if sink is not None:
                 sink.close()
 
-    def _turn(self, sink: Any, consumer: Consumer, positions: dict[tuple[str, int], int]) -> None:
-        """Reads and applies what has arrived, or waits a moment for it (while paused: for the batch's end)."""
+    def _turn(self, sink: Any, positions: dict[tuple[str, int], int]) -> None:
+        """Applies the next chunk, or waits a moment for one (while paused: for the batch's end)."""
         with self._progress:
             if self._paused:
                 self._progress.wait(_POLL_S)
                 return
             self._busy = True
         try:
-            self._chunk(sink, consumer, positions)
+            self._step(sink, positions)
         finally:
             with self._progress:
                 self._busy = False
                 self._progress.notify_all()
 
-    def _chunk(self, sink: Any, consumer: Consumer, positions: dict[tuple[str, int], int]) -> None:
-        if not self._resume(consumer, positions):
+    def _step(self, sink: Any, positions: dict[tuple[str, int], int]) -> None:
+        if self._dropped.is_set() and positions:
+            raise SinkTransientError("it fell too far behind, or the sinks' reader stopped")
+        if not self._resume(positions):
             self._halt.wait(_POLL_S)
             return
-        records = self._read(consumer, positions)
-        if records is None or self._halt.is_set():
+        try:
+            chunk = self._inbox.get(timeout=_POLL_S)
+        except queue.Empty:
             return
-        if not self._apply(sink, records):
-            self._read_from(positions, {})  # stopped: the query applies the chunk (and writes its dead letters)
-            consumer.unassign()
+        with self._lock:
+            self._inbox_records -= len(chunk.records)
+        if self._halt.is_set():
             return
+        mine = [tp for tp in chunk.ends if tp in positions and positions[tp] < chunk.ends[tp]]
+        if not mine:
+            return
+        if any(chunk.starts[tp] > positions[tp] for tp in mine):
+            raise SinkTransientError("the sinks' reader skipped offsets it needs")
+        count = self._apply(sink, chunk, positions, mine)
+        if count is None:  # stopped: the query applies the chunk (and writes its dead letters)
+            self._stop_reading(positions)
+            return
+        for tp in mine:
+            positions[tp] = chunk.ends[tp]
         with self._progress:
             self._applied.update(positions)
             self._progress.notify_all()
-        self.on_applied(len(records))
+        self.on_applied(count)
 
-    def _resume(self, consumer: Consumer, positions: dict[tuple[str, int], int]) -> bool:
+    def _resume(self, positions: dict[tuple[str, int], int]) -> bool:
         """Takes the query's latest ends: reads from there where the lane is behind them or not reading yet.
         False while there is nothing to read from."""
-        from confluent_kafka import TopicPartition
-
         with self._lock:
             follow, self._follow = self._follow, None
         if follow is not None and self._blocked:
@@ -250,12 +276,26 @@ class Lane:
             self._blocked = {}
         if follow is not None and any(positions.get(tp, -1) < end for tp, end in follow.items()):
             starts = {tp: max(end, positions.get(tp, end)) for tp, end in follow.items()}
-            consumer.assign([TopicPartition(t, p, start) for (t, p), start in starts.items()])
+            self._dropped.clear()
+            self._feed.want(self, starts)
             with self._lock:
                 for tp, start in starts.items():
                     self._applied[tp] = max(self._applied.get(tp, start), start)
             self._read_from(positions, starts)
         return bool(positions)
+
+    def _stop_reading(self, positions: dict[tuple[str, int], int]) -> None:
+        """The feed stops feeding the lane, and what it had queued goes: the query's batches apply it, and the
+        lane reads again from the end of one."""
+        self._feed.forget(self)
+        self._read_from(positions, {})
+        while True:
+            try:
+                self._inbox.get_nowait()
+            except queue.Empty:
+                break
+        with self._lock:
+            self._inbox_records = 0
 
     def _read_from(self, positions: dict[tuple[str, int], int], starts: Mapping[tuple[str, int], int]) -> None:
         """The partitions the lane reads become ``starts``' (none: it stopped); a waiting batch hears of it."""
@@ -265,43 +305,33 @@ class Lane:
             self._reading = frozenset(starts)
             self._progress.notify_all()
 
-    def _read(self, consumer: Consumer, positions: dict[tuple[str, int], int]) -> list[dict[str, Any]] | None:
-        """What has arrived, up to a chunk; None if nothing did. ``positions`` move past it (and past a
-        transaction's commit marker: the end of the partition says so)."""
-        from confluent_kafka import KafkaError, KafkaException
-
-        first = consumer.poll(_POLL_S)
-        if first is None:
-            return None
-        records = []
-        for m in [first, *consumer.consume(_CHUNK - 1, timeout=0)]:
-            tp, error, offset = (m.topic(), m.partition()), m.error(), m.offset()
-            if error is not None and error.code() != KafkaError._PARTITION_EOF:
-                raise KafkaException(error)
-            if offset is None or tp not in positions:
-                continue
-            if error is None:
-                records.append(as_record(m))
-                positions[tp] = max(positions[tp], offset + 1)
-            else:
-                positions[tp] = max(positions[tp], offset)
-        return records
-
-    def _apply(self, sink: Any, records: list[dict[str, Any]]) -> bool:
-        """Folds and writes ``records``; False if the sink refused one (the lane stops until the query's
-        batches are past them)."""
-        if not records:
-            return True
-        rows = written_on_driver(sink, self._folds(records), records, self.settings, (-1, self.generation))
+    def _apply(
+        self, sink: Any, chunk: Chunk, positions: Mapping[tuple[str, int], int], mine: list[tuple[str, int]]
+    ) -> int | None:
+        """Writes the part of ``chunk`` at or after ``positions`` in ``mine``: the feed's prepared changes where
+        the lane takes all of a topic's records, else its own fold of its part. The records applied; None if the
+        sink refused one (the lane stops until the query's batches are past them)."""
+        topics = {t for t, _ in mine}
+        whole = {  # topics of which the lane takes every record of the chunk
+            t
+            for t in topics
+            if all(tp in positions and positions[tp] == start for tp, start in chunk.starts.items() if tp[0] == t)
+        }
+        part = [
+            r
+            for r in chunk.records
+            if r["topic"] in topics - whole and r["offset"] >= positions.get((r["topic"], r["partition"]), 1 << 62)
+        ]
+        batch = (-1, self.generation)
+        prepared = [chunk.prepared[t] for t in sorted(whole) if t in chunk.prepared]
+        rows = prepared_written(sink, prepared, self.settings, batch)
+        if part:
+            rows += written_on_driver(sink, self._folds(part), part, self.settings, batch)
         if any(r["kind"] == "rejected" for r in rows):
-            ends: dict[tuple[str, int], int] = {}
-            for r in records:
-                tp = (r["topic"], r["partition"])
-                ends[tp] = max(ends.get(tp, 0), r["offset"] + 1)
-            self._blocked = ends
+            self._blocked = {tp: chunk.ends[tp] for tp in mine}
             log.info("sink %s: a refused change: its batch applies it and writes the dead letter", self.name)
-            return False
-        newest = tally(rows).newest_ts_ms
-        if newest is not None:
-            self._newest_ts_ms = max(self._newest_ts_ms or 0, newest)
-        return True
+            return None
+        out = tally(rows)
+        if out.newest_ts_ms is not None:
+            self._newest_ts_ms = max(self._newest_ts_ms or 0, out.newest_ts_ms)
+        return out.records

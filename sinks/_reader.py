@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from typing import TYPE_CHECKING, Any
 
 from confluent_kafka.schema_registry import SchemaRegistryClient
 from confluent_kafka.schema_registry.error import SchemaRegistryError
 
-from sinks._fold import TopicSchemas
+from sinks._fold import TopicFold, TopicSchemas, framed_ids, knows
 from sinks._progress import TopicEnds
 from sinks.errors import SinkConfigError, SinkTransientError
 
@@ -140,6 +141,28 @@ class Decoder:
             key_writers=dict(keys.values()),
             value_writers=dict(values.values()),
         )
+
+
+class RegistryFolds:
+    """Each topic's fold for some records, with the registry's schemas asked again only when a record is framed
+    with an id they do not hold (a new version): records of known ids make no registry request."""
+
+    def __init__(self, decoder: Decoder) -> None:
+        self.decoder = decoder
+        self._schemas: dict[str, TopicSchemas] = {}  # the registry's, by topic
+        self._lock = threading.Lock()  # a query's batches and the lanes' feed ask from their own threads
+
+    def __call__(self, records: list[dict[str, Any]]) -> list[TopicFold]:
+        folds = []
+        for topic, ids in sorted(framed_ids(records).items()):
+            with self._lock:
+                known = self._schemas.get(topic)
+            if known is None or not knows(known, ids):
+                known = self.decoder.schemas(topic)
+                with self._lock:
+                    self._schemas[topic] = known
+            folds.append(TopicFold(known))
+        return folds
 
 
 def union_all(frames: list[DataFrame], columns: tuple[str, ...] | None = None) -> DataFrame | None:

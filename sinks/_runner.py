@@ -29,13 +29,11 @@ import pyspark
 from common.errors import CDCError
 from sinks._api import DropsGeneration, PartitionSink, Rebuildable, SinkContext, WritesFolded
 from sinks._bridge import Bridge, served_generation
+from sinks._feed import LaneFeed
 from sinks._fold import (
     DRIVER_FOLD_RECORDS,
     ONE_TASK_RECORDS,
     TopicFold,
-    TopicSchemas,
-    framed_ids,
-    knows,
     share_decoding,
 )
 from sinks._frames import in_frames
@@ -55,7 +53,7 @@ from sinks._progress import (
     reached,
 )
 from sinks._ranges import DRIVER_RECORDS, RangeReader, Ranges, batch_ranges, size_of
-from sinks._reader import Decoder, ensure_dead_letter_topic, open_stream, tail_ranges, tail_records
+from sinks._reader import Decoder, RegistryFolds, ensure_dead_letter_topic, open_stream, tail_ranges, tail_records
 from sinks._spark import PARALLELISM_KEYS, build_session, stop_session, submitted_master, under_spark_submit
 from sinks._storage import S3_SCHEMES, Location, hadoop_conf
 from sinks._verify import Drift, compare
@@ -243,6 +241,7 @@ class SinkQuery:
         sink: Any | None = None,
     ) -> None:
         self.name, self.settings, self.generation = name, settings, generation
+        self.feed: LaneFeed | None = None  # the process's lane reader (sinks._feed); without it, no lane
         self.spark = spark.newSession()  # own SQL conf per sink, one SparkContext
         for key in PARALLELISM_KEYS:  # fitted at run time (sinks._spark), which a new session does not inherit
             if (value := spark.conf.get(key, None)) is not None:
@@ -265,7 +264,7 @@ class SinkQuery:
         self.query: StreamingQuery | None = None
         self._ends: dict[int, dict[tuple[str, int], int]] = {}  # the last batch's end offsets, by its id
         self._reader: RangeReader | None = None  # made at the first batch the driver reads itself
-        self._schemas: dict[str, TopicSchemas] = {}  # the registry's, by topic, for the driver's batches
+        self.folds = RegistryFolds(self.decoder)  # each topic's fold, for the driver's batches
         self._observed = -1  # the last batch whose Spark phases the metrics have
         self._lane: Lane | None = None  # search's and cache's, from their first batch on
         self._lane_lock = threading.Lock()
@@ -396,13 +395,16 @@ class SinkQuery:
         if ends is None or not self._lane_on():
             return
         if self._lane is None:
-            lane = Lane(self.settings, self.name, self.generation, opened=self._lane_sink, folds=self._folds)
+            assert self.feed is not None  # _lane_on
+            lane = Lane(
+                self.settings, self.name, self.generation, feed=self.feed, opened=self._lane_sink, folds=self._folds
+            )
             lane.on_applied = self._lane_applied
             self._lane = lane
         self._lane.follow(ends)
 
     def _lane_on(self) -> bool:
-        return not self.rebuild and self.settings.sinks.lane and self.name in _LANE_SINKS
+        return self.feed is not None and not self.rebuild and self.settings.sinks.lane and self.name in _LANE_SINKS
 
     def _lane_applied(self, records: int) -> None:
         """On the lane's thread: its records count in the next batch's figures (status, metrics) as well, and
@@ -423,15 +425,7 @@ class SinkQuery:
         return _opened(self.name, self.settings, self.generation, None)  # type: ignore[arg-type]  # no Spark needed
 
     def _folds(self, records: list[dict[str, Any]]) -> list[TopicFold]:
-        """Each topic's fold, with the registry's schemas asked again only when a record is framed with an id
-        they do not hold (a new version): a batch of known ids makes no registry request."""
-        folds = []
-        for topic, ids in sorted(framed_ids(records).items()):
-            known = self._schemas.get(topic)
-            if known is None or not knows(known, ids):
-                known = self._schemas[topic] = self.decoder.schemas(topic)
-            folds.append(TopicFold(known))
-        return folds
+        return self.folds(records)
 
     def _range_reader(self) -> RangeReader:
         if self._reader is None:
@@ -633,6 +627,7 @@ class _Supervisor:
         self.given_up: dict[str, SinkTerminalError] = {}
         self.starting: dict[str, threading.Thread] = {}  # sinks whose start runs on its own thread
         self.bridges: dict[str, Bridge] = {}  # the sinks' bridges (sinks._bridge), joined before their query
+        self.feed = LaneFeed(settings, RegistryFolds(Decoder(settings)))  # every lane's one reader
         self._outcomes: queue.SimpleQueue[tuple[str, SinkQuery | None, Exception | None]] = queue.SimpleQueue()
 
     def run(self, stop: threading.Event) -> None:
@@ -655,6 +650,7 @@ class _Supervisor:
                 self._started()
             for q in self.queries.values():
                 q.stop()
+            self.feed.stop()
             for name in self.names:
                 if name not in self.given_up:
                     _sink_status(self.settings, name).update(state="stopped")
@@ -729,6 +725,7 @@ class _Supervisor:
                 log.info("sink %s: generation %d's query stopped; what it left was dropped", name, replaced)
             probe.close()
             q = SinkQuery(name, self.settings, self.spark, generation)
+            q.feed = self.feed
             q.warm()
             return q
         finally:

@@ -35,7 +35,7 @@ from sinks._api import (
     TableWrite,
     WritesFolded,
 )
-from sinks._fold import APPLY_OPS, POISON, TRUNCATE, Folding, TopicFold, TopicSchemas, collector_paused
+from sinks._fold import APPLY_OPS, POISON, TRUNCATE, Folded, Folding, TopicFold, TopicSchemas, collector_paused
 from sinks._reader import dead_letters, write_dead_letters
 
 if TYPE_CHECKING:
@@ -288,6 +288,75 @@ def written_on_driver(
     if infos:
         sink.prepare(list(infos.values()))
     back = fold_and_write(sink.partition_writer(), infos, {f.schemas.topic: f for f in folds}, records)
+    names = [name for name, _ in _RETURNED_ARROW]
+    return [dict(zip(names, r, strict=True)) for r in back]
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """One topic's records of a chunk folded and made into changes once, for every writer that takes them
+    (sinks._feed: each lane's sink writes the same changes)."""
+
+    schemas: TopicSchemas
+    folded: Folded
+    changes: list[Change]  # the folded rows in document form, truncate and poison apart
+    truncates: list[Change]
+
+
+def prepare(folds: Sequence[TopicFold], records: list[dict[str, Any]]) -> dict[str, Prepared]:
+    """``records`` (topic, partition, offset, key, value) folded per topic and made into changes (a topic whose
+    subject is not registered keeps only its folded rows: every writer refuses them)."""
+    by_topic: dict[str, list[dict[str, Any]]] = {}
+    for r in records:
+        by_topic.setdefault(r["topic"], []).append(r)
+    fold_of = {f.schemas.topic: f for f in folds}
+    out = {}
+    with collector_paused():
+        for topic, rs in by_topic.items():
+            fold = fold_of.get(topic, TopicFold(TopicSchemas(topic)))
+            folded = fold.fold(rs)
+            changes: list[Change] = []
+            truncates: list[Change] = []
+            if fold.schemas.registered:
+                make = ChangeMaker(fold.schemas.key_schema, fold.schemas.row_schema, spark=False)
+                changes = [make(r) for r in folded.rows if r["op"] not in (POISON, TRUNCATE)]
+                truncates = [make(r) for r in folded.rows if r["op"] == TRUNCATE]
+            out[topic] = Prepared(fold.schemas, folded, changes, truncates)
+    return out
+
+
+def prepared_written(
+    sink: Any, prepared: Sequence[Prepared], settings: SinkSettings, batch: tuple[int, int]
+) -> list[dict[str, Any]]:
+    r""":func:`written_on_driver` for topics already :func:`prepare`\ d: the same writes and the same rows back."""
+    batch_id, generation = batch
+    infos = {
+        p.schemas.topic: TableInfo(
+            p.schemas.topic,
+            settings.table_name(p.schemas.topic),
+            p.schemas.key_schema,
+            p.schemas.row_schema,
+            generation,
+            batch_id,
+        )
+        for p in prepared
+        if p.schemas.registered
+    }
+    if infos:
+        sink.prepare(list(infos.values()))
+    writer = sink.partition_writer()
+    back: list[tuple[Any, ...]] = []
+    for p in sorted(prepared, key=lambda p: p.schemas.topic):
+        topic, folded, info = p.schemas.topic, p.folded, infos.get(p.schemas.topic)
+        back.append(("seen", topic, None, folded.records, None, None, None, folded.newest_ts_ms))
+        refused = [(r["topic"], r["partition"], r["offset"], r["error"]) for r in folded.rows if r["op"] == POISON]
+        if info is None:
+            refused += [(r["topic"], r["partition"], r["offset"], r["error"]) for r in folded.rows if r["op"] != POISON]
+        else:
+            refused.extend(writer.write(info, iter(p.changes)))
+            for truncate in p.truncates:  # one per table; after the batch's other writes
+                refused.extend(writer.write(info, iter([truncate])))
+        back.extend(("rejected", *r, None, None, None) for r in refused)
     names = [name for name, _ in _RETURNED_ARROW]
     return [dict(zip(names, r, strict=True)) for r in back]
 

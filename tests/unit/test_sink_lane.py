@@ -3,26 +3,29 @@
 from __future__ import annotations
 
 import threading
-from typing import Any
+from collections.abc import Mapping
 
 from sinks._config import SinkSettings
+from sinks._feed import LaneFeed, Reader
 from sinks._lane import Lane
 
 A, B = ("t", 0), ("t", 1)
 
 
-class _Assigned:
-    """Records what the lane assigns (the consumer's only call in ``_resume``)."""
+class _Feed(LaneFeed):
+    """The process's reader, without its thread: records what the lanes ask for."""
 
     def __init__(self) -> None:
+        super().__init__(SinkSettings(), lambda _records: [])
         self.assigned: list[dict[tuple[str, int], int]] = []
 
-    def assign(self, partitions: list[Any]) -> None:
-        self.assigned.append({(p.topic, p.partition): p.offset for p in partitions})
+    def want(self, lane: Reader, starts: Mapping[tuple[str, int], int]) -> None:
+        self.assigned.append(dict(starts))
+        self._cursors[lane] = dict(starts)
 
 
-def _lane() -> Lane:
-    return Lane(SinkSettings(), "cache", 1, opened=lambda: None, folds=lambda _records: [])
+def _lane(feed: LaneFeed | None = None) -> Lane:
+    return Lane(SinkSettings(), "cache", 1, feed=feed or _Feed(), opened=lambda: None, folds=lambda _records: [])
 
 
 def test_a_batch_keeps_only_what_the_lane_has_not_applied() -> None:
@@ -34,32 +37,34 @@ def test_a_batch_keeps_only_what_the_lane_has_not_applied() -> None:
 
 
 def test_it_reads_from_the_query_s_end_and_skips_ahead_only_where_it_is_behind() -> None:
-    lane, consumer = _lane(), _Assigned()
+    consumer = _Feed()
+    lane = _lane(consumer)
     positions: dict[tuple[str, int], int] = {}
-    assert not lane._resume(consumer, positions)  # type: ignore[arg-type]  # nothing to read from yet
+    assert not lane._resume(positions)  # nothing to read from yet
     lane._follow = {A: 10, B: 4}
-    assert lane._resume(consumer, positions)  # type: ignore[arg-type]
+    assert lane._resume(positions)
     assert consumer.assigned == [{A: 10, B: 4}]
     assert positions == {A: 10, B: 4}
     assert lane._left({A: (0, 10), B: (0, 4)}) == {}  # the query applied everything before its end
     positions[A] = 15  # the lane read ahead; the query's next batch ends behind it
     lane._follow = {A: 12, B: 4}
-    assert lane._resume(consumer, positions)  # type: ignore[arg-type]
+    assert lane._resume(positions)
     assert len(consumer.assigned) == 1  # nothing to skip
     lane._follow = {A: 12, B: 9}  # the query is ahead on B: read from there, A where the lane is
-    assert lane._resume(consumer, positions)  # type: ignore[arg-type]
+    assert lane._resume(positions)
     assert consumer.assigned[-1] == {A: 15, B: 9}
 
 
 def test_after_a_refusal_it_waits_for_a_batch_past_it() -> None:
-    lane, consumer = _lane(), _Assigned()
+    consumer = _Feed()
+    lane = _lane(consumer)
     lane._blocked = {A: 20}
     positions: dict[tuple[str, int], int] = {}
     lane._follow = {A: 18}
-    assert not lane._resume(consumer, positions)  # type: ignore[arg-type]
+    assert not lane._resume(positions)
     assert consumer.assigned == []
     lane._follow = {A: 21}
-    assert lane._resume(consumer, positions)  # type: ignore[arg-type]
+    assert lane._resume(positions)
     assert consumer.assigned == [{A: 21}]
     assert lane._blocked == {}
 
@@ -130,12 +135,15 @@ def test_a_batch_waits_out_a_lane_some_seconds_behind_that_moves() -> None:
 
 
 def test_a_batch_that_writes_holds_the_lane_until_it_has_ended() -> None:
-    lane, consumer = _lane(), _Assigned()
+    consumer = _Feed()
+    lane = _lane(consumer)
     lane._applied = {A: 10}
     lane._reading = frozenset({A})
     assert lane.wait_for({A: (10, 9_000)}, most=4_000) == {A: (10, 9_000)}
     assert lane._paused
-    lane._turn(None, consumer, {A: 10})  # type: ignore[arg-type]  # paused: reads nothing, assigns nothing
+    lane._follow = {A: 20}
+    lane._turn(None, {A: 10})  # paused: takes nothing, asks for nothing
+    assert lane._follow == {A: 20}
     assert consumer.assigned == []
     lane._halt.set()  # no thread: follow() only records the batch's end and releases the lane
     lane.follow({A: 9_000})
