@@ -7,10 +7,12 @@ still needs; it folds what arrives once (sinks._write.prepare: the fold, then th
 offers the chunk to every lane reading one of its partitions. Each lane writes on its own thread, so a slow
 store slows only its own lane.
 
-A lane takes at most :data:`INBOX_RECORDS` records ahead of what it has written; a lane that falls further
-behind is dropped (the feed never waits for a store): it stops reading, its query's next batch applies what it
-had not (as after any failure of the lane), and it asks again from that batch's end. When the feed's read
-fails every lane is dropped the same way.
+A lane holds at most :data:`INBOX_RECORDS` records it has not written: the feed reads on only once every lane
+has room, so under a load the lanes cannot keep up with, they fall behind in Kafka, not in memory, and the
+queries' batches wait them out or take the backlog as before (sinks._lane). A lane whose store stalls (a full
+inbox it has taken nothing from for :data:`STALL_S`) holds the others back no longer: it is dropped, its query's
+next batch applies what it had not (as after any failure of the lane), and it asks again from that batch's end.
+When the feed's read fails every lane is dropped the same way.
 
 The feed knows nothing of batches, pauses or refusals: each lane keeps its own position and takes from a chunk
 only what lies at or after it (sinks._lane).
@@ -37,7 +39,8 @@ log = logging.getLogger(__name__)
 
 Partition = tuple[str, int]  # (topic, partition)
 CHUNK = 2_000  # records read at most per chunk: a chunk's latency stays in milliseconds
-INBOX_RECORDS = 25 * CHUNK  # records a lane may hold unwritten before the feed drops it
+INBOX_RECORDS = 25 * CHUNK  # records a lane may hold unwritten before the feed waits for it
+STALL_S = 5.0  # how long a full lane may take nothing before the feed drops it
 _POLL_S = 0.2  # the wait for a first record; it returns as soon as one arrives
 
 
@@ -55,11 +58,14 @@ class Chunk:
 class Reader(Protocol):
     """What the feed needs of a lane."""
 
-    def offer(self, chunk: Chunk) -> bool:
-        """Takes ``chunk`` to write (False: the lane is too far behind and drops out)."""
+    def offer(self, chunk: Chunk) -> None:
+        """Queues ``chunk`` for the lane to write."""
+
+    def backlog(self) -> tuple[int, float]:
+        """The records queued and not yet taken, and the seconds since the lane last took a chunk."""
 
     def dropped(self) -> None:
-        """The feed stopped feeding this lane (too far behind, or the read failed)."""
+        """The feed stopped feeding this lane (its store stalled, or the read failed)."""
 
 
 class LaneFeed:
@@ -125,7 +131,7 @@ class LaneFeed:
         from confluent_kafka import TopicPartition
 
         with self._lock:
-            wanted = self._wanted()
+            wanted = self._wanted() if self._room() else {}
             if not wanted:
                 self._lock.wait(_POLL_S)
                 return
@@ -150,17 +156,27 @@ class LaneFeed:
                 out[tp] = min(offset, out.get(tp, offset))
         return out
 
+    def _room(self) -> bool:
+        """Whether every lane has room for another chunk; a full one that took nothing for STALL_S is dropped."""
+        room = True
+        for lane in list(self._cursors):
+            queued, idle_s = lane.backlog()
+            if queued >= INBOX_RECORDS and idle_s > STALL_S:
+                log.warning("a sink's lane took no changes for %.0f s: its query's batches take over", idle_s)
+                del self._cursors[lane]
+                lane.dropped()
+            elif queued >= INBOX_RECORDS:
+                room = False
+        return room
+
     def _offer(self, chunk: Chunk) -> None:
-        for lane, cursor in list(self._cursors.items()):
+        for lane, cursor in self._cursors.items():
             mine = [tp for tp in chunk.ends if tp in cursor]
             if not mine or all(cursor[tp] >= chunk.ends[tp] for tp in mine):
                 continue
-            if lane.offer(chunk):
-                for tp in mine:
-                    cursor[tp] = max(cursor[tp], chunk.ends[tp])
-            else:
-                del self._cursors[lane]
-                lane.dropped()
+            lane.offer(chunk)
+            for tp in mine:
+                cursor[tp] = max(cursor[tp], chunk.ends[tp])
 
     def _drop_all(self) -> None:
         with self._lock:

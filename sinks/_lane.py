@@ -15,7 +15,7 @@ partition at the same time (see :meth:`Lane.wait_for`), and each change is writt
 It never commits anything and never writes a dead letter. A chunk with a record the sink refuses (poison, a
 refused write) is not counted as applied: the lane stops, the query's batch applies that range and writes the
 dead letter, and the lane goes on from the end of a batch past it. Any failure (a store or Kafka unreachable,
-a lane the reader dropped for being too far behind) stops it the same way, and the query's batches carry on as
+a lane the reader dropped because its store stalled) stops it the same way, and the query's batches carry on as
 they would without it. A crash loses only its position in memory: the restarted query applies again from its
 checkpoint, to no effect where the lane had written (the stores' position guard: a replayed change never moves
 a row backwards).
@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from sinks._feed import CHUNK, INBOX_RECORDS, Chunk, LaneFeed
+from sinks._feed import CHUNK, Chunk, LaneFeed
 from sinks._fold import TopicFold
 from sinks._ranges import Ranges, size_of
 from sinks._write import prepared_written, tally, written_on_driver
@@ -66,6 +66,7 @@ class Lane:
         self._feed, self._opened, self._folds = feed, opened, folds
         self._inbox: queue.Queue[Chunk] = queue.Queue()
         self._inbox_records = 0  # records offered and not yet taken off the inbox (under _lock)
+        self._took_at = time.monotonic()  # when the lane last took a chunk (or its inbox last became non-empty)
         self._dropped = threading.Event()  # set by the feed
         self.on_applied: Callable[[int], None] = lambda _records: None  # told how many records each chunk applied
         self._lock = threading.Lock()
@@ -184,14 +185,17 @@ class Lane:
 
     # --- the feed's side -----------------------------------------------------------------------------
 
-    def offer(self, chunk: Chunk) -> bool:
-        """Queues ``chunk`` for the lane's thread; False when the lane holds too much unwritten already."""
+    def offer(self, chunk: Chunk) -> None:
+        """Queues ``chunk`` for the lane's thread."""
         with self._lock:
-            if self._inbox_records + len(chunk.records) > INBOX_RECORDS and self._inbox_records:
-                return False
+            if not self._inbox_records:
+                self._took_at = time.monotonic()  # idle from here, if it takes nothing
             self._inbox_records += len(chunk.records)
         self._inbox.put(chunk)
-        return True
+
+    def backlog(self) -> tuple[int, float]:
+        with self._lock:
+            return self._inbox_records, time.monotonic() - self._took_at
 
     def dropped(self) -> None:
         self._dropped.set()
@@ -237,7 +241,7 @@ class Lane:
 
     def _step(self, sink: Any, positions: dict[tuple[str, int], int]) -> None:
         if self._dropped.is_set() and positions:
-            raise SinkTransientError("it fell too far behind, or the sinks' reader stopped")
+            raise SinkTransientError("its store took no changes for a while, or the sinks' reader stopped")
         if not self._resume(positions):
             self._halt.wait(_POLL_S)
             return
@@ -247,6 +251,7 @@ class Lane:
             return
         with self._lock:
             self._inbox_records -= len(chunk.records)
+            self._took_at = time.monotonic()
         if self._halt.is_set():
             return
         mine = [tp for tp in chunk.ends if tp in positions and positions[tp] < chunk.ends[tp]]

@@ -1,5 +1,6 @@
 """The lanes' one reader (sinks._feed): a chunk is folded once and offered to every lane reading it; each lane
-writes only what lies at or after its own position; a lane too far behind is dropped, never waited for."""
+writes only what lies at or after its own position; the feed waits for a full lane that moves, and drops one
+whose store stalls."""
 
 from __future__ import annotations
 
@@ -7,9 +8,10 @@ from collections.abc import Iterable, Iterator
 
 import pytest
 
+import sinks._feed
 from sinks._api import Change, Rejected, TableInfo
 from sinks._config import SinkSettings
-from sinks._feed import INBOX_RECORDS, Chunk, LaneFeed
+from sinks._feed import STALL_S, Chunk, LaneFeed
 from sinks._fold import TopicFold
 from sinks._lane import Lane
 from sinks._write import prepare
@@ -76,26 +78,31 @@ def test_a_lane_takes_only_what_lies_past_its_position() -> None:
     lane._step(sink, positions)
     assert [c.offset for c in sink.writer.written] == [14]  # folded from 12 on, by the lane itself
     assert positions == {P0: 15}
-    assert lane.offer(_chunk(16, 17))  # the reader skipped offset 15: the lane cannot go on
+    lane.offer(_chunk(16, 17))  # the reader skipped offset 15: the lane cannot go on
     with pytest.raises(SinkTransientError, match="skipped"):
         lane._step(sink, positions)
 
 
-def test_a_lane_too_far_behind_is_dropped_not_waited_for() -> None:
+def test_the_feed_waits_for_a_full_lane_that_moves_and_drops_one_that_stalls(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     feed = LaneFeed(SinkSettings(), lambda _records: FOLDS)
     slow, other = _lane(feed), _lane(feed)
     feed._cursors = {slow: {P0: 0}, other: {P0: 0}}
-    slow._inbox_records = INBOX_RECORDS  # holds a full inbox it has not written
-    slow._inbox.put(_chunk(0, 1))
-    feed._offer(_chunk(0, 2))
+    slow.offer(_chunk(0, 1))
+    monkeypatch.setattr(sinks._feed, "INBOX_RECORDS", 1)  # one record queued fills it
+    assert not feed._room()  # full, and it took its last chunk a moment ago: the feed waits
+    assert set(feed._cursors) == {slow, other}
+    slow._took_at -= STALL_S + 1  # nothing taken for longer than the feed waits
+    assert feed._room()
     assert list(feed._cursors) == [other]  # the other lane goes on
     assert slow._dropped.is_set()
     positions = {P0: 0}
-    with pytest.raises(SinkTransientError, match="behind"):
+    with pytest.raises(SinkTransientError, match="took no changes"):
         slow._step(_Sink(), positions)
     slow._stop_reading(positions)  # what it had queued goes: its batches apply it
     assert slow._inbox.empty()
-    assert slow._inbox_records == 0
+    assert slow.backlog()[0] == 0
     assert positions == {}
 
 
