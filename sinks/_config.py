@@ -131,7 +131,8 @@ class SinksConfig(_Section):
         default=50,
         ge=0,
         le=1_000,
-        description="how long the broker may hold a lane's fetch to gather changes (0: each fetch returns as soon "
+        description="how long the broker may hold the lanes' reader's fetch to gather changes (0: each fetch returns "
+        "as soon "
         "as one change is there): at a light load each change otherwise becomes a chunk of its own, and every "
         "chunk costs the driver a fold and a write, and the store a request",
     )
@@ -139,8 +140,8 @@ class SinksConfig(_Section):
         default=50_000,
         ge=0,
         description="decoded change records `cdc sinks run` keeps for its sinks' other readers on the driver (the "
-        "lanes, the bridges, the driver's batches): each record is decoded once, not once per sink (0: each "
-        "decodes its own)",
+        "warehouse's live batches and the bridges take what the lanes' reader decoded): each record is decoded "
+        "once, not once per sink (0: each decodes its own)",
     )
     dead_letter_topic: str | None = Field(default=None, description="default: <topic_prefix>.dead-letter")
     spark_master: str | None = Field(default="local[2]", description="null: leave it to spark-submit")
