@@ -69,8 +69,9 @@ def _setup_logging(level: str, as_json: bool) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
-    # The registry client logs every HTTP request at INFO; that is noise at our INFO level.
-    for noisy in ("httpx", "httpx2", "httpcore"):
+    # The registry's and OpenSearch's clients log every HTTP request at INFO; that is noise at our INFO level
+    # (and, for the search sink's lane, a log record built per bulk request).
+    for noisy in ("httpx", "httpx2", "httpcore", "opensearch"):
         logging.getLogger(noisy).setLevel(max(logging.WARNING, root.level))
 
 

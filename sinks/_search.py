@@ -23,7 +23,14 @@ from urllib.parse import unquote
 import orjson
 from opensearchpy import OpenSearch, helpers
 from opensearchpy.exceptions import ConnectionError as OSConnectionError
-from opensearchpy.exceptions import ConnectionTimeout, NotFoundError, RequestError, TransportError
+from opensearchpy.exceptions import (
+    ConnectionTimeout,
+    NotFoundError,
+    RequestError,
+    SerializationError,
+    TransportError,
+)
+from opensearchpy.serializer import JSONSerializer
 
 from sinks._api import BaseSink, Change, Rejected, SinkContext, TableInfo, TableRef
 from sinks._clients import shared
@@ -80,10 +87,27 @@ def _encoded(row: Mapping[str, Any]) -> dict[str, Any]:
     return {field_name(col): value for col, value in row.items()}
 
 
+class _Serializer(JSONSerializer):
+    """The client's JSON: requests as opensearch-py writes them, responses read with orjson (a bulk response
+    lists every action's result: the stdlib's parser took a tenth of search's lane at 2,000 changes/s)."""
+
+    def loads(self, s: Any) -> Any:
+        try:
+            return orjson.loads(s)
+        except orjson.JSONDecodeError as exc:
+            raise SerializationError(s, exc) from exc
+
+
 def _client(cfg: SearchConfig) -> OpenSearch:
     auth = (cfg.username, cfg.password.get_secret_value()) if cfg.username and cfg.password else None
     return OpenSearch(
-        cfg.url, http_auth=auth, verify_certs=cfg.verify_certs, timeout=60, max_retries=3, retry_on_timeout=True
+        cfg.url,
+        http_auth=auth,
+        verify_certs=cfg.verify_certs,
+        timeout=60,
+        max_retries=3,
+        retry_on_timeout=True,
+        serializer=_Serializer(),
     )
 
 
