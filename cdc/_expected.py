@@ -24,8 +24,9 @@ import psycopg
 from psycopg import sql
 
 from cdc._catalog import TypeResolver
-from cdc._chunks import parse_binary_copy
+from cdc._chunks import encode_chunk, parse_binary_copy, rows_and_last
 from cdc._config import Settings, load_settings
+from cdc._encoder import packed_rows
 from cdc._events import ColumnSpec, SourceInfo, TableCodec, table_shape
 from cdc._source import check_and_prepare, connect
 from cdc._standby import source_connections
@@ -114,6 +115,36 @@ class SourceTable:
         codec = self._codec()
         kinds = bytes(_B if b else _T for b in codec.binary_capable)
         width = len(kinds)
+        for data in self._copies(codec, chunk_rows, snapshot, within):
+            for raw in parse_binary_copy(data):
+                # Exactly as the snapshot converts a row (binary COPY, text for types without a binary reader).
+                try:
+                    row = _row(codec, raw[:width], kinds)
+                except ValueError as exc:
+                    if unencodable is None:
+                        raise
+                    unencodable(_unencodable(codec, raw, kinds, exc))
+                    continue
+                yield row
+
+    def records(
+        self, chunk_rows: int = 20_000, *, snapshot: str | None = None, within: KeyRange = KeyRange()
+    ) -> Iterator[tuple[list[bytes], list[UnencodableRow]]]:
+        """:meth:`rows` a chunk at a time as the capture's encoder writes them (in C where it is built): each row
+        as the Value record's Avro bytes, with the chunk's rows that have no event. No row becomes a Python
+        object: a reader that decodes Avro itself (Spark's ``from_avro``) takes these."""
+        codec = self._codec()
+        kinds = bytes(_B if b else _T for b in codec.binary_capable)
+        for data in self._copies(codec, chunk_rows, snapshot, within):
+            _, packed, refused = encode_chunk(codec, self.qualified, data, kinds)
+            records = packed_rows(packed)[1]
+            assert records is not None
+            yield records, [_unencodable(codec, r.fields, kinds, r.error) for r in refused]
+
+    def _copies(self, codec: TableCodec, chunk_rows: int, snapshot: str | None, within: KeyRange) -> Iterator[bytes]:
+        """Binary COPY outputs of ``chunk_rows`` rows ``within`` the range, in key order, each chunk after the last
+        one's key, all in one snapshot."""
+        width = len(codec.binary_capable)
         select = self._select(codec)
         with connect(self._settings) as conn:
             conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")  # every chunk sees one snapshot
@@ -121,24 +152,16 @@ class SourceTable:
                 conn.execute(sql.SQL("SET TRANSACTION SNAPSHOT {}").format(sql.Literal(snapshot)))
             after = within.after
             while True:
-                data = bytearray()
+                buf = bytearray()
                 with conn.cursor() as cur, cur.copy(self._chunk(select, after, within.upto, chunk_rows)) as copy:
                     for block in copy:
-                        data += block
-                chunk = parse_binary_copy(data)
-                for raw in chunk:
-                    # Exactly as the snapshot converts a row (binary COPY, text for types without a binary reader).
-                    try:
-                        row = _row(codec, raw[:width], kinds)
-                    except ValueError as exc:
-                        if unencodable is None:
-                            raise
-                        unencodable(_unencodable(codec, raw, kinds, exc))
-                        continue
-                    yield row
-                if len(chunk) < chunk_rows:
+                        buf += block
+                data = bytes(buf)
+                count, last = rows_and_last(data)
+                yield data
+                if count < chunk_rows or last is None:
                     return
-                after = tuple((v or b"").decode() for v in chunk[-1][width:])
+                after = tuple((v or b"").decode() for v in last[width:])
 
     def snapshot(self) -> AbstractContextManager[tuple[psycopg.Connection[Any], str]]:
         """A snapshot to read the table in parallel (:func:`exported_snapshot`), from the table's database."""

@@ -26,6 +26,7 @@ import base64
 import binascii
 import hashlib
 import json
+import logging
 import pickle
 import tempfile
 import uuid
@@ -34,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from sinks import _verify_fields as in_jvm
 from sinks._api import FrameRows, ReadsFrame, ReadsInParts, StorePart, TableRef, key_id
 from sinks._storage import Location
 from sinks._values import Names, column_name, doc_converter
@@ -41,6 +43,8 @@ from sinks._values import Names, column_name, doc_converter
 if TYPE_CHECKING:
     import pyarrow as pa
     from pyspark.sql import DataFrame, SparkSession
+
+log = logging.getLogger(__name__)
 
 SAMPLE = 10  # keys of each kind kept for the report on the terminal
 _BATCH = 5_000  # rows per Arrow batch a task hands back
@@ -94,11 +98,17 @@ def compare(
         drift = Drift(src.qualified)
         store = _StoreFrame(spark, sink, ref, generation, columns=columns, reports=reports)
         with src.snapshot() as (conn, exported), store:
-            ranges = src.ranges(conn, parallelism * 2, min_rows=_ROWS_PER_RANGE)
-            source = spark.range(0, len(ranges), 1, len(ranges)).mapInArrow(
-                _SourceRanges(src, exported, tuple(ranges)), _LEDGER
-            )
-            _collect(_differences(source, store.frame()), drift, reports, ref.name, key_texts(src))
+            ranges = tuple(src.ranges(conn, parallelism * 2, min_rows=_ROWS_PER_RANGE))
+            rows = None
+            if in_jvm.comparable(sink, src):  # in the JVM, no per-row Python
+                rows = in_jvm.differences(spark, sink, src, ref, generation, read=(exported, ranges))
+            log.info("verify: %s compared %s", src.qualified, "in the JVM" if rows is not None else "in document form")
+            if rows is None:
+                source = spark.range(0, len(ranges), 1, len(ranges)).mapInArrow(
+                    _SourceRanges(src, exported, ranges), _LEDGER
+                )
+                rows = _differences(source, store.frame())
+            _collect(rows, drift, reports, ref.name, key_texts(src))
         drifts.append(drift)
     return drifts
 

@@ -145,6 +145,10 @@ class WarehouseSink(BaseSink):
         )
         return projected, WarehouseRows(table.row_schema, table.key_fields)
 
+    def read_fields(self, table: TableRef, generation: int) -> tuple[DataFrame, WarehouseRows] | None:
+        # read_frame's projection is from_avro's types with spark_projection applied: what sinks.ReadsFields says.
+        return self.read_frame(table, generation)
+
     def _committed(self, path: str) -> DataFrame | None:
         """The table at ``path``, or None while its first commit is still being written: Delta makes
         ``_delta_log`` before version 0 lands, so a reader racing the sink's first batch sees a log with

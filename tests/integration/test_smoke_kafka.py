@@ -2,8 +2,22 @@
 
 from __future__ import annotations
 
+import time
+
 from confluent_kafka import Consumer, Producer
 from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic
+
+
+def _wait_for_partitions(admin: AdminClient, topic: str, count: int) -> None:
+    """CreateTopics answers once the controller has the topic; the broker serving the next request may learn
+    of it a moment later (describe_configs then says UNKNOWN_TOPIC_OR_PART), so wait until its metadata shows it."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        found = admin.list_topics(topic, timeout=10).topics.get(topic)
+        if found is not None and found.error is None and len(found.partitions) == count:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"topic {topic!r} was created but its {count} partitions never appeared in the metadata")
 
 
 def test_compacted_topic_config_and_round_trip(kafka_bootstrap: str, unique: str) -> None:
@@ -14,6 +28,7 @@ def test_compacted_topic_config_and_round_trip(kafka_bootstrap: str, unique: str
     )
     futures[topic].result(timeout=30)
     try:
+        _wait_for_partitions(admin, topic, 3)
         resource = ConfigResource(ConfigResource.Type.TOPIC, topic)
         configs = admin.describe_configs([resource])[resource].result(timeout=30)
         assert configs["cleanup.policy"].value == "compact"

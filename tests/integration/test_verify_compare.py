@@ -4,6 +4,7 @@ with each way a store is read back (parts in tasks, read_table on the driver), o
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -237,3 +238,112 @@ def test_a_store_key_that_is_no_key_of_the_table_is_extra_without_columns(spark:
     assert drift.counts["extra"] == 4
     listed = [json.loads(line) for line in (tmp_path / "verify" / "public.t.jsonl").read_text().splitlines()]
     assert all("columns" not in line for line in listed), listed
+
+
+_FIELDS_SCHEMA = {
+    "type": "record",
+    "name": "Value",
+    "fields": [
+        {"name": "id", "type": "int"},
+        {"name": "v", "type": ["null", "double"]},
+        {"name": "m", "type": ["null", {"type": "map", "values": "string"}]},
+        {"name": "t", "type": ["null", {"type": "long", "logicalType": "time-micros"}]},
+    ],
+}
+_MIDNIGHT_AFTER = 86_400_000_000  # 24:00:00, which PostgreSQL's time holds and Spark's TIME does not
+
+
+@dataclass
+class _EncodedSource:
+    """A source that gives its rows as the capture's encoder writes them (cdc.SourceTable.records)."""
+
+    rows: dict[int, dict[str, Any]]
+    unencodable: list[Any] = field(default_factory=list)
+    topic: str = "p.public.t"
+    qualified: str = "public.t"
+    key_fields: tuple[str, ...] = ("id",)
+    row_schema: dict[str, Any] = field(default_factory=lambda: _FIELDS_SCHEMA)
+
+    @contextmanager
+    def snapshot(self) -> Iterator[tuple[None, str]]:
+        yield None, "the snapshot"
+
+    def ranges(self, conn: None, parts: int, *, min_rows: int = 1) -> list[KeyRange]:
+        return [KeyRange(None, ("3",)), KeyRange(("3",), None)]
+
+    def records(self, *, snapshot: str, within: KeyRange) -> Iterator[tuple[list[bytes], list[Any]]]:
+        import io
+
+        import fastavro
+
+        assert snapshot == "the snapshot"
+        low = int(within.after[0]) if within.after else None
+        high = int(within.upto[0]) if within.upto else None
+        parsed = fastavro.parse_schema(self.row_schema)
+        out = []
+        for k, row in sorted(self.rows.items()):
+            if (low is None or k > low) and (high is None or k <= high):
+                buf = io.BytesIO()
+                fastavro.schemaless_writer(buf, parsed, {"id": k, **row})
+                out.append(buf.getvalue())
+        yield out, list(self.unencodable) if low is None else []
+
+
+@dataclass
+class _FieldsStore:
+    """A store Spark reads in the Value record's own columns (sinks.ReadsFields), as the warehouse is."""
+
+    rows: dict[int, dict[str, Any]]
+
+    def read_fields(self, ref: TableRef, generation: int) -> tuple[Any, Any]:
+        from pyspark.sql import SparkSession
+
+        from sinks._warehouse import WarehouseRows
+
+        assert (ref.name, generation) == ("public.t", 3)
+        spark = SparkSession.getActiveSession()
+        assert spark is not None
+        rows = [(k, r["v"], r["m"], r["t"]) for k, r in self.rows.items()]
+        frame = spark.createDataFrame(rows, "id int, v double, m map<string, string>, t bigint")
+        return frame, WarehouseRows(ref.row_schema, ref.key_fields)
+
+    def read_frame(self, ref: TableRef, generation: int) -> tuple[Any, Any]:
+        return self.read_fields(ref, generation)
+
+
+def test_a_store_read_in_its_own_columns_is_compared_in_the_jvm(
+    spark: SparkSession, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The warehouse's way: the source's Avro bytes decoded by Spark and compared with the store's columns in
+    the JVM. Maps in another order, -0.0 against 0.0 and 24:00:00 are equal; a changed map value, a missing and
+    an extra row are found; a row with no event and the older version the store holds are not called extra."""
+    caplog.set_level(logging.INFO, logger="sinks._verify")
+    row: Callable[..., dict[str, Any]] = lambda v, m, t: {"v": v, "m": m, "t": t}  # noqa: E731
+    source = _EncodedSource(
+        {
+            1: row(1.0, {"a": "1", "b": "2"}, 5),
+            2: row(None, None, None),
+            3: row(-0.0, {}, _MIDNIGHT_AFTER),
+            4: row(4.0, {"x": "y"}, 1),
+            7: row(7.0, None, 7),
+        },
+        unencodable=[_Unencodable({"id": "5"}, {"id": 5}, "column 't': out of range")],
+    )
+    store = {
+        1: row(1.0, {"b": "2", "a": "1"}, 5),
+        2: row(None, None, None),
+        3: row(0.0, {}, _MIDNIGHT_AFTER),
+        4: row(4.0, {"x": "z"}, 1),
+        5: row(5.0, None, 5),  # the unencodable row's older version
+        6: row(6.0, None, 6),
+    }
+    reports = location(tmp_path / "verify", StorageConfig())
+    (drift,) = compare(spark, _FieldsStore(store), [source], 3, table_name=_table_name, reports=reports)
+    assert "verify: public.t compared in the JVM" in caplog.text
+    assert drift.counts == {"missing": 1, "extra": 1, "different": 1, "unencodable": 1}
+    assert (drift.missing, drift.extra) == (["[7]"], ["[6]"])
+    ((key, want, got),) = drift.different
+    assert (key, want["m"], got["m"]) == ("[4]", {"x": "y"}, {"x": "z"})
+    assert drift.unencodable == [('{"id": "5"}', "column 't': out of range")]
+    listed = [json.loads(line) for line in (tmp_path / "verify" / "public.t.jsonl").read_text().splitlines()]
+    assert sorted(line["kind"] for line in listed) == ["different", "extra", "missing", "unencodable"]
