@@ -43,6 +43,7 @@ def test_the_sink_api_names_stay() -> None:
         "FrameRows",
         "PartitionSink",
         "PartitionWriter",
+        "ReadsFields",
         "ReadsFrame",
         "ReadsInParts",
         "Rebuildable",
