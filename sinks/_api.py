@@ -354,13 +354,14 @@ class ReadsFrame(Protocol):
 
 @runtime_checkable
 class ReadsFields(Protocol):
-    """A :class:`ReadsFrame` sink whose frame holds exactly the table's Value record: a column per field, by its
-    Avro name, as Spark's ``from_avro`` reads the field and ``sinks._values.spark_projection`` then projects it
-    (the warehouse: its Delta columns are those types). ``cdc verify`` then compares it with the source inside
-    the JVM, and only the rows that differ reach Python."""
+    """A :class:`ReadsFrame` sink whose copy Spark reads as the table's Value record: a column per field, by its
+    Avro name, typed as Spark's ``from_avro`` reads the field (a ``time-micros`` as the long it is; the warehouse:
+    its Delta columns are those types). ``cdc verify`` then compares it with the source inside the JVM, and only
+    the rows that differ reach Python."""
 
     def read_fields(self, table: TableRef, generation: int) -> tuple[DataFrame, FrameRows] | None:
-        """As :meth:`ReadsFrame.read_frame`, with the frame in that form."""
+        """The frame in that form, and the function from its rows, projected by sinks._values.spark_projection,
+        to (key_id, row in document form); None when ``generation`` has no copy of ``table``."""
         ...
 
 

@@ -282,27 +282,31 @@ def _python_kind(avro: AvroType) -> type | tuple[type, ...]:
     return kinds.get(kind, object)
 
 
-def spark_projection(avro: AvroType, column: Column, names: Names, namespace: str | None = None) -> Column:
-    """``column`` with every date and timestamp inside replaced by its day / µs count (see the module doc)."""
+def spark_projection(
+    avro: AvroType, column: Column, names: Names, namespace: str | None = None, *, maps_as_entries: bool = False
+) -> Column:
+    """``column`` with every date and timestamp inside replaced by its day / µs count (see the module doc); with
+    ``maps_as_entries``, every map inside also replaced by its entries sorted by key (Spark compares no maps)."""
     from pyspark.sql import functions as F
 
     avro = names.resolve(avro, namespace)
-    if not _has_temporal(avro, names, namespace, set()):
+    if not _projected_inside(avro, names, namespace, set(), maps_as_entries):
         return column
+
+    def inner(inner_avro: AvroType, inner_column: Column, ns: str | None = namespace) -> Column:
+        return spark_projection(inner_avro, inner_column, names, ns, maps_as_entries=maps_as_entries)
+
     if isinstance(avro, list):
         real = [b for b in avro if b != "null"]
         if len(real) == 1:
-            return spark_projection(real[0], column, names, namespace)
-        members = [
-            spark_projection(b, column.getField(f"member{i}"), names, namespace).alias(f"member{i}")
-            for i, b in enumerate(real)
-        ]
+            return inner(real[0], column)
+        members = [inner(b, column.getField(f"member{i}")).alias(f"member{i}") for i, b in enumerate(real)]
         return F.when(column.isNull(), F.lit(None)).otherwise(F.struct(*members))
     if isinstance(avro, str):
         return column
     kind, logical = avro["type"], avro.get("logicalType")
     if isinstance(kind, (dict, list)):
-        return spark_projection(kind, column, names, namespace)
+        return inner(kind, column)
     if logical == "date":
         return F.unix_date(column)
     if logical == "timestamp-micros":
@@ -312,26 +316,26 @@ def spark_projection(avro: AvroType, column: Column, names: Names, namespace: st
         return F.unix_micros(column.cast("timestamp"))
     if kind == "record":
         ns = avro.get("namespace", namespace)
-        fields = [
-            spark_projection(f["type"], column.getField(f["name"]), names, ns).alias(f["name"]) for f in avro["fields"]
-        ]
+        fields = [inner(f["type"], column.getField(f["name"]), ns).alias(f["name"]) for f in avro["fields"]]
         return F.when(column.isNull(), F.lit(None)).otherwise(F.struct(*fields))
     if kind == "array":
-        return F.transform(column, lambda x: spark_projection(avro["items"], x, names, namespace))
+        return F.transform(column, lambda x: inner(avro["items"], x))
     if kind == "map":
-        return F.transform_values(column, lambda _k, v: spark_projection(avro["values"], v, names, namespace))
+        values = F.transform_values(column, lambda _k, v: inner(avro["values"], v))
+        return F.array_sort(F.map_entries(values)) if maps_as_entries else values
     return column
 
 
-def _has_temporal(avro: AvroType, names: Names, namespace: str | None, seen: set[str]) -> bool:
+def _projected_inside(avro: AvroType, names: Names, namespace: str | None, seen: set[str], maps: bool) -> bool:
+    """Whether :func:`spark_projection` changes anything inside ``avro`` (a map counts when ``maps``)."""
     avro = names.resolve(avro, namespace)
     if isinstance(avro, list):
-        return any(_has_temporal(b, names, namespace, seen) for b in avro)
+        return any(_projected_inside(b, names, namespace, seen, maps) for b in avro)
     if isinstance(avro, str):
         return False
     kind = avro["type"]
     if isinstance(kind, (dict, list)):
-        return _has_temporal(kind, names, namespace, seen)
+        return _projected_inside(kind, names, namespace, seen, maps)
     if avro.get("logicalType") in ("date", "timestamp-micros", "local-timestamp-micros"):
         return True
     if kind == "record":
@@ -340,11 +344,11 @@ def _has_temporal(avro: AvroType, names: Names, namespace: str | None, seen: set
         if full in seen:
             return False
         seen.add(full)
-        return any(_has_temporal(f["type"], names, ns, seen) for f in avro["fields"])
+        return any(_projected_inside(f["type"], names, ns, seen, maps) for f in avro["fields"])
     if kind == "array":
-        return _has_temporal(avro["items"], names, namespace, seen)
+        return _projected_inside(avro["items"], names, namespace, seen, maps)
     if kind == "map":
-        return _has_temporal(avro["values"], names, namespace, seen)
+        return maps or _projected_inside(avro["values"], names, namespace, seen, maps)
     return False
 
 

@@ -165,12 +165,10 @@ class _SourceRanges:
         fields = self.src.row_schema["fields"]
         convs = {f["name"]: (column_name(f), doc_converter(f["type"], names, spark=False)) for f in fields}
         key_cols = [convs[k][0] for k in self.src.key_fields]
+        bad_key = in_jvm.unencodable_key(self.src)
 
         def unencodable(row: Any) -> None:
-            key = None
-            if row.key is not None:
-                key = key_id({convs[k][0]: convs[k][1](row.key[k]) for k in self.src.key_fields})
-            bad.append((key, None, None, json.dumps(row.key_text, ensure_ascii=False), row.error))
+            bad.append((bad_key(row), None, None, json.dumps(row.key_text, ensure_ascii=False), row.error))
 
         for raw in self.src.rows(unencodable=unencodable, snapshot=self.snapshot, within=self.ranges[part]):
             row = {col: conv(raw[name]) for name, (col, conv) in convs.items()}

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from sinks._api import FrameRows, ReadsFields, TableRef, key_id
-from sinks._values import AvroType, Names, column_name, doc_converter, spark_projection
+from sinks._values import Names, column_name, doc_converter, spark_projection
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -37,53 +37,6 @@ def comparable(sink: Any, src: Any) -> bool:
     return isinstance(sink, ReadsFields) and hasattr(src, "records")
 
 
-def _orderable(avro: AvroType, column: Column, names: Names, namespace: str | None = None) -> Column:
-    """``column`` with every map inside as its entries sorted by key: Spark compares no maps."""
-    from pyspark.sql import functions as F
-
-    avro = names.resolve(avro, namespace)
-    if not _has_map(avro, names, namespace):
-        return column
-    if isinstance(avro, list):
-        real = [b for b in avro if b != "null"]
-        if len(real) == 1:
-            return _orderable(real[0], column, names, namespace)
-        members = [
-            _orderable(b, column.getField(f"member{i}"), names, namespace).alias(f"member{i}")
-            for i, b in enumerate(real)
-        ]
-        return F.when(column.isNull(), F.lit(None)).otherwise(F.struct(*members))
-    assert isinstance(avro, dict)  # a name or a primitive has no map
-    kind = avro["type"]
-    if isinstance(kind, (dict, list)):
-        return _orderable(kind, column, names, namespace)
-    if kind == "record":
-        ns = avro.get("namespace", namespace)
-        fields = [_orderable(f["type"], column.getField(f["name"]), names, ns).alias(f["name"]) for f in avro["fields"]]
-        return F.when(column.isNull(), F.lit(None)).otherwise(F.struct(*fields))
-    if kind == "array":
-        return F.transform(column, lambda x: _orderable(avro["items"], x, names, namespace))
-    values = F.transform_values(column, lambda _k, v: _orderable(avro["values"], v, names, namespace))
-    return F.array_sort(F.map_entries(values))
-
-
-def _has_map(avro: AvroType, names: Names, namespace: str | None) -> bool:
-    avro = names.resolve(avro, namespace)
-    if isinstance(avro, list):
-        return any(_has_map(b, names, namespace) for b in avro)
-    if isinstance(avro, str):
-        return False
-    kind = avro["type"]
-    if isinstance(kind, (dict, list)):
-        return _has_map(kind, names, namespace)
-    if kind == "record":
-        ns = avro.get("namespace", namespace)
-        return any(_has_map(f["type"], names, ns) for f in avro["fields"])
-    if kind == "array":
-        return _has_map(avro["items"], names, namespace)
-    return bool(kind == "map")
-
-
 def differences(
     spark: SparkSession, sink: Any, src: Any, ref: TableRef, generation: int, *, read: tuple[str, tuple[Any, ...]]
 ) -> Iterator[dict[str, Any]] | None:
@@ -94,11 +47,12 @@ def differences(
     if store is None:
         return None
     frame, rows_to_docs = store
-    fields = [f["name"] for f in src.row_schema["fields"]]
-    keys = [fields.index(k) for k in src.key_fields]
+    fields = src.row_schema["fields"]
+    keys = [[f["name"] for f in fields].index(k) for k in src.key_fields]
     source = _source(spark, src, *read)
-    stored = frame.select(*[frame[name].alias(f"c{i}") for i, name in enumerate(fields)], _present())
-    joined = _joined(source.alias("s"), stored.alias("d"), src.row_schema["fields"], keys)
+    s = _sides(source, fields, source.columns[len(fields) :])
+    d = _sides(frame.select(*[frame[f["name"]] for f in fields], _present()), fields, ["present"])
+    joined = _joined(s.alias("s"), d.alias("d"), [f["name"] for f in fields], keys)
     return _as_ledger(joined.toLocalIterator(), rows_to_docs)
 
 
@@ -118,12 +72,26 @@ def _source(spark: SparkSession, src: Any, snapshot: str, ranges: tuple[Any, ...
     parsed = records.select(
         from_avro(F.col("record"), json.dumps(_times_as_longs(src.row_schema))).alias("r"), "bad", "error", "bad_key"
     )
-    names = Names()  # named types are defined by the first field that uses them: project in field order
-    columns = [
-        spark_projection(f["type"], F.col("r").getField(f["name"]), names).alias(f"c{i}")
-        for i, f in enumerate(src.row_schema["fields"])
-    ]
-    return parsed.select(*columns, _present(), "bad", "error", "bad_key")
+    raw = [F.col("r").getField(f["name"]).alias(f"raw{i}") for i, f in enumerate(src.row_schema["fields"])]
+    return parsed.select(*raw, _present(), "bad", "error", "bad_key")
+
+
+def _sides(frame: DataFrame, fields: list[dict[str, Any]], rest: list[str]) -> DataFrame:
+    """One side's fields (its first columns, as from_avro types them) as c0, c1, … projected for document form
+    and as m0, m1, … projected for comparing (maps as sorted entries), with its ``rest`` columns."""
+    shown, compared = Names(), Names()  # named types are defined by the first field that uses them
+    raw = [frame[name] for name in frame.columns[: len(fields)]]
+    return frame.select(
+        *[
+            spark_projection(f["type"], c, shown).alias(f"c{i}")
+            for i, (f, c) in enumerate(zip(fields, raw, strict=True))
+        ],
+        *[
+            spark_projection(f["type"], c, compared, maps_as_entries=True).alias(f"m{i}")
+            for i, (f, c) in enumerate(zip(fields, raw, strict=True))
+        ],
+        *rest,
+    )
 
 
 def _times_as_longs(avro: Any) -> Any:
@@ -138,23 +106,17 @@ def _times_as_longs(avro: Any) -> Any:
     return {k: _times_as_longs(v) if k in ("type", "fields", "items", "values") else v for k, v in avro.items()}
 
 
-def _joined(s: DataFrame, d: DataFrame, schema: list[dict[str, Any]], keys: list[int]) -> DataFrame:
+def _joined(s: DataFrame, d: DataFrame, fields: list[str], keys: list[int]) -> DataFrame:
     """The full outer join of both sides by key, only the rows that differ, in the report's order (unencodable
-    rows first: an extra row with an unencodable row's key is the older version of that row, not extra).
-    ``schema``: the Value record's fields; ``keys``: the key fields' indexes."""
+    rows first: an extra row with an unencodable row's key is the older version of that row, not extra)."""
     from pyspark.sql import functions as F
 
-    fields = [f["name"] for f in schema]
+    def side(alias: str, i: int, form: str = "c") -> Column:
+        return F.col(f"{alias}.{form}{i}")
 
-    def side(alias: str, i: int) -> Column:
-        return F.col(f"{alias}.c{i}")
-
-    def compared(alias: str) -> list[Column]:
-        names = Names()  # named types are defined by the first field that uses them
-        return [_orderable(f["type"], side(alias, i), names) for i, f in enumerate(schema)]
-
-    pairs = zip(compared("s"), compared("d"), strict=True)
-    same = functools.reduce(lambda a, b: a & b, [a.eqNullSafe(b) for a, b in pairs])
+    same = functools.reduce(
+        lambda a, b: a & b, [side("s", i, "m").eqNullSafe(side("d", i, "m")) for i in range(len(fields))]
+    )
     missing, extra, bad = F.col("d.present").isNull(), F.col("s.present").isNull(), F.col("s.bad").isNotNull()
     kind = F.when(bad, _UNENCODABLE).when(missing, 0).when(extra, 1).otherwise(3)
     joined = s.join(d, [side("s", i) == side("d", i) for i in keys], "full_outer").where(bad | missing | extra | ~same)
@@ -210,7 +172,7 @@ class _SourceRecords:
     ranges: tuple[Any, ...]  # cdc.KeyRange, one per task
 
     def __call__(self, batches: Iterable[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-        bad_key = _bad_key(self.src)
+        bad_key = unencodable_key(self.src)
         for batch in batches:
             for part in batch.column(0).to_pylist():
                 for records, refused in self.src.records(snapshot=self.snapshot, within=self.ranges[part]):
@@ -224,8 +186,9 @@ class _SourceRecords:
                         )
 
 
-def _bad_key(src: Any) -> Callable[[Any], str | None]:
-    """A function from a cdc.UnencodableRow to its key id (document form), None when its key has no encoding."""
+def unencodable_key(src: Any) -> Callable[[Any], str | None]:
+    """A function from a cdc.UnencodableRow to its key id (document form, as a store's row of that key has it),
+    None when its key has no encoding: both comparisons use it."""
     names = Names()
     fields = {f["name"]: f for f in src.row_schema["fields"]}
     convs = {}

@@ -123,7 +123,22 @@ class WarehouseSink(BaseSink):
         yield from rows_to_docs(frame.repartition(max(1, -(-size // _READ_PIECE_BYTES))).toLocalIterator())
 
     def read_frame(self, table: TableRef, generation: int) -> tuple[DataFrame, WarehouseRows] | None:
+        read = self.read_fields(table, generation)
+        if read is None:
+            return None
+        frame, rows = read
+        names = Names()
+        fields = table.row_schema["fields"]
+        return frame.select(
+            *[spark_projection(f["type"], frame[f["name"]], names).alias(f["name"]) for f in fields]
+        ), rows
+
+    def read_fields(self, table: TableRef, generation: int) -> tuple[DataFrame, WarehouseRows] | None:
+        """The table's Delta columns by their Avro names, as from_avro types them (sinks._delta_arrow); a column
+        the table does not have yet is null of its type."""
         from pyspark.sql import functions as F
+
+        from sinks._delta_arrow import arrow_field, spark_type
 
         path = self.path(table.name, generation)
         if not (self.base / f"g{generation}" / table.name / "_delta_log").exists():
@@ -135,19 +150,15 @@ class WarehouseSink(BaseSink):
         names = Names()
         fields = table.row_schema["fields"]
         delta = delta_columns([f["name"] for f in fields], frame.columns)
-        projected = frame.select(
-            *[
-                spark_projection(f["type"], F.col(quoted(delta[f["name"]])), names).alias(f["name"])
-                if delta[f["name"]] in present
-                else F.lit(None).alias(f["name"])
-                for f in fields
-            ]
-        )
-        return projected, WarehouseRows(table.row_schema, table.key_fields)
-
-    def read_fields(self, table: TableRef, generation: int) -> tuple[DataFrame, WarehouseRows] | None:
-        # read_frame's projection is from_avro's types with spark_projection applied: what sinks.ReadsFields says.
-        return self.read_frame(table, generation)
+        columns = []
+        for f in fields:
+            names.resolve(f["type"], None)  # named types are defined by the first field that uses them
+            column = delta[f["name"]]
+            if column in present:
+                columns.append(F.col(quoted(column)).alias(f["name"]))
+            else:
+                columns.append(F.lit(None).cast(spark_type(arrow_field(f["type"], names)[0])).alias(f["name"]))
+        return frame.select(*columns), WarehouseRows(table.row_schema, table.key_fields)
 
     def _committed(self, path: str) -> DataFrame | None:
         """The table at ``path``, or None while its first commit is still being written: Delta makes
