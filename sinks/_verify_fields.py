@@ -4,7 +4,7 @@
 The source side is read as the capture writes it: each task reads its key ranges with binary COPY and encodes
 them with the capture's own encoder (``cdc.SourceTable.records``, in C where it is built) into the Value
 record's Avro bytes, which Spark's ``from_avro`` decodes. The store side is the sink's frame. Both sides are
-projected alike (:func:`sinks._values.spark_projection`), joined by key and compared column by column with
+projected alike (:func:`sinks._values.spark_projection`, maps as their sorted entries), joined by key and compared column by column with
 null-safe equality in the JVM (where -0.0 equals 0.0 and NaN equals NaN, as in document form). No per-row
 Python runs on either side: only the rows that differ reach the driver, where they take document form and go
 the way of the ledger comparison's (sinks._verify), which compares them again as values.
@@ -63,8 +63,8 @@ def _present() -> Column:
 
 
 def _source(spark: SparkSession, src: Any, snapshot: str, ranges: tuple[Any, ...]) -> DataFrame:
-    """The source's rows decoded by ``from_avro`` and projected: c0, c1, … by field, with the unencodable rows'
-    ``bad``, ``error`` and ``bad_key``."""
+    """The source's rows decoded by ``from_avro``, a column per field as it types them, then ``present`` and
+    the unencodable rows' ``bad``, ``error`` and ``bad_key``."""
     from pyspark.sql import functions as F
     from pyspark.sql.avro.functions import from_avro
 
