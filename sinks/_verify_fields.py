@@ -4,12 +4,11 @@
 The source side is read as the capture writes it: each task reads its key ranges with binary COPY and encodes
 them with the capture's own encoder (``cdc.SourceTable.records``, in C where it is built) into the Value
 record's Avro bytes, which Spark's ``from_avro`` decodes. The store side is the sink's frame. Both sides are
-projected alike (:func:`sinks._values.spark_projection`, maps as their sorted entries), joined by key and compared column by column with
-null-safe equality in the JVM (where -0.0 equals 0.0 and NaN equals NaN, as in document form). No per-row
+projected alike (:func:`sinks._values.spark_projection`, each map as its entries sorted by key, since Spark
+compares no maps), joined by key and compared column by column with null-safe equality in the JVM (where -0.0
+equals 0.0 and NaN equals NaN, as in document form). No per-row
 Python runs on either side: only the rows that differ reach the driver, where they take document form and go
 the way of the ledger comparison's (sinks._verify), which compares them again as values.
-
-A table with a map anywhere in its row is left to the ledger comparison: Spark compares no maps.
 """
 
 from __future__ import annotations
