@@ -64,6 +64,7 @@ class TableCodecs:
         self._registry = registry
         self.source_info = source_info
         self._histories: dict[str, ColumnHistory] = {}  # by topic; learnt from the registry on first use
+        self._keys: dict[str, Mapping[str, Any] | None] = {}  # by topic: the key subject's latest schema
         self._lock = threading.Lock()  # the stream and the snapshot's or backfill's threads build codecs
         self._relations: dict[int, list[tuple[str, int, int | None]]] = {}  # the stream's last Relation of each
 
@@ -92,12 +93,19 @@ class TableCodecs:
                 history = self._histories[topic] = ColumnHistory(relid)
                 if (registered := self._registry.latest(f"{topic}-value")) is not None:
                     history.learn(registered)
-            shape = replace(shape, columns=history.identify(shape.columns), relid=relid)
-        return TableCodec(
-            shape,
-            source=self.source_info,
-            register=lambda subject, sch: self._registry.register(subject, sch, table=qualified),
-        )
+            if topic not in self._keys:
+                self._keys[topic] = self._registry.latest(f"{topic}-key")
+            pinned = self._keys[topic]
+            shape = replace(shape, columns=history.identify(shape.columns), relid=relid, registered_key=pinned)
+            codec = TableCodec(
+                shape,
+                source=self.source_info,
+                register=lambda subject, sch: self._registry.register(subject, sch, table=qualified),
+            )
+            if pinned is not None and codec.key_schema != pinned:
+                _warn_new_key(topic, qualified, codec)
+            self._keys[topic] = codec.key_schema
+        return codec
 
     def for_relation(self, rel: Relation, *, binary: bool) -> TableCodec:
         """The codec of the table version a Relation message describes; with ``binary`` (the stream is in
@@ -112,6 +120,21 @@ class TableCodecs:
         if binary and not all(codec.binary_capable):
             raise TextModeNeededError(f"table {rel.namespace}.{rel.name} has a column without a binary reader")
         return codec
+
+
+def _warn_new_key(topic: str, qualified: str, codec: TableCodec) -> None:
+    """A key schema that is not the subject's latest changes the bytes of every key (its id is in them)."""
+    columns = ", ".join(f"{codec.columns[i].name} {codec.columns[i].pgtype.name}" for i in codec.key_indexes)
+    log.warning(
+        "table %s: its key columns (%s) no longer fit the key schema registered under %r, so its events' keys "
+        "now carry key schema id %d: a key written before has other bytes than the same key written from now "
+        "on, and may sit in another partition. Compaction keeps both records of such a key; see "
+        "docs/events.md, Type changes",
+        qualified,
+        columns,
+        f"{topic}-key",
+        codec.key_id,
+    )
 
 
 def relation_attnums(

@@ -8,7 +8,7 @@ per-row path does no lookups.
 from __future__ import annotations
 
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -101,6 +101,7 @@ class TableShape:
     mappings: Sequence[AvroMapping]
     key_columns: Sequence[str]
     relid: int | None = None  # the table's oid, when known (see schemas.ColumnHistory)
+    registered_key: Mapping[str, Any] | None = None  # the key subject's latest schema (see schemas.key_schema)
 
 
 class TableCodec:
@@ -124,7 +125,12 @@ class TableCodec:
         self._text: tuple[Converter, ...] = tuple(m.from_text for m in mappings)
         self._binary: tuple[Converter | None, ...] = tuple(m.from_binary for m in mappings)
         self.binary_capable = tuple(b is not None for b in self._binary)
-        self.key_schema = key_schema(namespace, [columns[i] for i in self.key_indexes], self.key_field_names)
+        self.key_schema = key_schema(
+            namespace,
+            [columns[i] for i in self.key_indexes],
+            self.key_field_names,
+            registered=shape.registered_key,
+        )
         self.value_schema = envelope_schema(namespace, columns, shape.relid)
         self.key_id = register(f"{topic}-key", self.key_schema)
         self.value_id = register(f"{topic}-value", self.value_schema)

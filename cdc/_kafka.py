@@ -641,4 +641,10 @@ class Registry:
                 raise
         text = registered.schema.schema_str if registered.schema is not None else None
         parsed = json.loads(text) if text else None
-        return parsed if isinstance(parsed, dict) else None
+        if not isinstance(parsed, dict):
+            return None
+        if registered.schema_id is not None:
+            # Registering it again as parsed returns this id without a request: the registry may not take
+            # its own text, reformatted, for the same schema, and a new id would change every framed key.
+            self._ids[(subject, json.dumps(parsed, separators=(",", ":"), sort_keys=True))] = int(registered.schema_id)
+        return parsed

@@ -27,6 +27,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from schemas._conv import nullable
+from schemas._keys import carries, widest
 from schemas._names import dedupe_named_types
 from schemas._pgtype import PgType
 
@@ -162,7 +163,11 @@ def _value_record(value_schema: Mapping[str, Any]) -> Mapping[str, Any]:
 
 
 def key_schema(
-    namespace: str, key_columns: Sequence[ColumnShape], names: Sequence[str] | None = None
+    namespace: str,
+    key_columns: Sequence[ColumnShape],
+    names: Sequence[str] | None = None,
+    *,
+    registered: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The ``Key`` record. ``names``: the key columns' field names in the ``Value`` record.
 
@@ -170,13 +175,24 @@ def key_schema(
     a key column another field name than it has in ``Value`` (columns ``a_b``, ``a b`` keyed by ``a b``:
     ``a_b_2`` in ``Value`` but ``a_b`` in ``Key``, the name of another column there), and consumers that
     join key and row fields by name (the warehouse's MERGE, ``cdc verify``) would take the wrong column.
+
+    Each field has the widest type of its column's family (schemas._keys): a widening ALTER leaves the key
+    schema, and so every key's bytes, as they were. ``registered``: the key subject's latest schema, kept
+    when it carries the columns with the same bytes (a subject registered before keys were widened).
     """
     names = field_names(key_columns) if names is None else names
     # No column numbers or aliases in Key: its schema id is in every framed key, and the bytes of a row's key
     # must stay the same (compaction and partitioning go by them) when a value schema gains them.
     plain = [replace(c, attnum=None, aliases=()) for c in key_columns]
-    key = {"type": "record", "name": "Key", "namespace": namespace, "fields": _row_fields(plain, names)}
-    return _single_definitions(key)
+    own = _single_definitions(_key_record(namespace, _row_fields(plain, names)))
+    if registered is not None and carries(registered, own):
+        return dict(registered)
+    widened = [{**f, "type": widest(f["type"])} for f in own["fields"]]
+    return _key_record(namespace, widened)
+
+
+def _key_record(namespace: str, fields: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"type": "record", "name": "Key", "namespace": namespace, "fields": fields}
 
 
 def _single_definitions(schema: dict[str, Any]) -> dict[str, Any]:

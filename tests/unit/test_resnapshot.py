@@ -24,6 +24,15 @@ TIMESTAMPTZ, NUMERIC = PgType(1184, "timestamptz"), PgType(1700, "numeric")
 KEY_ID, VALUE_ID = 7, 8
 
 
+# The key schema of a topic made before key fields were widened (schemas._keys): an int4 key is an Avro int.
+INT_KEY = {
+    "type": "record",
+    "name": "Key",
+    "namespace": "t.public.items",
+    "fields": [{"name": "id", "type": ["null", "int"], "default": None}],
+}
+
+
 def _codec(columns: list[tuple[str, PgType]], *, key: tuple[str, ...] = ("id",), ids: tuple[int, int]) -> TableCodec:
     return make_codec(
         [(name, pgtype, -1) for name, pgtype in columns],
@@ -31,6 +40,7 @@ def _codec(columns: list[tuple[str, PgType]], *, key: tuple[str, ...] = ("id",),
         key=key,
         source=SourceInfo("9.9.9", "t", "shop"),
         register=lambda subject, _schema: ids[0] if subject.endswith("-key") else ids[1],
+        registered_key=INT_KEY if key == ("id",) else None,
     )
 
 
