@@ -19,8 +19,18 @@ from cdc import __version__
 from cdc._catalog import TypeResolver, qualified_name
 from cdc._config import Settings
 from cdc._deadletter import CaptureDeadLetters, server_printer
-from cdc._events import ColumnSpec, SourceInfo, TableCodec, table_shape
-from cdc._kafka import OffsetStore, Registry, Topics
+from cdc._events import ColumnSpec, SourceInfo, TableCodec, TableShape, table_shape
+from cdc._generations import (
+    Generations,
+    KeyChangeError,
+    Known,
+    TypeChange,
+    changed_columns,
+    generation_topic,
+    known_columns,
+    registered_columns,
+)
+from cdc._kafka import OffsetStore, Registry, SchemaRefusedError, Topics
 from cdc._metrics import CaptureMetrics
 from cdc._source import AttachReport, check_and_prepare
 from cdc._standby import source_connections, wait_replayed
@@ -65,6 +75,8 @@ class TableCodecs:
         self.source_info = source_info
         self._histories: dict[str, ColumnHistory] = {}  # by topic; learnt from the registry on first use
         self._keys: dict[str, Mapping[str, Any] | None] = {}  # by topic: the key subject's latest schema
+        self._known: dict[str, Known] = {}  # by table: its columns' types as last written
+        self.generations = Generations(ctx.settings)  # bound to the committed state once it is read
         self._lock = threading.Lock()  # the stream and the snapshot's or backfill's threads build codecs
         self._relations: dict[int, list[tuple[str, int, int | None]]] = {}  # the stream's last Relation of each
 
@@ -72,7 +84,8 @@ class TableCodecs:
         self, schema: str, table: str, columns: Sequence[ColumnSpec], key_flags: Sequence[bool], relid: int
     ) -> TableCodec:
         """Build (and register schemas for) the codec of one version of a table (``relid``: its oid); callers
-        cache it."""
+        cache it. A schema its topic cannot take moves the table to its next topic generation, or stops the
+        capture, as capture.on_type_change says (cdc/_generations.py)."""
         settings = self._ctx.settings
         qualified = qualified_name(schema, table)
         key = self._report.key_columns.get(qualified) or tuple(
@@ -83,29 +96,73 @@ class TableCodecs:
                 f"table {qualified} has no key columns in the stream; give it a primary key or set "
                 f"source.key_columns for it"
             )
-        topic = settings.topic_for(schema, table)
-        self._topics.ensure(topic)
-        self._ctx.metrics.tables[topic] = f"{schema}.{table}"
         shape = table_shape(settings, self._types, schema, table, columns=columns, key=key)
         with self._lock:
-            history = self._histories.get(topic)
-            if history is None or history.relid != relid:  # first seen, or dropped and made again
-                history = self._histories[topic] = ColumnHistory(relid)
-                if (registered := self._registry.latest(f"{topic}-value")) is not None:
-                    history.learn(registered)
-            if topic not in self._keys:
-                self._keys[topic] = self._registry.latest(f"{topic}-key")
-            pinned = self._keys[topic]
-            shape = replace(shape, columns=history.identify(shape.columns), relid=relid, registered_key=pinned)
-            codec = TableCodec(
-                shape,
-                source=self.source_info,
-                register=lambda subject, sch: self._registry.register(subject, sch, table=qualified),
+            generation = self.generations.of(qualified)
+            try:
+                return self._built(shape, qualified, generation_topic(shape.topic, generation), relid)
+            except SchemaRefusedError as refused:
+                change = self._change(shape, qualified, generation, refused)
+            if settings.capture.on_type_change == "stop":
+                raise self.generations.stop_error(change)
+            topic = self.generations.move(change)
+            codec = self._built(shape, qualified, topic, relid)
+            log.warning(
+                "%s, which subject %r cannot take (%s): the table's changes go to topic %s from now on, and "
+                "backfill %s.g%d reads the whole table into it while the other tables go on; %s keeps what was "
+                "written before",
+                change.what(),
+                change.subject,
+                change.reason,
+                topic,
+                qualified,
+                change.generation + 1,
+                generation_topic(shape.topic, change.generation),
             )
-            if pinned is not None and codec.key_schema != pinned:
-                _warn_new_key(topic, qualified, codec)
-            self._keys[topic] = codec.key_schema
+            return codec
+
+    def topic_of(self, schema: str, table: str) -> str:
+        """The topic the table's events go to now (its generation's)."""
+        base = self._ctx.settings.topic_for(schema, table)
+        return generation_topic(base, self.generations.of(qualified_name(schema, table)))
+
+    def _built(self, shape: TableShape, qualified: str, topic: str, relid: int) -> TableCodec:
+        """The codec of ``shape`` writing to ``topic``, its schemas registered there; SchemaRefusedError when
+        the topic's subjects cannot take them."""
+        self._topics.ensure(topic)
+        self._ctx.metrics.tables[topic] = qualified
+        history = self._histories.get(topic)
+        if history is None or history.relid != relid:  # first seen, or dropped and made again
+            history = self._histories[topic] = ColumnHistory(relid)
+            if (registered := self._registry.latest(f"{topic}-value")) is not None:
+                history.learn(registered)
+                self._known.setdefault(qualified, registered_columns(registered))
+        if topic not in self._keys:
+            self._keys[topic] = self._registry.latest(f"{topic}-key")
+        pinned = self._keys[topic]
+        shape = replace(shape, topic=topic, columns=history.identify(shape.columns), relid=relid, registered_key=pinned)
+
+        def register(subject: str, schema: dict[str, Any]) -> int:
+            if subject == f"{topic}-key" and pinned is not None and schema != pinned:
+                if _field_names(schema) == _field_names(pinned):  # a key column's type changed
+                    raise KeyChangeError(qualified, subject)
+                _warn_new_key(topic, qualified, shape)
+            return self._registry.register(subject, schema, table=qualified)
+
+        codec = TableCodec(shape, source=self.source_info, register=register)
+        self._keys[topic] = codec.key_schema
+        self._known[qualified] = known_columns(codec.columns)
         return codec
+
+    def _change(self, shape: TableShape, qualified: str, generation: int, refused: SchemaRefusedError) -> TypeChange:
+        return TypeChange(
+            table=qualified,
+            base=shape.topic,
+            generation=generation,
+            columns=changed_columns(self._known.get(qualified, {}), known_columns(shape.columns)),
+            subject=refused.subject,
+            reason=refused.reason,
+        )
 
     def for_relation(self, rel: Relation, *, binary: bool) -> TableCodec:
         """The codec of the table version a Relation message describes; with ``binary`` (the stream is in
@@ -122,18 +179,21 @@ class TableCodecs:
         return codec
 
 
-def _warn_new_key(topic: str, qualified: str, codec: TableCodec) -> None:
-    """A key schema that is not the subject's latest changes the bytes of every key (its id is in them)."""
-    columns = ", ".join(f"{codec.columns[i].name} {codec.columns[i].pgtype.name}" for i in codec.key_indexes)
+def _field_names(schema: Mapping[str, Any]) -> list[Any]:
+    return [f.get("name") for f in schema.get("fields", ()) if isinstance(f, dict)]
+
+
+def _warn_new_key(topic: str, qualified: str, shape: TableShape) -> None:
+    """A key of other columns than the subject's latest (a key column renamed, another primary key) changes
+    the bytes of every key: its schema id is in them."""
     log.warning(
-        "table %s: its key columns (%s) no longer fit the key schema registered under %r, so its events' keys "
-        "now carry key schema id %d: a key written before has other bytes than the same key written from now "
+        "table %s: its key columns (%s) are not those of the key schema registered under %r, so its events' "
+        "keys get a new key schema: a key written before has other bytes than the same key written from now "
         "on, and may sit in another partition. Compaction keeps both records of such a key; see "
         "docs/events.md, Type changes",
         qualified,
-        columns,
+        ", ".join(shape.key_columns),
         f"{topic}-key",
-        codec.key_id,
     )
 
 

@@ -135,6 +135,8 @@ class Capture:
             old, state = state, CaptureState(lsn=created.consistent_lsn, signal_offsets=signals)
             if old is not None:
                 state.signal = old.signal  # the signal-table requests already taken stay taken
+                state.generations = old.generations  # a moved table's first topics cannot take its schema
+            self.attached.codecs.generations.bind(state)
             if s.capture.snapshot == "initial":
                 state.snapshot = SnapshotState.started(created.consistent_lsn)
                 if old is not None:
@@ -157,10 +159,12 @@ class Capture:
                 state.lsn = self._slot_confirmed_lsn()
             if state.snapshot is None:
                 state.snapshot = SnapshotState.started(state.lsn)
+            self.attached.codecs.generations.bind(state)
             self._snapshot(state, None)
         state = state or CaptureState(signal_offsets=signals)
         if state.lsn is None:
             state.lsn = self._slot_confirmed_lsn()
+        self.attached.codecs.generations.bind(state)
         return state
 
     def _slot_missing(self, committed: int) -> SourceCheckError:

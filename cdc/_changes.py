@@ -142,7 +142,7 @@ class ChangeWriter:
 
     def _disturb(self, rel: Relation, why: str) -> None:
         if self._watching:
-            for window in self._watching.get(self._settings.topic_for(rel.namespace, rel.name), ()):
+            for window in self._watching.get(self._attached.codecs.topic_of(rel.namespace, rel.name), ()):
                 window.disturbed(why)
 
     def reset(self) -> None:

@@ -241,6 +241,12 @@ class CaptureConfig(_Section):
         default=60.0, gt=0, description="each backfill chunk's read (its --where included) is cancelled after this"
     )
     signal_poll_s: float = Field(default=1.0, gt=0, description="how often the signal table is read")
+    on_type_change: Literal["stop", "new-topic"] = Field(
+        default="stop",
+        description="a column type change a table's topic cannot take (its subject's compatibility refuses it, "
+        "or its key's bytes would change): stop saying what changed, or move the table to a new topic "
+        "generation (<topic>.g2…) filled by a backfill while the other tables go on (docs/events.md)",
+    )
     on_unencodable: Literal["stop", "dead-letter"] = Field(
         default="stop",
         description="a change or snapshot row with a value Avro cannot hold (docs/types.md) or without its key: "

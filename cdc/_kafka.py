@@ -602,6 +602,16 @@ def _registry_call(subject: str, doing: str) -> Iterator[None]:
         raise TransientError(f"cannot reach the schema registry: {type(exc).__name__}: {exc}") from exc
 
 
+class SchemaRefusedError(SchemaRegistryError):
+    """The registry refused a schema under its subject's compatibility level (HTTP 409 or 422): the table's
+    topic cannot take it (cdc/_generations.py says what the capture does then)."""
+
+    def __init__(self, message: str, *, subject: str, reason: str) -> None:
+        super().__init__(message)
+        self.subject = subject
+        self.reason = reason
+
+
 class Registry:
     """Registers schemas (once each) and returns their ids."""
 
@@ -622,10 +632,11 @@ class Registry:
             except _RegistryHTTPError as exc:
                 if exc.http_status_code not in (409, 422):
                     raise
-                raise SchemaRegistryError(
+                raise SchemaRefusedError(
                     f"the schema registry rejected the new schema of table {table} under subject {subject!r} "
-                    f"({exc.error_message}); make the change compatible (e.g. add a column with a default "
-                    "instead of changing a type) or relax the subject's compatibility level, then restart"
+                    f"({exc.error_message})",
+                    subject=subject,
+                    reason=f"HTTP {exc.http_status_code}: {exc.error_message}",
                 ) from exc
         self._ids[(subject, text)] = schema_id
         return schema_id

@@ -20,6 +20,10 @@ offset of the next request to take (``signal_offsets``, e.g. ``{"0": 4}``):
      "backfills": [{"id": "12", "table": "public.orders", "where": "region = 'eu'", "status": "running",
                     "after": ["1000"], "rows": 1000, "chunks": 1, "reason": "requested"}]}
 
+Format 4 adds, per table moved to another topic generation by a type change (cdc/_generations.py), its
+generation (``generations``, e.g. ``{"public.items": 2}``); a state without one is written in format 3, which
+releases that do not know generations read.
+
 Format 1 is the same record without ``version``; a table begun when each table was read in one range keeps its
 last key in the table's own ``after``. Both are read and resumed as they are. Formats 2 and 3 keep format 1's
 keys and meanings; a newer format than this release knows is refused rather than half-understood.
@@ -33,7 +37,8 @@ from typing import Any, Literal
 
 from cdc.errors import StreamError
 
-STATE_VERSION = 3
+STATE_VERSION = 4
+PLAIN_STATE_VERSION = 3  # the format of a state without generations, which releases before 4 read
 
 SnapshotStatus = Literal["running", "done"]
 BackfillStatus = Literal["queued", "running", "paused", "done", "cancelled", "failed"]
@@ -240,6 +245,7 @@ class CaptureState:
     backfills: list[BackfillProgress] = field(default_factory=list)
     signal: int = 0
     signal_offsets: dict[int, int] = field(default_factory=dict)
+    generations: dict[str, int] = field(default_factory=dict)
 
     @property
     def snapshot_running(self) -> bool:
@@ -253,7 +259,7 @@ class CaptureState:
             self.backfills.remove(old)
 
     def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"version": STATE_VERSION}
+        out: dict[str, Any] = {"version": STATE_VERSION if self.generations else PLAIN_STATE_VERSION}
         if self.lsn is not None:
             out["lsn"] = self.lsn
         if self.snapshot is not None:
@@ -266,11 +272,13 @@ class CaptureState:
             out["signal"] = self.signal
         if self.signal_offsets:
             out["signal_offsets"] = {str(p): o for p, o in sorted(self.signal_offsets.items())}
+        if self.generations:
+            out["generations"] = dict(sorted(self.generations.items()))
         return out
 
     @classmethod
     def from_json(cls, raw: Any) -> CaptureState:
-        """A state of format 1 (no ``version``), 2 or 3; anything else raises OffsetsStateError."""
+        """A state of format 1 (no ``version``) to 4; anything else raises OffsetsStateError."""
         raw = _mapping(raw, "the offsets record")
         version = raw.get("version", 1)
         if not _is_int(version) or not 1 <= version <= STATE_VERSION:
@@ -292,7 +300,15 @@ class CaptureState:
             backfills=[BackfillProgress.from_json(b) for b in backfills],
             signal=_optional_int(raw.get("signal", 0), "signal") or 0,
             signal_offsets=_offsets(raw.get("signal_offsets", {})),
+            generations=_generations(raw.get("generations", {})),
         )
+
+
+def _generations(raw: Any) -> dict[str, int]:
+    found = _mapping(raw, "the tables' topic generations")
+    if not all(isinstance(t, str) and _is_int(g) and g >= 2 for t, g in found.items()):
+        raise OffsetsStateError(f"the tables' topic generations are not table names and numbers from 2: {raw!r}")
+    return dict(found)
 
 
 def _offsets(raw: Any) -> dict[int, int]:

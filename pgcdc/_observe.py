@@ -518,6 +518,7 @@ def collect_status(settings: Settings, config_path: Path | None) -> dict[str, An
         out["capture"]["resume_lsn"] = format_lsn(lsn) if lsn is not None else None
         out["capture"]["snapshot"] = state.snapshot.status if state is not None and state.snapshot else None
         out["capture"]["backfills"] = [b.to_json() for b in state.backfills] if state is not None else []
+        out["capture"]["generations"] = dict(state.generations) if state is not None else {}
         consumer = Consumer(
             {
                 **conf,

@@ -272,6 +272,8 @@ def _status(settings: Settings, config_path: Path | None, *, as_json: bool) -> i
         f"resume LSN {cap.get('resume_lsn')}, snapshot {cap.get('snapshot')}"
         + (f"; Kafka: {cap['kafka_error']}" if "kafka_error" in cap else ""),
     )
+    for name, generation in cap.get("generations", {}).items():
+        _row(table, f"  table {name}", f"generation {generation}", "", "moved to a new topic by a type change")
     for b in cap.get("backfills", []):
         where = f" where {b['where']}" if b.get("where") else ""
         error = f": {b['error']}" if b.get("error") else ""

@@ -11,12 +11,15 @@ import urllib.request
 from collections import defaultdict
 from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
+from psycopg.rows import dict_row
 
 from tests.integration._capture_helpers import (
     CdcConfig,
+    latest_by_key,
     read_topic,
     records_to_end,
     scratch_database,
@@ -118,6 +121,44 @@ def test_widening_key_columns_keeps_each_keys_bytes_and_partition(
     assert {v["name"] for v in alive.values()} == {"two", "wide"}  # type: ignore[index]
 
 
+def _config(source: str, kafka: str, registry: str, unique: str, *, tables: list[str], extra: str = "") -> CdcConfig:
+    return CdcConfig(
+        source,
+        kafka,
+        registry,
+        f"t{unique}",
+        tables,
+        f"s_{unique}",
+        f"p_{unique}",
+        kafka_extra=SIX,
+        extra=extra,
+    )
+
+
+NEW_TOPIC = 'on_type_change = "new-topic"'
+
+
+def _compatibility(registry: str, subject: str, level: str) -> None:
+    """The subject's compatibility level; BACKWARD is Confluent's default (Apicurio's is none)."""
+    request = urllib.request.Request(  # noqa: S310
+        f"{registry}/config/{subject}",
+        data=json.dumps({"compatibility": level}).encode(),
+        method="PUT",
+        headers={"Content-Type": "application/vnd.schemaregistry.v1+json"},
+    )
+    urllib.request.urlopen(request).close()  # noqa: S310
+
+
+def _rows(kafka: str, registry: str, topic: str) -> dict[int, dict[str, Any]]:
+    """The rows a compacting reader of ``topic`` ends with, by id."""
+    return latest_by_key(read_topic(kafka, registry, topic), "id")
+
+
+def _table(dsn: str, columns: str = "id, qty, name") -> dict[int, dict[str, Any]]:
+    with psycopg.connect(dsn) as conn, conn.cursor(row_factory=dict_row) as cur:
+        return {r["id"]: r for r in cur.execute(f"SELECT {columns} FROM items").fetchall()}
+
+
 def test_a_key_registered_before_keys_were_widened_is_kept_until_a_change_it_cannot_carry(
     source: str, kafka_bootstrap: str, registry_url: str, unique: str, tmp_path: Path
 ) -> None:
@@ -133,30 +174,105 @@ def test_a_key_registered_before_keys_were_widened_is_kept_until_a_change_it_can
         "fields": [{"name": "id", "type": ["null", "int"], "default": None}],
     }
     legacy_id = _register(registry_url, f"{topic}-key", legacy)
-    config = CdcConfig(
-        source,
-        kafka_bootstrap,
-        registry_url,
-        f"t{unique}",
-        ["public.items"],
-        f"s_{unique}",
-        f"p_{unique}",
-        kafka_extra=SIX,
-    )
+    config = _config(source, kafka_bootstrap, registry_url, unique, tables=["public.items"], extra=NEW_TOPIC)
     proc = config.start(tmp_path)
     try:
         proc.wait_streaming()
         with psycopg.connect(source, autocommit=True) as conn:
             conn.execute("INSERT INTO items VALUES (2, 'two')")
             conn.execute("ALTER TABLE items ALTER COLUMN id TYPE bigint")
-            conn.execute("INSERT INTO items VALUES (3, 'three')")
-        wait_for(lambda: len(read_topic(kafka_bootstrap, registry_url, topic)) >= 3, 120, "the changes", proc)
+            conn.execute("INSERT INTO items VALUES (2^40, 'wide')")
+        # An int cannot carry int8's values: the table moves to its next generation rather than give its keys
+        # new bytes in this topic.
+        wait_for(lambda: len(_rows(kafka_bootstrap, registry_url, f"{topic}.g2")) == 3, 120, "the new generation", proc)
         log = proc.this_run()
     finally:
         proc.stop()
 
-    ids = [int.from_bytes(key[1:5], "big") for key in _framed(kafka_bootstrap, topic)]
-    assert sorted(ids).count(legacy_id) == 2  # the snapshot and the insert before the ALTER: the registered key
-    (widened,) = set(ids) - {legacy_id}  # an int cannot hold int8's values: the key moved to a long
-    assert "table public.items: its key columns (id int8) no longer fit the key schema" in log, log[-3000:]
-    assert f"now carry key schema id {widened}" in log
+    assert "table public.items: column id int4 → int8, which subject" in log, log[-3000:]
+    ids = {int.from_bytes(key[1:5], "big") for key in _framed(kafka_bootstrap, topic)}
+    assert ids == {legacy_id}  # the snapshot and the insert before the ALTER, under the registered key
+    assert len(_framed(kafka_bootstrap, topic)) == 2  # and nothing after it
+    assert _versions(registry_url, f"{topic}-key") == [1]
+    g2 = _registered(registry_url, f"{topic}.g2-key")
+    assert g2["fields"][0]["type"] == ["null", "long"]
+
+
+def _registered(registry: str, subject: str) -> dict[str, Any]:
+    with urllib.request.urlopen(f"{registry}/subjects/{subject}/versions/latest") as resp:  # noqa: S310
+        return dict(json.loads(json.load(resp)["schema"]))
+
+
+def test_an_incompatible_change_moves_the_table_to_a_new_topic_while_the_others_go_on(
+    source: str, kafka_bootstrap: str, registry_url: str, unique: str, tmp_path: Path
+) -> None:
+    topic, other = f"t{unique}.public.items", f"t{unique}.public.other"
+    with psycopg.connect(source, autocommit=True) as conn:
+        conn.execute("CREATE TABLE items (id int PRIMARY KEY, qty int, name text)")
+        conn.execute("CREATE TABLE other (id int PRIMARY KEY, v text)")
+        conn.execute("INSERT INTO items SELECT i, i, 'n' || i FROM generate_series(1, 300) i")
+    tables = ["public.items", "public.other"]
+    proc = _config(source, kafka_bootstrap, registry_url, unique, tables=tables, extra=NEW_TOPIC).start(tmp_path)
+    try:
+        proc.wait_streaming()
+        _compatibility(registry_url, f"{topic}-value", "BACKWARD")
+        with psycopg.connect(source, autocommit=True) as conn:
+            conn.execute("ALTER TABLE items ALTER COLUMN qty TYPE text USING 'q' || qty")  # int -> string
+            conn.execute("UPDATE items SET name = 'changed' WHERE id = 1")
+            conn.execute("DELETE FROM items WHERE id = 2")
+            conn.execute("INSERT INTO other VALUES (1, 'after the ALTER')")
+        wait_for(lambda: len(_rows(kafka_bootstrap, registry_url, other)) == 1, 120, "the other table's row", proc)
+        expected = _table(source)
+        wait_for(
+            lambda: _rows(kafka_bootstrap, registry_url, f"{topic}.g2") == expected,
+            180,
+            "the new generation to hold the table",
+            proc,
+        )
+        log = proc.this_run()
+    finally:
+        proc.stop()
+
+    assert "table public.items: column qty int4 → text, which subject" in log, log[-3000:]
+    assert f"the table's changes go to topic {topic}.g2 from now on" in log
+    # The first generation keeps what was written before the ALTER, readable with its own schemas.
+    old = read_topic(kafka_bootstrap, registry_url, topic)
+    assert len(old) == 300
+    assert {e.value["after"]["qty"] for e in old if e.value} == set(range(1, 301))
+
+
+def test_a_capture_killed_while_moving_a_table_finishes_the_move_when_started_again(
+    source: str, kafka_bootstrap: str, registry_url: str, unique: str, tmp_path: Path
+) -> None:
+    topic = f"t{unique}.public.items"
+    with psycopg.connect(source, autocommit=True) as conn:
+        conn.execute("CREATE TABLE items (id int PRIMARY KEY, qty int, name text)")
+        conn.execute("INSERT INTO items SELECT i, i, 'n' || i FROM generate_series(1, 3000) i")
+    slow = f"{NEW_TOPIC}\nbackfill_chunk_rows = 100\nbackfill_rows_per_s = 200"
+    config = _config(source, kafka_bootstrap, registry_url, unique, tables=["public.items"], extra=slow)
+    proc = config.start(tmp_path)
+    proc.wait_streaming()
+    _compatibility(registry_url, f"{topic}-value", "BACKWARD")
+    with psycopg.connect(source, autocommit=True) as conn:
+        conn.execute("ALTER TABLE items ALTER COLUMN qty TYPE text USING 'q' || qty")
+        conn.execute("UPDATE items SET name = 'changed' WHERE id = 1")
+    # Killed once the backfill has written part of the table into the new generation.
+    wait_for(lambda: len(_framed(kafka_bootstrap, f"{topic}.g2")) >= 300, 120, "the backfill under way", proc)
+    proc.kill()
+    assert len(_framed(kafka_bootstrap, f"{topic}.g2")) < 3000  # the kill did come mid-move
+    with psycopg.connect(source, autocommit=True) as conn:
+        conn.execute("UPDATE items SET name = 'while down' WHERE id = 2")
+    proc.start()
+    try:
+        expected = _table(source)
+        wait_for(
+            lambda: _rows(kafka_bootstrap, registry_url, f"{topic}.g2") == expected,
+            180,
+            "the new generation to hold the table",
+            proc,
+        )
+        log = proc.this_run()
+    finally:
+        proc.stop()
+    assert "which subject" not in log  # the restart writes on to the second generation, no third one
+    assert _versions(registry_url, f"{topic}.g2-value") == [1]

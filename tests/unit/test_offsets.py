@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from cdc._kafka import OffsetStore
 from cdc._offsets import (
+    PLAIN_STATE_VERSION,
     STATE_VERSION,
     BackfillProgress,
     CaptureState,
@@ -116,9 +117,9 @@ V1: dict[str, dict[str, Any]] = {
 def test_format_1_reads_and_writes_back_with_the_same_keys(name: str) -> None:
     v1 = V1[name]
     state = CaptureState.from_json(copy.deepcopy(v1))
-    assert state.to_json() == {**v1, "version": STATE_VERSION}
+    assert state.to_json() == {**v1, "version": PLAIN_STATE_VERSION}
     # What the offsets topic holds: a reader of format 1 finds every key it knows, with the same value.
-    assert json.loads(json.dumps(state.to_json())) == {**v1, "version": STATE_VERSION}
+    assert json.loads(json.dumps(state.to_json())) == {**v1, "version": PLAIN_STATE_VERSION}
 
 
 def test_mid_snapshot_state_says_where_to_resume() -> None:
@@ -157,15 +158,24 @@ def test_the_first_state_of_a_snapshot() -> None:
     state = CaptureState(lsn=7, snapshot=SnapshotState.started(7))
     state.snapshot.table("public.a")  # type: ignore[union-attr]
     assert state.to_json() == {
-        "version": STATE_VERSION,
+        "version": PLAIN_STATE_VERSION,
         "lsn": 7,
         "snapshot": {"status": "running", "consistent_lsn": 7, "tables": {"public.a": {}}},
     }
 
 
+def test_a_tables_topic_generation_is_kept_in_format_4_and_only_then() -> None:
+    state = CaptureState(lsn=7, generations={"public.items": 2})
+    assert state.to_json() == {"version": STATE_VERSION, "lsn": 7, "generations": {"public.items": 2}}
+    assert CaptureState.from_json(json.loads(json.dumps(state.to_json()))) == state
+    assert CaptureState(lsn=7).to_json() == {"version": PLAIN_STATE_VERSION, "lsn": 7}  # older releases read it
+    with pytest.raises(OffsetsStateError, match="topic generations are not table names and numbers from 2"):
+        CaptureState.from_json({"version": 4, "lsn": 1, "generations": {"public.items": 1}})
+
+
 def test_a_newer_format_is_refused_with_the_way_out() -> None:
-    with pytest.raises(OffsetsStateError, match=r"format 4; this release of pgcdc reads formats 1 to 3") as info:
-        CaptureState.from_json({"version": 4, "lsn": 1})
+    with pytest.raises(OffsetsStateError, match=r"format 5; this release of pgcdc reads formats 1 to 4") as info:
+        CaptureState.from_json({"version": 5, "lsn": 1})
     assert isinstance(info.value, StreamError)
     assert info.value.exit_code == 7
     assert "upgrade" in str(info.value)
@@ -251,7 +261,7 @@ def test_every_state_survives_its_record(state: CaptureState) -> None:
 @pytest.mark.parametrize(
     ("value", "says"),
     [
-        (b'{"version": 4, "lsn": 1}', "slot 'slot_a' in topic 'p.offsets': the offsets record has format 4"),
+        (b'{"version": 5, "lsn": 1}', "slot 'slot_a' in topic 'p.offsets': the offsets record has format 5"),
         (b"{not json", "cannot be resumed: .*produce a corrected record under the same key, or run `cdc detach`"),
         (b'{"lsn": "x"}', "lsn is not a non-negative integer: 'x'. Nothing was read from the slot"),
     ],

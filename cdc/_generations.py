@@ -1,0 +1,167 @@
+"""Topic generations: where a table's events go once its topic cannot take its new schema.
+
+A column's type change the key or value subject cannot take — the registry refuses the new value schema
+under the subject's compatibility level (``int`` to ``text``), or the key would get a new schema and so every
+key new bytes (a key column's decimal scale, an ``int`` key field that must now hold ``bigint``) — cannot go
+into the table's topic without breaking its readers or its compaction. With ``capture.on_type_change =
+"new-topic"`` the table moves to its next generation: ``<prefix>.<schema>.<table>.g2`` (then ``.g3``…), with
+subjects of its own. Its changes from the ALTER on are written there, and a backfill (cdc/_backfill.py) reads
+the whole table into it while the stream goes on, so the new generation alone holds the table. The old
+generation keeps every event written before, readable from offset zero with its own schemas; nothing more is
+written to it. Other tables are not held up. The generation of each table is part of the committed state
+(CaptureState.generations), written in the Kafka transaction of the first event in the new topic, with the
+backfill's request: a crash before that commit finds the type change again in the replayed stream.
+
+With ``"stop"`` the capture stops (exit 5) and says what changed and the ways on.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+from cdc._config import Settings
+from cdc._kafka import SchemaRefusedError
+from cdc._offsets import BackfillProgress, CaptureState
+from common.errors import SchemaRegistryError
+from schemas import ColumnShape
+
+_SUFFIX = ".g"
+
+
+def generation_topic(base: str, generation: int) -> str:
+    """The topic of a table's ``generation``: its plain topic for the first, ``<topic>.g<n>`` after."""
+    return base if generation <= 1 else f"{base}{_SUFFIX}{generation}"
+
+
+class KeyChangeError(SchemaRefusedError):
+    """A table's key schema would change, and with it the bytes of every framed key (schemas._keys): the
+    capture refuses it itself, as a registry refuses an incompatible schema."""
+
+    def __init__(self, table: str, subject: str) -> None:
+        reason = "its key schema would change, and with it the bytes and partition of every key"
+        super().__init__(f"table {table}: {reason}", subject=subject, reason=reason)
+
+
+@dataclass(frozen=True)
+class TypeChange:
+    """What a table's new schema changed that its topic cannot take: the columns whose types differ (name,
+    type before, type now; before is None when not known) and the refusal. ``base``: the table's first
+    generation's topic; ``generation``: the one it writes to."""
+
+    table: str
+    base: str
+    generation: int
+    columns: tuple[tuple[str, str | None, str], ...]
+    subject: str
+    reason: str
+
+    def what(self) -> str:
+        changed = ", ".join(f"column {name} {before or '?'} → {now}" for name, before, now in self.columns)
+        return f"table {self.table}: {changed or 'its columns changed'}"
+
+    @property
+    def next_topic(self) -> str:
+        return generation_topic(self.base, self.generation + 1)
+
+
+Known = dict[str, tuple[str | None, str]]  # by column: its PostgreSQL type (None when unknown), its Avro type
+
+
+def known_columns(columns: Sequence[ColumnShape]) -> Known:
+    """The columns' types as a table's codec writes them."""
+    return {c.name: (type_text(c), avro_text(c.schema)) for c in columns}
+
+
+def registered_columns(envelope: Mapping[str, Any]) -> Known:
+    """The columns' Avro types in a value schema the capture registered (their PostgreSQL types unknown)."""
+    record: Mapping[str, Any] = {}
+    for f in envelope.get("fields", ()):
+        if f.get("name") == "before" and isinstance(f.get("type"), list):
+            record = next((b for b in f["type"] if isinstance(b, dict) and b.get("type") == "record"), {})
+    return {f.get("pgcdc.column", f["name"]): (None, avro_text(f["type"])) for f in record.get("fields", ())}
+
+
+def changed_columns(before: Known, now: Known) -> tuple[tuple[str, str | None, str], ...]:
+    """(name, type before, type now) of each column of ``now`` whose Avro type differs from ``before``'s; a
+    type before is its PostgreSQL type when known, else ``Avro <type>``."""
+    out = []
+    for name, (pg, avro) in now.items():
+        if name in before and before[name][1] != avro:
+            was_pg, was_avro = before[name]
+            out.append((name, was_pg or f"Avro {was_avro}", pg or avro))
+    return tuple(out)
+
+
+def type_text(col: ColumnShape) -> str:
+    """A column's type as PostgreSQL prints it, with its length or precision."""
+    name, typmod = col.pgtype.name, col.typmod
+    if typmod >= 4 and name == "numeric":
+        return f"numeric({(typmod - 4) >> 16},{(typmod - 4) & 0xFFFF})"
+    if typmod >= 4 and name in ("varchar", "bpchar"):
+        return f"{name}({typmod - 4})"
+    return name
+
+
+def avro_text(schema: Any) -> str:
+    """An Avro type in brief: ``int``, ``decimal(10,2)|string``; null branches left out."""
+    if isinstance(schema, list):
+        return "|".join(avro_text(s) for s in schema if s != "null")
+    if isinstance(schema, dict):
+        if schema.get("logicalType") == "decimal":
+            return f"decimal({schema.get('precision')},{schema.get('scale', 0)})"
+        return str(schema.get("logicalType") or schema.get("name") or avro_text(schema.get("type")))
+    return str(schema)
+
+
+class Generations:
+    """Each table's topic generation, read from and recorded in the committed state; owns the moves."""
+
+    def __init__(self, settings: Settings) -> None:
+        self._settings = settings
+        self._state: CaptureState | None = None
+        self._lock = threading.Lock()
+
+    def bind(self, state: CaptureState) -> None:
+        """The state the capture commits: generations are read from it and moves recorded in it."""
+        self._state = state
+
+    def of(self, qualified: str) -> int:
+        state = self._state
+        return state.generations.get(qualified, 1) if state is not None else 1
+
+    def move(self, change: TypeChange) -> str:
+        """Record the table's next generation and the backfill that fills it; the new generation's topic."""
+        with self._lock:
+            state = self._state
+            if state is None:  # codecs are built once the state is loaded: a bug, not a user's error
+                raise RuntimeError(f"{change.what()}: no committed state to record a new topic generation in")
+            generation = change.generation + 1
+            state.generations[change.table] = generation
+            state.backfills.append(
+                BackfillProgress(f"{change.table}.g{generation}", change.table, reason="type-change")
+            )
+            return generation_topic(change.base, generation)
+
+    def stop_error(self, change: TypeChange) -> SchemaRegistryError:
+        """Why ``capture.on_type_change = "stop"`` stops, and the ways on."""
+        config = f"{_without_credentials(self._settings.registry.url)}/config/{change.subject}"
+        return SchemaRegistryError(
+            f"{change.what()}, which subject {change.subject!r} cannot take ({change.reason}). Nothing after the "
+            "last commit was acknowledged to PostgreSQL, so no change is lost. Ways on: set "
+            f'capture.on_type_change = "new-topic" and run again: the table moves to topic {change.next_topic!r}, '
+            "which a backfill fills while the other tables go on; or relax the subject's compatibility (curl -X "
+            "PUT -H 'Content-Type: application/vnd.schemaregistry.v1+json' -d '{\"compatibility\": \"NONE\"}' "
+            f"{config}) and run again, after which events written before the change no longer read with the "
+            "newest schema (docs/events.md, Type changes)"
+        )
+
+
+def _without_credentials(url: str) -> str:
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    netloc = f"{host}:{parts.port}" if parts.port else host
+    return urlunsplit(parts._replace(netloc=netloc)).rstrip("/")
