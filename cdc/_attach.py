@@ -29,6 +29,7 @@ from cdc._generations import (
     generation_topic,
     known_columns,
     registered_columns,
+    rewritten,
 )
 from cdc._kafka import OffsetStore, Registry, SchemaRefusedError, Topics
 from cdc._metrics import CaptureMetrics
@@ -151,8 +152,23 @@ class TableCodecs:
 
         codec = TableCodec(shape, source=self.source_info, register=register)
         self._keys[topic] = codec.key_schema
-        self._known[qualified] = known_columns(codec.columns)
+        before, self._known[qualified] = self._known.get(qualified), known_columns(codec.columns)
+        if before is not None and (columns := rewritten(before, self._known[qualified])):
+            self._refill(qualified, columns)
         return codec
+
+    def _refill(self, qualified: str, columns: list[str]) -> None:
+        """A type change that writes the columns' values in another form: the table is read again into its
+        topic, so that every store holds each row in the new form (cdc/_generations.py)."""
+        backfill = self.generations.refill(qualified, columns)
+        if backfill is not None:
+            log.info(
+                "table %s: column(s) %s are written in another form since their type changed: backfill %s reads "
+                "the table again so that every store gets its rows in the new form",
+                qualified,
+                ", ".join(columns),
+                backfill,
+            )
 
     def _change(self, shape: TableShape, qualified: str, generation: int, refused: SchemaRefusedError) -> TypeChange:
         return TypeChange(

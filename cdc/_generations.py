@@ -17,6 +17,7 @@ With ``"stop"`` the capture stops (exit 5) and says what changed and the ways on
 
 from __future__ import annotations
 
+import re
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -96,6 +97,28 @@ def changed_columns(before: Known, now: Known) -> tuple[tuple[str, str | None, s
     return tuple(out)
 
 
+_DECIMAL = re.compile(r"decimal\((\d+),(\d+)\)")
+
+
+def rewritten(before: Known, now: Known) -> list[str]:
+    """The columns whose values are written otherwise since a type change (a timestamp's zone, a decimal's
+    scale, another kind): every store's copy of a row not changed since holds the old form. ``int`` → ``long``
+    and a decimal's precision leave every value's form as it was."""
+    out = []
+    for name, (_, avro) in now.items():
+        was = before.get(name, (None, avro))[1]
+        if was != avro and not (was == "int" and avro == "long") and not _precision_only(was, avro):
+            out.append(name)
+    return out
+
+
+def _precision_only(before: str, now: str) -> bool:
+    b, n = _DECIMAL.search(before), _DECIMAL.search(now)
+    if b is None or n is None or b.group(2) != n.group(2):
+        return False
+    return _DECIMAL.sub("", before) == _DECIMAL.sub("", now)
+
+
 def type_text(col: ColumnShape) -> str:
     """A column's type as PostgreSQL prints it, with its length or precision."""
     name, typmod = col.pgtype.name, col.typmod
@@ -113,8 +136,11 @@ def avro_text(schema: Any) -> str:
     if isinstance(schema, dict):
         if schema.get("logicalType") == "decimal":
             return f"decimal({schema.get('precision')},{schema.get('scale', 0)})"
-        return str(schema.get("logicalType") or schema.get("name") or avro_text(schema.get("type")))
-    return str(schema)
+        named = schema.get("name")  # a named type by its short name, as a later reference to it may be full
+        return str(
+            schema.get("logicalType") or (named and str(named).rsplit(".", 1)[-1]) or avro_text(schema.get("type"))
+        )
+    return str(schema).rsplit(".", 1)[-1]
 
 
 class Generations:
@@ -145,6 +171,21 @@ class Generations:
                 BackfillProgress(f"{change.table}.g{generation}", change.table, reason="type-change")
             )
             return generation_topic(change.base, generation)
+
+    def refill(self, table: str, columns: Sequence[str]) -> str | None:
+        """Queue a backfill of ``table`` (written to its topic as it is), so that the rows not changed since
+        ``columns`` changed their form reach every store in the new one; its id, None when one is queued or
+        running already."""
+        with self._lock:
+            state = self._state
+            if state is None:
+                raise RuntimeError(f"table {table}: no committed state to record a backfill in")
+            mine = [b for b in state.backfills if b.table == table and b.reason == "type-change"]
+            if any(not b.finished for b in mine):
+                return None
+            backfill = BackfillProgress(f"{table}.type-change.{len(mine) + 1}", table, reason="type-change")
+            state.backfills.append(backfill)
+            return backfill.id
 
     def stop_error(self, change: TypeChange) -> SchemaRegistryError:
         """Why ``capture.on_type_change = "stop"`` stops, and the ways on."""

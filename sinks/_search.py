@@ -249,10 +249,30 @@ class SearchSink(BaseSink):
                     body={"actions": [{"add": {"index": index, "alias": self.alias(table.name)}}]},
                 )
         else:
-            # New columns only; an existing field's mapping never changes (FULL compatibility keeps types).
-            _call(self.client.indices.put_mapping, index=index, body=mappings)
+            self._map_new_fields(index, table.name, properties)
         self._mapped[index] = signature
         return index
+
+    def _map_new_fields(self, index: str, table: str, properties: dict[str, Any]) -> None:
+        """Maps the fields the index lacks (columns added at the source). An existing field's mapping cannot
+        change: a column widened past it (an ``integer`` field of an index made before ints were mapped as
+        ``long``) is said, with the way out."""
+        found: dict[str, Any] = _call(self.client.indices.get_mapping, index=index)
+        mapped: dict[str, Any] = next(iter(found.values()), {})
+        current: dict[str, Any] = mapped.get("mappings", {}).get("properties", {})
+        new = {name: m for name, m in properties.items() if name not in current}
+        if new:
+            _call(self.client.indices.put_mapping, index=index, body={"properties": new})
+        narrower = sorted(n for n, m in properties.items() if n in current and current[n].get("type") != m.get("type"))
+        if narrower:
+            log.warning(
+                "sink search: index %s maps %s of %s otherwise than the table's columns are now (a type changed at "
+                "the source): documents whose values the old mapping refuses go to the dead-letter topic; `cdc "
+                "sinks rebuild search` builds the index anew with today's mapping",
+                index,
+                ", ".join(narrower),
+                table,
+            )
 
     def prepare(self, tables: Sequence[TableInfo]) -> None:
         for table in tables:

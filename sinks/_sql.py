@@ -43,7 +43,7 @@ import os
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import pairwise
 from typing import Any
 
@@ -65,6 +65,7 @@ from sinks._sqltypes import (
     sql_type,
     to_doc,
     to_sql,
+    widens_kind,
 )
 from sinks._values import Names, column_name
 from sinks.errors import SinkConfigError, SinkTerminalError, SinkTransientError
@@ -444,14 +445,22 @@ class Migration:
     drops: list[str]
     adds: list[tuple[str, ColumnKind]]
     renamed_kinds: tuple[tuple[str, ColumnKind], ...] = ()  # each renamed column's (new name, kind)
+    widened: tuple[tuple[str, ColumnKind, ColumnKind], ...] = ()  # (column, kind before, kind now)
 
     def __bool__(self) -> bool:
-        return bool(self.renames or self.drops or self.adds)
+        return bool(self.renames or self.drops or self.adds or self.widened)
 
 
 def plan_migration(old: Sequence[tuple[str, ColumnKind]], new: Sequence[tuple[str, ColumnKind]]) -> Migration:
-    """From the columns a table has to the columns a schema asks for (see the module doc for the rules)."""
+    """From the columns a table has to the columns a schema asks for (see the module doc for the rules); a
+    column widened at the source (``int`` → ``bigint``, a wider ``numeric``, ``timestamp`` → ``timestamptz``)
+    keeps its values in its new type."""
     old_kinds, new_kinds = dict(old), dict(new)
+    widened = tuple((c, old_kinds[c], k) for c, k in new if c in old_kinds and widens_kind(old_kinds[c], k))
+    if widened:
+        wider = dict((c, k) for c, _, k in widened)
+        old = [(c, wider.get(c, k)) for c, k in old]
+        return replace(plan_migration(old, new), widened=widened)
     gone = [c for c, k in old if new_kinds.get(c) != k]
     came = [(c, k) for c, k in new if old_kinds.get(c) != k]
     renames: list[tuple[str, str]] = []
@@ -520,6 +529,20 @@ def _alter(conn: Connection, layout: Layout, physical: str, change: Migration) -
     for name, kind in change.adds:
         ddl = sql_type(kind, layout.dialect).compile(dialect=conn.dialect)
         _ddl(conn, f"ALTER TABLE {target} ADD COLUMN{not_exists} {prep.quote(name)} {ddl}")
+    for name, before, now in change.widened:
+        _widen(conn, layout, target, name, (before, now))
+
+
+def _widen(conn: Connection, layout: Layout, target: str, name: str, kinds: tuple[ColumnKind, ColumnKind]) -> None:
+    """A column in its wider type. SQLite's columns take any value of their affinity: nothing to do there."""
+    column = conn.dialect.identifier_preparer.quote(name)
+    ddl = sql_type(kinds[1], layout.dialect).compile(dialect=conn.dialect)
+    if layout.dialect == "postgresql":
+        # A timestamp without time zone is read as UTC, as the capture's events give it.
+        using = f" USING {column} AT TIME ZONE 'UTC'" if kinds[0].kind == "local_timestamp" else ""
+        _ddl(conn, f"ALTER TABLE {target} ALTER COLUMN {column} TYPE {ddl}{using}")
+    elif layout.dialect == "mariadb":
+        _ddl(conn, f"ALTER TABLE {target} MODIFY COLUMN {column} {ddl}")
 
 
 def _create_view(

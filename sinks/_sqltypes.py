@@ -41,6 +41,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
+from sinks._delta_widen import widens
 from sinks._values import Names
 
 Convert = Callable[[Any], Any]
@@ -110,6 +111,22 @@ def column_kind(avro: Any, names: Names, namespace: str | None = None) -> Column
     if kind in ("record", "array", "map"):
         return ColumnKind("json")
     return column_kind(names.resolve(kind, namespace), names, namespace)  # a named type's reference
+
+
+_SPARK_DDL = {"int": "int", "long": "bigint", "float": "float", "double": "double"}
+_SPARK_DDL.update(local_timestamp="timestamp_ntz", timestamp="timestamp")
+
+
+def widens_kind(old: ColumnKind, new: ColumnKind) -> bool:
+    """Whether a column of kind ``old`` moved to ``new`` holds every value it held: the warehouse's rule
+    (sinks._delta_widen), on the Spark types of the same Avro types."""
+    return widens(_spark_ddl(old), _spark_ddl(new))
+
+
+def _spark_ddl(kind: ColumnKind) -> str:
+    if kind.kind == "decimal":
+        return f"decimal({kind.precision},{kind.scale})"
+    return _SPARK_DDL.get(kind.kind, kind.kind)
 
 
 def sql_type(kind: ColumnKind, dialect: str) -> sa.types.TypeEngine[Any]:

@@ -380,7 +380,8 @@ def search_mapping(avro: AvroType, names: Names, namespace: str | None = None) -
         return {"type": "keyword"}
     simple: dict[str, dict[str, Any]] = {
         "boolean": {"type": "boolean"},
-        "int": {"type": "integer"},
+        # An int is mapped as a long: a field's mapping cannot change, and int → bigint is a routine ALTER.
+        "int": {"type": "long"},
         "long": {"type": "long"},
         "float": {"type": "float", "ignore_malformed": True},
         "double": {"type": "double", "ignore_malformed": True},

@@ -21,6 +21,7 @@ idempotent writes (txnAppId/txnVersion = batch id).
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import time
 from collections.abc import Iterator, Sequence
@@ -33,13 +34,18 @@ from sinks._delta_names import META as _META
 from sinks._delta_names import UNCHANGED as _UNCHANGED
 from sinks._delta_names import create_app, delta_columns, history_app
 from sinks._delta_stats import BatchDates, StatsColumns, has_dates, quoted, sql_string
+from sinks._delta_widen import rewrite, widened, widens
 from sinks._preflight import check_writable
 from sinks._storage import location
 from sinks._values import Names, column_name, doc_converter, spark_projection
 from sinks._warehouse_live import DeltaWriter, NotOnDriverError
 
 if TYPE_CHECKING:
-    from pyspark.sql import DataFrame
+    from delta.tables import DeltaTable
+    from pyspark.sql import DataFrame, SparkSession
+    from pyspark.sql.types import StructType
+
+log = logging.getLogger(__name__)
 
 _READ_PIECE_BYTES = 4 << 20  # compressed Parquet per partition when the table is read back (verify)
 _CURRENT = "_cdc_current"  # the served generation's number
@@ -147,6 +153,7 @@ class WarehouseSink(BaseSink):
         if frame is None:
             return None
         present = set(frame.columns)
+        stored = {f.name: f.dataType.simpleString() for f in frame.schema.fields}
         names = Names()
         fields = table.row_schema["fields"]
         delta = delta_columns([f["name"] for f in fields], frame.columns)
@@ -154,10 +161,13 @@ class WarehouseSink(BaseSink):
         for f in fields:
             names.resolve(f["type"], None)  # named types are defined by the first field that uses them
             column = delta[f["name"]]
-            if column in present:
-                columns.append(F.col(quoted(column)).alias(f["name"]))
+            typ = spark_type(arrow_field(f["type"], names)[0])
+            if column not in present:
+                columns.append(F.lit(None).cast(typ).alias(f["name"]))
+            elif widens(stored[column], typ):  # widened at the source, not yet in the table: as it will be
+                columns.append(F.col(quoted(column)).cast(typ).alias(f["name"]))
             else:
-                columns.append(F.lit(None).cast(spark_type(arrow_field(f["type"], names)[0])).alias(f["name"]))
+                columns.append(F.col(quoted(column)).alias(f["name"]))
         return frame.select(*columns), WarehouseRows(table.row_schema, table.key_fields)
 
     def _committed(self, path: str) -> DataFrame | None:
@@ -237,6 +247,9 @@ class WarehouseSink(BaseSink):
         if target is None or schema is None:
             self._create(batch, table, source, path, delta=delta, dates=dates)
             return
+        types = {f.name: f.dataType.simpleString() for f in source.drop(_UNCHANGED).schema.fields}
+        if wider := widened(((f.name, f.dataType.simpleString()) for f in schema.fields), types):
+            target, schema = self._widen(spark, path, wider)
         existing = {c.lower() for c in schema.names}  # Delta's names ignore case
         added = [f for f in source.drop(_UNCHANGED).schema.fields if f.name.lower() not in existing]
         if added:  # ALTER TABLE ADD COLUMN at the source: the Delta table gains the column (older rows: null)
@@ -267,6 +280,20 @@ class WarehouseSink(BaseSink):
         )
         if self.history and table.events is not None:
             self._append_history(batch, table, path, delta, dates)
+
+    def _widen(self, spark: SparkSession, path: str, columns: dict[str, str]) -> tuple[DeltaTable, StructType]:
+        """The table (and its history) rewritten with ``columns`` in their new, wider types (sinks._delta_widen);
+        the table's handle and schema after it."""
+        from delta.tables import DeltaTable
+
+        log.info("%s: column(s) widened at the source, table rewritten: %s", path, columns)
+        rewrite(spark, path, columns)
+        history = history_path(path)
+        if self.history and DeltaTable.isDeltaTable(spark, history):
+            rewrite(spark, history, columns)
+        self.stats.forget(path)
+        target = DeltaTable.forPath(spark, path)
+        return target, target.toDF().schema
 
     def _append_history(
         self, batch: Batch, table: TableChanges, path: str, delta: dict[str, str], dates: BatchDates

@@ -25,8 +25,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from sinks._api import TableInfo, TableWrite
-from sinks._delta_arrow import NotInArrowError, arrow_field, beyond_python, rows_table
+from sinks._delta_arrow import NotInArrowError, arrow_field, beyond_python, rows_table, spark_type
 from sinks._delta_names import create_app, delta_columns, history_app
+from sinks._delta_widen import widens
 from sinks._values import Names
 
 _STRING_LIST = pa.list_(pa.field("element", pa.string()))
@@ -203,9 +204,25 @@ def _cast_to(source: pa.Table, target: pa.Schema | None, table: str) -> pa.Table
     for name in source.column_names:
         array = source.column(name)
         if name in target.names and array.type != target.field(name).type:
+            if _widened(target.field(name).type, array.type):
+                raise NotOnDriverError(
+                    f"{table}: column {name} widened at the source ({target.field(name).type} in Delta, "
+                    f"{array.type} now): Spark's path rewrites the table with it"
+                )
             try:
                 array = array.cast(target.field(name).type)
             except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError) as exc:
                 raise NotOnDriverError(f"{table}: column {name} is {target.field(name).type} in Delta: {exc}") from exc
         columns.append(array)
     return pa.table(columns, names=source.column_names)
+
+
+def _widened(stored: pa.DataType, now: pa.DataType) -> bool:
+    """A number's or a timestamp's type the source widened (sinks._delta_widen)."""
+    scalar = (pa.types.is_integer, pa.types.is_floating, pa.types.is_decimal, pa.types.is_timestamp, pa.types.is_struct)
+    if not any(test(stored) and test(now) for test in scalar):
+        return False
+    try:
+        return widens(spark_type(stored), spark_type(now))
+    except NotInArrowError:  # a type the sinks never write (int8, int16): not theirs to widen
+        return False

@@ -9,6 +9,7 @@ type (its key in two partitions) is folded in one task."""
 from __future__ import annotations
 
 import json
+import urllib.request
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -40,14 +41,33 @@ HISTORY = [
     "UPDATE t SET v = v + 100 WHERE k % 4 = 0",
     "DELETE FROM t WHERE k % 7 = 0",
 ]
-# After the live sinks stopped: u's key column widens, so its later events carry a new key schema (and land in
-# other partitions).
+# After the live sinks stopped: u's key column widens. Its topic is one an earlier release made, whose key
+# schema held an int4 key as an Avro int and took the long as a second version when the column widened: the
+# later events carry the new key schema (and land in other partitions), as such topics hold them.
 KEY_MOVES = [
     "ALTER TABLE u ALTER COLUMN k TYPE bigint",
     "UPDATE u SET v = v || '!' WHERE k > 5",
     "DELETE FROM u WHERE k = 9",
     "INSERT INTO u VALUES (11, 'last')",
 ]
+
+
+def _key_versions(registry: str, topic: str, types: list[str]) -> None:
+    """Registers ``topic``'s key schema (a record of its key column ``k``) with ``k`` of each of ``types``."""
+    for typ in types:
+        key = {
+            "type": "record",
+            "name": "Key",
+            "namespace": topic,
+            "fields": [{"name": "k", "type": ["null", typ], "default": None}],
+        }
+        request = urllib.request.Request(  # noqa: S310
+            f"{registry}/subjects/{topic}-key/versions",
+            data=json.dumps({"schema": json.dumps(key)}).encode(),
+            method="POST",
+            headers={"Content-Type": "application/vnd.schemaregistry.v1+json"},
+        )
+        urllib.request.urlopen(request).close()  # noqa: S310
 
 
 @pytest.fixture
@@ -80,6 +100,7 @@ def test_a_rebuild_that_differs_from_the_source_swaps_in_none_of_its_sinks(
     tmp_path: Path,
     larger_batches: list[tuple[str, list[tuple[str, int]]]],
 ) -> None:
+    _key_versions(stack.registry, f"rebuild{unique}.public.u", ["int"])
     with captured(
         stack,
         pg_dsn,
@@ -102,10 +123,13 @@ def test_a_rebuild_that_differs_from_the_source_swaps_in_none_of_its_sinks(
         sinks.start()
         wait_caught_up(config, sinks, ["search", "cache"])
         assert sinks.stop() == 0, sinks.tail()
+        u = f"{prefix}.public.u"
+        run.capture.stop()  # the earlier release's capture registered the long key itself
+        _key_versions(stack.registry, u, ["long"])
         with psycopg.connect(dsn, autocommit=True) as conn:
             for statement in KEY_MOVES:
                 conn.execute(statement.encode())
-        u = f"{prefix}.public.u"
+        run.capture.start()
 
         def arrived() -> bool:
             events = read_topic(stack.kafka, stack.registry, u)

@@ -1,0 +1,117 @@
+"""Compatible type changes reach every store (docs/events.md, Type changes): after ``int → bigint`` (a key
+column and a value column), a wider ``numeric``, ``varchar → text`` and ``timestamp → timestamptz`` under a
+running capture and running sinks, with values only the new types hold, `cdc verify` is clean on search, cache,
+the warehouse and the SQL sink, and a rebuild from offset zero verifies too."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import psycopg
+import pyarrow as pa
+import pytest
+from deltalake import DeltaTable
+from opensearchpy import OpenSearch
+
+from sinks._search import index_alias
+from tests.integration._capture_helpers import scratch_database
+from tests.integration._sinks_helpers import (
+    SPARK_WORKER,
+    InProcessSinks,
+    Stack,
+    assert_verified,
+    captured,
+    cdc_here,
+    wait_caught_up,
+)
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+    from pyspark.sql import SparkSession
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500), SPARK_WORKER]
+
+ALL = ("search", "cache", "warehouse", "sql")
+
+
+@pytest.fixture
+def target(pg_dsn: str, unique: str) -> Iterator[str]:
+    from sinks._sql import sqlalchemy_url
+
+    with scratch_database(pg_dsn, f"tctgt_{unique}") as dsn:
+        yield sqlalchemy_url(dsn)
+
+
+def test_widened_columns_reach_every_store_and_verify_clean(
+    *, pg_dsn: str, stack: Stack, spark: SparkSession, target: str, unique: str, tmp_path: Path
+) -> None:
+    setup = [
+        "CREATE TABLE items (id int PRIMARY KEY, qty int, price numeric(10,2), code varchar(10), at timestamp)",
+        "INSERT INTO items SELECT g, g, g * 1.5, 'c' || g, '2026-01-01'::timestamp + g * interval '1 hour' "
+        "FROM generate_series(1, 20) g",
+    ]
+    sql = f'\n[sinks.sql]\nurl = "{target}"\n'
+    with captured(
+        stack,
+        pg_dsn,
+        unique,
+        tmp_path,
+        name="tc",
+        setup=setup,
+        tables=["items"],
+        sinks=lambda config, log: InProcessSinks(spark, _with(config, sql), log, list(ALL)),
+    ) as run:
+        dsn, config, sinks = run.dsn, run.config, run.sinks
+        sinks.start()
+        wait_caught_up(config, sinks, ALL)
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute(
+                "ALTER TABLE items ALTER COLUMN id TYPE bigint, ALTER COLUMN qty TYPE bigint, "
+                "ALTER COLUMN price TYPE numeric(14,2), ALTER COLUMN code TYPE text, "
+                "ALTER COLUMN at TYPE timestamptz USING at AT TIME ZONE 'UTC'"
+            )
+            conn.execute(
+                "INSERT INTO items VALUES (2^40, 2^50, 123456789012.25, repeat('long code ', 5), "
+                "'2026-06-01 12:00:00+02')"
+            )
+            conn.execute("UPDATE items SET qty = 2^33, price = 99999999999.99 WHERE id = 3")
+            conn.execute("DELETE FROM items WHERE id = 4")
+        result = cdc_here("verify", *ALL, "--config", str(config), "--wait", "300")
+        assert_verified(result, ALL, sinks.tail())
+        assert "written in another form since their type changed" in run.capture.tail(200)  # the zone of `at`
+        assert sinks.stop() == 0, sinks.tail()
+        _stores_have_the_new_types(stack, tmp_path, target, run.prefix)
+        # Every store rebuilt from offset zero: events of both schemas, read with the newest.
+        rebuilt = cdc_here("sinks", "rebuild", *ALL, "--config", str(config))
+        assert rebuilt.returncode == 0, f"{rebuilt.stdout}\n{rebuilt.stderr}"
+        for name in ALL:
+            assert f"{name}: generation 2 is now served" in rebuilt.stdout, rebuilt.stdout
+
+
+def _stores_have_the_new_types(stack: Stack, workdir: Path, target: str, prefix: str) -> None:
+    """The stores' own readers find the columns in their new types: delta-rs the warehouse's, OpenSearch's
+    mapping, PostgreSQL's catalog for the SQL sink's table."""
+    delta = DeltaTable(str(workdir / "warehouse" / "current" / "public.items")).to_pyarrow_table().schema
+    assert delta.field("id").type == pa.int64()
+    assert delta.field("at").type == pa.timestamp("us", tz="UTC")
+    search = OpenSearch(stack.opensearch)
+    index = next(iter(search.indices.get_alias(index=index_alias(prefix, "public.items"))))
+    mapped = search.indices.get_mapping(index=index)[index]["mappings"]["properties"]
+    assert (mapped["id"]["type"], mapped["qty"]["type"]) == ("long", "long")
+    with psycopg.connect(target.replace("postgresql+psycopg://", "postgresql://")) as conn:
+        types: dict[str, str] = dict(
+            conn.execute(
+                "SELECT column_name, data_type FROM information_schema.columns WHERE table_name LIKE 'public.items%'"
+            ).fetchall()
+        )
+    assert (types["id"], types["qty"], types["at"]) == ("bigint", "bigint", "timestamp with time zone"), types
+
+
+def _with(config: Path, extra: str) -> Path:
+    """``config`` with ``extra`` appended (written once, before the sinks read it)."""
+    if extra not in config.read_text():
+        with config.open("a") as f:
+            f.write(extra)
+    return config
