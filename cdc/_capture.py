@@ -13,6 +13,7 @@ import contextlib
 import logging
 import signal
 import threading
+import time
 from types import FrameType
 
 import psycopg
@@ -65,7 +66,13 @@ class Capture:
 
     def _new_producer(self) -> TransactionalProducer:
         s = self.settings
-        return TransactionalProducer(s.kafka.client_conf(), s.transactional_id, gap_s=s.kafka.transaction_gap_ms / 1000)
+        return TransactionalProducer(
+            s.kafka.client_conf(),
+            s.transactional_id,
+            gap_s=s.kafka.transaction_gap_ms / 1000,
+            stop=self.stop,
+            shutdown_s=s.capture.shutdown_timeout_s,
+        )
 
     def _new_writer(self, producer: TransactionalProducer, offsets: OffsetStore) -> KafkaBatchWriter:
         return KafkaBatchWriter(producer, offsets, self.metrics, CommitPolicy.from_settings(self.settings.capture))
@@ -271,6 +278,19 @@ class Capture:
             backfills.close()
 
 
+class Stop(threading.Event):
+    """The capture's stop request, and when it was first made (``asked_at``, monotonic; 0 before): a shutdown's
+    bound counts from the signal, not from when some wait first notices it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.asked_at = 0.0
+
+    def set(self) -> None:
+        self.asked_at = self.asked_at or time.monotonic()
+        super().set()
+
+
 def install_signal_handlers(stop: threading.Event) -> None:
     """SIGTERM/SIGINT ask the capture to finish its current transaction, commit and exit."""
 
@@ -282,4 +302,4 @@ def install_signal_handlers(stop: threading.Event) -> None:
     signal.signal(signal.SIGINT, handler)
 
 
-__all__ = ["Capture", "install_signal_handlers"]
+__all__ = ["Capture", "Stop", "install_signal_handlers"]

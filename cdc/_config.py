@@ -241,6 +241,12 @@ class CaptureConfig(_Section):
         default=60.0, gt=0, description="each backfill chunk's read (its --where included) is cancelled after this"
     )
     signal_poll_s: float = Field(default=1.0, gt=0, description="how often the signal table is read")
+    shutdown_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="after SIGTERM, how long a commit waits for a broker that does not answer before the open "
+        "Kafka transaction is abandoned (nothing of it acknowledged to PostgreSQL: the next run writes it again)",
+    )
     on_type_change: Literal["stop", "new-topic"] = Field(
         default="stop",
         description="a column type change a table's topic cannot take (its subject's compatibility refuses it, "

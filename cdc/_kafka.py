@@ -9,6 +9,7 @@ import contextlib
 import json
 import logging
 import ssl
+import threading
 import time
 from collections.abc import Iterator, Mapping
 from typing import Any, NoReturn
@@ -33,6 +34,7 @@ from cdc.errors import AuthenticationError, CDCError, KafkaSetupError, SchemaReg
 log = logging.getLogger(__name__)
 
 _TIMEOUT_S = 30.0
+_SLICE_S = 1.0  # a commit waits in slices this long, so that a stop is seen between them
 # A transaction begun within this long of the previous commit (or abort) waits out the rest first. The
 # coordinator answers EndTxn before it has written the commit markers, and until they are written it refuses
 # the next transaction's AddPartitionsToTxn with CONCURRENT_TRANSACTIONS, which librdkafka retries after a
@@ -219,12 +221,28 @@ def _native_producer(settings: Mapping[str, Any], on_failure: Any) -> tuple[Any,
     return producer, _native.DirectProducer(producer)
 
 
+class ShutdownTimeoutError(TransientError):
+    """A stop was asked for and the broker did not let the open transaction end in time (transient: the retry
+    loop sees the stop and ends the process)."""
+
+
 class TransactionalProducer:
     """A producer whose writes become visible together, at commit, or not at all."""
 
-    def __init__(self, conf: Mapping[str, Any], transactional_id: str, *, gap_s: float = _TXN_GAP_S) -> None:
-        """``gap_s``: how long after the previous transaction ended the next one may begin (_TXN_GAP_S)."""
+    def __init__(
+        self,
+        conf: Mapping[str, Any],
+        transactional_id: str,
+        *,
+        gap_s: float = _TXN_GAP_S,
+        stop: threading.Event | None = None,
+        shutdown_s: float = 10.0,
+    ) -> None:
+        """``gap_s``: how long after the previous transaction ended the next one may begin (_TXN_GAP_S);
+        ``stop``: set when the capture is asked to stop, after which a commit or the close waits ``shutdown_s``
+        at most for an unresponsive broker."""
         self._gap_s = gap_s
+        self._stop, self._shutdown_s, self._stop_seen = stop, shutdown_s, 0.0
         settings: dict[str, Any] = {
             "enable.idempotence": True,
             "acks": "all",
@@ -460,10 +478,20 @@ class TransactionalProducer:
         return None
 
     def commit(self) -> None:
-        try:
-            self._producer.commit_transaction(_TIMEOUT_S * 4)
-        except KafkaException as exc:
-            raise self._refused_as_too_large() or _kafka_error(exc, "committing a Kafka transaction") from exc
+        """Commits in slices of a second, so that a stop is seen while a broker does not answer (the signal's
+        handler runs between them): ``shutdown_s`` after it, the transaction is given up (ShutdownTimeoutError)."""
+        deadline = time.monotonic() + _TIMEOUT_S * 4
+        self._stopping_for()  # a stop asked before the commit began counts from then
+        while True:
+            try:
+                self._producer.commit_transaction(max(0.001, min(_SLICE_S, deadline - time.monotonic())))
+                break
+            except KafkaException as exc:
+                timed_out = exc.args[0].code() == KafkaError._TIMED_OUT
+                if timed_out and self._stopping_for() >= self._shutdown_s:
+                    raise self._given_up() from exc
+                if not timed_out or time.monotonic() >= deadline:
+                    raise self._refused_as_too_large() or _kafka_error(exc, "committing a Kafka transaction") from exc
         self._ended_at = time.monotonic()
         if self._errors:  # commit raises on failed deliveries; this is belt and braces
             raise _kafka_error(KafkaException(self._errors[0]), "delivering a message")
@@ -475,10 +503,29 @@ class TransactionalProducer:
             log.warning("aborting the Kafka transaction failed: %s", exc)
         self._ended_at = time.monotonic()  # abort markers are written after the response too
 
+    def _stopping_for(self) -> float:
+        """Seconds since the stop was first seen here; 0 while none is asked for."""
+        if self._stop is None or not self._stop.is_set():
+            return 0.0
+        now = time.monotonic()
+        self._stop_seen = self._stop_seen or getattr(self._stop, "asked_at", 0.0) or now
+        return now - self._stop_seen
+
+    def _given_up(self) -> ShutdownTimeoutError:
+        """The open transaction abandoned: aborted if the broker answers at once, else left to the next
+        instance's init_transactions, which aborts it; the slot stays where the last commit put it."""
+        with contextlib.suppress(KafkaException):
+            self._producer.abort_transaction(1.0)
+        return ShutdownTimeoutError(
+            f"the broker did not answer within capture.shutdown_timeout_s ({self._shutdown_s:g} s) of the stop: "
+            "the open Kafka transaction is abandoned, and nothing of it was acknowledged to PostgreSQL, so the "
+            "next run writes it again"
+        )
+
     def close(self) -> None:
         # Called on the way out of an attempt, often because of an error: it must not replace that error.
         try:
-            self._producer.flush(_TIMEOUT_S)
+            self._producer.flush(1.0 if self._stopping_for() else _TIMEOUT_S)
         except KafkaException as exc:
             log.warning("closing the Kafka producer: %s", exc)
 

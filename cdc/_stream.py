@@ -342,6 +342,8 @@ class Streamer:
         """The work that is ready, each piece in a Kafka transaction of its own after the stream's batch is
         committed: every Kafka transaction is either the stream's or one piece's, and each piece's state record
         carries the stream position already committed, so a crash in between replays nothing twice."""
+        if self.ctx.stop.is_set():  # a backfill's chunk or a signal read would only hold the stop up
+            return
         now = time.monotonic()
         ready = [task for task in self.between if task.ready(now)]
         if not ready:

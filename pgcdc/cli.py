@@ -31,7 +31,7 @@ from tenacity import (
 )
 
 from cdc import __version__
-from cdc._capture import Capture, install_signal_handlers
+from cdc._capture import Capture, Stop, install_signal_handlers
 from cdc._config import Settings, load_settings
 from cdc._failover import check_standby
 from cdc._metrics import CaptureMetrics
@@ -188,7 +188,7 @@ def _detach(settings: Settings, yes: bool, dry_run: bool) -> int:
 
 
 def _run(settings: Settings, config_path: Path | None, *, new_slot: bool = False) -> int:
-    stop = threading.Event()
+    stop = Stop()
     install_signal_handlers(stop)
     metrics = CaptureMetrics()
     observer = Observer(settings, metrics, config_path=config_path) if settings.metrics.enabled else None

@@ -13,13 +13,11 @@ not confirm (a connection cut mid-commit) need no bookkeeping: the source itself
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -34,6 +32,7 @@ from pgcdc_dev import discovery
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from tests.integration._capture_helpers import CdcProcess, Event, read_topic, scratch_database, wait_for
+from tests.integration._proxy import Proxy, kafka_proxied
 from tests.integration._sinks_helpers import SPARK_WORKER, SinksProcess, Stack, cdc_here
 
 # On PostgreSQL 15 only (the whole suite's server): CI's time on 18 goes to the version-sensitive suites, and
@@ -50,73 +49,6 @@ PROFILES: dict[str, dict[str, int]] = {
         "kafka_network": 10,
     },
 }  # fmt: skip
-
-
-class Proxy:
-    """A TCP proxy the test can cut (every connection dropped, nothing accepted) and restore."""
-
-    def __init__(self, upstream: tuple[str, int], port: int = 0) -> None:
-        self.upstream = upstream
-        if not port:
-            probe = socket.socket()
-            probe.bind(("127.0.0.1", 0))
-            port = int(probe.getsockname()[1])
-            probe.close()
-        self.port = port
-        self._conns: list[socket.socket] = []
-        self._lock = threading.Lock()
-        self._listener: socket.socket | None = None
-        self.restore()
-
-    def restore(self) -> None:
-        listener = socket.socket()
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind(("127.0.0.1", self.port))
-        listener.listen(64)
-        self._listener = listener
-        threading.Thread(target=self._accept, args=(listener,), daemon=True).start()
-
-    def cut(self) -> None:
-        with self._lock:
-            listener, self._listener = self._listener, None
-            conns, self._conns = self._conns, []
-        if listener is not None:
-            with contextlib.suppress(OSError):
-                listener.shutdown(socket.SHUT_RDWR)
-            listener.close()
-        for conn in conns:
-            with contextlib.suppress(OSError):
-                conn.shutdown(socket.SHUT_RDWR)
-            conn.close()
-
-    def _accept(self, listener: socket.socket) -> None:
-        while True:
-            try:
-                client, _ = listener.accept()
-            except OSError:
-                return
-            try:
-                server = socket.create_connection(self.upstream, timeout=5)
-            except OSError:
-                client.close()
-                continue
-            server.settimeout(None)
-            with self._lock:
-                self._conns += [client, server]
-            for a, b in ((client, server), (server, client)):
-                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
-
-    @staticmethod
-    def _pump(src: socket.socket, dst: socket.socket) -> None:
-        try:
-            while data := src.recv(65536):
-                dst.sendall(data)
-        except OSError:
-            pass
-        finally:
-            for s in (src, dst):
-                with contextlib.suppress(OSError):
-                    s.shutdown(socket.SHUT_RDWR)
 
 
 def _deploy(*args: str) -> None:
@@ -153,15 +85,6 @@ def _restart_postgres(sig: int) -> None:
             break
         time.sleep(0.1)
     _deploy("up", service)
-
-
-def _kafka_proxied() -> tuple[int, int]:
-    """Kafka's PROXIED listener (pgcdc_dev.services): (the port it listens on, the port it advertises)."""
-    out = subprocess.run(
-        [sys.executable, "-m", "pgcdc_dev.services", "endpoints"], capture_output=True, text=True, check=True
-    )
-    proxied = json.loads(out.stdout)["kafka"]["proxied"]
-    return int(proxied["listener"]), int(proxied["advertised"])
 
 
 def _restart_kafka() -> None:
@@ -270,7 +193,7 @@ def test_nothing_is_lost_or_doubled_whatever_fails(*, pg_dsn: str, stack: Stack,
         through_proxy = make_conninfo("", **{**params, "host": "127.0.0.1", "port": str(proxy.port)})
         # Kafka is reached through a proxy too: its PROXIED listener advertises the proxy's port, so every
         # connection of the capture and the sinks (metadata, leaders, the coordinator) goes through the proxy.
-        kafka_listener, kafka_advertised = _kafka_proxied()
+        kafka_listener, kafka_advertised = kafka_proxied()
         kafka_proxy = Proxy(("127.0.0.1", kafka_listener), port=kafka_advertised)
         prefix = f"f{unique}"
         cfg = stack.config(through_proxy, ["public.items"], prefix=prefix, unique=unique, workdir=tmp_path)
