@@ -26,7 +26,6 @@ from cdc._generations import (
     Known,
     TypeChange,
     changed_columns,
-    generation_topic,
     known_columns,
     registered_columns,
     rewritten,
@@ -36,6 +35,7 @@ from cdc._metrics import CaptureMetrics
 from cdc._source import AttachReport, check_and_prepare
 from cdc._standby import source_connections, wait_replayed
 from cdc.errors import StreamError
+from common.topics import generation_topic
 from decoders import Relation
 from schemas import ColumnHistory
 

@@ -28,14 +28,8 @@ from cdc._config import Settings
 from cdc._kafka import SchemaRefusedError
 from cdc._offsets import BackfillProgress, CaptureState
 from common.errors import SchemaRegistryError
+from common.topics import generation_topic
 from schemas import ColumnShape
-
-_SUFFIX = ".g"
-
-
-def generation_topic(base: str, generation: int) -> str:
-    """The topic of a table's ``generation``: its plain topic for the first, ``<topic>.g<n>`` after."""
-    return base if generation <= 1 else f"{base}{_SUFFIX}{generation}"
 
 
 class KeyChangeError(SchemaRefusedError):

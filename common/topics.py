@@ -8,6 +8,7 @@ that hold dots or quotes.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 
 
 def topic_part(name: str) -> str:
@@ -17,6 +18,34 @@ def topic_part(name: str) -> str:
 
 def topic_name(prefix: str, schema: str, table: str) -> str:
     return f"{prefix}.{topic_part(schema)}.{topic_part(table)}"
+
+
+GENERATION = r"(?:\.g[0-9]+)?"  # a table's later topic generation (docs/events.md, Type changes), as a pattern
+_GENERATION = re.compile(r"g[0-9]+")
+
+
+def generation_topic(base: str, generation: int) -> str:
+    """The topic of a table's ``generation``: its plain topic for the first, ``<topic>.g<n>`` after."""
+    return base if generation <= 1 else f"{base}.g{generation}"
+
+
+def split_generation(topic: str, prefix: str) -> tuple[str, int]:
+    """(the table's first topic, the generation) of a change topic under ``prefix`` (which may hold dots); the
+    schema and table parts never do, so a third part ``g<n>`` after the prefix can only be a generation."""
+    parts = topic[len(prefix) + 1 :].split(".") if topic.startswith(prefix + ".") else []
+    if len(parts) != 3 or _GENERATION.fullmatch(parts[2]) is None:
+        return topic, 1
+    return topic[: -len(parts[2]) - 1], int(parts[2][1:])
+
+
+def superseded(topics: Iterable[str], prefix: str) -> set[str]:
+    """The change topics (under ``prefix``) of a table that has a later generation among ``topics``: nothing is
+    written to them any more, and the table is read from its newest generation alone."""
+    newest: dict[str, int] = {}
+    found = [(t, *split_generation(t, prefix)) for t in topics]
+    for _topic, base, generation in found:
+        newest[base] = max(newest.get(base, 0), generation)
+    return {topic for topic, base, generation in found if generation < newest[base]}
 
 
 def split_table_name(name: str) -> tuple[str, str]:

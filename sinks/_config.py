@@ -16,7 +16,7 @@ from pydantic_settings import NoDecode
 
 from common.config import FileSettings, KafkaConnection, RegistryConnection, explain, read_config_file, settings_config
 from common.errors import SinkConfigError
-from common.topics import split_table_name, topic_name
+from common.topics import GENERATION, split_generation, split_table_name, topic_name
 from sinks._storage import Location, StorageConfig, location
 
 _BUILTINS = ("search", "cache", "warehouse", "sql")
@@ -225,15 +225,16 @@ class SinkSettings(FileSettings):
         Java and Python regular expressions alike (Spark's ``subscribePattern``, the lag probe's ``fullmatch``).
         """
         if self.sinks.tables:
-            return "|".join(re.escape(self.topic_for(name)) for name in self.sinks.tables)
+            return "|".join(re.escape(self.topic_for(name)) + GENERATION for name in self.sinks.tables)
         own = [self.kafka.offsets_topic_name(), self.kafka.signal_topic_name(), self.dead_letter_topic]
         not_ours = "".join(f"(?!{re.escape(t)}$)" for t in sorted({t for t in own if t}))
-        return not_ours + re.escape(self.kafka.topic_prefix) + r"\.[A-Za-z0-9_-]+\.[A-Za-z0-9_-]+"
+        return not_ours + re.escape(self.kafka.topic_prefix) + r"\.[A-Za-z0-9_-]+\.[A-Za-z0-9_-]+" + GENERATION
 
     def table_name(self, topic: str) -> str:
-        """``<schema>.<table>`` of a change topic, as stores name their objects (the topic without its prefix)."""
-        prefix = self.kafka.topic_prefix + "."
-        return topic[len(prefix) :] if topic.startswith(prefix) else topic
+        """``<schema>.<table>`` of a change topic, as stores name their objects (the topic without its prefix,
+        and without its generation: a table moved to a new topic generation keeps its name in the stores)."""
+        prefix, base = self.kafka.topic_prefix + ".", split_generation(topic, self.kafka.topic_prefix)[0]
+        return base[len(prefix) :] if base.startswith(prefix) else base
 
     def topic_for(self, qualified: str) -> str:
         try:

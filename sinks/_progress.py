@@ -19,6 +19,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from common.topics import superseded
 from sinks._config import SinkSettings
 from sinks._storage import Location
 
@@ -251,6 +252,7 @@ class TopicEnds:
         from confluent_kafka import Consumer
 
         self._pattern = re.compile(settings.topic_pattern())
+        self._prefix = settings.kafka.topic_prefix
         self._timeout = timeout_s
         self._stamps: dict[tuple[str, int, int], float | None] = {}
         self._consumer = Consumer(
@@ -264,6 +266,12 @@ class TopicEnds:
             }
         )
 
+    def superseded(self) -> set[str]:
+        """The change topics of tables moved to a later topic generation (common.topics.superseded)."""
+        md = self._consumer.list_topics(timeout=self._timeout)
+        found = [t for t, meta in md.topics.items() if meta.error is None and self._pattern.fullmatch(t)]
+        return superseded(found, self._prefix)
+
     def read(self) -> dict[tuple[str, int], tuple[int, int]]:
         from confluent_kafka import TopicPartition
 
@@ -276,7 +284,8 @@ class TopicEnds:
                         TopicPartition(topic, partition), timeout=self._timeout, cached=False
                     )
                     ends[(topic, partition)] = (low, high)
-        return ends
+        old = superseded({topic for topic, _ in ends}, self._prefix)  # a table moved to a later topic generation
+        return {tp: v for tp, v in ends.items() if tp[0] not in old}
 
     def timestamp_at(self, topic: str, partition: int, offset: int) -> float | None:
         """The Kafka timestamp (seconds) of the first committed record at or after ``offset``; cached."""

@@ -70,7 +70,15 @@ def open_stream(spark: SparkSession, settings: SinkSettings, *, rebuild: bool = 
     most = settings.sinks.rebuild_max_offsets_per_trigger if rebuild else settings.sinks.max_offsets_per_trigger
     if most:
         reader = reader.option("maxOffsetsPerTrigger", str(most))
-    return reader.load().select("topic", "partition", "offset", "key", "value")
+    frame = reader.load().select("topic", "partition", "offset", "key", "value")
+    # A table moved to a later topic generation is read from that one alone (common.topics.superseded): its
+    # earlier topics take no more records, and their schemas are not the table's any more.
+    ends = TopicEnds(settings)
+    try:
+        old = sorted(ends.superseded())
+    finally:
+        ends.close()
+    return frame.where(~frame["topic"].isin(old)) if old else frame
 
 
 def tail_ranges(settings: SinkSettings, per_partition: int) -> dict[tuple[str, int], tuple[int, int]]:

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import pyspark
 
 from common.errors import CDCError
+from common.topics import superseded
 from sinks._api import DropsGeneration, PartitionSink, Rebuildable, SinkContext, WritesFolded
 from sinks._bridge import Bridge, served_generation
 from sinks._feed import LaneFeed
@@ -333,6 +334,8 @@ class SinkQuery:
             raise RuntimeError(_GENERATION_CHANGED)
         started = time.monotonic()
         offsets = self._offsets(batch_id)
+        if offsets is not None:  # a table moved to a later topic generation is read from that one alone
+            offsets = _newest_generations(offsets, self.settings.kafka.topic_prefix)
         if offsets is None:  # the checkpoint does not say (not written by Spark as expected): ask the data
             moved = {r["topic"]: _UNKNOWN for r in raw.select("topic").distinct().collect()}
             ranges = None
@@ -540,6 +543,19 @@ def batch_starts(
     if before is None and batch_id > 0:
         return {}
     return {tp: (before or {}).get(tp, 0) for tp in end}
+
+
+Offsets = dict[tuple[str, int], int]
+
+
+def _newest_generations(offsets: tuple[Offsets, Offsets], prefix: str) -> tuple[Offsets, Offsets]:
+    """Two batches' end offsets without the topics of tables that have a later generation among them
+    (common.topics.superseded): nothing is written to those any more, and their schemas are not the table's."""
+    old = superseded({topic for topic, _ in offsets[1]}, prefix)
+    if not old:
+        return offsets
+    start, end = ({tp: o for tp, o in side.items() if tp[0] not in old} for side in offsets)
+    return start, end
 
 
 def offsets_moved(start: dict[tuple[str, int], int], end: dict[tuple[str, int], int]) -> dict[str, int]:

@@ -374,11 +374,12 @@ def captured(
     tables: Sequence[str],
     sinks: Callable[[Path, Path], Running],
     kafka_extra: str = "",
+    capture_extra: str = "",
 ) -> Iterator[Captured[Running]]:
     """The scratch database ``name``_``unique`` made by the ``setup`` statements; the capture of ``tables``
     (``public.`` ones) on it, streaming (topics ``name````unique``.public.*); the sinks ``sinks(config, log)``
-    builds, not started (``kafka_extra``: more of the capture's [kafka] settings). Both are stopped on the way
-    out, the sinks first, and the database dropped."""
+    builds, not started (``kafka_extra``, ``capture_extra``: more of the capture's [kafka], [capture]
+    settings). Both are stopped on the way out, the sinks first, and the database dropped."""
     with scratch_database(pg_dsn, f"{name}_{unique}") as dsn:
         with psycopg.connect(dsn, autocommit=True) as conn:
             for statement in setup:
@@ -386,6 +387,7 @@ def captured(
         prefix = f"{name}{unique}"
         cfg = stack.config(dsn, [f"public.{t}" for t in tables], prefix=prefix, unique=unique, workdir=workdir)
         cfg.kafka_extra += kafka_extra
+        cfg.extra = capture_extra + "\n" + cfg.extra  # [capture]'s keys come first: the sinks' sections follow
         capture = cfg.start(workdir)
         config = workdir / "cdc.toml"
         running = sinks(config, workdir / "sinks.log")

@@ -1,10 +1,14 @@
-"""Compatible type changes reach every store (docs/events.md, Type changes): after ``int → bigint`` (a key
-column and a value column), a wider ``numeric``, ``varchar → text`` and ``timestamp → timestamptz`` under a
-running capture and running sinks, with values only the new types hold, `cdc verify` is clean on search, cache,
-the warehouse and the SQL sink, and a rebuild from offset zero verifies too."""
+"""Type changes and every store (docs/events.md, Type changes): after compatible ones (``int → bigint`` on a key
+and a value column, a wider ``numeric``, ``varchar → text``, ``timestamp → timestamptz``) under a running
+capture and running sinks, with values only the new types hold, `cdc verify` is clean on search, cache, the
+warehouse and the SQL sink, and a rebuild from offset zero verifies too; after one the registry refuses, with
+``capture.on_type_change = "new-topic"``, `cdc sinks rebuild` builds every store from the table's new topic
+generation and verifies it before the swap."""
 
 from __future__ import annotations
 
+import json
+import urllib.request
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -15,7 +19,7 @@ from deltalake import DeltaTable
 from opensearchpy import OpenSearch
 
 from sinks._search import index_alias
-from tests.integration._capture_helpers import scratch_database
+from tests.integration._capture_helpers import latest_by_key, read_topic, scratch_database, wait_for
 from tests.integration._sinks_helpers import (
     SPARK_WORKER,
     InProcessSinks,
@@ -115,3 +119,57 @@ def _with(config: Path, extra: str) -> Path:
         with config.open("a") as f:
             f.write(extra)
     return config
+
+
+def test_after_a_move_to_a_new_topic_generation_a_rebuild_serves_the_table_in_its_new_types(
+    *, pg_dsn: str, stack: Stack, spark: SparkSession, target: str, unique: str, tmp_path: Path
+) -> None:
+    setup = [
+        "CREATE TABLE items (id int PRIMARY KEY, qty int, name text)",
+        "INSERT INTO items SELECT g, g, 'n' || g FROM generate_series(1, 20) g",
+    ]
+    sql = f'\n[sinks.sql]\nurl = "{target}"\n'
+    with captured(
+        stack,
+        pg_dsn,
+        unique,
+        tmp_path,
+        name="tg",
+        setup=setup,
+        tables=["items"],
+        sinks=lambda config, log: InProcessSinks(spark, _with(config, sql), log, list(ALL)),
+        capture_extra='on_type_change = "new-topic"',
+    ) as run:
+        dsn, config, sinks, topic = run.dsn, run.config, run.sinks, run.topic("items")
+        sinks.start()
+        wait_caught_up(config, sinks, ALL)
+        assert sinks.stop() == 0, sinks.tail()
+        _compatibility(stack.registry, f"{topic}-value", "BACKWARD")
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute("ALTER TABLE items ALTER COLUMN qty TYPE text USING 'q' || qty")  # refused: int -> string
+            conn.execute("UPDATE items SET name = 'after' WHERE id = 1")
+            conn.execute("DELETE FROM items WHERE id = 2")
+            expected = {r[0]: r for r in conn.execute("SELECT id, qty, name FROM items").fetchall()}
+
+        def moved() -> bool:
+            rows = latest_by_key(read_topic(stack.kafka, stack.registry, f"{topic}.g2"), "id")
+            return {k: (v["id"], v["qty"], v["name"]) for k, v in rows.items()} == expected
+
+        wait_for(moved, 180, "the table in its new topic generation", run.capture)
+        rebuilt = cdc_here("sinks", "rebuild", *ALL, "--config", str(config))
+        assert rebuilt.returncode == 0, f"{rebuilt.stdout}\n{rebuilt.stderr}"
+        for name in ALL:
+            assert f"{name}: generation 2 is now served" in rebuilt.stdout, rebuilt.stdout
+        delta = DeltaTable(str(tmp_path / "warehouse" / "current" / "public.items")).to_pyarrow_table()
+        assert delta.schema.field("qty").type == pa.string()
+        assert sorted(delta.column("qty").to_pylist()) == sorted(r[1] for r in expected.values())
+
+
+def _compatibility(registry: str, subject: str, level: str) -> None:
+    request = urllib.request.Request(  # noqa: S310
+        f"{registry}/config/{subject}",
+        data=json.dumps({"compatibility": level}).encode(),
+        method="PUT",
+        headers={"Content-Type": "application/vnd.schemaregistry.v1+json"},
+    )
+    urllib.request.urlopen(request).close()  # noqa: S310

@@ -9,11 +9,11 @@ from cdc._generations import (
     Generations,
     TypeChange,
     changed_columns,
-    generation_topic,
     known_columns,
     registered_columns,
 )
 from cdc._offsets import CaptureState
+from common.topics import generation_topic, split_generation, superseded
 from schemas import PgType
 
 INT4, TEXT, NUMERIC = PgType(23, "int4"), PgType(25, "text"), PgType(1700, "numeric")
@@ -71,3 +71,11 @@ def test_the_stop_says_what_changed_and_both_ways_on_without_the_registrys_crede
     assert "https://registry.example:8081/apis/ccompat/v7/config/shop.public.items-value" in text
     assert "s3cret" not in text
     assert "reg-user" not in text
+
+
+def test_a_tables_older_generations_are_superseded_by_its_newest() -> None:
+    assert split_generation("p.public.items.g12", "p") == ("p.public.items", 12)
+    assert split_generation("p.public.items", "p") == ("p.public.items", 1)
+    assert split_generation("my.app.public.g2", "my.app") == ("my.app.public.g2", 1)  # a table named g2
+    topics = ["p.public.items", "p.public.items.g2", "p.public.items.g3", "p.public.other", "p.public.g2"]
+    assert superseded(topics, "p") == {"p.public.items", "p.public.items.g2"}
