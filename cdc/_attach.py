@@ -24,11 +24,13 @@ from cdc._generations import (
     Generations,
     KeyChangeError,
     Known,
+    ScaleChangeError,
     TypeChange,
     changed_columns,
     known_columns,
     registered_columns,
     rewritten,
+    scale_changes,
 )
 from cdc._kafka import OffsetStore, Registry, SchemaRefusedError, Topics
 from cdc._metrics import CaptureMetrics
@@ -77,6 +79,7 @@ class TableCodecs:
         self._histories: dict[str, ColumnHistory] = {}  # by topic; learnt from the registry on first use
         self._keys: dict[str, Mapping[str, Any] | None] = {}  # by topic: the key subject's latest schema
         self._known: dict[str, Known] = {}  # by table: its columns' types as last written
+        self._values: dict[str, Mapping[str, Any]] = {}  # by topic: its value schema as last written
         self.generations = Generations(ctx.settings)  # bound to the committed state once it is read
         self._lock = threading.Lock()  # the stream and the snapshot's or backfill's threads build codecs
         self._relations: dict[int, list[tuple[str, int, int | None]]] = {}  # the stream's last Relation of each
@@ -138,20 +141,25 @@ class TableCodecs:
             if (registered := self._registry.latest(f"{topic}-value")) is not None:
                 history.learn(registered)
                 self._known.setdefault(qualified, registered_columns(registered))
+                self._values.setdefault(topic, registered)
         if topic not in self._keys:
             self._keys[topic] = self._registry.latest(f"{topic}-key")
         pinned = self._keys[topic]
         shape = replace(shape, topic=topic, columns=history.identify(shape.columns), relid=relid, registered_key=pinned)
+
+        latest = self._values.get(topic)
 
         def register(subject: str, schema: dict[str, Any]) -> int:
             if subject == f"{topic}-key" and pinned is not None and schema != pinned:
                 if _field_names(schema) == _field_names(pinned):  # a key column's type changed
                     raise KeyChangeError(qualified, subject)
                 _warn_new_key(topic, qualified, shape)
+            if subject == f"{topic}-value" and latest is not None and (scaled := scale_changes(latest, schema)):
+                raise ScaleChangeError(qualified, subject, scaled)
             return self._registry.register(subject, schema, table=qualified)
 
         codec = TableCodec(shape, source=self.source_info, register=register)
-        self._keys[topic] = codec.key_schema
+        self._keys[topic], self._values[topic] = codec.key_schema, codec.value_schema
         before, self._known[qualified] = self._known.get(qualified), known_columns(codec.columns)
         if before is not None and (columns := rewritten(before, self._known[qualified])):
             self._refill(qualified, columns)

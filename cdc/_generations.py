@@ -1,8 +1,9 @@
 """Topic generations: where a table's events go once its topic cannot take its new schema.
 
 A column's type change the key or value subject cannot take — the registry refuses the new value schema
-under the subject's compatibility level (``int`` to ``text``), or the key would get a new schema and so every
-key new bytes (a key column's decimal scale, an ``int`` key field that must now hold ``bigint``) — cannot go
+under the subject's compatibility level (``int`` to ``text``), a decimal's scale changes (which the registry
+takes, though earlier events would read wrong), or the key would get a new schema and so every key new bytes
+(a key column's decimal scale, an ``int`` key field that must now hold ``bigint``) — cannot go
 into the table's topic without breaking its readers or its compaction. With ``capture.on_type_change =
 "new-topic"`` the table moves to its next generation: ``<prefix>.<schema>.<table>.g2`` (then ``.g3``…), with
 subjects of its own. Its changes from the ALTER on are written there, and a backfill (cdc/_backfill.py) reads
@@ -39,6 +40,27 @@ class KeyChangeError(SchemaRefusedError):
     def __init__(self, table: str, subject: str) -> None:
         reason = "its key schema would change, and with it the bytes and partition of every key"
         super().__init__(f"table {table}: {reason}", subject=subject, reason=reason)
+
+
+class ScaleChangeError(SchemaRefusedError):
+    """A decimal column's scale would change in a table's value schema: a registry takes that as compatible
+    (Avro's resolution of bytes ignores the logical type), but a reader of the topic from offset zero would
+    read the events written before with the new scale, a hundredfold off or more; the capture refuses it."""
+
+    def __init__(self, table: str, subject: str, columns: Sequence[str]) -> None:
+        reason = f"the decimal scale of {', '.join(columns)} would change, and older events would read wrong"
+        super().__init__(f"table {table}: {reason}", subject=subject, reason=reason)
+
+
+def scale_changes(before: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:
+    """The columns whose decimal scale differs between two value schemas (envelopes) of a table."""
+    was, new = registered_columns(before), registered_columns(now)
+    out = []
+    for name, (_, avro) in new.items():
+        b, n = _DECIMAL.search(was.get(name, (None, ""))[1]), _DECIMAL.search(avro)
+        if b is not None and n is not None and b.group(2) != n.group(2):
+            out.append(name)
+    return out
 
 
 @dataclass(frozen=True)

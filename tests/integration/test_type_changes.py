@@ -276,3 +276,32 @@ def test_a_capture_killed_while_moving_a_table_finishes_the_move_when_started_ag
         proc.stop()
     assert "which subject" not in log  # the restart writes on to the second generation, no third one
     assert _versions(registry_url, f"{topic}.g2-value") == [1]
+
+
+def test_a_decimals_new_scale_moves_the_table_though_the_registry_would_take_it(
+    source: str, kafka_bootstrap: str, registry_url: str, unique: str, tmp_path: Path
+) -> None:
+    """numeric(10,2) → numeric(10,4): a registry finds the schemas compatible (bytes read bytes), but an event
+    written at scale 2 read with scale 4 is a hundredfold off, so the table cannot stay in its topic."""
+    topic = f"t{unique}.public.items"
+    with psycopg.connect(source, autocommit=True) as conn:
+        conn.execute("CREATE TABLE items (id int PRIMARY KEY, price numeric(10,2))")
+        conn.execute("INSERT INTO items VALUES (1, 1.50), (2, 2.25)")
+    config = _config(source, kafka_bootstrap, registry_url, unique, tables=["public.items"], extra=NEW_TOPIC)
+    proc = config.start(tmp_path)
+    try:
+        proc.wait_streaming()
+        with psycopg.connect(source, autocommit=True) as conn:
+            conn.execute("ALTER TABLE items ALTER COLUMN price TYPE numeric(10,4)")
+            conn.execute("INSERT INTO items VALUES (3, 3.1234)")
+        wait_for(lambda: len(_rows(kafka_bootstrap, registry_url, f"{topic}.g2")) == 3, 120, "the new generation", proc)
+        log = proc.this_run()
+    finally:
+        proc.stop()
+    assert "table public.items: column price numeric(10,2) → numeric(10,4), which subject" in log, log[-3000:]
+    assert {r["id"]: str(r["price"]) for r in _rows(kafka_bootstrap, registry_url, f"{topic}.g2").values()} == {
+        1: "1.5000",
+        2: "2.2500",
+        3: "3.1234",
+    }
+    assert _versions(registry_url, f"{topic}-value") == [1]  # the first generation's readers are not misled

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from pgcdc_dev.codecs import make_codec
 
 from cdc._config import Settings
@@ -11,6 +13,7 @@ from cdc._generations import (
     changed_columns,
     known_columns,
     registered_columns,
+    scale_changes,
 )
 from cdc._offsets import CaptureState
 from common.topics import generation_topic, split_generation, superseded
@@ -79,3 +82,12 @@ def test_a_tables_older_generations_are_superseded_by_its_newest() -> None:
     assert split_generation("my.app.public.g2", "my.app") == ("my.app.public.g2", 1)  # a table named g2
     topics = ["p.public.items", "p.public.items.g2", "p.public.items.g3", "p.public.other", "p.public.g2"]
     assert superseded(topics, "p") == {"p.public.items", "p.public.items.g2"}
+
+
+def test_a_decimals_new_scale_is_refused_as_its_topic_cannot_take_it() -> None:
+    def envelope(scale: int) -> dict[str, Any]:
+        typmod = ((10 << 16) | scale) + 4
+        return make_codec([("id", INT4, -1), ("price", NUMERIC, typmod)], topic="shop.public.items").value_schema
+
+    assert scale_changes(envelope(2), envelope(4)) == ["price"]
+    assert scale_changes(envelope(2), envelope(2)) == []
