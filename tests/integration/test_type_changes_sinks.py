@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import urllib.request
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import psycopg
 import pyarrow as pa
@@ -48,13 +48,17 @@ def target(pg_dsn: str, unique: str) -> Iterator[str]:
         yield sqlalchemy_url(dsn)
 
 
-def test_widened_columns_reach_every_store_and_verify_clean(
+def test_type_changes_reach_every_store_and_a_rebuild_serves_a_moved_table(
     *, pg_dsn: str, stack: Stack, spark: SparkSession, target: str, unique: str, tmp_path: Path
 ) -> None:
+    """``items`` takes compatible changes while the sinks run; ``moved`` takes one its topic cannot take and
+    moves to its second generation; one rebuild of every store then serves both."""
     setup = [
         "CREATE TABLE items (id int PRIMARY KEY, qty int, price numeric(10,2), code varchar(10), at timestamp)",
         "INSERT INTO items SELECT g, g, g * 1.5, 'c' || g, '2026-01-01'::timestamp + g * interval '1 hour' "
         "FROM generate_series(1, 20) g",
+        "CREATE TABLE moved (id int PRIMARY KEY, qty int, name text)",
+        "INSERT INTO moved SELECT g, g, 'n' || g FROM generate_series(1, 20) g",
     ]
     sql = f'\n[sinks.sql]\nurl = "{target}"\n'
     with captured(
@@ -64,34 +68,54 @@ def test_widened_columns_reach_every_store_and_verify_clean(
         tmp_path,
         name="tc",
         setup=setup,
-        tables=["items"],
+        tables=["items", "moved"],
         sinks=lambda config, log: InProcessSinks(spark, _with(config, sql), log, list(ALL)),
+        capture_extra='on_type_change = "new-topic"',
     ) as run:
         dsn, config, sinks = run.dsn, run.config, run.sinks
         sinks.start()
         wait_caught_up(config, sinks, ALL)
+        _compatibility(stack.registry, f"{run.topic('moved')}-value", "BACKWARD")
         with psycopg.connect(dsn, autocommit=True) as conn:
-            conn.execute(
-                "ALTER TABLE items ALTER COLUMN id TYPE bigint, ALTER COLUMN qty TYPE bigint, "
-                "ALTER COLUMN price TYPE numeric(14,2), ALTER COLUMN code TYPE text, "
-                "ALTER COLUMN at TYPE timestamptz USING at AT TIME ZONE 'UTC'"
-            )
-            conn.execute(
-                "INSERT INTO items VALUES (2^40, 2^50, 123456789012.25, repeat('long code ', 5), "
-                "'2026-06-01 12:00:00+02')"
-            )
-            conn.execute("UPDATE items SET qty = 2^33, price = 99999999999.99 WHERE id = 3")
-            conn.execute("DELETE FROM items WHERE id = 4")
+            _widen_items(conn)
         result = cdc_here("verify", *ALL, "--config", str(config), "--wait", "300")
         assert_verified(result, ALL, sinks.tail())
         assert "written in another form since their type changed" in run.capture.tail(200)  # the zone of `at`
         assert sinks.stop() == 0, sinks.tail()
         _stores_have_the_new_types(stack, tmp_path, target, run.prefix)
-        # Every store rebuilt from offset zero: events of both schemas, read with the newest.
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute("ALTER TABLE moved ALTER COLUMN qty TYPE text USING 'q' || qty")  # refused: int -> string
+            conn.execute("UPDATE moved SET name = 'after' WHERE id = 1")
+            conn.execute("DELETE FROM moved WHERE id = 2")
+            expected = {r[0]: r for r in conn.execute("SELECT id, qty, name FROM moved").fetchall()}
+
+        def in_its_new_topic() -> bool:
+            rows = latest_by_key(read_topic(stack.kafka, stack.registry, f"{run.topic('moved')}.g2"), "id")
+            return {k: (v["id"], v["qty"], v["name"]) for k, v in rows.items()} == expected
+
+        wait_for(in_its_new_topic, 180, "the moved table in its new topic generation", run.capture)
+        # Every store rebuilt from offset zero: items' events of both schemas read with the newest, moved's from
+        # its second generation alone; each verified against the source before its swap.
         rebuilt = cdc_here("sinks", "rebuild", *ALL, "--config", str(config))
         assert rebuilt.returncode == 0, f"{rebuilt.stdout}\n{rebuilt.stderr}"
         for name in ALL:
             assert f"{name}: generation 2 is now served" in rebuilt.stdout, rebuilt.stdout
+        delta = DeltaTable(str(tmp_path / "warehouse" / "current" / "public.moved")).to_pyarrow_table()
+        assert delta.schema.field("qty").type == pa.string()
+        assert sorted(delta.column("qty").to_pylist()) == sorted(r[1] for r in expected.values())
+
+
+def _widen_items(conn: psycopg.Connection[Any]) -> None:
+    conn.execute(
+        "ALTER TABLE items ALTER COLUMN id TYPE bigint, ALTER COLUMN qty TYPE bigint, "
+        "ALTER COLUMN price TYPE numeric(14,2), ALTER COLUMN code TYPE text, "
+        "ALTER COLUMN at TYPE timestamptz USING at AT TIME ZONE 'UTC'"
+    )
+    conn.execute(
+        "INSERT INTO items VALUES (2^40, 2^50, 123456789012.25, repeat('long code ', 5), '2026-06-01 12:00:00+02')"
+    )
+    conn.execute("UPDATE items SET qty = 2^33, price = 99999999999.99 WHERE id = 3")
+    conn.execute("DELETE FROM items WHERE id = 4")
 
 
 def _stores_have_the_new_types(stack: Stack, workdir: Path, target: str, prefix: str) -> None:
@@ -119,50 +143,6 @@ def _with(config: Path, extra: str) -> Path:
         with config.open("a") as f:
             f.write(extra)
     return config
-
-
-def test_after_a_move_to_a_new_topic_generation_a_rebuild_serves_the_table_in_its_new_types(
-    *, pg_dsn: str, stack: Stack, spark: SparkSession, target: str, unique: str, tmp_path: Path
-) -> None:
-    setup = [
-        "CREATE TABLE items (id int PRIMARY KEY, qty int, name text)",
-        "INSERT INTO items SELECT g, g, 'n' || g FROM generate_series(1, 20) g",
-    ]
-    sql = f'\n[sinks.sql]\nurl = "{target}"\n'
-    with captured(
-        stack,
-        pg_dsn,
-        unique,
-        tmp_path,
-        name="tg",
-        setup=setup,
-        tables=["items"],
-        sinks=lambda config, log: InProcessSinks(spark, _with(config, sql), log, list(ALL)),
-        capture_extra='on_type_change = "new-topic"',
-    ) as run:
-        dsn, config, sinks, topic = run.dsn, run.config, run.sinks, run.topic("items")
-        sinks.start()
-        wait_caught_up(config, sinks, ALL)
-        assert sinks.stop() == 0, sinks.tail()
-        _compatibility(stack.registry, f"{topic}-value", "BACKWARD")
-        with psycopg.connect(dsn, autocommit=True) as conn:
-            conn.execute("ALTER TABLE items ALTER COLUMN qty TYPE text USING 'q' || qty")  # refused: int -> string
-            conn.execute("UPDATE items SET name = 'after' WHERE id = 1")
-            conn.execute("DELETE FROM items WHERE id = 2")
-            expected = {r[0]: r for r in conn.execute("SELECT id, qty, name FROM items").fetchall()}
-
-        def moved() -> bool:
-            rows = latest_by_key(read_topic(stack.kafka, stack.registry, f"{topic}.g2"), "id")
-            return {k: (v["id"], v["qty"], v["name"]) for k, v in rows.items()} == expected
-
-        wait_for(moved, 180, "the table in its new topic generation", run.capture)
-        rebuilt = cdc_here("sinks", "rebuild", *ALL, "--config", str(config))
-        assert rebuilt.returncode == 0, f"{rebuilt.stdout}\n{rebuilt.stderr}"
-        for name in ALL:
-            assert f"{name}: generation 2 is now served" in rebuilt.stdout, rebuilt.stdout
-        delta = DeltaTable(str(tmp_path / "warehouse" / "current" / "public.items")).to_pyarrow_table()
-        assert delta.schema.field("qty").type == pa.string()
-        assert sorted(delta.column("qty").to_pylist()) == sorted(r[1] for r in expected.values())
 
 
 def _compatibility(registry: str, subject: str, level: str) -> None:
