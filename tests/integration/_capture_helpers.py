@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -393,3 +394,14 @@ def stop_workload_and_converge(
     writer.join(30)
     expected = source_items(dsn)
     wait_for(lambda: topic_items(kafka, registry, topic) == expected, 180, "convergence", proc)
+
+
+def set_compatibility(registry: str, subject: str, level: str) -> None:
+    """A registry subject's compatibility level (BACKWARD is Confluent's default; Apicurio's is none)."""
+    request = urllib.request.Request(  # noqa: S310
+        f"{registry}/config/{subject}",
+        data=json.dumps({"compatibility": level}).encode(),
+        method="PUT",
+        headers={"Content-Type": "application/vnd.schemaregistry.v1+json"},
+    )
+    urllib.request.urlopen(request).close()  # noqa: S310

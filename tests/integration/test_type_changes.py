@@ -23,6 +23,7 @@ from tests.integration._capture_helpers import (
     read_topic,
     records_to_end,
     scratch_database,
+    set_compatibility,
     wait_for,
 )
 
@@ -76,16 +77,7 @@ def test_widening_key_columns_keeps_each_keys_bytes_and_partition(
         )
         conn.execute("INSERT INTO items SELECT i, 'c' || i, i * 1.25, 'one' FROM generate_series(1, 40) i")
     topic = f"t{unique}.public.items"
-    config = CdcConfig(
-        source,
-        kafka_bootstrap,
-        registry_url,
-        f"t{unique}",
-        ["public.items"],
-        f"s_{unique}",
-        f"p_{unique}",
-        kafka_extra=SIX,
-    )
+    config = _config(source, kafka_bootstrap, registry_url, unique, tables=["public.items"])
     proc = config.start(tmp_path)
     try:
         proc.wait_streaming()
@@ -136,17 +128,6 @@ def _config(source: str, kafka: str, registry: str, unique: str, *, tables: list
 
 
 NEW_TOPIC = 'on_type_change = "new-topic"'
-
-
-def _compatibility(registry: str, subject: str, level: str) -> None:
-    """The subject's compatibility level; BACKWARD is Confluent's default (Apicurio's is none)."""
-    request = urllib.request.Request(  # noqa: S310
-        f"{registry}/config/{subject}",
-        data=json.dumps({"compatibility": level}).encode(),
-        method="PUT",
-        headers={"Content-Type": "application/vnd.schemaregistry.v1+json"},
-    )
-    urllib.request.urlopen(request).close()  # noqa: S310
 
 
 def _rows(kafka: str, registry: str, topic: str) -> dict[int, dict[str, Any]]:
@@ -215,7 +196,7 @@ def test_an_incompatible_change_moves_the_table_to_a_new_topic_while_the_others_
     proc = _config(source, kafka_bootstrap, registry_url, unique, tables=tables, extra=NEW_TOPIC).start(tmp_path)
     try:
         proc.wait_streaming()
-        _compatibility(registry_url, f"{topic}-value", "BACKWARD")
+        set_compatibility(registry_url, f"{topic}-value", "BACKWARD")
         with psycopg.connect(source, autocommit=True) as conn:
             conn.execute("ALTER TABLE items ALTER COLUMN qty TYPE text USING 'q' || qty")  # int -> string
             conn.execute("UPDATE items SET name = 'changed' WHERE id = 1")
@@ -252,7 +233,7 @@ def test_a_capture_killed_while_moving_a_table_finishes_the_move_when_started_ag
     config = _config(source, kafka_bootstrap, registry_url, unique, tables=["public.items"], extra=slow)
     proc = config.start(tmp_path)
     proc.wait_streaming()
-    _compatibility(registry_url, f"{topic}-value", "BACKWARD")
+    set_compatibility(registry_url, f"{topic}-value", "BACKWARD")
     with psycopg.connect(source, autocommit=True) as conn:
         conn.execute("ALTER TABLE items ALTER COLUMN qty TYPE text USING 'q' || qty")
         conn.execute("UPDATE items SET name = 'changed' WHERE id = 1")

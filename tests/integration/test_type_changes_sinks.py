@@ -7,8 +7,6 @@ generation and verifies it before the swap."""
 
 from __future__ import annotations
 
-import json
-import urllib.request
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -19,7 +17,7 @@ from deltalake import DeltaTable
 from opensearchpy import OpenSearch
 
 from sinks._search import index_alias
-from tests.integration._capture_helpers import latest_by_key, read_topic, scratch_database, wait_for
+from tests.integration._capture_helpers import latest_by_key, read_topic, scratch_database, set_compatibility, wait_for
 from tests.integration._sinks_helpers import (
     SPARK_WORKER,
     InProcessSinks,
@@ -75,7 +73,7 @@ def test_type_changes_reach_every_store_and_a_rebuild_serves_a_moved_table(
         dsn, config, sinks = run.dsn, run.config, run.sinks
         sinks.start()
         wait_caught_up(config, sinks, ALL)
-        _compatibility(stack.registry, f"{run.topic('moved')}-value", "BACKWARD")
+        set_compatibility(stack.registry, f"{run.topic('moved')}-value", "BACKWARD")
         with psycopg.connect(dsn, autocommit=True) as conn:
             _widen_items(conn)
         result = cdc_here("verify", *ALL, "--config", str(config), "--wait", "300")
@@ -143,13 +141,3 @@ def _with(config: Path, extra: str) -> Path:
         with config.open("a") as f:
             f.write(extra)
     return config
-
-
-def _compatibility(registry: str, subject: str, level: str) -> None:
-    request = urllib.request.Request(  # noqa: S310
-        f"{registry}/config/{subject}",
-        data=json.dumps({"compatibility": level}).encode(),
-        method="PUT",
-        headers={"Content-Type": "application/vnd.schemaregistry.v1+json"},
-    )
-    urllib.request.urlopen(request).close()  # noqa: S310
