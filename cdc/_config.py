@@ -248,10 +248,11 @@ class CaptureConfig(_Section):
         "Kafka transaction is abandoned (nothing of it acknowledged to PostgreSQL: the next run writes it again)",
     )
     on_type_change: Literal["stop", "new-topic"] = Field(
-        default="stop",
+        default="new-topic",
         description="a column type change a table's topic cannot take (its subject's compatibility refuses it, "
-        "or its key's bytes would change): stop saying what changed, or move the table to a new topic "
-        "generation (<topic>.g2…) filled by a backfill while the other tables go on (docs/events.md)",
+        "or its key's bytes would change): move the table to a new topic generation (<topic>.g2…) filled by a "
+        "backfill while the other tables go on, and which `cdc sinks run` rebuilds the stores from; or stop "
+        "saying what changed, for a person to decide (docs/events.md)",
     )
     on_unencodable: Literal["stop", "dead-letter"] = Field(
         default="stop",

@@ -8,7 +8,7 @@ that hold dots or quotes.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 
 def topic_part(name: str) -> str:
@@ -38,14 +38,29 @@ def split_generation(topic: str, prefix: str) -> tuple[str, int]:
     return topic[: -len(parts[2]) - 1], int(parts[2][1:])
 
 
-def superseded(topics: Iterable[str], prefix: str) -> set[str]:
-    """The change topics (under ``prefix``) of a table that has a later generation among ``topics``: nothing is
-    written to them any more, and the table is read from its newest generation alone."""
-    newest: dict[str, int] = {}
+def superseded(topics: Iterable[str], prefix: str, chosen: Mapping[str, int] | None = None) -> set[str]:
+    """The change topics (under ``prefix``) of a table that are not the generation it is read from: its newest
+    among ``topics`` (nothing is written to the earlier ones any more), or, given ``chosen`` (a store
+    generation's choice per table's first topic: sinks._served), the chosen one; a table not in ``chosen`` is
+    read from its first generation, one whose chosen topic is not among ``topics`` from its newest."""
     found = [(t, *split_generation(t, prefix)) for t in topics]
+    present: dict[str, set[int]] = {}
     for _topic, base, generation in found:
+        present.setdefault(base, set()).add(generation)
+    read = {}
+    for base, generations in present.items():
+        wanted = max(generations) if chosen is None else chosen.get(base, 1)
+        read[base] = wanted if wanted in generations else max(generations)
+    return {topic for topic, base, generation in found if generation != read[base]}
+
+
+def newest_generations(topics: Iterable[str], prefix: str) -> dict[str, int]:
+    """Per table's first topic, its newest generation among ``topics``."""
+    newest: dict[str, int] = {}
+    for topic in topics:
+        base, generation = split_generation(topic, prefix)
         newest[base] = max(newest.get(base, 0), generation)
-    return {topic for topic, base, generation in found if generation < newest[base]}
+    return newest
 
 
 def split_table_name(name: str) -> tuple[str, str]:

@@ -211,7 +211,7 @@ def main(argv: list[str]) -> int:
         stop = threading.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stop.set())
-        return _runner.run(settings, names, stop)
+        return _runner.run(settings, names, stop, _source_tables(args.config))
     except CDCError as exc:  # the sinks' errors, and the capture's when verify reads the source
         print(f"cdc: error: {exc}", file=sys.stderr)
         return exc.exit_code

@@ -26,9 +26,10 @@ from typing import TYPE_CHECKING, Any
 
 from sinks._api import PartitionSink, Rebuildable, WritesFolded
 from sinks._fold import TopicFold, framed_ids
-from sinks._progress import TopicEnds, checkpoint_location, checkpoint_offsets
+from sinks._progress import TopicEnds, checkpoint_location, checkpoint_offsets, topic_names
 from sinks._ranges import DRIVER_RECORDS, RangeReader
 from sinks._reader import Decoder
+from sinks._served import served_topics
 from sinks._write import folded_written, tally, written_on_driver
 
 if TYPE_CHECKING:
@@ -82,7 +83,8 @@ class _Backlog:
         self.sink, self.settings, self.generation = sink, settings, generation
         done = checkpoint_offsets(checkpoint_location(settings.state(), name, generation))
         self.position: dict[tuple[str, int], int] = dict(done or {})  # none committed: every partition's start
-        self._ends = TopicEnds(settings)
+        served = served_topics(settings, name, generation, lambda: topic_names(settings))
+        self._ends = TopicEnds(settings, served=served)  # the generations its query reads: sinks._served
         self._reader = RangeReader(settings, name)
         self._decoder = Decoder(settings)
         self.read = self.applied = 0

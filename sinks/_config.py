@@ -151,6 +151,12 @@ class SinksConfig(_Section):
         "directory stands for every .jar in it",
     )
     spark_conf: dict[str, str] = Field(default_factory=dict)
+    rebuild_moved_tables: bool = Field(
+        default=True,
+        description="when the capture moves a table to a new topic generation (a type change its topic could not "
+        "take: docs/events.md), `cdc sinks run` rebuilds the stores beside the served copies, verifies and swaps "
+        "them in; the moved table's served copy stays as it was until then (false: `cdc sinks rebuild` does it)",
+    )
     swap_grace_s: float = Field(
         default=15.0, ge=0, description="after a rebuild's swap, how long the replaced copy stays for reads in flight"
     )

@@ -15,13 +15,16 @@ from __future__ import annotations
 import json
 import re
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from common.topics import superseded
 from sinks._config import SinkSettings
 from sinks._storage import Location
+
+if TYPE_CHECKING:
+    from sinks._served import ServedTopics
 
 STATUS_FILE = "status.json"
 REBUILD_FILE = "rebuild.json"
@@ -248,9 +251,12 @@ def _rebuild(
 class TopicEnds:
     """The change topics' watermarks, read_committed (the high watermark is the last stable offset)."""
 
-    def __init__(self, settings: SinkSettings, *, timeout_s: float = 5.0) -> None:
+    def __init__(self, settings: SinkSettings, *, timeout_s: float = 5.0, served: ServedTopics | None = None) -> None:
+        """``served``: a store generation's choice of topic generations (sinks._served); without it, each
+        table's newest."""
         from confluent_kafka import Consumer
 
+        self._served = served
         self._pattern = re.compile(settings.topic_pattern())
         self._prefix = settings.kafka.topic_prefix
         self._timeout = timeout_s
@@ -266,11 +272,17 @@ class TopicEnds:
             }
         )
 
-    def superseded(self) -> set[str]:
-        """The change topics of tables moved to a later topic generation (common.topics.superseded)."""
+    def topics(self) -> list[str]:
+        """The change topics, every generation of each table's."""
         md = self._consumer.list_topics(timeout=self._timeout)
-        found = [t for t, meta in md.topics.items() if meta.error is None and self._pattern.fullmatch(t)]
-        return superseded(found, self._prefix)
+        return [t for t, meta in md.topics.items() if meta.error is None and self._pattern.fullmatch(t)]
+
+    def superseded(self) -> set[str]:
+        """The change topics not read (common.topics.superseded): earlier generations of a moved table's."""
+        return self._skipped(self.topics())
+
+    def _skipped(self, topics: Iterable[str]) -> set[str]:
+        return superseded(topics, self._prefix) if self._served is None else self._served.superseded(topics)
 
     def read(self) -> dict[tuple[str, int], tuple[int, int]]:
         from confluent_kafka import TopicPartition
@@ -284,7 +296,7 @@ class TopicEnds:
                         TopicPartition(topic, partition), timeout=self._timeout, cached=False
                     )
                     ends[(topic, partition)] = (low, high)
-        old = superseded({topic for topic, _ in ends}, self._prefix)  # a table moved to a later topic generation
+        old = self._skipped({topic for topic, _ in ends})  # a table moved to a later topic generation
         return {tp: v for tp, v in ends.items() if tp[0] not in old}
 
     def timestamp_at(self, topic: str, partition: int, offset: int) -> float | None:
@@ -318,3 +330,12 @@ __all__ = [
     "sink_progress",
     "sinks_present",
 ]
+
+
+def topic_names(settings: SinkSettings) -> list[str]:
+    """The change topics, every generation of each table's (one metadata request)."""
+    ends = TopicEnds(settings)
+    try:
+        return ends.topics()
+    finally:
+        ends.close()

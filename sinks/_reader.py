@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame, SparkSession
 
     from sinks._config import SinkSettings
+    from sinks._served import ServedTopics
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +53,9 @@ def kafka_options(settings: SinkSettings) -> dict[str, str]:
     return options
 
 
-def open_stream(spark: SparkSession, settings: SinkSettings, *, rebuild: bool = False) -> DataFrame:
+def open_stream(
+    spark: SparkSession, settings: SinkSettings, *, rebuild: bool = False, served: ServedTopics | None = None
+) -> DataFrame:
     """The streaming DataFrame of change records (from offset zero unless a checkpoint says otherwise).
 
     A rebuild reads in larger batches (``rebuild_max_offsets_per_trigger``): a new generation has no reader,
@@ -71,9 +74,9 @@ def open_stream(spark: SparkSession, settings: SinkSettings, *, rebuild: bool = 
     if most:
         reader = reader.option("maxOffsetsPerTrigger", str(most))
     frame = reader.load().select("topic", "partition", "offset", "key", "value")
-    # A table moved to a later topic generation is read from that one alone (common.topics.superseded): its
-    # earlier topics take no more records, and their schemas are not the table's any more.
-    ends = TopicEnds(settings)
+    # A table is read from one topic generation (common.topics.superseded): its newest, or the one its store
+    # generation reads (``served``: sinks._served). Topics made after the start are left out by the batches.
+    ends = TopicEnds(settings, served=served)
     try:
         old = sorted(ends.superseded())
     finally:

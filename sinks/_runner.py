@@ -19,7 +19,7 @@ import shutil
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING, Any, Literal
 import pyspark
 
 from common.errors import CDCError
-from common.topics import superseded
 from sinks._api import DropsGeneration, PartitionSink, Rebuildable, SinkContext, WritesFolded
 from sinks._bridge import Bridge, served_generation
 from sinks._feed import LaneFeed
@@ -41,6 +40,7 @@ from sinks._frames import in_frames
 from sinks._frames import rehearse as rehearse_frames
 from sinks._lane import Lane
 from sinks._metrics import SinkMetrics, query_name
+from sinks._moves import Mover
 from sinks._plugins import load
 from sinks._preflight import check_executors, check_master, check_writable, missing_module
 from sinks._progress import (
@@ -52,9 +52,11 @@ from sinks._progress import (
     checkpoint_location,
     checkpoint_offsets,
     reached,
+    topic_names,
 )
 from sinks._ranges import DRIVER_RECORDS, RangeReader, Ranges, batch_ranges, size_of
 from sinks._reader import Decoder, RegistryFolds, ensure_dead_letter_topic, open_stream, tail_ranges, tail_records
+from sinks._served import ServedTopics, served_topics
 from sinks._spark import PARALLELISM_KEYS, build_session, stop_session, submitted_master, under_spark_submit
 from sinks._storage import S3_SCHEMES, Location, hadoop_conf
 from sinks._verify import Drift, compare
@@ -83,6 +85,7 @@ _NO_SPACE = "No space left on device"  # ENOSPC as the JVM (Spark's checkpoint w
 _NEARLY_FULL = 64 * 2**20  # free bytes under which an ENOSPC is taken to be the state disk's
 _CHECKPOINT_MANAGER = "spark.sql.streaming.checkpointFileManagerClass"
 _BUILT_IN = ("search", "cache", "warehouse", "sql")
+_CATCH_UP_TIMEOUT_S = 3600.0  # a rebuild that has not read every topic by then fails
 _BRIDGE_WAIT_S = 120  # a bridge's store calls time out within this (their clients' own timeouts)
 _LANE_SINKS = ("search", "cache")  # built-ins that write without Spark (sinks._lane)
 
@@ -259,6 +262,12 @@ class SinkQuery:
         base = settings.state() / name
         self.checkpoint = checkpoint_location(settings.state(), name, generation)
         self.checkpoint.make_dirs()
+        self.served = (  # a store with generations reads one topic generation per table: sinks._served
+            served_topics(settings, name, generation, lambda: topic_names(settings))
+            if isinstance(self.sink, Rebuildable)
+            else ServedTopics(settings.kafka.topic_prefix, None)
+        )
+        self._skipped: set[str] = set()  # the last batch's topics of generations this one does not read
         self.status = _Status.load(base / (REBUILD_FILE if self.rebuild else STATUS_FILE))
         self.status.update(generation=generation)
         self.metrics: SinkMetrics | None = None
@@ -279,7 +288,7 @@ class SinkQuery:
         if self._lane_on():  # the lane applies changes as they arrive; a batch only confirms them (sinks._lane)
             interval = max(interval, self.settings.sinks.lane_trigger_interval_s)
         writer = (
-            open_stream(self.spark, self.settings, rebuild=self.rebuild)
+            open_stream(self.spark, self.settings, rebuild=self.rebuild, served=self.served)
             .writeStream.queryName(query_name(self.name, self.generation))
             .option("checkpointLocation", self.checkpoint.uri)
             .foreachBatch(self._batch)
@@ -334,13 +343,19 @@ class SinkQuery:
             raise RuntimeError(_GENERATION_CHANGED)
         started = time.monotonic()
         offsets = self._offsets(batch_id)
-        if offsets is not None:  # a table moved to a later topic generation is read from that one alone
-            offsets = _newest_generations(offsets, self.settings.kafka.topic_prefix)
         if offsets is None:  # the checkpoint does not say (not written by Spark as expected): ask the data
             moved = {r["topic"]: _UNKNOWN for r in raw.select("topic").distinct().collect()}
             ranges = None
         else:
             moved, ranges = offsets_moved(*offsets), batch_ranges(*offsets)
+        # A table is read from one topic generation (sinks._served): another one's records are not this
+        # generation's, and its schemas may not be the store's.
+        self._skipped = self.served.superseded({tp[0] for tp in offsets[1]} if offsets else moved)
+        if self._skipped:
+            if self._skipped & set(moved):
+                raw = raw.where(~raw["topic"].isin(sorted(self._skipped)))
+            moved = {t: n for t, n in moved.items() if t not in self._skipped}
+            ranges = None if ranges is None else {tp: r for tp, r in ranges.items() if tp[0] not in self._skipped}
         topics = set(moved)
         records = sum(moved.values())
         batch = (batch_id, self.generation)
@@ -397,6 +412,7 @@ class SinkQuery:
         ends = self._ends.get(batch_id)
         if ends is None or not self._lane_on():
             return
+        ends = {tp: offset for tp, offset in ends.items() if tp[0] not in self._skipped}
         if self._lane is None:
             assert self.feed is not None  # _lane_on
             lane = Lane(
@@ -489,6 +505,11 @@ class SinkQuery:
             outcome.dead_letters,
         )
 
+    def behind(self, topics: Iterable[str]) -> dict[str, tuple[int, int]]:
+        """The tables this served generation reads from an older topic generation than their newest among
+        ``topics`` (sinks._moves); none for a query of another role, or of a sink without generations."""
+        return self.served.behind(topics) if self.follow_swaps else {}
+
     def caught_up(self) -> bool:
         """True once a batch has read everything that was available when it started."""
         progress = self.query.lastProgress if self.query else None
@@ -545,19 +566,6 @@ def batch_starts(
     return {tp: (before or {}).get(tp, 0) for tp in end}
 
 
-Offsets = dict[tuple[str, int], int]
-
-
-def _newest_generations(offsets: tuple[Offsets, Offsets], prefix: str) -> tuple[Offsets, Offsets]:
-    """Two batches' end offsets without the topics of tables that have a later generation among them
-    (common.topics.superseded): nothing is written to those any more, and their schemas are not the table's."""
-    old = superseded({topic for topic, _ in offsets[1]}, prefix)
-    if not old:
-        return offsets
-    start, end = ({tp: o for tp, o in side.items() if tp[0] not in old} for side in offsets)
-    return start, end
-
-
 def offsets_moved(start: dict[tuple[str, int], int], end: dict[tuple[str, int], int]) -> dict[str, int]:
     """Per topic, how many offsets lie between two batches' end offsets (a partition absent from ``start``:
     read from its beginning, so the count is unknown and taken as large)."""
@@ -587,10 +595,17 @@ def _close(sink: Any) -> None:
     sink.close()
 
 
-def run(settings: SinkSettings, names: Sequence[str], stop: threading.Event) -> int:
+def run(
+    settings: SinkSettings,
+    names: Sequence[str],
+    stop: threading.Event,
+    source_tables: Callable[[], Sequence[Any]] | None = None,
+) -> int:
     """Run the sinks until ``stop``; a failing sink is restarted with backoff, the others go on.
 
     A sink that cannot be loaded is reported and skipped; only when none is left is it an error.
+    ``source_tables``: the source's tables, to verify what the app rebuilds after a table moved to a new topic
+    generation (sinks._moves); without it, such a rebuild is left to `cdc sinks rebuild`.
     """
     usable, problems = [], []
     for name in names:
@@ -619,6 +634,8 @@ def run(settings: SinkSettings, names: Sequence[str], stop: threading.Event) -> 
     spark = spark_session(settings, "pgcdc-sinks")
     supervisor = _Supervisor(settings, usable, spark, metrics)
     supervisor.bridges = bridges
+    if cfg.rebuild_moved_tables and source_tables is not None:
+        supervisor.mover = _mover(settings, spark, source_tables)
     try:
         supervisor.run(stop)
     finally:  # a bridge still running (a store that hangs) is not waited for: what it writes is written again
@@ -628,6 +645,15 @@ def run(settings: SinkSettings, names: Sequence[str], stop: threading.Event) -> 
             server.shutdown()
         stop_session(spark)
     return 0
+
+
+def _mover(settings: SinkSettings, spark: SparkSession, source_tables: Callable[[], Sequence[Any]]) -> Mover:
+    """The app's rebuilds after a table moved (sinks._moves), on its own Spark application."""
+
+    def rebuild_moved(names: list[str], stop: threading.Event) -> list[Rebuilt]:
+        return rebuild(settings, names, source_tables, report=log.info, app=InApp(spark, stop))
+
+    return Mover(rebuild_moved, lambda: topic_names(settings), settings.kafka.topic_prefix)
 
 
 class _Supervisor:
@@ -644,6 +670,7 @@ class _Supervisor:
         self.starting: dict[str, threading.Thread] = {}  # sinks whose start runs on its own thread
         self.bridges: dict[str, Bridge] = {}  # the sinks' bridges (sinks._bridge), joined before their query
         self.feed = LaneFeed(settings, RegistryFolds(Decoder(settings)))  # every lane's one reader
+        self.mover: Mover | None = None  # rebuilds the sinks a moved table leaves behind (sinks._moves)
         self._outcomes: queue.SimpleQueue[tuple[str, SinkQuery | None, Exception | None]] = queue.SimpleQueue()
 
     def run(self, stop: threading.Event) -> None:
@@ -658,8 +685,12 @@ class _Supervisor:
                 for name in self.names:
                     if name not in self.given_up and name not in self.starting:
                         self._check(name)
+                if self.mover is not None:
+                    self._follow_moves(self.mover)
                 stop.wait(0.2 if self.starting else 1.0)
         finally:
+            if self.mover is not None:
+                self.mover.stop()
             for thread in list(self.starting.values()):  # a query started after this would outlive the app
                 thread.join(120)
             with contextlib.suppress(CDCError):
@@ -670,6 +701,16 @@ class _Supervisor:
             for name in self.names:
                 if name not in self.given_up:
                     _sink_status(self.settings, name).update(state="stopped")
+
+    def _follow_moves(self, mover: Mover) -> None:
+        """Starts a rebuild when a table moved; switches the sinks whose rebuilt generation is now served."""
+        mover.look(self.queries)
+        for name in mover.swapped():
+            q = self.queries.pop(name, None)
+            if q is not None:  # else its start is under way, or its backoff: either takes the served generation
+                q.stop()
+                log.info("sink %s: switching to the rebuilt generation", name)
+                self._start(name, replaced=q.generation)
 
     def _heartbeat(self, stop: threading.Event) -> None:
         # "Alive" for readers outside the app (cdc status, the capture's dashboard and metrics). Its own
@@ -902,6 +943,15 @@ def verify(
 
 
 @dataclass(frozen=True)
+class InApp:
+    """A rebuild inside the serving app (sinks._moves): its Spark session, and its stop (set: the rebuild ends
+    before its swap)."""
+
+    spark: SparkSession
+    stop: threading.Event
+
+
+@dataclass(frozen=True)
 class Rebuilt:
     """One sink's part of a rebuild: the generation built beside the served one, and its final comparison."""
 
@@ -920,17 +970,19 @@ def rebuild(
     source_tables: Callable[[], Sequence[Any]],
     *,
     verify_wait_s: float = 120.0,
-    catch_up_timeout_s: float = 3600.0,
     report: Callable[[str], None] = print,
+    app: InApp | None = None,
 ) -> list[Rebuilt]:
     """Build generation N+1 of each sink from offset zero beside its served one, verify it, swap it in.
 
-    The sinks rebuild side by side in one Spark application (one JVM start; their queries share its cores).
-    Every new generation is swapped in only when all of them verify clean: on drift in any, none is swapped
-    (the served copies stay) and the caller reports it, so a rebuild never leaves the stores half rebuilt.
+    The sinks rebuild side by side in one Spark application (one JVM start; their queries share its cores):
+    ``app``'s when given (the serving app's: sinks._moves). Every new generation is swapped in only when all of
+    them verify clean: on drift in any, none is swapped (the served copies stay) and the caller reports it, so
+    a rebuild never leaves the stores half rebuilt.
     """
     check_writable(settings.state(), "sinks.state_dir")
-    spark = spark_session(settings, f"pgcdc-rebuild-{'-'.join(names)}")
+    spark = app.spark if app is not None else spark_session(settings, f"pgcdc-rebuild-{'-'.join(names)}")
+    stop = app.stop if app is not None else threading.Event()
     ensure_dead_letter_topic(settings)
     queries: list[SinkQuery] = []
     results: list[Rebuilt] = []
@@ -938,7 +990,7 @@ def rebuild(
         for name in names:  # one that cannot start (a sink that cannot be rebuilt) stops those started before it
             queries.append(_rebuild_query(settings, name, spark, report))
         for q in queries:
-            _catch_up(q, settings, catch_up_timeout_s)
+            _catch_up(q, settings, _CATCH_UP_TIMEOUT_S, stop)
             report(f"generation {q.generation} of {q.name} caught up with the topics")
         for q in queries:
             report(f"verifying generation {q.generation} of {q.name} against the source")
@@ -978,7 +1030,7 @@ def _rebuild_query(settings: SinkSettings, name: str, spark: SparkSession, repor
     return q
 
 
-def _catch_up(q: SinkQuery, settings: SinkSettings, timeout_s: float) -> None:
+def _catch_up(q: SinkQuery, settings: SinkSettings, timeout_s: float, stop: threading.Event) -> None:
     """Wait until the rebuild's query has read everything, with a progress bar (records of the topics)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
@@ -1015,10 +1067,12 @@ def _catch_up(q: SinkQuery, settings: SinkSettings, timeout_s: float) -> None:
                     raise SinkError(f"rebuild query of {q.name} failed: {_short(error)}")
                 if time.monotonic() > deadline:
                     raise SinkError(f"rebuild of {q.name} did not catch up within {timeout_s:.0f}s")
+                if stop.is_set():
+                    raise SinkError(f"rebuild of {q.name} stopped before it caught up")
                 # Spark's own answer (lastProgress) is dozens of py4j round trips, ~80 ms of the JVM's CPU on
                 # a busy machine: asked once the checkpoint says the end is near, and every 10 s regardless.
                 if (show() is not False or looks % 10 == 9) and q.caught_up():
                     return
-                time.sleep(1.0)
+                stop.wait(1.0)
     finally:
         ends.close()

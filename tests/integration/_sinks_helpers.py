@@ -23,6 +23,7 @@ import psycopg
 import pytest
 from pgcdc_dev.cluster import ObjectStoreBucket, submit_command, submit_env
 
+from cdc import source_tables
 from common.errors import CDCError
 from sinks._config import load_sink_settings
 from sinks._progress import TopicEnds, sink_progress
@@ -160,7 +161,8 @@ class InProcessSinks(SinksLog):
 
         def run() -> None:
             try:
-                self.exit_code = _runner.run(settings, self.names or list(settings.sinks.enabled), self._stop)
+                names = self.names or list(settings.sinks.enabled)
+                self.exit_code = _runner.run(settings, names, self._stop, lambda: source_tables(self.config))
             except CDCError as exc:
                 logging.getLogger("cdc.sinks").error("cdc: error: %s", exc)
                 self.exit_code = exc.exit_code

@@ -132,7 +132,11 @@ def test_a_change_the_registry_rejects_stops_before_acknowledging(
         conn.execute("CREATE TABLE items (id int PRIMARY KEY, qty int)")
         conn.execute("INSERT INTO items VALUES (1, 1)")
     topic = f"t{unique}.public.items"
-    proc = _start(source, kafka_bootstrap, registry_url, unique, tmp_path)
+    config = CdcConfig(
+        source, kafka_bootstrap, registry_url, f"t{unique}", ["public.items"], f"s_{unique}", f"p_{unique}"
+    )
+    config.extra = 'on_type_change = "stop"'  # for teams that want a person to decide
+    proc = config.start(tmp_path)
     try:
         wait_for(lambda: len(read_topic(kafka_bootstrap, registry_url, topic)) >= 1, 120, "the snapshot", proc)
         request = urllib.request.Request(  # noqa: S310
@@ -151,7 +155,7 @@ def test_a_change_the_registry_rejects_stops_before_acknowledging(
         proc.stop()
     assert code == 5, proc.tail()
     log = proc.tail()
-    # What changed, which subject refused it, and both ways on (capture.on_type_change is "stop" by default).
+    # What changed, which subject refused it, and both ways on.
     assert f"table public.items: column qty int4 → text, which subject '{topic}-value' cannot take" in log, log
     assert 'capture.on_type_change = "new-topic"' in log
     assert f"/config/{topic}-value" in log

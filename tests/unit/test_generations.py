@@ -82,6 +82,9 @@ def test_a_tables_older_generations_are_superseded_by_its_newest() -> None:
     assert split_generation("my.app.public.g2", "my.app") == ("my.app.public.g2", 1)  # a table named g2
     topics = ["p.public.items", "p.public.items.g2", "p.public.items.g3", "p.public.other", "p.public.g2"]
     assert superseded(topics, "p") == {"p.public.items", "p.public.items.g2"}
+    # A store generation's own choice (sinks._served): the chosen generation, a table not in it its first.
+    chosen = {"p.public.items": 2}
+    assert superseded(topics, "p", chosen) == {"p.public.items", "p.public.items.g3"}
 
 
 def test_a_decimals_new_scale_is_refused_as_its_topic_cannot_take_it() -> None:
