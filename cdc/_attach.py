@@ -37,7 +37,7 @@ from cdc._metrics import CaptureMetrics
 from cdc._source import AttachReport, check_and_prepare
 from cdc._standby import source_connections, wait_replayed
 from cdc.errors import StreamError
-from common.topics import generation_topic
+from common.topics import generation_topic, split_table_name
 from decoders import Relation
 from schemas import ColumnHistory
 
@@ -92,9 +92,7 @@ class TableCodecs:
         capture, as capture.on_type_change says (cdc/_generations.py)."""
         settings = self._ctx.settings
         qualified = qualified_name(schema, table)
-        key = self._report.key_columns.get(qualified) or tuple(
-            c.name for c, is_key in zip(columns, key_flags, strict=True) if is_key
-        )
+        key = self._key(qualified, columns, key_flags)
         if not key:
             raise StreamError(
                 f"table {qualified} has no key columns in the stream; give it a primary key or set "
@@ -125,6 +123,25 @@ class TableCodecs:
             )
             return codec
 
+    def _key(self, qualified: str, columns: Sequence[ColumnSpec], key_flags: Sequence[bool]) -> tuple[str, ...]:
+        """The table's key columns: those found when the capture started (its primary key or replica identity
+        index, or source.key_columns), or, once such a column was renamed, the Relation's key columns (the same
+        key under its new names; a change of the topic's key, cdc/_generations.py)."""
+        found = self._report.key_columns.get(qualified)
+        names = {c.name for c in columns}
+        if found and set(found) <= names:
+            return found
+        flagged = tuple(c.name for c, is_key in zip(columns, key_flags, strict=True) if is_key)
+        if found and qualified in {qualified_name(*split_table_name(t)) for t in self._ctx.settings.source.key_columns}:
+            missing = [c for c in found if c not in names]
+            raise StreamError(
+                f"table {qualified}: source.key_columns names {missing}, which are not columns of the table any "
+                "more (renamed?): set source.key_columns for it to the columns' names now and run again"
+            )
+        if found:
+            self._report.key_columns[qualified] = flagged  # backfills and verify read the key by its new names
+        return flagged
+
     def topic_of(self, schema: str, table: str) -> str:
         """The topic the table's events go to now (its generation's)."""
         base = self._ctx.settings.topic_for(schema, table)
@@ -151,9 +168,8 @@ class TableCodecs:
 
         def register(subject: str, schema: dict[str, Any]) -> int:
             if subject == f"{topic}-key" and pinned is not None and schema != pinned:
-                if _field_names(schema) == _field_names(pinned):  # a key column's type changed
-                    raise KeyChangeError(qualified, subject)
-                _warn_new_key(topic, qualified, shape)
+                # A key column's new type, a key column renamed, another primary key: every key's bytes change.
+                raise KeyChangeError(qualified, subject, _field_names(pinned), _field_names(schema))
             if subject == f"{topic}-value" and latest is not None and (scaled := scale_changes(latest, schema)):
                 raise ScaleChangeError(qualified, subject, scaled)
             return self._registry.register(subject, schema, table=qualified)
@@ -205,20 +221,6 @@ class TableCodecs:
 
 def _field_names(schema: Mapping[str, Any]) -> list[Any]:
     return [f.get("name") for f in schema.get("fields", ()) if isinstance(f, dict)]
-
-
-def _warn_new_key(topic: str, qualified: str, shape: TableShape) -> None:
-    """A key of other columns than the subject's latest (a key column renamed, another primary key) changes
-    the bytes of every key: its schema id is in them."""
-    log.warning(
-        "table %s: its key columns (%s) are not those of the key schema registered under %r, so its events' "
-        "keys get a new key schema: a key written before has other bytes than the same key written from now "
-        "on, and may sit in another partition. Compaction keeps both records of such a key; see "
-        "docs/events.md, Type changes",
-        qualified,
-        ", ".join(shape.key_columns),
-        f"{topic}-key",
-    )
 
 
 def relation_attnums(

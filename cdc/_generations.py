@@ -37,8 +37,14 @@ class KeyChangeError(SchemaRefusedError):
     """A table's key schema would change, and with it the bytes of every framed key (schemas._keys): the
     capture refuses it itself, as a registry refuses an incompatible schema."""
 
-    def __init__(self, table: str, subject: str) -> None:
-        reason = "its key schema would change, and with it the bytes and partition of every key"
+    def __init__(self, table: str, subject: str, before: Sequence[str] = (), after: Sequence[str] = ()) -> None:
+        """``before``, ``after``: the key's fields, when they are other ones (a key column renamed, another key)."""
+        what = (
+            f"its key columns would change from ({', '.join(before)}) to ({', '.join(after)})"
+            if list(before) != list(after)
+            else "its key schema would change"
+        )
+        reason = f"{what}, and with it the bytes and partition of every key"
         super().__init__(f"table {table}: {reason}", subject=subject, reason=reason)
 
 

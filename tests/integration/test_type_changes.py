@@ -259,26 +259,40 @@ def test_a_capture_killed_while_moving_a_table_finishes_the_move_when_started_ag
     assert _versions(registry_url, f"{topic}.g2-value") == [1]
 
 
-def test_a_decimals_new_scale_moves_the_table_though_the_registry_would_take_it(
+def test_a_decimals_new_scale_or_a_renamed_key_column_moves_the_table(
     source: str, kafka_bootstrap: str, registry_url: str, unique: str, tmp_path: Path
 ) -> None:
     """numeric(10,2) → numeric(10,4): a registry finds the schemas compatible (bytes read bytes), but an event
-    written at scale 2 read with scale 4 is a hundredfold off, so the table cannot stay in its topic."""
-    topic = f"t{unique}.public.items"
+    written at scale 2 read with scale 4 is a hundredfold off, so the table cannot stay in its topic. A key
+    column renamed: a new key schema would give every key new bytes (and partition), so neither can its table."""
+    topic, keyed = f"t{unique}.public.items", f"t{unique}.public.keyed"
     with psycopg.connect(source, autocommit=True) as conn:
         conn.execute("CREATE TABLE items (id int PRIMARY KEY, price numeric(10,2))")
         conn.execute("INSERT INTO items VALUES (1, 1.50), (2, 2.25)")
-    config = _config(source, kafka_bootstrap, registry_url, unique, tables=["public.items"], extra=NEW_TOPIC)
+        conn.execute("CREATE TABLE keyed (id int PRIMARY KEY, name text)")
+        conn.execute("INSERT INTO keyed VALUES (1, 'a'), (2, 'b')")
+    tables = ["public.items", "public.keyed"]
+    config = _config(source, kafka_bootstrap, registry_url, unique, tables=tables, extra=NEW_TOPIC)
     proc = config.start(tmp_path)
     try:
         proc.wait_streaming()
         with psycopg.connect(source, autocommit=True) as conn:
             conn.execute("ALTER TABLE items ALTER COLUMN price TYPE numeric(10,4)")
             conn.execute("INSERT INTO items VALUES (3, 3.1234)")
+            conn.execute("ALTER TABLE keyed RENAME COLUMN id TO pk")
+            conn.execute("UPDATE keyed SET name = 'b2' WHERE pk = 2")
         wait_for(lambda: len(_rows(kafka_bootstrap, registry_url, f"{topic}.g2")) == 3, 120, "the new generation", proc)
+
+        def renamed_moved() -> bool:
+            rows = latest_by_key(read_topic(kafka_bootstrap, registry_url, f"{keyed}.g2"), "pk")
+            return {r["pk"]: r["name"] for r in rows.values()} == {1: "a", 2: "b2"}
+
+        wait_for(renamed_moved, 120, "the table with the renamed key in its new generation", proc)
         log = proc.this_run()
     finally:
         proc.stop()
+    assert "its key columns would change from (id) to (pk)" in log, log[-3000:]
+    assert _versions(registry_url, f"{keyed}-key") == [1]  # its first generation's keys keep their bytes
     assert "table public.items: column price numeric(10,2) → numeric(10,4), which subject" in log, log[-3000:]
     assert {r["id"]: str(r["price"]) for r in _rows(kafka_bootstrap, registry_url, f"{topic}.g2").values()} == {
         1: "1.5000",
