@@ -338,7 +338,8 @@ def _sink_row(table: Any, sink: dict[str, Any]) -> None:
         f"generation {sink['generation']}, freshness {'?' if fresh is None else f'{fresh:.1f}s'}, "
         f"{sink['batches']} batches, {sink['dead_letters']} dead letters"
         + (f", last error: {sink['last_error']}" if sink.get("last_error") else "")
-        + (f", rebuild g{rebuild.get('generation')} {rebuild.get('state')}" if rebuild else ""),
+        + (f", rebuild g{rebuild.get('generation')} {rebuild.get('state')}" if rebuild else "")
+        + (f" ({rebuild['reason']})" if rebuild and rebuild.get("reason") else ""),
     )
 
 

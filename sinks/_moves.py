@@ -36,8 +36,9 @@ class Serving(Protocol):
 
 
 class Rebuilds(Protocol):
-    def __call__(self, names: list[str], stop: threading.Event) -> Sequence[Any]:
-        """Rebuilds ``names`` side by side; their outcomes (each with ``name``, ``generation``, ``clean``)."""
+    def __call__(self, names: list[str], stop: threading.Event, reason: str) -> Sequence[Any]:
+        """Rebuilds ``names`` side by side (``reason``: why, for their status); their outcomes (each with
+        ``name``, ``generation``, ``clean``)."""
         ...
 
 
@@ -59,8 +60,12 @@ class Mover:
         return self._thread is not None and self._thread.is_alive()
 
     def look(self, queries: Mapping[str, Serving]) -> None:
-        """Every LOOK_S: rebuilds the sinks whose served generation reads a table from an older topic one."""
-        if self.running or time.monotonic() < self._next_look:
+        """Every LOOK_S: rebuilds the sinks whose served generation reads a table from an older topic one. Not
+        while a rebuild runs, nor before the sinks it swapped in are switched (:meth:`swapped`): ``queries``
+        would still hold the replaced generations, behind the move."""
+        with self._lock:
+            switching = bool(self._swapped)
+        if self.running or switching or time.monotonic() < self._next_look:
             return
         self._next_look = time.monotonic() + LOOK_S
         try:
@@ -74,7 +79,9 @@ class Mover:
             return
         for name in names:
             self._tell(name, behind[name])
-        self._thread = threading.Thread(target=self._run, args=(names,), name="pgcdc-rebuild-moved", daemon=True)
+        moved = {base: newest for tables in behind.values() for base, (_, newest) in tables.items()}
+        reason = ", ".join(f"{self._table(base)} moved to topic generation {g}" for base, g in sorted(moved.items()))
+        self._thread = threading.Thread(target=self._run, args=(names, reason), name="pgcdc-rebuild-moved", daemon=True)
         self._thread.start()
 
     def swapped(self) -> list[str]:
@@ -96,7 +103,7 @@ class Mover:
         for base, (read, newest) in sorted(tables.items()):
             if (name, base, newest) not in self._told:
                 self._told.add((name, base, newest))
-                table = base[len(self._prefix) + 1 :] if base.startswith(self._prefix + ".") else base
+                table = self._table(base)
                 log.warning(
                     "sink %s: table %s moved to topic generation %d (a type change its topic could not take); "
                     "its served copy holds what topic generation %d held; rebuilding the sink beside it",
@@ -106,10 +113,14 @@ class Mover:
                     read,
                 )
 
-    def _run(self, names: list[str]) -> None:
+    def _table(self, base: str) -> str:
+        """``schema.table`` of a table's first topic."""
+        return base[len(self._prefix) + 1 :] if base.startswith(self._prefix + ".") else base
+
+    def _run(self, names: list[str], reason: str) -> None:
         started = time.monotonic()
         try:
-            results = self._rebuild(names, self._halt)
+            results = self._rebuild(names, self._halt, reason)
         except Exception as exc:
             self._failed(names, str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
             return

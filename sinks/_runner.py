@@ -650,8 +650,8 @@ def run(
 def _mover(settings: SinkSettings, spark: SparkSession, source_tables: Callable[[], Sequence[Any]]) -> Mover:
     """The app's rebuilds after a table moved (sinks._moves), on its own Spark application."""
 
-    def rebuild_moved(names: list[str], stop: threading.Event) -> list[Rebuilt]:
-        return rebuild(settings, names, source_tables, report=log.info, app=InApp(spark, stop))
+    def rebuild_moved(names: list[str], stop: threading.Event, reason: str) -> list[Rebuilt]:
+        return rebuild(settings, names, source_tables, report=log.info, app=InApp(spark, stop, reason))
 
     return Mover(rebuild_moved, lambda: topic_names(settings), settings.kafka.topic_prefix)
 
@@ -703,14 +703,15 @@ class _Supervisor:
                     _sink_status(self.settings, name).update(state="stopped")
 
     def _follow_moves(self, mover: Mover) -> None:
-        """Starts a rebuild when a table moved; switches the sinks whose rebuilt generation is now served."""
-        mover.look(self.queries)
+        """Switches the sinks whose rebuilt generation is now served; starts a rebuild when a table moved (after
+        the switch: the replaced generations' queries, behind the move, must not ask for another)."""
         for name in mover.swapped():
             q = self.queries.pop(name, None)
             if q is not None:  # else its start is under way, or its backoff: either takes the served generation
                 q.stop()
                 log.info("sink %s: switching to the rebuilt generation", name)
                 self._start(name, replaced=q.generation)
+        mover.look(self.queries)
 
     def _heartbeat(self, stop: threading.Event) -> None:
         # "Alive" for readers outside the app (cdc status, the capture's dashboard and metrics). Its own
@@ -949,6 +950,7 @@ class InApp:
 
     spark: SparkSession
     stop: threading.Event
+    reason: str = ""  # why, for `cdc status` and the dashboard (the rebuild's status file)
 
 
 @dataclass(frozen=True)
@@ -988,7 +990,10 @@ def rebuild(
     results: list[Rebuilt] = []
     try:
         for name in names:  # one that cannot start (a sink that cannot be rebuilt) stops those started before it
-            queries.append(_rebuild_query(settings, name, spark, report))
+            q = _rebuild_query(settings, name, spark, report)
+            queries.append(q)
+            if app is not None and app.reason:
+                q.status.update(reason=app.reason)
         for q in queries:
             _catch_up(q, settings, _CATCH_UP_TIMEOUT_S, stop)
             report(f"generation {q.generation} of {q.name} caught up with the topics")

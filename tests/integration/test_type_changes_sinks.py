@@ -7,6 +7,7 @@ swap, and no sink's batches fail meanwhile."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -99,6 +100,9 @@ def test_type_changes_reach_every_store_and_the_app_rebuilds_them_for_a_moved_ta
         log = sinks.tail(2000)
         assert "sink warehouse: table public.moved moved to topic generation 2" in log, log
         assert "restarting in" not in log, log  # no sink's query failed: the served copies never took g2's events
+        for name in ALL:  # what `cdc status` and the dashboard show of the rebuild, and why it ran
+            rebuilt = json.loads((tmp_path / "state" / name / "rebuild.json").read_text())
+            assert (rebuilt["state"], rebuilt["reason"]) == ("done", "public.moved moved to topic generation 2")
         delta = DeltaTable(str(tmp_path / "warehouse" / "current" / "public.moved")).to_pyarrow_table()
         assert delta.schema.field("qty").type == pa.string()
         assert sorted(delta.column("qty").to_pylist()) == sorted(r[1] for r in expected.values())

@@ -78,10 +78,12 @@ class _Rebuilds:
 
     def __init__(self, clean: bool = True) -> None:
         self.asked: list[list[str]] = []
+        self.reasons: list[str] = []
         self.clean = clean
 
-    def __call__(self, names: list[str], stop: threading.Event) -> list[Any]:
+    def __call__(self, names: list[str], stop: threading.Event, reason: str) -> list[Any]:
         self.asked.append(names)
+        self.reasons.append(reason)
         return [_Outcome(name, 2, self.clean) for name in names]
 
 
@@ -102,6 +104,9 @@ def test_the_app_rebuilds_the_sinks_a_moved_table_leaves_behind_and_switches_the
     topics.append("p.public.items.g2")
     mover.look(queries)
     mover.wait(10)
+    assert rebuilds.asked == [["cache", "search"]]
+    assert rebuilds.reasons == ["public.items moved to topic generation 2"]
+    mover.look(queries)  # the replaced generations' queries, not yet switched: no second rebuild
     assert rebuilds.asked == [["cache", "search"]]
     assert mover.swapped() == ["cache", "search"]
     assert mover.swapped() == []
