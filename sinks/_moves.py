@@ -53,7 +53,7 @@ class Mover:
         self._halt = threading.Event()
         self._swapped: list[str] = []  # sinks whose new generation the rebuild swapped in, not yet switched to
         self._lock = threading.Lock()
-        self._told: set[tuple[str, str, int]] = set()  # (sink, table, newest) already logged
+        self._told: set[tuple[str, int]] = set()  # (table, newest generation) already logged
 
     @property
     def running(self) -> bool:
@@ -77,8 +77,7 @@ class Mover:
         names = sorted(name for name, tables in behind.items() if tables)
         if not names:
             return
-        for name in names:
-            self._tell(name, behind[name])
+        self._tell(behind)
         moved = {base: newest for tables in behind.values() for base, (_, newest) in tables.items()}
         reason = ", ".join(f"{self._table(base)} moved to topic generation {g}" for base, g in sorted(moved.items()))
         self._thread = threading.Thread(target=self._run, args=(names, reason), name="pgcdc-rebuild-moved", daemon=True)
@@ -99,17 +98,21 @@ class Mover:
         if self._thread is not None:
             self._thread.join(timeout_s)
 
-    def _tell(self, name: str, tables: dict[str, tuple[int, int]]) -> None:
-        for base, (read, newest) in sorted(tables.items()):
-            if (name, base, newest) not in self._told:
-                self._told.add((name, base, newest))
-                table = self._table(base)
+    def _tell(self, behind: Mapping[str, dict[str, tuple[int, int]]]) -> None:
+        """One line per moved table (each once): which generation it moved to, which sinks serve an older one."""
+        tables: dict[tuple[str, int, int], list[str]] = {}
+        for name, moved in sorted(behind.items()):
+            for base, (read, newest) in moved.items():
+                tables.setdefault((base, read, newest), []).append(name)
+        for (base, read, newest), names in sorted(tables.items()):
+            if (base, newest) not in self._told:
+                self._told.add((base, newest))
                 log.warning(
-                    "sink %s: table %s moved to topic generation %d (a type change its topic could not take); "
-                    "its served copy holds what topic generation %d held; rebuilding the sink beside it",
-                    name,
-                    table,
+                    "table %s moved to topic generation %d (a type change its topic could not take): the served "
+                    "copies of %s hold what topic generation %d held; rebuilding them beside it",
+                    self._table(base),
                     newest,
+                    ", ".join(names),
                     read,
                 )
 

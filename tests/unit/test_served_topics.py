@@ -110,7 +110,10 @@ def test_the_app_rebuilds_the_sinks_a_moved_table_leaves_behind_and_switches_the
     assert rebuilds.asked == [["cache", "search"]]
     assert mover.swapped() == ["cache", "search"]
     assert mover.swapped() == []
-    assert "sink search: table public.items moved to topic generation 2" in caplog.text
+    assert (
+        "table public.items moved to topic generation 2 (a type change its topic could not take): the served "
+        "copies of cache, search hold what topic generation 1 held" in caplog.text
+    )
 
 
 def test_a_rebuild_that_drifts_swaps_nothing_and_waits_before_it_is_tried_again(
