@@ -902,6 +902,10 @@ def never_ran(settings: SinkSettings, name: str) -> SinkConfigError | None:
         sink.close()
 
 
+_CHANGED_UNDER_READ = "DELTA_SCHEMA_CHANGE_SINCE_ANALYSIS"  # Delta's error for a table altered during a read
+_READS_UNDER_CHANGE = 5  # reads of a store that keeps changing its schema under them before verify gives up
+
+
 def _never_ran(name: str) -> SinkConfigError:
     return SinkConfigError(f"sink {name!r} has never run: nothing to verify")
 
@@ -921,7 +925,7 @@ def verify(
     try:
         if not isinstance(sink, Rebuildable):
             raise SinkConfigError(f"sink {name!r} cannot be read back (it does not implement sinks.Rebuildable)")
-        deadline = time.monotonic() + wait_s
+        deadline, reads = time.monotonic() + wait_s, 0
         while True:
             gen = generation if generation is not None else sink.current_generation()
             if gen is None:
@@ -929,8 +933,15 @@ def verify(
                     time.sleep(2.0)
                     continue
                 raise _never_ran(name)
-            reports = settings.state() / name / "verify"
-            drifts = compare(session, sink, source_tables(), gen, table_name=settings.table_name, reports=reports)
+            reports, reads = settings.state() / name / "verify", reads + 1
+            try:
+                drifts = compare(session, sink, source_tables(), gen, table_name=settings.table_name, reports=reports)
+            except Exception as exc:
+                if _CHANGED_UNDER_READ not in str(exc) or reads >= _READS_UNDER_CHANGE:
+                    raise
+                # The running sink gave a table a wider column (sinks._delta_widen) while it was read: read again.
+                log.info("verify %s: a table's schema changed while it was read; reading it again", name)
+                continue
             if all(d.clean for d in drifts) or time.monotonic() >= deadline:
                 return drifts
             time.sleep(2.0)
