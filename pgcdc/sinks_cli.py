@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import threading
@@ -191,6 +192,30 @@ def _rebuild(args: argparse.Namespace, settings: Any, runner: Any) -> int:
     return 0
 
 
+def _exit_when_stuck(stop: threading.Event, stopped: threading.Event, timeout_s: float) -> None:
+    """Once ``stop`` is set (SIGTERM), the app has ``timeout_s`` to stop; past it (a store or Kafka that does not
+    answer holds a batch, or Spark's own stop) Spark's processes are killed and the process exits 0: nothing is
+    lost, as every store write is idempotent and the next run resumes from the last checkpoint."""
+
+    def watch() -> None:
+        stop.wait()
+        if stopped.wait(timeout_s):
+            return
+        log.error(
+            "the sinks did not stop within %gs of the signal (sinks.shutdown_timeout_s; a store or Kafka not "
+            "answering): exiting now; the next run resumes from the last checkpoint",
+            timeout_s,
+        )
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        from sinks._spark import kill_started  # noqa: PLC0415 - loaded with the runner already
+
+        kill_started()
+        os._exit(0)
+
+    threading.Thread(target=watch, name="pgcdc-stop-deadline", daemon=True).start()
+
+
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -208,10 +233,14 @@ def main(argv: list[str]) -> int:
         if args.action == "rebuild":
             return _rebuild(args, settings, _runner)
         names = args.names or list(settings.sinks.enabled)
-        stop = threading.Event()
+        stop, stopped = threading.Event(), threading.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stop.set())
-        return _runner.run(settings, names, stop, _source_tables(args.config))
+        _exit_when_stuck(stop, stopped, settings.sinks.shutdown_timeout_s)
+        try:
+            return _runner.run(settings, names, stop, _source_tables(args.config))
+        finally:
+            stopped.set()
     except CDCError as exc:  # the sinks' errors, and the capture's when verify reads the source
         print(f"cdc: error: {exc}", file=sys.stderr)
         return exc.exit_code

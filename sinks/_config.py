@@ -151,6 +151,13 @@ class SinksConfig(_Section):
         "directory stands for every .jar in it",
     )
     spark_conf: dict[str, str] = Field(default_factory=dict)
+    shutdown_timeout_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="after SIGTERM, how long `cdc sinks run` may take to stop (a batch writing to a store or "
+        "reading Kafka that does not answer, Spark's own stop) before it exits anyway, ending Spark's processes: "
+        "every write is idempotent, and the next run resumes from the last checkpoint",
+    )
     rebuild_moved_tables: bool = Field(
         default=True,
         description="when the capture moves a table to a new topic generation (a type change its topic could not "

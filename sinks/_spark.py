@@ -203,6 +203,20 @@ def stop_session(session: SparkSession, timeout_s: float = 60.0) -> None:
     keep_written()
 
 
+def kill_started() -> None:
+    """SIGKILL the processes Spark started from this one (its JVMs and what runs under them), without waiting for
+    Spark: the last resort of a stop that did not end in time (pgcdc.sinks_cli). Under spark-submit there are
+    none: the JVM is this process's parent."""
+    import psutil
+
+    for child in psutil.Process().children():
+        with contextlib.suppress(psutil.NoSuchProcess):
+            if child.name() == "java":
+                for p in [*child.children(recursive=True), child]:
+                    with contextlib.suppress(psutil.NoSuchProcess):
+                        p.kill()
+
+
 def _fit_shuffle_partitions(session: SparkSession, conf: Mapping[str, str]) -> None:
     """Each of PARALLELISM_KEYS not set by the user = the cores the application has when it starts."""
     given = session.sparkContext.getConf()
