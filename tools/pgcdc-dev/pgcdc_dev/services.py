@@ -17,7 +17,8 @@ packages), mariadb (Debian packages: a target of the sql sink), s3 (s3proxy from
 connector), flink-jars (Flink's table runtime, Kafka connector and registry Avro format) and connect-jars (a Kafka
 Connect worker with Debezium's JDBC sink and Apicurio's converter) for the consumer tests, spark-master,
 spark-worker-1 and spark-worker-2 (a Spark standalone cluster from the pyspark install: three JVMs, one core and 2 GiB
-of executor memory per worker).
+of executor memory per worker), kafka-cluster (kafka-node-1..3: three KRaft nodes, replication factor 3 and
+min.insync.replicas 2 by default; on demand) and registry-cluster (a registry storing on it; on demand).
 
 Only the standard library is used, so this runs before the project's virtualenv exists.
 
@@ -177,6 +178,9 @@ PORTS = {
     "spark-master-ui": _port("CDC_LOCAL_SPARK_MASTER_UI_PORT", 18180),
     "s3": _port("CDC_LOCAL_S3_PORT", 19000),
     "mariadb": _port("CDC_LOCAL_MARIADB_PORT", 13306),
+    # The three-broker cluster's nodes: clients on this port and the next two, controllers ten above.
+    "kafka-cluster": _port("CDC_LOCAL_KAFKA_CLUSTER_PORT", 19291),
+    "registry-cluster": _port("CDC_LOCAL_REGISTRY_CLUSTER_PORT", 18082),
 }
 TLS = DATA / "tls"
 
@@ -953,7 +957,7 @@ class Kafka(Service):
                 ]
             )
 
-    def java(self) -> list[str]:
+    def java(self, heap: str = "1g") -> list[str]:
         jh = java_home(17)
         if jh is None:
             raise DeployError("Kafka needs Java 17+: apt-get install -y openjdk-17-jre-headless")
@@ -966,8 +970,8 @@ class Kafka(Service):
             # stayed live after every collection (167 MB of it byte arrays; the log cleaner's 128 MB dedupe buffer
             # would be most of that, not traced further), above the marking threshold: concurrent cycles with
             # 28-34 ms remark pauses kept coming. With 1 GB, none in three latency runs and three snapshots.
-            "-Xms1g",
-            "-Xmx1g",
+            f"-Xms{heap}",
+            f"-Xmx{heap}",
             "-XX:+UseG1GC",
             "-XX:MaxGCPauseMillis=20",
             "-XX:InitiatingHeapOccupancyPercent=35",
@@ -1010,6 +1014,123 @@ class Kafka(Service):
         }
 
 
+CLUSTER_NODES = (1, 2, 3)
+
+
+def cluster_ports(number: int) -> tuple[int, int]:
+    """(client, controller) ports of node ``number`` of the three-broker cluster."""
+    return PORTS["kafka-cluster"] + number - 1, PORTS["kafka-cluster"] + 10 + number - 1
+
+
+class KafkaNode(Service):
+    """One of three KRaft nodes (each a broker and a controller) of a replicated cluster beside the single
+    broker: replication factor 3 and min.insync.replicas 2 by default for every topic (pgcdc's, the offsets
+    and transaction state topics). On demand: the single broker stays the suite's default, for speed."""
+
+    on_demand = True
+    ready_timeout = 300.0
+
+    def __init__(self, number: int) -> None:
+        self.number = number
+        self.name = f"kafka-node-{number}"
+
+    def version(self) -> str:
+        return KAFKA_VERSION
+
+    def install(self) -> None:
+        Kafka().install()  # the jars
+        data = DATA / self.name
+        props = DATA / f"{self.name}.properties"
+        client, controller = cluster_ports(self.number)
+        voters = ",".join(f"{n}@127.0.0.1:{cluster_ports(n)[1]}" for n in CLUSTER_NODES)
+        props.write_text(
+            textwrap.dedent(f"""
+            process.roles=broker,controller
+            node.id={self.number}
+            controller.quorum.voters={voters}
+            listeners=PLAINTEXT://127.0.0.1:{client},CONTROLLER://127.0.0.1:{controller}
+            advertised.listeners=PLAINTEXT://127.0.0.1:{client}
+            controller.listener.names=CONTROLLER
+            listener.security.protocol.map=PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT
+            inter.broker.listener.name=PLAINTEXT
+            log.dirs={data}
+            num.partitions=1
+            default.replication.factor=3
+            min.insync.replicas=2
+            offsets.topic.replication.factor=3
+            transaction.state.log.replication.factor=3
+            transaction.state.log.min.isr=2
+            share.coordinator.state.topic.replication.factor=3
+            share.coordinator.state.topic.min.isr=2
+            unclean.leader.election.enable=false
+            group.initial.rebalance.delay.ms=0
+            auto.create.topics.enable=false
+            log.cleaner.enable=true
+            """)
+        )
+        if not (data / "meta.properties").exists():
+            id_file = DATA / "kafka-cluster.id"  # one cluster id for the three nodes' storage
+            if not id_file.exists():
+                id_file.write_text(base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("="))
+            say(f"formatting {self.name}'s storage (KRaft, one of three voters)")
+            run(
+                [
+                    *Kafka().java(),
+                    "kafka.tools.StorageTool",
+                    "format",
+                    f"--cluster-id={id_file.read_text()}",
+                    "-c",
+                    str(props),
+                ]
+            )
+
+    def start(self) -> None:
+        props = DATA / f"{self.name}.properties"
+        spawn(self.name, [*Kafka().java(heap="512m"), "kafka.Kafka", str(props)])
+
+    def ready(self) -> bool:
+        client = cluster_ports(self.number)[0]
+        if not port_open(client):
+            return False
+        try:
+            from confluent_kafka.admin import AdminClient  # present in the project's virtualenv
+        except ImportError:
+            return True
+        try:
+            md = AdminClient({"bootstrap.servers": f"127.0.0.1:{client}"}).list_topics(timeout=2)
+            return self.number in md.brokers
+        except Exception:
+            return False
+
+    def endpoint(self) -> dict[str, Any]:
+        client, controller = cluster_ports(self.number)
+        return {"port": client, "bootstrap": f"127.0.0.1:{client}", "controller": controller, "node_id": self.number}
+
+
+class KafkaCluster(Service):
+    """The three nodes by one name (`./dev services up kafka-cluster`); nothing of its own runs."""
+
+    name = "kafka-cluster"
+    needs = tuple(f"kafka-node-{n}" for n in CLUSTER_NODES)
+    on_demand = True
+
+    def version(self) -> str:
+        return f"Kafka {KAFKA_VERSION}, 3 KRaft nodes, replication factor 3, min.insync.replicas 2"
+
+    def up(self) -> None:
+        pass
+
+    def ready(self) -> bool:
+        return all(SERVICES[n].ready() for n in self.needs)
+
+    def stop(self) -> None:
+        pass
+
+    def endpoint(self) -> dict[str, Any]:
+        nodes = [SERVICES[n].endpoint() for n in self.needs]
+        return {"bootstrap": ",".join(n["bootstrap"] for n in nodes), "nodes": nodes}
+
+
 class Registry(Service):
     name = "registry"
     needs = ("kafka",)
@@ -1037,10 +1158,11 @@ class Registry(Service):
                 str(jh / "bin" / "java"),
                 "-Xms128m",
                 "-Xmx384m",
-                f"-Dquarkus.http.port={PORTS['registry']}",
+                f"-Dquarkus.http.port={PORTS[self.name]}",
                 "-Dquarkus.http.host=127.0.0.1",
                 "-Dapicurio.storage.kind=kafkasql",
-                f"-Dapicurio.kafkasql.bootstrap.servers=127.0.0.1:{PORTS['kafka']}",
+                f"-Dapicurio.kafkasql.bootstrap.servers={self.bootstrap()}",
+                *self.more_properties(),
                 "-Dapicurio.kafkasql.topic=_apicurio_registry",
                 "-Dquarkus.log.level=WARN",
                 '-Dquarkus.log.category."io.apicurio".level=INFO',
@@ -1050,13 +1172,36 @@ class Registry(Service):
             cwd=self.home(),
         )
 
+    def bootstrap(self) -> str:
+        """The brokers that hold its storage topic."""
+        return f"127.0.0.1:{PORTS['kafka']}"
+
+    def more_properties(self) -> list[str]:
+        return []
+
     def ready(self) -> bool:
         status, _ = http_get(self.endpoint()["url"] + "/subjects")
         return status == 200
 
     def endpoint(self) -> dict[str, Any]:
-        port = PORTS["registry"]
+        port = PORTS[self.name]
         return {"port": port, "url": f"http://127.0.0.1:{port}/apis/ccompat/v7"}
+
+
+class ClusterRegistry(Registry):
+    """A registry whose storage topic lives on the three-broker cluster (replicated three times): a broker's
+    failure there is the registry's too, as in production. On demand, with the cluster."""
+
+    name = "registry-cluster"
+    needs = ("kafka-cluster",)
+    on_demand = True
+
+    def bootstrap(self) -> str:
+        return ",".join(f"127.0.0.1:{cluster_ports(n)[0]}" for n in CLUSTER_NODES)
+
+    def more_properties(self) -> list[str]:
+        # Quarkus's management interface (health) binds 9000 by default, which the first registry holds.
+        return [f"-Dquarkus.management.port={PORTS[self.name] + 10}", "-Dquarkus.management.host=127.0.0.1"]
 
 
 class RegistryTLS(Service):
@@ -1713,6 +1858,9 @@ SERVICES: dict[str, Service] = {
         SparkWorker(1),
         SparkWorker(2),
         SparkCluster(),
+        *(KafkaNode(n) for n in CLUSTER_NODES),
+        KafkaCluster(),
+        ClusterRegistry(),
     )
 }
 
