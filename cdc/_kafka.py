@@ -487,10 +487,15 @@ class TransactionalProducer:
                 self._producer.commit_transaction(max(0.001, min(_SLICE_S, deadline - time.monotonic())))
                 break
             except KafkaException as exc:
-                timed_out = exc.args[0].code() == KafkaError._TIMED_OUT
-                if timed_out and self._stopping_for() >= self._shutdown_s:
+                # Only a call that ran out of its slice is tried again. A transaction that failed (its events timed
+                # out while a partition's leader or the coordinator moved: the same error code, but not retriable)
+                # returns the same error at once on every call, so it is given up to the retry loop, which starts
+                # a new producer; nothing of it was acknowledged to PostgreSQL.
+                error = exc.args[0]
+                again = error.code() == KafkaError._TIMED_OUT and error.retriable() and not error.txn_requires_abort()
+                if again and self._stopping_for() >= self._shutdown_s:
                     raise self._given_up() from exc
-                if not timed_out or time.monotonic() >= deadline:
+                if not again or time.monotonic() >= deadline:
                     raise self._refused_as_too_large() or _kafka_error(exc, "committing a Kafka transaction") from exc
         self._ended_at = time.monotonic()
         if self._errors:  # commit raises on failed deliveries; this is belt and braces

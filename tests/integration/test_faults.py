@@ -4,11 +4,7 @@ Profiles (``CDC_FAULTS``): ``short`` (the default, in CI) and ``long`` (by comma
 tests/integration/test_faults.py -s``). Each run ends with the check that matters: every committed change is
 in the topic exactly once, and the derived store equals the source key by key.
 
-How "exactly once" is checked without trusting the client: every row carries a version ``v`` that each
-update increments (REPLICA IDENTITY FULL, so deletes carry it too). Replayed in offset order, each key's events
-must read v = 0, 1, 2, … with no gap (a lost event) and no repeat (a duplicate), end with a delete of the last
-version if the row is gone, and end at the version the source holds. Statements whose commit the client could
-not confirm (a connection cut mid-commit) need no bookkeeping: the source itself says what was committed.
+How "exactly once" is checked without trusting the client: tests/integration/_workload.py.
 """
 
 from __future__ import annotations
@@ -20,11 +16,9 @@ import random
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Any
 
 import psycopg
 import pytest
@@ -34,6 +28,7 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from tests.integration._capture_helpers import CdcProcess, Event, read_topic, scratch_database, wait_for
 from tests.integration._proxy import Proxy, kafka_proxied
 from tests.integration._sinks_helpers import SPARK_WORKER, SinksProcess, Stack, cdc_here
+from tests.integration._workload import Workload, check_exactly_once
 
 # On PostgreSQL 15 only (the whole suite's server): CI's time on 18 goes to the version-sensitive suites, and
 # on 18 the failover test kills the capture and the primary itself (docs/operations.md, PostgreSQL versions).
@@ -91,87 +86,6 @@ def _restart_kafka() -> None:
     _deploy("down", "kafka")
     time.sleep(2)
     _deploy("up", "kafka", "registry")  # the registry keeps its schemas in Kafka: make sure it answers again
-
-
-class Workload:
-    """Inserts, version-bumping updates and deletes, one row per transaction; survives the faults."""
-
-    def __init__(self, dsn: str, first_id: int) -> None:
-        self.dsn, self.next_id = dsn, first_id
-        self.done = threading.Event()
-        self.statements: Counter[str] = Counter()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        rnd = random.Random(3)
-        conn: psycopg.Connection[Any] | None = None
-        while not self.done.is_set():
-            r = rnd.random()
-            try:
-                if conn is None or conn.closed:
-                    conn = psycopg.connect(self.dsn, autocommit=True, connect_timeout=5)
-                if r < 0.55:
-                    conn.execute("UPDATE items SET v = v + 1 WHERE id = %s", (rnd.randint(1, self.next_id - 1),))
-                    self.statements["update"] += 1
-                elif r < 0.85:
-                    conn.execute("INSERT INTO items VALUES (%s, 0, 'new')", (self.next_id,))
-                    self.next_id += 1
-                    self.statements["insert"] += 1
-                else:
-                    conn.execute("DELETE FROM items WHERE id = %s", (rnd.randint(1, self.next_id - 1),))
-                    self.statements["delete"] += 1
-                time.sleep(0.003)
-            except psycopg.Error:
-                self.statements["failed"] += 1  # the server restarting: whether it committed, the source knows
-                if 0.55 <= r < 0.85:
-                    self.next_id += 1  # the insert may have committed: never reuse its id
-                if conn is not None:
-                    conn.close()
-                conn = None
-                time.sleep(0.3)
-        if conn is not None:
-            conn.close()
-
-
-def _check_exactly_once(events: list[Any], source: dict[int, int]) -> dict[str, int]:
-    """Every key's history, replayed in offset order, against the source's final versions."""
-    history: dict[int, list[tuple[str, int]]] = {}
-    for e in events:
-        if e.value is None:
-            continue  # tombstones: checked through the deletes before them
-        op = e.value["op"]
-        row = e.value["before"] if op == "d" else e.value["after"]
-        history.setdefault(e.key["id"], []).append((op, int(row["v"])))
-    lost = duplicated = 0
-    problems = []
-    for key, events_ in history.items():
-        versions = [v for op, v in events_ if op != "d"]
-        if versions != list(range(len(versions))):
-            seen = Counter(versions)
-            duplicated += sum(n - 1 for n in seen.values() if n > 1)
-            lost += len(set(range(max(versions) + 1)) - set(versions)) if versions else 0
-            problems.append(f"key {key}: versions {versions[:20]}")
-        deletes = [v for op, v in events_ if op == "d"]
-        if len(deletes) > 1:
-            duplicated += len(deletes) - 1
-            problems.append(f"key {key}: {len(deletes)} deletes")
-        if key in source:
-            if deletes or not versions or versions[-1] != source[key]:
-                problems.append(f"key {key}: source v={source[key]}, topic {events_[-3:]}")
-                lost += 1
-        elif not deletes or (versions and deletes[-1] != versions[-1]):
-            problems.append(f"key {key}: deleted in the source, topic {events_[-3:]}")
-            lost += 1
-    missing = set(source) - set(history)
-    lost += len(missing)
-    assert not missing, f"{len(missing)} source rows never reached the topic: {sorted(missing)[:10]}"
-    assert not problems, f"lost {lost}, duplicated {duplicated}: {problems[:10]}"
-    return {
-        "keys": len(history),
-        "events": sum(len(h) for h in history.values()),
-        "lost": lost,
-        "duplicated": duplicated,
-    }
 
 
 @SPARK_WORKER
@@ -256,7 +170,7 @@ def test_nothing_is_lost_or_doubled_whatever_fails(*, pg_dsn: str, stack: Stack,
                 return {k: v for k, v in latest.items() if v is not None} == expected
 
             wait_for(converged, 600, "the topic to reach the source's state", capture)
-            checked = _check_exactly_once(read_topic(stack.kafka, stack.registry, topic), expected)
+            checked = check_exactly_once(read_topic(stack.kafka, stack.registry, topic), expected)
             verify = cdc_here("verify", "cache", "--config", str(config), "--wait", "600")
             assert verify.returncode == 0, verify.stdout + verify.stderr + sinks.tail()
             report = {
@@ -293,15 +207,15 @@ def test_the_exactly_once_check_catches_a_lost_and_a_doubled_event() -> None:
         )
 
     good = [ev(1, "r", 0, 0), ev(1, "u", 1, 1), ev(1, "u", 2, 2), ev(2, "c", 0, 3), ev(2, "d", 0, 4)]
-    assert _check_exactly_once(good, {1: 2})["events"] == 5
+    assert check_exactly_once(good, {1: 2})["events"] == 5
     gap = [ev(1, "r", 0, 0), ev(1, "u", 2, 1)]
     with pytest.raises(AssertionError, match="lost"):
-        _check_exactly_once(gap, {1: 2})
+        check_exactly_once(gap, {1: 2})
     repeat = [ev(1, "r", 0, 0), ev(1, "u", 1, 1), ev(1, "u", 1, 2)]
     with pytest.raises(AssertionError, match="duplicated 1"):
-        _check_exactly_once(repeat, {1: 1})
+        check_exactly_once(repeat, {1: 1})
     with pytest.raises(AssertionError, match="never reached the topic"):
-        _check_exactly_once(good, {1: 2, 3: 0})
+        check_exactly_once(good, {1: 2, 3: 0})
     undeleted = [ev(2, "c", 0, 0)]
     with pytest.raises(AssertionError, match="deleted in the source"):
-        _check_exactly_once(undeleted, {})
+        check_exactly_once(undeleted, {})
