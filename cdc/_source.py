@@ -114,6 +114,7 @@ def check_and_prepare(
     report = AttachReport()
     pub = writer if writer is not None else conn
     _check_wal_level(conn)
+    _check_standby_slots(conn)
     _check_privileges(conn)
     report.slot_exists = _check_slot(conn, src.slot, allow_active=allow_active_slot)
     report.publication_exists = _publication_exists(pub, src.publication)
@@ -430,6 +431,35 @@ def _check_wal_level(conn: psycopg.Connection[Any]) -> None:
             f"wal_level is {level!r}; logical decoding needs 'logical': run ALTER SYSTEM SET wal_level = logical "
             "and restart PostgreSQL (on managed services, enable logical replication in the parameter group)",
             check="wal_level",
+        )
+
+
+def _check_standby_slots(conn: psycopg.Connection[Any]) -> None:
+    """PostgreSQL 17+ sends a primary's logical decoding nothing until every physical slot that
+    synchronized_standby_slots lists has confirmed the WAL; a listed slot that does not exist (or was
+    invalidated) holds it back for ever. A standby copied from a primary that had the setting in its
+    configuration files keeps it, and once promoted it names the slot it was fed through on the old primary."""
+    if conn.info.server_version < 170000:
+        return
+    in_recovery, value = _one(conn, "SELECT pg_is_in_recovery(), current_setting('synchronized_standby_slots', true)")
+    listed = [name.strip() for name in (value or "").split(",") if name.strip()]
+    if in_recovery or not listed:  # only a primary's decoding waits for them
+        return
+    rows = conn.execute(
+        "SELECT slot_name FROM pg_replication_slots WHERE slot_type = 'physical' AND invalidation_reason IS NULL "
+        "AND slot_name = ANY(%s)",
+        (listed,),
+    ).fetchall()
+    missing = [name for name in listed if name not in {row[0] for row in rows}]
+    if missing:
+        raise SourceCheckError(
+            f"synchronized_standby_slots on this server lists {', '.join(repr(m) for m in missing)}, which "
+            "is not a valid physical replication slot here: PostgreSQL holds every logical decoding back until "
+            "each listed slot has confirmed the WAL, so the capture would wait for ever (a standby keeps the "
+            "setting of the primary it was copied from, naming the slot it was fed through there). List this "
+            "server's own standbys' slots, or none: ALTER SYSTEM RESET synchronized_standby_slots; SELECT "
+            "pg_reload_conf(); (docs/operations.md, High availability)",
+            check="synchronized-standby-slots",
         )
 
 

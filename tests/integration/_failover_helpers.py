@@ -65,10 +65,14 @@ class Server:
 
 
 @contextmanager
-def primary_and_standby(bindir: Path, user: str | None, physical_slot: str) -> Iterator[tuple[Server, Server]]:
+def primary_and_standby(
+    bindir: Path, user: str | None, physical_slot: str, *, inherited: bool = False
+) -> Iterator[tuple[Server, Server]]:
     """A primary (trust authentication on 127.0.0.1: a throwaway cluster) and a standby streaming from it
     through ``physical_slot``, set up for failover slots: the standby synchronizes slots with hot standby
-    feedback, and the primary holds changes back from logical consumers until the standby has them."""
+    feedback, and the primary holds changes back from logical consumers until the standby has them.
+    ``inherited``: the primary's synchronized_standby_slots is set before the base backup, so that the standby
+    has it too (in its postgresql.auto.conf), as a standby copied from a configured primary does."""
     root = Path(tempfile.mkdtemp(prefix="pgcdc-failover-", dir="/var/tmp"))
     if user:  # the servers' user owns it; root reaches it all the same
         shutil.chown(root, user, user)
@@ -79,15 +83,16 @@ def primary_and_standby(bindir: Path, user: str | None, physical_slot: str) -> I
         primary.start(
             "listen_addresses=127.0.0.1", "wal_level=logical", "max_wal_senders=10", "max_replication_slots=10"
         )
+        if inherited:
+            _standby_slots(primary, physical_slot)
         primary.run(
             "pg_basebackup",
             *("-D", str(standby.data), "-R", "-C", "-S", physical_slot, "-X", "stream"),
             # dbname in the connection string: pg_basebackup -R writes it into primary_conninfo (slot sync needs it)
             *("-d", f"host=127.0.0.1 port={primary.port} user=postgres dbname=postgres"),
         )
-        with psycopg.connect(primary.dsn, autocommit=True) as conn:  # after the base backup: not in the standby's
-            conn.execute(f"ALTER SYSTEM SET synchronized_standby_slots = '{physical_slot}'")
-            conn.execute("SELECT pg_reload_conf()")
+        if not inherited:  # after the base backup: not in the standby's configuration
+            _standby_slots(primary, physical_slot)
         standby.start(
             "listen_addresses=127.0.0.1",
             "wal_level=logical",
@@ -100,6 +105,12 @@ def primary_and_standby(bindir: Path, user: str | None, physical_slot: str) -> I
             with contextlib.suppress(AssertionError, subprocess.TimeoutExpired):  # already down (a killed primary)
                 server.stop()
         shutil.rmtree(root, ignore_errors=True)
+
+
+def _standby_slots(primary: Server, physical_slot: str) -> None:
+    with psycopg.connect(primary.dsn, autocommit=True) as conn:
+        conn.execute(f"ALTER SYSTEM SET synchronized_standby_slots = '{physical_slot}'")
+        conn.execute("SELECT pg_reload_conf()")
 
 
 def pg18_binaries(why: str) -> tuple[Path, str | None]:

@@ -136,10 +136,12 @@ def env(pg18: tuple[Path, str | None], kafka_bootstrap: str, registry_url: str, 
     return _Env(pg18, kafka_bootstrap, registry_url, unique, tmp_path)
 
 
-def _pair_and_capture(env: _Env, *, failover: bool) -> Iterator[tuple[Server, Server, Path, str]]:
+def _pair_and_capture(
+    env: _Env, *, failover: bool, inherited: bool = False
+) -> Iterator[tuple[Server, Server, Path, str]]:
     bindir, user = env.pg18
     kafka, registry, unique, tmp_path = env.kafka, env.registry, env.unique, env.tmp_path
-    with primary_and_standby(bindir, user, PHYSICAL_SLOT) as (primary, standby):
+    with primary_and_standby(bindir, user, PHYSICAL_SLOT, inherited=inherited) as (primary, standby):
         with psycopg.connect(primary.dsn, autocommit=True) as conn:
             conn.execute("CREATE TABLE items (id int PRIMARY KEY, name text NOT NULL, qty int NOT NULL)")
             conn.execute("INSERT INTO items SELECT g, 'item ' || g, 0 FROM generate_series(1, 100) g")
@@ -271,6 +273,45 @@ def test_without_failover_slots_a_promoted_standby_stops_the_capture_clearly(env
             assert conn.execute("SELECT count(*) FROM pg_replication_slots WHERE slot_type = 'logical'").fetchone() == (
                 0,
             )
+
+
+def test_a_promoted_standby_that_inherited_synchronized_standby_slots_says_what_holds_the_capture_back(
+    env: _Env,
+) -> None:
+    """The standby was copied from a primary whose synchronized_standby_slots was in its configuration, so it
+    names, once promoted, the slot it was fed through on the old primary: PostgreSQL would hold the capture's
+    decoding back for ever. The running capture stops, after the failover, saying so and how to fix it; fixed,
+    the capture resumes with the change made meanwhile."""
+    topic = f"t{env.unique}.public.items"
+    with _pair(env, failover=True, inherited=True) as (primary, standby, config, _):
+        proc = CdcProcess(config, env.tmp_path / "cdc.log")
+        proc.start()
+        try:
+            proc.wait_streaming(180)
+            wait_for(lambda: _slot_copied(standby.dsn, f"s_{env.unique}"), 120, "the slot's copy on the standby", proc)
+            primary.kill()
+            standby.promote()
+            with psycopg.connect(standby.dsn, autocommit=True) as conn:
+                conn.execute("UPDATE items SET qty = 7 WHERE id = 1")
+            assert proc.proc is not None
+            assert proc.proc.wait(300) == 3, proc.tail()
+        finally:
+            proc.kill()
+        assert f"synchronized_standby_slots on this server lists '{PHYSICAL_SLOT}'" in proc.tail(), proc.tail()
+        assert "ALTER SYSTEM RESET synchronized_standby_slots" in proc.tail()
+        with psycopg.connect(standby.dsn, autocommit=True) as conn:
+            conn.execute("ALTER SYSTEM RESET synchronized_standby_slots")
+            conn.execute("SELECT pg_reload_conf()")
+        proc.start()
+        try:
+            wait_for(lambda: _qty(env, topic, 1) == 7, 180, "the change made after the failover", proc)
+        finally:
+            proc.kill()
+
+
+def _qty(env: _Env, topic: str, key: int) -> int | None:
+    rows = [e.value["after"] for e in read_topic(env.kafka, env.registry, topic) if e.value and e.key == {"id": key}]
+    return int(rows[-1]["qty"]) if rows and rows[-1] else None
 
 
 def test_a_missing_slot_stops_the_capture_until_a_new_one_is_asked_for(
