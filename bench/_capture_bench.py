@@ -175,6 +175,21 @@ def endpoints() -> Endpoints:
     )
 
 
+def cluster_endpoints() -> Endpoints:
+    """The same PostgreSQL, with the three-broker cluster and its registry (pgcdc_dev.services kafka-cluster)."""
+    return Endpoints(
+        admin=discovery.find("postgres").value,
+        kafka=str(discovery.deploy_record("kafka-cluster")["bootstrap"]),
+        registry=str(discovery.deploy_record("registry-cluster")["url"]),
+    )
+
+
+def drop_topics(ep: Endpoints, prefix: str) -> None:
+    """The run's topics on ``ep``'s brokers (best effort)."""
+    with contextlib.suppress(Exception):
+        _drop_kafka(ep, prefix)
+
+
 def server_major() -> int:
     """The major version of the server the benchmarks run on."""
     with psycopg.connect(endpoints().admin) as conn:
@@ -344,9 +359,9 @@ class Scratch:
         """A `cdc run` on slot (not yet started: use it as a context manager)."""
         return CdcRun(self, slot=slot, publication=publication, tables=tables, name=name)
 
-    def time_cdc(self, slot: str, publication: str, tables: Sequence[str], end_lsn: int) -> Usage:
+    def time_cdc(self, slot: str, publication: str, tables: Sequence[str], end_lsn: int, name: str = "cdc") -> Usage:
         """`cdc run` from slot's start until its confirmed_flush_lsn reaches end_lsn, timed from the launch."""
-        with self.cdc(slot, publication, tables) as run:
+        with self.cdc(slot, publication, tables, name) as run:
             startup = run.wait_streaming()
             split = _cpu.CpuSplit(self.processes(), {"capture": run.proc.pid if run.proc else None})
             split.start()

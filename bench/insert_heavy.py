@@ -22,6 +22,7 @@ its own result beside 15's.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import random
 import time
 
@@ -36,7 +37,7 @@ SCENARIO = "insert-heavy"
 TABLE = "events"
 PUBLICATION = "bench"
 DBZ_PUBLICATION = "bench_debezium"
-SLOT_CDC, SLOT_REF, SLOT_DBZ = "bench_cdc", "bench_ref", "bench_debezium"
+SLOT_CDC, SLOT_REF, SLOT_DBZ, SLOT_CLUSTER = "bench_cdc", "bench_ref", "bench_debezium", "bench_cluster"
 
 _CREATE = (
     "CREATE TABLE {} (id bigint PRIMARY KEY, kind text NOT NULL, amount numeric(12,2), payload jsonb, "
@@ -68,6 +69,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--max-txn-rows", type=int, default=5_000, help="transactions hold 1..this many rows")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--no-debezium", action="store_true", help="leave Debezium out (pg_recvlogical only)")
+    ap.add_argument(
+        "--cluster",
+        action="store_true",
+        help="also `cdc run` on the three-broker cluster (./dev services up kafka-cluster registry-cluster) from a "
+        "slot of its own on the same WAL, against the single broker's run (scenario insert-heavy-cluster)",
+    )
     return ap.parse_args(argv)
 
 
@@ -76,8 +83,9 @@ def run(argv: list[str] | None = None) -> Result:
     sizes = txn_sizes(args.rows, args.max_txn_rows, args.seed)
     debezium = not args.no_debezium
     major = cb.server_major()
+    name = SCENARIO if str(major) == discovery.DEFAULT_PG_VERSION else f"{SCENARIO}-pg{major}"
     result = Result(
-        SCENARIO if str(major) == discovery.DEFAULT_PG_VERSION else f"{SCENARIO}-pg{major}",
+        f"{name}-cluster" if args.cluster else name,
         params={
             "postgres": major,
             "rows": args.rows,
@@ -96,7 +104,7 @@ def run(argv: list[str] | None = None) -> Result:
             conn.execute(sql.SQL(_CREATE).format(table))
         qualified = f"public.{TABLE}"
         s.create_publication(PUBLICATION, [qualified])
-        slots = [SLOT_REF, SLOT_CDC]
+        slots = [SLOT_REF, SLOT_CDC, *([SLOT_CLUSTER] if args.cluster else [])]
         if debezium:
             # Debezium's own publication (its "filtered" autocreate mode finds it as it would have made it),
             # created before the slots like ours, so its slot decodes the very same transactions.
@@ -122,6 +130,8 @@ def run(argv: list[str] | None = None) -> Result:
         result.measures += cb.rate_measures(
             "capture rows/s", "rows/s", args.rows, ours, ref, note="same WAL, read one after the other"
         )
+        if args.cluster:
+            result.measures.append(_on_cluster(s, qualified, end_lsn, args.rows, ours))
         if debezium:
             d = _time_debezium(s, qualified, args.rows)
             result.series["debezium"] = d
@@ -166,6 +176,24 @@ def run(argv: list[str] | None = None) -> Result:
         "Debezium; walsender CPU of each is in series.*.walsender_cpu_s."
     )
     return result
+
+
+def _on_cluster(s: cb.Scratch, qualified: str, end_lsn: int, rows: int, single: cb.Usage) -> Measure:
+    """`cdc run` of the same WAL (its own slot) on the three-broker cluster, against the single broker's run."""
+    cluster = dataclasses.replace(s, ep=cb.cluster_endpoints())
+    try:
+        usage = cluster.time_cdc(SLOT_CLUSTER, PUBLICATION, [qualified], end_lsn, name="cdc-cluster")
+    finally:
+        cb.drop_topics(cluster.ep, s.topic_prefix)
+    return Measure(
+        "capture rows/s on a 3-broker cluster",
+        "rows/s",
+        round(rows / usage.streaming_seconds),
+        reference=round(rows / single.streaming_seconds),
+        reference_name="the single broker",
+        note="replication factor 3, min.insync.replicas 2, acks=all; the same WAL, read after the single broker's "
+        "run; all three brokers on the same 2 cores",
+    )
 
 
 def _time_debezium(s: cb.Scratch, qualified: str, rows: int) -> dict[str, float]:
