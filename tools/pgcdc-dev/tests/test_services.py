@@ -33,8 +33,12 @@ def test_artifact_name_drops_the_version(deploy: ModuleType, jar: str, artifact:
 
 def test_selecting_a_service_brings_its_dependencies(deploy: ModuleType) -> None:
     assert [s.name for s in deploy.select(["registry"])] == ["kafka", "registry"]
-    # A bare `up` starts what every run needs; the Spark cluster and PostgreSQL 16 and 17 only when named.
-    on_demand = ("spark-master", "spark-worker-1", "spark-worker-2", "spark-cluster", "postgres-16", "postgres-17")
+    # A bare `up` starts what every run needs; the Spark cluster, the Kafka cluster and its registry, and
+    # PostgreSQL 16 and 17 only when named.
+    on_demand = (
+        *("spark-master", "spark-worker-1", "spark-worker-2", "spark-cluster", "postgres-16", "postgres-17"),
+        *("kafka-node-1", "kafka-node-2", "kafka-node-3", "kafka-cluster", "registry-cluster"),
+    )
     everyday = [n for n in deploy.SERVICES if n not in on_demand]
     assert [s.name for s in deploy.select([])] == everyday
     cluster = ["spark-master", "spark-worker-1", "spark-worker-2", "spark-cluster"]
