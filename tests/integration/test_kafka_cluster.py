@@ -123,11 +123,8 @@ class Committed:
         """Seconds until the committed end passes ``before`` (taken while every leader answered)."""
         assert before >= 0
         started = time.monotonic()
-        while time.monotonic() - started < timeout:
-            if self.end() > before:
-                return time.monotonic() - started
-            time.sleep(0.2)
-        raise AssertionError(f"no new event committed within {timeout:.0f}s of the fault")
+        wait_for(lambda: self.end() > before, timeout, "a new event committed after the fault")
+        return time.monotonic() - started
 
 
 @pytest.mark.long  # see the module: a known defect under CI's load

@@ -650,6 +650,21 @@ class Service:
         wait_until(self.name, self.ready, self.name, self.ready_timeout)
 
 
+class ServiceGroup(Service):
+    """Several services by one name (``needs``); nothing of its own runs. On demand."""
+
+    on_demand = True
+
+    def up(self) -> None:
+        pass
+
+    def ready(self) -> bool:
+        return all(SERVICES[n].ready() for n in self.needs)
+
+    def stop(self) -> None:
+        pass
+
+
 class Postgres(Service):
     """Debian's PostgreSQL (15 here): the server the suite runs on by default."""
 
@@ -1107,24 +1122,14 @@ class KafkaNode(Service):
         return {"port": client, "bootstrap": f"127.0.0.1:{client}", "controller": controller, "node_id": self.number}
 
 
-class KafkaCluster(Service):
-    """The three nodes by one name (`./dev services up kafka-cluster`); nothing of its own runs."""
+class KafkaCluster(ServiceGroup):
+    """The three nodes by one name (`./dev services up kafka-cluster`)."""
 
     name = "kafka-cluster"
     needs = tuple(f"kafka-node-{n}" for n in CLUSTER_NODES)
-    on_demand = True
 
     def version(self) -> str:
         return f"Kafka {KAFKA_VERSION}, 3 KRaft nodes, replication factor 3, min.insync.replicas 2"
-
-    def up(self) -> None:
-        pass
-
-    def ready(self) -> bool:
-        return all(SERVICES[n].ready() for n in self.needs)
-
-    def stop(self) -> None:
-        pass
 
     def endpoint(self) -> dict[str, Any]:
         nodes = [SERVICES[n].endpoint() for n in self.needs]
@@ -1807,24 +1812,14 @@ class SparkWorker(SparkDaemon):
         return {"ui": ui, "master": master, "display": f"{ui} (worker of {master})"}
 
 
-class SparkCluster(Service):
-    """The master and both workers, by one name; nothing of its own runs."""
+class SparkCluster(ServiceGroup):
+    """The master and both workers, by one name."""
 
     name = "spark-cluster"
     needs = ("spark-master", "spark-worker-1", "spark-worker-2")
-    on_demand = True
 
     def version(self) -> str:
         return f"Spark {SPARK_VERSION} standalone, 2 workers"
-
-    def up(self) -> None:
-        pass
-
-    def ready(self) -> bool:
-        return all(SERVICES[n].ready() for n in self.needs)
-
-    def stop(self) -> None:
-        pass
 
     def endpoint(self) -> dict[str, Any]:
         return SERVICES["spark-master"].endpoint()
