@@ -52,10 +52,15 @@ _RECOVERABLE_FATAL = frozenset(
 )
 
 
+# What a producer whose epoch was bumped under it meets: another instance's init_transactions did that, or the
+# transaction coordinator, when it aborted a transaction open longer than transaction.timeout.ms.
+_FENCING = frozenset((KafkaError._FENCED, KafkaError.PRODUCER_FENCED, KafkaError.INVALID_PRODUCER_EPOCH))
+
+
 def _kafka_error(exc: KafkaException, doing: str) -> Exception:
     err: KafkaError = exc.args[0]
     code = err.code()
-    if code in (KafkaError._FENCED, KafkaError.PRODUCER_FENCED, KafkaError.INVALID_PRODUCER_EPOCH):
+    if code in _FENCING:
         return KafkaSetupError(
             f"{doing}: another pgcdc instance with the same transactional id took over (fenced); "
             "this instance stops so that only one writes"
@@ -226,6 +231,11 @@ class ShutdownTimeoutError(TransientError):
     loop sees the stop and ends the process)."""
 
 
+class TransactionTimedOutError(TransientError):
+    """The coordinator aborted the open transaction, which had outlived transaction.timeout.ms, and fenced this
+    producer (a broker restart or a stall held the transaction up): a new producer starts from the last commit."""
+
+
 class TransactionalProducer:
     """A producer whose writes become visible together, at commit, or not at all."""
 
@@ -280,6 +290,8 @@ class TransactionalProducer:
         self._too_large: list[tuple[str, int]] = []  # (topic, bytes) of events the broker refused as too large
         self._produced = 0
         self._ended_at = 0.0
+        self._begun_at: float | None = None  # when the open transaction began; None between transactions
+        self._txn_timeout_s = int(settings["transaction.timeout.ms"]) / 1000
         self.transactional_id = transactional_id
         try:
             # Fences any earlier instance with our id and aborts what it left open.
@@ -344,7 +356,8 @@ class TransactionalProducer:
         try:
             self._producer.begin_transaction()
         except KafkaException as exc:
-            raise _kafka_error(exc, "beginning a Kafka transaction") from exc
+            raise self._error(exc, "beginning a Kafka transaction") from exc
+        self._begun_at = time.monotonic()
 
     def produce(self, topic: str, key: bytes, value: bytes | None, partition: int | None = None) -> None:
         self._produced += 1
@@ -366,7 +379,7 @@ class TransactionalProducer:
             except KafkaException as exc:
                 if exc.args[0].code() == KafkaError.MSG_SIZE_TOO_LARGE:  # over the producer's own limit
                     raise self._message_too_large(topic, len(key) + len(value or b"")) from exc
-                raise self._refused_as_too_large() or _kafka_error(exc, f"producing to {topic!r}") from exc
+                raise self._refused_as_too_large() or self._error(exc, f"producing to {topic!r}") from exc
 
     @property
     def produces_from_c(self) -> bool:
@@ -409,7 +422,7 @@ class TransactionalProducer:
         exc = KafkaException(KafkaError(err))
         if err == KafkaError.MSG_SIZE_TOO_LARGE:  # over the producer's own limit
             raise self._message_too_large(topic, size) from exc
-        raise self._refused_as_too_large() or _kafka_error(exc, doing) from exc
+        raise self._refused_as_too_large() or self._error(exc, doing) from exc
 
     def replay_target(self, topic: str, plan: Any, parts: tuple[bytes, ...]) -> Any | None:
         """A cdc._native.ReplayTarget for :meth:`replay_changes` (``plan``: the table's TuplePlan, ``parts``:
@@ -496,17 +509,37 @@ class TransactionalProducer:
                 if again and self._stopping_for() >= self._shutdown_s:
                     raise self._given_up() from exc
                 if not again or time.monotonic() >= deadline:
-                    raise self._refused_as_too_large() or _kafka_error(exc, "committing a Kafka transaction") from exc
-        self._ended_at = time.monotonic()
+                    raise self._refused_as_too_large() or self._error(exc, "committing a Kafka transaction") from exc
+        self._ended_at, self._begun_at = time.monotonic(), None
         if self._errors:  # commit raises on failed deliveries; this is belt and braces
-            raise _kafka_error(KafkaException(self._errors[0]), "delivering a message")
+            raise self._error(KafkaException(self._errors[0]), "delivering a message")
+
+    def _error(self, exc: KafkaException, doing: str) -> Exception:
+        """pgcdc's error for ``exc`` (_kafka_error), told apart for a fencing: the coordinator's or an instance's.
+
+        librdkafka reports both as _FENCED, and brokers return PRODUCER_FENCED for either in some races
+        (KIP-588 meant INVALID_PRODUCER_EPOCH for a timeout; KAFKA-20785). What tells them apart is how long the
+        transaction was open: the coordinator aborts one only after transaction.timeout.ms from its first
+        partition, which is after begin() here. A fencing that ends a younger transaction is another instance's
+        (a misread one costs a retry, never an event: the slot and the offsets in each transaction decide).
+        """
+        open_for = 0.0 if self._begun_at is None else time.monotonic() - self._begun_at
+        if exc.args[0].code() in _FENCING and open_for >= self._txn_timeout_s * 0.9:
+            return TransactionTimedOutError(
+                f"{doing}: the transaction coordinator aborted the open transaction after {open_for:.1f} s, "
+                f"longer than transaction.timeout.ms ({self._txn_timeout_s:g} s), and fenced this producer; a "
+                "new producer goes on from the last commit (nothing of the aborted transaction was acknowledged "
+                "to PostgreSQL). If this recurs while the brokers are healthy, raise kafka.producer's "
+                "transaction.timeout.ms (at most the brokers' transaction.max.timeout.ms)"
+            )
+        return _kafka_error(exc, doing)
 
     def abort(self) -> None:
         try:
             self._producer.abort_transaction(_TIMEOUT_S)
         except KafkaException as exc:
             log.warning("aborting the Kafka transaction failed: %s", exc)
-        self._ended_at = time.monotonic()  # abort markers are written after the response too
+        self._ended_at, self._begun_at = time.monotonic(), None  # abort markers are written after the response too
 
     def _stopping_for(self) -> float:
         """Seconds since the stop was first seen here; 0 while none is asked for."""

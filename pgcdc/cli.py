@@ -14,6 +14,7 @@ registry refused a schema; 6 Kafka set-up; 7 stream error; 10 a service stayed u
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import logging
 import sys
@@ -201,6 +202,24 @@ def _run(settings: Settings, config_path: Path | None, *, new_slot: bool = False
             observer.stop()
 
 
+class _Backoff:
+    """tenacity's exponential backoff with jitter, its exponent counted from the last attempt that made progress
+    (ran a while): a fault after days of streaming is retried as soon as the first one, not after the 30 s that
+    the run's ever-growing attempt count reaches after a few faults."""
+
+    def __init__(self) -> None:
+        self._failed = 0  # attempts that failed since the last that made progress
+        self._wait = wait_exponential_jitter(multiplier=0.5, max=30)
+
+    def ended(self, *, progressed: bool) -> None:
+        self._failed = 1 if progressed else self._failed + 1
+
+    def __call__(self, state: RetryCallState) -> float:
+        counted = copy.copy(state)
+        counted.attempt_number = max(1, self._failed)
+        return float(self._wait(counted))
+
+
 def _run_with_retries(
     settings: Settings, stop: threading.Event, metrics: CaptureMetrics, *, new_slot: bool = False
 ) -> int:
@@ -211,6 +230,7 @@ def _run_with_retries(
     # two days of streaming is retried like one in the first minute.
     last_progress = [time.monotonic()]
     new_slot_left = [new_slot]
+    backoff = _Backoff()
 
     def interruptible_sleep(seconds: float) -> None:
         stop.wait(seconds)  # SIGTERM ends a backoff at once
@@ -220,7 +240,7 @@ def _run_with_retries(
 
     @retry(
         retry=retry_if_exception_type(TransientError),
-        wait=wait_exponential_jitter(multiplier=0.5, max=30),
+        wait=backoff,
         stop=gave_up,
         sleep=interruptible_sleep,
         before_sleep=before_sleep_log(log, logging.WARNING),
@@ -240,8 +260,10 @@ def _run_with_retries(
         finally:
             if capture.slot_created:  # --new-slot made its slot: a slot missing later stops the capture again
                 new_slot_left[0] = False
-            if time.monotonic() - started > PROGRESS_S:
+            progressed = time.monotonic() - started > PROGRESS_S
+            if progressed:
                 last_progress[0] = time.monotonic()
+            backoff.ended(progressed=progressed)
 
     attempt()
     return 0
