@@ -302,6 +302,11 @@ class Streamer:
             if isinstance(frame, Keepalive):
                 if source.keepalive(frame, idle=self._idle and not writer.in_batch):
                     self.batch_lsn = source.received
+                if self.between and self._idle and not writer.in_batch:
+                    # Nothing of ours is being read, as when a read times out. While other databases write, the
+                    # server sends a keepalive each time it waits for more of their WAL, so reads stop timing out:
+                    # without this, backfill chunks and signals waited for those writes to end.
+                    self._between_transactions()
             else:
                 self._on_message(frame)
 

@@ -10,6 +10,7 @@ after it).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import re
@@ -18,6 +19,7 @@ import sys
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -199,6 +201,28 @@ def _cdc(config: Path, *args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@contextlib.contextmanager
+def _writes_elsewhere(pg_dsn: str, unique: str) -> Iterator[None]:
+    """One-row transactions in another database, one after another, until the block ends."""
+    done = threading.Event()
+    with scratch_database(pg_dsn, f"elsewhere_{unique}") as dsn:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute("CREATE TABLE w (id bigserial PRIMARY KEY, at timestamptz DEFAULT now())")
+
+        def write() -> None:
+            with psycopg.connect(dsn, autocommit=True) as conn:
+                while not done.is_set():
+                    conn.execute("INSERT INTO w DEFAULT VALUES")
+
+        writer = threading.Thread(target=write, daemon=True)
+        writer.start()
+        try:
+            yield
+        finally:
+            done.set()
+            writer.join(30)
+
+
 def _listed(config: Path, id_: str) -> str:
     out = _cdc(config, "--list").stdout
     return next((line for line in out.splitlines() if line.startswith(f"{id_}\t")), "")
@@ -250,8 +274,11 @@ def test_cdc_snapshot_where_pause_resume_and_cancel(
             paused_at = _listed(config, second)
             time.sleep(3)
             assert _listed(config, second) == paused_at, "a paused backfill went on"
-            assert _cdc(config, "--resume", second).returncode == 0
-            wait_for(lambda: "\tdone\t" in _listed(config, second), 300, "the resumed backfill", proc)
+            # Another database writes on meanwhile: its WAL is none of this capture's business, but the server
+            # sends a keepalive whenever it waits for more of it, so the stream is never quiet for a second.
+            with _writes_elsewhere(pg_dsn, unique):
+                assert _cdc(config, "--resume", second).returncode == 0
+                wait_for(lambda: "\tdone\t" in _listed(config, second), 60, "the resumed backfill", proc)
             assert f"{rows} row(s)" in _listed(config, second)
 
             third = _cdc(config, "public.t").stdout.split()[1].rstrip(":")
