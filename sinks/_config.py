@@ -147,8 +147,8 @@ class SinksConfig(_Section):
     spark_master: str | None = Field(default="local[2]", description="null: leave it to spark-submit")
     spark_jars: Annotated[tuple[str, ...], NoDecode] = Field(
         default=(),
-        description="local jars: Spark's Kafka source, spark-avro, Delta (`./dev services` fetches them); a "
-        "directory stands for every .jar in it",
+        description="local jars: Spark's Kafka source, spark-avro, Delta, for a site without Maven; a directory "
+        "stands for every .jar in it (none: Spark resolves them by Maven coordinates, sinks.connectors)",
     )
     spark_conf: dict[str, str] = Field(default_factory=dict)
     shutdown_timeout_s: float = Field(

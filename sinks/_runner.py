@@ -74,7 +74,7 @@ if TYPE_CHECKING:
     from pyspark.sql import SparkSession
     from pyspark.sql.streaming.query import StreamingQuery
 
-    from sinks._config import SinkSettings
+    from sinks._config import SinksConfig, SinkSettings
 
 log = logging.getLogger(__name__)
 
@@ -92,11 +92,6 @@ _LANE_SINKS = ("search", "cache")  # built-ins that write without Spark (sinks._
 
 def spark_session(settings: SinkSettings, app: str) -> SparkSession:
     cfg = settings.sinks
-    if cfg.spark_master and cfg.spark_master.startswith("local") and not cfg.spark_jars:
-        raise SinkConfigError(
-            "sinks.spark_jars is empty: list the Kafka, Avro and Delta jars for Spark "
-            "(`./dev services env` prints them as CDC_TEST_SPARK_JARS; or set CDC_SINKS__SPARK_JARS)"
-        )
     if under_spark_submit():
         check_master(submitted_master(), "spark-submit's --master")
     elif cfg.spark_master:
@@ -112,7 +107,12 @@ def spark_session(settings: SinkSettings, app: str) -> SparkSession:
         # file system). Two of them per batch and sink were a fifth of a live batch's time.
         conf[_CHECKPOINT_MANAGER] = _local_checkpoint_manager(pyspark.__version__)
     session = build_session(
-        app, list(cfg.spark_jars), master=cfg.spark_master, conf=conf, class_archive=cfg.jvm_class_archive
+        app,
+        list(cfg.spark_jars),
+        master=cfg.spark_master,
+        conf=conf,
+        class_archive=cfg.jvm_class_archive,
+        s3=_on_s3(cfg),
     )
     try:
         check_executors(session)
@@ -120,6 +120,11 @@ def spark_session(settings: SinkSettings, app: str) -> SparkSession:
         stop_session(session)
         raise
     return session
+
+
+def _on_s3(cfg: SinksConfig) -> bool:
+    """Whether the state or the warehouse is on S3: Spark then needs the S3A connector."""
+    return any(path.partition("://")[0] in S3_SCHEMES for path in (cfg.state_dir, cfg.warehouse.path))
 
 
 def _local_checkpoint_manager(spark_version: str) -> str:

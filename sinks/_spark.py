@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import os
 import sys
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING
+
+from sinks import connectors
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -38,6 +42,7 @@ _SESSION_CONF = {
 # gets no adaptive coalescing, so Spark's 200 (and Delta's 50) would be that many tasks per MERGE, nearly all
 # empty: on a cluster both are fitted to the executors' cores unless set.
 _DRIVER_OPTIONS = "spark.driver.extraJavaOptions"
+_LOCKS = Path.home() / ".cache" / "pgcdc"  # where the lock on Spark's connector resolution is taken
 
 PARALLELISM_KEYS = ("spark.sql.shuffle.partitions", "spark.databricks.delta.snapshotPartitions")
 
@@ -57,13 +62,15 @@ def build_session(
     master: str | None = "local[2]",
     conf: Mapping[str, str] | None = None,
     class_archive: bool = False,
+    s3: bool = False,
 ) -> SparkSession:
     """A SparkSession with the Kafka source, spark-avro and Delta Lake on its classpath.
 
-    ``jars`` are local paths (`./dev services` fetches them); ``master=None`` leaves the master to
-    spark-submit, so the same code runs on a cluster. Under spark-submit, its ``--master`` and ``--jars``
-    win over both: its JVM is running already, with the classpath it was given. ``class_archive``: start the
-    driver's JVM with a class-data archive of Spark's classes (sinks._jvmcache).
+    ``jars`` are local paths (an air-gapped site's, or `./dev services`'); without them Spark resolves the
+    connectors by Maven coordinates (sinks.connectors; with ``s3``, the S3A connector too). ``master=None``
+    leaves the master to spark-submit, so the same code runs on a cluster. Under spark-submit, its ``--master``,
+    ``--jars`` and ``--packages`` win: its JVM is running already, with the classpath it was given.
+    ``class_archive``: start the driver's JVM with a class-data archive of Spark's classes (sinks._jvmcache).
     """
     from pyspark.sql import SparkSession
 
@@ -86,18 +93,13 @@ def build_session(
             os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     if jars:
         builder = builder.config("spark.jars", ",".join(jars))
-    conf = dict(conf or {})
-    if class_archive and not under_spark_submit():  # under spark-submit the JVM is running already
-        from sinks._jvmcache import java_options
-
-        options = java_options(jars)
-        if options:
-            given = conf.get(_DRIVER_OPTIONS)
-            conf[_DRIVER_OPTIONS] = f"{given} {options}" if given else options
+    elif not under_spark_submit():
+        builder = _by_coordinates(builder, s3=s3)
+    conf = _with_class_archive(dict(conf or {}), jars) if class_archive else dict(conf or {})
     for key, value in {**_SESSION_CONF, **conf}.items():
         builder = builder.config(key, value)
     running = _running_session()
-    session = builder.getOrCreate()
+    session = _get_or_create(builder, resolving=not jars and running is None and not under_spark_submit())
     if running is None:
         _STARTED.add(session)
     else:
@@ -110,6 +112,64 @@ def build_session(
     if logging.getLogger().getEffectiveLevel() > logging.DEBUG:  # --log-level debug keeps Spark's account
         _quiet_session(session)
     return session
+
+
+def _with_class_archive(conf: dict[str, str], jars: Sequence[str]) -> dict[str, str]:
+    """``conf`` with the driver's JVM options to map (or write) its class-data archive (sinks._jvmcache)."""
+    if under_spark_submit():  # the JVM is running already
+        return conf
+    from sinks._jvmcache import java_options
+
+    options = java_options(jars)
+    if options:
+        given = conf.get(_DRIVER_OPTIONS)
+        conf[_DRIVER_OPTIONS] = f"{given} {options}" if given else options
+    return conf
+
+
+def _by_coordinates(builder: SparkSession.Builder, *, s3: bool) -> SparkSession.Builder:
+    """The builder with the sinks' connectors as ``spark.jars.packages``: Delta's by delta-spark's own helper
+    (its artifact for the installed PySpark), the others by sinks.connectors."""
+    from delta import configure_spark_with_delta_pip
+
+    builder = configure_spark_with_delta_pip(builder, extra_packages=connectors.packages(s3=s3))
+    # [sinks.spark_conf] is applied after these, so a site's own Ivy settings or cache win.
+    builder = builder.config("spark.jars.ivySettings", str(connectors.ivy_settings(_LOCKS)))
+    builder = builder.config("spark.jars.ivy", str(Path.home() / ".ivy2.5.2"))  # Spark's own default
+    excluded = connectors.excludes(s3=s3)
+    return builder.config("spark.jars.excludes", ",".join(excluded)) if excluded else builder
+
+
+@contextlib.contextmanager
+def _resolving() -> Iterator[None]:
+    """Held while a Spark application of this machine resolves its connectors: Ivy's cache is not safe for two
+    resolutions at once (the sinks and `cdc verify` started together failed with "impossible to move part file"
+    and half-written jars). Resolution ends before the JVM's gateway answers, so the lock is held seconds."""
+    _LOCKS.mkdir(parents=True, exist_ok=True)
+    with open(_LOCKS / "spark-packages.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _get_or_create(builder: SparkSession.Builder, *, resolving: bool) -> SparkSession:
+    """``builder.getOrCreate()``; when Spark starts by resolving the connectors, a failure says how to go on."""
+    if not resolving:
+        return builder.getOrCreate()
+    try:
+        with _resolving():
+            return builder.getOrCreate()
+    except Exception as exc:
+        from common.errors import SinkConfigError
+
+        raise SinkConfigError(
+            f"Spark did not start while resolving its connectors from Maven ({', '.join(connectors.packages())}, "
+            f"and Delta Lake's): {exc}. Spark's output above names the artifact it could not fetch. Without access "
+            "to Maven Central, list local jars in sinks.spark_jars, or name a mirror in sinks.spark_conf "
+            '("spark.jars.repositories")'
+        ) from exc
 
 
 def _quiet_session(session: SparkSession) -> None:

@@ -80,6 +80,15 @@ class Case:
     raw_config: str | None = None  # the whole file, for syntax errors
 
 
+def _no_maven(env: Env) -> None:
+    """Spark's Ivy with one repository, where nothing answers, and an empty cache: as at a site without Maven."""
+    (env.work / "ivysettings.xml").write_text(
+        '<ivysettings><settings defaultResolver="nowhere"/><resolvers>'
+        '<ibiblio name="nowhere" m2compatible="true" root="http://127.0.0.1:1/maven2"/>'
+        "</resolvers></ivysettings>"
+    )
+
+
 def _hold_slot(env: Env) -> None:
     """A second consumer streaming from the slot (pg_recvlogical), as another tool would."""
     env.sql(
@@ -422,10 +431,14 @@ CASES = [
         "sinks-unknown-key", 2, ["sinks.enable", "unknown key"], extra="[sinks]\nenable = []\n", args=["sinks", "run"]
     ),
     Case(
-        "sinks-no-spark-jars",
+        "sinks-connectors-unresolvable",
         2,
-        ["sinks.spark_jars is empty", "CDC_SINKS__SPARK_JARS"],
-        extra='[sinks]\nspark_jars = []\nmetrics_enabled = false\nstate_dir = "{work}/state"\n',
+        ["resolving its connectors from Maven", "spark-sql-kafka-0-10", "sinks.spark_jars", "spark.jars.repositories"],
+        setup=_no_maven,
+        extra=(
+            '[sinks]\nspark_jars = []\nmetrics_enabled = false\nstate_dir = "{work}/state"\n[sinks.spark_conf]\n'
+            '"spark.jars.ivySettings" = "{work}/ivysettings.xml"\n"spark.jars.ivy" = "{work}/ivy"\n'
+        ),
         args=["sinks", "run", "cache"],
     ),
     Case("sinks-unknown-sink", 8, ["nosuch", "cdc sinks list"], args=["sinks", "run", "nosuch"]),
