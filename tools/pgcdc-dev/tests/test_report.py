@@ -231,19 +231,26 @@ def test_render_writes_summary_charts_and_readme(tmp_path: Path) -> None:
     assert readme.read_text() == text
 
 
-def test_render_writes_the_front_summary_a_line_per_scenario(tmp_path: Path) -> None:
+def test_render_writes_the_front_summary_the_headline_figures(tmp_path: Path) -> None:
     results, page, front = tmp_path / "bench" / "results", tmp_path / "docs" / "benchmarks.md", tmp_path / "README.md"
     page.parent.mkdir()
     page.write_text(README)
     front.write_text(f"# pgcdc\n\n{render.FRONT_START}\nold\n{render.FRONT_END}\n\n## More\n")
-    write_result(Result("latency", {}, [Measure("p99 latency", "ms", 120, limit=100, higher_is_better=False)]), results)
-    write_result(Result("snapshot", {}, [Measure("rows", "rows/s", 900, 1000, "COPY", target_ratio=0.5)]), results)
+    latency = Measure("p99 latency", "ms", 120, limit=100, higher_is_better=False)
+    write_result(Result("latency", {}, [latency]), results)
+    capture = [
+        Measure("capture rows/s", "rows/s", 900, 1000, "pg_recvlogical", target_ratio=0.8),
+        Measure("capture rows/s", "rows/s", 900, 300, "Debezium", target_ratio=2),
+    ]
+    write_result(Result("insert-heavy", {}, capture), results)
     write_result(Result("pgbench", {}, [Measure("tps", "tx/s", 500)]), results)
     render.render(results, page, quiet=True, front=front)
     text = front.read_text()
-    assert "- **latency**: targets met: 0 of 1; missed: p99 latency (120 ms, target < 100 ms)" in text
-    assert "- **snapshot**: targets met: 1 of 1\n" in text
-    assert "- **pgbench**: no targets (references)" in text
+    assert f"| Capture, insert-heavy WAL | 900 rows/s | 1,000 rows/s (pg_recvlogical): 0.90{X} |" in text
+    assert f"| Capture, insert-heavy WAL | 900 rows/s | 300 rows/s (Debezium): 3.00{X} |" in text
+    assert "| Commit to Kafka, p99 at 2,000 txn/s | 120 ms | target < 100 ms |" in text
+    assert text.index("pg_recvlogical") < text.index("Commit to Kafka")  # in HEADLINES' order
+    assert "tps" not in text  # not a headline
     assert "[docs/benchmarks.md](docs/benchmarks.md)" in text
     assert "old" not in text
     assert text.endswith("## More\n")

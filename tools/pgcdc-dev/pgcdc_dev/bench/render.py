@@ -209,18 +209,50 @@ def readme_block(state: Current, charts: Sequence[Path], readme_dir: Path) -> st
     return "\n\n".join(parts)
 
 
+# The README's headline figures: (scenario, measure, what a reader is told it is). A measure with a reference
+# shows it beside ours; one without shows its target.
+HEADLINES = (
+    ("insert-heavy", "capture rows/s", "Capture, insert-heavy WAL"),
+    ("update-heavy", "capture changes/s", "Capture, update-heavy WAL"),
+    ("latency", "p99 latency", "Commit to Kafka, p99 at 2,000 txn/s"),
+    ("snapshot", "snapshot rows/s", "Initial snapshot"),
+    ("sinks-live", "search freshness p99, light load", "Search index: commit to searchable, p99 at 200 txn/s"),
+    ("sinks-live", "cache freshness p99, light load", "Cache: commit to readable, p99 at 200 txn/s"),
+    ("sinks-live", "warehouse freshness p99, light load", "Warehouse: commit to readable, p99 at 200 txn/s"),
+    ("sinks", "search replay events/s", "Search index rebuilt from offset zero"),
+    ("sinks", "sql replay vs Kafka Connect", "SQL database rebuilt from offset zero"),
+)
+
+
+def _headline_row(label: str, m: dict[str, Any]) -> str:
+    ours = f"{fmt_number(m['ours'])} {m['unit']}"
+    if m.get("reference") is not None:
+        times = "\N{MULTIPLICATION SIGN}"
+        against = f"{fmt_number(m['reference'])} {m['unit']} ({m['reference_name']}): {m['ratio']:.2f}{times}"
+    else:
+        against = f"target {m['target']}" if m.get("target") else DASH
+    return f"| {label} | {ours} | {against} |"
+
+
+def _headline_rows(state: Current) -> list[str]:
+    """A row per headline measure found (one per reference: the capture's against pg_recvlogical and Debezium)."""
+    return [
+        _headline_row(label, m)
+        for scenario, name, label in HEADLINES
+        for doc in state.docs
+        if doc["scenario"] == scenario
+        for m in doc["measures"]
+        if m["name"] == name
+    ]
+
+
 def front_summary(state: Current, page: str) -> str:
-    """The README's lines: per scenario, how many of its targets were met and which were missed."""
-    lines = []
-    for doc in state.docs:
-        targets = [m for m in doc["measures"] if m["met"] is not None]
-        missed = [
-            f"{m['name']} ({fmt_number(m['ours'])} {m['unit']}, target {m['target']})" for m in targets if not m["met"]
-        ]
-        met = f"targets met: {len(targets) - len(missed)} of {len(targets)}" if targets else "no targets (references)"
-        lines.append(f"- **{doc['scenario']}**: {met}" + (f"; missed: {'; '.join(missed)}" if missed else ""))
-    lines += [f"- **{name}**: failed in the last run (no result)" for name in state.failed]
-    lines.append(f"\nEvery figure, with its same-run reference and what it measures: [{page}]({page}).")
+    """The README's block: the headline figures, each beside its same-run reference (or its target)."""
+    rows = _headline_rows(state)
+    lines = ["| what | pgcdc | against |", "|---|---|---|", *rows] if rows else ["No results yet: `./dev bench`."]
+    if state.failed:
+        lines.append(f"\nFailed in the last run (no result): {', '.join(state.failed)}.")
+    lines.append(f"\nEvery figure, with its same-run reference, its target and what it measures: [{page}]({page}).")
     return "\n".join(lines)
 
 
