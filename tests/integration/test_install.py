@@ -10,8 +10,10 @@ Spark's Ivy resolves the connectors from its cache, the local Maven repository o
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tomllib
 import venv
 from pathlib import Path
 
@@ -44,7 +46,17 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A clean virtualenv with the wheel of this checkout and its ``sinks`` extra: its bin directory."""
     root = tmp_path_factory.mktemp("install")
     env = _clean_env()
-    _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(root / "dist"), str(REPO)], root, env)
+    # The sources a wheel is built from, copied as the container image's build copies them: setuptools writes
+    # its build directory beside them, and the checkout's own compiled extension must not be taken for a build.
+    source = root / "source"
+    for name in ("pyproject.toml", "setup.py", "README.md"):
+        (source / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(REPO / name, source / name)
+    leftovers = shutil.ignore_patterns("__pycache__", "*.so", "_native.c")
+    packages = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    for package in packages:
+        shutil.copytree(REPO / package, source / package, ignore=leftovers)
+    _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(root / "dist"), str(source)], root, env)
     (wheel,) = (root / "dist").glob("pgcdc-*.whl")
     venv.create(root / "venv", with_pip=True)
     bin_dir = root / "venv" / "bin"
