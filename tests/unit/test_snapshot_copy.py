@@ -57,9 +57,9 @@ def test_not_binary_copy() -> None:
 def test_a_chunk_is_counted_by_its_encoder_and_a_cut_one_is_refused(python: bool) -> None:
     """Block ranges take a chunk's row count from the encoder (no second walk over the chunk); a chunk cut
     short fails with the row's table and what is wrong, whichever encoder runs."""
-    codec = make_codec(
-        [("id", PgType(23, "int4"), -1), ("name", PgType(25, "text"), -1)], topic="p.public.t", python=python
-    )
+    codec = make_codec([("id", PgType(23, "int4"), -1), ("name", PgType(25, "text"), -1)], topic="p.public.t")
+    if python:
+        codec.use_python()
     rows = [_row(struct.pack(">i", i), f"n{i}".encode()) for i in range(5)]
     data = HEADER + b"".join(rows) + struct.pack(">h", -1)
     count, packed, refused = encode_chunk(codec, "public.t", data, b"bb")
@@ -77,9 +77,9 @@ def test_a_row_no_encoder_takes_is_set_aside_with_its_fields_and_why(python: boo
     """A row whose value cannot be encoded (here a text value that is not UTF-8) does not fail its chunk: it is
     set aside with its fields as COPY sent them and the column at fault (capture.on_unencodable decides), and the
     rows around it are encoded as usual."""
-    codec = make_codec(
-        [("id", PgType(23, "int4"), -1), ("name", PgType(25, "text"), -1)], topic="p.public.t", python=python
-    )
+    codec = make_codec([("id", PgType(23, "int4"), -1), ("name", PgType(25, "text"), -1)], topic="p.public.t")
+    if python:
+        codec.use_python()
     rows = [_row(struct.pack(">i", i), b"\xff\xfe" if i == 2 else f"n{i}".encode()) for i in range(5)]
     data = HEADER + b"".join(rows) + struct.pack(">h", -1)
     count, packed, refused = encode_chunk(codec, "public.t", data, b"bb")

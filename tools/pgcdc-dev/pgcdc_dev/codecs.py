@@ -46,12 +46,11 @@ def make_codec(
     key: Sequence[str] = ("id",),
     source: SourceInfo | None = None,
     register: Callable[[str, dict[str, Any]], int] = lambda _subject, _schema: 1,
-    python: bool = False,
     registered_key: dict[str, Any] | None = None,
 ) -> TableCodec:
     """``columns``: (name, type, typmod); ``topic``: "<prefix>.<schema>.<table>" (also the Avro namespace);
-    ``python``: encode with the Python implementations only (TableCodec.use_python); ``registered_key``: the
-    key subject's latest schema (TableShape.registered_key)."""
+    ``registered_key``: the key subject's latest schema (TableShape.registered_key). The Python encoders alone:
+    the codec's ``use_python()``."""
     shapes, mappings = [], []
     for name, pgtype, typmod in columns:
         mapping = avro_mapping(pgtype, typmod)
@@ -59,7 +58,4 @@ def make_codec(
         shapes.append(ColumnShape(name, pgtype, typmod, mapping.schema))
     prefix, schema, table = topic.split(".")
     shape = TableShape(schema, table, topic, topic, shapes, mappings, list(key), registered_key=registered_key)
-    codec = TableCodec(shape, source=source or SourceInfo("1.0", prefix, "db"), register=register)
-    if python:
-        codec.use_python()
-    return codec
+    return TableCodec(shape, source=source or SourceInfo("1.0", prefix, "db"), register=register)

@@ -390,6 +390,10 @@ def http_get(url: str, timeout: float = 2.0) -> tuple[int, bytes]:
         return 0, b""
 
 
+def _openssl(*args: str) -> None:
+    run(["openssl", *args])
+
+
 def tls_material() -> dict[str, Path]:
     """A local CA and a certificate for 127.0.0.1 / localhost that the TLS endpoints present (made once).
 
@@ -403,61 +407,14 @@ def tls_material() -> dict[str, Path]:
     TLS.mkdir(parents=True, exist_ok=True)
     TLS.chmod(0o755)
     days = "3650"
-    run(
-        [
-            "openssl",
-            "req",
-            "-x509",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-days",
-            days,
-            "-subj",
-            "/CN=pgcdc local CA",
-            "-keyout",
-            str(files["ca.key"]),
-            "-out",
-            str(files["ca.crt"]),
-        ]
-    )
+    ca_key, ca_crt, key, crt = (str(files[n]) for n in ("ca.key", "ca.crt", "server.key", "server.crt"))
+    new_key = ["req", "-newkey", "rsa:2048", "-nodes"]
+    _openssl(*new_key, "-x509", "-days", days, "-subj", "/CN=pgcdc local CA", "-keyout", ca_key, "-out", ca_crt)
     csr, ext = TLS / "server.csr", TLS / "server.ext"
-    run(
-        [
-            "openssl",
-            "req",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-subj",
-            "/CN=localhost",
-            "-keyout",
-            str(files["server.key"]),
-            "-out",
-            str(csr),
-        ]
-    )
+    _openssl(*new_key, "-subj", "/CN=localhost", "-keyout", key, "-out", str(csr))
     ext.write_text("subjectAltName = DNS:localhost, IP:127.0.0.1\nextendedKeyUsage = serverAuth\n")
-    run(
-        [
-            "openssl",
-            "x509",
-            "-req",
-            "-in",
-            str(csr),
-            "-CA",
-            str(files["ca.crt"]),
-            "-CAkey",
-            str(files["ca.key"]),
-            "-CAcreateserial",
-            "-days",
-            days,
-            "-extfile",
-            str(ext),
-            "-out",
-            str(files["server.crt"]),
-        ]
-    )
+    signing = ["-CA", ca_crt, "-CAkey", ca_key, "-CAcreateserial", "-days", days, "-extfile", str(ext)]
+    _openssl("x509", "-req", "-in", str(csr), *signing, "-out", crt)
     csr.unlink()
     for name in ("ca.key", "server.key"):
         files[name].chmod(0o600)
@@ -888,6 +845,18 @@ class Kafka(Service):
         return KAFKA_VERSION
 
     def install(self) -> None:
+        self._install_jars()
+        data, props = DATA / "kafka", self.home() / "server.properties"
+        self._write_properties(props, data)
+        if not (data / "meta.properties").exists():
+            say("formatting Kafka storage (KRaft, single node)")
+            cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+            # One argument: an id that begins with '-' (one in 64 do) would read as an option.
+            storage = ["kafka.tools.StorageTool", "format", f"--cluster-id={cluster_id}", "-c", str(props)]
+            run([*self.java(), *storage, "--standalone"])
+
+    def _install_jars(self) -> None:
+        """Kafka's jars from Maven Central with a logging binding, and the log configuration."""
         libs = maven_copy_dependencies(
             [
                 f"org.apache.kafka:kafka_{SCALA_BINARY}:{KAFKA_VERSION}",
@@ -918,8 +887,8 @@ class Kafka(Service):
             logger.request.level = warn
             """)
         )
-        data = DATA / "kafka"
-        props = self.home() / "server.properties"
+
+    def _write_properties(self, props: Path, data: Path) -> None:
         p, c, sasl = PORTS["kafka"], PORTS["kafka-controller"], PORTS["kafka-sasl"]
         proxied, proxy = PORTS["kafka-proxied"], PORTS["kafka-proxy"]
         pem = tls_material()["server.pem"]
@@ -956,21 +925,6 @@ class Kafka(Service):
             log.cleaner.enable=true
             """)
         )
-        if not (data / "meta.properties").exists():
-            say("formatting Kafka storage (KRaft, single node)")
-            cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
-            run(
-                [
-                    *self.java(),
-                    "kafka.tools.StorageTool",
-                    "format",
-                    # One argument: an id that begins with '-' (one in 64 do) would read as an option.
-                    f"--cluster-id={cluster_id}",
-                    "-c",
-                    str(props),
-                    "--standalone",
-                ]
-            )
 
     def java(self, heap: str = "1g") -> list[str]:
         jh = java_home(17)

@@ -150,6 +150,46 @@ def write_result(result: Result, results_dir: Path = RESULTS) -> Path:
     return path
 
 
+def _by_measure(docs: Sequence[dict[str, Any]]) -> dict[tuple[str, int], list[dict[str, Any]]]:
+    """Each measure's runs. A measure is its name and which of that name it is in its run: a scenario may report
+    one figure against two references under the same name (insert-heavy: pg_recvlogical and Debezium)."""
+    by_key: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for doc in docs:
+        seen: dict[str, int] = {}
+        for m in doc["measures"]:
+            nth = seen[m["name"]] = seen.get(m["name"], -1) + 1
+            by_key.setdefault((m["name"], nth), []).append(m)
+    return by_key
+
+
+def _median_measure(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One measure over its runs (combine)."""
+    latest = runs[-1]
+    ours = [float(m["ours"]) for m in runs]
+    refs = [float(m["reference"]) for m in runs if m.get("reference") is not None]
+    ratios = [float(m["ratio"]) for m in runs if m.get("ratio") is not None]
+    median = Measure(
+        latest["name"],
+        latest["unit"],
+        statistics.median(ours),
+        statistics.median(refs) if refs else None,
+        # the snapshot takes the faster COPY of each run as its reference: name every one taken
+        " or ".join(dict.fromkeys(str(m["reference_name"]) for m in runs if m.get("reference_name"))),
+        latest.get("higher_is_better", True),
+        latest.get("target_ratio"),
+        latest.get("limit"),
+        latest.get("note", ""),
+    )
+    out = median.as_json()
+    if ratios:  # not median(ours) / median(reference): that would pair one run's figure with another's
+        ratio = round(statistics.median(ratios), 3)
+        out.update(ratio=ratio, ratio_range=[round(min(ratios), 3), round(max(ratios), 3)])
+        if median.target_ratio is not None:
+            out["met"] = ratio >= median.target_ratio
+    out.update(runs=len(runs), ours_range=[min(ours), max(ours)])
+    return out
+
+
 def combine(docs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """One document for repeated runs of a scenario (``./dev bench --repeat N``): each measure's ``ours`` and
     ``reference`` are the medians over the runs, its ``ratio`` the median of the runs' own ratios (each against
@@ -166,40 +206,7 @@ def combine(docs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     scenarios = {doc["scenario"] for doc in docs}
     if len(scenarios) != 1:
         raise ValueError(f"runs of different scenarios cannot be combined: {sorted(scenarios)}")
-    # A measure is its name and which of that name it is in its run: a scenario may report one figure against
-    # two references under the same name (insert-heavy: pg_recvlogical and Debezium).
-    by_key: dict[tuple[str, int], list[dict[str, Any]]] = {}
-    for doc in docs:
-        seen: dict[str, int] = {}
-        for m in doc["measures"]:
-            nth = seen[m["name"]] = seen.get(m["name"], -1) + 1
-            by_key.setdefault((m["name"], nth), []).append(m)
-    measures = []
-    for runs in by_key.values():
-        latest = runs[-1]
-        ours = [float(m["ours"]) for m in runs]
-        refs = [float(m["reference"]) for m in runs if m.get("reference") is not None]
-        ratios = [float(m["ratio"]) for m in runs if m.get("ratio") is not None]
-        median = Measure(
-            latest["name"],
-            latest["unit"],
-            statistics.median(ours),
-            statistics.median(refs) if refs else None,
-            # the snapshot takes the faster COPY of each run as its reference: name every one taken
-            " or ".join(dict.fromkeys(str(m["reference_name"]) for m in runs if m.get("reference_name"))),
-            latest.get("higher_is_better", True),
-            latest.get("target_ratio"),
-            latest.get("limit"),
-            latest.get("note", ""),
-        )
-        out = median.as_json()
-        if ratios:  # not median(ours) / median(reference): that would pair one run's figure with another's
-            ratio = round(statistics.median(ratios), 3)
-            out.update(ratio=ratio, ratio_range=[round(min(ratios), 3), round(max(ratios), 3)])
-            if median.target_ratio is not None:
-                out["met"] = ratio >= median.target_ratio
-        out.update(runs=len(runs), ours_range=[min(ours), max(ours)])
-        measures.append(out)
+    measures = [_median_measure(runs) for runs in _by_measure(docs).values()]
     combined = dict(last)
     combined.update(
         measures=measures,

@@ -334,25 +334,27 @@ def parse_extra(specs: list[str]) -> dict[str, list[str]]:
     return out
 
 
-def write_summary(
-    outcomes: list[Outcome],
-    *,
-    started: float,
-    date: str,
-    total: float,
-    command: str,
-    quick: bool,
-    results_dir: Path,
-    warmup: dict[str, Any] | None = None,
-) -> Path:
+@dataclass
+class Run:
+    """What the summary says of the run as a whole."""
+
+    started: float  # epoch seconds
+    date: str
+    total: float  # seconds
+    command: str
+    quick: bool
+    warmup: dict[str, Any] | None = None
+
+
+def write_summary(outcomes: list[Outcome], run: Run, results_dir: Path) -> Path:
     summary = {
-        "date": date,
-        "started_epoch": started,
+        "date": run.date,
+        "started_epoch": run.started,
         "machine": _report.machine(),
-        "command": command,
-        "quick": quick,
-        "total_seconds": round(total, 1),
-        "broker_warmup": warmup,
+        "command": run.command,
+        "quick": run.quick,
+        "total_seconds": round(run.total, 1),
+        "broker_warmup": run.warmup,
         "scenarios": [{k: v for k, v in asdict(o).items() if k != "document"} for o in outcomes],
         "documents": [o.document for o in outcomes if o.document is not None],
     }
@@ -398,7 +400,22 @@ def _list(names: list[str], argv_for: Callable[[str, ModuleType], list[str]]) ->
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def _run_all(
+    names: list[str], argv_for: Callable[[str, ModuleType], list[str]], results: Path, repeat: int
+) -> tuple[list[Outcome], bool]:
+    """Each scenario in turn; the outcomes, and whether an interrupt (Ctrl-C) ended the run early."""
+    outcomes: list[Outcome] = []
+    for name in names:
+        try:
+            outcomes.append(run_scenario(name, SCENARIOS[name], argv_for, results, repeat=repeat))
+        except KeyboardInterrupt:
+            traceback.print_exc()
+            outcomes.append(Outcome(name, SCENARIOS[name], "failed", 0.0, error="interrupted"))
+            return outcomes, True
+    return outcomes, False
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description="Run the benchmark scenarios in sequence; write summary, charts, docs/benchmarks.md and the "
         "README's summary.",
@@ -420,6 +437,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--render-only", action="store_true", help="redraw from the JSON in the results directory")
     parser.add_argument("--no-readme", action="store_true", help="leave README.md and docs/benchmarks.md alone")
     parser.add_argument("--results", type=Path, default=_report.RESULTS, help="results directory (%(default)s)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
     args = parser.parse_args(argv)
     readme = None if args.no_readme else render.PAGE
 
@@ -447,28 +469,10 @@ def main(argv: list[str] | None = None) -> int:
     started, date, clock = time.time(), time.strftime("%Y-%m-%d %H:%M %Z"), time.monotonic()
     warm_s = args.warm_broker if args.warm_broker is not None else 0.0 if args.quick else DEFAULT_WARM_BROKER_S
     warmup = warm_broker(warm_s) if warm_s > 0 else None
-    outcomes: list[Outcome] = []
-    interrupted = False
-    for name in names:
-        try:
-            outcomes.append(run_scenario(name, SCENARIOS[name], argv_for, args.results, repeat=args.repeat))
-        except KeyboardInterrupt:
-            traceback.print_exc()
-            outcomes.append(Outcome(name, SCENARIOS[name], "failed", 0.0, error="interrupted"))
-            interrupted = True
-            break
+    outcomes, interrupted = _run_all(names, argv_for, args.results, args.repeat)
     total = time.monotonic() - clock
     command = shlex.join(["./dev", "bench", *(sys.argv[1:] if argv is None else argv)])
-    summary = write_summary(
-        outcomes,
-        started=started,
-        date=date,
-        total=total,
-        command=command,
-        quick=args.quick,
-        results_dir=args.results,
-        warmup=warmup,
-    )
+    summary = write_summary(outcomes, Run(started, date, total, command, args.quick, warmup), args.results)
     _print_outcomes(outcomes, total)
     print(f"run_all: wrote {summary}", flush=True)
     rendered = _render(args.results, readme)
