@@ -87,7 +87,8 @@ from bench._outside import POLL_S, OutsideWatch
 from sinks import BaseSink, Batch
 from sinks._config import load_sink_settings
 from sinks._progress import TopicEnds, checkpoint_offsets, reached, sink_progress
-from sinks._runner import SinkQuery, spark_session
+from sinks._query import SinkQuery
+from sinks._spark import spark_session
 from sinks._sql import sqlalchemy_url
 
 SCENARIO = "sinks"

@@ -138,23 +138,24 @@ def _repair(args: argparse.Namespace, drifted: dict[str, list[Any]]) -> None:
             raise DriftError(f"the repair's backfill {b.id} of {b.table} is {b.status}: {b.error or 'see cdc run'}")
 
 
-def _verify(args: argparse.Namespace, settings: Any, runner: Any) -> int:
+def _verify(args: argparse.Namespace, settings: Any) -> int:
     """``cdc verify``: every named sink in one Spark session, and with --repair the comparisons after it (a
     process can start Spark's JVM only once, and starting it is most of a small comparison's time)."""
-    from sinks._spark import stop_session  # noqa: PLC0415 - Spark's side loads only when a command needs it
+    from sinks._rebuild import never_ran, verify  # noqa: PLC0415 - Spark's side loads only when a command needs it
+    from sinks._spark import spark_session, stop_session  # noqa: PLC0415 - as above
 
     names = list(dict.fromkeys(args.names or settings.sinks.enabled))
     if not names:
         raise SinkConfigError("no sink to verify: name one, or enable some in sinks.enabled")
     if not args.wait:
         for name in names:
-            if (error := runner.never_ran(settings, name)) is not None:
+            if (error := never_ran(settings, name)) is not None:
                 raise error  # said before Spark starts: nothing of it is needed to know
-    spark = runner.spark_session(settings, "pgcdc-verify")
+    spark = spark_session(settings, "pgcdc-verify")
     try:
         drifted: dict[str, list[Any]] = {}
         for name in names:
-            drifts = runner.verify(settings, name, _source_tables(args.config), wait_s=args.wait, spark=spark)
+            drifts = verify(settings, name, _source_tables(args.config), wait_s=args.wait, spark=spark)
             if not _print_drift(name, drifts):
                 drifted[name] = drifts
         if not drifted:
@@ -168,9 +169,7 @@ def _verify(args: argparse.Namespace, settings: Any, runner: Any) -> int:
         still = [
             name
             for name in drifted
-            if not _print_drift(
-                name, runner.verify(settings, name, _source_tables(args.config), wait_s=wait, spark=spark)
-            )
+            if not _print_drift(name, verify(settings, name, _source_tables(args.config), wait_s=wait, spark=spark))
         ]
         if still:
             raise DriftError(f"{', '.join(still)} still differ(s) from the source after the repair (details above)")
@@ -179,10 +178,12 @@ def _verify(args: argparse.Namespace, settings: Any, runner: Any) -> int:
         stop_session(spark)
 
 
-def _rebuild(args: argparse.Namespace, settings: Any, runner: Any) -> int:
+def _rebuild(args: argparse.Namespace, settings: Any) -> int:
     """``cdc sinks rebuild``: every named sink side by side in one application, swapped in all together."""
+    from sinks._rebuild import rebuild  # noqa: PLC0415 - Spark's side loads only when a command needs it
+
     names = list(dict.fromkeys(args.names))
-    results = runner.rebuild(settings, names, _source_tables(args.config), verify_wait_s=args.verify_wait)
+    results = rebuild(settings, names, _source_tables(args.config), verify_wait_s=args.verify_wait)
     drifted = [r for r in results if not _print_drift(r.name, r.drifts)]
     if drifted:
         listed = ", ".join(f"generation {r.generation} of {r.name}" for r in drifted)
@@ -208,7 +209,7 @@ def _exit_when_stuck(stop: threading.Event, stopped: threading.Event, timeout_s:
         )
         for handler in logging.getLogger().handlers:
             handler.flush()
-        from sinks._spark import kill_started  # noqa: PLC0415 - loaded with the runner already
+        from sinks._spark import kill_started  # noqa: PLC0415 - loaded with the supervisor already
 
         kill_started()
         os._exit(0)
@@ -226,19 +227,19 @@ def main(argv: list[str]) -> int:
             print(Path(__file__).with_name("spark_app.py"))
             return 0
         settings = load_sink_settings(args.config)
-        from sinks import _runner  # noqa: PLC0415 - loads the sinks' Spark side only when a query runs
-
         if args.command == "verify":
-            return _verify(args, settings, _runner)
+            return _verify(args, settings)
         if args.action == "rebuild":
-            return _rebuild(args, settings, _runner)
+            return _rebuild(args, settings)
+        from sinks._supervisor import run  # noqa: PLC0415 - loads the sinks' Spark side only when a query runs
+
         names = args.names or list(settings.sinks.enabled)
         stop, stopped = threading.Event(), threading.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stop.set())
         _exit_when_stuck(stop, stopped, settings.sinks.shutdown_timeout_s)
         try:
-            return _runner.run(settings, names, stop, _source_tables(args.config))
+            return run(settings, names, stop, _source_tables(args.config))
         finally:
             stopped.set()
     except CDCError as exc:  # the sinks' errors, and the capture's when verify reads the source

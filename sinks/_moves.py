@@ -3,7 +3,7 @@
 Each store generation reads every table from one topic generation (sinks._served), so after a move the served
 copy of that table stays as it was at the move, and the other tables go on. :class:`Mover` looks at the topics
 every :data:`LOOK_S`; when a served sink reads a table from an older generation than the newest, it rebuilds
-those sinks from offset zero beside the served copies, in the app's own Spark application (sinks._runner.rebuild:
+those sinks from offset zero beside the served copies, in the app's own Spark application (sinks._rebuild.rebuild:
 verified against the source before the swap, every sink or none), and tells the supervisor which sinks to
 switch to their new generation. A rebuild that fails or drifts is tried again after :data:`RETRY_S`; the served
 copies stay meanwhile. ``sinks.rebuild_moved_tables = false`` leaves it to `cdc sinks rebuild`.
@@ -24,7 +24,7 @@ RETRY_S = 600.0  # the wait before a failed or drifted rebuild is tried again
 
 
 class Serving(Protocol):
-    """What the mover needs of a served query (sinks._runner.SinkQuery)."""
+    """What the mover needs of a served query (sinks._query.SinkQuery)."""
 
     name: str
     generation: int

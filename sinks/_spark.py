@@ -1,4 +1,10 @@
-"""Building the SparkSession the sinks run in."""
+"""Building the SparkSession the sinks run in, with all of its settings assembled here.
+
+:func:`spark_session` turns the sinks' configuration into a session's settings (the master checked, the stores'
+Hadoop settings, the checkpoint manager the state directory needs, sinks.spark_conf) and checks the executors it
+gets; :func:`build_session` builds a session with the connectors on its classpath and the settings every session
+has (:data:`_SESSION_CONF`), fitted to the machine or the cluster. :func:`stop_session` ends it with its processes.
+"""
 
 from __future__ import annotations
 
@@ -13,9 +19,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from sinks import connectors
+from sinks._preflight import check_executors, check_master
+from sinks._storage import S3_SCHEMES, hadoop_conf
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
+
+    from sinks._config import SinksConfig, SinkSettings
 
 # Every session, wherever it runs. Delta Lake plugs into Spark SQL through the first two settings; without
 # them MERGE and the delta format fail.
@@ -25,7 +35,7 @@ _SESSION_CONF = {
     # Avro and PostgreSQL names are case-sensitive: a table may have columns "Order" and "order". Spark's
     # default (case-insensitive) resolution finds two matches for either in a struct's fields.
     "spark.sql.caseSensitive": "true",
-    # One scheduler pool per sink's query (sinks._runner.SinkQuery.start): the queries share the cores
+    # One scheduler pool per sink's query (sinks._query.SinkQuery.start): the queries share the cores
     # instead of queueing behind whichever submitted its tasks first.
     "spark.scheduler.mode": "FAIR",
     # Parquet timestamps as int64 µs: exact for every reader; INT96 (Spark's default) wraps for ±infinity.
@@ -53,6 +63,60 @@ _LOCAL_CONF = {
     "spark.ui.enabled": "false",
     "spark.ui.showConsoleProgress": "false",
 }
+
+_CHECKPOINT_MANAGER = "spark.sql.streaming.checkpointFileManagerClass"
+
+
+def spark_session(settings: SinkSettings, app: str) -> SparkSession:
+    """The sinks' session for ``app``: :func:`build_session` with the configuration's settings, its master and
+    executors checked."""
+    import pyspark  # here, not at the top: this module loads without Spark (sinks/__init__)
+
+    cfg = settings.sinks
+    if under_spark_submit():
+        check_master(submitted_master(), "spark-submit's --master")
+    elif cfg.spark_master:
+        check_master(cfg.spark_master, "sinks.spark_master")
+    conf = {"spark.sql.session.timeZone": "UTC", **hadoop_conf(cfg.storage), **cfg.spark_conf}
+    if cfg.state_dir.partition("://")[0] in S3_SCHEMES and _CHECKPOINT_MANAGER not in conf:
+        # Spark's default checkpoint manager commits a file by rename, which S3 does not have (a copy and a
+        # delete, not atomic): this one writes each file in one upload that becomes visible whole, or never.
+        conf[_CHECKPOINT_MANAGER] = "org.apache.spark.internal.io.cloud.AbortableStreamBasedCheckpointFileManager"
+    elif cfg.state_dir.partition("://")[0] in ("file", cfg.state_dir) and _CHECKPOINT_MANAGER not in conf:
+        # A local disk: Spark's default (Hadoop's FileContext) takes ~90 ms to write each of a batch's two
+        # checkpoint files here, the FileSystem API ~25 ms, with the same write-then-rename (atomic on a local
+        # file system). Two of them per batch and sink were a fifth of a live batch's time.
+        conf[_CHECKPOINT_MANAGER] = _local_checkpoint_manager(pyspark.__version__)
+    session = build_session(
+        app,
+        list(cfg.spark_jars),
+        master=cfg.spark_master,
+        conf=conf,
+        class_archive=cfg.jvm_class_archive,
+        s3=_on_s3(cfg),
+    )
+    try:
+        check_executors(session)
+    except BaseException:
+        stop_session(session)
+        raise
+    return session
+
+
+def _on_s3(cfg: SinksConfig) -> bool:
+    """Whether the state or the warehouse is on S3: Spark then needs the S3A connector."""
+    return any(path.partition("://")[0] in S3_SCHEMES for path in (cfg.state_dir, cfg.warehouse.path))
+
+
+def _local_checkpoint_manager(spark_version: str) -> str:
+    """Spark's FileSystem-API checkpoint manager: Spark 4.1 moved it into a ``checkpointing`` package."""
+    major, minor = (int(part) for part in spark_version.split(".")[:2])
+    package = "org.apache.spark.sql.execution.streaming"
+    return (
+        f"{package}.checkpointing.FileSystemBasedCheckpointFileManager"
+        if (major, minor) >= (4, 1)
+        else (f"{package}.FileSystemBasedCheckpointFileManager")
+    )
 
 
 def build_session(
@@ -178,7 +242,7 @@ def _quiet_session(session: SparkSession) -> None:
         _quiet(session, logger)
     # Pools are made on first use, each time with a warning that no allocation file configured it.
     _quiet(session, _POOL_LOGGER, "ERROR")
-    # py4j logs the Python traceback of a batch that raised; the runner reports it (in full unless ours).
+    # py4j logs the Python traceback of a batch that raised; the sinks report it (in full unless ours).
     logging.getLogger("py4j.clientserver").setLevel(logging.CRITICAL)
     logging.getLogger().addFilter(_PY4J_ON_ROOT)  # once: a filter already there is not added again
 
@@ -300,9 +364,10 @@ def submitted_master() -> str:
 
 
 # Spark logs a query that fails as a JVM stack trace of some 40 lines (around the Python traceback, when a
-# batch raised). The runner (sinks._runner) reports every failed query itself: one line for a failure it
-# knows (a full state disk, a store refusing its credentials: what, where, how to fix), the whole error for
-# the others. Spark's own copy is silenced so that a known fault does not read as a crash.
+# batch raised). The sinks report every failed query themselves (sinks._supervisor; a rebuild's, sinks._rebuild):
+# one line for a failure they know (a full state disk, a store refusing its credentials: what, where, how to
+# fix), the whole error for the others. Spark's own copy is silenced so that a known fault does not read as a
+# crash.
 _QUERY_FAILURE_LOGGERS = (
     "org.apache.spark.sql.execution.streaming.MicroBatchExecution",  # Spark 4.0
     "org.apache.spark.sql.execution.streaming.runtime.MicroBatchExecution",  # Spark 4.1 on

@@ -152,7 +152,7 @@ class InProcessSinks(SinksLog):
         self.exit_code: int | None = None
 
     def start(self) -> None:
-        from sinks import _runner
+        from sinks._supervisor import run as run_sinks
 
         settings = load_sink_settings(self.config)
         self._stop = threading.Event()
@@ -162,7 +162,7 @@ class InProcessSinks(SinksLog):
         def run() -> None:
             try:
                 names = self.names or list(settings.sinks.enabled)
-                self.exit_code = _runner.run(settings, names, self._stop, lambda: source_tables(self.config))
+                self.exit_code = run_sinks(settings, names, self._stop, lambda: source_tables(self.config))
             except CDCError as exc:
                 logging.getLogger("cdc.sinks").error("cdc: error: %s", exc)
                 self.exit_code = exc.exit_code

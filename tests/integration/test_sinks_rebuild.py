@@ -20,7 +20,7 @@ import redis
 from deltalake import DeltaTable
 
 import sinks._frames
-import sinks._runner
+import sinks._query
 import sinks._write
 from tests.integration._capture_helpers import read_topic, wait_for
 from tests.integration._sinks_helpers import SPARK_WORKER, InProcessSinks, Stack, captured, cdc_here, wait_caught_up
@@ -83,11 +83,11 @@ def larger_batches(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, list[tupl
 
         return spied
 
-    monkeypatch.setattr(sinks._runner, "DRIVER_RECORDS", 0)
-    monkeypatch.setattr(sinks._runner, "ONE_TASK_RECORDS", 0)
-    monkeypatch.setattr(sinks._runner, "DRIVER_FOLD_RECORDS", 0)
-    monkeypatch.setattr("sinks._runner.in_tasks", spy(sinks._write.in_tasks))
-    monkeypatch.setattr("sinks._runner.in_frames", spy(sinks._frames.in_frames))
+    monkeypatch.setattr(sinks._query, "DRIVER_RECORDS", 0)
+    monkeypatch.setattr(sinks._query, "ONE_TASK_RECORDS", 0)
+    monkeypatch.setattr(sinks._query, "DRIVER_FOLD_RECORDS", 0)
+    monkeypatch.setattr("sinks._query.in_tasks", spy(sinks._write.in_tasks))
+    monkeypatch.setattr("sinks._query.in_frames", spy(sinks._frames.in_frames))
     return taken
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pyspark
 
-from sinks._runner import _local_checkpoint_manager
+from sinks._spark import _local_checkpoint_manager
 
 
 def test_the_class_named_for_the_installed_spark_is_in_its_sql_jar() -> None:

@@ -163,7 +163,7 @@ def test_an_import_is_seen_wherever_it_hides(tmp_path: Path) -> None:
     for text, module in (
         ("import pyspark.sql\n", "pyspark.sql"),
         ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from cdc._capture import Capture\n", "cdc._capture"),
-        ("def f():\n    import sinks._runner\n", "sinks._runner"),
+        ("def f():\n    import sinks._supervisor\n", "sinks._supervisor"),
         ("from cdc import _capture\n", "cdc._capture"),
         ("import importlib\nimportlib.import_module('sinks._progress')\n", "sinks._progress"),
         ("from importlib import import_module\nimport_module('cdc')\n", "cdc"),

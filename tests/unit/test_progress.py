@@ -9,7 +9,7 @@ from pathlib import Path
 from cdc._metrics import CaptureMetrics
 from sinks._config import SinksConfig, SinkSettings
 from sinks._progress import checkpoint_offsets, reached, sink_progress
-from sinks._runner import batch_starts, offsets_moved
+from sinks._query import batch_starts, offsets_moved
 from sinks._storage import StorageConfig, location
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from sinks._config import SinkSettings
-from sinks._runner import _short, _state_disk_full
+from sinks._status import short, state_disk_full
 from sinks.errors import SinkTerminalError, SinkTransientError, StateDiskFullError
 
 # What str() of Spark's StreamingQueryException holds when a batch raised one of our errors.
@@ -28,23 +28,23 @@ Traceback (most recent call last):
 
 
 def test_a_batch_that_raised_our_error_is_summed_up_by_its_message() -> None:
-    assert _short(_WRAPPED) == "Redis refused the credentials of sinks.cache.url (invalid …); check them"
+    assert short(_WRAPPED) == "Redis refused the credentials of sinks.cache.url (invalid …); check them"
 
 
 def test_other_errors_keep_their_first_line() -> None:
-    assert _short("[STREAM_FAILED] Query q terminated with exception: boom\nat x") == (
+    assert short("[STREAM_FAILED] Query q terminated with exception: boom\nat x") == (
         "[STREAM_FAILED] Query q terminated with exception: boom"
     )
-    assert _short(_WRAPPED.replace(SinkTransientError.__module__, "mypackage")).startswith("An exception was raised")
-    assert _short(None) == "stopped"
+    assert short(_WRAPPED.replace(SinkTransientError.__module__, "mypackage")).startswith("An exception was raised")
+    assert short(None) == "stopped"
 
 
 def test_enospc_is_the_state_disk_only_when_that_disk_is_full(tmp_path: Path) -> None:
     settings = SinkSettings(sinks={"state_dir": tmp_path})  # type: ignore[arg-type]
     # tmp_path's filesystem has room: a "no space" from elsewhere (a store's disk) is that sink's fault.
-    assert _state_disk_full(settings, "warehouse", OSError(errno.ENOSPC, "No space left on device")) is None
-    assert _state_disk_full(settings, "cache", "java.io.IOException: No space left on device") is None
-    assert _state_disk_full(settings, "cache", "Connection refused") is None
+    assert state_disk_full(settings, "warehouse", OSError(errno.ENOSPC, "No space left on device")) is None
+    assert state_disk_full(settings, "cache", "java.io.IOException: No space left on device") is None
+    assert state_disk_full(settings, "cache", "Connection refused") is None
 
 
 def test_a_full_state_disk_has_its_own_exit_code() -> None:
@@ -63,9 +63,9 @@ def test_enospc_with_the_state_disk_nearly_full_is_the_state_disk_error(
     monkeypatch.setattr(shutil, "disk_usage", nearly_full)
     settings = SinkSettings(sinks={"state_dir": tmp_path})  # type: ignore[arg-type]
     for error in (OSError(errno.ENOSPC, "No space left on device"), "java.io.IOException: No space left on device"):
-        found = _state_disk_full(settings, "cache", error)
+        found = state_disk_full(settings, "cache", error)
         assert isinstance(found, StateDiskFullError)
         assert "the disk is full" in str(found)
         assert str(tmp_path.resolve() / "cache") in str(found)
         assert "4,096 bytes free" in str(found)
-    assert _state_disk_full(settings, "cache", "Connection refused") is None
+    assert state_disk_full(settings, "cache", "Connection refused") is None

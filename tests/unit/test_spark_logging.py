@@ -59,5 +59,5 @@ def test_py4j_root_records_are_kept_at_debug(root: _Kept) -> None:
 
 def test_named_loggers_are_left_alone(root: _Kept) -> None:
     logging.getLogger().setLevel(logging.INFO)
-    logging.getLogger("sinks._runner").info("a batch")  # another logger's record: the root's filter never sees it
+    logging.getLogger("sinks._query").info("a batch")  # another logger's record: the root's filter never sees it
     assert [r.getMessage() for r in root.records] == ["a batch"]
