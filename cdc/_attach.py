@@ -37,8 +37,8 @@ from cdc._metrics import CaptureMetrics
 from cdc._source import AttachReport, check_and_prepare
 from cdc._standby import source_connections, wait_replayed
 from cdc.errors import StreamError
-from common.topics import generation_topic, split_table_name
 from decoders import Relation
+from pgcdc_common.topics import generation_topic, split_table_name
 from schemas import ColumnHistory
 
 log = logging.getLogger(__name__)

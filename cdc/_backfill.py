@@ -59,9 +59,9 @@ from cdc._signals import Signal, SignalTable, SignalTopic
 from cdc._source import check_and_prepare, connect, publication_tables
 from cdc._standby import connect_primary, wait_replayed
 from cdc._window import ChunkSnapshot, ChunkWindow, ReplaySnapshot, XidSnapshot
-from common.errors import CDCError, TerminalError, TransientError
-from common.topics import split_table_name
 from decoders import TupleData, parse_lsn
+from pgcdc_common.errors import CDCError, TerminalError, TransientError
+from pgcdc_common.topics import split_table_name
 
 if TYPE_CHECKING:
     from cdc._attach import Attached, CaptureContext

@@ -35,8 +35,8 @@ from cdc._source import translate_pg_error
 from cdc._standby import nudging
 from cdc._stream import ReplicationSource, Streamer
 from cdc.errors import SourceCheckError
-from common.errors import CDCError
 from decoders import format_lsn
+from pgcdc_common.errors import CDCError
 from schemas import avro_mapping
 
 log = logging.getLogger(__name__)

@@ -15,9 +15,16 @@ from typing import Any, Literal
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 
-from common.config import FileSettings, KafkaConnection, RegistryConnection, explain, read_config_file, settings_config
-from common.errors import ConfigError
-from common.topics import split_table_name, topic_name
+from pgcdc_common.config import (
+    FileSettings,
+    KafkaConnection,
+    RegistryConnection,
+    explain,
+    read_config_file,
+    settings_config,
+)
+from pgcdc_common.errors import ConfigError
+from pgcdc_common.topics import split_table_name, topic_name
 from schemas import TEXT_OUTPUT_SETTINGS, Mask
 
 _IDENT = re.compile(r"^[^\x00]{1,63}$")  # PostgreSQL names: any character but NUL, at most 63 bytes
@@ -161,8 +168,8 @@ class SourceConfig(_Section):
 
 
 class KafkaConfig(_Section, KafkaConnection):
-    """The brokers, the topic prefix, TLS and SASL (shared with the sinks: common/config.py), and the capture's own
-    producer keys."""
+    """The brokers, the topic prefix, TLS and SASL (shared with the sinks: pgcdc_common/config.py), and the
+    capture's own producer keys."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     partitions: int = Field(default=1, ge=1, description="partitions of newly created change topics")

@@ -28,8 +28,8 @@ from urllib.parse import urlsplit, urlunsplit
 from cdc._config import Settings
 from cdc._kafka import SchemaRefusedError
 from cdc._offsets import BackfillProgress, CaptureState
-from common.errors import SchemaRegistryError
-from common.topics import generation_topic
+from pgcdc_common.errors import SchemaRegistryError
+from pgcdc_common.topics import generation_topic
 from schemas import ColumnShape
 
 

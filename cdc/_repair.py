@@ -27,8 +27,8 @@ from cdc._offsets import BackfillProgress
 from cdc._signals import SignalTable
 from cdc._source import check_and_prepare
 from cdc._standby import source_connections
-from common.errors import ConfigError, SourceCheckError, TransientError
-from common.topics import split_table_name
+from pgcdc_common.errors import ConfigError, SourceCheckError, TransientError
+from pgcdc_common.topics import split_table_name
 
 # Keys per request: each request is one backfill, its keys kept in its signal row (a few MB of JSON at most).
 KEYS_PER_REQUEST = 50_000

@@ -25,7 +25,7 @@ import psycopg
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 from psycopg import sql
 
-from common.topics import split_table_name
+from pgcdc_common.topics import split_table_name
 
 log = logging.getLogger(__name__)
 

@@ -32,7 +32,7 @@ from cdc._published import (
     table_clause,
 )
 from cdc.errors import AuthenticationError, ConfigError, SourceCheckError, StreamError, TransientError
-from common.topics import split_table_name
+from pgcdc_common.topics import split_table_name
 
 log = logging.getLogger(__name__)
 

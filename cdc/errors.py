@@ -1,8 +1,8 @@
-"""The capture's errors, by the names it has always exported; the one tree lives in common/errors.py."""
+"""The capture's errors, by the names it has always exported; the one tree lives in pgcdc_common/errors.py."""
 
 from __future__ import annotations
 
-from common.errors import (
+from pgcdc_common.errors import (
     AuthenticationError,
     CDCError,
     ConfigError,

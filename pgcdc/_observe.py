@@ -29,8 +29,8 @@ from cdc._config import Settings
 from cdc._metrics import DEAD_LETTER_OP, CaptureMetrics
 from cdc._source import slot_invalidation
 from cdc._version import __version__
-from common.errors import ConfigError
 from decoders import format_lsn
+from pgcdc_common.errors import ConfigError
 
 log = logging.getLogger(__name__)
 

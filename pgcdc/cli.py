@@ -38,10 +38,10 @@ from cdc._failover import check_standby
 from cdc._metrics import CaptureMetrics
 from cdc._source import SLOT_INVALIDATED, check_and_prepare, detach
 from cdc._standby import source_connections
-from common.errors import CDCError, ConfigError, TransientError
 from pgcdc import snapshot_cli
 from pgcdc._demo import DemoSinks, ensure_database, run_demo, run_workload
 from pgcdc._observe import Observer, collect_status
+from pgcdc_common.errors import CDCError, ConfigError, TransientError
 
 log = logging.getLogger("cdc")
 

@@ -23,7 +23,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from common.errors import CDCError, DriftError, SinkConfigError
+from pgcdc_common.errors import CDCError, DriftError, SinkConfigError
 from sinks._config import load_sink_settings
 
 log = logging.getLogger("cdc.sinks")

@@ -24,8 +24,8 @@ from cdc._repair import report_keys, request_keys
 from cdc._signals import SignalTable
 from cdc._source import check_and_prepare
 from cdc._standby import source_connections
-from common.errors import ConfigError, SourceCheckError
-from common.topics import split_table_name
+from pgcdc_common.errors import ConfigError, SourceCheckError
+from pgcdc_common.topics import split_table_name
 
 
 def add_parser(sub: Any) -> None:

@@ -1,7 +1,7 @@
 """Avro schemas for change events: relation metadata to key and envelope schemas.
 
 Knows nothing of the network; registering schemas is the capture service's job. Topic naming and the
-security settings the capture and the sinks share live in the common layer (``common``).
+security settings the capture and the sinks share live in the common layer (``pgcdc_common``).
 
 Column types: :func:`avro_mapping` maps a PostgreSQL type (:class:`PgType`) and type modifier to an Avro
 schema and to converters from both wire formats to Avro-ready values (docs/types.md has the table).

@@ -14,9 +14,16 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import NoDecode
 
-from common.config import FileSettings, KafkaConnection, RegistryConnection, explain, read_config_file, settings_config
-from common.errors import SinkConfigError
-from common.topics import GENERATION, split_generation, split_table_name, topic_name
+from pgcdc_common.config import (
+    FileSettings,
+    KafkaConnection,
+    RegistryConnection,
+    explain,
+    read_config_file,
+    settings_config,
+)
+from pgcdc_common.errors import SinkConfigError
+from pgcdc_common.topics import GENERATION, split_generation, split_table_name, topic_name
 from sinks._storage import Location, StorageConfig, location
 
 _BUILTINS = ("search", "cache", "warehouse", "sql")
@@ -43,7 +50,7 @@ class _Foreign(BaseModel):
 
 
 class KafkaSection(_Foreign, KafkaConnection):
-    """The brokers, the topic prefix and their security (the keys the capture reads too: common/config.py)."""
+    """The brokers, the topic prefix and their security (the keys the capture reads too: pgcdc_common/config.py)."""
 
     model_config = ConfigDict(extra="ignore", frozen=True)
     consumer: dict[str, str] = Field(

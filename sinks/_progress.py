@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from common.topics import superseded
+from pgcdc_common.topics import superseded
 from sinks._config import SinkSettings
 from sinks._storage import Location
 
@@ -278,7 +278,7 @@ class TopicEnds:
         return [t for t, meta in md.topics.items() if meta.error is None and self._pattern.fullmatch(t)]
 
     def superseded(self) -> set[str]:
-        """The change topics not read (common.topics.superseded): earlier generations of a moved table's."""
+        """The change topics not read (pgcdc_common.topics.superseded): earlier generations of a moved table's."""
         return self._skipped(self.topics())
 
     def _skipped(self, topics: Iterable[str]) -> set[str]:

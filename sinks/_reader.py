@@ -74,7 +74,7 @@ def open_stream(
     if most:
         reader = reader.option("maxOffsetsPerTrigger", str(most))
     frame = reader.load().select("topic", "partition", "offset", "key", "value")
-    # A table is read from one topic generation (common.topics.superseded): its newest, or the one its store
+    # A table is read from one topic generation (pgcdc_common.topics.superseded): its newest, or the one its store
     # generation reads (``served``: sinks._served). Topics made after the start are left out by the batches.
     ends = TopicEnds(settings, served=served)
     try:

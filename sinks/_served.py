@@ -10,7 +10,7 @@ in, and reads the moved table from its new generation.
 
 The choice is written once per store generation, ``<state_dir>/<sink>/g<N>/topics.json`` ({first topic:
 generation}), before anything is read for it. A table not in it (created later) is read from its first
-generation; one whose chosen topic is gone (deleted by hand) from its newest (common.topics.superseded).
+generation; one whose chosen topic is gone (deleted by hand) from its newest (pgcdc_common.topics.superseded).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from common.topics import newest_generations, superseded
+from pgcdc_common.topics import newest_generations, superseded
 from sinks.errors import SinkConfigError
 
 if TYPE_CHECKING:

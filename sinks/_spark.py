@@ -226,7 +226,7 @@ def _get_or_create(builder: SparkSession.Builder, *, resolving: bool) -> SparkSe
         with _resolving():
             return builder.getOrCreate()
     except Exception as exc:
-        from common.errors import SinkConfigError
+        from pgcdc_common.errors import SinkConfigError
 
         raise SinkConfigError(
             f"Spark did not start while resolving its connectors from Maven ({', '.join(connectors.packages())}, "

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from common.errors import CDCError
+from pgcdc_common.errors import CDCError
 from sinks._progress import STATUS_FILE
 from sinks._storage import Location
 from sinks.errors import StateDiskFullError
@@ -145,7 +145,7 @@ def state_disk_full(settings: SinkSettings, name: str, error: Any) -> StateDiskF
     )
 
 
-# The last line of a Python traceback: "common.errors.SinkTransientError: Redis refused …".
+# The last line of a Python traceback: "pgcdc_common.errors.SinkTransientError: Redis refused …".
 _RAISED = re.compile(r"^(?P<type>[A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt)): (?P<message>.*)$")
 
 

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from common.errors import CDCError
+from pgcdc_common.errors import CDCError
 from sinks._api import DropsGeneration
 from sinks._bridge import Bridge, served_generation
 from sinks._feed import LaneFeed
@@ -189,7 +189,7 @@ class _Supervisor:
             self._start(name, replaced=q.generation)
             return
         full = state_disk_full(self.settings, name, error)
-        if full is not None:  # terminal for the whole app: see common.errors.StateDiskFullError
+        if full is not None:  # terminal for the whole app: see pgcdc_common.errors.StateDiskFullError
             self.metrics.running.labels(name).set(0)
             raise full
         missing = missing_module(error)

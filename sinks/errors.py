@@ -1,8 +1,8 @@
-"""The sinks' errors, by the names sink plugins import; the one tree lives in common/errors.py."""
+"""The sinks' errors, by the names sink plugins import; the one tree lives in pgcdc_common/errors.py."""
 
 from __future__ import annotations
 
-from common.errors import (
+from pgcdc_common.errors import (
     DriftError,
     PluginError,
     SinkConfigError,

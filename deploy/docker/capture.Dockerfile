@@ -14,7 +14,7 @@ RUN apt-get update \
     && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 COPY pyproject.toml setup.py README.md ./
-COPY common/ common/
+COPY pgcdc_common/ pgcdc_common/
 COPY cdc/ cdc/
 COPY decoders/ decoders/
 COPY schemas/ schemas/

@@ -21,7 +21,7 @@ ENV UV_PYTHON_INSTALL_DIR=/opt/pgcdc/python \
 RUN uv venv --python 3.11 /opt/pgcdc/venv
 WORKDIR /src
 COPY pyproject.toml setup.py README.md ./
-COPY common/ common/
+COPY pgcdc_common/ pgcdc_common/
 COPY cdc/ cdc/
 COPY decoders/ decoders/
 COPY schemas/ schemas/

@@ -24,7 +24,7 @@ import pytest
 from pgcdc_dev.cluster import ObjectStoreBucket, submit_command, submit_env
 
 from cdc import source_tables
-from common.errors import CDCError
+from pgcdc_common.errors import CDCError
 from sinks._config import load_sink_settings
 from sinks._progress import TopicEnds, sink_progress
 from tests.integration._capture_helpers import (

@@ -8,7 +8,7 @@ import pytest
 
 from cdc._config import load_settings
 from cdc.errors import ConfigError
-from common.topics import split_table_name
+from pgcdc_common.topics import split_table_name
 
 BASE = """
 [source]

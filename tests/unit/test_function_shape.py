@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("common", "cdc", "decoders", "schemas", "sinks", "pgcdc", "tools/pgcdc-dev/pgcdc_dev")
+PACKAGES = ("pgcdc_common", "cdc", "decoders", "schemas", "sinks", "pgcdc", "tools/pgcdc-dev/pgcdc_dev")
 MOST_LINES = 60
 MOST_PARAMETERS = 6  # self and cls not counted
 

@@ -16,7 +16,7 @@ from cdc._generations import (
     scale_changes,
 )
 from cdc._offsets import CaptureState
-from common.topics import generation_topic, split_generation, superseded
+from pgcdc_common.topics import generation_topic, split_generation, superseded
 from schemas import PgType
 
 INT4, TEXT, NUMERIC = PgType(23, "int4"), PgType(25, "text"), PgType(1700, "numeric")

@@ -5,7 +5,7 @@ never loads Spark.
       ├── cdc                the capture service            ─┐ peers: neither imports the other
       └── sinks              the derived views              ─┘
     decoders, schemas        the wire format in, the event format out
-    common                   errors, the configuration file, security settings, topic naming
+    pgcdc_common             errors, the configuration file, security settings, topic naming
 
 There is no allow-list: an import is seen wherever it is written (at the top, inside a function, under
 ``if TYPE_CHECKING``, or by name through ``importlib.import_module``/``__import__``), and every crossing fails.
@@ -22,11 +22,21 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PRODUCT = ("common", "decoders", "schemas", "cdc", "sinks", "pgcdc")
+PRODUCT = ("pgcdc_common", "decoders", "schemas", "cdc", "sinks", "pgcdc")
 
 # package -> top-level modules it must never import
 FORBIDDEN = {
-    "common": {"cdc", "decoders", "schemas", "sinks", "pgcdc", "confluent_kafka", "pyspark", "psycopg", "fastavro"},
+    "pgcdc_common": {
+        "cdc",
+        "decoders",
+        "schemas",
+        "sinks",
+        "pgcdc",
+        "confluent_kafka",
+        "pyspark",
+        "psycopg",
+        "fastavro",
+    },
     "decoders": {"cdc", "schemas", "sinks", "pgcdc", "confluent_kafka", "pyspark", "fastavro"},
     "schemas": {"cdc", "decoders", "sinks", "pgcdc", "confluent_kafka", "pyspark", "psycopg"},
     "cdc": {"sinks", "pgcdc", "pyspark", "delta"},
@@ -151,7 +161,7 @@ def test_the_cycle_finder_can_fail() -> None:
 
 def test_importing_the_capture_service_does_not_load_pyspark() -> None:
     code = (
-        "import sys, common, cdc, pgcdc.cli, decoders, schemas, sinks\n"
+        "import sys, pgcdc_common, cdc, pgcdc.cli, decoders, schemas, sinks\n"
         "print(sorted(m for m in sys.modules if m.startswith(('pyspark', 'py4j'))))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)

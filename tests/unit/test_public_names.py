@@ -1,5 +1,5 @@
 """What users and sink plugins import stays importable by the same names, with the same exit codes, whichever
-package implements it (the error tree lives in common/errors.py; cdc.errors and sinks.errors name it)."""
+package implements it (the error tree lives in pgcdc_common/errors.py; cdc.errors and sinks.errors name it)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 import cdc.errors
 import sinks
 import sinks.errors
-from common import errors as common_errors
+from pgcdc_common import errors as common_errors
 
 CAPTURE_ERRORS = {
     "CDCError": 1,

@@ -9,7 +9,7 @@ import pytest
 
 from cdc._backfill import KeyList, parse_keys
 from cdc._repair import report_keys
-from common.errors import ConfigError
+from pgcdc_common.errors import ConfigError
 
 
 def test_keys_are_checked_against_the_key_columns_and_each_kept_once() -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from common.security import KafkaSecurity, RegistrySecurity
+from pgcdc_common.security import KafkaSecurity, RegistrySecurity
 
 
 def test_plaintext_by_default_adds_only_the_protocol() -> None:

@@ -17,8 +17,8 @@ from typing import Any, Literal
 from pydantic import Field, ValidationError
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from common.errors import ConfigError
-from common.security import KafkaSecurity, RegistrySecurity
+from pgcdc_common.errors import ConfigError
+from pgcdc_common.security import KafkaSecurity, RegistrySecurity
 
 ENV_PREFIX = "CDC_"
 
