@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import signal
 import subprocess
 from collections.abc import Iterator
@@ -26,6 +25,7 @@ from pathlib import Path
 
 import psycopg
 import pytest
+from pgcdc_dev import discovery
 
 from tests.integration._capture_helpers import read_topic, scratch_database, wait_for
 
@@ -37,12 +37,8 @@ _CA_DIR = Path("/usr/local/share/ca-certificates")
 
 
 def _tools() -> dict[str, str]:
-    found = {name: shutil.which(name) for name in ("buildah", "mmdebstrap")}
-    missing = [name for name, path in found.items() if path is None]
-    if missing:
-        install = "apt-get install buildah mmdebstrap, which ./dev does as root"
-        pytest.skip(f"no daemonless image builder: {', '.join(missing)} missing ({install})")
-    return {name: str(path) for name, path in found.items()}
+    """buildah and mmdebstrap, or a skip saying how to install them (a failure when services are required)."""
+    return {name: discovery.tool_or_skip(name, install=f"apt-get install {name}") for name in ("buildah", "mmdebstrap")}
 
 
 def _run(args: list[str], timeout: float = 1200) -> str:
