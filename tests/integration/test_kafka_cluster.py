@@ -166,6 +166,8 @@ def test_the_pipeline_rides_out_broker_failures_on_a_replicated_cluster(
             workload.thread.start()
             committed = Committed(bootstrap, topic)
             wait_for(lambda: committed.end() > 300, 120, "the workload's first events", capture)
+            # The faults begin once the sinks run: their start (Spark, the dead-letter topic) is not under test.
+            wait_for(lambda: sinks.batches() > 0, 300, "the sinks' first batch", sinks)
             faults: dict[str, Callable[[], float]] = {
                 "leader": lambda: _kill(cluster, committed, cluster.leader(topic, 0)),
                 "coordinator": lambda: _kill(cluster, committed, cluster.coordinator(f"pgcdc-{cfg.slot}")),
