@@ -187,8 +187,11 @@ def union_all(frames: list[DataFrame], columns: tuple[str, ...] | None = None) -
     return out
 
 
-def ensure_dead_letter_topic(settings: SinkSettings) -> None:
-    """Create the dead-letter topic if it is missing (brokers often refuse to create topics implicitly)."""
+def ensure_dead_letter_topic(settings: SinkSettings, timeout_s: float = 30) -> None:
+    """Create the dead-letter topic if it is missing (brokers often refuse to create topics implicitly).
+
+    Kafka not answering within ``timeout_s`` (no broker reached, or the controller moving) is a
+    :class:`SinkTransientError` naming the topic and the brokers: the app retries it."""
     from confluent_kafka import KafkaException
     from confluent_kafka.admin import AdminClient, NewTopic
 
@@ -206,7 +209,7 @@ def ensure_dead_letter_topic(settings: SinkSettings) -> None:
     topic = settings.dead_letter_topic
     try:
         try:
-            found = admin.list_topics(timeout=30).topics
+            found = admin.list_topics(timeout=timeout_s).topics
         except KafkaException:
             admin.poll(0)  # serves error_cb
             if security:
@@ -216,12 +219,15 @@ def ensure_dead_letter_topic(settings: SinkSettings) -> None:
             return
         # delete, not compact: dead letters are a log to inspect and replay, not state (and keys may be garbage).
         future = admin.create_topics([NewTopic(topic, num_partitions=1, config={"cleanup.policy": "delete"})])[topic]
-        future.result(30)
+        future.result(timeout_s)
         log.info("created the dead-letter topic %s", topic)
-    except KafkaException as exc:
+    except (KafkaException, TimeoutError) as exc:  # concurrent.futures' TimeoutError is the builtin one
         if "TOPIC_ALREADY_EXISTS" in str(exc):
             return
-        raise SinkTransientError(f"cannot create the dead-letter topic {topic}: {exc}") from exc
+        why = str(exc) or f"no answer within {timeout_s:g} s"
+        raise SinkTransientError(
+            f"cannot check or create the dead-letter topic {topic} on {settings.kafka.bootstrap_servers}: {why}"
+        ) from exc
 
 
 def _security_error(err: Any) -> bool:

@@ -16,6 +16,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from tenacity import RetryCallState, Retrying, retry_if_exception_type, wait_exponential_jitter
+
 from pgcdc_common.errors import CDCError
 from sinks._api import DropsGeneration
 from sinks._bridge import Bridge, served_generation
@@ -31,7 +33,7 @@ from sinks._reader import Decoder, RegistryFolds, ensure_dead_letter_topic
 from sinks._rebuild import InApp, Rebuilt, rebuild
 from sinks._spark import spark_session, stop_session
 from sinks._status import raised_by, short, sink_status, state_disk_full
-from sinks.errors import PluginError, SinkConfigError, SinkTerminalError
+from sinks.errors import PluginError, SinkConfigError, SinkTerminalError, SinkTransientError
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -67,7 +69,8 @@ def run(
     if not usable:
         raise problems[0] if problems else SinkConfigError("no sinks to run: name some or set sinks.enabled")
     check_writable(settings.state(), "sinks.state_dir")
-    ensure_dead_letter_topic(settings)
+    if not reach_kafka(settings, stop):
+        return 0  # stopped before Kafka answered: nothing ran, nothing to resume
     cfg = settings.sinks
     share_decoding(cfg.shared_decode_records)  # the sinks read the same records: each is decoded once
     metrics = SinkMetrics()
@@ -94,6 +97,35 @@ def run(
             server.shutdown()
         stop_session(spark)
     return 0
+
+
+def reach_kafka(settings: SinkSettings, stop: threading.Event, timeout_s: float = 30) -> bool:
+    """The app's first contact with Kafka (its dead-letter topic checked or created), retried with backoff while
+    Kafka does not answer: sinks started beside a broker that is restarting, or before the cluster is up, wait
+    for it, as their queries do later. False when ``stop`` is set first."""
+
+    def report(state: RetryCallState) -> None:
+        exc = state.outcome.exception() if state.outcome else None
+        log.error("%s; retrying in %.0fs", exc, state.upcoming_sleep)
+
+    def pause(seconds: float) -> None:
+        stop.wait(seconds)  # a stop cuts the wait short
+
+    retrying = Retrying(
+        retry=retry_if_exception_type(SinkTransientError),
+        wait=wait_exponential_jitter(initial=1, max=60),
+        stop=lambda _: stop.is_set(),
+        sleep=pause,
+        before_sleep=report,
+        reraise=True,
+    )
+    try:
+        retrying(ensure_dead_letter_topic, settings, timeout_s)
+    except SinkTransientError:
+        if stop.is_set():
+            return False
+        raise
+    return True
 
 
 def _mover(settings: SinkSettings, spark: SparkSession, source_tables: Callable[[], Sequence[Any]]) -> Mover:
