@@ -48,7 +48,7 @@ from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from bench import _debezium as dbz
-from cdc._stream import HEARTBEAT_PREFIX
+from cdc.service import HEARTBEAT_PREFIX
 
 cpu_seconds = dbz.cpu_seconds
 peak_rss_mb = dbz.peak_rss_mb

@@ -21,8 +21,7 @@ from typing import Any
 
 from pgcdc_dev.codecs import change_writer, make_codec
 
-from cdc._changes import ChangeWriter
-from cdc._events import Position, SourceInfo, Stamp, TableCodec
+from cdc.encoding import ChangeWriter, Position, SourceInfo, Stamp, TableCodec
 from decoders import XLOG_HEADER, XLOG_PAYLOAD_AT, Insert, PgOutputDecoder, parse_copy_data
 from schemas import PgType
 

@@ -85,11 +85,9 @@ from bench._capture_bench import dsn_for
 from bench._connect import jdbc_sink_replay
 from bench._outside import POLL_S, OutsideWatch
 from sinks import BaseSink, Batch
-from sinks._config import load_sink_settings
-from sinks._progress import TopicEnds, checkpoint_offsets, reached, sink_progress
-from sinks._query import SinkQuery
-from sinks._spark import spark_session
-from sinks._sql import sqlalchemy_url
+from sinks.app import SinkQuery, spark_session, sqlalchemy_url
+from sinks.config import load_sink_settings
+from sinks.progress import TopicEnds, checkpoint_offsets, reached, sink_progress
 
 SCENARIO = "sinks"
 CLUSTER_SCENARIO = "sinks-cluster"

@@ -36,8 +36,8 @@ from pgcdc_dev.bench.report import Measure, Result, write_result
 
 from bench import _debezium as dbz
 from bench import sinks_bench as sb
-from sinks._config import load_sink_settings
-from sinks._progress import TopicEnds, checkpoint_location, checkpoint_offsets, reached
+from sinks.config import load_sink_settings
+from sinks.progress import TopicEnds, checkpoint_location, checkpoint_offsets, reached
 
 SCENARIO = "verify"
 DRIVER_MEMORY = "1g"

@@ -436,8 +436,8 @@ port = {_DEMO_METRICS_PORT}
     def wait_caught_up(self, config: Path, sinks_proc: subprocess.Popen[bytes], timeout_s: float = 180) -> bool:
         """Until each sink's checkpoint reaches the topics' ends (read from outside, as `cdc status` does);
         False when the time is up or the sinks exited first (said here)."""
-        from sinks._config import load_sink_settings  # noqa: PLC0415 - the whole-pipeline demo only
-        from sinks._progress import TopicEnds, sink_progress  # noqa: PLC0415
+        from sinks.config import load_sink_settings  # noqa: PLC0415 - the whole-pipeline demo only
+        from sinks.progress import TopicEnds, sink_progress  # noqa: PLC0415
 
         settings = load_sink_settings(config)
         ends = TopicEnds(settings)

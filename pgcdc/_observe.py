@@ -25,10 +25,10 @@ from typing import Any
 import psycopg
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from cdc._config import Settings
-from cdc._metrics import DEAD_LETTER_OP, CaptureMetrics
-from cdc._source import slot_invalidation
-from cdc._version import __version__
+from cdc import __version__
+from cdc.config import Settings
+from cdc.metrics import DEAD_LETTER_OP, CaptureMetrics
+from cdc.service import slot_invalidation
 from decoders import format_lsn
 from pgcdc_common.errors import ConfigError
 
@@ -87,8 +87,8 @@ class SinksProbe:
     """
 
     def __init__(self, config_path: Path | None) -> None:
-        from sinks._config import load_sink_settings  # noqa: PLC0415
-        from sinks._progress import TopicEnds, sink_progress, sinks_present  # noqa: PLC0415
+        from sinks.config import load_sink_settings  # noqa: PLC0415
+        from sinks.progress import TopicEnds, sink_progress, sinks_present  # noqa: PLC0415
 
         self._settings = load_sink_settings(config_path)
         self._progress = sink_progress
@@ -500,7 +500,7 @@ def collect_status(settings: Settings, config_path: Path | None) -> dict[str, An
     """One look at everything, from outside the processes: works whether they run or not."""
     from confluent_kafka import Consumer, TopicPartition  # noqa: PLC0415
 
-    from cdc._kafka import OffsetStore  # noqa: PLC0415
+    from cdc.kafka import OffsetStore  # noqa: PLC0415
 
     s = settings
     out: dict[str, Any] = {"source": {"dsn": s.source.display_dsn()}, "capture": {}, "topics": [], "sinks": []}

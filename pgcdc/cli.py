@@ -32,12 +32,18 @@ from tenacity import (
 )
 
 from cdc import __version__
-from cdc._capture import Capture, Stop, install_signal_handlers
-from cdc._config import Settings, load_settings
-from cdc._failover import check_standby
-from cdc._metrics import CaptureMetrics
-from cdc._source import SLOT_INVALIDATED, check_and_prepare, detach
-from cdc._standby import source_connections
+from cdc.config import Settings, load_settings
+from cdc.metrics import CaptureMetrics
+from cdc.service import (
+    SLOT_INVALIDATED,
+    Capture,
+    Stop,
+    check_and_prepare,
+    check_standby,
+    detach,
+    install_signal_handlers,
+    source_connections,
+)
 from pgcdc import snapshot_cli
 from pgcdc._demo import DemoSinks, ensure_database, run_demo, run_workload
 from pgcdc._observe import Observer, collect_status

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from pgcdc_common.errors import CDCError, DriftError, SinkConfigError
-from sinks._config import load_sink_settings
+from sinks.config import load_sink_settings
 
 log = logging.getLogger("cdc.sinks")
 
@@ -59,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _list() -> int:
-    from sinks._plugins import discover  # noqa: PLC0415 - entry points are read only when listed
+    from sinks.plugins import discover  # noqa: PLC0415 - entry points are read only when listed
 
     found = discover()
     width = max((len(n) for n in found), default=4)
@@ -141,8 +141,7 @@ def _repair(args: argparse.Namespace, drifted: dict[str, list[Any]]) -> None:
 def _verify(args: argparse.Namespace, settings: Any) -> int:
     """``cdc verify``: every named sink in one Spark session, and with --repair the comparisons after it (a
     process can start Spark's JVM only once, and starting it is most of a small comparison's time)."""
-    from sinks._rebuild import never_ran, verify  # noqa: PLC0415 - Spark's side loads only when a command needs it
-    from sinks._spark import spark_session, stop_session  # noqa: PLC0415 - as above
+    from sinks.app import never_ran, spark_session, stop_session, verify  # noqa: PLC0415 - Spark's side, when needed
 
     names = list(dict.fromkeys(args.names or settings.sinks.enabled))
     if not names:
@@ -180,7 +179,7 @@ def _verify(args: argparse.Namespace, settings: Any) -> int:
 
 def _rebuild(args: argparse.Namespace, settings: Any) -> int:
     """``cdc sinks rebuild``: every named sink side by side in one application, swapped in all together."""
-    from sinks._rebuild import rebuild  # noqa: PLC0415 - Spark's side loads only when a command needs it
+    from sinks.app import rebuild  # noqa: PLC0415 - Spark's side loads only when a command needs it
 
     names = list(dict.fromkeys(args.names))
     results = rebuild(settings, names, _source_tables(args.config), verify_wait_s=args.verify_wait)
@@ -209,7 +208,7 @@ def _exit_when_stuck(stop: threading.Event, stopped: threading.Event, timeout_s:
         )
         for handler in logging.getLogger().handlers:
             handler.flush()
-        from sinks._spark import kill_started  # noqa: PLC0415 - loaded with the supervisor already
+        from sinks.app import kill_started  # noqa: PLC0415 - loaded with the supervisor already
 
         kill_started()
         os._exit(0)
@@ -231,7 +230,7 @@ def main(argv: list[str]) -> int:
             return _verify(args, settings)
         if args.action == "rebuild":
             return _rebuild(args, settings)
-        from sinks._supervisor import run  # noqa: PLC0415 - loads the sinks' Spark side only when a query runs
+        from sinks.app import run  # noqa: PLC0415 - loads the sinks' Spark side only when a query runs
 
         names = args.names or list(settings.sinks.enabled)
         stop, stopped = threading.Event(), threading.Event()

@@ -17,13 +17,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from cdc._backfill import check_where
-from cdc._config import Settings
-from cdc._kafka import OffsetStore
-from cdc._repair import report_keys, request_keys
-from cdc._signals import SignalTable
-from cdc._source import check_and_prepare
-from cdc._standby import source_connections
+from cdc import report_keys, request_keys
+from cdc.config import Settings
+from cdc.kafka import OffsetStore
+from cdc.service import SignalTable, check_and_prepare, check_where, source_connections
 from pgcdc_common.errors import ConfigError, SourceCheckError
 from pgcdc_common.topics import split_table_name
 

@@ -241,7 +241,7 @@ def stack(kafka_bootstrap: str, registry_url: str, opensearch_url: str, redis_ur
 @pytest.fixture(scope="session")
 def spark(spark_jars: list[str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[SparkSession]:
     """One SparkSession for the whole run: it takes a quarter of a minute to start on two cores."""
-    from sinks._spark import build_session
+    from sinks.app import build_session
 
     warehouse = tmp_path_factory.mktemp("spark-warehouse")
     session = build_session(

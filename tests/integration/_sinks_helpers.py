@@ -25,8 +25,8 @@ from pgcdc_dev.cluster import ObjectStoreBucket, submit_command, submit_env
 
 from cdc import source_tables
 from pgcdc_common.errors import CDCError
-from sinks._config import load_sink_settings
-from sinks._progress import TopicEnds, sink_progress
+from sinks.config import load_sink_settings
+from sinks.progress import TopicEnds, sink_progress
 from tests.integration._capture_helpers import (
     CdcConfig,
     CdcProcess,
@@ -152,7 +152,7 @@ class InProcessSinks(SinksLog):
         self.exit_code: int | None = None
 
     def start(self) -> None:
-        from sinks._supervisor import run as run_sinks
+        from sinks.app import run as run_sinks
 
         settings = load_sink_settings(self.config)
         self._stop = threading.Event()

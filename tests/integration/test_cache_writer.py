@@ -8,7 +8,7 @@ import pytest
 import redis
 from pydantic import SecretStr
 
-from sinks._api import Change, TableInfo
+from sinks import Change, TableInfo
 from sinks._cache import CacheWriter, entry_prefix
 
 pytestmark = pytest.mark.integration

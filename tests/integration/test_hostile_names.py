@@ -36,7 +36,7 @@ from hypothesis import HealthCheck, Phase, find, given, settings
 from opensearchpy import OpenSearch
 from psycopg import sql
 
-from cdc._config import load_settings
+from cdc.config import load_settings
 from sinks._search import column_of, index_alias
 from tests.integration import _hostile as h
 from tests.integration._capture_helpers import CdcConfig, Event, read_topic, scratch_database, wait_for

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 from confluent_kafka import Consumer, TopicPartition
 
-from cdc._kafka import Topics, TransactionalProducer, TransactionTimedOutError
 from cdc.errors import KafkaSetupError
+from cdc.kafka import Topics, TransactionalProducer, TransactionTimedOutError
 from tests.integration._capture_helpers import committed_records, wait_for
 
 pytestmark = [pytest.mark.integration]

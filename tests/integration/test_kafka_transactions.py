@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from cdc._capture import Capture
-from cdc._config import load_settings
-from cdc._kafka import Topics, TransactionalProducer
+from cdc.config import load_settings
+from cdc.kafka import Topics, TransactionalProducer
+from cdc.service import Capture
 from tests.integration._capture_helpers import committed_records
 
 # Exclusive: it counts the broker's refusals of back-to-back transactions, which other tests' load changes.

@@ -22,14 +22,13 @@ from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from cdc._catalog import load_table
-from cdc._changes import ChangeWriter
 from cdc._chunks import LibpqCopies, RangeJob, ReadRange, copy_reader, parse_binary_copy
 from cdc._encoder import PACKED_HEAD
-from cdc._events import SourceInfo
-from cdc._kafka import Topics, TransactionalProducer
 from cdc._replication import ReplicationConnection
 from cdc._snapshot import Snapshotter, TableRewrittenError
 from cdc._spill import Spill
+from cdc.encoding import ChangeWriter, SourceInfo
+from cdc.kafka import Topics, TransactionalProducer
 from decoders import StreamCommit
 from schemas import PgType
 from tests.integration._capture_helpers import committed_records, scratch_database

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from opensearchpy import OpenSearch
 
-from sinks._api import Change, TableInfo
-from sinks._config import SearchConfig
+from sinks import Change, TableInfo
 from sinks._search import SearchWriter, index_alias
+from sinks.config import SearchConfig
 
 pytestmark = pytest.mark.integration
 

@@ -17,7 +17,7 @@ import psycopg
 import pytest
 import sqlalchemy as sa
 
-from sinks._api import Change, SinkContext, TableInfo, TableRef
+from sinks import Change, SinkContext, TableInfo, TableRef
 from sinks._sql import SqlSink, check_dialect, plan_migration, sqlalchemy_url
 from sinks._sqltypes import ColumnKind
 from sinks.errors import SinkConfigError

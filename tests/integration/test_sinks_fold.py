@@ -23,14 +23,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pgcdc_dev.codecs import make_codec
 
-from cdc._events import Position, SourceInfo, Stamp, TableCodec
+from cdc.encoding import Position, SourceInfo, Stamp, TableCodec
 from decoders import TupleData
 from schemas import PgType
 from sinks._api import Change, ChangeMaker
-from sinks._config import SinkSettings
 from sinks._fold import KEY_UNFRAMED, VALUE_UNFRAMED, TopicFold, TopicSchemas
 from sinks._reader import Decoder
 from sinks._values import Names, doc_converter, envelope_row
+from sinks.config import SinkSettings
 from tests.integration._sinks_helpers import SPARK_WORKER
 
 if TYPE_CHECKING:

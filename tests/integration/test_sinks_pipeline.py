@@ -21,8 +21,8 @@ import pytest
 import redis
 from opensearchpy import OpenSearch
 
-from sinks._config import load_sink_settings
-from sinks._progress import batch_offsets, checkpoint_location
+from sinks.config import load_sink_settings
+from sinks.progress import batch_offsets, checkpoint_location
 from tests.integration._capture_helpers import scratch_database, wait_for
 from tests.integration._sinks_helpers import (
     PIPELINE_TABLES,

@@ -41,7 +41,7 @@ def test_list_shows_builtins_and_the_example_plugin() -> None:
 def test_the_example_plugin_meets_the_contract_without_a_base_class() -> None:
     """The example distribution (installed by pip) follows sinks.PartitionSink by its methods alone."""
     from sinks import BaseSink, PartitionSink
-    from sinks._plugins import discover
+    from sinks.plugins import discover
 
     jsonl = discover()["jsonl"].factory
     assert isinstance(jsonl, type), jsonl

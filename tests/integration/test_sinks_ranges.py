@@ -8,8 +8,8 @@ import pytest
 from confluent_kafka import Producer
 from confluent_kafka.admin import AdminClient, NewTopic
 
-from sinks._config import SinkSettings
 from sinks._ranges import RangeReader, batch_ranges
+from sinks.config import SinkSettings
 
 pytestmark = pytest.mark.timeout(300)
 

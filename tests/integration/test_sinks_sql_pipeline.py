@@ -22,7 +22,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from sinks._sql import sqlalchemy_url
+from sinks.app import sqlalchemy_url
 from tests.integration._capture_helpers import mariadb_rows, scratch_database, scratch_mariadb, wait_for
 from tests.integration._sinks_helpers import (
     PIPELINE_TABLES,

@@ -11,8 +11,8 @@ from collections.abc import Iterator
 import pytest
 from confluent_kafka.admin import AdminClient
 
-from sinks._config import SinkSettings
-from sinks._supervisor import reach_kafka
+from sinks.app import reach_kafka
+from sinks.config import SinkSettings
 from tests.integration._capture_helpers import wait_for
 from tests.integration._proxy import Proxy, kafka_proxied
 

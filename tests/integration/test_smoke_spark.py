@@ -79,7 +79,7 @@ def test_the_sinks_borrow_a_running_session_and_leave_it_running(spark: SparkSes
     """What every in-process sink test and an embedding application rely on: build_session finds the running
     session, and stop_session on it (as the sinks, verify and rebuild each call on their way out) leaves it
     running for whoever started it, however many borrowers came and went."""
-    from sinks._spark import build_session, stop_session
+    from sinks.app import build_session, stop_session
 
     first = build_session("pgcdc-borrower", [], master="local[1]")
     second = build_session("pgcdc-borrower", [], master="local[1]")

@@ -17,8 +17,8 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from cdc._config import load_settings
-from cdc._kafka import OffsetStore
+from cdc.config import load_settings
+from cdc.kafka import OffsetStore
 from decoders import parse_lsn
 from tests.integration._capture_helpers import CdcConfig, CdcProcess, topic_items, wait_for
 from tests.integration._failover_helpers import pg18_binaries, primary_and_standby

@@ -41,7 +41,7 @@ ALL = ("search", "cache", "warehouse", "sql")
 
 @pytest.fixture
 def target(pg_dsn: str, unique: str) -> Iterator[str]:
-    from sinks._sql import sqlalchemy_url
+    from sinks.app import sqlalchemy_url
 
     with scratch_database(pg_dsn, f"tctgt_{unique}") as dsn:
         yield sqlalchemy_url(dsn)

@@ -16,7 +16,7 @@ import pytest
 from pyspark import cloudpickle
 
 from cdc import KeyRange
-from sinks._api import TableRef
+from sinks import TableRef
 from sinks._storage import StorageConfig, location
 from sinks._verify import SAMPLE, compare, key_texts
 from tests.integration._sinks_helpers import SPARK_WORKER

@@ -11,8 +11,8 @@ import psycopg
 import pytest
 
 from cdc import source_tables
-from cdc._config import load_settings
 from cdc._expected import UnencodableRow
+from cdc.config import load_settings
 from tests.integration._capture_helpers import CdcConfig, scratch_database
 
 

@@ -11,9 +11,9 @@ from pathlib import Path
 
 from pyspark.sql import SparkSession
 
-from sinks._api import SinkContext, TableRef
-from sinks._config import SinksConfig, SinkSettings, WarehouseConfig
+from sinks import SinkContext, TableRef
 from sinks._warehouse import WarehouseSink
+from sinks.config import SinksConfig, SinkSettings, WarehouseConfig
 from tests.integration._sinks_helpers import SPARK_WORKER
 
 pytestmark = SPARK_WORKER

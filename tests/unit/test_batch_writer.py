@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
-from cdc._batch import CommitPolicy, KafkaBatchWriter
-from cdc._kafka import OffsetStore
-from cdc._metrics import CaptureMetrics
 from cdc._offsets import CaptureState, SnapshotState
+from cdc.encoding import CommitPolicy, KafkaBatchWriter
+from cdc.kafka import OffsetStore
+from cdc.metrics import CaptureMetrics
 
 
 class _Recording:

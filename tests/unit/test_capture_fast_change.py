@@ -9,9 +9,9 @@ import struct
 import pytest
 from pgcdc_dev.codecs import change_writer, make_codec
 
-from cdc._changes import ChangeWriter
 from cdc._encoder import Encoded
 from cdc._window import ChunkWindow
+from cdc.encoding import ChangeWriter
 from cdc.errors import StreamError
 from decoders import Column, Relation
 from schemas import PgType

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from cdc._config import load_settings
+from cdc.config import load_settings
 from cdc.errors import ConfigError
 from pgcdc_common.topics import split_table_name
 

@@ -26,12 +26,12 @@ import pytest
 import yaml
 from pgcdc_dev import services as dev_services
 
-from cdc._config import load_settings
-from cdc._metrics import CaptureMetrics
+from cdc.config import load_settings
+from cdc.metrics import CaptureMetrics
 from pgcdc import cli, sinks_cli
 from pgcdc._observe import _handler
-from sinks._config import load_sink_settings
 from sinks._metrics import SinkMetrics
+from sinks.config import load_sink_settings
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKER = ROOT / "deploy" / "docker"

@@ -195,7 +195,7 @@ def test_truncate_key_is_all_null_and_not_empty() -> None:
 def test_a_key_column_has_the_same_field_name_in_key_and_value() -> None:
     # Columns a_b, "a b" keyed by "a b" (then a_b): sanitised on its own, the key would call "a b" a_b,
     # which is the other column's name in Value; the warehouse's MERGE and `cdc verify` join them by name.
-    from cdc._events import SourceInfo, TableCodec, TableShape
+    from cdc.encoding import SourceInfo, TableCodec, TableShape
     from schemas import avro_mapping
 
     columns = [ColumnShape("a_b", TEXT, -1, "string"), ColumnShape("a b", INT4, -1, "int")]

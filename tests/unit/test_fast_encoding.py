@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pgcdc_dev.codecs import make_codec
 
-from cdc._events import Position, SourceInfo, Stamp, TableCodec
+from cdc.encoding import Position, SourceInfo, Stamp, TableCodec
 from decoders import TupleData
 from schemas import PgType, compile_writer
 

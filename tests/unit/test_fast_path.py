@@ -19,7 +19,7 @@ from pgcdc_dev.codecs import make_codec
 
 from cdc._chunks import packed_keys, parse_binary_copy, rows_and_last
 from cdc._encoder import KeyMissingError, packed_rows
-from cdc._events import Position, Stamp, TableCodec
+from cdc.encoding import Position, Stamp, TableCodec
 from decoders import Insert, PgOutputDecoder, TupleData
 from schemas import PgType
 from tests.unit.test_types_numeric import numeric_send

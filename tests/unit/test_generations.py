@@ -6,7 +6,6 @@ from typing import Any
 
 from pgcdc_dev.codecs import make_codec
 
-from cdc._config import Settings
 from cdc._generations import (
     Generations,
     TypeChange,
@@ -16,6 +15,7 @@ from cdc._generations import (
     scale_changes,
 )
 from cdc._offsets import CaptureState
+from cdc.config import Settings
 from pgcdc_common.topics import generation_topic, split_generation, superseded
 from schemas import PgType
 

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from pgcdc_dev.codecs import make_codec
 
-from cdc._events import TableCodec
+from cdc.encoding import TableCodec
 from decoders import TupleData
 from schemas import PgType
 

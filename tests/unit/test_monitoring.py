@@ -15,7 +15,7 @@ import pytest
 import yaml
 from pgcdc_dev.discovery import tool_or_skip
 
-from cdc._metrics import CaptureMetrics
+from cdc.metrics import CaptureMetrics
 from sinks._metrics import SinkMetrics, query_name, sink_of_query
 
 ROOT = Path(__file__).resolve().parents[2]

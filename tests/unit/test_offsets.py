@@ -12,7 +12,6 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cdc._kafka import OffsetStore
 from cdc._offsets import (
     PLAIN_STATE_VERSION,
     STATE_VERSION,
@@ -24,6 +23,7 @@ from cdc._offsets import (
     TableProgress,
 )
 from cdc.errors import StreamError
+from cdc.kafka import OffsetStore
 
 _DONE = {"done": True}
 

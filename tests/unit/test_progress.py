@@ -6,11 +6,11 @@ import json
 import time
 from pathlib import Path
 
-from cdc._metrics import CaptureMetrics
-from sinks._config import SinksConfig, SinkSettings
-from sinks._progress import checkpoint_offsets, reached, sink_progress
+from cdc.metrics import CaptureMetrics
 from sinks._query import batch_starts, offsets_moved
 from sinks._storage import StorageConfig, location
+from sinks.config import SinksConfig, SinkSettings
+from sinks.progress import checkpoint_offsets, reached, sink_progress
 
 
 def _batch(checkpoint: Path, batch: int, offsets: dict[str, dict[str, int]], *, committed: bool) -> None:

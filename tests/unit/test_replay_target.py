@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from cdc._kafka import TransactionalProducer
+from cdc.kafka import TransactionalProducer
 
 
 class _NoHandles:

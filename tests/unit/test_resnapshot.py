@@ -14,8 +14,8 @@ import fastavro
 import pytest
 from pgcdc_dev.codecs import make_codec
 
-from cdc._events import Position, SourceInfo, Stamp, TableCodec
 from cdc._resnapshot import GapDeletes, KeyCanon, LiveKeys, Record, live_keys, parse_plain
+from cdc.encoding import Position, SourceInfo, Stamp, TableCodec
 from decoders import TupleData
 from schemas import PgType
 

@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 
 from sinks import _moves
-from sinks._config import SinkSettings
 from sinks._moves import Mover
 from sinks._served import ServedTopics, served_topics
+from sinks.config import SinkSettings
 from sinks.errors import SinkConfigError
 
 TOPICS = ["p.public.items", "p.public.items.g2", "p.public.other", "p.public.later"]

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from sinks._config import SinkSettings
 from sinks._status import short, state_disk_full
+from sinks.config import SinkSettings
 from sinks.errors import SinkTerminalError, SinkTransientError, StateDiskFullError
 
 # What str() of Spark's StreamingQueryException holds when a batch raised one of our errors.

@@ -9,12 +9,12 @@ from collections.abc import Iterable, Iterator
 import pytest
 
 import sinks._feed
-from sinks._api import Change, Rejected, TableInfo
-from sinks._config import SinkSettings
+from sinks import Change, Rejected, TableInfo
 from sinks._feed import STALL_S, Chunk, LaneFeed
 from sinks._fold import TopicFold
 from sinks._lane import Lane
 from sinks._write import prepare
+from sinks.config import SinkSettings
 from sinks.errors import SinkTransientError
 from tests.unit.test_shared_decoding import TOPIC, _record, _schemas
 

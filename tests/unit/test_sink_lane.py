@@ -5,9 +5,9 @@ from __future__ import annotations
 import threading
 from collections.abc import Mapping
 
-from sinks._config import SinkSettings
 from sinks._feed import LaneFeed, Reader
 from sinks._lane import Lane
+from sinks.config import SinkSettings
 
 A, B = ("t", 0), ("t", 1)
 

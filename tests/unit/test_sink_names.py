@@ -8,11 +8,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cdc._catalog import qualified_name
-from cdc._config import Settings
-from sinks._config import SinkSettings
+from cdc.config import Settings
 from sinks._delta_names import delta_columns
 from sinks._search import column_of, field_name, index_alias
 from sinks._warehouse import history_path
+from sinks.config import SinkSettings
 
 _NAMES = st.text(alphabet=st.sampled_from([*"._%% \t\n\"'\\aAbB0éİ😀"]), min_size=1, max_size=12)
 

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 from pydantic import SecretStr
 
-from sinks._config import SinksConfig, SinkSettings
 from sinks._preflight import check_master, check_writable, storage_error
 from sinks._storage import StorageConfig, hadoop_conf, location
+from sinks.config import SinksConfig, SinkSettings
 from sinks.errors import SinkConfigError, SinkTransientError
 
 

@@ -18,9 +18,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from schemas import avro_mapping, nullable
-from sinks._api import key_id
-from sinks._config import SinkSettings, load_sink_settings
+from sinks import key_id
 from sinks._values import Names, doc_converter, envelope_row, search_mapping
+from sinks.config import SinkSettings, load_sink_settings
 from sinks.errors import SinkConfigError
 from tests.unit.test_types import numeric_typmod, pg
 

@@ -9,13 +9,13 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from cdc._attach import CaptureContext
 from cdc._batch import BatchWriter, CommitPolicy, KafkaBatchWriter
-from cdc._config import load_settings
-from cdc._kafka import OffsetStore
-from cdc._metrics import CaptureMetrics
 from cdc._offsets import CaptureState, SnapshotState
 from cdc._stream import Streamer
+from cdc.config import load_settings
+from cdc.encoding import CaptureContext
+from cdc.kafka import OffsetStore
+from cdc.metrics import CaptureMetrics
 from decoders import Begin, Commit
 
 

@@ -10,14 +10,21 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from cdc._attach import CaptureContext
-from cdc._batch import CommitPolicy, KafkaBatchWriter
-from cdc._changes import ChangeWriter
-from cdc._config import load_settings
-from cdc._deadletter import CaptureDeadLetters, Policy, hex_values
-from cdc._events import SourceInfo, TableCodec, TableShape
-from cdc._kafka import OffsetStore
-from cdc._metrics import CaptureMetrics
+from cdc.config import load_settings
+from cdc.encoding import (
+    CaptureContext,
+    CaptureDeadLetters,
+    ChangeWriter,
+    CommitPolicy,
+    KafkaBatchWriter,
+    Policy,
+    SourceInfo,
+    TableCodec,
+    TableShape,
+    hex_values,
+)
+from cdc.kafka import OffsetStore
+from cdc.metrics import CaptureMetrics
 from schemas import ColumnShape, PgType, avro_mapping
 
 

@@ -30,7 +30,7 @@ from typing import Any
 from confluent_kafka import KafkaException
 from confluent_kafka.admin import AdminClient
 
-from cdc._kafka import Topics, TransactionalProducer
+from cdc.kafka import Topics, TransactionalProducer
 from pgcdc_dev.bench import cpu as _cpu
 
 WINDOW_S = 5.0
