@@ -78,7 +78,7 @@ def _fill(env: sb.Env, config: Path, sink: str) -> float:
         marks = ends.read()
     finally:
         ends.close()
-    checkpoint = checkpoint_location(settings.state(), sink, 1)
+    checkpoint = checkpoint_location(settings.state, sink, 1)
     started = time.monotonic()
     with open(env.work / "sinks.log", "ab") as log:
         proc = sb._cdc(["sinks", "run", sink, "--config", str(config)], log)

@@ -97,7 +97,7 @@ class SinksProbe:
         self._ends: Any = None  # the Kafka probe, made once some sink has a state directory
         # A state directory on an object store costs a request per file read (some 15 per look, billed on
         # S3): looked at every few seconds, not at every sample of the dashboard.
-        self._every_s = 0.0 if self._settings.state().local else _OBJECT_STORE_EVERY_S
+        self._every_s = 0.0 if self._settings.state.local else _OBJECT_STORE_EVERY_S
         self._last: tuple[float, list[dict[str, Any]]] | None = None
 
     def __call__(self) -> list[dict[str, Any]]:

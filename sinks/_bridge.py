@@ -81,7 +81,7 @@ class _Backlog:
 
     def __init__(self, settings: SinkSettings, name: str, sink: Any, generation: int) -> None:
         self.sink, self.settings, self.generation = sink, settings, generation
-        done = checkpoint_offsets(checkpoint_location(settings.state(), name, generation))
+        done = checkpoint_offsets(checkpoint_location(settings.state, name, generation))
         self.position: dict[tuple[str, int], int] = dict(done or {})  # none committed: every partition's start
         served = served_topics(settings, name, generation, lambda: topic_names(settings))
         self._ends = TopicEnds(settings, served=served)  # the generations its query reads: sinks._served

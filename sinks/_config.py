@@ -8,6 +8,7 @@ The sinks read only what they need from the shared file — ``[kafka]`` (where t
 from __future__ import annotations
 
 import re
+from functools import cached_property
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -263,9 +264,17 @@ class SinkSettings(FileSettings):
             raise SinkConfigError(f"sinks.tables: {exc}") from exc
         return topic_name(self.kafka.topic_prefix, schema, table)
 
+    # The two places the sinks keep files, each parsed once (settings never change once read): what is local,
+    # what is on an object store, is asked of the location, never of the configured text again.
+    @cached_property
     def state(self) -> Location:
         """``sinks.state_dir``: where checkpoints and status files are."""
         return location(self.sinks.state_dir, self.sinks.storage)
+
+    @cached_property
+    def warehouse_root(self) -> Location:
+        """``sinks.warehouse.path``: where the warehouse's Delta tables are."""
+        return location(self.sinks.warehouse.path, self.sinks.storage)
 
     def registry_conf(self) -> dict[str, Any]:
         return {"url": self.registry.url, "timeout": 30, **self.registry.security_conf()}

@@ -149,7 +149,7 @@ def lane_offsets(status: Mapping[str, Any], generation: Any) -> dict[tuple[str, 
 
 def sinks_present(settings: SinkSettings) -> bool:
     """Whether any sink has a status file under ``sinks.state_dir`` (before the first, there is nothing to show)."""
-    return any((d / STATUS_FILE).read_text() is not None for d in settings.state().children())
+    return any((d / STATUS_FILE).read_text() is not None for d in settings.state.children())
 
 
 def sink_progress(
@@ -166,7 +166,7 @@ def sink_progress(
     offset)``), falling back to the time since the newest event it applied when that is unknown.
     """
     now = time.time() if now is None else now
-    base = settings.state()
+    base = settings.state
     pattern = re.compile(settings.topic_pattern())
     ends = {tp: v for tp, v in ends.items() if pattern.fullmatch(tp[0])}
     out = []

@@ -103,8 +103,8 @@ class SinkQuery:
         self.shuffle_partitions = int(self.spark.conf.get("spark.sql.shuffle.partitions") or 200)
         self.rebuild = role == "rebuild"
         self.follow_swaps = role == "serve" and isinstance(self.sink, Rebuildable)
-        base = settings.state() / name
-        self.checkpoint = checkpoint_location(settings.state(), name, generation)
+        base = settings.state / name
+        self.checkpoint = checkpoint_location(settings.state, name, generation)
         self.checkpoint.make_dirs()
         self.served = (  # a store with generations reads one topic generation per table: sinks._served
             served_topics(settings, name, generation, lambda: topic_names(settings))

@@ -86,7 +86,7 @@ def verify(
                     time.sleep(2.0)
                     continue
                 raise _never_ran(name)
-            reports, reads = settings.state() / name / "verify", reads + 1
+            reports, reads = settings.state / name / "verify", reads + 1
             try:
                 drifts = compare(session, sink, source_tables(), gen, table_name=settings.table_name, reports=reports)
             except Exception as exc:
@@ -146,7 +146,7 @@ def rebuild(
     them verify clean: on drift in any, none is swapped (the served copies stay) and the caller reports it, so
     a rebuild never leaves the stores half rebuilt.
     """
-    check_writable(settings.state(), "sinks.state_dir")
+    check_writable(settings.state, "sinks.state_dir")
     spark = app.spark if app is not None else spark_session(settings, f"pgcdc-rebuild-{'-'.join(names)}")
     stop = app.stop if app is not None else threading.Event()
     ensure_dead_letter_topic(settings)
@@ -189,10 +189,10 @@ def _rebuild_query(settings: SinkSettings, name: str, spark: SparkSession, repor
     new = current + 1
     probe.prepare_generation(new)
     _close(probe)
-    (settings.state() / name / f"g{new}").remove_tree()
+    (settings.state / name / f"g{new}").remove_tree()
     report(f"rebuilding {name}: generation {new} from offset zero, while generation {current} keeps serving")
     # The rebuild's own status file: the served generation's status.json stays the running app's.
-    (settings.state() / name / REBUILD_FILE).remove()
+    (settings.state / name / REBUILD_FILE).remove()
     q = SinkQuery(name, settings, spark, new, role="rebuild")
     q.status.update(state="running", serving=current, started_at=time.time())
     q.start()

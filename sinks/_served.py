@@ -77,4 +77,4 @@ def served_topics(
 
 
 def location(settings: SinkSettings, sink: str, generation: int) -> Location:
-    return settings.state() / sink / f"g{generation}" / _FILE
+    return settings.state / sink / f"g{generation}" / _FILE

@@ -20,12 +20,12 @@ from typing import TYPE_CHECKING
 
 from sinks import connectors
 from sinks._preflight import check_executors, check_master
-from sinks._storage import S3_SCHEMES, hadoop_conf
+from sinks._storage import hadoop_conf
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
-    from sinks._config import SinksConfig, SinkSettings
+    from sinks._config import SinkSettings
 
 # Every session, wherever it runs. Delta Lake plugs into Spark SQL through the first two settings; without
 # them MERGE and the delta format fail.
@@ -78,11 +78,11 @@ def spark_session(settings: SinkSettings, app: str) -> SparkSession:
     elif cfg.spark_master:
         check_master(cfg.spark_master, "sinks.spark_master")
     conf = {"spark.sql.session.timeZone": "UTC", **hadoop_conf(cfg.storage), **cfg.spark_conf}
-    if cfg.state_dir.partition("://")[0] in S3_SCHEMES and _CHECKPOINT_MANAGER not in conf:
+    if settings.state.object_store and _CHECKPOINT_MANAGER not in conf:
         # Spark's default checkpoint manager commits a file by rename, which S3 does not have (a copy and a
         # delete, not atomic): this one writes each file in one upload that becomes visible whole, or never.
         conf[_CHECKPOINT_MANAGER] = "org.apache.spark.internal.io.cloud.AbortableStreamBasedCheckpointFileManager"
-    elif cfg.state_dir.partition("://")[0] in ("file", cfg.state_dir) and _CHECKPOINT_MANAGER not in conf:
+    elif settings.state.local and _CHECKPOINT_MANAGER not in conf:
         # A local disk: Spark's default (Hadoop's FileContext) takes ~90 ms to write each of a batch's two
         # checkpoint files here, the FileSystem API ~25 ms, with the same write-then-rename (atomic on a local
         # file system). Two of them per batch and sink were a fifth of a live batch's time.
@@ -93,7 +93,7 @@ def spark_session(settings: SinkSettings, app: str) -> SparkSession:
         master=cfg.spark_master,
         conf=conf,
         class_archive=cfg.jvm_class_archive,
-        s3=_on_s3(cfg),
+        s3=settings.state.object_store or settings.warehouse_root.object_store,  # then Spark needs S3A
     )
     try:
         check_executors(session)
@@ -101,11 +101,6 @@ def spark_session(settings: SinkSettings, app: str) -> SparkSession:
         stop_session(session)
         raise
     return session
-
-
-def _on_s3(cfg: SinksConfig) -> bool:
-    """Whether the state or the warehouse is on S3: Spark then needs the S3A connector."""
-    return any(path.partition("://")[0] in S3_SCHEMES for path in (cfg.state_dir, cfg.warehouse.path))
 
 
 def _local_checkpoint_manager(spark_version: str) -> str:

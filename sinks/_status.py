@@ -115,7 +115,7 @@ _FLUSHER = _Flusher()
 
 
 def sink_status(settings: SinkSettings, name: str, file: str = STATUS_FILE) -> Status:
-    return Status.load(settings.state() / name / file)
+    return Status.load(settings.state / name / file)
 
 
 def state_disk_full(settings: SinkSettings, name: str, error: Any) -> StateDiskFullError | None:
@@ -127,7 +127,7 @@ def state_disk_full(settings: SinkSettings, name: str, error: Any) -> StateDiskF
     """
     if not ((isinstance(error, OSError) and error.errno == errno.ENOSPC) or _NO_SPACE in str(error)):
         return None
-    state = settings.state()
+    state = settings.state
     if not state.local:
         return None  # an object store has no disk to fill
     state_dir = Path(state.path)

@@ -68,7 +68,7 @@ def run(
             log.error("%s; running the other sinks", exc)
     if not usable:
         raise problems[0] if problems else SinkConfigError("no sinks to run: name some or set sinks.enabled")
-    check_writable(settings.state(), "sinks.state_dir")
+    check_writable(settings.state, "sinks.state_dir")
     if not reach_kafka(settings, stop):
         return 0  # stopped before Kafka answered: nothing ran, nothing to resume
     cfg = settings.sinks

@@ -36,7 +36,6 @@ from sinks._delta_names import create_app, delta_columns, history_app
 from sinks._delta_stats import BatchDates, StatsColumns, has_dates, quoted, sql_string
 from sinks._delta_widen import rewrite, widened, widens
 from sinks._preflight import check_writable
-from sinks._storage import location
 from sinks._values import Names, column_name, doc_converter, spark_projection
 from sinks._warehouse_live import DeltaWriter, NotOnDriverError
 
@@ -73,7 +72,7 @@ class WarehouseSink(BaseSink):
 
     def open(self, context: SinkContext) -> None:
         super().open(context)
-        self.base = location(context.settings.sinks.warehouse.path, context.settings.sinks.storage)
+        self.base = context.settings.warehouse_root
         self.history = context.settings.sinks.warehouse.history
         self.stats = StatsColumns()
         check_writable(self.base, "sinks.warehouse.path")

@@ -152,7 +152,7 @@ def test_pipeline_survives_kills_and_rebuilds_with_no_drift(
                     progress
                 )
                 # It caught up in one batch (the workload had ended), larger than a live batch: a bulk load.
-                checkpoint = checkpoint_location(load_sink_settings(config).state(), name, 2)
+                checkpoint = checkpoint_location(load_sink_settings(config).state, name, 2)
                 assert progress["records_total"] > LIVE_BATCH, progress
                 assert batch_offsets(checkpoint, 0), name
                 assert batch_offsets(checkpoint, 1) is None, name

@@ -39,7 +39,7 @@ def test_uris_name_the_same_places_for_spark_and_for_pgcdc(tmp_path: Path) -> No
         assert (where.path, where.uri, where.object_store) == ("bucket/pgcdc/state", "s3a://bucket/pgcdc/state", True)
         assert (where / "cache").uri == "s3a://bucket/pgcdc/state/cache"
     settings = SinkSettings(sinks=SinksConfig(state_dir=tmp_path))  # type: ignore[arg-type]  # a Path: its text
-    assert settings.state().uri == str(tmp_path)
+    assert settings.state.uri == str(tmp_path)
 
 
 def test_storage_settings_become_s3a_settings_with_only_what_is_set() -> None:
