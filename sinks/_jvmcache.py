@@ -23,6 +23,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from pgcdc_common.cache import cache_dir
+
 log = logging.getLogger(__name__)
 
 # The JVM's account of classes it leaves out of an archive (one line each, thousands) is not the app's log.
@@ -32,8 +34,7 @@ _pending: list[tuple[Path, Path]] = []  # archives being written by a running JV
 
 
 def _directory() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "pgcdc" / "spark-cds"
+    return cache_dir() / "spark-cds"
 
 
 def _identity(jars: Sequence[str]) -> str:

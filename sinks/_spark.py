@@ -18,6 +18,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from pgcdc_common.cache import cache_dir
 from sinks import connectors
 from sinks._preflight import check_executors, check_master
 from sinks._storage import hadoop_conf
@@ -52,7 +53,6 @@ _SESSION_CONF = {
 # gets no adaptive coalescing, so Spark's 200 (and Delta's 50) would be that many tasks per MERGE, nearly all
 # empty: on a cluster both are fitted to the executors' cores unless set.
 _DRIVER_OPTIONS = "spark.driver.extraJavaOptions"
-_LOCKS = Path.home() / ".cache" / "pgcdc"  # where the lock on Spark's connector resolution is taken
 
 PARALLELISM_KEYS = ("spark.sql.shuffle.partitions", "spark.databricks.delta.snapshotPartitions")
 
@@ -193,7 +193,7 @@ def _by_coordinates(builder: SparkSession.Builder, *, s3: bool) -> SparkSession.
 
     builder = configure_spark_with_delta_pip(builder, extra_packages=connectors.packages(s3=s3))
     # [sinks.spark_conf] is applied after these, so a site's own Ivy settings or cache win.
-    builder = builder.config("spark.jars.ivySettings", str(connectors.ivy_settings(_LOCKS)))
+    builder = builder.config("spark.jars.ivySettings", str(connectors.ivy_settings(cache_dir())))
     builder = builder.config("spark.jars.ivy", str(Path.home() / ".ivy2.5.2"))  # Spark's own default
     excluded = connectors.excludes(s3=s3)
     return builder.config("spark.jars.excludes", ",".join(excluded)) if excluded else builder
@@ -204,8 +204,8 @@ def _resolving() -> Iterator[None]:
     """Held while a Spark application of this machine resolves its connectors: Ivy's cache is not safe for two
     resolutions at once (the sinks and `cdc verify` started together failed with "impossible to move part file"
     and half-written jars). Resolution ends before the JVM's gateway answers, so the lock is held seconds."""
-    _LOCKS.mkdir(parents=True, exist_ok=True)
-    with open(_LOCKS / "spark-packages.lock", "a") as lock:
+    cache_dir().mkdir(parents=True, exist_ok=True)
+    with open(cache_dir() / "spark-packages.lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             yield
