@@ -29,11 +29,14 @@ COPY sinks/ sinks/
 COPY pgcdc/ pgcdc/
 # pyspark from the package index is the image's Spark version (pyproject.toml pins it); with SPARK_HOME set
 # it launches the image's Spark.
-RUN uv pip install ".[sinks]"
-# Spark's Kafka source, spark-avro and Delta by their Maven coordinates, resolved once here by Spark's own
-# resolver, into the directory that sinks.spark_jars names. Jars the image's Spark already has are left out.
-ARG SPARK_PACKAGES=org.apache.spark:spark-sql-kafka-0-10_2.13:4.2.0,org.apache.spark:spark-avro_2.13:4.2.0,io.delta:delta-spark_4.2_2.13:4.4.0
-RUN python -c "import sys; from pyspark.sql import SparkSession; SparkSession.builder.master('local[1]').config('spark.jars.packages', sys.argv[1]).config('spark.jars.ivy', '/tmp/ivy').getOrCreate().stop()" "$SPARK_PACKAGES" \
+# The base image's Spark must be that pyspark: a mismatch stops the build, saying which base to use.
+RUN uv pip install ".[sinks]" \
+    && python -c "import glob, os, sys, pyspark; v = pyspark.__version__; sys.exit(None if glob.glob(os.path.join(os.environ['SPARK_HOME'], 'jars', f'spark-core_*-{v}.jar')) else f'the base image Spark (SPARK_HOME={os.environ[\"SPARK_HOME\"]}) is not the pyspark {v} that pyproject.toml pins: build with --build-arg SPARK_IMAGE=apache/spark:{v}-scala2.13-java17-ubuntu')"
+# Spark's Kafka source, spark-avro and Delta, resolved once here by the sinks' own session builder (the
+# coordinates sinks.connectors and delta-spark derive from the pyspark and delta-spark just installed, so no
+# version is written here), into the directory that sinks.spark_jars names: the container needs no Maven at run
+# time. Jars the image's Spark already has are left out.
+RUN python -c "from sinks.app import build_session, stop_session; stop_session(build_session('pgcdc-image', [], master='local[1]', conf={'spark.jars.ivy': '/tmp/ivy'}))" \
     && mkdir -p /opt/pgcdc/jars \
     && for jar in /tmp/ivy/jars/*.jar; do \
          name="$(basename "$jar")"; \
