@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -9,6 +10,7 @@ from types import ModuleType
 
 import pytest
 from pgcdc_dev import services
+from pgcdc_dev.services import _install, _process
 
 
 @pytest.fixture(scope="module")
@@ -85,12 +87,12 @@ def test_maven_that_cannot_fetch_its_plugin_says_what_to_check(
 ) -> None:
     """With -q Maven only says it found no plugin for 'dependency'; the error names the likely cause (Java not
     trusting the repository's certificate) and the way to see it."""
-    monkeypatch.setattr(deploy.shutil, "which", lambda _name: "/usr/bin/mvn")
+    monkeypatch.setattr(shutil, "which", lambda _name: "/usr/bin/mvn")
 
     def refuse(cmd: list[str], **_kw: object) -> None:
         raise deploy.DeployError("command failed (1): mvn …\n[ERROR] No plugin found for prefix 'dependency' in …")
 
-    monkeypatch.setattr(deploy, "run", refuse)
+    monkeypatch.setattr(_install, "run", refuse)  # maven_copy_dependencies runs Maven through its module's run
     with pytest.raises(deploy.DeployError, match="update-ca-certificates -f") as raised:
         deploy.maven_copy_dependencies(["g:a:1"], tmp_path / "libs", {})
     assert "mvn -X -s settings.xml dependency:copy-dependencies in " in str(raised.value)
@@ -128,7 +130,7 @@ def test_a_pid_file_whose_pid_now_names_another_process_is_stale(
 ) -> None:
     """Pid files outlive a machine's processes and pids wrap at pid_max: a recorded pid that now belongs to
     another process must read as stopped (so `up` starts the service) and `down` must not signal it."""
-    monkeypatch.setattr(deploy, "RUN", tmp_path)
+    monkeypatch.setattr(_process, "RUN", tmp_path)  # where the pid files are, in the module that keeps them
     other = subprocess.Popen(["sleep", "120"])
     try:
         deploy.write_pid("svc", other.pid)
