@@ -32,6 +32,8 @@ from typing import Any, NoReturn
 
 import pytest
 
+from pgcdc_dev.pins import compose_image
+
 ENV_VARS = {
     "postgres": "CDC_TEST_PG_DSN",
     "kafka": "CDC_TEST_KAFKA",
@@ -136,7 +138,7 @@ def _tc_registry() -> str:
     from testcontainers.core.container import DockerContainer
     from testcontainers.core.waiting_utils import wait_for_logs
 
-    registry = DockerContainer("apicurio/apicurio-registry:3.3.3").with_exposed_ports(8080)
+    registry = DockerContainer(compose_image("apicurio/apicurio-registry")).with_exposed_ports(8080)
     _keep(registry)
     wait_for_logs(registry, "Installed features", timeout=120)
     host, port = registry.get_container_host_ip(), registry.get_exposed_port(8080)
@@ -146,7 +148,7 @@ def _tc_registry() -> str:
 def _tc_opensearch() -> str:
     from testcontainers.opensearch import OpenSearchContainer
 
-    search = _keep(OpenSearchContainer("opensearchproject/opensearch:3.6.0"))
+    search = _keep(OpenSearchContainer(compose_image("opensearchproject/opensearch")))
     config = search.get_config()
     return f"http://{config['host']}:{config['port']}"
 

@@ -1,6 +1,7 @@
-"""What every part of the local services shares: the pinned versions (the one place they are pinned), the
-local services' credentials, where things go (cache, state, logs, pid files, installs, data), the ports, the
-error a failed step raises, progress messages, and running a command to completion."""
+"""What every part of the local services shares: the versions (read from pyproject.toml and docker-compose.yml
+where those pin them, pinned here otherwise), the local services' credentials, where things go (cache, state,
+logs, pid files, installs, data), the ports, the error a failed step raises, progress messages, and running a
+command to completion."""
 
 from __future__ import annotations
 
@@ -10,18 +11,26 @@ import sys
 from pathlib import Path
 from typing import Any
 
-# --- versions: the one place they are pinned -------------------------------------------------
-KAFKA_VERSION = "4.1.1"
+from pgcdc_dev.pins import compose_tag, pinned_python
+
+# --- versions ---------------------------------------------------------------------------------------
+# Each version is written once, in the manifest of its own kind, and read from there: pyspark and delta-spark in
+# pyproject.toml (the product's pins, which the sinks resolve their connectors from), the services that
+# docker-compose.yml also runs (Kafka, the registry, OpenSearch) as its image tags. What only the dev tool uses
+# is pinned below.
+
+
+KAFKA_VERSION = compose_tag("apache/kafka")
+APICURIO_VERSION = compose_tag("apicurio/apicurio-registry")
+OPENSEARCH_VERSION = compose_tag("opensearchproject/opensearch")  # needs Java >= 21
+OPENSEARCH_VERSION_JAVA17 = "2.19.6"  # used when no Java 21+ is installed
 LOG4J_VERSION = "2.24.3"
 SLF4J_VERSION = "2.0.17"
-APICURIO_VERSION = "3.3.3"
-OPENSEARCH_VERSION = "3.6.0"  # needs Java >= 21
-OPENSEARCH_VERSION_JAVA17 = "2.19.6"  # used when no Java 21+ is installed
-# Spark 4.2.0 is the newest release whose Kafka token provider, spark-avro and Delta Lake jars are all
-# on Maven Central as reached from here; it must equal the installed pyspark (pyproject pins it). Delta 4.4.0
-# is built for it (delta-spark_4.2_2.13).
-SPARK_VERSION = "4.2.0"
-DELTA_VERSION = "4.4.0"
+# The sinks' Spark and Delta: the Spark standalone cluster and the tests' jar list run what pyspark is. Spark
+# 4.2.0 is the newest release whose Kafka token provider, spark-avro and Delta Lake jars are all on Maven Central
+# as reached from here; Delta 4.4.0 is built for it (delta-spark_4.2_2.13).
+SPARK_VERSION = pinned_python("pyspark")
+DELTA_VERSION = pinned_python("delta-spark")
 SCALA_BINARY = "2.13"
 HADOOP_VERSION = "3.5.0"  # what pyspark 4.2.0 ships (jars/hadoop-client-api-*.jar); hadoop-aws must match it
 # spark-hadoop-cloud (the S3 checkpoint manager) has no 4.2.0 on Maven Central as reached from here. Its 4.1.2
