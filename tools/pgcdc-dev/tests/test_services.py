@@ -143,3 +143,11 @@ def test_a_pid_file_whose_pid_now_names_another_process_is_stale(
     finally:
         other.kill()
         other.wait()
+
+
+def test_the_status_of_a_server_not_installed_says_so(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """`./dev services status postgres-16` before its on-demand install: a line, not a traceback."""
+    from pgcdc_dev.services import postgres
+
+    monkeypatch.setattr(postgres, "OPT", tmp_path)
+    assert postgres.PostgresZonky("16").version() == "not installed"

@@ -150,17 +150,9 @@ class Kafka(Service):
         spawn(self.name, [*self.java(), "kafka.Kafka", str(self.home() / "server.properties")])
 
     def ready(self) -> bool:
-        if not (port_open(PORTS["kafka"]) and port_open(PORTS["kafka-sasl"])):
+        if not port_open(PORTS["kafka-sasl"]):
             return False
-        try:
-            from confluent_kafka.admin import AdminClient  # present in the project's virtualenv
-        except ImportError:
-            return True
-        try:
-            md = AdminClient({"bootstrap.servers": f"127.0.0.1:{PORTS['kafka']}"}).list_topics(timeout=2)
-            return bool(md.brokers)
-        except Exception:
-            return False
+        return _broker_answers(PORTS["kafka"], None)
 
     def endpoint(self) -> dict[str, Any]:
         return {
@@ -254,18 +246,7 @@ class KafkaNode(Service):
         spawn(self.name, [*Kafka().java(heap="512m"), "kafka.Kafka", str(props)])
 
     def ready(self) -> bool:
-        client = cluster_ports(self.number)[0]
-        if not port_open(client):
-            return False
-        try:
-            from confluent_kafka.admin import AdminClient  # present in the project's virtualenv
-        except ImportError:
-            return True
-        try:
-            md = AdminClient({"bootstrap.servers": f"127.0.0.1:{client}"}).list_topics(timeout=2)
-            return self.number in md.brokers
-        except Exception:
-            return False
+        return _broker_answers(cluster_ports(self.number)[0], self.number)
 
     def endpoint(self) -> dict[str, Any]:
         client, controller = cluster_ports(self.number)
@@ -284,3 +265,19 @@ class KafkaCluster(ServiceGroup):
     def endpoint(self) -> dict[str, Any]:
         nodes = [SERVICES[n].endpoint() for n in self.needs]
         return {"bootstrap": ",".join(n["bootstrap"] for n in nodes), "nodes": nodes}
+
+
+def _broker_answers(port: int, node: int | None) -> bool:
+    """Whether the broker on ``port`` answers a metadata request (listing broker ``node``, when given). Only an
+    open port is asked where confluent_kafka is missing (the tool runs with the stdlib alone)."""
+    if not port_open(port):
+        return False
+    try:
+        from confluent_kafka.admin import AdminClient  # present in the project's virtualenv
+    except ImportError:
+        return True
+    try:
+        md = AdminClient({"bootstrap.servers": f"127.0.0.1:{port}"}).list_topics(timeout=2)
+    except Exception:
+        return False
+    return bool(md.brokers) if node is None else node in md.brokers

@@ -65,7 +65,10 @@ class Postgres(Service):
         return found[0].parent
 
     def version(self) -> str:
-        return run([str(self.bindir() / "postgres"), "--version"]).stdout.split()[2]
+        server = self.bindir() / "postgres"
+        if not server.exists():  # not installed yet (16 and 17 are installed on demand): nothing to report
+            return "not installed"
+        return run([str(server), "--version"]).stdout.split()[2]
 
     def install(self) -> None:
         apt_install("/usr/lib/postgresql", "postgresql")
