@@ -16,7 +16,12 @@ Each reader yields a ``Usage``: seconds, CPU seconds (utime + stime) and peak RS
 the walsender backend serving its slot (sampled from /proc while it runs; a backend's RSS counts the shared
 buffers it touched, so read its CPU rather than its memory). The /proc readers are bench/_debezium.py's.
 A ``Usage`` also holds the CPU each part of the machine spent meanwhile (pgcdc_dev/bench/cpu.py: PostgreSQL, the broker,
-the reader by thread, idle): :func:`cpu_notes` puts both readers' in a result's notes, per row.
+the reader by thread, idle): :func:`cpu_notes` puts both readers' in a result's notes, per row. :func:`timed_write`
+and :func:`time_readers` are steps 3 and 4 as those scenarios take them.
+
+The scenarios that run `cdc run` themselves, with a configuration of their own (capture_latency.py, snapshot.py,
+backfill.py), share the end of this module: a database of their own (:func:`own_database`), the configuration and
+launch of `cdc run`, pgbench's paced single-row updates and the read_committed consumer that times them.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import contextlib
 import json
 import os
 import re
+import resource
 import subprocess
 import sys
 import tempfile
@@ -32,17 +38,18 @@ import threading
 import time
 import urllib.parse
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import psycopg
+from confluent_kafka import Consumer
 from confluent_kafka.admin import AdminClient
 from pgcdc_dev import CHECKOUT as ROOT
 from pgcdc_dev import discovery
 from pgcdc_dev.bench import cpu as _cpu
-from pgcdc_dev.bench.report import Measure
+from pgcdc_dev.bench.report import Measure, Result
 from pgcdc_dev.bench.warm_broker import delete_topics
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
@@ -299,7 +306,37 @@ class Scratch:
         logical messages), so the walsender does the same work for both; ``streaming=False`` leaves large
         transactions to be spilled by the server and sent at their commit instead.
         """
-        cmd = [
+        cmd = self._recvlogical_command(slot, publication, end_lsn, streaming=streaming)
+        split = _cpu.CpuSplit(self.processes())
+        with _SlotWatch(self.dsn, slot, interval=0.1) as watch:
+            split.start()
+            t0 = time.monotonic()
+            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
+            exited = _reap(proc, t0 + timeout)
+            if exited is None:
+                raise TimeoutError(f"pg_recvlogical did not reach {fmt_lsn(end_lsn)} in {timeout:.0f} s")
+            seconds = time.monotonic() - t0
+            parts = split.now()
+        status, usage = exited
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        if proc.returncode != 0:
+            raise RuntimeError(f"pg_recvlogical exited with {proc.returncode}")
+        cpu = usage.ru_utime + usage.ru_stime
+        parts["pg_recvlogical"] = cpu  # its CPU was in the rest: a part of its own
+        parts["rest"] = max(0.0, parts["rest"] - cpu)
+        return Usage(
+            seconds=seconds,
+            cpu_s=cpu,
+            peak_rss_mb=usage.ru_maxrss / 1024,
+            walsender_cpu_s=watch.cpu_s,
+            walsender_peak_rss_mb=watch.rss_mb,
+            cpu_split=parts,
+        )
+
+    def _recvlogical_command(self, slot: str, publication: str, end_lsn: int, *, streaming: bool) -> list[str]:
+        """pg_recvlogical's command line: pgoutput with `cdc run`'s options, from slot's start to end_lsn, to
+        /dev/null (streaming asked for only where the server has it, 14+)."""
+        return [
             str(self.bindir / "pg_recvlogical"),
             "-d",
             self.dsn,
@@ -321,37 +358,6 @@ class Scratch:
             "-f",
             "/dev/null",
         ]
-        split = _cpu.CpuSplit(self.processes())
-        with _SlotWatch(self.dsn, slot, interval=0.1) as watch:
-            split.start()
-            t0 = time.monotonic()
-            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
-            deadline = t0 + timeout
-            # wait4 gives the exited child's own rusage: CPU and max RSS (kB on Linux) without racing its exit.
-            while True:
-                pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
-                if pid:
-                    break
-                if time.monotonic() > deadline:
-                    proc.kill()
-                    raise TimeoutError(f"pg_recvlogical did not reach {fmt_lsn(end_lsn)} in {timeout:.0f} s")
-                time.sleep(0.02)
-            seconds = time.monotonic() - t0
-            parts = split.now()
-        proc.returncode = os.waitstatus_to_exitcode(status)
-        if proc.returncode != 0:
-            raise RuntimeError(f"pg_recvlogical exited with {proc.returncode}")
-        cpu = usage.ru_utime + usage.ru_stime
-        parts["pg_recvlogical"] = cpu  # its CPU was in the rest: a part of its own
-        parts["rest"] = max(0.0, parts["rest"] - cpu)
-        return Usage(
-            seconds=seconds,
-            cpu_s=cpu,
-            peak_rss_mb=usage.ru_maxrss / 1024,
-            walsender_cpu_s=watch.cpu_s,
-            walsender_peak_rss_mb=watch.rss_mb,
-            cpu_split=parts,
-        )
 
     # --- ours ---------------------------------------------------------------------------------
 
@@ -419,6 +425,57 @@ def rate_measures(name: str, unit: str, count: int, ours: Usage, ref: Usage, *, 
             note="the same, ours from the launch of `cdc run` (imports, connections, Kafka init_transactions)",
         ),
     ]
+
+
+W = TypeVar("W")
+
+
+def timed_write(
+    s: Scratch,
+    result: Result,
+    start_lsn: int,
+    write: Callable[[psycopg.Connection[Any]], W],
+    fence_for: Sequence[str],
+) -> tuple[int, W]:
+    """Runs the workload ``write`` on one connection and takes the end LSN after it, with a fence for each slot
+    in ``fence_for`` (:meth:`Scratch.end_lsn`); the end LSN and what ``write`` returned. The write's seconds and
+    the WAL it made since ``start_lsn`` go into ``result.params`` as ``write_s`` and ``wal_mb``."""
+    t0 = time.monotonic()
+    with s.connect() as conn:
+        written = write(conn)
+        end_lsn = s.end_lsn(conn, fence_for=fence_for)
+    result.params["write_s"] = round(time.monotonic() - t0, 2)
+    result.params["wal_mb"] = round((end_lsn - start_lsn) / 2**20, 1)
+    return end_lsn, written
+
+
+@dataclass(frozen=True)
+class Readers:
+    """The two readers of a run's WAL, one after the other: pg_recvlogical on ``ref_slot`` (asking for
+    streaming as `cdc run` does unless ``streaming`` is off) and `cdc run` on ``cdc_slot``, both of
+    ``publication``. ``variant`` names a second pair on the same WAL (" without TLS"): it follows the readers'
+    names in the notes and, in snake case, their series' names."""
+
+    ref_slot: str
+    cdc_slot: str
+    publication: str
+    tables: tuple[str, ...]
+    streaming: bool = True
+    variant: str = ""
+
+
+def time_readers(
+    s: Scratch, readers: Readers, end_lsn: int, result: Result, *, count: int, unit: str
+) -> tuple[Usage, Usage]:
+    """Times pg_recvlogical, then `cdc run`, each to ``end_lsn``: (ours, the reference). Both go into
+    ``result.series`` and their CPU per part, per ``unit`` of the ``count`` written, into its notes."""
+    ref = s.recvlogical(readers.ref_slot, readers.publication, end_lsn, streaming=readers.streaming)
+    ours = s.time_cdc(readers.cdc_slot, readers.publication, list(readers.tables), end_lsn)
+    suffix = "_" + readers.variant.strip().lower().replace(" ", "_") if readers.variant else ""
+    result.series[f"pg_recvlogical{suffix}"] = ref.as_json()
+    result.series[f"cdc{suffix}"] = ours.as_json()
+    result.notes += cpu_notes(count, unit, ours, ref, label=readers.variant)
+    return ours, ref
 
 
 def _toml_str(value: str) -> str:
@@ -554,6 +611,20 @@ class CdcRun:
                 time.sleep(0.05)
 
 
+def _reap(proc: subprocess.Popen[bytes], deadline: float) -> tuple[int, resource.struct_rusage] | None:
+    """Wait for ``proc`` to exit: its wait status and its own resource usage; None (and the child killed) once
+    ``deadline`` (time.monotonic()) passes first."""
+    # wait4 gives the exited child's own rusage: CPU and max RSS (kB on Linux) without racing its exit.
+    while True:
+        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+        if pid:
+            return status, usage
+        if time.monotonic() > deadline:
+            proc.kill()
+            return None
+        time.sleep(0.02)
+
+
 def stop_process(proc: subprocess.Popen[bytes] | None) -> None:
     """SIGTERM a child still running, SIGKILL it if it has not exited a minute later."""
     if proc is not None and proc.poll() is None:
@@ -630,3 +701,142 @@ def scratch(prefix: str) -> Iterator[Scratch]:
         # Kept either way (configs and logs: small): a run that is only slow, an outlier of a --repeat, is
         # read from its `cdc run` log afterwards.
         print(f"logs {'of the run' if ok else 'of the failed run'} kept in {work}", file=sys.stderr)
+
+
+# --- scenarios that run `cdc run` on a database of their own (latency, snapshot, backfill) ----
+
+# pgbench's script of the latency loads: one single-row UPDATE per transaction, the row picked at random.
+PACED_UPDATE = """\\set id random(1, {rows})
+UPDATE {table} SET v = v + 1, at = now() WHERE id = :id;
+"""
+
+
+@dataclass(frozen=True)
+class OwnDatabase:
+    """A database of a scenario's own on the local PostgreSQL, named ``prefix``; the scenario's slot,
+    publication and topics are named after it. ``work`` holds the run's configs and logs."""
+
+    ep: Endpoints
+    prefix: str
+    work: Path
+    dsn: str
+
+
+def own_database(stem: str, scenario: str) -> OwnDatabase:
+    """Creates the database ``<stem>_<epoch seconds>`` and the work directory ``pgcdc-bench-<scenario>-…``."""
+    ep = endpoints()
+    prefix = f"{stem}_{int(time.time())}"
+    work = Path(tempfile.mkdtemp(prefix=f"pgcdc-bench-{scenario}-"))
+    with psycopg.connect(ep.admin, autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(prefix)))
+    return OwnDatabase(ep=ep, prefix=prefix, work=work, dsn=dsn_for(ep.admin, prefix))
+
+
+def drop_own_database(db: OwnDatabase, topics: Sequence[str], prefixes: Sequence[str]) -> None:
+    """Drops the database with its slots, then (best effort) ``topics`` with their registry subjects and the
+    offsets topic of each of ``prefixes``."""
+    drop_slots(db.ep.admin, db.prefix)
+    with psycopg.connect(db.ep.admin, autocommit=True) as conn:
+        conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(db.prefix)))
+    with contextlib.suppress(Exception):
+        delete_topics(db.ep.kafka, [*topics, *(f"{prefix}.offsets" for prefix in prefixes)])
+        dbz.delete_subjects(db.ep.registry, topics)
+
+
+def drop_slot_when_free(conn: psycopg.Connection[Any], slot: str) -> None:
+    """Drops ``slot`` (if it exists) once its reader has let go of it: 50 tries, 0.2 s apart."""
+    for _ in range(50):
+        try:
+            conn.execute(
+                "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = %s",
+                (slot,),
+            )
+            break
+        except psycopg.errors.ObjectInUse:
+            time.sleep(0.2)
+
+
+def snapshot_config(path: Path, db: OwnDatabase, table: str) -> Path:
+    """`cdc run`'s configuration at ``path`` for ``public.<table>`` of ``db``, with the initial snapshot."""
+    path.write_text(
+        f'[source]\ndsn = "{db.dsn}"\ntables = ["public.{table}"]\nslot = "{db.prefix}"\npublication = "{db.prefix}"\n'
+        f'[kafka]\nbootstrap_servers = "{db.ep.kafka}"\ntopic_prefix = "{db.prefix}"\n'
+        f'[registry]\nurl = "{db.ep.registry}"\n[metrics]\nport = 0\n[capture]\nsnapshot = "initial"\n'
+    )
+    return path
+
+
+def launch_cdc(config: Path, log: Path) -> subprocess.Popen[bytes]:
+    """`cdc run` with ``config``, logging at level info (the scenarios read its log lines) into ``log``."""
+    with open(log, "wb") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "pgcdc", "--log-level", "info", "run", "--config", str(config)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+
+
+@dataclass(frozen=True)
+class PacedLoad:
+    """pgbench running :data:`PACED_UPDATE` on ``table`` (ids 1..``rows``) at ``rate`` transactions/s in all
+    (``-R``: a schedule, not a closed loop) over ``clients`` connections for ``seconds`` (``-T``). With
+    ``report``, its output is kept to be read (``communicate``); without, it goes to /dev/null."""
+
+    table: str
+    rows: int
+    rate: float
+    clients: int
+    seconds: int
+    report: bool = False
+
+
+def paced_script(dsn: str, work: Path, load: PacedLoad) -> tuple[Path, Path]:
+    """pgbench (from the server's BINDIR) and its script, written into ``work``."""
+    with psycopg.connect(dsn) as conn:
+        bindir = conn.execute("SELECT setting FROM pg_config() WHERE name = 'BINDIR'").fetchone()
+        quoted = sql.Identifier(load.table).as_string(conn)
+    assert bindir is not None
+    script = work / "update.sql"
+    script.write_text(PACED_UPDATE.format(rows=load.rows, table=quoted))
+    return Path(bindir[0]) / "pgbench", script
+
+
+def start_paced(dsn: str, files: tuple[Path, Path], load: PacedLoad) -> subprocess.Popen[bytes]:
+    """Starts ``load`` on ``dsn`` with pgbench and its script (``files``, from :func:`paced_script`)."""
+    pgbench, script = files
+    return subprocess.Popen(
+        [
+            str(pgbench),
+            "-n",
+            "-f",
+            str(script),
+            "-R",
+            str(load.rate),
+            "-T",
+            str(load.seconds),
+            "-c",
+            str(load.clients),
+            "-j",
+            str(load.clients),
+            "-M",
+            "prepared",
+            dsn,
+        ],
+        stdout=subprocess.PIPE if load.report else subprocess.DEVNULL,
+        stderr=subprocess.STDOUT if load.report else subprocess.DEVNULL,
+    )
+
+
+def latency_consumer(kafka: str, group: str) -> Consumer:
+    """The latency scenarios' consumer: read_committed (what a reader gets), and a fetch is answered as soon as
+    it has a byte (within 10 ms otherwise), so the wait for a fetch adds little to a latency."""
+    return Consumer(
+        {
+            "bootstrap.servers": kafka,
+            "group.id": group,
+            "enable.auto.commit": False,
+            "isolation.level": "read_committed",
+            "fetch.wait.max.ms": 10,
+            "fetch.min.bytes": 1,
+        }
+    )

@@ -100,28 +100,36 @@ def _committed(kafka: str, group: str, topic: str, partitions: int) -> dict[int,
         consumer.close()
 
 
-def jdbc_sink_replay(
-    *,
-    kafka: str,
-    registry: str,
-    topic: str,
-    ends: dict[int, int],
-    target: str,
-    exclude: str,
-    workdir: Path,
-    timeout_s: float = 900,
-) -> ConnectRun:
-    """The JDBC sink reading ``topic`` from offset zero into ``target`` until it has committed every record of
-    ``ends`` (partition -> high watermark; a transactional topic's last offset is a commit marker, which the
-    task never counts, so one short of it is the end)."""
+@dataclass(frozen=True)
+class Replay:
+    """What the JDBC sink replays: ``topic`` of ``kafka`` (its schemas in ``registry``) from offset zero into
+    ``target``, without the fields of ``exclude``, until every record of ``ends`` is committed (partition ->
+    high watermark; a transactional topic's last offset is a commit marker, which the task never counts, so one
+    short of it is the end), within ``timeout_s``. The worker's files and log go into ``workdir``."""
+
+    kafka: str
+    registry: str
+    topic: str
+    ends: dict[int, int]
+    target: str
+    exclude: str
+    workdir: Path
+    timeout_s: float = 900
+
+
+def jdbc_sink_replay(replay: Replay) -> ConnectRun:
+    """The JDBC sink on a standalone Connect worker doing ``replay``, timed."""
     home = Path(discovery.find("connect-jars").value)
     jdk = services.java_home(17)
     if jdk is None:
         raise RuntimeError("Kafka Connect needs Java 17+: apt-get install -y openjdk-17-jre-headless")
+    workdir = replay.workdir
     workdir.mkdir(parents=True, exist_ok=True)
     name = f"pgcdc-bench-{int(time.time())}"
-    (workdir / "worker.properties").write_text(_worker(kafka, home, workdir))
-    (workdir / "connector.properties").write_text(_connector(name, topic, registry, target, exclude))
+    (workdir / "worker.properties").write_text(_worker(replay.kafka, home, workdir))
+    (workdir / "connector.properties").write_text(
+        _connector(name, replay.topic, replay.registry, replay.target, replay.exclude)
+    )
     (workdir / "log4j.properties").write_text(_LOG4J)
     log = workdir / "connect.log"
     launched = time.monotonic()
@@ -141,7 +149,8 @@ def jdbc_sink_replay(
             stderr=subprocess.STDOUT,
         )
     try:
-        return _wait(proc, log, launched, (kafka, f"connect-{name}", topic, ends), timeout_s)
+        group = (replay.kafka, f"connect-{name}", replay.topic, replay.ends)
+        return _wait(proc, log, launched, group, replay.timeout_s)
     finally:
         stop_process(proc)
 

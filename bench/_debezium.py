@@ -317,26 +317,48 @@ class Debezium:
         raise TimeoutError(f"Debezium did not start streaming within {timeout:.0f} s:\n{self.log_tail()}")
 
 
+@dataclass(frozen=True)
+class RunOptions:
+    """One Debezium Server run (see :func:`running`): its topics' prefix and scratch directory, its own slot and
+    publication, the snapshot mode, the knobs, the version, whether its topics outlive it, and the converter."""
+
+    topic_prefix: str
+    work: Path
+    slot: str = "bench_debezium"
+    publication: str = "bench_debezium"
+    snapshot: str = "no_data"
+    tuning: Tuning = field(default_factory=Tuning)
+    version: str = DEBEZIUM_VERSION
+    keep_topics: bool = False
+    avro: str = "confluent"
+
+
 def _properties(
-    dsn: str,
-    tables: Sequence[str],
-    *,
-    topic_prefix: str,
-    slot: str,
-    publication: str,
-    snapshot: str,
-    kafka: str,
-    registry: str,
-    offsets: Path,
-    http_port: int,
-    tuning: Tuning,
-    avro: str,
+    dsn: str, tables: Sequence[str], options: RunOptions, ep: dict[str, str], http_port: int
 ) -> dict[str, str | int]:
-    pg = conninfo_to_dict(dsn)
-    src = "debezium.source."
+    """application.properties of a run: Quarkus, the Kafka sink, the PostgreSQL source, the Avro converter."""
     props: dict[str, str | int] = {
         "quarkus.http.port": http_port,  # default 8080 may be taken; we only need the process
         "quarkus.log.console.json": "false",
+        **_sink_properties(ep["kafka"], options.tuning),
+        **_source_properties(dsn, tables, options),
+        "debezium.format.key": "avro",
+        "debezium.format.value": "avro",
+    }
+    for part in ("key", "value"):
+        fmt = f"debezium.format.{part}."
+        if options.avro == "apicurio":  # Debezium picks Apicurio's converter when this URL is set, else Confluent's
+            props[f"{fmt}apicurio.registry.url"] = _native_registry_url(ep["registry"])
+            props[f"{fmt}apicurio.registry.auto-register"] = "true"
+            props[f"{fmt}apicurio.registry.find-latest"] = "true"
+        else:
+            props[f"{fmt}schema.registry.url"] = ep["registry"]
+    return props
+
+
+def _sink_properties(kafka: str, tuning: Tuning) -> dict[str, str | int]:
+    """The Kafka sink: byte arrays (the converter made them), its producer set as ours is (see :class:`Tuning`)."""
+    return {
         "debezium.sink.type": "kafka",
         "debezium.sink.kafka.producer.bootstrap.servers": kafka,
         "debezium.sink.kafka.producer.key.serializer": "org.apache.kafka.common.serialization.ByteArraySerializer",
@@ -347,39 +369,37 @@ def _properties(
         "debezium.sink.kafka.producer.batch.size": tuning.batch_bytes,
         "debezium.sink.kafka.producer.buffer.memory": tuning.buffer_bytes,
         "debezium.sink.kafka.producer.compression.type": tuning.compression,
+    }
+
+
+def _source_properties(dsn: str, tables: Sequence[str], options: RunOptions) -> dict[str, str | int]:
+    """The PostgreSQL connector on ``tables`` of dsn's database, its offsets in the run's scratch directory."""
+    pg = conninfo_to_dict(dsn)
+    src = "debezium.source."
+    tuning = options.tuning
+    return {
         f"{src}connector.class": "io.debezium.connector.postgresql.PostgresConnector",
         f"{src}offset.storage": "org.apache.kafka.connect.storage.FileOffsetBackingStore",
-        f"{src}offset.storage.file.filename": str(offsets),
+        f"{src}offset.storage.file.filename": str(options.work / "offsets.dat"),
         f"{src}offset.flush.interval.ms": tuning.offset_flush_ms,
         f"{src}database.hostname": pg.get("host") or "127.0.0.1",
         f"{src}database.port": pg.get("port") or 5432,
         f"{src}database.user": pg.get("user") or "postgres",
         f"{src}database.password": pg.get("password") or "",
         f"{src}database.dbname": pg.get("dbname") or "postgres",
-        f"{src}topic.prefix": topic_prefix,
+        f"{src}topic.prefix": options.topic_prefix,
         f"{src}table.include.list": ",".join(tables),  # regexes; a dot matching any char is harmless
         f"{src}plugin.name": "pgoutput",
-        f"{src}slot.name": slot,
+        f"{src}slot.name": options.slot,
         f"{src}slot.drop.on.stop": "true",
-        f"{src}publication.name": publication,
+        f"{src}publication.name": options.publication,
         f"{src}publication.autocreate.mode": "filtered",  # a publication of just these tables, like ours
-        f"{src}snapshot.mode": snapshot,
+        f"{src}snapshot.mode": options.snapshot,
         f"{src}snapshot.fetch.size": tuning.snapshot_fetch_size,
         f"{src}max.batch.size": tuning.max_batch_size,
         f"{src}max.queue.size": tuning.max_queue_size,
         f"{src}poll.interval.ms": tuning.poll_interval_ms,
-        "debezium.format.key": "avro",
-        "debezium.format.value": "avro",
     }
-    for part in ("key", "value"):
-        fmt = f"debezium.format.{part}."
-        if avro == "apicurio":  # Debezium picks Apicurio's converter when this URL is set, else Confluent's
-            props[f"{fmt}apicurio.registry.url"] = _native_registry_url(registry)
-            props[f"{fmt}apicurio.registry.auto-register"] = "true"
-            props[f"{fmt}apicurio.registry.find-latest"] = "true"
-        else:
-            props[f"{fmt}schema.registry.url"] = registry
-    return props
 
 
 def _drop_slot(dsn: str, slot: str) -> None:
@@ -398,89 +418,82 @@ def _drop_slot(dsn: str, slot: str) -> None:
 
 
 @contextlib.contextmanager
-def running(
-    dsn: str,
-    tables: Sequence[str],
-    *,
-    topic_prefix: str,
-    slot: str = "bench_debezium",
-    publication: str = "bench_debezium",
-    snapshot: str = "no_data",
-    work: Path,
-    tuning: Tuning | None = None,
-    version: str = DEBEZIUM_VERSION,
-    keep_topics: bool = False,
-    avro: str = "confluent",
-) -> Iterator[Debezium]:
+def running(dsn: str, tables: Sequence[str], options: RunOptions) -> Iterator[Debezium]:
     """Run Debezium Server on `tables` ("schema.table") of dsn's database until the block ends.
 
     Its own slot and publication (never ours), created by Debezium and dropped here afterwards; topics
     ``<topic_prefix>.<schema>.<table>`` created compacted beforehand and deleted afterwards, with their registry
-    subjects, unless keep_topics.
-    snapshot: "initial" (copy the tables, then stream) or "no_data" (stream only; Debezium 3's name for "never").
-    avro: "confluent" or "apicurio", the converter (see the module's docstring).
+    subjects, unless ``options.keep_topics``.
+    ``options.snapshot``: "initial" (copy the tables, then stream) or "no_data" (stream only; Debezium 3's name
+    for "never"). ``options.avro``: "confluent" or "apicurio", the converter (see the module's docstring).
     """
-    if avro not in ("confluent", "apicurio"):
-        raise ValueError(f"avro must be 'confluent' or 'apicurio', not {avro!r}")
-    tuning = tuning or Tuning()
+    if options.avro not in ("confluent", "apicurio"):
+        raise ValueError(f"avro must be 'confluent' or 'apicurio', not {options.avro!r}")
     java = services.java_home(JAVA_MIN)
     if java is None:
-        raise services.DeployError(f"Debezium Server {version} needs Java {JAVA_MIN}+; none in /usr/lib/jvm")
-    dhome = install(version)
+        raise services.DeployError(f"Debezium Server {options.version} needs Java {JAVA_MIN}+; none in /usr/lib/jvm")
+    dhome = install(options.version)
     ep = endpoints()
-    topics = {t: f"{topic_prefix}.{t}" for t in tables}
+    topics = {t: f"{options.topic_prefix}.{t}" for t in tables}
     create_topics(ep["kafka"], list(topics.values()))
+    work = options.work
     work.mkdir(parents=True, exist_ok=True)
     (work / "config").mkdir(exist_ok=True)
-    props = _properties(
-        dsn,
-        tables,
-        topic_prefix=topic_prefix,
-        slot=slot,
-        publication=publication,
-        snapshot=snapshot,
-        kafka=ep["kafka"],
-        registry=ep["registry"],
-        offsets=work / "offsets.dat",
-        http_port=_free_port(),
-        tuning=tuning,
-        avro=avro,
-    )
+    props = _properties(dsn, tables, options, ep, _free_port())
     # Quarkus reads ./config/application.properties: the run's own directory, not the install's.
     (work / "config" / "application.properties").write_text("".join(f"{k}={v}\n" for k, v in props.items()))
+    proc, log = _launch(java, dhome, options)
+    dbz = Debezium(proc=proc, work=work, log=log, dsn=dsn, slot=options.slot, topics=topics)
+    try:
+        yield dbz
+    finally:
+        _stop(dbz)
+        _drop_slot(dsn, options.slot)
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute(sql.SQL("DROP PUBLICATION IF EXISTS {}").format(sql.Identifier(options.publication)))
+        if not options.keep_topics:
+            delete_topics(ep["kafka"], list(topics.values()))
+            delete_subjects(ep["registry"], list(topics.values()))
+
+
+def _launch(java: Path, dhome: Path, options: RunOptions) -> tuple[subprocess.Popen[bytes], Path]:
+    """Debezium Server started in the run's directory, with the converter's jars on its class path; its log."""
     runner = next(dhome.glob("debezium-server-*runner.jar"))
-    if avro == "apicurio":
+    if options.avro == "apicurio":
         extra = [str(services.download(services.maven_url(g, a, v, "jar"))) for g, a, v in APICURIO_JARS]
     else:
         extra = [str(dhome / "connectors" / "debezium-connector-dse" / jar) for jar in CONFLUENT_JARS]
     classpath = ":".join([str(runner), str(dhome / "config" / "lib"), *extra, f"{dhome / 'lib'}/*"])
-    log = work / "debezium.log"
+    log = options.work / "debezium.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            [str(java / "bin" / "java"), *JVM_FLAGS, *tuning.java_opts, "-cp", classpath, "io.debezium.server.Main"],
-            cwd=work,
+            [
+                str(java / "bin" / "java"),
+                *JVM_FLAGS,
+                *options.tuning.java_opts,
+                "-cp",
+                classpath,
+                "io.debezium.server.Main",
+            ],
+            cwd=options.work,
             stdout=out,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
         )
-    dbz = Debezium(proc=proc, work=work, log=log, dsn=dsn, slot=slot, topics=topics)
-    try:
-        yield dbz
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)  # Quarkus shuts the engine down: last offsets, slot dropped
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                dbz.killed = True
-                proc.kill()
-                proc.wait(10)
-        _drop_slot(dsn, slot)
-        with psycopg.connect(dsn, autocommit=True) as conn:
-            conn.execute(sql.SQL("DROP PUBLICATION IF EXISTS {}").format(sql.Identifier(publication)))
-        if not keep_topics:
-            delete_topics(ep["kafka"], list(topics.values()))
-            delete_subjects(ep["registry"], list(topics.values()))
+    return proc, log
+
+
+def _stop(dbz: Debezium) -> None:
+    """SIGTERM, and SIGKILL a minute later if it still runs (``killed`` then says so)."""
+    proc = dbz.proc
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)  # Quarkus shuts the engine down: last offsets, slot dropped
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            dbz.killed = True
+            proc.kill()
+            proc.wait(10)
 
 
 def main(argv: list[str]) -> int:

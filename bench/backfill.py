@@ -20,27 +20,25 @@ backfill (target: at most 2x the same run's p99 without it, and under 150 ms), t
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime as dt
 import math
 import re
 import subprocess
 import sys
-import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import psycopg
-from confluent_kafka import Consumer, TopicPartition
-from pgcdc_dev import discovery
+from confluent_kafka import TopicPartition
 from pgcdc_dev.bench.report import Measure, Result, percentile, write_result
-from pgcdc_dev.bench.warm_broker import delete_topics
 from psycopg import sql
 
+from bench import _capture_bench as cb
 from bench import _debezium as dbz
-from bench._capture_bench import drop_slots, dsn_for, stop_process
-from bench.capture_latency import _SCRIPT, _Decoder
+from bench._capture_bench import stop_process
+from bench.capture_latency import _Decoder
 from bench.snapshot import _CREATE, _FILL
 
 SCENARIO = "backfill"
@@ -59,24 +57,16 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def _config(path: Path, dsn: str, *, kafka: str, registry: str, prefix: str, slot: str, extra: str) -> Path:
+def _config(path: Path, db: cb.OwnDatabase, name: str, extra: str) -> Path:
+    """`cdc run`'s configuration: slot, publication and topics named ``name``; ``extra`` ends its [capture]."""
     tables = f'["public.{BIG}"]' if "initial" in extra else f'["public.{SMALL}", "public.{BIG}"]'
     path.write_text(
-        f'[source]\ndsn = "{dsn}"\ntables = {tables}\nslot = "{slot}"\npublication = "{slot}"\n'
-        f'signal_table = "public.signal_{slot}"\n'
-        f'[kafka]\nbootstrap_servers = "{kafka}"\ntopic_prefix = "{prefix}"\n'
-        f'[registry]\nurl = "{registry}"\n[metrics]\nport = 0\n[capture]\n{extra}\n'
+        f'[source]\ndsn = "{db.dsn}"\ntables = {tables}\nslot = "{name}"\npublication = "{name}"\n'
+        f'signal_table = "public.signal_{name}"\n'
+        f'[kafka]\nbootstrap_servers = "{db.ep.kafka}"\ntopic_prefix = "{name}"\n'
+        f'[registry]\nurl = "{db.ep.registry}"\n[metrics]\nport = 0\n[capture]\n{extra}\n'
     )
     return path
-
-
-def _start(config: Path, log: Path) -> subprocess.Popen[bytes]:
-    with open(log, "wb") as out:
-        return subprocess.Popen(
-            [sys.executable, "-m", "pgcdc", "--log-level", "info", "run", "--config", str(config)],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
 
 
 def _log_time(log: Path, text: str, proc: subprocess.Popen[bytes], timeout: float) -> float:
@@ -99,16 +89,7 @@ class _Latency:
     def __init__(self, kafka: str, registry: str, topic: str) -> None:
         self.samples: list[tuple[float, float]] = []
         self._decoder = _Decoder(registry)
-        self._consumer = Consumer(
-            {
-                "bootstrap.servers": kafka,
-                "group.id": f"{topic}-latency",
-                "enable.auto.commit": False,
-                "isolation.level": "read_committed",
-                "fetch.wait.max.ms": 10,
-                "fetch.min.bytes": 1,
-            }
-        )
+        self._consumer = cb.latency_consumer(kafka, f"{topic}-latency")
         deadline = time.monotonic() + 60
         while True:  # the topic is made by the capture at the table's first change
             md = self._consumer.list_topics(topic, timeout=30)
@@ -165,126 +146,105 @@ def _fill(dsn: str, rows: int) -> None:
         conn.execute(sql.SQL("SELECT count(*) FROM {}").format(sql.Identifier(BIG)))
 
 
-def _reference(dsn: str, work: Path, *, kafka: str, registry: str, prefix: str, rows: int, timeout: float) -> float:
+def _reference(db: cb.OwnDatabase, rows: int, timeout: float) -> float:
     """The key-order snapshot's rows/s."""
-    config = _config(
-        work / "ref.toml",
-        dsn,
-        kafka=kafka,
-        registry=registry,
-        prefix=f"{prefix}_ref",
-        slot=f"{prefix}_ref",
-        extra='snapshot = "initial"\nsnapshot_scan_max_mb = 0',
-    )
-    proc = _start(config, work / "ref.log")
+    config = _config(db.work / "ref.toml", db, f"{db.prefix}_ref", 'snapshot = "initial"\nsnapshot_scan_max_mb = 0')
+    proc = cb.launch_cdc(config, db.work / "ref.log")
     try:
-        began = _log_time(work / "ref.log", "snapshot of 1 table(s)", proc, 300)
-        done = _log_time(work / "ref.log", "snapshot done", proc, timeout)
+        began = _log_time(db.work / "ref.log", "snapshot of 1 table(s)", proc, 300)
+        done = _log_time(db.work / "ref.log", "snapshot done", proc, timeout)
     finally:
         stop_process(proc)
     return rows / (done - began)
 
 
-def _pgbench(dsn: str, work: Path, rate: float, writers: int, seconds: float) -> subprocess.Popen[bytes]:
-    with psycopg.connect(dsn) as conn:
-        bindir = conn.execute("SELECT setting FROM pg_config() WHERE name = 'BINDIR'").fetchone()
-        quoted = sql.Identifier(SMALL).as_string(conn)
-    assert bindir is not None
-    script = work / "update.sql"
-    script.write_text(_SCRIPT.format(rows=1000, table=quoted))
-    return subprocess.Popen(
-        [
-            str(Path(bindir[0]) / "pgbench"),
-            "-n",
-            "-f",
-            str(script),
-            "-R",
-            str(rate),
-            "-T",
-            str(math.ceil(seconds)),
-            "-c",
-            str(writers),
-            "-j",
-            str(writers),
-            "-M",
-            "prepared",
-            dsn,
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+def _pgbench(db: cb.OwnDatabase, rate: float, writers: int, seconds: float) -> subprocess.Popen[bytes]:
+    """pgbench's paced updates of the small table, ``seconds`` long at most (it is killed at the run's end)."""
+    load = cb.PacedLoad(SMALL, 1000, rate, writers, math.ceil(seconds))
+    return cb.start_paced(db.dsn, cb.paced_script(db.dsn, db.work, load), load)
+
+
+@dataclass(frozen=True)
+class _Backfill:
+    """The backfill as the capture's log dates it (epoch s), the capture's CPU seconds over it and its peak RSS."""
+
+    began: float
+    done: float
+    cpu: float
+    peak: float
 
 
 def run(argv: list[str] | None = None) -> Result:
     args = build_parser().parse_args(argv)
-    admin, kafka, registry = (discovery.find(n).value for n in ("postgres", "kafka", "registry"))
-    prefix = f"bench_bf_{int(time.time())}"
-    work = Path(tempfile.mkdtemp(prefix="pgcdc-bench-backfill-"))
+    db = cb.own_database("bench_bf", "backfill")
     result = Result(
         SCENARIO, params={"rows": args.rows, "rate": args.rate, "seconds": args.seconds, "writers": args.writers}
     )
-    with psycopg.connect(admin, autocommit=True) as conn:
-        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(prefix)))
-    dsn = dsn_for(admin, prefix)
     proc: subprocess.Popen[bytes] | None = None
     load: subprocess.Popen[bytes] | None = None
     latency: _Latency | None = None
     try:
-        _fill(dsn, args.rows)
-        ref_rate = _reference(
-            dsn, work, kafka=kafka, registry=registry, prefix=prefix, rows=args.rows, timeout=args.timeout
-        )
+        _fill(db.dsn, args.rows)
+        ref_rate = _reference(db, args.rows, args.timeout)
         print(f"key-order snapshot: {ref_rate:,.0f} rows/s", file=sys.stderr)
-        config = _config(
-            work / "cdc.toml",
-            dsn,
-            kafka=kafka,
-            registry=registry,
-            prefix=prefix,
-            slot=prefix,
-            extra='snapshot = "never"' + (f"\nbackfill_chunk_rows = {args.chunk_rows}" if args.chunk_rows else ""),
-        )
-        proc = _start(config, work / "cdc.log")
-        _log_time(work / "cdc.log", "streaming from slot", proc, 300)
-        load = _pgbench(dsn, work, args.rate, args.writers, args.timeout)
-        latency = _Latency(kafka, registry, f"{prefix}.public.{SMALL}")
+        chunks = f"\nbackfill_chunk_rows = {args.chunk_rows}" if args.chunk_rows else ""
+        config = _config(db.work / "cdc.toml", db, db.prefix, 'snapshot = "never"' + chunks)
+        proc = cb.launch_cdc(config, db.work / "cdc.log")
+        _log_time(db.work / "cdc.log", "streaming from slot", proc, 300)
+        load = _pgbench(db, args.rate, args.writers, args.timeout)
+        latency = _Latency(db.ep.kafka, db.ep.registry, f"{db.prefix}.public.{SMALL}")
         time.sleep(3)  # warm-up
         quiet = (time.time(), time.time() + args.seconds)
         time.sleep(args.seconds)
-        asked = subprocess.run(
-            [sys.executable, "-m", "pgcdc", "snapshot", f"public.{BIG}", "--config", str(config)],
-            capture_output=True,
-            text=True,
-            check=True,
-        )
-        print(asked.stdout.strip(), file=sys.stderr)
-        cpu0 = dbz.cpu_seconds(proc.pid)
-        began = _log_time(work / "cdc.log", f"of public.{BIG} started", proc, 120)
-        done = _log_time(work / "cdc.log", f"of public.{BIG} done", proc, args.timeout)
-        cpu = dbz.cpu_seconds(proc.pid) - cpu0
-        peak = dbz.peak_rss_mb(proc.pid)
+        backfill = _backfill(config, proc, db.work / "cdc.log", args.timeout)
         time.sleep(2)  # the last events of the window reach the consumer
-        p99_quiet, n_quiet = latency.p99(*quiet)
-        p99_during, n_during = latency.p99(began, done)
+        p99_quiet = latency.p99(*quiet)
+        p99_during = latency.p99(backfill.began, backfill.done)
     finally:
         if load is not None:
             load.kill()
         if latency is not None:
             latency.close()
         stop_process(proc)
-        drop_slots(admin, prefix)
-        with psycopg.connect(admin, autocommit=True) as conn:
-            conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(prefix)))
-        with contextlib.suppress(Exception):
-            topics = [f"{prefix}.public.{BIG}", f"{prefix}.public.{SMALL}", f"{prefix}_ref.public.{BIG}"]
-            delete_topics(kafka, [*topics, f"{prefix}.offsets", f"{prefix}_ref.offsets"])
-            dbz.delete_subjects(registry, topics)
-    rate = args.rows / (done - began)
-    result.measures += [
+        topics = [f"{db.prefix}.public.{BIG}", f"{db.prefix}.public.{SMALL}", f"{db.prefix}_ref.public.{BIG}"]
+        cb.drop_own_database(db, topics, [db.prefix, f"{db.prefix}_ref"])
+    result.measures += _measures(args, ref_rate, backfill, p99_quiet, p99_during)
+    result.notes.append(f"logs: {db.work}")
+    return result
+
+
+def _backfill(config: Path, proc: subprocess.Popen[bytes], log: Path, timeout: float) -> _Backfill:
+    """`cdc snapshot` asks the running capture for the big table's backfill, which is waited for."""
+    asked = subprocess.run(
+        [sys.executable, "-m", "pgcdc", "snapshot", f"public.{BIG}", "--config", str(config)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    print(asked.stdout.strip(), file=sys.stderr)
+    cpu0 = dbz.cpu_seconds(proc.pid)
+    began = _log_time(log, f"of public.{BIG} started", proc, 120)
+    done = _log_time(log, f"of public.{BIG} done", proc, timeout)
+    cpu = dbz.cpu_seconds(proc.pid) - cpu0
+    return _Backfill(began=began, done=done, cpu=cpu, peak=dbz.peak_rss_mb(proc.pid))
+
+
+def _measures(
+    args: argparse.Namespace,
+    ref_rate: float,
+    backfill: _Backfill,
+    p99_quiet: tuple[float, int],
+    p99_during: tuple[float, int],
+) -> list[Measure]:
+    """The backfill's rows/s against the key-order snapshot's, the stream's p99 during it against before it, and
+    the capture's CPU and peak RSS."""
+    seconds = backfill.done - backfill.began
+    (quiet, n_quiet), (during, n_during) = p99_quiet, p99_during
+    return [
         Measure(
             "backfill rows/s",
             "rows/s",
-            round(rate),
+            round(args.rows / seconds),
             reference=round(ref_rate),
             reference_name="snapshot in key order",
             target_ratio=0.5,
@@ -294,22 +254,18 @@ def run(argv: list[str] | None = None) -> Result:
         Measure(
             "stream p99 during the backfill",
             "ms",
-            round(p99_during, 1),
-            reference=round(p99_quiet, 1),
+            round(during, 1),
+            reference=round(quiet, 1),
             reference_name="p99 without a backfill",
             higher_is_better=False,
             target_ratio=0.5,
             note=f"commit -> readable (read_committed) of {n_during:,} events during the backfill, against "
             f"{n_quiet:,} in the {args.seconds:g} s before it; pgbench -R {args.rate:g}",
         ),
-        Measure(
-            "stream p99 during the backfill (absolute)", "ms", round(p99_during, 1), higher_is_better=False, limit=150
-        ),
-        Measure("capture CPU during the backfill", "cores", round(cpu / (done - began), 2), higher_is_better=False),
-        Measure("capture peak RSS", "MB", peak, higher_is_better=False),
+        Measure("stream p99 during the backfill (absolute)", "ms", round(during, 1), higher_is_better=False, limit=150),
+        Measure("capture CPU during the backfill", "cores", round(backfill.cpu / seconds, 2), higher_is_better=False),
+        Measure("capture peak RSS", "MB", backfill.peak, higher_is_better=False),
     ]
-    result.notes.append(f"logs: {work}")
-    return result
 
 
 if __name__ == "__main__":

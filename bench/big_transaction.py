@@ -18,7 +18,7 @@ environment variables are removed), so the figures are what a user gets.
 from __future__ import annotations
 
 import argparse
-import time
+import dataclasses
 
 from pgcdc_dev.bench.report import Measure, Result, write_result
 from psycopg import sql
@@ -78,46 +78,12 @@ def run(argv: list[str] | None = None) -> Result:
         },
     )
     with cb.scratch("bench_bigtxn") as s:
-        with s.connect() as conn:
-            conn.execute(sql.SQL(_CREATE).format(sql.Identifier(TABLE)))
-            row = conn.execute("SHOW logical_decoding_work_mem").fetchone()
-            result.params["logical_decoding_work_mem"] = row[0] if row else None
-        qualified = f"public.{TABLE}"
-        s.create_publication(PUBLICATION, [qualified])
-        # TLS costs the walsender more CPU per row serving `cdc run` than serving pg_recvlogical (measured
-        # 2026-11-24: 10-40 % with TLS, none without); the variant shows it on every run.
-        plain = args.without_tls == "auto" and s.server_tls()
-        start_lsn = s.create_slots([SLOT_REF, SLOT_CDC, *([SLOT_REF_PLAIN, SLOT_CDC_PLAIN] if plain else [])])
-        t0 = time.monotonic()
-        with s.connect() as conn:
-            conn.execute(sql.SQL(_INSERT).format(sql.Identifier(TABLE)), (args.pad, rows))
-            end_lsn = s.end_lsn(conn, fence_for=[SLOT_CDC, *([SLOT_CDC_PLAIN] if plain else [])])
-        result.params["write_s"] = round(time.monotonic() - t0, 2)
-        result.params["wal_mb"] = round((end_lsn - start_lsn) / 2**20, 1)
-
-        ref = s.recvlogical(SLOT_REF, PUBLICATION, end_lsn, streaming=args.reference_streaming == "on")
-        ours = s.time_cdc(SLOT_CDC, PUBLICATION, [qualified], end_lsn)
-        result.series["pg_recvlogical"] = ref.as_json()
-        result.series["cdc"] = ours.as_json()
-        result.notes += cb.cpu_notes(rows, "row", ours, ref)
+        qualified, plain, end_lsn = _write(s, args, rows, result)
+        streaming = args.reference_streaming == "on"
+        readers = cb.Readers(SLOT_REF, SLOT_CDC, PUBLICATION, (qualified,), streaming=streaming)
+        ours, ref = cb.time_readers(s, readers, end_lsn, result, count=rows, unit="row")
         if plain:
-            p = s.without_tls()
-            ref_plain = p.recvlogical(SLOT_REF_PLAIN, PUBLICATION, end_lsn, streaming=args.reference_streaming == "on")
-            ours_plain = p.time_cdc(SLOT_CDC_PLAIN, PUBLICATION, [qualified], end_lsn)
-            result.series["pg_recvlogical_without_tls"] = ref_plain.as_json()
-            result.series["cdc_without_tls"] = ours_plain.as_json()
-            result.notes += cb.cpu_notes(rows, "row", ours_plain, ref_plain, label=" without TLS")
-            result.measures.append(
-                Measure(
-                    "capture rows/s, both readers without TLS",
-                    "rows/s",
-                    round(rows / ours_plain.streaming_seconds),
-                    reference=round(rows / ref_plain.seconds),
-                    reference_name="pg_recvlogical",
-                    note="a variant: the same WAL read again by both readers with sslmode=disable, on their own "
-                    "slots; the target is judged on the default connection above",
-                )
-            )
+            result.measures.append(_without_tls(s, readers, end_lsn, rows, result))
         result.measures += [
             *cb.rate_measures("capture rows/s", "rows/s", rows, ours, ref, note="one transaction"),
             Measure(
@@ -135,6 +101,44 @@ def run(argv: list[str] | None = None) -> Result:
         f"pg_recvlogical asked for streaming={args.reference_streaming}."
     )
     return result
+
+
+def _write(s: cb.Scratch, args: argparse.Namespace, rows: int, result: Result) -> tuple[str, bool, int]:
+    """The table, the publication and the slots (a second pair for the variant without TLS when it is run),
+    then the one transaction: the table's qualified name, whether the variant is run, and the end LSN."""
+    with s.connect() as conn:
+        conn.execute(sql.SQL(_CREATE).format(sql.Identifier(TABLE)))
+        row = conn.execute("SHOW logical_decoding_work_mem").fetchone()
+        result.params["logical_decoding_work_mem"] = row[0] if row else None
+    qualified = f"public.{TABLE}"
+    s.create_publication(PUBLICATION, [qualified])
+    # TLS costs the walsender more CPU per row serving `cdc run` than serving pg_recvlogical (measured
+    # 2026-11-24: 10-40 % with TLS, none without); the variant shows it on every run.
+    plain = args.without_tls == "auto" and s.server_tls()
+    start_lsn = s.create_slots([SLOT_REF, SLOT_CDC, *([SLOT_REF_PLAIN, SLOT_CDC_PLAIN] if plain else [])])
+    end_lsn, _ = cb.timed_write(
+        s,
+        result,
+        start_lsn,
+        lambda conn: conn.execute(sql.SQL(_INSERT).format(sql.Identifier(TABLE)), (args.pad, rows)),
+        [SLOT_CDC, *([SLOT_CDC_PLAIN] if plain else [])],
+    )
+    return qualified, plain, end_lsn
+
+
+def _without_tls(s: cb.Scratch, readers: cb.Readers, end_lsn: int, rows: int, result: Result) -> Measure:
+    """The variant: the same ``readers`` again, on their own slots, with sslmode=disable."""
+    plain = dataclasses.replace(readers, ref_slot=SLOT_REF_PLAIN, cdc_slot=SLOT_CDC_PLAIN, variant=" without TLS")
+    ours_plain, ref_plain = cb.time_readers(s.without_tls(), plain, end_lsn, result, count=rows, unit="row")
+    return Measure(
+        "capture rows/s, both readers without TLS",
+        "rows/s",
+        round(rows / ours_plain.streaming_seconds),
+        reference=round(rows / ref_plain.seconds),
+        reference_name="pg_recvlogical",
+        note="a variant: the same WAL read again by both readers with sslmode=disable, on their own "
+        "slots; the target is judged on the default connection above",
+    )
 
 
 if __name__ == "__main__":

@@ -27,33 +27,26 @@ import math
 import re
 import struct
 import subprocess
-import sys
-import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import fastavro
 import psycopg
-from confluent_kafka import Consumer, TopicPartition
+from confluent_kafka import Consumer, Message, TopicPartition
 from confluent_kafka.schema_registry import SchemaRegistryClient
-from pgcdc_dev import discovery
 from pgcdc_dev.bench.report import Measure, Result, percentile, write_result
 from pgcdc_dev.bench.warm_broker import delete_topics
 from psycopg import sql
 
+from bench import _capture_bench as cb
 from bench import _debezium as dbz
-from bench._capture_bench import dsn_for, stop_process
+from bench._capture_bench import stop_process
 
 SCENARIO = "latency"
 TABLE = "lat"
 
-# The load: pgbench (C, paced with -R) so that generating 2,000 transactions/s leaves the 2 cores to PostgreSQL,
-# Kafka and the capture; Python writer processes took half a core more and made the box, not the capture, the
-# bottleneck (run queue 5-17). One statement per transaction, the row picked at random.
-_SCRIPT = """\\set id random(1, {rows})
-UPDATE {table} SET v = v + 1, at = now() WHERE id = :id;
-"""
 _PROCESSED = re.compile(r"number of transactions actually processed: (\d+)")
 _LAG = re.compile(r"schedule lag: avg ([\d.]+) \(max ([\d.]+)\) ms")
 
@@ -112,16 +105,25 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+@dataclass
+class _Seen:
+    """What the consumer read: per event committed in the measured window, (commit time s, latency ms) and the
+    latency's two legs (ms); every streamed event counted; pgbench's transactions and schedule lag, once it ended."""
+
+    samples: list[tuple[float, float]] = field(default_factory=list)
+    # The two legs of each latency: commit -> the capture read the transaction (the event's ts_us, stamped at
+    # its Begin), and from there -> readable by a read_committed consumer (encode, Kafka commit, fetch).
+    legs: list[tuple[float, float]] = field(default_factory=list)
+    streamed: int = 0
+    sent: int | None = None
+    behind: str = ""
+
+
 def run(argv: list[str] | None = None) -> Result:
     args = build_parser().parse_args(argv)
 
-    admin = discovery.find("postgres").value
-    kafka = discovery.find("kafka").value
-    registry = discovery.find("registry").value
-    prefix = f"bench_lat_{int(time.time())}"
-    db = prefix
-    topic = f"{prefix}.public.{TABLE}"
-    work = Path(tempfile.mkdtemp(prefix="pgcdc-bench-latency-"))
+    db = cb.own_database("bench_lat", "latency")
+    topic = f"{db.prefix}.public.{TABLE}"
     result = Result(
         SCENARIO,
         params={
@@ -133,84 +135,19 @@ def run(argv: list[str] | None = None) -> Result:
             "transaction": "UPDATE of one row (bigint key, int, timestamptz), autocommit",
         },
     )
-    with psycopg.connect(admin, autocommit=True) as conn:
-        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(db)))
-    dsn = dsn_for(admin, db)
     proc: subprocess.Popen[bytes] | None = None
     consumer: Consumer | None = None
     try:
-        with psycopg.connect(dsn, autocommit=True) as conn:
-            conn.execute(
-                sql.SQL("CREATE TABLE {} (id bigint PRIMARY KEY, v int NOT NULL, at timestamptz NOT NULL)").format(
-                    sql.Identifier(TABLE)
-                )
-            )
-            conn.execute(
-                sql.SQL("INSERT INTO {} SELECT g, 0, now() FROM generate_series(1, %s) g").format(
-                    sql.Identifier(TABLE)
-                ),
-                (args.table_rows,),
-            )
-        config = work / "cdc.toml"
-        config.write_text(
-            f'[source]\ndsn = "{dsn}"\ntables = ["public.{TABLE}"]\nslot = "{prefix}"\npublication = "{prefix}"\n'
-            f'[kafka]\nbootstrap_servers = "{kafka}"\ntopic_prefix = "{prefix}"\n'
-            f'[registry]\nurl = "{registry}"\n[metrics]\nport = 0\n[capture]\nsnapshot = "initial"\n'
-        )
-        log = work / "cdc.log"
-        with open(log, "wb") as out:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "pgcdc", "--log-level", "info", "run", "--config", str(config)],
-                stdout=out,
-                stderr=subprocess.STDOUT,
-            )
-        _wait_streaming(proc, log)
+        _create_table(db.dsn, args.table_rows)
+        proc = cb.launch_cdc(cb.snapshot_config(db.work / "cdc.toml", db, TABLE), db.work / "cdc.log")
+        _wait_streaming(proc, db.work / "cdc.log")
 
-        decoder = _Decoder(registry)
-        consumer = Consumer(
-            {
-                "bootstrap.servers": kafka,
-                "group.id": f"{prefix}-latency",
-                "enable.auto.commit": False,
-                "isolation.level": "read_committed",
-                "fetch.wait.max.ms": 10,
-                "fetch.min.bytes": 1,
-            }
-        )
+        decoder = _Decoder(db.ep.registry)
+        consumer = cb.latency_consumer(db.ep.kafka, f"{db.prefix}-latency")
         md = consumer.list_topics(topic, timeout=30)
         consumer.assign([TopicPartition(topic, p, 0) for p in md.topics[topic].partitions])
 
-        with psycopg.connect(dsn) as conn:
-            bindir = conn.execute("SELECT setting FROM pg_config() WHERE name = 'BINDIR'").fetchone()
-            quoted = sql.Identifier(TABLE).as_string(conn)
-        assert bindir is not None
-        script = work / "update.sql"
-        script.write_text(_SCRIPT.format(rows=args.table_rows, table=quoted))
-        start = time.time() + 0.5  # pgbench's connections are open by then
-        window = (start + args.warmup_seconds, start + args.warmup_seconds + args.seconds)
-        writers = [
-            subprocess.Popen(
-                [
-                    str(Path(bindir[0]) / "pgbench"),
-                    "-n",
-                    "-f",
-                    str(script),
-                    "-R",
-                    str(args.rate),
-                    "-T",
-                    str(math.ceil(args.warmup_seconds + args.seconds + 0.5)),
-                    "-c",
-                    str(args.writers),
-                    "-j",
-                    str(args.writers),
-                    "-M",
-                    "prepared",
-                    dsn,
-                ],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-            )
-        ]
+        window, writers = _start_load(db, args)
         cpu0 = dbz.cpu_seconds(proc.pid)
         # The measuring loop must not pause: a full collection of this process's heap (fastavro's schemas,
         # confluent-kafka, psycopg: 40-80 ms here) in the window added its length to every event
@@ -218,46 +155,7 @@ def run(argv: list[str] | None = None) -> Result:
         gc.collect()
         gc.freeze()
         gc.disable()
-        samples: list[tuple[float, float]] = []  # (commit time s, latency ms) of events committed in the window
-        # The two legs of each latency: commit -> the capture read the transaction (the event's ts_us, stamped at
-        # its Begin), and from there -> readable by a read_committed consumer (encode, Kafka commit, fetch).
-        legs: list[tuple[float, float]] = []
-        streamed = 0
-        sent: int | None = None
-        behind = ""
-        drain_deadline = math.inf
-        while time.time() < drain_deadline:
-            # consume(n, timeout) waits the whole timeout unless n messages arrive: that would add up to the
-            # timeout to every latency. poll() returns at the first message; consume(n, 0) takes what else is there.
-            first = consumer.poll(0.05)
-            msgs = [] if first is None else [first, *consumer.consume(1000, 0)]
-            now = time.time()
-            for msg in msgs:
-                if msg.error() is not None:
-                    raise RuntimeError(str(msg.error()))
-                data = msg.value()
-                if not data:
-                    continue  # a tombstone
-                value = decoder.value(data)
-                if value["op"] == "r":
-                    continue  # the snapshot
-                streamed += 1
-                commit_s = value["source"]["ts_us"] / 1e6
-                if window[0] <= commit_s < window[1]:
-                    samples.append((commit_s, (now - commit_s) * 1000))
-                    seen_s = value["ts_us"] / 1e6
-                    legs.append(((seen_s - commit_s) * 1000, (now - seen_s) * 1000))
-            if sent is None and all(w.poll() is not None for w in writers):
-                report = writers[0].communicate()[0].decode()
-                processed = _PROCESSED.search(report)
-                if writers[0].returncode != 0 or processed is None:
-                    raise RuntimeError(f"pgbench failed (exit {writers[0].returncode}): {report[-2000:]}")
-                sent = int(processed.group(1))
-                lag = _LAG.search(report)
-                behind = f"schedule lag avg {lag.group(1)} ms, max {lag.group(2)} ms" if lag else "no schedule lag"
-                drain_deadline = time.time() + args.drain_seconds
-            if sent is not None and streamed >= sent:
-                break
+        seen = _consume(consumer, decoder, writers, window, args.drain_seconds)
         gc.enable()
         cpu = dbz.cpu_seconds(proc.pid) - cpu0
         peak = dbz.peak_rss_mb(proc.pid)
@@ -265,25 +163,116 @@ def run(argv: list[str] | None = None) -> Result:
         if consumer is not None:
             consumer.close()
         stop_process(proc)
-        with psycopg.connect(admin, autocommit=True) as conn:
-            for _ in range(50):
-                try:
-                    conn.execute(
-                        "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = %s",
-                        (prefix,),
-                    )
-                    break
-                except psycopg.errors.ObjectInUse:
-                    time.sleep(0.2)
-            conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(db)))
-        with contextlib.suppress(Exception):
-            delete_topics(kafka, [topic, f"{prefix}.offsets"])
-            dbz.delete_subjects(registry, [topic])
+        _drop(db, topic)
 
-    latencies = sorted(s[1] for s in samples)
-    achieved = len(samples) / args.seconds
-    missing = (sent or 0) - streamed
-    result.measures += [
+    latencies = sorted(s[1] for s in seen.samples)
+    result.measures += _measures(args, latencies, len(seen.samples) / args.seconds, cpu, peak)
+    result.notes += _notes(seen, latencies, db.work)
+    result.series = _series(seen.samples, latencies, window, args.seconds)
+    return result
+
+
+def _create_table(dsn: str, rows: int) -> None:
+    """The table the load updates, ``rows`` rows of it."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(
+            sql.SQL("CREATE TABLE {} (id bigint PRIMARY KEY, v int NOT NULL, at timestamptz NOT NULL)").format(
+                sql.Identifier(TABLE)
+            )
+        )
+        conn.execute(
+            sql.SQL("INSERT INTO {} SELECT g, 0, now() FROM generate_series(1, %s) g").format(sql.Identifier(TABLE)),
+            (rows,),
+        )
+
+
+def _start_load(
+    db: cb.OwnDatabase, args: argparse.Namespace
+) -> tuple[tuple[float, float], list[subprocess.Popen[bytes]]]:
+    """pgbench's paced updates for the warm-up and the measured seconds: the measured window (epoch s) and the
+    writers."""
+    # The load: pgbench (C, paced with -R) so that generating 2,000 transactions/s leaves the 2 cores to
+    # PostgreSQL, Kafka and the capture; Python writer processes took half a core more and made the box, not the
+    # capture, the bottleneck (run queue 5-17). One statement per transaction, the row picked at random.
+    seconds = math.ceil(args.warmup_seconds + args.seconds + 0.5)
+    load = cb.PacedLoad(TABLE, args.table_rows, args.rate, args.writers, seconds, report=True)
+    files = cb.paced_script(db.dsn, db.work, load)
+    start = time.time() + 0.5  # pgbench's connections are open by then
+    window = (start + args.warmup_seconds, start + args.warmup_seconds + args.seconds)
+    return window, [cb.start_paced(db.dsn, files, load)]
+
+
+def _consume(
+    consumer: Consumer,
+    decoder: _Decoder,
+    writers: list[subprocess.Popen[bytes]],
+    window: tuple[float, float],
+    drain_seconds: float,
+) -> _Seen:
+    """Reads the topic until every transaction pgbench committed was read back, or ``drain_seconds`` after
+    pgbench ended."""
+    seen = _Seen()
+    drain_deadline = math.inf
+    while time.time() < drain_deadline:
+        # consume(n, timeout) waits the whole timeout unless n messages arrive: that would add up to the
+        # timeout to every latency. poll() returns at the first message; consume(n, 0) takes what else is there.
+        first = consumer.poll(0.05)
+        msgs = [] if first is None else [first, *consumer.consume(1000, 0)]
+        _take(msgs, time.time(), decoder, window, seen)
+        if seen.sent is None and all(w.poll() is not None for w in writers):
+            _pgbench_ended(writers[0], seen)
+            drain_deadline = time.time() + drain_seconds
+        if seen.sent is not None and seen.streamed >= seen.sent:
+            break
+    return seen
+
+
+def _take(msgs: list[Message], now: float, decoder: _Decoder, window: tuple[float, float], seen: _Seen) -> None:
+    """Counts the streamed events of ``msgs`` (got at ``now``); those committed in ``window`` are samples."""
+    for msg in msgs:
+        if msg.error() is not None:
+            raise RuntimeError(str(msg.error()))
+        data = msg.value()
+        if not data:
+            continue  # a tombstone
+        value = decoder.value(data)
+        if value["op"] == "r":
+            continue  # the snapshot
+        seen.streamed += 1
+        commit_s = value["source"]["ts_us"] / 1e6
+        if window[0] <= commit_s < window[1]:
+            seen.samples.append((commit_s, (now - commit_s) * 1000))
+            seen_s = value["ts_us"] / 1e6
+            seen.legs.append(((seen_s - commit_s) * 1000, (now - seen_s) * 1000))
+
+
+def _pgbench_ended(writer: subprocess.Popen[bytes], seen: _Seen) -> None:
+    """pgbench's committed transactions and schedule lag, from its report."""
+    report = writer.communicate()[0].decode()
+    processed = _PROCESSED.search(report)
+    if writer.returncode != 0 or processed is None:
+        raise RuntimeError(f"pgbench failed (exit {writer.returncode}): {report[-2000:]}")
+    seen.sent = int(processed.group(1))
+    lag = _LAG.search(report)
+    seen.behind = f"schedule lag avg {lag.group(1)} ms, max {lag.group(2)} ms" if lag else "no schedule lag"
+
+
+def _drop(db: cb.OwnDatabase, topic: str) -> None:
+    """The slot, once `cdc run` let go of it, the database, and (best effort) the topics and subjects."""
+    with psycopg.connect(db.ep.admin, autocommit=True) as conn:
+        cb.drop_slot_when_free(conn, db.prefix)
+        conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(db.prefix)))
+    with contextlib.suppress(Exception):
+        delete_topics(db.ep.kafka, [topic, f"{db.prefix}.offsets"])
+        dbz.delete_subjects(db.ep.registry, [topic])
+
+
+def _measures(
+    args: argparse.Namespace, latencies: list[float], achieved: float, cpu: float, peak: float
+) -> list[Measure]:
+    """p50 and p99 latency against their limits, the achieved rate against the offered one, the capture's CPU
+    and peak RSS."""
+    return [
         Measure("p50 latency", "ms", round(percentile(latencies, 50), 2), higher_is_better=False, limit=10),
         Measure("p99 latency", "ms", round(percentile(latencies, 99), 2), higher_is_better=False, limit=50),
         Measure(
@@ -303,7 +292,14 @@ def run(argv: list[str] | None = None) -> Result:
         ),
         Measure("capture peak RSS", "MB", peak, higher_is_better=False),
     ]
-    result.notes += [
+
+
+def _notes(seen: _Seen, latencies: list[float], work: Path) -> list[str]:
+    """The latencies' max and mean, their two legs, what pgbench committed against what was read back, how the
+    consumer reads, and where the logs are."""
+    legs = seen.legs
+    missing = (seen.sent or 0) - seen.streamed
+    return [
         f"latency = consumer wall clock when the record was returned - source.ts_us (commit time); "
         f"max {latencies[-1] if latencies else float('nan'):.1f} ms, mean "
         f"{sum(latencies) / len(latencies) if latencies else float('nan'):.1f} ms over {len(latencies):,} events",
@@ -311,14 +307,20 @@ def run(argv: list[str] | None = None) -> Result:
         f"{percentile(sorted(x[0] for x in legs), 50):.1f}/{percentile(sorted(x[0] for x in legs), 99):.1f}, "
         "read by the capture -> readable in Kafka "
         f"{percentile(sorted(x[1] for x in legs), 50):.1f}/{percentile(sorted(x[1] for x in legs), 99):.1f}",
-        f"pgbench committed {sent} transactions ({behind}); "
-        f"{streamed} streamed events read back ({missing} missing after the drain)",
+        f"pgbench committed {seen.sent} transactions ({seen.behind}); "
+        f"{seen.streamed} streamed events read back ({missing} missing after the drain)",
         "consumer: confluent-kafka, isolation.level=read_committed, fetch.wait.max.ms=10; the capture commits a "
         "Kafka transaction whenever it has read everything PostgreSQL sent (cdc/_stream.py, cdc/_batch.py)",
         f"logs: {work}",
     ]
+
+
+def _series(
+    samples: list[tuple[float, float]], latencies: list[float], window: tuple[float, float], seconds: float
+) -> dict[str, Any]:
+    """A latency histogram, p50/p99 per second of the window and up to 5,000 evenly spaced samples."""
     per_second: list[dict[str, float]] = []
-    for sec in range(math.ceil(args.seconds)):
+    for sec in range(math.ceil(seconds)):
         lo = window[0] + sec
         chunk = sorted(s[1] for s in samples if lo <= s[0] < lo + 1)
         if chunk:
@@ -331,7 +333,7 @@ def run(argv: list[str] | None = None) -> Result:
                 }
             )
     step = max(1, len(samples) // 5000)
-    result.series = {
+    return {
         "latency_histogram_ms": _histogram(latencies),
         "per_second": per_second,
         "samples": {
@@ -339,7 +341,6 @@ def run(argv: list[str] | None = None) -> Result:
             "latency_ms": [round(s[1], 2) for s in samples[::step]],
         },
     }
-    return result
 
 
 if __name__ == "__main__":

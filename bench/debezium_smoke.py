@@ -27,6 +27,7 @@ import tempfile
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -87,17 +88,20 @@ def _framing(kafka: str, topic: str, registry: str) -> dict[str, object]:
         consumer.close()
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rows", type=int, default=100_000)
-    ap.add_argument("--txn-rows", type=int, default=5_000)
-    ap.add_argument("--mode", choices=["streaming", "snapshot", "both"], default="both")
-    ap.add_argument(
-        "--warmup-rows", type=int, default=50_000, help="streamed and drained before timing (0: a cold JVM)"
-    )
-    ap.add_argument("--avro", choices=["confluent", "apicurio"], default="confluent", help="Debezium's converter")
-    args = ap.parse_args()
+@dataclass(frozen=True)
+class _Smoke:
+    """The run's scratch database (``db`` on ``dsn``), its logs' directory, Kafka and the registry, and the
+    arguments."""
 
+    db: str
+    dsn: str
+    work: Path
+    ep: dict[str, str]
+    args: argparse.Namespace
+
+
+def main() -> int:
+    args = _arguments()
     admin = str(services.SERVICES["postgres"].endpoint()["dsn"])
     ep = dbz.endpoints()
     dbz.install()
@@ -121,74 +125,12 @@ def main() -> int:
         "cpus": os.cpu_count(),
         "date": time.strftime("%Y-%m-%d %H:%M"),
     }
+    smoke = _Smoke(db=db, dsn=dsn, work=work, ep=ep, args=args)
     try:
         if args.mode in ("streaming", "both"):
-            with psycopg.connect(dsn, autocommit=True) as conn:
-                conn.execute(sql.SQL(_TABLE).format(sql.Identifier("events")))
-            with dbz.running(
-                dsn,
-                ["public.events"],
-                topic_prefix=f"{db}_stream",
-                snapshot="no_data",
-                work=work / "stream",
-                avro=args.avro,
-            ) as run:
-                topic = run.topics["public.events"]
-                startup_s = run.wait_streaming()
-                warm = args.warmup_rows
-                if warm:  # the same path, drained before timing: the measured rows meet compiled code
-                    with psycopg.connect(dsn, autocommit=True) as conn:
-                        _insert(conn, "events", warm, args.txn_rows)
-                    dbz.wait_for_records(ep["kafka"], topic, warm, time.monotonic())
-                cpu0 = run.thread_cpu()
-                start = time.monotonic()
-                # Write from a thread and watch the topic meanwhile, so the first record's time is real.
-                with ThreadPoolExecutor(1) as pool:
-                    writing = pool.submit(_timed_insert, dsn, "events", args.rows, args.txn_rows, warm + 1)
-                    arrival = dbz.wait_for_records(ep["kafka"], topic, warm + args.rows, start)
-                    write_s = writing.result()
-                cpu = _cpu(run, cpu0)
-                result["streaming"] = {
-                    "startup_to_streaming_s": round(startup_s, 2),
-                    "warmup_rows": warm,
-                    "write_s": round(write_s, 2),
-                    "first_record_s": round(arrival.first_s, 2),
-                    "all_records_s": round(arrival.last_s, 2),
-                    "rows_per_s": round(args.rows / arrival.last_s),
-                    "cpu_s": round(sum(cpu.values()), 2),
-                    "cpu_s_by_thread": cpu,
-                    "cpu_us_per_row_excl_jit": round((cpu["other"] + cpu["gc"]) / args.rows * 1e6),
-                    "cpu_s_total": round(run.cpu_seconds(), 2),
-                    "peak_rss_mb": run.peak_rss_mb(),
-                    "framing": _framing(ep["kafka"], run.topics["public.events"], ep["registry"]),
-                }
-            result["streaming"]["clean_stop"] = not run.killed  # exit code 143 is the JVM's for a SIGTERM
+            result["streaming"] = _streaming(smoke)
         if args.mode in ("snapshot", "both"):
-            with psycopg.connect(dsn, autocommit=True) as conn:
-                conn.execute(sql.SQL(_TABLE).format(sql.Identifier("snap")))
-                _insert(conn, "snap", args.rows, args.txn_rows)
-            with dbz.running(
-                dsn,
-                ["public.snap"],
-                topic_prefix=f"{db}_snap",
-                slot="bench_debezium_snap",
-                publication="bench_debezium_snap",
-                snapshot="initial",
-                work=work / "snap",
-                avro=args.avro,
-            ) as run:
-                cpu0 = {"jit": 0.0, "gc": 0.0, "other": 0.0}  # cold by nature: a snapshot is what starts first
-                arrival = dbz.wait_for_records(ep["kafka"], run.topics["public.snap"], args.rows, run.started)
-                result["snapshot"] = {
-                    "first_record_s": round(arrival.first_s, 2),
-                    "all_records_s": round(arrival.last_s, 2),
-                    "rows_per_s_from_launch": round(args.rows / arrival.last_s),
-                    "rows_per_s_from_first_record": round(args.rows / (arrival.last_s - arrival.first_s)),
-                    "cpu_s_total": round(run.cpu_seconds(), 2),
-                    "cpu_s_by_thread": _cpu(run, cpu0),
-                    "peak_rss_mb": run.peak_rss_mb(),
-                }
-            result["snapshot"]["clean_stop"] = not run.killed
+            result["snapshot"] = _snapshot(smoke)
     finally:
         with psycopg.connect(admin, autocommit=True) as conn:
             conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(db)))
@@ -198,6 +140,90 @@ def main() -> int:
     print(json.dumps(result, indent=2))
     print(f"logs: {work}")
     return 0
+
+
+def _arguments() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", type=int, default=100_000)
+    ap.add_argument("--txn-rows", type=int, default=5_000)
+    ap.add_argument("--mode", choices=["streaming", "snapshot", "both"], default="both")
+    ap.add_argument(
+        "--warmup-rows", type=int, default=50_000, help="streamed and drained before timing (0: a cold JVM)"
+    )
+    ap.add_argument("--avro", choices=["confluent", "apicurio"], default="confluent", help="Debezium's converter")
+    return ap.parse_args()
+
+
+def _streaming(smoke: _Smoke) -> dict[str, Any]:
+    """Debezium streaming ``--rows`` inserts (after ``--warmup-rows`` drained), timed from the first INSERT."""
+    args, dsn, kafka = smoke.args, smoke.dsn, smoke.ep["kafka"]
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(sql.SQL(_TABLE).format(sql.Identifier("events")))
+    options = dbz.RunOptions(
+        topic_prefix=f"{smoke.db}_stream", snapshot="no_data", work=smoke.work / "stream", avro=args.avro
+    )
+    with dbz.running(dsn, ["public.events"], options) as run:
+        topic = run.topics["public.events"]
+        startup_s = run.wait_streaming()
+        warm = args.warmup_rows
+        if warm:  # the same path, drained before timing: the measured rows meet compiled code
+            with psycopg.connect(dsn, autocommit=True) as conn:
+                _insert(conn, "events", warm, args.txn_rows)
+            dbz.wait_for_records(kafka, topic, warm, time.monotonic())
+        cpu0 = run.thread_cpu()
+        start = time.monotonic()
+        # Write from a thread and watch the topic meanwhile, so the first record's time is real.
+        with ThreadPoolExecutor(1) as pool:
+            writing = pool.submit(_timed_insert, dsn, "events", args.rows, args.txn_rows, warm + 1)
+            arrival = dbz.wait_for_records(kafka, topic, warm + args.rows, start)
+            write_s = writing.result()
+        cpu = _cpu(run, cpu0)
+        streaming = {
+            "startup_to_streaming_s": round(startup_s, 2),
+            "warmup_rows": warm,
+            "write_s": round(write_s, 2),
+            "first_record_s": round(arrival.first_s, 2),
+            "all_records_s": round(arrival.last_s, 2),
+            "rows_per_s": round(args.rows / arrival.last_s),
+            "cpu_s": round(sum(cpu.values()), 2),
+            "cpu_s_by_thread": cpu,
+            "cpu_us_per_row_excl_jit": round((cpu["other"] + cpu["gc"]) / args.rows * 1e6),
+            "cpu_s_total": round(run.cpu_seconds(), 2),
+            "peak_rss_mb": run.peak_rss_mb(),
+            "framing": _framing(kafka, run.topics["public.events"], smoke.ep["registry"]),
+        }
+    streaming["clean_stop"] = not run.killed  # exit code 143 is the JVM's for a SIGTERM
+    return streaming
+
+
+def _snapshot(smoke: _Smoke) -> dict[str, Any]:
+    """Debezium's initial snapshot of a table holding ``--rows`` rows, from the JVM's launch."""
+    args = smoke.args
+    with psycopg.connect(smoke.dsn, autocommit=True) as conn:
+        conn.execute(sql.SQL(_TABLE).format(sql.Identifier("snap")))
+        _insert(conn, "snap", args.rows, args.txn_rows)
+    options = dbz.RunOptions(
+        topic_prefix=f"{smoke.db}_snap",
+        slot="bench_debezium_snap",
+        publication="bench_debezium_snap",
+        snapshot="initial",
+        work=smoke.work / "snap",
+        avro=args.avro,
+    )
+    with dbz.running(smoke.dsn, ["public.snap"], options) as run:
+        cpu0 = {"jit": 0.0, "gc": 0.0, "other": 0.0}  # cold by nature: a snapshot is what starts first
+        arrival = dbz.wait_for_records(smoke.ep["kafka"], run.topics["public.snap"], args.rows, run.started)
+        snapshot = {
+            "first_record_s": round(arrival.first_s, 2),
+            "all_records_s": round(arrival.last_s, 2),
+            "rows_per_s_from_launch": round(args.rows / arrival.last_s),
+            "rows_per_s_from_first_record": round(args.rows / (arrival.last_s - arrival.first_s)),
+            "cpu_s_total": round(run.cpu_seconds(), 2),
+            "cpu_s_by_thread": _cpu(run, cpu0),
+            "peak_rss_mb": run.peak_rss_mb(),
+        }
+    snapshot["clean_stop"] = not run.killed
+    return snapshot
 
 
 if __name__ == "__main__":

@@ -25,7 +25,9 @@ import argparse
 import dataclasses
 import random
 import time
+from typing import Any
 
+import psycopg
 from pgcdc_dev import discovery
 from pgcdc_dev.bench.report import Measure, Result, write_result
 from psycopg import sql
@@ -82,9 +84,32 @@ def run(argv: list[str] | None = None) -> Result:
     args = parse_args(argv)
     sizes = txn_sizes(args.rows, args.max_txn_rows, args.seed)
     debezium = not args.no_debezium
+    result = _result(args, sizes, debezium)
+    if debezium:
+        dbz.install()  # before any timing: a first run downloads it
+    with cb.scratch("bench_insert") as s:
+        qualified, end_lsn = _write(s, args, sizes, result)
+        readers = cb.Readers(SLOT_REF, SLOT_CDC, PUBLICATION, (qualified,))
+        ours, ref = cb.time_readers(s, readers, end_lsn, result, count=args.rows, unit="row")
+        result.measures += cb.rate_measures(
+            "capture rows/s", "rows/s", args.rows, ours, ref, note="same WAL, read one after the other"
+        )
+        if args.cluster:
+            result.measures.append(_on_cluster(s, qualified, end_lsn, args.rows, ours))
+        if debezium:
+            _against_debezium(s, qualified, args.rows, ours, result)
+    result.notes.append(
+        "Readers run one at a time on the same WAL (a 2-core machine): pg_recvlogical, then `cdc run`, then "
+        "Debezium; walsender CPU of each is in series.*.walsender_cpu_s."
+    )
+    return result
+
+
+def _result(args: argparse.Namespace, sizes: list[int], debezium: bool) -> Result:
+    """The result, named for the server's major version (and the cluster variant), with the run's parameters."""
     major = cb.server_major()
     name = SCENARIO if str(major) == discovery.DEFAULT_PG_VERSION else f"{SCENARIO}-pg{major}"
-    result = Result(
+    return Result(
         f"{name}-cluster" if args.cluster else name,
         params={
             "postgres": major,
@@ -96,86 +121,75 @@ def run(argv: list[str] | None = None) -> Result:
             "load_avg_1m_at_start": cb.load_avg(),
         },
     )
-    if debezium:
-        dbz.install()  # before any timing: a first run downloads it
-    with cb.scratch("bench_insert") as s:
-        table = sql.Identifier(TABLE)
-        with s.connect() as conn:
-            conn.execute(sql.SQL(_CREATE).format(table))
-        qualified = f"public.{TABLE}"
-        s.create_publication(PUBLICATION, [qualified])
-        slots = [SLOT_REF, SLOT_CDC, *([SLOT_CLUSTER] if args.cluster else [])]
-        if debezium:
-            # Debezium's own publication (its "filtered" autocreate mode finds it as it would have made it),
-            # created before the slots like ours, so its slot decodes the very same transactions.
-            s.create_publication(DBZ_PUBLICATION, [qualified])
-            slots.append(SLOT_DBZ)
-        start_lsn = s.create_slots(slots)
-        t0 = time.monotonic()
-        with s.connect() as conn:
-            first = 1
-            for n in sizes:
-                conn.execute(sql.SQL(_INSERT).format(table), (first, first + n - 1))
-                first += n
-            end_lsn = s.end_lsn(conn, fence_for=[SLOT_CDC])
-        result.params["write_s"] = round(time.monotonic() - t0, 2)
-        result.params["wal_mb"] = round((end_lsn - start_lsn) / 2**20, 1)
 
-        ref = s.recvlogical(SLOT_REF, PUBLICATION, end_lsn)
-        ours = s.time_cdc(SLOT_CDC, PUBLICATION, [qualified], end_lsn)
-        result.series["pg_recvlogical"] = ref.as_json()
-        result.series["cdc"] = ours.as_json()
-        result.notes += cb.cpu_notes(args.rows, "row", ours, ref)
-        ours_rate = args.rows / ours.streaming_seconds
-        result.measures += cb.rate_measures(
-            "capture rows/s", "rows/s", args.rows, ours, ref, note="same WAL, read one after the other"
-        )
-        if args.cluster:
-            result.measures.append(_on_cluster(s, qualified, end_lsn, args.rows, ours))
-        if debezium:
-            d = _time_debezium(s, qualified, args.rows)
-            result.series["debezium"] = d
-            result.measures += [
-                Measure(
-                    "capture rows/s",
-                    "rows/s",
-                    round(ours_rate),
-                    reference=d["rows_per_s"],
-                    reference_name="Debezium",
-                    target_ratio=2.0,
-                    note="both timed from when they stream (start-up excluded) to the last record acknowledged "
-                    "in Kafka (ours: the Kafka transaction holding it committed)",
-                ),
-                Measure(
-                    "peak RSS",
-                    "MB",
-                    ours.peak_rss_mb,
-                    reference=d["peak_rss_mb"],
-                    reference_name="Debezium",
-                    higher_is_better=False,
-                    note="VmHWM of the process (Debezium: the JVM with its default heap ergonomics)",
-                ),
-                Measure(
-                    "CPU seconds",
-                    "s",
-                    round(ours.cpu_s, 2),
-                    reference=d["cpu_s"],
-                    reference_name="Debezium",
-                    higher_is_better=False,
-                    note="utime+stime of the process; ours from the launch, Debezium from when it streams "
-                    "(its start-up and a part of its JIT excluded)",
-                ),
-            ]
-            result.notes.append(
-                "Debezium writes without Kafka transactions (idempotent producer, acks=all; offsets to a local "
-                "file every second): it does less per event than `cdc run`, which commits each batch with its "
-                "resume position in one Kafka transaction."
-            )
+
+def _write(s: cb.Scratch, args: argparse.Namespace, sizes: list[int], result: Result) -> tuple[str, int]:
+    """The table, the publications and every reader's slot at one point, then the workload: the table's
+    qualified name and the end LSN."""
+    table = sql.Identifier(TABLE)
+    with s.connect() as conn:
+        conn.execute(sql.SQL(_CREATE).format(table))
+    qualified = f"public.{TABLE}"
+    s.create_publication(PUBLICATION, [qualified])
+    slots = [SLOT_REF, SLOT_CDC, *([SLOT_CLUSTER] if args.cluster else [])]
+    if not args.no_debezium:
+        # Debezium's own publication (its "filtered" autocreate mode finds it as it would have made it),
+        # created before the slots like ours, so its slot decodes the very same transactions.
+        s.create_publication(DBZ_PUBLICATION, [qualified])
+        slots.append(SLOT_DBZ)
+    start_lsn = s.create_slots(slots)
+    end_lsn, _ = cb.timed_write(s, result, start_lsn, lambda conn: _insert(conn, table, sizes), [SLOT_CDC])
+    return qualified, end_lsn
+
+
+def _insert(conn: psycopg.Connection[Any], table: sql.Identifier, sizes: list[int]) -> None:
+    """The rows, ids from 1, one transaction of each size in turn."""
+    first = 1
+    for n in sizes:
+        conn.execute(sql.SQL(_INSERT).format(table), (first, first + n - 1))
+        first += n
+
+
+def _against_debezium(s: cb.Scratch, qualified: str, rows: int, ours: cb.Usage, result: Result) -> None:
+    """Debezium on its own slot of the same WAL: its rows/s, peak RSS and CPU against ours."""
+    d = _time_debezium(s, qualified, rows)
+    result.series["debezium"] = d
+    result.measures += [
+        Measure(
+            "capture rows/s",
+            "rows/s",
+            round(rows / ours.streaming_seconds),
+            reference=d["rows_per_s"],
+            reference_name="Debezium",
+            target_ratio=2.0,
+            note="both timed from when they stream (start-up excluded) to the last record acknowledged "
+            "in Kafka (ours: the Kafka transaction holding it committed)",
+        ),
+        Measure(
+            "peak RSS",
+            "MB",
+            ours.peak_rss_mb,
+            reference=d["peak_rss_mb"],
+            reference_name="Debezium",
+            higher_is_better=False,
+            note="VmHWM of the process (Debezium: the JVM with its default heap ergonomics)",
+        ),
+        Measure(
+            "CPU seconds",
+            "s",
+            round(ours.cpu_s, 2),
+            reference=d["cpu_s"],
+            reference_name="Debezium",
+            higher_is_better=False,
+            note="utime+stime of the process; ours from the launch, Debezium from when it streams "
+            "(its start-up and a part of its JIT excluded)",
+        ),
+    ]
     result.notes.append(
-        "Readers run one at a time on the same WAL (a 2-core machine): pg_recvlogical, then `cdc run`, then "
-        "Debezium; walsender CPU of each is in series.*.walsender_cpu_s."
+        "Debezium writes without Kafka transactions (idempotent producer, acks=all; offsets to a local "
+        "file every second): it does less per event than `cdc run`, which commits each batch with its "
+        "resume position in one Kafka transaction."
     )
-    return result
 
 
 def _on_cluster(s: cb.Scratch, qualified: str, end_lsn: int, rows: int, single: cb.Usage) -> Measure:
@@ -198,15 +212,14 @@ def _on_cluster(s: cb.Scratch, qualified: str, end_lsn: int, rows: int, single: 
 
 def _time_debezium(s: cb.Scratch, qualified: str, rows: int) -> dict[str, float]:
     """Debezium streaming its slot's backlog: launch, wait until it streams, then until every row is in Kafka."""
-    with dbz.running(
-        s.dsn,
-        [qualified],
+    options = dbz.RunOptions(
         topic_prefix=f"{s.topic_prefix}_dbz",
         slot=SLOT_DBZ,
         publication=DBZ_PUBLICATION,
         snapshot="no_data",
         work=s.work / "debezium",
-    ) as d:
+    )
+    with dbz.running(s.dsn, [qualified], options) as d:
         startup_s = d.wait_streaming(timeout=600)
         streaming_at = time.monotonic()
         cpu0 = d.cpu_seconds()

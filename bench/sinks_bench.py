@@ -81,8 +81,8 @@ from psycopg import sql
 
 from bench import _debezium as dbz
 from bench import _sink_refs as refs
-from bench._capture_bench import dsn_for
-from bench._connect import jdbc_sink_replay
+from bench._capture_bench import drop_slot_when_free, dsn_for
+from bench._connect import Replay, jdbc_sink_replay
 from bench._outside import POLL_S, OutsideWatch
 from sinks import BaseSink, Batch
 from sinks.app import SinkQuery, spark_session, sqlalchemy_url
@@ -518,13 +518,15 @@ def _against_connect(env: Env, settings: Any, changes: refs.Changes, ours_s: flo
     finally:
         ends.close()
     run = jdbc_sink_replay(
-        kafka=env.kafka,
-        registry=env.registry,
-        topic=env.topic,
-        ends=marks,
-        target=dsn_for(env.admin, target),
-        exclude="price",
-        workdir=env.work / "connect",
+        Replay(
+            kafka=env.kafka,
+            registry=env.registry,
+            topic=env.topic,
+            ends=marks,
+            target=dsn_for(env.admin, target),
+            exclude="price",
+            workdir=env.work / "connect",
+        )
     )
     print(
         f"Kafka Connect JDBC sink: {changes.records / run.seconds:,.0f} events/s ({run.seconds:.1f} s)", file=sys.stderr
@@ -826,26 +828,10 @@ def _light(
     """Single-row transactions at ``--rate``: each row's commit time is recorded as its insert returns, and
     freshness is measured twice: by the stores' plain clients polling for the rows (bench._outside) and by each
     row's ``applied_ms`` (when the sink's writer applied it)."""
-    watch = OutsideWatch.for_stores(
-        redis_url=env.redis_url,
-        redis_prefix=f"{env.prefix}:g{_served(env, 'cache')}:public.{TABLE}:",
-        opensearch=env.opensearch,
-        index=f"{env.prefix}-public.{TABLE}".lower(),
-        delta_path=str(env.work / "warehouse-state-live" / f"g{_served(env, 'warehouse')}" / f"public.{TABLE}"),
-    ).start()
+    watch = _watch_stores(env)
     first = rows * 10 + 1
-    insert = sql.SQL("INSERT INTO {} (id, name, qty, price, payload) VALUES (%s, 'probe', 1, 1.5, '{{}}')").format(
-        sql.Identifier(TABLE)
-    )
     count = int(args.rate * args.freshness_seconds)
-    with psycopg.connect(env.dsn, autocommit=True) as conn:
-        t0, cpu = time.monotonic(), _machine_cpu(sinks_pid)
-        for i in range(count):
-            conn.execute(insert, (first + i,))
-            watch.commit([first + i])
-            time.sleep(max(0.0, t0 + (i + 1) / args.rate - time.monotonic()))
-        achieved = count / (time.monotonic() - t0)
-        elapsed, spent, busy = cpu.stop()
+    achieved, machine = _paced_inserts(env, watch, first, count, rate=args.rate, sinks_pid=sinks_pid)
     watch.wait(120)
     outside, missing = watch.stop(), watch.missing()
     applied = {k: sorted(v / 1000 for v in values) for k, values in _applied(env, range(first, first + count)).items()}
@@ -853,22 +839,7 @@ def _light(
         kind: {name: _percentiles(values) for name, values in figures.items()}
         for kind, figures in (("outside", outside), ("applied", applied))
     }
-    sinks_cpu = {k: v for k, v in spent.items() if k.startswith("sinks: ")}
-    result.measures.append(
-        Measure(
-            "sinks' CPU, light load",
-            "cores",
-            round(sum(sinks_cpu.values()) / elapsed, 2),
-            higher_is_better=False,
-            limit=HEADROOM_CORES,
-            note="`cdc sinks run` with search, cache and warehouse, CPU over the "
-            f"{elapsed:.0f} s of light load (/proc, in cores): "
-            + ", ".join(f"{kind[7:]} {v / elapsed:.2f}" for kind, v in sinks_cpu.items())
-            + f"; the whole machine was busy {busy / elapsed:.2f} of its {os.cpu_count()} cores: "
-            + ", ".join(f"{kind} {v / elapsed:.2f}" for kind, v in spent.items() if kind not in sinks_cpu)
-            + " (this benchmark polls the stores for the rows every 20 ms)",
-        )
-    )
+    result.measures.append(_light_cpu(*machine))
     for name in SINKS:
         seen = outside.get(name, [])
         own = applied.get(name)
@@ -891,6 +862,55 @@ def _light(
                         note=text,
                     )
                 )
+
+
+def _watch_stores(env: Env) -> OutsideWatch:
+    """The stores' plain clients polling the generations the live state serves (bench._outside), started."""
+    return OutsideWatch.for_stores(
+        redis_url=env.redis_url,
+        redis_prefix=f"{env.prefix}:g{_served(env, 'cache')}:public.{TABLE}:",
+        opensearch=env.opensearch,
+        index=f"{env.prefix}-public.{TABLE}".lower(),
+        delta_path=str(env.work / "warehouse-state-live" / f"g{_served(env, 'warehouse')}" / f"public.{TABLE}"),
+    ).start()
+
+
+def _paced_inserts(
+    env: Env, watch: OutsideWatch, first: int, count: int, *, rate: float, sinks_pid: int
+) -> tuple[float, tuple[float, dict[str, float], float]]:
+    """``count`` single-row inserts from id ``first``, ``rate`` a second, each told to ``watch`` as its commit
+    returns: the transactions/s achieved, and the machine's CPU meanwhile (seconds, by process kind, busy)."""
+    insert = sql.SQL("INSERT INTO {} (id, name, qty, price, payload) VALUES (%s, 'probe', 1, 1.5, '{{}}')").format(
+        sql.Identifier(TABLE)
+    )
+    with psycopg.connect(env.dsn, autocommit=True) as conn:
+        t0, cpu = time.monotonic(), _machine_cpu(sinks_pid)
+        for i in range(count):
+            conn.execute(insert, (first + i,))
+            watch.commit([first + i])
+            time.sleep(max(0.0, t0 + (i + 1) / rate - time.monotonic()))
+        achieved = count / (time.monotonic() - t0)
+        machine = cpu.stop()
+    return achieved, machine
+
+
+def _light_cpu(elapsed: float, spent: dict[str, float], busy: float) -> Measure:
+    """The sinks app's CPU over the light load (``spent`` by process kind over ``elapsed`` s), with the whole
+    machine's beside it."""
+    sinks_cpu = {k: v for k, v in spent.items() if k.startswith("sinks: ")}
+    return Measure(
+        "sinks' CPU, light load",
+        "cores",
+        round(sum(sinks_cpu.values()) / elapsed, 2),
+        higher_is_better=False,
+        limit=HEADROOM_CORES,
+        note="`cdc sinks run` with search, cache and warehouse, CPU over the "
+        f"{elapsed:.0f} s of light load (/proc, in cores): "
+        + ", ".join(f"{kind[7:]} {v / elapsed:.2f}" for kind, v in sinks_cpu.items())
+        + f"; the whole machine was busy {busy / elapsed:.2f} of its {os.cpu_count()} cores: "
+        + ", ".join(f"{kind} {v / elapsed:.2f}" for kind, v in spent.items() if kind not in sinks_cpu)
+        + " (this benchmark polls the stores for the rows every 20 ms)",
+    )
 
 
 def _percentiles(values: list[float]) -> list[float]:
@@ -1034,7 +1054,7 @@ def _live(env: Env, rows: int, args: argparse.Namespace, result: Result) -> None
             with _profiled(sinks.pid, args.profile_heavy, args.heavy_seconds):
                 _heavy(env, sampler, rows, args, result, sinks_pid=sinks.pid)
             _sustained(env, sampler, rows, args, result)
-            sinks = _restart(env, sinks, log=sinks_log, out=out, config=config, rows=rows, result=result)
+            sinks = _restart(env, sinks, _SinksApp(config=config, log=sinks_log, out=out), rows, result)
         finally:
             sampler.halt.set()
             _stop(sinks, 180)
@@ -1047,11 +1067,21 @@ def _batches_done(env: Env, name: str) -> int:
     return 0
 
 
+@dataclass(frozen=True)
+class _SinksApp:
+    """How the live steps run `cdc sinks run`: its configuration, its log and the open file it writes it with."""
+
+    config: Path
+    log: Path
+    out: IO[bytes]
+
+
 def _restart(
-    env: Env, sinks: subprocess.Popen[bytes], *, log: Path, out: IO[bytes], config: Path, rows: int, result: Result
+    env: Env, sinks: subprocess.Popen[bytes], app: _SinksApp, rows: int, result: Result
 ) -> subprocess.Popen[bytes]:
     """SIGKILL `cdc sinks run` (its JVM with it) under load, start it again: how long after its launch each sink
     has applied its first batch of changes, and that batch's time against the steady ones before."""
+    log = app.log
     load = _Load(env.dsn, rows * 40 + 1, 200, HEAVY_TXN_ROWS, 90)
     load.start()
     steady_from = log.stat().st_size
@@ -1062,7 +1092,7 @@ def _restart(
     time.sleep(5)
     restarted_at = log.stat().st_size
     launched = time.time()
-    sinks = _cdc(["sinks", "run", "--config", str(config)], out)
+    sinks = _cdc(["sinks", "run", "--config", str(app.config)], app.out)
     load.join()
     time.sleep(10)
     steady = _batches(log, steady_from, killed_at)
@@ -1302,15 +1332,7 @@ def run(argv: list[str] | None = None) -> Result:
 
 def _cleanup(env: Env) -> None:
     with psycopg.connect(env.admin, autocommit=True) as conn:
-        for _ in range(50):
-            try:
-                conn.execute(
-                    "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = %s",
-                    (env.prefix,),
-                )
-                break
-            except psycopg.errors.ObjectInUse:
-                time.sleep(0.2)
+        drop_slot_when_free(conn, env.prefix)
         conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(env.prefix)))
         for suffix in ("_sql", "_connect"):
             conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(env.prefix + suffix)))

@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import argparse
 import random
-import time
+from typing import Any
 
+import psycopg
 from pgcdc_dev.bench.report import Measure, Result, write_result
 from psycopg import sql
 
@@ -86,65 +87,19 @@ def run(argv: list[str] | None = None) -> Result:
         },
     )
     with cb.scratch("bench_update") as s:
-        t = sql.Identifier(TABLE)
-        with s.connect() as conn:
-            conn.execute(sql.SQL(_CREATE).format(t=t))
-            conn.execute(sql.SQL("ALTER TABLE {t} ALTER COLUMN body SET STORAGE EXTERNAL").format(t=t))
-            conn.execute(sql.SQL("ALTER TABLE {t} REPLICA IDENTITY DEFAULT").format(t=t))
-            conn.execute(sql.SQL(_INSERT).format(t=t), {**body, "salt": 0, "rows": args.rows})
-            conn.execute(sql.SQL("VACUUM ANALYZE {t}").format(t=t))
+        _create(s, body, args.rows)
         qualified = f"public.{TABLE}"
         s.create_publication(PUBLICATION, [qualified])
         start_lsn = s.create_slots([SLOT_REF, SLOT_CDC])
 
         live = list(range(1, args.rows + 1))
-        counts = {"update_small": 0, "update_body": 0, "delete": 0}
-        txns = 0
-        t0 = time.monotonic()
-        with s.connect() as conn:
-            left = args.changes
-            while left > 0:
-                n = min(left, rng.randint(1, args.max_txn))
-                left -= n
-                kinds = rng.choices(
-                    ["update_small", "update_body", "delete"],
-                    weights=[1 - args.toast_share - args.delete_share, args.toast_share, args.delete_share],
-                    k=n,
-                )
-                ids = rng.sample(live, n)  # distinct rows: one change per row per transaction
-                by_kind: dict[str, list[int]] = {k: [] for k in counts}
-                for kind, row_id in zip(kinds, ids, strict=True):
-                    by_kind[kind].append(row_id)
-                txns += 1
-                with conn.transaction():
-                    if by_kind["update_small"]:
-                        conn.execute(
-                            sql.SQL(_UPDATE_SMALL).format(t=t), {"status": f"s{txns}", "ids": by_kind["update_small"]}
-                        )
-                    if by_kind["update_body"]:
-                        conn.execute(
-                            sql.SQL(_UPDATE_BODY).format(t=t), {**body, "salt": txns, "ids": by_kind["update_body"]}
-                        )
-                    if by_kind["delete"]:
-                        conn.execute(sql.SQL(_DELETE).format(t=t), {"ids": by_kind["delete"]})
-                for k, v in by_kind.items():
-                    counts[k] += len(v)
-                if by_kind["delete"]:
-                    gone = set(by_kind["delete"])
-                    live = [i for i in live if i not in gone]
-            end_lsn = s.end_lsn(conn, fence_for=[SLOT_CDC])
-        result.params.update(
-            write_s=round(time.monotonic() - t0, 2),
-            wal_mb=round((end_lsn - start_lsn) / 2**20, 1),
-            transactions=txns,
-            **counts,
+        end_lsn, (txns, counts) = cb.timed_write(
+            s, result, start_lsn, lambda conn: _changes(conn, args, rng, body, live), [SLOT_CDC]
         )
+        result.params.update(transactions=txns, **counts)
 
-        ref = s.recvlogical(SLOT_REF, PUBLICATION, end_lsn)
-        ours = s.time_cdc(SLOT_CDC, PUBLICATION, [qualified], end_lsn)
-        result.series["pg_recvlogical"] = ref.as_json()
-        result.series["cdc"] = ours.as_json()
-        result.notes += cb.cpu_notes(args.changes, "change", ours, ref)
+        readers = cb.Readers(SLOT_REF, SLOT_CDC, PUBLICATION, (qualified,))
+        ours, ref = cb.time_readers(s, readers, end_lsn, result, count=args.changes, unit="change")
         result.measures += cb.rate_measures(
             "capture changes/s",
             "changes/s",
@@ -161,6 +116,59 @@ def run(argv: list[str] | None = None) -> Result:
         "leaves it alone reaches the capture as an 'u' (unchanged TOAST) marker."
     )
     return result
+
+
+def _create(s: cb.Scratch, body: dict[str, int], rows: int) -> None:
+    """The table, its body out of line and uncompressed, and its rows, written before the slots exist."""
+    t = sql.Identifier(TABLE)
+    with s.connect() as conn:
+        conn.execute(sql.SQL(_CREATE).format(t=t))
+        conn.execute(sql.SQL("ALTER TABLE {t} ALTER COLUMN body SET STORAGE EXTERNAL").format(t=t))
+        conn.execute(sql.SQL("ALTER TABLE {t} REPLICA IDENTITY DEFAULT").format(t=t))
+        conn.execute(sql.SQL(_INSERT).format(t=t), {**body, "salt": 0, "rows": rows})
+        conn.execute(sql.SQL("VACUUM ANALYZE {t}").format(t=t))
+
+
+def _changes(
+    conn: psycopg.Connection[Any], args: argparse.Namespace, rng: random.Random, body: dict[str, int], live: list[int]
+) -> tuple[int, dict[str, int]]:
+    """``--changes`` updates and deletes of distinct ``live`` rows per transaction, in transactions of
+    1..``--max-txn`` (drawn from ``rng``); the transactions and the changes by kind."""
+    counts = {"update_small": 0, "update_body": 0, "delete": 0}
+    txns = 0
+    left = args.changes
+    while left > 0:
+        n = min(left, rng.randint(1, args.max_txn))
+        left -= n
+        kinds = rng.choices(
+            ["update_small", "update_body", "delete"],
+            weights=[1 - args.toast_share - args.delete_share, args.toast_share, args.delete_share],
+            k=n,
+        )
+        ids = rng.sample(live, n)  # distinct rows: one change per row per transaction
+        by_kind: dict[str, list[int]] = {k: [] for k in counts}
+        for kind, row_id in zip(kinds, ids, strict=True):
+            by_kind[kind].append(row_id)
+        txns += 1
+        _transaction(conn, by_kind, txns, body)
+        for k, v in by_kind.items():
+            counts[k] += len(v)
+        if by_kind["delete"]:
+            gone = set(by_kind["delete"])
+            live = [i for i in live if i not in gone]
+    return txns, counts
+
+
+def _transaction(conn: psycopg.Connection[Any], by_kind: dict[str, list[int]], txn: int, body: dict[str, int]) -> None:
+    """One transaction of changes: ``txn`` salts its status and its bodies."""
+    t = sql.Identifier(TABLE)
+    with conn.transaction():
+        if by_kind["update_small"]:
+            conn.execute(sql.SQL(_UPDATE_SMALL).format(t=t), {"status": f"s{txn}", "ids": by_kind["update_small"]})
+        if by_kind["update_body"]:
+            conn.execute(sql.SQL(_UPDATE_BODY).format(t=t), {**body, "salt": txn, "ids": by_kind["update_body"]})
+        if by_kind["delete"]:
+            conn.execute(sql.SQL(_DELETE).format(t=t), {"ids": by_kind["delete"]})
 
 
 if __name__ == "__main__":
