@@ -4,7 +4,8 @@ The public face for sink authors (docs/sinks.md, "Write a sink"): :class:`Partit
 :class:`PartitionWriter` (rows written inside Spark's executor tasks: :class:`TableInfo`, :class:`Change`,
 :class:`Rejected`), :class:`Sink` for sinks that write Spark frames (:class:`Batch`, :class:`TableChanges`),
 :class:`BaseSink`, :class:`SinkContext`, and :class:`Rebuildable` for stores that can be rebuilt and verified
-(read back in parallel tasks through :class:`ReadsInParts` or :class:`ReadsFrame`).
+(read back in parallel tasks through :class:`ReadsInParts` or :class:`ReadsFrame`, and read again when
+:class:`ChangesUnderRead` says the store changed under a read).
 pyspark is imported lazily (only inside functions that need it), so listing sinks stays cheap; the capture
 service's internals are never imported.
 """
@@ -15,6 +16,7 @@ from sinks._api import (
     BaseSink,
     Batch,
     Change,
+    ChangesUnderRead,
     DropsGeneration,
     FrameRows,
     PartitionSink,
@@ -38,6 +40,7 @@ __all__ = [
     "BaseSink",
     "Batch",
     "Change",
+    "ChangesUnderRead",
     "DropsGeneration",
     "FrameRows",
     "PartitionSink",

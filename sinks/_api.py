@@ -353,6 +353,17 @@ class ReadsFrame(Protocol):
 
 
 @runtime_checkable
+class ChangesUnderRead(Protocol):
+    """A :class:`Rebuildable` sink whose running query can change a table's shape while ``cdc verify`` reads it
+    (the warehouse widens a Delta column when a type change arrives, and Spark's read of the table then fails):
+    verify reads again, a few times, when the sink recognises the failure as that."""
+
+    def changed_under_read(self, error: BaseException) -> bool:
+        """Whether ``error``, raised while the store was read, means the store changed under the read."""
+        ...
+
+
+@runtime_checkable
 class ReadsFields(Protocol):
     """A :class:`ReadsFrame` sink whose copy Spark reads as the table's Value record: a column per field, by its
     Avro name, typed as Spark's ``from_avro`` reads the field (a ``time-micros`` as the long it is; the warehouse:

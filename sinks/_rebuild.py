@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from sinks._api import Rebuildable
+from sinks._api import ChangesUnderRead, Rebuildable
 from sinks._bridge import served_generation
 from sinks._preflight import check_writable
 from sinks._progress import REBUILD_FILE, TopicEnds, checkpoint_offsets, reached
@@ -55,7 +55,6 @@ def never_ran(settings: SinkSettings, name: str) -> SinkConfigError | None:
         sink.close()
 
 
-_CHANGED_UNDER_READ = "DELTA_SCHEMA_CHANGE_SINCE_ANALYSIS"  # Delta's error for a table altered during a read
 _READS_UNDER_CHANGE = 5  # reads of a store that keeps changing its schema under them before verify gives up
 
 
@@ -90,10 +89,11 @@ def verify(
             try:
                 drifts = compare(session, sink, source_tables(), gen, table_name=settings.table_name, reports=reports)
             except Exception as exc:
-                if _CHANGED_UNDER_READ not in str(exc) or reads >= _READS_UNDER_CHANGE:
+                if not (isinstance(sink, ChangesUnderRead) and sink.changed_under_read(exc)):
                     raise
-                # The running sink gave a table a wider column (sinks._delta_widen) while it was read: read again.
-                log.info("verify %s: a table's schema changed while it was read; reading it again", name)
+                if reads >= _READS_UNDER_CHANGE:
+                    raise
+                log.info("verify %s: a table changed its shape while it was read; reading it again", name)
                 continue
             if all(d.clean for d in drifts) or time.monotonic() >= deadline:
                 return drifts

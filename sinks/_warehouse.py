@@ -112,6 +112,10 @@ class WarehouseSink(BaseSink):
             time.sleep(self.context.settings.sinks.swap_grace_s)  # readers of the old copy finish first
             self.drop_generation(old)
 
+    def changed_under_read(self, error: BaseException) -> bool:
+        # Delta's error for a table altered during a read: the query widened a column (sinks._delta_widen).
+        return "DELTA_SCHEMA_CHANGE_SINCE_ANALYSIS" in str(error)
+
     def read_table(self, table: TableRef, generation: int) -> Iterator[tuple[str, dict[str, Any]]]:
         read = self.read_frame(table, generation)
         if read is None:

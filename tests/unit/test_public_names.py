@@ -39,6 +39,7 @@ def test_the_sink_api_names_stay() -> None:
         "BaseSink",
         "Batch",
         "Change",
+        "ChangesUnderRead",
         "DropsGeneration",
         "FrameRows",
         "PartitionSink",
