@@ -214,7 +214,7 @@ path = "{warehouse}"
         return path
 
 
-def _cdc(args: list[str], log: IO[bytes], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+def run_cdc(args: list[str], log: IO[bytes], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
     # A session of its own: a SIGKILL of the group takes its Spark JVM at the same instant, like a container's.
     return subprocess.Popen(
         [sys.executable, "-m", "pgcdc", *args],
@@ -225,7 +225,7 @@ def _cdc(args: list[str], log: IO[bytes], env: dict[str, str] | None = None) -> 
     )
 
 
-def _stop(proc: subprocess.Popen[bytes], timeout: float) -> None:
+def stop_process(proc: subprocess.Popen[bytes], timeout: float) -> None:
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -238,7 +238,7 @@ def _stop(proc: subprocess.Popen[bytes], timeout: float) -> None:
 # -- 1. workload --------------------------------------------------------------------------------------------
 
 
-def _create(env: Env, rows: int) -> None:
+def create_source(env: Env, rows: int) -> None:
     with psycopg.connect(env.admin, autocommit=True) as conn:
         conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(env.prefix)))
         conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(f"{env.prefix}_sql")))
@@ -279,17 +279,19 @@ def _changes(env: Env, rows: int) -> int:
     return int(lsn[0])
 
 
-def _capture(env: Env, rows: int, config: Path, log: IO[bytes]) -> None:
+def capture_changes(env: Env, rows: int, config: Path, log: IO[bytes]) -> None:
     """Snapshot, stream the changes, and stop once the slot has confirmed the last of them."""
-    capture = _cdc(["run", "--config", str(config)], log)
+    capture = run_cdc(["run", "--config", str(config)], log)
     try:
         with psycopg.connect(env.admin, autocommit=True) as conn, _topic_end(env) as end_of_topic:
-            _wait(lambda: end_of_topic() >= rows, capture, "the snapshot")
+            wait_until(lambda: end_of_topic() >= rows, capture, "the snapshot")
             end = _changes(env, rows)
             query = "SELECT confirmed_flush_lsn - '0/0' >= %s FROM pg_replication_slots WHERE slot_name = %s"
-            _wait(lambda: bool((conn.execute(query, (end, env.prefix)).fetchone() or [False])[0]), capture, "changes")
+            wait_until(
+                lambda: bool((conn.execute(query, (end, env.prefix)).fetchone() or [False])[0]), capture, "changes"
+            )
     finally:
-        _stop(capture, 120)
+        stop_process(capture, 120)
 
 
 @contextlib.contextmanager
@@ -309,7 +311,7 @@ def _topic_end(env: Env) -> Iterator[Callable[[], int]]:
         consumer.close()
 
 
-def _wait(done: Callable[[], bool], proc: subprocess.Popen[bytes], what: str, timeout: float = 1800) -> None:
+def wait_until(done: Callable[[], bool], proc: subprocess.Popen[bytes], what: str, timeout: float = 1800) -> None:
     deadline = time.monotonic() + timeout
     while not done():
         if proc.poll() is not None:
@@ -698,7 +700,7 @@ def _phases(m: dict[str, float], records: int) -> str:
 # -- 5. live ------------------------------------------------------------------------------------------------
 
 
-class _LagSampler(threading.Thread):
+class LagSampler(threading.Thread):
     """Each sink's lag (records, and the age of its oldest unapplied change) every second, as `cdc status`
     measures it: from outside, its checkpoint against the topics' ends."""
 
@@ -733,7 +735,7 @@ class _LagSampler(threading.Thread):
         return [s[2] for s in self.samples[name] if start <= s[0] <= end and s[2] is not None]
 
 
-class _Load(threading.Thread):
+class Load(threading.Thread):
     """Inserts ``rows_per_txn``-row transactions at ``changes_per_s`` from ``first`` until stopped."""
 
     def __init__(self, dsn: str, first: int, changes_per_s: float, rows_per_txn: int, seconds: float) -> None:
@@ -822,8 +824,8 @@ def _note_phases(means: dict[str, dict[str, float]], result: Result) -> None:
         result.notes.append(f"light load, {sink}, mean seconds per batch: {listed}")
 
 
-def _light(
-    env: Env, sampler: _LagSampler, rows: int, args: argparse.Namespace, result: Result, *, sinks_pid: int
+def light_load(
+    env: Env, sampler: LagSampler, rows: int, args: argparse.Namespace, result: Result, *, sinks_pid: int
 ) -> None:
     """Single-row transactions at ``--rate``: each row's commit time is recorded as its insert returns, and
     freshness is measured twice: by the stores' plain clients polling for the rows (bench._outside) and by each
@@ -925,9 +927,9 @@ def _served(env: Env, name: str) -> int:
 
 
 def _heavy(
-    env: Env, sampler: _LagSampler, rows: int, args: argparse.Namespace, result: Result, *, sinks_pid: int
+    env: Env, sampler: LagSampler, rows: int, args: argparse.Namespace, result: Result, *, sinks_pid: int
 ) -> None:
-    load = _Load(env.dsn, rows * 20 + 1, HEAVY_RATE, HEAVY_TXN_ROWS, args.heavy_seconds)
+    load = Load(env.dsn, rows * 20 + 1, HEAVY_RATE, HEAVY_TXN_ROWS, args.heavy_seconds)
     start, cpu = sampler.now(), _machine_cpu(sinks_pid)
     load.run()
     end = sampler.now()
@@ -959,13 +961,13 @@ def _heavy(
     result.series["lag_load_window_s"] = [0.0, round(end - start, 1)]
 
 
-def _sustained(env: Env, sampler: _LagSampler, rows: int, args: argparse.Namespace, result: Result) -> None:
+def _sustained(env: Env, sampler: LagSampler, rows: int, args: argparse.Namespace, result: Result) -> None:
     """SUSTAINED_RATE changes/s for ``--sustained-seconds``: each sink's lag (the age of its oldest unapplied
     change, as `cdc status` sees it) over the load's last third against its middle third (the first third is
     the climb from idle); bounded when the ratio stays under GROWTH_LIMIT."""
     if args.sustained_seconds <= 0:
         return
-    load = _Load(env.dsn, rows * 30 + 1, SUSTAINED_RATE, HEAVY_TXN_ROWS, args.sustained_seconds)
+    load = Load(env.dsn, rows * 30 + 1, SUSTAINED_RATE, HEAVY_TXN_ROWS, args.sustained_seconds)
     start = sampler.now()
     load.run()
     end = sampler.now()
@@ -995,7 +997,7 @@ def _sustained(env: Env, sampler: _LagSampler, rows: int, args: argparse.Namespa
         )
 
 
-def _drain(sampler: _LagSampler, timeout_s: float) -> float:
+def _drain(sampler: LagSampler, timeout_s: float) -> float:
     """Seconds until every sink is at lag 0 (at most ``timeout_s``)."""
     start = sampler.now()
     deadline = time.monotonic() + timeout_s
@@ -1036,20 +1038,20 @@ def _live(env: Env, rows: int, args: argparse.Namespace, result: Result) -> None
     config = env.config("state-live")
     sinks_log = env.work / "sinks.log"
     with open(env.work / "live.log", "ab") as log, open(sinks_log, "ab") as out:
-        capture = _cdc(["run", "--config", str(config)], log)
-        sinks = _cdc(["sinks", "run", "--config", str(config)], out)
-        sampler = _LagSampler(config)
+        capture = run_cdc(["run", "--config", str(config)], log)
+        sinks = run_cdc(["sinks", "run", "--config", str(config)], out)
+        sampler = LagSampler(config)
         sampler.start()
         try:
-            _wait(sampler.caught_up, sinks, "the sinks' catch-up")
+            wait_until(sampler.caught_up, sinks, "the sinks' catch-up")
             # A first batch after a start pays the JVM's warm-up (measured below, after a SIGKILL): one row
             # through every sink first, so the light load measures the steady state.
-            _Load(env.dsn, rows * 5 + 1, 1, 1, 1).run()
-            _wait(lambda: all(_batches_done(env, n) > 0 for n in SINKS), sinks, "the sinks' first batch")
+            Load(env.dsn, rows * 5 + 1, 1, 1, 1).run()
+            wait_until(lambda: all(batches_done(env, n) > 0 for n in SINKS), sinks, "the sinks' first batch")
             time.sleep(10)
             phases = _phase_sums(sinks_log)
             with _profiled(sinks.pid, args.profile_light, args.freshness_seconds):
-                _light(env, sampler, rows, args, result, sinks_pid=sinks.pid)
+                light_load(env, sampler, rows, args, result, sinks_pid=sinks.pid)
             _note_phases(_phase_means(phases, _phase_sums(sinks_log)), result)
             with _profiled(sinks.pid, args.profile_heavy, args.heavy_seconds):
                 _heavy(env, sampler, rows, args, result, sinks_pid=sinks.pid)
@@ -1057,11 +1059,11 @@ def _live(env: Env, rows: int, args: argparse.Namespace, result: Result) -> None
             sinks = _restart(env, sinks, _SinksApp(config=config, log=sinks_log, out=out), rows, result)
         finally:
             sampler.halt.set()
-            _stop(sinks, 180)
-            _stop(capture, 120)
+            stop_process(sinks, 180)
+            stop_process(capture, 120)
 
 
-def _batches_done(env: Env, name: str) -> int:
+def batches_done(env: Env, name: str) -> int:
     with contextlib.suppress(OSError, ValueError):
         return int(json.loads((env.work / "state-live" / name / "status.json").read_text()).get("batches", 0))
     return 0
@@ -1082,7 +1084,7 @@ def _restart(
     """SIGKILL `cdc sinks run` (its JVM with it) under load, start it again: how long after its launch each sink
     has applied its first batch of changes, and that batch's time against the steady ones before."""
     log = app.log
-    load = _Load(env.dsn, rows * 40 + 1, 200, HEAVY_TXN_ROWS, 90)
+    load = Load(env.dsn, rows * 40 + 1, 200, HEAVY_TXN_ROWS, 90)
     load.start()
     steady_from = log.stat().st_size
     time.sleep(30)
@@ -1092,7 +1094,7 @@ def _restart(
     time.sleep(5)
     restarted_at = log.stat().st_size
     launched = time.time()
-    sinks = _cdc(["sinks", "run", "--config", str(app.config)], app.out)
+    sinks = run_cdc(["sinks", "run", "--config", str(app.config)], app.out)
     load.join()
     time.sleep(10)
     steady = _batches(log, steady_from, killed_at)
@@ -1129,21 +1131,21 @@ def _first_start(env: Env, rows: int, result: Result) -> None:
     sinks_log = env.work / "sinks-first.log"
     with open(env.work / "capture-first.log", "ab") as log, open(sinks_log, "ab") as out:
         launched = time.time()
-        capture = _cdc(["run", "--config", str(config)], log)
-        sinks = _cdc(["sinks", "run", "--config", str(config)], out, cold)
-        sampler = _LagSampler(config)
+        capture = run_cdc(["run", "--config", str(config)], log)
+        sinks = run_cdc(["sinks", "run", "--config", str(config)], out, cold)
+        sampler = LagSampler(config)
         sampler.start()
         try:
             with _topic_end(env) as end_of_topic:
-                _wait(lambda: end_of_topic() >= rows and sampler.caught_up(), sinks, "the first start's catch-up")
+                wait_until(lambda: end_of_topic() >= rows and sampler.caught_up(), sinks, "the first start's catch-up")
             caught_up = time.time()
             first = _first_applied(sinks_log, 0)
             restarted = _restarted(env, sinks, sinks_log, out=out, config=config, extra=cold)
             sinks = restarted.proc
         finally:
             sampler.halt.set()
-            _stop(sinks, 180)
-            _stop(capture, 120)
+            stop_process(sinks, 180)
+            stop_process(capture, 120)
     for name in SINKS:
         applied = first.get(name)
         again = restarted.first.get(name)
@@ -1181,8 +1183,8 @@ def _restarted(
         conn.execute(sql.SQL("UPDATE {} SET qty = qty + 1 WHERE id <= 100").format(sql.Identifier(TABLE)))
     start = log.stat().st_size
     launched = time.time()
-    proc = _cdc(["sinks", "run", "--config", str(config)], out, extra)
-    _wait(lambda: len(_first_applied(log, start)) == len(SINKS), proc, "the restart's first changes", 600)
+    proc = run_cdc(["sinks", "run", "--config", str(config)], out, extra)
+    wait_until(lambda: len(_first_applied(log, start)) == len(SINKS), proc, "the restart's first changes", 600)
     return _Restart(proc, launched, _first_applied(log, start))
 
 
@@ -1245,7 +1247,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _env() -> Env:
+def make_env() -> Env:
     run_id = str(int(time.time()))
     return Env(
         admin=discovery.find("postgres").value,
@@ -1260,9 +1262,9 @@ def _env() -> Env:
 
 
 def _workload(env: Env, rows: int, result: Result) -> refs.Changes:
-    _create(env, rows)
+    create_source(env, rows)
     with open(env.work / "capture.log", "ab") as log:
-        _capture(env, rows, env.config("state-live"), log)
+        capture_changes(env, rows, env.config("state-live"), log)
     changes = refs.read_and_decode(env.kafka, env.registry, env.topic)
     events = sum(v for k, v in changes.ops.items() if k != "tombstone")
     result.params["topic"] = {
@@ -1285,7 +1287,7 @@ def _workload(env: Env, rows: int, result: Result) -> refs.Changes:
 
 def run(argv: list[str] | None = None) -> Result:
     args = build_parser().parse_args(argv)
-    env = _env()
+    env = make_env()
     result = Result(
         SCENARIO,
         params={
@@ -1303,7 +1305,7 @@ def run(argv: list[str] | None = None) -> Result:
         result.scenario = FIRST_START_SCENARIO
     try:
         if args.first_start:
-            _create(env, args.rows)
+            create_source(env, args.rows)
             _first_start(env, args.rows, result)
             return result
         changes = _workload(env, args.rows, result)
@@ -1319,7 +1321,7 @@ def run(argv: list[str] | None = None) -> Result:
             _live(env, args.rows, args, result)
     finally:
         if not args.keep:
-            _cleanup(env)
+            cleanup(env)
     if args.keep:
         result.notes.append(f"logs and state: {env.work}")
     result.notes.append(
@@ -1330,7 +1332,7 @@ def run(argv: list[str] | None = None) -> Result:
     return result
 
 
-def _cleanup(env: Env) -> None:
+def cleanup(env: Env) -> None:
     with psycopg.connect(env.admin, autocommit=True) as conn:
         drop_slot_when_free(conn, env.prefix)
         conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(env.prefix)))

@@ -39,33 +39,33 @@ def light_freshness(env: sb.Env, args: argparse.Namespace) -> Result:
     the sinks caught up and warmed by one row); its measures and series."""
     part = Result(SCENARIO, params={})
     try:
-        sb._create(env, args.rows)
+        sb.create_source(env, args.rows)
         config = env.config("state-live")
         with open(env.work / "live.log", "ab") as log, open(env.work / "sinks.log", "ab") as out:
-            capture = sb._cdc(["run", "--config", str(config)], log)
-            sinks = sb._cdc(["sinks", "run", *sb.SINKS, "--config", str(config)], out)
-            sampler = sb._LagSampler(config)
+            capture = sb.run_cdc(["run", "--config", str(config)], log)
+            sinks = sb.run_cdc(["sinks", "run", *sb.SINKS, "--config", str(config)], out)
+            sampler = sb.LagSampler(config)
             sampler.start()
             try:
-                sb._wait(sampler.caught_up, sinks, "the sinks' catch-up")
-                sb._Load(env.dsn, args.rows * 5 + 1, 1, 1, 1).run()
-                sb._wait(lambda: all(sb._batches_done(env, n) > 0 for n in sb.SINKS), sinks, "the first batches")
-                sb._light(env, sampler, args.rows, args, part, sinks_pid=sinks.pid)
+                sb.wait_until(sampler.caught_up, sinks, "the sinks' catch-up")
+                sb.Load(env.dsn, args.rows * 5 + 1, 1, 1, 1).run()
+                sb.wait_until(lambda: all(sb.batches_done(env, n) > 0 for n in sb.SINKS), sinks, "the first batches")
+                sb.light_load(env, sampler, args.rows, args, part, sinks_pid=sinks.pid)
             finally:
                 sampler.halt.set()
-                sb._stop(sinks, 180)
-                sb._stop(capture, 120)
+                sb.stop_process(sinks, 180)
+                sb.stop_process(capture, 120)
     finally:
-        sb._cleanup(env)
+        sb.cleanup(env)
     return part
 
 
 def run(argv: list[str] | None = None) -> Result:
     args = build_parser().parse_args(argv)
     result = Result(SCENARIO, params={"rows": args.rows, "rate": args.rate, "seconds": args.freshness_seconds})
-    single = light_freshness(dataclasses.replace(sb._env(), prefix=f"skc_{int(time.time())}_single"), args)
+    single = light_freshness(dataclasses.replace(sb.make_env(), prefix=f"skc_{int(time.time())}_single"), args)
     cluster_env = dataclasses.replace(
-        sb._env(),
+        sb.make_env(),
         kafka=str(discovery.deploy_record("kafka-cluster")["bootstrap"]),
         registry=str(discovery.deploy_record("registry-cluster")["url"]),
         prefix=f"skc_{int(time.time())}_cluster",

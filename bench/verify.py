@@ -81,11 +81,13 @@ def _fill(env: sb.Env, config: Path, sink: str) -> float:
     checkpoint = checkpoint_location(settings.state, sink, 1)
     started = time.monotonic()
     with open(env.work / "sinks.log", "ab") as log:
-        proc = sb._cdc(["sinks", "run", sink, "--config", str(config)], log)
+        proc = sb.run_cdc(["sinks", "run", sink, "--config", str(config)], log)
         try:
-            sb._wait(lambda: reached(checkpoint_offsets(checkpoint) or {}, marks), proc, f"the {sink} sink's replay")
+            sb.wait_until(
+                lambda: reached(checkpoint_offsets(checkpoint) or {}, marks), proc, f"the {sink} sink's replay"
+            )
         finally:
-            sb._stop(proc, 180)
+            sb.stop_process(proc, 180)
     return time.monotonic() - started
 
 
@@ -163,15 +165,15 @@ class _Run:
 
 
 def _one(rows: int, sinks: list[str], against: Path | None, rev: str | None, profile: Path | None) -> list[_Run]:
-    env = sb._env()
+    env = sb.make_env()
     runs = []
     try:
-        sb._create(env, rows)
+        sb.create_source(env, rows)
         # No sql sink: verify of the other stores does not read it, and a reference revision older than it refuses
         # its section.
         config = env.config("state", spark_conf={"spark.driver.memory": DRIVER_MEMORY}, sql_sink=False)
         with open(env.work / "capture.log", "ab") as log:
-            sb._capture(env, rows, config, log)
+            sb.capture_changes(env, rows, config, log)
         for sink in sinks:
             filled = _fill(env, config, sink)
             where = None if profile is None else profile / f"verify-{sink}-{rows}.folded"
@@ -189,7 +191,7 @@ def _one(rows: int, sinks: list[str], against: Path | None, rev: str | None, pro
             )
             runs.append(_Run(rows, sink, seconds, peaks, reference_s, reference))
     finally:
-        sb._cleanup(env)
+        sb.cleanup(env)
     return runs
 
 
