@@ -34,16 +34,8 @@ from tenacity import (
 from cdc import __version__
 from cdc.config import Settings, load_settings
 from cdc.metrics import CaptureMetrics
-from cdc.service import (
-    SLOT_INVALIDATED,
-    Capture,
-    Stop,
-    check_and_prepare,
-    check_standby,
-    detach,
-    install_signal_handlers,
-    source_connections,
-)
+from cdc.runner import Capture, Stop, install_signal_handlers
+from cdc.service import SLOT_INVALIDATED, check_and_prepare, check_standby, detach, source_connections
 from pgcdc import snapshot_cli
 from pgcdc._demo import DemoSinks, ensure_database, run_demo, run_workload
 from pgcdc._observe import Observer, collect_status

@@ -9,4 +9,6 @@ from pathlib import Path
 def cache_dir() -> Path:
     """``$XDG_CACHE_HOME/pgcdc``, by default ``~/.cache/pgcdc``: what pgcdc can rebuild (the JVM's class
     archives, the lock and the Ivy settings of Spark's connector resolution)."""
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pgcdc"
+    given = os.environ.get("XDG_CACHE_HOME", "")
+    # The specification has a relative value ignored, as if unset.
+    return (Path(given) if os.path.isabs(given) else Path.home() / ".cache") / "pgcdc"

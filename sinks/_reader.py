@@ -32,6 +32,22 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# librdkafka's and the brokers' codes for a cluster that does not answer now, or is moving its controller or a
+# partition's leader: retried (a refusal is not).
+_NOT_ANSWERING = frozenset(
+    {
+        "_TRANSPORT",
+        "_TIMED_OUT",
+        "_ALL_BROKERS_DOWN",
+        "_RESOLVE",
+        "REQUEST_TIMED_OUT",
+        "NOT_CONTROLLER",
+        "LEADER_NOT_AVAILABLE",
+        "BROKER_NOT_AVAILABLE",
+        "NOT_ENOUGH_REPLICAS",
+    }
+)
+
 _FETCH_WAIT = "kafka.fetch.max.wait.ms"
 _CONSUMER_ONLY = ("kafka.isolation.level", _FETCH_WAIT)  # not for the dead-letter producer
 _RAW = ("topic", "partition", "offset", "key", "value")
@@ -190,22 +206,14 @@ def union_all(frames: list[DataFrame], columns: tuple[str, ...] | None = None) -
 def ensure_dead_letter_topic(settings: SinkSettings, timeout_s: float = 30) -> None:
     """Create the dead-letter topic if it is missing (brokers often refuse to create topics implicitly).
 
-    Kafka not answering within ``timeout_s`` (no broker reached, or the controller moving) is a
-    :class:`SinkTransientError` naming the topic and the brokers: the app retries it."""
+    Kafka not answering within ``timeout_s`` (no broker reached, the controller moving) is a
+    :class:`SinkTransientError` naming the topic and the brokers: the app retries it. A refusal retrying cannot
+    mend (no permission to create topics, a policy, an invalid setting) is a :class:`SinkConfigError` saying how
+    to go on."""
     from confluent_kafka import KafkaException
-    from confluent_kafka.admin import AdminClient, NewTopic
+    from confluent_kafka.admin import NewTopic
 
-    # kafka.consumer holds Java names for Spark; this librdkafka client takes only brokers and security.
-    # It is the app's first contact with Kafka: refused credentials or an untrusted certificate, which
-    # librdkafka reports only to error_cb, end the app here with the key to fix instead of a retry loop.
-    security: list[Any] = []
-
-    def on_error(err: Any) -> None:
-        if _security_error(err):
-            security.append(err)
-
-    conf: dict[str, Any] = {**settings.kafka.client_conf(), "error_cb": on_error}
-    admin = AdminClient(conf)
+    admin, security = _admin(settings)
     topic = settings.dead_letter_topic
     try:
         try:
@@ -224,10 +232,40 @@ def ensure_dead_letter_topic(settings: SinkSettings, timeout_s: float = 30) -> N
     except (KafkaException, TimeoutError) as exc:  # concurrent.futures' TimeoutError is the builtin one
         if "TOPIC_ALREADY_EXISTS" in str(exc):
             return
-        why = str(exc) or f"no answer within {timeout_s:g} s"
-        raise SinkTransientError(
-            f"cannot check or create the dead-letter topic {topic} on {settings.kafka.bootstrap_servers}: {why}"
-        ) from exc
+        where = f"the dead-letter topic {topic} on {settings.kafka.bootstrap_servers}"
+        raise _topic_error(where, exc, timeout_s) from exc
+
+
+def _admin(settings: SinkSettings) -> tuple[Any, list[Any]]:
+    """An admin client of the sinks' brokers, and the security errors librdkafka reports to it (it reports
+    refused credentials and untrusted certificates only to ``error_cb``: they end the app with the key to fix)."""
+    from confluent_kafka.admin import AdminClient
+
+    security: list[Any] = []
+
+    def on_error(err: Any) -> None:
+        if _security_error(err):
+            security.append(err)
+
+    # kafka.consumer holds Java names for Spark; this librdkafka client takes only brokers and security.
+    conf: dict[str, Any] = {**settings.kafka.client_conf(), "error_cb": on_error}
+    return AdminClient(conf), security
+
+
+def _topic_error(where: str, exc: Exception, timeout_s: float) -> SinkConfigError | SinkTransientError:
+    """What Kafka's answer to checking or creating ``where`` means: retry (it did not answer, or is moving its
+    controller or leaders), or a refusal to act on."""
+    from confluent_kafka import KafkaError
+
+    err = exc.args[0] if exc.args and isinstance(exc.args[0], KafkaError) else None
+    if err is None:
+        return SinkTransientError(f"cannot check or create {where}: no answer within {timeout_s:g} s")
+    if err.name() in _NOT_ANSWERING or err.retriable():
+        return SinkTransientError(f"cannot check or create {where}: {err.str()}")
+    return SinkConfigError(
+        f"Kafka refused to create {where} ({err.str()}): create it yourself (cleanup.policy=delete), let the "
+        "sinks' principal create topics, or name an existing topic in sinks.dead_letter_topic"
+    )
 
 
 def _security_error(err: Any) -> bool:

@@ -158,7 +158,8 @@ def build_session(
     for key, value in {**_SESSION_CONF, **conf}.items():
         builder = builder.config(key, value)
     running = _running_session()
-    session = _get_or_create(builder, resolving=not jars and running is None and not under_spark_submit())
+    resolving = not jars and running is None and not under_spark_submit()
+    session = _get_or_create(builder, Path(conf.get("spark.jars.ivy", _default_ivy())) if resolving else None)
     if running is None:
         _STARTED.add(session)
     else:
@@ -194,18 +195,23 @@ def _by_coordinates(builder: SparkSession.Builder, *, s3: bool) -> SparkSession.
     builder = configure_spark_with_delta_pip(builder, extra_packages=connectors.packages(s3=s3))
     # [sinks.spark_conf] is applied after these, so a site's own Ivy settings or cache win.
     builder = builder.config("spark.jars.ivySettings", str(connectors.ivy_settings(cache_dir())))
-    builder = builder.config("spark.jars.ivy", str(Path.home() / ".ivy2.5.2"))  # Spark's own default
+    builder = builder.config("spark.jars.ivy", str(_default_ivy()))
     excluded = connectors.excludes(s3=s3)
     return builder.config("spark.jars.excludes", ",".join(excluded)) if excluded else builder
 
 
+def _default_ivy() -> Path:
+    return Path.home() / ".ivy2.5.2"  # Spark's own default Ivy directory
+
+
 @contextlib.contextmanager
-def _resolving() -> Iterator[None]:
-    """Held while a Spark application of this machine resolves its connectors: Ivy's cache is not safe for two
-    resolutions at once (the sinks and `cdc verify` started together failed with "impossible to move part file"
-    and half-written jars). Resolution ends before the JVM's gateway answers, so the lock is held seconds."""
-    cache_dir().mkdir(parents=True, exist_ok=True)
-    with open(cache_dir() / "spark-packages.lock", "a") as lock:
+def _resolving(ivy: Path) -> Iterator[None]:
+    """Held while a Spark application of this machine resolves its connectors into the Ivy directory ``ivy``:
+    Ivy's cache is not safe for two resolutions at once (the sinks and `cdc verify` started together failed with
+    "impossible to move part file" and half-written jars). The lock is a file in that directory, so every process
+    resolving into it takes the same one. Resolution ends before the JVM's gateway answers: it is held seconds."""
+    ivy.mkdir(parents=True, exist_ok=True)
+    with open(ivy / ".pgcdc-resolve.lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             yield
@@ -213,12 +219,13 @@ def _resolving() -> Iterator[None]:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-def _get_or_create(builder: SparkSession.Builder, *, resolving: bool) -> SparkSession:
-    """``builder.getOrCreate()``; when Spark starts by resolving the connectors, a failure says how to go on."""
-    if not resolving:
+def _get_or_create(builder: SparkSession.Builder, ivy: Path | None) -> SparkSession:
+    """``builder.getOrCreate()``; when Spark starts by resolving the connectors (into ``ivy``), a failure says
+    how to go on."""
+    if ivy is None:
         return builder.getOrCreate()
     try:
-        with _resolving():
+        with _resolving(ivy):
             return builder.getOrCreate()
     except Exception as exc:
         from pgcdc_common.errors import SinkConfigError

@@ -99,33 +99,36 @@ def run(
     return 0
 
 
-def reach_kafka(settings: SinkSettings, stop: threading.Event, timeout_s: float = 30) -> bool:
-    """The app's first contact with Kafka (its dead-letter topic checked or created), retried with backoff while
-    Kafka does not answer: sinks started beside a broker that is restarting, or before the cluster is up, wait
-    for it, as their queries do later. False when ``stop`` is set first."""
+def reach_kafka(
+    settings: SinkSettings, stop: threading.Event, timeout_s: float = 30, backoff_s: tuple[float, float] = (1, 60)
+) -> bool:
+    """The app's first contact with Kafka (its dead-letter topic checked or created), retried while Kafka does
+    not answer, ``backoff_s`` (first, most) apart with jitter: sinks started beside a broker that is restarting,
+    or before the cluster is up, wait for it, as their queries do later. False when ``stop`` is set first: a
+    stop cuts a wait short, and no attempt starts after it."""
 
     def report(state: RetryCallState) -> None:
         exc = state.outcome.exception() if state.outcome else None
         log.error("%s; retrying in %.0fs", exc, state.upcoming_sleep)
 
     def pause(seconds: float) -> None:
-        stop.wait(seconds)  # a stop cuts the wait short
+        stop.wait(seconds)
 
     retrying = Retrying(
         retry=retry_if_exception_type(SinkTransientError),
-        wait=wait_exponential_jitter(initial=1, max=60),
+        wait=wait_exponential_jitter(multiplier=backoff_s[0], max=backoff_s[1]),
         stop=lambda _: stop.is_set(),
         sleep=pause,
         before_sleep=report,
         reraise=True,
     )
-    try:
-        retrying(ensure_dead_letter_topic, settings, timeout_s)
-    except SinkTransientError:
-        if stop.is_set():
-            return False
-        raise
-    return True
+    with contextlib.suppress(SinkTransientError):  # it ends the retries only once stop is set (tenacity's stop)
+        for attempt in retrying:
+            if stop.is_set():
+                return False
+            with attempt:
+                ensure_dead_letter_topic(settings, timeout_s)
+    return not stop.is_set()
 
 
 def _mover(settings: SinkSettings, spark: SparkSession, source_tables: Callable[[], Sequence[Any]]) -> Mover:

@@ -8,8 +8,16 @@ from __future__ import annotations
 from sinks._query import SinkQuery
 from sinks._rebuild import never_ran, rebuild, verify
 from sinks._spark import build_session, kill_started, spark_session, stop_session
-from sinks._sql import sqlalchemy_url
 from sinks._supervisor import reach_kafka, run
+
+
+def sqlalchemy_url(dsn: str) -> str:
+    """The SQLAlchemy URL (psycopg driver) of a libpq connection string, as the SQL sink names a PostgreSQL
+    target. SQLAlchemy is imported here, not with this module: only the SQL sink and its readers need it."""
+    from sinks._sql import sqlalchemy_url as url
+
+    return url(dsn)
+
 
 __all__ = [
     "SinkQuery",

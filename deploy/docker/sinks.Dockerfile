@@ -42,7 +42,7 @@ RUN python -c "from sinks.app import build_session, stop_session; stop_session(b
          name="$(basename "$jar")"; \
          [ -e "/opt/spark/jars/${name#*_}" ] || cp "$jar" "/opt/pgcdc/jars/${name#*_}"; \
        done \
-    && rm -rf /tmp/ivy /src \
+    && rm -rf /tmp/ivy /src /root/.cache/pgcdc \
     && mkdir -p /var/lib/pgcdc \
     && chown 185:185 /var/lib/pgcdc
 # 185 is the image's own unprivileged user, `spark`.

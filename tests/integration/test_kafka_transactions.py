@@ -13,7 +13,7 @@ import pytest
 
 from cdc.config import load_settings
 from cdc.kafka import Topics, TransactionalProducer
-from cdc.service import Capture
+from cdc.runner import Capture
 from tests.integration._capture_helpers import committed_records
 
 # Exclusive: it counts the broker's refusals of back-to-back transactions, which other tests' load changes.

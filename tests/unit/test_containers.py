@@ -15,7 +15,6 @@ import shutil
 import subprocess
 import sys
 import threading
-import tomllib
 import urllib.error
 import urllib.request
 from http.server import ThreadingHTTPServer
@@ -25,6 +24,7 @@ from typing import Any
 
 import pytest
 import yaml
+from pgcdc_dev.pins import pinned_python
 
 from cdc.config import load_settings
 from cdc.metrics import CaptureMetrics
@@ -201,9 +201,7 @@ def test_the_sinks_image_takes_its_versions_from_pyproject() -> None:
     """The image writes no connector version: it resolves them with the sinks' own builder from the pyspark and
     delta-spark it installs (pyproject.toml's pins), and stops its build when the base image's Spark is another
     than that pyspark. Its default base is the pinned Spark's."""
-    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
-    pins = dict(p.split("==") for p in pyproject["project"]["optional-dependencies"]["sinks"] if "==" in p)
-    spark, scala = pins["pyspark"], connectors.SCALA_BINARY
+    spark, scala = pinned_python("pyspark"), connectors.SCALA_BINARY
     image = next(a for a in _instruction(SINKS, "ARG") if a.startswith("SPARK_IMAGE="))
     assert image == f"SPARK_IMAGE=apache/spark:{spark}-scala{scala}-java17-ubuntu"
     runs = _instruction(SINKS, "RUN")

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from pgcdc_common.cache import cache_dir
 from sinks import _jvmcache
 
 
@@ -68,3 +69,12 @@ def test_a_stale_partial_archive_is_removed(tmp_path: Path) -> None:
 def test_an_unwritable_cache_means_no_archive(tmp_path: Path) -> None:
     (tmp_path / "pgcdc").write_text("a file where the directory would be")
     assert _jvmcache.java_options(["/jars/a.jar"]) is None
+
+
+def test_the_cache_follows_xdg_cache_home_and_ignores_a_relative_one(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert cache_dir() == tmp_path / "pgcdc"
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/dir")
+    assert cache_dir() == Path.home() / ".cache" / "pgcdc"

@@ -7,10 +7,12 @@ import shutil
 from pathlib import Path
 
 import pytest
+from confluent_kafka import KafkaError, KafkaException
 
+from sinks._reader import _topic_error
 from sinks._status import short, state_disk_full
 from sinks.config import SinkSettings
-from sinks.errors import SinkTerminalError, SinkTransientError, StateDiskFullError
+from sinks.errors import SinkConfigError, SinkTerminalError, SinkTransientError, StateDiskFullError
 
 # What str() of Spark's StreamingQueryException holds when a batch raised one of our errors.
 _WRAPPED = """An exception was raised by the Python Proxy. Return Message: Traceback (most recent call last):
@@ -69,3 +71,17 @@ def test_enospc_with_the_state_disk_nearly_full_is_the_state_disk_error(
         assert str(tmp_path.resolve() / "cache") in str(found)
         assert "4,096 bytes free" in str(found)
     assert state_disk_full(settings, "cache", "Connection refused") is None
+
+
+def test_kafka_not_answering_is_retried_and_a_refusal_is_not() -> None:
+    """The sinks' first contact with Kafka (their dead-letter topic): what the app retries, what ends it."""
+    where = "the dead-letter topic p.dead-letter on k:9092"
+    for code in (KafkaError._TRANSPORT, KafkaError._TIMED_OUT, KafkaError.NOT_CONTROLLER):
+        assert isinstance(_topic_error(where, KafkaException(KafkaError(code)), 30), SinkTransientError)
+    timed_out = _topic_error(where, TimeoutError(), 30)
+    assert isinstance(timed_out, SinkTransientError)
+    assert str(timed_out) == f"cannot check or create {where}: no answer within 30 s"
+    refused = _topic_error(where, KafkaException(KafkaError(KafkaError.TOPIC_AUTHORIZATION_FAILED)), 30)
+    assert isinstance(refused, SinkConfigError)
+    assert "sinks.dead_letter_topic" in str(refused)
+    assert where in str(refused)

@@ -16,9 +16,9 @@ def pinned_python(name: str) -> str:
     """The version pyproject.toml pins ``name`` to (``name==X`` in the sinks extra)."""
     project = tomllib.loads((CHECKOUT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
     for requirement in project["optional-dependencies"]["sinks"]:
-        found = re.fullmatch(rf"{re.escape(name)}==([\w.]+)", requirement.split(";")[0].strip())
+        found = re.fullmatch(rf"{re.escape(name)}(\[[^\]]*\])?\s*==\s*([\w.]+)", requirement.split(";")[0].strip())
         if found:
-            return found.group(1)
+            return found.group(2)
     raise RuntimeError(f"pyproject.toml pins no {name}== in its sinks extra")
 
 
@@ -26,7 +26,8 @@ def pinned_python(name: str) -> str:
 def compose_tag(image: str) -> str:
     """The tag docker-compose.yml runs ``image`` at (``image: <image>:<tag>``)."""
     text = (CHECKOUT / "docker-compose.yml").read_text(encoding="utf-8")
-    found = re.search(rf"^\s*image:\s*{re.escape(image)}:(\S+)\s*$", text, re.MULTILINE)
+    # The tag may be quoted or followed by a comment; a digest (@sha256:…) ends it.
+    found = re.search(rf"^\s*image:\s*[\"']?{re.escape(image)}:([^\s\"'#@]+)", text, re.MULTILINE)
     if found is None:
         raise RuntimeError(f"docker-compose.yml runs no {image}:<tag>")
     return found.group(1)
