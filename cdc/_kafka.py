@@ -30,6 +30,7 @@ from cdc._encoder import PACKED_HEAD, native_module, packed_rows
 from cdc._libs import librdkafka_addresses
 from cdc._offsets import CaptureState, NewerStateError, OffsetsStateError
 from cdc.errors import AuthenticationError, CDCError, KafkaSetupError, SchemaRegistryError, TransientError
+from pgcdc_common.kafka_refusals import NOT_AUTHORISED, SETTING_REFUSED
 
 log = logging.getLogger(__name__)
 
@@ -72,13 +73,10 @@ def _kafka_error(exc: KafkaException, doing: str) -> Exception:
             f"{doing}: a message is larger than the broker accepts; raise the topic's max.message.bytes "
             "and the producer's message.max.bytes (kafka.producer in the config)"
         )
-    if code in (
-        KafkaError.TOPIC_AUTHORIZATION_FAILED,
-        KafkaError.TRANSACTIONAL_ID_AUTHORIZATION_FAILED,
-        KafkaError.CLUSTER_AUTHORIZATION_FAILED,
-        KafkaError._AUTHENTICATION,
-    ):
+    if err.name() in NOT_AUTHORISED:
         return KafkaSetupError(f"{doing}: not authorised by Kafka: {err.str()}")
+    if err.name() in SETTING_REFUSED:  # a replication factor above the brokers', a broker's topic policy
+        return KafkaSetupError(f"{doing}: Kafka refused it: {err.str()}")
     if err.fatal() and code in _RECOVERABLE_FATAL:
         # librdkafka's remedy for these fatal producer errors is a new producer; the next attempt makes one,
         # whose init_transactions aborts whatever this one left open (nothing written without its offset

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from confluent_kafka.schema_registry import SchemaRegistryClient
 from confluent_kafka.schema_registry.error import SchemaRegistryError
 
+from pgcdc_common.kafka_refusals import refused
 from sinks._fold import TopicFold, TopicSchemas, framed_ids, knows
 from sinks._progress import TopicEnds
 from sinks.errors import SinkConfigError, SinkTransientError
@@ -31,22 +32,6 @@ if TYPE_CHECKING:
     from sinks._served import ServedTopics
 
 log = logging.getLogger(__name__)
-
-# librdkafka's and the brokers' codes for a cluster that does not answer now, or is moving its controller or a
-# partition's leader: retried (a refusal is not).
-_NOT_ANSWERING = frozenset(
-    {
-        "_TRANSPORT",
-        "_TIMED_OUT",
-        "_ALL_BROKERS_DOWN",
-        "_RESOLVE",
-        "REQUEST_TIMED_OUT",
-        "NOT_CONTROLLER",
-        "LEADER_NOT_AVAILABLE",
-        "BROKER_NOT_AVAILABLE",
-        "NOT_ENOUGH_REPLICAS",
-    }
-)
 
 _FETCH_WAIT = "kafka.fetch.max.wait.ms"
 _CONSUMER_ONLY = ("kafka.isolation.level", _FETCH_WAIT)  # not for the dead-letter producer
@@ -253,14 +238,14 @@ def _admin(settings: SinkSettings) -> tuple[Any, list[Any]]:
 
 
 def _topic_error(where: str, exc: Exception, timeout_s: float) -> SinkConfigError | SinkTransientError:
-    """What Kafka's answer to checking or creating ``where`` means: retry (it did not answer, or is moving its
-    controller or leaders), or a refusal to act on."""
+    """What Kafka's answer to checking or creating ``where`` means: a refusal to act on (pgcdc_common's rule, as
+    the capture judges its own topics), or anything else, to retry."""
     from confluent_kafka import KafkaError
 
     err = exc.args[0] if exc.args and isinstance(exc.args[0], KafkaError) else None
     if err is None:
         return SinkTransientError(f"cannot check or create {where}: no answer within {timeout_s:g} s")
-    if err.name() in _NOT_ANSWERING or err.retriable():
+    if not refused(err.name(), fatal=err.fatal()):
         return SinkTransientError(f"cannot check or create {where}: {err.str()}")
     return SinkConfigError(
         f"Kafka refused to create {where} ({err.str()}): create it yourself (cleanup.policy=delete), let the "
