@@ -735,6 +735,16 @@ class LagSampler(threading.Thread):
         return [s[2] for s in self.samples[name] if start <= s[0] <= end and s[2] is not None]
 
 
+def next_id(dsn: str, rows: int) -> int:
+    """The first id past the ``rows`` loaded at the start (some deleted since) and every row inserted after them:
+    each load starts there, after every earlier one (they run one after the other), whatever their sizes."""
+    query = sql.SQL("SELECT greatest(max(id), %s) + 1 FROM {}").format(sql.Identifier(TABLE))
+    with psycopg.connect(dsn) as conn:
+        row = conn.execute(query, (rows,)).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
 class Load(threading.Thread):
     """Inserts ``rows_per_txn``-row transactions at ``changes_per_s`` from ``first`` until stopped."""
 
@@ -747,7 +757,7 @@ class Load(threading.Thread):
     def run(self) -> None:
         insert = sql.SQL(
             "INSERT INTO {} (id, name, qty, price, payload) SELECT g, 'probe', %s, 1.5, '{{}}' "
-            "FROM generate_series(%s, %s) g"
+            "FROM generate_series(%s::int, %s::int) g"
         ).format(sql.Identifier(TABLE))
         rnd = random.Random(1)  # noqa: S311 - workload values, not secrets
         txns = int(self.seconds * self.rate / self.rows)
@@ -831,7 +841,7 @@ def light_load(
     freshness is measured twice: by the stores' plain clients polling for the rows (bench._outside) and by each
     row's ``applied_ms`` (when the sink's writer applied it)."""
     watch = _watch_stores(env)
-    first = rows * 10 + 1
+    first = next_id(env.dsn, rows)
     count = int(args.rate * args.freshness_seconds)
     achieved, machine = _paced_inserts(env, watch, first, count, rate=args.rate, sinks_pid=sinks_pid)
     watch.wait(120)
@@ -929,7 +939,7 @@ def _served(env: Env, name: str) -> int:
 def _heavy(
     env: Env, sampler: LagSampler, rows: int, args: argparse.Namespace, result: Result, *, sinks_pid: int
 ) -> None:
-    load = Load(env.dsn, rows * 20 + 1, HEAVY_RATE, HEAVY_TXN_ROWS, args.heavy_seconds)
+    load = Load(env.dsn, next_id(env.dsn, rows), HEAVY_RATE, HEAVY_TXN_ROWS, args.heavy_seconds)
     start, cpu = sampler.now(), _machine_cpu(sinks_pid)
     load.run()
     end = sampler.now()
@@ -967,7 +977,7 @@ def _sustained(env: Env, sampler: LagSampler, rows: int, args: argparse.Namespac
     the climb from idle); bounded when the ratio stays under GROWTH_LIMIT."""
     if args.sustained_seconds <= 0:
         return
-    load = Load(env.dsn, rows * 30 + 1, SUSTAINED_RATE, HEAVY_TXN_ROWS, args.sustained_seconds)
+    load = Load(env.dsn, next_id(env.dsn, rows), SUSTAINED_RATE, HEAVY_TXN_ROWS, args.sustained_seconds)
     start = sampler.now()
     load.run()
     end = sampler.now()
@@ -1046,7 +1056,7 @@ def _live(env: Env, rows: int, args: argparse.Namespace, result: Result) -> None
             wait_until(sampler.caught_up, sinks, "the sinks' catch-up")
             # A first batch after a start pays the JVM's warm-up (measured below, after a SIGKILL): one row
             # through every sink first, so the light load measures the steady state.
-            Load(env.dsn, rows * 5 + 1, 1, 1, 1).run()
+            Load(env.dsn, next_id(env.dsn, rows), 1, 1, 1).run()
             wait_until(lambda: all(batches_done(env, n) > 0 for n in SINKS), sinks, "the sinks' first batch")
             time.sleep(10)
             phases = _phase_sums(sinks_log)
@@ -1084,7 +1094,7 @@ def _restart(
     """SIGKILL `cdc sinks run` (its JVM with it) under load, start it again: how long after its launch each sink
     has applied its first batch of changes, and that batch's time against the steady ones before."""
     log = app.log
-    load = Load(env.dsn, rows * 40 + 1, 200, HEAVY_TXN_ROWS, 90)
+    load = Load(env.dsn, next_id(env.dsn, rows), 200, HEAVY_TXN_ROWS, 90)
     load.start()
     steady_from = log.stat().st_size
     time.sleep(30)

@@ -48,7 +48,7 @@ def light_freshness(env: sb.Env, args: argparse.Namespace) -> Result:
             sampler.start()
             try:
                 sb.wait_until(sampler.caught_up, sinks, "the sinks' catch-up")
-                sb.Load(env.dsn, args.rows * 5 + 1, 1, 1, 1).run()
+                sb.Load(env.dsn, sb.next_id(env.dsn, args.rows), 1, 1, 1).run()
                 sb.wait_until(lambda: all(sb.batches_done(env, n) > 0 for n in sb.SINKS), sinks, "the first batches")
                 sb.light_load(env, sampler, args.rows, args, part, sinks_pid=sinks.pid)
             finally:

@@ -70,7 +70,6 @@ QUICK_ARGV: dict[str, list[str]] = {
     "snapshot": ["--rows", "100000"],
     "latency": ["--seconds", "10", "--warmup-seconds", "2"],
     "backfill": ["--rows", "200000", "--seconds", "10"],
-    # --sustained-seconds: its 5,000 changes/s for 15 s stay below the next load's first id (--rows x 10 apart)
     "sinks": ["--rows", "10000", "--freshness-seconds", "15", "--heavy-seconds", "15", "--sustained-seconds", "15"],
 }
 
