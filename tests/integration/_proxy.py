@@ -9,6 +9,8 @@ import subprocess
 import sys
 import threading
 
+import pytest
+
 
 class Proxy:
     """A TCP proxy the test can cut (every connection dropped, nothing accepted) and restore, or stall (the
@@ -92,10 +94,13 @@ class Proxy:
                     s.shutdown(socket.SHUT_RDWR)
 
 
-def kafka_proxied() -> tuple[int, int]:
-    """Kafka's PROXIED listener (pgcdc_dev.services): (the port it listens on, the port it advertises)."""
+def kafka_proxied(bootstrap: str) -> tuple[int, int]:
+    """Kafka's PROXIED listener (pgcdc_dev.services): (the port it listens on, the port it advertises). Only the
+    local services' broker has it: a run on another broker (``bootstrap``) skips, saying so."""
     out = subprocess.run(
         [sys.executable, "-m", "pgcdc_dev.services", "endpoints"], capture_output=True, text=True, check=True
     )
-    proxied = json.loads(out.stdout)["kafka"]["proxied"]
-    return int(proxied["listener"]), int(proxied["advertised"])
+    kafka = json.loads(out.stdout)["kafka"]
+    if kafka["bootstrap"] != bootstrap:
+        pytest.skip(f"needs the local services' Kafka (its PROXIED listener); this run uses {bootstrap}")
+    return int(kafka["proxied"]["listener"]), int(kafka["proxied"]["advertised"])

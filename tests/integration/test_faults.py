@@ -107,7 +107,7 @@ def test_nothing_is_lost_or_doubled_whatever_fails(*, pg_dsn: str, stack: Stack,
         through_proxy = make_conninfo("", **{**params, "host": "127.0.0.1", "port": str(proxy.port)})
         # Kafka is reached through a proxy too: its PROXIED listener advertises the proxy's port, so every
         # connection of the capture and the sinks (metadata, leaders, the coordinator) goes through the proxy.
-        kafka_listener, kafka_advertised = kafka_proxied()
+        kafka_listener, kafka_advertised = kafka_proxied(stack.kafka)
         kafka_proxy = Proxy(("127.0.0.1", kafka_listener), port=kafka_advertised)
         prefix = f"f{unique}"
         cfg = stack.config(through_proxy, ["public.items"], prefix=prefix, unique=unique, workdir=tmp_path)

@@ -29,9 +29,9 @@ def source(pg_dsn: str, unique: str) -> Iterator[str]:
 
 
 @pytest.fixture
-def stallable() -> Iterator[Proxy]:
+def stallable(kafka_bootstrap: str) -> Iterator[Proxy]:
     """A proxy to the broker's PROXIED listener (the port it advertises there), which the test can stall."""
-    listener, advertised = kafka_proxied()
+    listener, advertised = kafka_proxied(kafka_bootstrap)
     proxy = Proxy(("127.0.0.1", listener), port=advertised)
     try:
         yield proxy

@@ -18,9 +18,9 @@ from tests.integration._proxy import Proxy, kafka_proxied
 
 
 @pytest.fixture
-def unreachable() -> Iterator[Proxy]:
+def unreachable(kafka_bootstrap: str) -> Iterator[Proxy]:
     """A proxy on the port the broker's PROXIED listener advertises, cut: Kafka refuses every connection."""
-    listener, advertised = kafka_proxied()
+    listener, advertised = kafka_proxied(kafka_bootstrap)
     proxy = Proxy(("127.0.0.1", listener), port=advertised)
     proxy.cut()
     try:
